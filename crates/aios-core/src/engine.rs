@@ -1,0 +1,867 @@
+//! The per-core `Engine`: its io_uring rings, registered files, buffer arena, completion dispatch
+//! and a single-thread executor.
+//!
+//! An engine belongs to the thread that created it (`Rc`, `RefCell`, a `SINGLE_ISSUER` ring).
+//! Layers above it (lbio) push SQEs tagged with a *sink* id and a payload; when the CQE comes back
+//! the engine hands `(payload, result, flags)` to that sink. The tag is the payload — lbio uses
+//! its slot index — so completion costs no lookup beyond an array index.
+
+use std::cell::{Cell, RefCell};
+use std::future::Future;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::pin::{pin, Pin};
+use std::rc::{Rc, Weak};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+use std::thread::{self, Thread, ThreadId};
+use std::time::Duration;
+
+use io_uring::{squeue, types, IoUring};
+
+use crate::arena::{Arena, FixedBuf};
+use crate::error::CoreError;
+use crate::sys;
+
+/// Completion sinks an engine can hold (the top byte of `user_data` names one).
+pub const MAX_COMPLETION_SINKS: usize = 8;
+const SINK_SHIFT: u32 = 56;
+/// Bits of `user_data` left to a sink's payload.
+pub const PAYLOAD_MASK: u64 = (1 << SINK_SHIFT) - 1;
+/// CQEs copied out of the ring per borrow, before they are dispatched.
+const REAP_BATCH: usize = 64;
+/// `IORING_ENTER_GETEVENTS` from the kernel ABI (the io-uring crate keeps its copy private).
+const IORING_ENTER_GETEVENTS: u32 = 1;
+
+/// How the engine waits for completions when a caller must block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CompletionMode {
+    /// Sleep in `io_uring_enter` until a completion arrives (one syscall submits and waits).
+    Wait,
+    /// Spin on the completion queue (running deferred task work with non-blocking enters)
+    /// instead of sleeping: no wake-up latency, at the cost of a busy core while waiting.
+    BusyPoll,
+}
+
+/// Which of the engine's rings an SQE goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RingKind {
+    /// The ordinary ring: everything.
+    Main,
+    /// The IOPOLL ring (when configured): polled reads and writes on devices that support it.
+    Iopoll,
+}
+
+/// Engine settings, validated once by [`Engine::new`].
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Submission-queue entries per ring (power of two, 1..=32768).
+    pub ring_entries: u32,
+    /// Bytes of registered buffer arena (rounded up to whole frames).
+    pub arena_bytes: usize,
+    /// Bytes per arena frame (power of two, at least 512).
+    pub frame_bytes: usize,
+    /// Try explicit huge pages for the arena first.
+    pub huge_pages: bool,
+    /// Registered-file slots.
+    pub max_files: u32,
+    /// How blocking waits for completions behave.
+    pub completion: CompletionMode,
+    /// Run an SQPOLL kernel thread with this idle time (only when set).
+    pub sqpoll_idle: Option<Duration>,
+    /// Create an IOPOLL ring beside the main one (only when set; fails loudly if unsupported).
+    pub iopoll_ring: bool,
+    /// Ask for `IORING_SETUP_SINGLE_ISSUER | DEFER_TASKRUN | COOP_TASKRUN`; each is dropped, one at
+    /// a time, if the kernel answers EINVAL.
+    pub fast_flags: bool,
+    /// Register an eventfd that the kernel signals on completions (to drive the engine from
+    /// another event loop, e.g. tokio's `AsyncFd`).
+    pub eventfd: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            ring_entries: 1024,
+            arena_bytes: 16 << 20,
+            frame_bytes: 4096,
+            huge_pages: true,
+            max_files: 64,
+            completion: CompletionMode::Wait,
+            sqpoll_idle: None,
+            iopoll_ring: false,
+            fast_flags: true,
+            eventfd: false,
+        }
+    }
+}
+
+impl EngineConfig {
+    fn validate(&self) -> Result<(), CoreError> {
+        if !self.ring_entries.is_power_of_two() || self.ring_entries > 32768 {
+            return Err(CoreError::Config(format!(
+                "ring_entries {} must be a power of two in 1..=32768",
+                self.ring_entries
+            )));
+        }
+        if self.max_files == 0 || self.max_files > 1 << 20 {
+            return Err(CoreError::Config(format!(
+                "max_files {} must be in 1..=1048576",
+                self.max_files
+            )));
+        }
+        if self.arena_bytes == 0 || self.arena_bytes > 1 << 30 {
+            return Err(CoreError::Config(format!(
+                "arena_bytes {} must be in 1..=1 GiB (one registered buffer)",
+                self.arena_bytes
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What the ring setup ended up with: the flags applied and those dropped (with why).
+#[derive(Clone, Debug, Default)]
+pub struct RingSetup {
+    pub applied: Vec<&'static str>,
+    pub dropped: Vec<(&'static str, String)>,
+}
+
+/// Counters of one engine. Read with [`Engine::metrics`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineMetrics {
+    /// SQEs pushed.
+    pub sqes: u64,
+    /// `io_uring_enter` calls.
+    pub enters: u64,
+    /// CQEs dispatched to sinks.
+    pub cqes: u64,
+    /// CQEs whose sink was gone.
+    pub orphan_cqes: u64,
+    /// Waits that slept in the kernel.
+    pub sleeps: u64,
+    /// Busy-poll spins that found nothing.
+    pub empty_polls: u64,
+}
+
+/// Receives the completions of SQEs pushed with its [`SinkId`].
+pub trait CompletionSink {
+    /// Called once per CQE, on the engine's thread, outside any engine borrow.
+    fn complete(&self, payload: u64, result: i32, flags: u32);
+}
+
+/// Names a registered completion sink.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SinkId(u8);
+
+/// A file registered with the engine's rings (use with `types::Fixed`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FixedFile(pub u32);
+
+struct WakeState {
+    woken: AtomicBool,
+    thread: Thread,
+}
+
+impl Wake for WakeState {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::Release);
+        self.thread.unpark();
+    }
+}
+
+struct Ring {
+    uring: RefCell<IoUring>,
+    /// SQEs pushed but not yet handed to the kernel.
+    pending: Cell<u32>,
+    /// SQEs handed to the kernel whose CQE has not been dispatched.
+    inflight: Cell<u32>,
+    iopoll: bool,
+    defer_taskrun: bool,
+}
+
+/// A per-core io_uring engine. Create one per thread with [`Engine::new`].
+pub struct Engine {
+    main: Ring,
+    iopoll: Option<Ring>,
+    setup: RingSetup,
+    arena: Rc<Arena>,
+    free_files: RefCell<Vec<u32>>,
+    max_files: u32,
+    sinks: RefCell<[Option<Weak<dyn CompletionSink>>; MAX_COMPLETION_SINKS]>,
+    plug_depth: Cell<u32>,
+    completion: Cell<CompletionMode>,
+    metrics: Cell<EngineMetrics>,
+    wake: Arc<WakeState>,
+    owner: ThreadId,
+    eventfd: Option<OwnedFd>,
+}
+
+const FLAG_NAMES: [&str; 3] = ["SINGLE_ISSUER", "DEFER_TASKRUN", "COOP_TASKRUN"];
+
+fn build_ring(
+    entries: u32,
+    wanted: &[&'static str],
+    sqpoll_idle: Option<Duration>,
+    iopoll: bool,
+) -> Result<(IoUring, RingSetup), CoreError> {
+    let mut flags: Vec<&'static str> = wanted.to_vec();
+    let mut setup = RingSetup::default();
+    // Drop order when the kernel says EINVAL: newest and most demanding first.
+    let drop_order = ["DEFER_TASKRUN", "COOP_TASKRUN", "SINGLE_ISSUER"];
+    loop {
+        let mut b = IoUring::builder();
+        b.setup_cqsize(entries * 2);
+        for f in &flags {
+            match *f {
+                "SINGLE_ISSUER" => b.setup_single_issuer(),
+                "DEFER_TASKRUN" => b.setup_defer_taskrun(),
+                "COOP_TASKRUN" => b.setup_coop_taskrun(),
+                _ => unreachable!("flag names come from FLAG_NAMES"),
+            };
+        }
+        if let Some(idle) = sqpoll_idle {
+            b.setup_sqpoll(idle.as_millis().min(u32::MAX as u128) as u32);
+        }
+        if iopoll {
+            b.setup_iopoll();
+        }
+        match b.build(entries) {
+            Ok(ring) => {
+                setup.applied = flags.clone();
+                if sqpoll_idle.is_some() {
+                    setup.applied.push("SQPOLL");
+                }
+                if iopoll {
+                    setup.applied.push("IOPOLL");
+                }
+                return Ok((ring, setup));
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                match drop_order.iter().find(|f| flags.contains(f)) {
+                    Some(f) => {
+                        flags.retain(|x| x != f);
+                        setup.dropped.push((f, "io_uring_setup returned EINVAL".to_string()));
+                    }
+                    None => {
+                        return Err(CoreError::RingSetup {
+                            entries,
+                            flags: describe(&flags, sqpoll_idle, iopoll),
+                            source: e,
+                        })
+                    }
+                }
+            }
+            Err(e) => {
+                return Err(CoreError::RingSetup {
+                    entries,
+                    flags: describe(&flags, sqpoll_idle, iopoll),
+                    source: e,
+                })
+            }
+        }
+    }
+}
+
+fn describe(flags: &[&str], sqpoll: Option<Duration>, iopoll: bool) -> String {
+    let mut all: Vec<&str> = flags.to_vec();
+    if sqpoll.is_some() {
+        all.push("SQPOLL");
+    }
+    if iopoll {
+        all.push("IOPOLL");
+    }
+    all.join(" | ")
+}
+
+impl Engine {
+    /// Create an engine on the calling thread: check memlock, build the ring(s), map and register
+    /// the arena, reserve registered-file slots.
+    pub fn new(cfg: EngineConfig) -> Result<Rc<Engine>, CoreError> {
+        cfg.validate()?;
+        let rings = if cfg.iopoll_ring { 2 } else { 1 };
+        let needed = (cfg.arena_bytes.div_ceil(cfg.frame_bytes) * cfg.frame_bytes) as u64 * rings;
+        check_memlock(
+            sys::memlock_limit().map_err(|e| CoreError::Sys {
+                op: "getrlimit(RLIMIT_MEMLOCK)",
+                source: e,
+            })?,
+            needed,
+            sys::has_cap_ipc_lock(),
+        )?;
+
+        let mut wanted: Vec<&'static str> = if cfg.fast_flags {
+            FLAG_NAMES.to_vec()
+        } else {
+            Vec::new()
+        };
+        if cfg.sqpoll_idle.is_some() {
+            // DEFER_TASKRUN needs the submitter to reap; SQPOLL submits from a kernel thread.
+            wanted.retain(|f| *f != "DEFER_TASKRUN");
+        }
+        let (uring, setup) = build_ring(cfg.ring_entries, &wanted, cfg.sqpoll_idle, false)?;
+        let iopoll = if cfg.iopoll_ring {
+            let (ring, _) = build_ring(cfg.ring_entries, &wanted, None, true)
+                .map_err(|e| match e {
+                    CoreError::RingSetup { source, .. } => CoreError::IopollUnavailable(source),
+                    other => other,
+                })?;
+            Some(ring)
+        } else {
+            None
+        };
+
+        let arena = Rc::new(Arena::map(cfg.arena_bytes, cfg.frame_bytes, cfg.huge_pages)?);
+        let iov = [arena.iovec()];
+        for ring in std::iter::once(&uring).chain(iopoll.as_ref()) {
+            // SAFETY: the iovec covers the arena mapping, which lives in an `Rc<Arena>` owned by
+            // the engine; the rings are dropped (unregistering) before the engine's arena field.
+            unsafe { ring.submitter().register_buffers(&iov) }.map_err(|e| {
+                CoreError::RegisterBuffers {
+                    bytes: arena.bytes(),
+                    source: e,
+                }
+            })?;
+            ring.submitter()
+                .register_files_sparse(cfg.max_files)
+                .map_err(|e| CoreError::Sys {
+                    op: "io_uring_register(REGISTER_FILES2, sparse)",
+                    source: e,
+                })?;
+        }
+        let eventfd = if cfg.eventfd {
+            let fd = sys::eventfd().map_err(|e| CoreError::Sys {
+                op: "eventfd",
+                source: e,
+            })?;
+            uring
+                .submitter()
+                .register_eventfd(fd.as_raw_fd())
+                .map_err(|e| CoreError::Sys {
+                    op: "io_uring_register(REGISTER_EVENTFD)",
+                    source: e,
+                })?;
+            Some(fd)
+        } else {
+            None
+        };
+
+        let defer = setup.applied.contains(&"DEFER_TASKRUN");
+        let make_ring = |u: IoUring, iopoll: bool| Ring {
+            uring: RefCell::new(u),
+            pending: Cell::new(0),
+            inflight: Cell::new(0),
+            iopoll,
+            defer_taskrun: defer,
+        };
+        Ok(Rc::new(Engine {
+            main: make_ring(uring, false),
+            iopoll: iopoll.map(|r| make_ring(r, true)),
+            setup,
+            arena,
+            free_files: RefCell::new((0..cfg.max_files).rev().collect()),
+            max_files: cfg.max_files,
+            sinks: RefCell::new(Default::default()),
+            plug_depth: Cell::new(0),
+            completion: Cell::new(cfg.completion),
+            metrics: Cell::new(EngineMetrics::default()),
+            wake: Arc::new(WakeState {
+                woken: AtomicBool::new(false),
+                thread: thread::current(),
+            }),
+            owner: thread::current().id(),
+            eventfd,
+        }))
+    }
+
+    /// What the ring setup applied and dropped.
+    pub fn ring_setup(&self) -> &RingSetup {
+        &self.setup
+    }
+    /// The registered buffer arena.
+    pub fn arena(&self) -> &Rc<Arena> {
+        &self.arena
+    }
+    /// Whether an IOPOLL ring exists.
+    pub fn has_iopoll_ring(&self) -> bool {
+        self.iopoll.is_some()
+    }
+    /// A snapshot of the engine's counters.
+    pub fn metrics(&self) -> EngineMetrics {
+        self.metrics.get()
+    }
+    /// The completion mode used by blocking waits.
+    pub fn completion_mode(&self) -> CompletionMode {
+        self.completion.get()
+    }
+    /// Change the completion mode (e.g. busy-poll only while latency-critical work runs).
+    pub fn set_completion_mode(&self, mode: CompletionMode) {
+        self.completion.set(mode);
+    }
+    /// The eventfd the kernel signals on completions, when configured.
+    pub fn eventfd(&self) -> Option<RawFd> {
+        self.eventfd.as_ref().map(|f| f.as_raw_fd())
+    }
+    /// Reset the eventfd's counter (after the event loop saw it readable).
+    pub fn drain_eventfd(&self) {
+        if let Some(fd) = &self.eventfd {
+            sys::eventfd_drain(fd);
+        }
+    }
+
+    /// Allocate a buffer from the arena, or `None` when it is exhausted (back-pressure).
+    pub fn try_alloc(&self, len: usize) -> Option<FixedBuf> {
+        self.arena.try_alloc(len)
+    }
+
+    /// Allocate a buffer, waiting for in-flight I/O to give frames back when the arena is
+    /// exhausted. Fails only when nothing in flight could free a frame.
+    pub fn alloc_blocking(&self, len: usize) -> Result<FixedBuf, CoreError> {
+        loop {
+            if let Some(b) = self.arena.try_alloc(len) {
+                return Ok(b);
+            }
+            if !self.has_work() {
+                return Err(CoreError::Config(format!(
+                    "the arena has no run of {} free frames ({} of {} free, {} bytes each) and no \
+                     I/O is in flight to free one; raise arena_bytes or drop buffers",
+                    len.max(1).div_ceil(self.arena.frame_bytes()),
+                    self.arena.free_frames(),
+                    self.arena.frames(),
+                    self.arena.frame_bytes()
+                )));
+            }
+            self.wait(1)?;
+        }
+    }
+
+    /// Register a completion sink; its SQEs carry the returned id.
+    pub fn register_sink(&self, sink: Weak<dyn CompletionSink>) -> Result<SinkId, CoreError> {
+        let mut sinks = self.sinks.borrow_mut();
+        let free = sinks
+            .iter()
+            .position(|s| s.as_ref().is_none_or(|w| w.strong_count() == 0))
+            .ok_or(CoreError::SinksExhausted(MAX_COMPLETION_SINKS))?;
+        sinks[free] = Some(sink);
+        Ok(SinkId(free as u8))
+    }
+
+    /// Register `fd` with every ring; the returned slot stays valid until
+    /// [`Engine::unregister_file`].
+    pub fn register_file(&self, fd: RawFd) -> Result<FixedFile, CoreError> {
+        let slot = self
+            .free_files
+            .borrow_mut()
+            .pop()
+            .ok_or(CoreError::FilesExhausted {
+                max_files: self.max_files,
+            })?;
+        for ring in self.rings() {
+            if let Err(e) = ring.uring.borrow().submitter().register_files_update(slot, &[fd]) {
+                self.free_files.borrow_mut().push(slot);
+                return Err(CoreError::Sys {
+                    op: "io_uring_register(FILES_UPDATE)",
+                    source: e,
+                });
+            }
+        }
+        Ok(FixedFile(slot))
+    }
+
+    /// Release a registered-file slot. Call only when no SQE using it is in flight.
+    pub fn unregister_file(&self, file: FixedFile) {
+        for ring in self.rings() {
+            // A failure leaves the slot pointing at a file we no longer use: harmless, and it is
+            // overwritten by the next registration in that slot.
+            let _ = ring.uring.borrow().submitter().register_files_update(file.0, &[-1]);
+        }
+        self.free_files.borrow_mut().push(file.0);
+    }
+
+    fn rings(&self) -> impl Iterator<Item = &Ring> {
+        std::iter::once(&self.main).chain(self.iopoll.as_ref())
+    }
+
+    fn ring(&self, kind: RingKind) -> &Ring {
+        match kind {
+            RingKind::Main => &self.main,
+            RingKind::Iopoll => self.iopoll.as_ref().unwrap_or(&self.main),
+        }
+    }
+
+    fn bump(&self, f: impl FnOnce(&mut EngineMetrics)) {
+        let mut m = self.metrics.get();
+        f(&mut m);
+        self.metrics.set(m);
+    }
+
+    /// Queue one SQE for `sink` with `payload` as its tag. Unless the engine is plugged it is
+    /// submitted at once.
+    ///
+    /// # Safety
+    /// Every buffer and file the SQE refers to must stay valid, and untouched by the caller, until
+    /// its completion has been handed to the sink.
+    pub unsafe fn push(
+        &self,
+        kind: RingKind,
+        sink: SinkId,
+        payload: u64,
+        sqe: squeue::Entry,
+    ) -> Result<(), CoreError> {
+        debug_assert!(payload <= PAYLOAD_MASK);
+        let ring = self.ring(kind);
+        let sqe = sqe.user_data(((sink.0 as u64) << SINK_SHIFT) | payload);
+        loop {
+            let pushed = {
+                let mut u = ring.uring.borrow_mut();
+                let mut sq = u.submission();
+                // SAFETY: the caller's contract covers the SQE's buffers and files.
+                unsafe { sq.push(&sqe) }.is_ok()
+            };
+            if pushed {
+                break;
+            }
+            // Submission queue full: hand what is queued to the kernel and try again.
+            self.submit_ring(ring, 0)?;
+        }
+        ring.pending.set(ring.pending.get() + 1);
+        ring.inflight.set(ring.inflight.get() + 1);
+        self.bump(|m| m.sqes += 1);
+        if self.plug_depth.get() == 0 {
+            self.submit_ring(ring, 0)?;
+        }
+        Ok(())
+    }
+
+    /// Hold submissions until the returned guard is dropped, so a burst of requests reaches the
+    /// kernel in one `io_uring_enter` (plugging; the thesis' temporal merge). Plugs nest.
+    pub fn plug(&self) -> Plug<'_> {
+        self.plug_depth.set(self.plug_depth.get() + 1);
+        Plug { engine: self }
+    }
+
+    /// Submit everything queued, without waiting.
+    pub fn submit(&self) -> Result<(), CoreError> {
+        for ring in self.rings() {
+            if ring.pending.get() > 0 {
+                self.submit_ring(ring, 0)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn enter(&self, ring: &Ring, want: u32, getevents: bool) -> io::Result<usize> {
+        self.bump(|m| m.enters += 1);
+        let u = ring.uring.borrow();
+        let to_submit = ring.pending.get();
+        let flags = if getevents || want > 0 || ring.iopoll {
+            IORING_ENTER_GETEVENTS
+        } else {
+            0
+        };
+        // SAFETY: no extra argument is passed; the counts come from our own bookkeeping.
+        let r = unsafe { u.submitter().enter::<libc::sigset_t>(to_submit, want, flags, None) };
+        if let Ok(n) = r {
+            ring.pending.set(to_submit - (n as u32).min(to_submit));
+        }
+        r
+    }
+
+    /// Submit the ring's pending SQEs and wait for `want` completions, retrying on the transient
+    /// errors the kernel returns when it is short of CQ space or interrupted.
+    fn submit_ring(&self, ring: &Ring, want: u32) -> Result<(), CoreError> {
+        loop {
+            match self.enter(ring, want, false) {
+                Ok(_) if ring.pending.get() == 0 || want > 0 => return Ok(()),
+                Ok(_) => continue,
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e)
+                    if matches!(e.raw_os_error(), Some(libc::EBUSY) | Some(libc::EAGAIN)) =>
+                {
+                    // The CQ is full: make room by dispatching what has completed.
+                    if self.reap(ring) == 0 {
+                        thread::yield_now();
+                    }
+                }
+                Err(e) => {
+                    return Err(CoreError::Sys {
+                        op: "io_uring_enter",
+                        source: e,
+                    })
+                }
+            }
+        }
+    }
+
+    /// Whether any SQE is queued or in flight.
+    pub fn has_work(&self) -> bool {
+        self.rings()
+            .any(|r| r.pending.get() > 0 || r.inflight.get() > 0)
+    }
+
+    /// SQEs handed to the kernel (or queued) whose completion has not been dispatched.
+    pub fn inflight(&self) -> u32 {
+        self.rings().map(|r| r.inflight.get()).sum()
+    }
+
+    /// Submit what is queued and dispatch at least `min` completions (fewer only if fewer are in
+    /// flight), blocking or spinning according to the completion mode.
+    pub fn wait(&self, min: u32) -> Result<u32, CoreError> {
+        let min = min.min(self.inflight());
+        let mut done = self.poll_completions()?;
+        if done >= min {
+            return Ok(done);
+        }
+        let mode = self.completion.get();
+        while done < min {
+            let polled = self.iopoll.as_ref().filter(|r| r.inflight.get() > 0);
+            if mode == CompletionMode::Wait && polled.is_none() {
+                let want = min - done;
+                self.bump(|m| m.sleeps += 1);
+                self.submit_ring(&self.main, want)?;
+                done += self.reap(&self.main);
+            } else {
+                let got = self.poll_completions()?;
+                if got == 0 {
+                    self.bump(|m| m.empty_polls += 1);
+                    std::hint::spin_loop();
+                }
+                done += got;
+            }
+        }
+        Ok(done)
+    }
+
+    /// Submit what is queued, let the kernel post finished completions (deferred task work, IOPOLL
+    /// polling) without sleeping, and dispatch them. Returns how many were dispatched.
+    pub fn poll_completions(&self) -> Result<u32, CoreError> {
+        let mut n = 0;
+        for ring in self.rings() {
+            let needs_enter = ring.pending.get() > 0
+                || (ring.inflight.get() > 0 && (ring.defer_taskrun || ring.iopoll));
+            if needs_enter {
+                loop {
+                    match self.enter(ring, 0, true) {
+                        Ok(_) => break,
+                        Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                        Err(e)
+                            if matches!(e.raw_os_error(), Some(libc::EBUSY) | Some(libc::EAGAIN)) =>
+                        {
+                            n += self.reap(ring);
+                        }
+                        Err(e) => {
+                            return Err(CoreError::Sys {
+                                op: "io_uring_enter",
+                                source: e,
+                            })
+                        }
+                    }
+                }
+            }
+            n += self.reap(ring);
+        }
+        Ok(n)
+    }
+
+    /// Dispatch every CQE in the ring's completion queue to its sink.
+    fn reap(&self, ring: &Ring) -> u32 {
+        let mut total = 0u32;
+        loop {
+            let mut batch = [(0u64, 0i32, 0u32); REAP_BATCH];
+            let n = {
+                let mut u = ring.uring.borrow_mut();
+                let mut n = 0;
+                for cqe in u.completion() {
+                    batch[n] = (cqe.user_data(), cqe.result(), cqe.flags());
+                    n += 1;
+                    if n == REAP_BATCH {
+                        break;
+                    }
+                }
+                n
+            };
+            ring.inflight.set(ring.inflight.get() - n as u32);
+            for &(user_data, result, flags) in &batch[..n] {
+                let id = (user_data >> SINK_SHIFT) as usize;
+                let sink = self.sinks.borrow()[id].as_ref().and_then(Weak::upgrade);
+                match sink {
+                    Some(sink) => sink.complete(user_data & PAYLOAD_MASK, result, flags),
+                    None => self.bump(|m| m.orphan_cqes += 1),
+                }
+            }
+            self.bump(|m| m.cqes += n as u64);
+            total += n as u32;
+            if n < REAP_BATCH {
+                return total;
+            }
+        }
+    }
+
+    /// Run `fut` to completion on this thread, driving the rings whenever it is pending.
+    ///
+    /// While nothing is in flight and the future is pending it parks the thread until woken,
+    /// so futures woken from other threads work too.
+    pub fn block_on<F: Future>(&self, fut: F) -> Result<F::Output, CoreError> {
+        if thread::current().id() != self.owner {
+            return Err(CoreError::WrongThread);
+        }
+        let waker = Waker::from(Arc::clone(&self.wake));
+        let mut cx = Context::from_waker(&waker);
+        let mut fut: Pin<&mut F> = pin!(fut);
+        loop {
+            self.wake.woken.store(false, Ordering::Release);
+            if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
+                return Ok(v);
+            }
+            while !self.wake.woken.load(Ordering::Acquire) {
+                if self.has_work() {
+                    self.wait(1)?;
+                } else {
+                    thread::park();
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // Buffers in flight would be written by the kernel after the arena is unmapped: wait for
+        // every outstanding completion first (their sinks may be gone; the CQEs are discarded).
+        while self.has_work() {
+            if self.wait(1).is_err() {
+                break;
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("ring_setup", &self.setup)
+            .field("arena", &self.arena)
+            .field("iopoll_ring", &self.iopoll.is_some())
+            .field("completion", &self.completion.get())
+            .field("metrics", &self.metrics.get())
+            .finish()
+    }
+}
+
+/// Guard returned by [`Engine::plug`]; submits the batch when dropped.
+pub struct Plug<'a> {
+    engine: &'a Engine,
+}
+
+impl Drop for Plug<'_> {
+    fn drop(&mut self) {
+        let depth = self.engine.plug_depth.get() - 1;
+        self.engine.plug_depth.set(depth);
+        if depth == 0 {
+            // A submit error here resurfaces on the next enter, where it can be returned.
+            let _ = self.engine.submit();
+        }
+    }
+}
+
+/// Check that `needed` bytes can be pinned under memlock `limit` (`None` = unlimited).
+pub fn check_memlock(limit: Option<u64>, needed: u64, cap_ipc_lock: bool) -> Result<(), CoreError> {
+    match limit {
+        Some(limit) if !cap_ipc_lock && limit < needed => Err(CoreError::MemlockTooLow {
+            limit,
+            needed,
+            fix_kib: needed.div_ceil(1024) + 1024,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Build a `ReadFixed` SQE for a registered file.
+pub fn read_fixed(file: FixedFile, buf: *mut u8, len: u32, offset: u64) -> squeue::Entry {
+    io_uring::opcode::ReadFixed::new(types::Fixed(file.0), buf, len, 0)
+        .offset(offset)
+        .build()
+}
+
+/// Build a `WriteFixed` SQE for a registered file; `dsync` makes it a FUA write (`RWF_DSYNC`).
+pub fn write_fixed(
+    file: FixedFile,
+    buf: *const u8,
+    len: u32,
+    offset: u64,
+    dsync: bool,
+) -> squeue::Entry {
+    io_uring::opcode::WriteFixed::new(types::Fixed(file.0), buf, len, 0)
+        .offset(offset)
+        .rw_flags(if dsync { libc::RWF_DSYNC } else { 0 })
+        .build()
+}
+
+/// Build an `fdatasync` SQE for a registered file.
+pub fn fdatasync(file: FixedFile) -> squeue::Entry {
+    io_uring::opcode::Fsync::new(types::Fixed(file.0))
+        .flags(types::FsyncFlags::DATASYNC)
+        .build()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memlock_check_names_limit_need_and_fix() {
+        assert!(check_memlock(None, 1 << 30, false).is_ok());
+        assert!(check_memlock(Some(1 << 20), 1 << 30, true).is_ok());
+        let e = check_memlock(Some(8 << 20), 16 << 20, false).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("8388608"), "{msg}");
+        assert!(msg.contains("16777216"), "{msg}");
+        assert!(msg.contains("ulimit -l"), "{msg}");
+    }
+
+    #[test]
+    fn config_is_validated() {
+        let bad = EngineConfig {
+            ring_entries: 1000,
+            ..EngineConfig::default()
+        };
+        assert!(matches!(Engine::new(bad), Err(CoreError::Config(m)) if m.contains("1000")));
+    }
+
+    struct Count(Cell<u32>, Cell<i32>);
+    impl CompletionSink for Count {
+        fn complete(&self, _payload: u64, result: i32, _flags: u32) {
+            self.0.set(self.0.get() + 1);
+            self.1.set(result);
+        }
+    }
+
+    #[test]
+    fn nop_round_trip_through_a_sink() {
+        let engine = Engine::new(EngineConfig {
+            arena_bytes: 1 << 20,
+            ..EngineConfig::default()
+        })
+        .unwrap();
+        let sink = Rc::new(Count(Cell::new(0), Cell::new(-1)));
+        let weak: Weak<dyn CompletionSink> = Rc::downgrade(&sink) as Weak<dyn CompletionSink>;
+        let id = engine.register_sink(weak).unwrap();
+        {
+            let _plug = engine.plug();
+            for i in 0..10 {
+                // SAFETY: a NOP refers to no memory.
+                unsafe { engine.push(RingKind::Main, id, i, io_uring::opcode::Nop::new().build()) }
+                    .unwrap();
+            }
+            assert_eq!(engine.metrics().enters, 0, "plugged: nothing entered yet");
+        }
+        engine.wait(10).unwrap();
+        assert_eq!(sink.0.get(), 10);
+        assert_eq!(sink.1.get(), 0);
+        assert!(!engine.has_work());
+    }
+}

@@ -1,0 +1,386 @@
+//! Device probe: what a device can do and which I/O path is fastest on it, measured, not guessed.
+//!
+//! "Probe, then choose" (DESIGN.md): alignment from `statx(STATX_DIOALIGN)`, max transfer and
+//! rotational flag from sysfs, IOPOLL by trying a polled read, and whether io_uring completes
+//! reads inline or punts them to its worker threads by timing QD1 io_uring reads against `pread`
+//! on the device itself.
+
+use std::cell::Cell;
+use std::fmt;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::rc::{Rc, Weak};
+use std::time::Instant;
+
+use crate::engine::{self, CompletionMode, CompletionSink, Engine, EngineConfig, RingKind};
+use crate::error::CoreError;
+use crate::sys::{self, DioAlign};
+
+/// Transfer limit used when the device exposes no block queue to ask (e.g. a file on tmpfs).
+pub const DEFAULT_MAX_TRANSFER_BYTES: u32 = 1 << 20;
+/// Bytes read per latency sample.
+pub const PROBE_READ_BYTES: u32 = 4096;
+/// The probe reads only within this many leading bytes of the device.
+pub const PROBE_SPAN_BYTES: u64 = 256 << 20;
+
+/// What kind of file the path names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    BlockDevice,
+    RegularFile,
+    CharDevice,
+    Other,
+}
+
+impl fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DeviceKind::BlockDevice => "block device",
+            DeviceKind::RegularFile => "regular file",
+            DeviceKind::CharDevice => "character device",
+            DeviceKind::Other => "other",
+        })
+    }
+}
+
+/// How requests of one class reach the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// io_uring with registered buffers and files.
+    Ring,
+    /// `pread`/`pwrite` on the caller's thread (the thesis' SyncPath).
+    Sync,
+}
+
+impl fmt::Display for Route {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Route::Ring => "io_uring",
+            Route::Sync => "sync pread/pwrite",
+        })
+    }
+}
+
+/// A route and why it was chosen.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PathChoice {
+    pub route: Route,
+    pub reason: String,
+}
+
+/// QD1 latency of the two read paths, median of the samples.
+#[derive(Clone, Copy, Debug)]
+pub struct PathLatency {
+    pub uring_qd1_ns: f64,
+    pub pread_ns: f64,
+    pub samples: u32,
+}
+
+impl PathLatency {
+    /// io_uring is taken to punt when its QD1 read is 1.5x slower than a plain `pread`: inline
+    /// completion costs about the same as `pread`, a hop through io-wq costs several times more.
+    pub fn punts(&self) -> bool {
+        self.uring_qd1_ns > 1.5 * self.pread_ns
+    }
+}
+
+/// Everything the probe found about one device.
+#[derive(Clone, Debug)]
+pub struct DeviceProbe {
+    pub path: PathBuf,
+    pub kind: DeviceKind,
+    pub fs_type: Option<String>,
+    pub capacity_bytes: u64,
+    pub logical_block: u32,
+    /// Direct-I/O alignment; `None` when the device cannot be opened `O_DIRECT`.
+    pub dio: Option<DioAlign>,
+    pub dio_source: String,
+    pub max_transfer_bytes: u32,
+    pub max_transfer_source: String,
+    pub rotational: Option<bool>,
+    /// `Ok` when a polled read completed, `Err(reason)` otherwise.
+    pub iopoll: Result<(), String>,
+    pub latency: Option<PathLatency>,
+    pub critical: PathChoice,
+    pub background: PathChoice,
+}
+
+/// Probe options.
+#[derive(Clone, Copy, Debug)]
+pub struct ProbeOptions {
+    /// Latency samples per path (0 skips the measurement; the ring is then chosen untested).
+    pub latency_samples: u32,
+    /// Try a polled read on an IOPOLL ring.
+    pub try_iopoll: bool,
+}
+
+impl Default for ProbeOptions {
+    fn default() -> Self {
+        ProbeOptions {
+            latency_samples: 300,
+            try_iopoll: true,
+        }
+    }
+}
+
+fn path_err(path: &Path) -> impl FnOnce(std::io::Error) -> CoreError + '_ {
+    move |source| CoreError::Path {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Probe `path`. Reads only; never writes the device.
+pub fn probe(path: &Path, opts: ProbeOptions) -> Result<DeviceProbe, CoreError> {
+    let buffered = sys::open_buffered(path, false).map_err(path_err(path))?;
+    let st = sys::statx(buffered.as_raw_fd()).map_err(path_err(path))?;
+    let kind = if st.is_block_device() {
+        DeviceKind::BlockDevice
+    } else if st.is_regular() {
+        DeviceKind::RegularFile
+    } else if st.is_char_device() {
+        DeviceKind::CharDevice
+    } else {
+        DeviceKind::Other
+    };
+    let (capacity_bytes, logical_block) = match kind {
+        DeviceKind::BlockDevice => (
+            sys::block_device_bytes(buffered.as_raw_fd()).map_err(path_err(path))?,
+            sys::block_device_logical_block(buffered.as_raw_fd()).map_err(path_err(path))?,
+        ),
+        _ => (st.size, st.dio.map_or(512, |d| d.offset_align)),
+    };
+    // Where the block queue attributes live: the device itself, or the one under the file system.
+    let (qmaj, qmin) = if kind == DeviceKind::BlockDevice {
+        (st.rdev_major, st.rdev_minor)
+    } else {
+        (st.dev_major, st.dev_minor)
+    };
+    let has_queue = qmaj != 0;
+    let (max_transfer_bytes, max_transfer_source) =
+        match has_queue.then(|| sys::block_queue_attr(qmaj, qmin, "max_sectors_kb")).flatten() {
+            Some(kb) => match kb.parse::<u32>() {
+                Ok(kb) if kb > 0 => (
+                    kb.saturating_mul(1024),
+                    format!("/sys/dev/block/{qmaj}:{qmin}/queue/max_sectors_kb"),
+                ),
+                _ => (
+                    DEFAULT_MAX_TRANSFER_BYTES,
+                    format!("default (max_sectors_kb unreadable: {kb:?})"),
+                ),
+            },
+            None => (
+                DEFAULT_MAX_TRANSFER_BYTES,
+                "default (no block queue behind this file)".to_string(),
+            ),
+        };
+    let rotational = has_queue
+        .then(|| sys::block_queue_attr(qmaj, qmin, "rotational"))
+        .flatten()
+        .map(|r| r == "1");
+    let fs_type = if kind == DeviceKind::RegularFile {
+        sys::fs_type_of(path)
+    } else {
+        None
+    };
+
+    let direct = sys::open_direct(path, false);
+    let (dio, dio_source) = match (&direct, st.dio) {
+        (Err(e), _) => (
+            None,
+            format!(
+                "O_DIRECT open failed: {e}{}",
+                fs_type.as_ref().map(|t| format!(" (file system {t})")).unwrap_or_default()
+            ),
+        ),
+        (Ok(_), Some(d)) => (Some(d), "statx STATX_DIOALIGN".to_string()),
+        (Ok(_), None) => (
+            Some(DioAlign {
+                mem_align: logical_block,
+                offset_align: logical_block,
+            }),
+            "logical block size (statx reported no DIO alignment)".to_string(),
+        ),
+    };
+
+    let mut probe = DeviceProbe {
+        path: path.to_path_buf(),
+        kind,
+        fs_type,
+        capacity_bytes,
+        logical_block,
+        dio,
+        dio_source,
+        max_transfer_bytes,
+        max_transfer_source,
+        rotational,
+        iopoll: Err("not tried".to_string()),
+        latency: None,
+        critical: PathChoice {
+            route: Route::Ring,
+            reason: String::new(),
+        },
+        background: PathChoice {
+            route: Route::Ring,
+            reason: "asynchronous: throttled by tokens and overlapped with the caller".to_string(),
+        },
+    };
+
+    let Ok(direct) = direct else {
+        probe.critical.reason = "no direct I/O on this path: lbio cannot use it".to_string();
+        probe.background.reason = probe.critical.reason.clone();
+        probe.iopoll = Err("no direct I/O".to_string());
+        return Ok(probe);
+    };
+    let read_len = PROBE_READ_BYTES.max(dio.map_or(512, |d| d.offset_align));
+    if capacity_bytes < read_len as u64 {
+        probe.iopoll = Err(format!("device holds {capacity_bytes} bytes: nothing to read"));
+        probe.critical.reason = "device too small to measure: io_uring by default".to_string();
+        return Ok(probe);
+    }
+    if opts.try_iopoll {
+        probe.iopoll = try_iopoll(&direct, read_len);
+    }
+    if opts.latency_samples > 0 {
+        let lat = measure(&direct, capacity_bytes, read_len, opts.latency_samples)?;
+        probe.latency = Some(lat);
+        let (u, p) = (lat.uring_qd1_ns / 1000.0, lat.pread_ns / 1000.0);
+        probe.critical = if lat.punts() {
+            PathChoice {
+                route: Route::Sync,
+                reason: format!(
+                    "io_uring QD1 read {u:.1} us vs pread {p:.1} us: io_uring punts this device's \
+                     reads to its worker threads, so critical requests use the SyncPath"
+                ),
+            }
+        } else if lat.pread_ns * 1.1 < lat.uring_qd1_ns {
+            PathChoice {
+                route: Route::Sync,
+                reason: format!("pread {p:.1} us beats io_uring QD1 {u:.1} us by more than 10%"),
+            }
+        } else {
+            PathChoice {
+                route: Route::Ring,
+                reason: format!(
+                    "io_uring QD1 read {u:.1} us vs pread {p:.1} us: completes inline, and \
+                     submissions can be batched"
+                ),
+            }
+        };
+    } else {
+        probe.critical.reason = "latency not measured: io_uring by default".to_string();
+    }
+    Ok(probe)
+}
+
+struct Last(Cell<Option<i32>>);
+impl CompletionSink for Last {
+    fn complete(&self, _payload: u64, result: i32, _flags: u32) {
+        self.0.set(Some(result));
+    }
+}
+
+fn small_engine(iopoll: bool) -> Result<Rc<Engine>, CoreError> {
+    Engine::new(EngineConfig {
+        ring_entries: 8,
+        arena_bytes: 64 << 10,
+        huge_pages: false,
+        max_files: 1,
+        iopoll_ring: iopoll,
+        completion: CompletionMode::Wait,
+        ..EngineConfig::default()
+    })
+}
+
+fn try_iopoll(direct: &std::os::fd::OwnedFd, read_len: u32) -> Result<(), String> {
+    let engine = small_engine(true).map_err(|e| e.to_string())?;
+    let sink = Rc::new(Last(Cell::new(None)));
+    let id = engine
+        .register_sink(Rc::downgrade(&sink) as Weak<dyn CompletionSink>)
+        .map_err(|e| e.to_string())?;
+    let file = engine
+        .register_file(direct.as_raw_fd())
+        .map_err(|e| e.to_string())?;
+    let mut buf = engine.try_alloc(read_len as usize).ok_or("arena exhausted")?;
+    let sqe = engine::read_fixed(file, buf.as_mut_ptr(), read_len, 0);
+    // SAFETY: `buf` and the file outlive the wait below, which dispatches this SQE's completion.
+    unsafe { engine.push(RingKind::Iopoll, id, 0, sqe) }.map_err(|e| e.to_string())?;
+    engine.wait(1).map_err(|e| e.to_string())?;
+    let result = sink.0.get();
+    engine.unregister_file(file);
+    match result {
+        Some(n) if n >= 0 => Ok(()),
+        Some(n) if -n == libc::EOPNOTSUPP => {
+            Err("EOPNOTSUPP: the device has no poll queues for polled completion".to_string())
+        }
+        Some(n) => Err(format!("polled read failed: {}", std::io::Error::from_raw_os_error(-n))),
+        None => Err("polled read produced no completion".to_string()),
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn measure(
+    direct: &std::os::fd::OwnedFd,
+    capacity: u64,
+    read_len: u32,
+    samples: u32,
+) -> Result<PathLatency, CoreError> {
+    let engine = small_engine(false)?;
+    let sink = Rc::new(Last(Cell::new(None)));
+    let id = engine.register_sink(Rc::downgrade(&sink) as Weak<dyn CompletionSink>)?;
+    let file = engine.register_file(direct.as_raw_fd())?;
+    let mut buf = engine
+        .try_alloc(read_len as usize)
+        .ok_or_else(|| CoreError::Config("probe arena exhausted".into()))?;
+    let blocks = capacity.min(PROBE_SPAN_BYTES) / read_len as u64;
+    // A fixed-seed xorshift spreads samples over the span without a dependency.
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next_offset = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % blocks) * read_len as u64
+    };
+    let warmup = 16;
+    let mut uring = Vec::with_capacity(samples as usize);
+    let mut pread = Vec::with_capacity(samples as usize);
+    for i in 0..samples + warmup {
+        let off = next_offset();
+        let t = Instant::now();
+        let sqe = engine::read_fixed(file, buf.as_mut_ptr(), read_len, off);
+        // SAFETY: `buf` and the file stay alive and untouched until `wait` dispatches the CQE.
+        unsafe { engine.push(RingKind::Main, id, 0, sqe) }?;
+        engine.wait(1)?;
+        let u = t.elapsed().as_nanos() as f64;
+        if let Some(r) = sink.0.get().filter(|r| *r < 0) {
+            engine.unregister_file(file);
+            return Err(CoreError::Sys {
+                op: "probe io_uring read",
+                source: std::io::Error::from_raw_os_error(-r),
+            });
+        }
+        let off = next_offset();
+        let t = Instant::now();
+        // SAFETY: `buf` owns `read_len` writable bytes of the arena.
+        unsafe { sys::pread_raw(direct.as_raw_fd(), buf.as_mut_ptr(), read_len as usize, off) }
+            .map_err(|e| CoreError::Sys {
+                op: "probe pread",
+                source: e,
+            })?;
+        let p = t.elapsed().as_nanos() as f64;
+        if i >= warmup {
+            uring.push(u);
+            pread.push(p);
+        }
+    }
+    engine.unregister_file(file);
+    Ok(PathLatency {
+        uring_qd1_ns: median(&mut uring),
+        pread_ns: median(&mut pread),
+        samples,
+    })
+}

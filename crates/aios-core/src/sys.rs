@@ -1,0 +1,267 @@
+//! Thin, safe wrappers over the few Linux calls the engine and its users need beyond io_uring.
+//!
+//! Every `unsafe` block here calls into libc with arguments whose validity is stated next to it.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::time::Duration;
+
+/// Open `path` for direct I/O (`O_DIRECT`), read-write when `write` is set.
+///
+/// Errors keep the raw OS error so callers can tell "no such file" from "this file system has no
+/// direct I/O" (`EINVAL`).
+pub fn open_direct(path: &Path, write: bool) -> io::Result<OwnedFd> {
+    open_with(path, write, libc::O_DIRECT)
+}
+
+/// Open `path` for buffered I/O, read-write when `write` is set.
+pub fn open_buffered(path: &Path, write: bool) -> io::Result<OwnedFd> {
+    open_with(path, write, 0)
+}
+
+fn open_with(path: &Path, write: bool, extra: libc::c_int) -> io::Result<OwnedFd> {
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))?;
+    let mode = if write { libc::O_RDWR } else { libc::O_RDONLY };
+    // SAFETY: `c` is a valid NUL-terminated string that outlives the call; the flags are plain ints.
+    let fd = unsafe { libc::open(c.as_ptr(), mode | libc::O_CLOEXEC | extra) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `open` returned a fresh descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Direct-I/O alignment of an open file, from `statx(STATX_DIOALIGN)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DioAlign {
+    /// Required alignment of the user buffer's address, bytes.
+    pub mem_align: u32,
+    /// Required alignment of file offsets and lengths, bytes.
+    pub offset_align: u32,
+}
+
+/// `statx` results the probe uses.
+#[derive(Clone, Copy, Debug)]
+pub struct Statx {
+    pub mode: u32,
+    pub size: u64,
+    pub blksize: u32,
+    /// `None` when the file system does not report `STATX_DIOALIGN` (or reports 0: no direct I/O).
+    pub dio: Option<DioAlign>,
+    pub rdev_major: u32,
+    pub rdev_minor: u32,
+    pub dev_major: u32,
+    pub dev_minor: u32,
+}
+
+impl Statx {
+    pub fn is_block_device(&self) -> bool {
+        self.mode & libc::S_IFMT == libc::S_IFBLK
+    }
+    pub fn is_char_device(&self) -> bool {
+        self.mode & libc::S_IFMT == libc::S_IFCHR
+    }
+    pub fn is_regular(&self) -> bool {
+        self.mode & libc::S_IFMT == libc::S_IFREG
+    }
+}
+
+/// `statx` on an open descriptor.
+pub fn statx(fd: RawFd) -> io::Result<Statx> {
+    // SAFETY: an all-zero `statx` is a valid value of this plain C struct.
+    let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    let empty = c"";
+    let mask = libc::STATX_BASIC_STATS | libc::STATX_DIOALIGN;
+    // SAFETY: `fd` is an open descriptor owned by the caller, the path is an empty C string used
+    // with AT_EMPTY_PATH, and `st` is a valid, writable statx buffer.
+    let rc = unsafe { libc::statx(fd, empty.as_ptr(), libc::AT_EMPTY_PATH, mask, &mut st) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let dio = if st.stx_mask & libc::STATX_DIOALIGN != 0 && st.stx_dio_offset_align != 0 {
+        Some(DioAlign {
+            mem_align: st.stx_dio_mem_align,
+            offset_align: st.stx_dio_offset_align,
+        })
+    } else {
+        None
+    };
+    Ok(Statx {
+        mode: st.stx_mode as u32,
+        size: st.stx_size,
+        blksize: st.stx_blksize,
+        dio,
+        rdev_major: st.stx_rdev_major,
+        rdev_minor: st.stx_rdev_minor,
+        dev_major: st.stx_dev_major,
+        dev_minor: st.stx_dev_minor,
+    })
+}
+
+/// `_IOR(0x12, 114, size_t)`: libc does not export it.
+const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+
+/// Size in bytes of an open block device (`BLKGETSIZE64`).
+pub fn block_device_bytes(fd: RawFd) -> io::Result<u64> {
+    let mut bytes: u64 = 0;
+    // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which points at a live local.
+    let rc = unsafe { libc::ioctl(fd, BLKGETSIZE64, &mut bytes as *mut u64) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(bytes)
+}
+
+/// Logical block size in bytes of an open block device (`BLKSSZGET`).
+pub fn block_device_logical_block(fd: RawFd) -> io::Result<u32> {
+    let mut bytes: libc::c_int = 0;
+    // SAFETY: BLKSSZGET writes one int through the pointer, which points at a live local.
+    let rc = unsafe { libc::ioctl(fd, libc::BLKSSZGET, &mut bytes as *mut libc::c_int) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(bytes as u32)
+}
+
+/// `pread` into a raw buffer.
+///
+/// # Safety
+/// `ptr` must be valid for writes of `len` bytes for the duration of the call.
+pub unsafe fn pread_raw(fd: RawFd, ptr: *mut u8, len: usize, offset: u64) -> io::Result<usize> {
+    // SAFETY: the caller guarantees `ptr..ptr+len` is writable; offset fits off_t on 64-bit Linux.
+    let rc = unsafe { libc::pread(fd, ptr.cast(), len, offset as libc::off_t) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(rc as usize)
+}
+
+/// `pwritev2` from a raw buffer, with `RWF_DSYNC` when `dsync` is set (a FUA write).
+///
+/// # Safety
+/// `ptr` must be valid for reads of `len` bytes for the duration of the call.
+pub unsafe fn pwrite_raw(
+    fd: RawFd,
+    ptr: *const u8,
+    len: usize,
+    offset: u64,
+    dsync: bool,
+) -> io::Result<usize> {
+    let iov = libc::iovec {
+        iov_base: ptr as *mut libc::c_void,
+        iov_len: len,
+    };
+    let flags = if dsync { libc::RWF_DSYNC } else { 0 };
+    // SAFETY: `iov` describes memory the caller guarantees readable; one iovec is passed.
+    let rc = unsafe { libc::pwritev2(fd, &iov, 1, offset as libc::off_t, flags) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(rc as usize)
+}
+
+/// `fdatasync` on an open descriptor.
+pub fn fdatasync(fd: RawFd) -> io::Result<()> {
+    // SAFETY: plain syscall on a descriptor the caller owns.
+    if unsafe { libc::fdatasync(fd) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// CPU time (user + system) consumed so far by the whole process.
+pub fn process_cpu_time() -> Duration {
+    // SAFETY: an all-zero rusage is valid; getrusage fills it.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is a valid, writable rusage.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, (t.tv_usec as u32) * 1000);
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// The soft `RLIMIT_MEMLOCK` in bytes (`None` = unlimited).
+pub fn memlock_limit() -> io::Result<Option<u64>> {
+    // SAFETY: an all-zero rlimit is valid; getrlimit fills it.
+    let mut rl: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: `rl` is a valid, writable rlimit.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(if rl.rlim_cur == libc::RLIM_INFINITY {
+        None
+    } else {
+        Some(rl.rlim_cur)
+    })
+}
+
+/// Whether this process holds `CAP_IPC_LOCK` in its effective set (then memlock is not enforced).
+pub fn has_cap_ipc_lock() -> bool {
+    const CAP_IPC_LOCK: u32 = 14;
+    let status = match std::fs::read_to_string("/proc/self/status") {
+        Ok(s) => s,
+        Err(_) => return false,
+    };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << CAP_IPC_LOCK) != 0)
+}
+
+/// A non-blocking, close-on-exec eventfd.
+pub fn eventfd() -> io::Result<OwnedFd> {
+    // SAFETY: plain syscall; the returned descriptor is owned below.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `eventfd` returned a fresh descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Reset an eventfd's counter; returns how many signals it had collected (0 when none).
+pub fn eventfd_drain(fd: &OwnedFd) -> u64 {
+    let mut v: u64 = 0;
+    // SAFETY: reads 8 bytes into a live u64 from a non-blocking eventfd.
+    let rc = unsafe { libc::read(fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+    if rc == 8 {
+        v
+    } else {
+        0
+    }
+}
+
+/// Read a sysfs attribute of the block device `major:minor` (or of its parent disk, for a
+/// partition, whose `queue/` lives one level up).
+pub fn block_queue_attr(major: u32, minor: u32, attr: &str) -> Option<String> {
+    let base = format!("/sys/dev/block/{major}:{minor}");
+    for dir in [format!("{base}/queue"), format!("{base}/../queue")] {
+        if let Ok(s) = std::fs::read_to_string(format!("{dir}/{attr}")) {
+            return Some(s.trim().to_string());
+        }
+    }
+    None
+}
+
+/// The file-system type name of the mount holding `path`, from `/proc/self/mountinfo`.
+pub fn fs_type_of(path: &Path) -> Option<String> {
+    let canon = std::fs::canonicalize(path).ok()?;
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let mut best: Option<(usize, String)> = None;
+    for line in info.lines() {
+        let mut halves = line.splitn(2, " - ");
+        let left = halves.next()?;
+        let right = halves.next()?;
+        let mount_point = left.split(' ').nth(4)?;
+        let fstype = right.split(' ').next()?;
+        if canon.starts_with(mount_point) && best.as_ref().is_none_or(|b| mount_point.len() >= b.0)
+        {
+            best = Some((mount_point.len(), fstype.to_string()));
+        }
+    }
+    best.map(|b| b.1)
+}
