@@ -151,9 +151,9 @@ pub trait CompletionSink {
     fn complete(&self, payload: u64, result: i32, flags: u32);
 }
 
-/// Names a registered completion sink.
+/// Names a registered completion sink (the top byte of each of its SQEs' `user_data`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SinkId(u8);
+pub struct SinkId(pub u8);
 
 /// A file registered with the engine's rings (use with `types::Fixed`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -544,6 +544,16 @@ impl Engine {
         Plug { engine: self }
     }
 
+    /// Run `f` with submissions held: SQEs it pushes stay queued and go out with the next
+    /// [`Engine::wait`], [`Engine::submit`] or unplug, so a push and the wait for its completion
+    /// cost one `io_uring_enter`.
+    pub fn hold_submissions<R>(&self, f: impl FnOnce() -> R) -> R {
+        self.plug_depth.set(self.plug_depth.get() + 1);
+        let r = f();
+        self.plug_depth.set(self.plug_depth.get() - 1);
+        r
+    }
+
     /// Submit everything queued, without waiting.
     pub fn submit(&self) -> Result<(), CoreError> {
         for ring in self.rings() {
@@ -714,7 +724,11 @@ impl Engine {
         let mut fut: Pin<&mut F> = pin!(fut);
         loop {
             self.wake.woken.store(false, Ordering::Release);
-            if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
+            // SQEs pushed while the future runs go out with the wait below: submit and wait in
+            // one io_uring_enter.
+            let polled = self.hold_submissions(|| fut.as_mut().poll(&mut cx));
+            if let Poll::Ready(v) = polled {
+                self.submit()?;
                 return Ok(v);
             }
             while !self.wake.woken.load(Ordering::Acquire) {

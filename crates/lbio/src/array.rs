@@ -1,0 +1,683 @@
+//! The per-engine lbio array: preallocated request slots whose index is the tag.
+//!
+//! A request (`Lbio`) takes a free slot, its pieces go straight to the backend — no merging, no
+//! scheduling (AIOS §3.1) — and each completion names the slot in its `user_data`, so completing
+//! costs an array index. Critical requests are issued at once, split only at the device's max
+//! transfer; background requests wait for one of the device's tokens (default 8) and are split
+//! into `split_bytes` pieces issued in LBA order (FastResponse §3.3).
+
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::rc::{Rc, Weak};
+use std::task::Waker;
+
+use aios_core::{CompletionSink, CoreError, Engine, FixedBuf, SinkId};
+
+use crate::backend::{Backend, Op, Piece, Started};
+use crate::error::LbioError;
+
+/// Slot-array settings, validated once by [`LbioArray::new`].
+#[derive(Clone, Copy, Debug)]
+pub struct LbioConfig {
+    /// Request slots per engine (the most requests in flight at once).
+    pub slots: u32,
+    /// Background pieces in flight per device (the token budget).
+    pub max_inflight_background: u32,
+    /// Background requests are cut into pieces of this many bytes.
+    pub split_bytes: u32,
+    /// Devices that can be open on this array at once.
+    pub max_devices: u16,
+}
+
+impl Default for LbioConfig {
+    fn default() -> Self {
+        LbioConfig {
+            slots: 1024,
+            max_inflight_background: 8,
+            split_bytes: 32 << 10,
+            max_devices: 16,
+        }
+    }
+}
+
+/// The most slots an array may have (tags must fit the completion payload).
+pub const MAX_SLOTS: u32 = 1 << 20;
+
+impl LbioConfig {
+    fn validate(&self) -> Result<(), LbioError> {
+        if self.slots == 0 || self.slots > MAX_SLOTS {
+            return Err(LbioError::Config(format!(
+                "slots {} must be in 1..={MAX_SLOTS}",
+                self.slots
+            )));
+        }
+        if self.max_inflight_background == 0 {
+            return Err(LbioError::Config(
+                "max_inflight_background 0 would never issue a background request; use >= 1"
+                    .into(),
+            ));
+        }
+        if self.split_bytes < 512 || !self.split_bytes.is_power_of_two() {
+            return Err(LbioError::Config(format!(
+                "split_bytes {} must be a power of two of at least 512",
+                self.split_bytes
+            )));
+        }
+        if self.max_devices == 0 {
+            return Err(LbioError::Config("max_devices must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Latency class of a request (DESIGN.md "two request classes").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Class {
+    /// Someone waits on it: issued at once.
+    Critical,
+    /// Writeback, readahead, scans: throttled by tokens and split into pieces in LBA order.
+    Background,
+}
+
+/// A request slot's index: the tag carried in `user_data`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Tag(pub u32);
+
+/// A finished request handed back by [`LbioArray::take_done`].
+#[derive(Debug)]
+pub struct Completion {
+    pub tag: Tag,
+    /// Bytes transferred, or why it failed.
+    pub result: Result<u32, LbioError>,
+    /// The request's buffer (reads: filled), `None` for flushes.
+    pub buf: Option<FixedBuf>,
+}
+
+/// Counters of one lbio array.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LbioMetrics {
+    pub requests: u64,
+    pub pieces: u64,
+    /// Requests that needed more than one piece.
+    pub split_requests: u64,
+    /// Background pieces that had to wait for a token.
+    pub throttled_pieces: u64,
+    /// Submissions refused because every slot was busy.
+    pub slot_exhausted: u64,
+    pub errors: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Free,
+    Active,
+    Done,
+}
+
+/// Who collects a finished request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Owner {
+    /// A future, woken through the slot's waker.
+    Future,
+    /// A blocking caller polling the slot.
+    Blocking,
+    /// Nobody waits on the slot: the completion goes to the done queue.
+    Detached,
+    /// Its future was dropped: free the slot when the I/O ends.
+    Orphaned,
+}
+
+/// One request: everything lbio needs to issue and complete it, in a preallocated slot.
+struct Lbio {
+    state: State,
+    owner: Owner,
+    op: Op,
+    class: Class,
+    fua: bool,
+    /// Every piece has been handed to the backend.
+    issued_all: bool,
+    dev: u16,
+    /// Pieces started and not completed.
+    outstanding: u16,
+    offset: u64,
+    len: u32,
+    /// Bytes handed to the backend so far (pieces go out in LBA order).
+    issued: u32,
+    /// Bytes reported done.
+    done: u32,
+    /// First negative result seen (0 = none).
+    errno: i32,
+    buf: Option<FixedBuf>,
+    waker: Option<Waker>,
+}
+
+impl Lbio {
+    const EMPTY: Lbio = Lbio {
+        state: State::Free,
+        owner: Owner::Detached,
+        op: Op::Read,
+        class: Class::Critical,
+        fua: false,
+        issued_all: false,
+        dev: 0,
+        outstanding: 0,
+        offset: 0,
+        len: 0,
+        issued: 0,
+        done: 0,
+        errno: 0,
+        buf: None,
+        waker: None,
+    };
+}
+
+/// Where a device's requests go, and its limits; held by the array for the device's lifetime.
+pub(crate) struct DevState {
+    pub(crate) critical: Box<dyn Backend>,
+    pub(crate) background: Box<dyn Backend>,
+    pub(crate) max_transfer: u32,
+    tokens: u32,
+    bg_queue: VecDeque<u32>,
+    active: u32,
+    closing: bool,
+}
+
+/// A validated request ready for a slot.
+pub(crate) struct Request {
+    pub(crate) op: Op,
+    pub(crate) class: Class,
+    pub(crate) fua: bool,
+    pub(crate) offset: u64,
+    pub(crate) len: u32,
+    pub(crate) buf: Option<FixedBuf>,
+}
+
+/// A request's fields without its buffer, to rebuild it when a submission is refused.
+#[derive(Clone, Copy)]
+pub(crate) struct Shape {
+    op: Op,
+    class: Class,
+    fua: bool,
+    offset: u64,
+    len: u32,
+}
+
+impl Request {
+    pub(crate) fn shape(&self) -> Shape {
+        Shape {
+            op: self.op,
+            class: self.class,
+            fua: self.fua,
+            offset: self.offset,
+            len: self.len,
+        }
+    }
+}
+
+impl Shape {
+    pub(crate) fn with_buf(self, buf: Option<FixedBuf>) -> Request {
+        Request {
+            op: self.op,
+            class: self.class,
+            fua: self.fua,
+            offset: self.offset,
+            len: self.len,
+            buf,
+        }
+    }
+}
+
+struct Inner {
+    slots: Box<[Lbio]>,
+    free: Vec<u32>,
+    done: VecDeque<u32>,
+    devs: Vec<Option<DevState>>,
+    slot_waiters: Vec<Waker>,
+    metrics: LbioMetrics,
+}
+
+/// The per-engine lbio slot array (AIOS Fig. 7's per-core lbio row).
+pub struct LbioArray {
+    engine: Rc<Engine>,
+    sink: SinkId,
+    cfg: LbioConfig,
+    inner: RefCell<Inner>,
+    /// Completions that arrived while `inner` was borrowed (the engine reaped inside a push):
+    /// applied as soon as the borrow ends.
+    deferred: RefCell<VecDeque<(u32, i32)>>,
+    has_deferred: Cell<bool>,
+}
+
+impl LbioArray {
+    /// Allocate the slot array and register it with `engine` as a completion sink.
+    pub fn new(engine: Rc<Engine>, cfg: LbioConfig) -> Result<Rc<LbioArray>, LbioError> {
+        cfg.validate()?;
+        let n = cfg.slots as usize;
+        let mut slots = Vec::with_capacity(n);
+        slots.resize_with(n, || Lbio::EMPTY);
+        let mut registered: Result<SinkId, CoreError> = Err(CoreError::SinksExhausted(0));
+        let array = Rc::new_cyclic(|weak: &Weak<LbioArray>| {
+            registered = engine.register_sink(weak.clone() as Weak<dyn CompletionSink>);
+            LbioArray {
+                // On a registration failure `new` returns the error before anyone sees this value.
+                sink: *registered.as_ref().unwrap_or(&SinkId(u8::MAX)),
+                engine: Rc::clone(&engine),
+                cfg,
+                inner: RefCell::new(Inner {
+                    slots: slots.into_boxed_slice(),
+                    free: (0..cfg.slots).rev().collect(),
+                    done: VecDeque::with_capacity(n),
+                    devs: (0..cfg.max_devices).map(|_| None).collect(),
+                    slot_waiters: Vec::with_capacity(64),
+                    metrics: LbioMetrics::default(),
+                }),
+                deferred: RefCell::new(VecDeque::with_capacity(n * 2)),
+                has_deferred: Cell::new(false),
+            }
+        });
+        registered?;
+        Ok(array)
+    }
+
+    /// The engine this array submits to.
+    pub fn engine(&self) -> &Rc<Engine> {
+        &self.engine
+    }
+    /// The configuration in force.
+    pub fn config(&self) -> &LbioConfig {
+        &self.cfg
+    }
+    /// A snapshot of the counters.
+    pub fn metrics(&self) -> LbioMetrics {
+        self.inner.borrow().metrics
+    }
+    /// Slots free now.
+    pub fn free_slots(&self) -> u32 {
+        self.inner.borrow().free.len() as u32
+    }
+
+    /// Bytes of per-engine state fixed at start for `slots` slots (AIOS Table 2 counts 192 KiB
+    /// of lbio array per core): the slot array, its free list and its done queue.
+    pub fn static_bytes(slots: u32) -> usize {
+        let n = slots as usize;
+        n * std::mem::size_of::<Lbio>() + n * 4 + n * 4 + n * 2 * std::mem::size_of::<(u32, i32)>()
+    }
+
+    pub(crate) fn add_device(&self, dev: DevState) -> Result<u16, LbioError> {
+        let mut inner = self.inner.borrow_mut();
+        let idx = inner
+            .devs
+            .iter()
+            .position(Option::is_none)
+            .ok_or(LbioError::TooManyDevices {
+                max: self.cfg.max_devices,
+            })?;
+        inner.devs[idx] = Some(DevState {
+            tokens: self.cfg.max_inflight_background,
+            bg_queue: VecDeque::with_capacity(self.cfg.slots as usize),
+            ..dev
+        });
+        Ok(idx as u16)
+    }
+
+    pub(crate) fn new_dev_state(
+        critical: Box<dyn Backend>,
+        background: Box<dyn Backend>,
+        max_transfer: u32,
+    ) -> DevState {
+        DevState {
+            critical,
+            background,
+            max_transfer,
+            tokens: 0,
+            bg_queue: VecDeque::new(),
+            active: 0,
+            closing: false,
+        }
+    }
+
+    /// Close device `idx` once its last request has completed.
+    pub(crate) fn close_device(&self, idx: u16) {
+        let mut inner = self.inner.borrow_mut();
+        if let Some(d) = inner.devs[idx as usize].as_mut() {
+            d.closing = true;
+            if d.active == 0 {
+                inner.devs[idx as usize] = None;
+            }
+        }
+    }
+
+    /// Put `req` in a free slot and start it. On refusal the buffer comes back with the error.
+    pub(crate) fn submit(
+        &self,
+        dev: u16,
+        req: Request,
+        owner: Owner,
+    ) -> Result<Tag, (LbioError, Option<FixedBuf>)> {
+        let r = self.submit_locked(dev, req, owner);
+        self.apply_deferred();
+        r
+    }
+
+    fn submit_locked(
+        &self,
+        dev: u16,
+        req: Request,
+        owner: Owner,
+    ) -> Result<Tag, (LbioError, Option<FixedBuf>)> {
+        let mut guard = self.inner.borrow_mut();
+        let inner = &mut *guard;
+        let Some(tag) = inner.free.pop() else {
+            inner.metrics.slot_exhausted += 1;
+            return Err((
+                LbioError::NoFreeSlot {
+                    slots: self.cfg.slots,
+                },
+                req.buf,
+            ));
+        };
+        let slot = &mut inner.slots[tag as usize];
+        debug_assert_eq!(slot.state, State::Free);
+        *slot = Lbio {
+            state: State::Active,
+            owner,
+            op: req.op,
+            class: req.class,
+            fua: req.fua,
+            issued_all: false,
+            dev,
+            outstanding: 0,
+            offset: req.offset,
+            len: req.len,
+            issued: 0,
+            done: 0,
+            errno: 0,
+            buf: req.buf,
+            waker: None,
+        };
+        inner.metrics.requests += 1;
+        let d = inner.devs[dev as usize]
+            .as_mut()
+            .expect("a Device handle keeps its slot open");
+        d.active += 1;
+        match req.class {
+            Class::Critical => {
+                self.issue_critical(inner, tag);
+                self.finish_if_done(inner, tag);
+            }
+            Class::Background => {
+                let d = inner.devs[dev as usize].as_mut().expect("device is open");
+                if d.tokens == 0 {
+                    inner.metrics.throttled_pieces += 1;
+                }
+                d.bg_queue.push_back(tag);
+                self.pump(inner, dev);
+            }
+        }
+        Ok(Tag(tag))
+    }
+
+    /// Issue every piece of a critical request, split only at the device's max transfer.
+    fn issue_critical(&self, inner: &mut Inner, tag: u32) {
+        let dev = inner.slots[tag as usize].dev as usize;
+        let max = inner.devs[dev].as_ref().expect("device is open").max_transfer;
+        loop {
+            let done = self.issue_piece(inner, tag, max, true);
+            if done {
+                return;
+            }
+        }
+    }
+
+    /// Issue the next piece of slot `tag` (at most `max` bytes). Returns whether every piece has
+    /// now been issued.
+    fn issue_piece(&self, inner: &mut Inner, tag: u32, max: u32, critical: bool) -> bool {
+        let slot = &mut inner.slots[tag as usize];
+        let piece_len = (slot.len - slot.issued).min(max);
+        let ptr = match slot.buf.as_mut() {
+            // SAFETY: `issued + piece_len <= len <= buf.len()` (checked at submission).
+            Some(b) => unsafe { b.as_mut_ptr().add(slot.issued as usize) },
+            None => std::ptr::null_mut(),
+        };
+        let piece = Piece {
+            op: slot.op,
+            offset: slot.offset + slot.issued as u64,
+            ptr,
+            len: piece_len,
+            fua: slot.fua,
+        };
+        slot.issued += piece_len;
+        slot.issued_all = slot.issued == slot.len;
+        if slot.issued_all && slot.issued != piece_len {
+            // More than one piece: count the split once, at the last piece.
+            inner.metrics.split_requests += 1;
+        }
+        let issued_all = slot.issued_all;
+        slot.outstanding += 1;
+        inner.metrics.pieces += 1;
+        let dev = inner.devs[slot.dev as usize].as_ref().expect("device is open");
+        let backend = if critical { &dev.critical } else { &dev.background };
+        // SAFETY: the slot owns the buffer until the request finishes, which needs every piece's
+        // completion; the device's backends stay alive while it has active requests.
+        let started = unsafe { backend.start(&self.engine, self.sink, tag as u64, &piece) };
+        match started {
+            Ok(Started::Queued) => {}
+            Ok(Started::Done(res)) => self.piece_done(inner, tag, res, !critical),
+            Err(e) => {
+                let errno = match &e {
+                    CoreError::Sys { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
+                    _ => libc::EIO,
+                };
+                self.piece_done(inner, tag, -errno, !critical);
+            }
+        }
+        issued_all
+    }
+
+    /// Issue queued background pieces while the device has tokens.
+    fn pump(&self, inner: &mut Inner, dev: u16) {
+        let split = self.cfg.split_bytes;
+        loop {
+            let d = inner.devs[dev as usize].as_mut().expect("device is open");
+            if d.tokens == 0 {
+                return;
+            }
+            let Some(&tag) = d.bg_queue.front() else {
+                return;
+            };
+            d.tokens -= 1;
+            let max = split.min(d.max_transfer);
+            if self.issue_piece(inner, tag, max, false) {
+                let d = inner.devs[dev as usize].as_mut().expect("device is open");
+                d.bg_queue.pop_front();
+                self.finish_if_done(inner, tag);
+            }
+        }
+    }
+
+    /// Account one finished piece; a background piece gives its token back.
+    fn piece_done(&self, inner: &mut Inner, tag: u32, res: i32, background: bool) {
+        let slot = &mut inner.slots[tag as usize];
+        debug_assert!(slot.outstanding > 0);
+        slot.outstanding -= 1;
+        if res < 0 {
+            if slot.errno == 0 {
+                slot.errno = res;
+            }
+        } else {
+            slot.done += res as u32;
+        }
+        if background {
+            let dev = slot.dev as usize;
+            inner.devs[dev].as_mut().expect("device is open").tokens += 1;
+        }
+    }
+
+    /// If every piece of `tag` was issued and completed, hand the request to its owner.
+    fn finish_if_done(&self, inner: &mut Inner, tag: u32) {
+        let slot = &mut inner.slots[tag as usize];
+        if slot.state != State::Active || !slot.issued_all || slot.outstanding > 0 {
+            return;
+        }
+        slot.state = State::Done;
+        if slot.errno != 0 || slot.done != slot.len {
+            inner.metrics.errors += 1;
+        }
+        let dev = slot.dev as usize;
+        match slot.owner {
+            Owner::Future => {
+                if let Some(w) = slot.waker.take() {
+                    w.wake();
+                }
+            }
+            Owner::Blocking => {}
+            Owner::Detached => inner.done.push_back(tag),
+            Owner::Orphaned => self.release(inner, tag),
+        }
+        let d = inner.devs[dev].as_mut().expect("device is open");
+        d.active -= 1;
+        if d.closing && d.active == 0 {
+            inner.devs[dev] = None;
+        }
+    }
+
+    fn release(&self, inner: &mut Inner, tag: u32) {
+        let slot = &mut inner.slots[tag as usize];
+        slot.state = State::Free;
+        slot.buf = None;
+        slot.waker = None;
+        inner.free.push(tag);
+        for w in inner.slot_waiters.drain(..) {
+            w.wake();
+        }
+    }
+
+    fn result_of(slot: &Lbio) -> Result<u32, LbioError> {
+        if slot.errno != 0 {
+            Err(LbioError::Io {
+                op: slot.op,
+                offset: slot.offset,
+                len: slot.len,
+                source: std::io::Error::from_raw_os_error(-slot.errno),
+            })
+        } else if slot.done != slot.len {
+            Err(LbioError::Short {
+                op: slot.op,
+                offset: slot.offset,
+                done: slot.done,
+                len: slot.len,
+            })
+        } else {
+            Ok(slot.len)
+        }
+    }
+
+    /// If request `tag` is done, free its slot and return its completion.
+    pub(crate) fn try_take(&self, tag: Tag) -> Option<Completion> {
+        let mut inner = self.inner.borrow_mut();
+        let inner = &mut *inner;
+        let slot = &mut inner.slots[tag.0 as usize];
+        if slot.state != State::Done {
+            return None;
+        }
+        let result = Self::result_of(slot);
+        let buf = slot.buf.take();
+        self.release(inner, tag.0);
+        Some(Completion { tag, result, buf })
+    }
+
+    /// Remember `waker` for request `tag` (a future waiting on it).
+    pub(crate) fn set_waker(&self, tag: Tag, waker: &Waker) {
+        let mut inner = self.inner.borrow_mut();
+        let slot = &mut inner.slots[tag.0 as usize];
+        match &slot.waker {
+            Some(w) if w.will_wake(waker) => {}
+            _ => slot.waker = Some(waker.clone()),
+        }
+    }
+
+    /// Wake `waker` when a slot frees up.
+    pub(crate) fn wait_for_slot(&self, waker: &Waker) {
+        self.inner.borrow_mut().slot_waiters.push(waker.clone());
+    }
+
+    /// The future for `tag` was dropped: free the slot now if done, else when the I/O ends.
+    pub(crate) fn orphan(&self, tag: Tag) {
+        let mut inner = self.inner.borrow_mut();
+        let inner = &mut *inner;
+        let slot = &mut inner.slots[tag.0 as usize];
+        match slot.state {
+            State::Done => self.release(inner, tag.0),
+            State::Active => {
+                slot.owner = Owner::Orphaned;
+                slot.waker = None;
+            }
+            State::Free => {}
+        }
+    }
+
+    /// Next finished detached request (submitted with [`Device::submit`](crate::Device::submit)),
+    /// without waiting.
+    pub fn take_done(&self) -> Option<Completion> {
+        self.apply_deferred();
+        let tag = self.inner.borrow_mut().done.pop_front()?;
+        self.try_take(Tag(tag))
+    }
+
+    /// Detached requests finished and not yet taken.
+    pub fn done_len(&self) -> usize {
+        self.inner.borrow().done.len()
+    }
+
+    /// Submit what is queued and wait until at least `min` detached requests are done (fewer if
+    /// fewer are in flight).
+    pub fn wait_done(&self, min: usize) -> Result<(), LbioError> {
+        loop {
+            self.apply_deferred();
+            if self.done_len() >= min || !self.engine.has_work() {
+                return Ok(());
+            }
+            self.engine.wait(1)?;
+        }
+    }
+
+    fn apply_deferred(&self) {
+        if !self.has_deferred.get() {
+            return;
+        }
+        loop {
+            let next = self.deferred.borrow_mut().pop_front();
+            match next {
+                Some((tag, res)) => self.complete_piece(tag, res),
+                None => break,
+            }
+        }
+        self.has_deferred.set(false);
+    }
+
+    fn complete_piece(&self, tag: u32, res: i32) {
+        let mut guard = self.inner.borrow_mut();
+        let inner = &mut *guard;
+        let slot = &inner.slots[tag as usize];
+        let dev = slot.dev;
+        let background = slot.class == Class::Background;
+        self.piece_done(inner, tag, res, background);
+        self.finish_if_done(inner, tag);
+        if background {
+            self.pump(inner, dev);
+        }
+    }
+}
+
+impl CompletionSink for LbioArray {
+    fn complete(&self, payload: u64, result: i32, _flags: u32) {
+        let tag = payload as u32;
+        if self.inner.try_borrow_mut().is_err() {
+            // The engine reaped inside one of our own pushes: apply it when that borrow ends.
+            self.deferred.borrow_mut().push_back((tag, result));
+            self.has_deferred.set(true);
+            return;
+        }
+        self.complete_piece(tag, result);
+    }
+}

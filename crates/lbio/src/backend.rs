@@ -1,0 +1,290 @@
+//! Backends: how one piece of a request reaches a device. One trait, capabilities declared.
+
+use std::cell::UnsafeCell;
+use std::fmt;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::rc::Rc;
+
+use aios_core::{engine, CoreError, Engine, FixedFile, RingKind, SinkId};
+
+/// What a request does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    Read,
+    Write,
+    /// Make completed writes durable (`fdatasync` / NVMe FLUSH).
+    Flush,
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Op::Read => "read",
+            Op::Write => "write",
+            Op::Flush => "flush",
+        })
+    }
+}
+
+/// What a backend can do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Caps {
+    /// Short name, for reports.
+    pub name: &'static str,
+    /// Completes through the engine's rings (a CQE per piece); otherwise inline at start.
+    pub asynchronous: bool,
+    /// Honours `fua` on writes.
+    pub fua: bool,
+    /// Supports `Op::Flush`.
+    pub flush: bool,
+    /// Reads and writes go to the engine's IOPOLL ring.
+    pub iopoll: bool,
+}
+
+/// One device command: a whole request, or one piece of a split one.
+#[derive(Clone, Copy, Debug)]
+pub struct Piece {
+    pub op: Op,
+    pub offset: u64,
+    pub ptr: *mut u8,
+    pub len: u32,
+    pub fua: bool,
+}
+
+/// How a piece was started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Started {
+    /// A completion will reach the sink with this piece's tag.
+    Queued,
+    /// Finished inline: bytes transferred, or a negative errno.
+    Done(i32),
+}
+
+/// A device lbio can send pieces to.
+pub trait Backend {
+    /// What this backend can do.
+    fn caps(&self) -> Caps;
+
+    /// Start `piece`. Asynchronous backends push an SQE for `sink` tagged `tag` and return
+    /// [`Started::Queued`]; synchronous ones do the work and return [`Started::Done`].
+    ///
+    /// # Safety
+    /// `piece.ptr` must be valid for `piece.len` bytes (writable for reads) and untouched by
+    /// anyone else until the piece completes: until `start` returns for `Done`, or until its
+    /// completion has been dispatched for `Queued`.
+    unsafe fn start(
+        &self,
+        engine: &Engine,
+        sink: SinkId,
+        tag: u64,
+        piece: &Piece,
+    ) -> Result<Started, CoreError>;
+}
+
+struct RegisteredFile {
+    fd: Rc<OwnedFd>,
+    fixed: FixedFile,
+    engine: Rc<Engine>,
+}
+
+impl Drop for RegisteredFile {
+    fn drop(&mut self) {
+        self.engine.unregister_file(self.fixed);
+    }
+}
+
+/// A regular file or block device opened `O_DIRECT`, driven through io_uring with
+/// `ReadFixed`/`WriteFixed` on the registered arena; `fdatasync` for flush; `RWF_DSYNC` writes as
+/// FUA.
+#[derive(Clone)]
+pub struct FileBackend {
+    file: Rc<RegisteredFile>,
+    ring: RingKind,
+}
+
+impl FileBackend {
+    /// Register `fd` (opened `O_DIRECT`) with the engine. With `iopoll`, reads and writes go to the
+    /// engine's IOPOLL ring (the engine must have one).
+    pub fn new(engine: &Rc<Engine>, fd: Rc<OwnedFd>, iopoll: bool) -> Result<Self, CoreError> {
+        if iopoll && !engine.has_iopoll_ring() {
+            return Err(CoreError::Config(
+                "an IOPOLL route needs EngineConfig { iopoll_ring: true, .. }".into(),
+            ));
+        }
+        let fixed = engine.register_file(fd.as_raw_fd())?;
+        Ok(FileBackend {
+            file: Rc::new(RegisteredFile {
+                fd,
+                fixed,
+                engine: Rc::clone(engine),
+            }),
+            ring: if iopoll { RingKind::Iopoll } else { RingKind::Main },
+        })
+    }
+
+    /// The underlying descriptor.
+    pub fn fd(&self) -> &Rc<OwnedFd> {
+        &self.file.fd
+    }
+}
+
+impl Backend for FileBackend {
+    fn caps(&self) -> Caps {
+        Caps {
+            name: if self.ring == RingKind::Iopoll {
+                "io_uring-iopoll"
+            } else {
+                "io_uring"
+            },
+            asynchronous: true,
+            fua: true,
+            flush: true,
+            iopoll: self.ring == RingKind::Iopoll,
+        }
+    }
+
+    unsafe fn start(
+        &self,
+        engine: &Engine,
+        sink: SinkId,
+        tag: u64,
+        piece: &Piece,
+    ) -> Result<Started, CoreError> {
+        let f = self.file.fixed;
+        let (ring, sqe) = match piece.op {
+            Op::Read => (self.ring, engine::read_fixed(f, piece.ptr, piece.len, piece.offset)),
+            Op::Write => (
+                self.ring,
+                engine::write_fixed(f, piece.ptr, piece.len, piece.offset, piece.fua),
+            ),
+            // fsync cannot be polled: it always goes to the main ring.
+            Op::Flush => (RingKind::Main, engine::fdatasync(f)),
+        };
+        // SAFETY: the caller guarantees the buffer until completion; the registered file lives in
+        // `self.file`, which the device keeps until all its requests have completed.
+        unsafe { engine.push(ring, sink, tag, sqe) }?;
+        Ok(Started::Queued)
+    }
+}
+
+/// `pread`/`pwrite` on the caller's thread: the SyncPath for devices where io_uring punts reads
+/// to its worker threads (then a plain system call is several times faster).
+#[derive(Clone)]
+pub struct SyncBackend {
+    fd: Rc<OwnedFd>,
+}
+
+impl SyncBackend {
+    /// Use `fd` (opened `O_DIRECT`) synchronously.
+    pub fn new(fd: Rc<OwnedFd>) -> Self {
+        SyncBackend { fd }
+    }
+}
+
+fn neg_errno(e: std::io::Error) -> i32 {
+    -e.raw_os_error().unwrap_or(libc::EIO)
+}
+
+impl Backend for SyncBackend {
+    fn caps(&self) -> Caps {
+        Caps {
+            name: "sync",
+            asynchronous: false,
+            fua: true,
+            flush: true,
+            iopoll: false,
+        }
+    }
+
+    unsafe fn start(
+        &self,
+        _engine: &Engine,
+        _sink: SinkId,
+        _tag: u64,
+        piece: &Piece,
+    ) -> Result<Started, CoreError> {
+        let fd = self.fd.as_raw_fd();
+        let len = piece.len as usize;
+        let r = match piece.op {
+            // SAFETY: the caller guarantees `ptr..ptr+len` for the duration of this call.
+            Op::Read => unsafe { aios_core::sys::pread_raw(fd, piece.ptr, len, piece.offset) },
+            // SAFETY: as above, read-only use.
+            Op::Write => unsafe {
+                aios_core::sys::pwrite_raw(fd, piece.ptr, len, piece.offset, piece.fua)
+            },
+            Op::Flush => aios_core::sys::fdatasync(fd).map(|()| 0),
+        };
+        Ok(Started::Done(match r {
+            Ok(n) => n as i32,
+            Err(e) => neg_errno(e),
+        }))
+    }
+}
+
+/// RAM as a device: for tests, and for measuring lbio's own software cost.
+pub struct MemBackend {
+    mem: UnsafeCell<Box<[u8]>>,
+    len: usize,
+}
+
+impl MemBackend {
+    /// A zero-filled device of `bytes` bytes.
+    pub fn new(bytes: usize) -> Self {
+        MemBackend {
+            mem: UnsafeCell::new(vec![0u8; bytes].into_boxed_slice()),
+            len: bytes,
+        }
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the device has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Backend for MemBackend {
+    fn caps(&self) -> Caps {
+        Caps {
+            name: "memory",
+            asynchronous: false,
+            fua: true,
+            flush: true,
+            iopoll: false,
+        }
+    }
+
+    unsafe fn start(
+        &self,
+        _engine: &Engine,
+        _sink: SinkId,
+        _tag: u64,
+        piece: &Piece,
+    ) -> Result<Started, CoreError> {
+        // SAFETY: `MemBackend` is !Sync and `start` is not re-entrant, so this is the only live
+        // reference to the memory.
+        let mem = unsafe { &mut *self.mem.get() };
+        let off = piece.offset as usize;
+        let len = piece.len as usize;
+        if off.checked_add(len).is_none_or(|end| end > mem.len()) {
+            return Ok(Started::Done(-libc::EINVAL));
+        }
+        match piece.op {
+            // SAFETY: the caller guarantees `ptr..ptr+len` is ours; it cannot overlap `mem`, a
+            // separate heap allocation.
+            Op::Read => unsafe {
+                std::ptr::copy_nonoverlapping(mem.as_ptr().add(off), piece.ptr, len)
+            },
+            // SAFETY: as above, in the other direction.
+            Op::Write => unsafe {
+                std::ptr::copy_nonoverlapping(piece.ptr, mem.as_mut_ptr().add(off), len)
+            },
+            Op::Flush => {}
+        }
+        Ok(Started::Done(len as i32))
+    }
+}

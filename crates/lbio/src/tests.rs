@@ -1,0 +1,1 @@
+//! Unit tests of the slot array, classes and backends.
