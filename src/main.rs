@@ -1,1 +1,538 @@
-fn main(){}
+//! `aios`: probe devices, benchmark lbio against fio, and run the demo.
+#![forbid(unsafe_code)]
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::rc::Rc;
+
+use aios::bench::compare::{check_write_allowed, run_comparison, Comparison, Contender, Progress};
+use aios::bench::fio::{fio_version, FioEngine};
+use aios::bench::report::{parse_bytes, plot_cdf, print_header, print_json, print_row};
+use aios::bench::{BenchError, Rw, Sample, Workload};
+use aios::core::{probe, CompletionMode, DeviceProbe, Engine, EngineConfig, ProbeOptions};
+use aios::lbio::{Class, Device, DeviceConfig, LbioArray, LbioConfig, RouteChoice};
+use aios::target::Target;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Parser)]
+#[command(name = "aios", version, about = "An io_uring storage runtime for NVMe SSDs")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run a short lbio-vs-fio comparison and write a report (JSON + latency CDF plots).
+    Demo(DemoArgs),
+    /// Probe a device: alignment, max transfer, IOPOLL, and the fastest path per request class.
+    Probe {
+        /// Block device or file.
+        path: PathBuf,
+        /// One JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Latency samples per path for the inline-vs-punted measurement.
+        #[arg(long, default_value_t = 300)]
+        samples: u32,
+    },
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// lbio on a device, optionally side by side with fio.
+    Lbio(LbioArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum RouteArg {
+    Auto,
+    Ring,
+    Sync,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ClassArg {
+    Critical,
+    Background,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum CompletionArg {
+    /// Sleep in io_uring_enter until completions arrive.
+    Wait,
+    /// Spin on the completion queue (no wake-up latency; burns the core while waiting).
+    Poll,
+}
+
+#[derive(Args)]
+struct LbioArgs {
+    /// `ull` (a loop device over /dev/shm, created and removed by the bench; needs root), an
+    /// existing block device or file, or a new file path (created with --size, then removed).
+    #[arg(long, default_value = "ull")]
+    device: String,
+    #[arg(long, value_enum, default_value = "randread")]
+    rw: Rw,
+    /// Block size (4k, 64k, 1m, ...).
+    #[arg(long, default_value = "4k", value_parser = parse_bytes)]
+    bs: u32,
+    /// Queue depth (requests in flight).
+    #[arg(long, default_value_t = 1)]
+    qd: u32,
+    /// Seconds per run.
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// Rounds (default 1, or 5 with --vs-fio).
+    #[arg(long)]
+    rounds: Option<u32>,
+    /// Also run fio (io_uring with fixedbufs+registerfiles, and psync at QD1) in alternating
+    /// rounds and report ours ÷ fio.
+    #[arg(long)]
+    vs_fio: bool,
+    /// One JSON object per line instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Route for critical requests (auto = what the probe measured fastest).
+    #[arg(long, value_enum, default_value = "auto")]
+    route: RouteArg,
+    /// Request class.
+    #[arg(long, value_enum, default_value = "critical")]
+    class: ClassArg,
+    /// How to wait for completions.
+    #[arg(long, value_enum, default_value = "poll")]
+    completion: CompletionArg,
+    /// Size of a file the bench creates (when --device names a path that does not exist).
+    #[arg(long, default_value = "256m", value_parser = parse_size)]
+    size: u64,
+    /// Bytes of the device the offsets cover (default: all of it).
+    #[arg(long, value_parser = parse_size)]
+    span: Option<u64>,
+    /// Allow write workloads on an existing device or file (its data is overwritten).
+    #[arg(long)]
+    destructive: bool,
+    /// lbio request slots.
+    #[arg(long, default_value_t = 1024)]
+    slots: u32,
+    /// Write a latency CDF plot (PNG or SVG by extension) of the median runs.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    /// Where the report goes.
+    #[arg(long, default_value = "aios-report")]
+    out: PathBuf,
+    /// Seconds per run.
+    #[arg(long, default_value_t = 2.0)]
+    seconds: f64,
+    /// Rounds per comparison.
+    #[arg(long, default_value_t = 3)]
+    rounds: u32,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim().to_ascii_lowercase();
+    let (n, mul) = match t.chars().last() {
+        Some('k') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('m') => (&t[..t.len() - 1], 1 << 20),
+        Some('g') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t.as_str(), 1),
+    };
+    n.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mul))
+        .filter(|v| *v > 0)
+        .ok_or_else(|| format!("'{s}' is not a size like 256m or 1g"))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Probe {
+            path,
+            json,
+            samples,
+        } => cmd_probe(&path, json, samples),
+        Cmd::Bench(BenchCmd::Lbio(a)) => cmd_bench_lbio(a),
+        Cmd::Demo(a) => cmd_demo(a),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("aios: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn probe_json(p: &DeviceProbe) -> serde_json::Value {
+    serde_json::json!({
+        "path": p.path,
+        "kind": p.kind.to_string(),
+        "fs_type": p.fs_type,
+        "capacity_bytes": p.capacity_bytes,
+        "logical_block": p.logical_block,
+        "dio_mem_align": p.dio.map(|d| d.mem_align),
+        "dio_offset_align": p.dio.map(|d| d.offset_align),
+        "dio_source": p.dio_source,
+        "max_transfer_bytes": p.max_transfer_bytes,
+        "max_transfer_source": p.max_transfer_source,
+        "rotational": p.rotational,
+        "iopoll": p.iopoll.is_ok(),
+        "iopoll_reason": p.iopoll.as_ref().err(),
+        "uring_qd1_us": p.latency.map(|l| l.uring_qd1_ns / 1000.0),
+        "pread_qd1_us": p.latency.map(|l| l.pread_ns / 1000.0),
+        "punts_to_io_wq": p.latency.map(|l| l.punts()),
+        "critical_route": p.critical.route.to_string(),
+        "critical_reason": p.critical.reason,
+        "background_route": p.background.route.to_string(),
+        "background_reason": p.background.reason,
+    })
+}
+
+fn cmd_probe(path: &Path, json: bool, samples: u32) -> Result<(), BenchError> {
+    if !path.exists() {
+        return Err(BenchError::Setup(format!("{}: no such device or file", path.display())));
+    }
+    let p = probe(
+        path,
+        ProbeOptions {
+            latency_samples: samples,
+            try_iopoll: true,
+        },
+    )?;
+    let mut out = std::io::stdout().lock();
+    if json {
+        writeln!(out, "{}", probe_json(&p)).map_err(io_err)?;
+        return Ok(());
+    }
+    let w = |out: &mut std::io::StdoutLock<'_>, k: &str, v: String| writeln!(out, "{k:<22} {v}");
+    w(&mut out, "device", p.path.display().to_string()).map_err(io_err)?;
+    w(&mut out, "kind", match &p.fs_type {
+        Some(fs) => format!("{} on {fs}", p.kind),
+        None => p.kind.to_string(),
+    })
+    .map_err(io_err)?;
+    w(&mut out, "capacity", format!("{} bytes", p.capacity_bytes)).map_err(io_err)?;
+    w(&mut out, "logical block", format!("{} bytes", p.logical_block)).map_err(io_err)?;
+    w(&mut out, "direct I/O", match p.dio {
+        Some(d) => format!(
+            "buffer align {} B, offset/length align {} B ({})",
+            d.mem_align, d.offset_align, p.dio_source
+        ),
+        None => format!("unavailable: {}", p.dio_source),
+    })
+    .map_err(io_err)?;
+    w(&mut out, "max transfer", format!(
+        "{} KiB ({})",
+        p.max_transfer_bytes / 1024,
+        p.max_transfer_source
+    ))
+    .map_err(io_err)?;
+    w(&mut out, "rotational", p.rotational.map_or("unknown".into(), |r| r.to_string()))
+        .map_err(io_err)?;
+    w(&mut out, "IOPOLL", match &p.iopoll {
+        Ok(()) => "available (a polled read completed)".to_string(),
+        Err(why) => format!("unavailable: {why}"),
+    })
+    .map_err(io_err)?;
+    if let Some(l) = p.latency {
+        w(&mut out, "QD1 4k read", format!(
+            "io_uring {:.1} us, pread {:.1} us (median of {}) → {}",
+            l.uring_qd1_ns / 1000.0,
+            l.pread_ns / 1000.0,
+            l.samples,
+            if l.punts() {
+                "io_uring punts to io-wq"
+            } else {
+                "io_uring completes inline"
+            }
+        ))
+        .map_err(io_err)?;
+    }
+    w(&mut out, "critical path", format!("{} — {}", p.critical.route, p.critical.reason))
+        .map_err(io_err)?;
+    w(&mut out, "background path", format!("{} — {}", p.background.route, p.background.reason))
+        .map_err(io_err)?;
+    Ok(())
+}
+
+fn io_err(e: std::io::Error) -> BenchError {
+    BenchError::Setup(format!("writing output: {e}"))
+}
+
+struct Stack {
+    engine: Rc<Engine>,
+    _lbio: Rc<LbioArray>,
+    dev: Device,
+}
+
+fn open_stack(
+    path: &Path,
+    bs: u32,
+    qd: u32,
+    slots: u32,
+    route: RouteChoice,
+    write: bool,
+) -> Result<Stack, BenchError> {
+    if qd > slots {
+        return Err(lbio::LbioError::QueueDepth { qd, slots }.into());
+    }
+    let arena = (bs as usize * qd as usize + (1 << 20)).next_power_of_two().max(4 << 20);
+    let engine = Engine::new(EngineConfig {
+        arena_bytes: arena.min(1 << 30),
+        ring_entries: slots.next_power_of_two().clamp(64, 4096),
+        ..EngineConfig::default()
+    })?;
+    let lbio = LbioArray::new(
+        Rc::clone(&engine),
+        LbioConfig {
+            slots,
+            ..LbioConfig::default()
+        },
+    )?;
+    let dev = Device::open(
+        &lbio,
+        path,
+        DeviceConfig {
+            write,
+            route,
+            ..DeviceConfig::default()
+        },
+    )?;
+    Ok(Stack {
+        engine,
+        _lbio: lbio,
+        dev,
+    })
+}
+
+fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
+    if a.seconds <= 0.0 || !a.seconds.is_finite() {
+        return Err(BenchError::Invalid(format!("--seconds {} must be > 0", a.seconds)));
+    }
+    if a.qd == 0 || a.qd > a.slots {
+        return Err(lbio::LbioError::QueueDepth {
+            qd: a.qd,
+            slots: a.slots,
+        }
+        .into());
+    }
+    let fio = if a.vs_fio {
+        Some(fio_version().ok_or_else(|| {
+            BenchError::Setup("--vs-fio needs fio on the PATH (apt-get install fio)".into())
+        })?)
+    } else {
+        None
+    };
+    let target = Target::prepare(&a.device, a.size)?;
+    let write = !a.rw.is_read();
+    if write {
+        check_write_allowed(target.path(), target.created_here(), a.destructive)?;
+    }
+    let route = match a.route {
+        RouteArg::Auto => RouteChoice::Auto,
+        RouteArg::Ring => RouteChoice::Ring,
+        RouteArg::Sync => RouteChoice::Sync,
+    };
+    let stack = open_stack(target.path(), a.bs, a.qd, a.slots, route, write)?;
+    let g = *stack.dev.geometry();
+    let span = a.span.unwrap_or(g.capacity_bytes).min(g.capacity_bytes);
+    let mut contenders = vec![Contender::Lbio];
+    if fio.is_some() {
+        contenders.push(Contender::Fio(FioEngine::IoUring));
+        if a.qd == 1 {
+            contenders.push(Contender::Fio(FioEngine::Psync));
+        }
+    }
+    let rounds = a.rounds.unwrap_or(if a.vs_fio { 5 } else { 1 }).max(1);
+    let cmp = Comparison {
+        dev: &stack.dev,
+        path: target.path().to_path_buf(),
+        span,
+        workload: Workload {
+            rw: a.rw,
+            bs: a.bs,
+            qd: a.qd,
+            seconds: a.seconds,
+        },
+        contenders,
+        rounds,
+        class: match a.class {
+            ClassArg::Critical => Class::Critical,
+            ClassArg::Background => Class::Background,
+        },
+        completion: match a.completion {
+            CompletionArg::Wait => CompletionMode::Wait,
+            CompletionArg::Poll => CompletionMode::BusyPoll,
+        },
+    };
+    let progress = Progress::new(false);
+    if !a.json {
+        eprintln!("device: {}", target.describe());
+        let (c, why) = stack.dev.critical_route();
+        eprintln!("critical route: {} — {why}", c.name);
+        if let Some(v) = &fio {
+            eprintln!("anchor: {v}");
+        }
+        print_header(&mut std::io::stdout()).map_err(io_err)?;
+    }
+    let json = a.json;
+    let mut emit = |s: &Sample| {
+        let mut out = std::io::stdout().lock();
+        let _ = if json {
+            print_json(&mut out, s)
+        } else {
+            print_row(&mut out, s)
+        };
+    };
+    let (_, meds) = run_comparison(&cmp, &progress, "bench", &mut emit)?;
+    if rounds > 1 {
+        for s in &meds {
+            emit(s);
+        }
+    }
+    if let Some(p) = &a.plot {
+        let refs: Vec<&Sample> = meds.iter().collect();
+        plot_cdf(p, &format!("{} {} QD{} on {}", a.rw.name(), a.bs, a.qd, a.device), &refs)?;
+        eprintln!("plot: {}", p.display());
+    }
+    let m = stack.engine.metrics();
+    if !a.json {
+        eprintln!(
+            "engine: {} SQEs, {} io_uring_enter calls, ring flags [{}]",
+            m.sqes,
+            m.enters,
+            stack.engine.ring_setup().applied.join(" ")
+        );
+    }
+    Ok(())
+}
+
+fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
+    std::fs::create_dir_all(&a.out)
+        .map_err(|e| BenchError::Setup(format!("creating {}: {e}", a.out.display())))?;
+    let fio = fio_version();
+    let progress = Progress::new(false);
+    println!("aios demo — lbio (aios' lightweight block layer on io_uring) against its anchors");
+    match &fio {
+        Some(v) => println!("anchor: {v} (io_uring with fixedbufs+registerfiles, and psync)"),
+        None => println!(
+            "anchor: fio is not installed, so lbio is compared with the project's own pread \
+             loop.\n        Add the fio column with: apt-get install fio   (then run the demo again)"
+        ),
+    }
+    let target = if aios::core::sys::is_root() {
+        progress.step("creating the ull device (1 GiB image in /dev/shm, loop with direct I/O)");
+        Target::prepare("ull", 0)?
+    } else {
+        let dir = std::env::temp_dir();
+        progress.step(&format!("not root: using a 256 MiB scratch file in {}", dir.display()));
+        Target::scratch(&dir, "aios-demo", 256 << 20)?
+    };
+    progress.done();
+    println!("device: {}", target.describe());
+
+    let mut all: Vec<Sample> = Vec::new();
+    let mut medians: Vec<Vec<Sample>> = Vec::new();
+    let anchors_qd1 = match &fio {
+        Some(_) => vec![
+            Contender::Lbio,
+            Contender::Fio(FioEngine::IoUring),
+            Contender::Fio(FioEngine::Psync),
+        ],
+        None => vec![Contender::Lbio, Contender::Pread],
+    };
+    let mut sections: Vec<(String, Target, u32, Vec<Contender>)> = Vec::new();
+    sections.push(("4k random read, QD1".into(), target, 1, anchors_qd1.clone()));
+    let tmpfs = Target::scratch(Path::new("/dev/shm"), "aios-demo-tmpfs", 256 << 20)?;
+    for (title, t, qd, contenders) in [
+        (
+            "4k random read, QD32".to_string(),
+            None,
+            32,
+            if fio.is_some() {
+                vec![Contender::Lbio, Contender::Fio(FioEngine::IoUring)]
+            } else {
+                vec![Contender::Lbio]
+            },
+        ),
+        (
+            "4k random read, QD1, file in /dev/shm (io_uring punts: automatic SyncPath)"
+                .to_string(),
+            Some(tmpfs),
+            1,
+            anchors_qd1,
+        ),
+    ] {
+        match t {
+            Some(t) => sections.push((title, t, qd, contenders)),
+            None => {
+                let same = Target::Existing(sections[0].1.path().to_path_buf());
+                sections.push((title, same, qd, contenders));
+            }
+        }
+    }
+    for (title, t, qd, contenders) in &sections {
+        println!("\n== {title} — {}", t.path().display());
+        let stack = open_stack(t.path(), 4096, *qd, 1024, RouteChoice::Auto, false)?;
+        let (c, why) = stack.dev.critical_route();
+        println!("   lbio critical route: {} — {why}", c.name);
+        let g = *stack.dev.geometry();
+        let cmp = Comparison {
+            dev: &stack.dev,
+            path: t.path().to_path_buf(),
+            span: g.capacity_bytes,
+            workload: Workload {
+                rw: Rw::RandRead,
+                bs: 4096,
+                qd: *qd,
+                seconds: a.seconds,
+            },
+            contenders: contenders.clone(),
+            rounds: a.rounds,
+            class: Class::Critical,
+            completion: CompletionMode::BusyPoll,
+        };
+        let (samples, meds) = run_comparison(&cmp, &progress, title, &mut |_| {})?;
+        print_header(&mut std::io::stdout()).map_err(io_err)?;
+        for s in &meds {
+            print_row(&mut std::io::stdout(), s).map_err(io_err)?;
+        }
+        all.extend(samples);
+        medians.push(meds);
+    }
+    // `Existing` aliases of the ull device must not outlive it: drop sections in reverse.
+    while sections.pop().is_some() {}
+
+    let jsonl = a.out.join("demo.jsonl");
+    let mut f = std::fs::File::create(&jsonl)
+        .map_err(|e| BenchError::Setup(format!("creating {}: {e}", jsonl.display())))?;
+    for s in all.iter().chain(medians.iter().flatten()) {
+        print_json(&mut f, s).map_err(io_err)?;
+    }
+    let mut written = vec![jsonl.display().to_string()];
+    for (i, name) in [(0usize, "latency_cdf"), (2, "latency_cdf_tmpfs")] {
+        if let Some(m) = medians.get(i) {
+            let refs: Vec<&Sample> = m.iter().collect();
+            for ext in ["png", "svg"] {
+                let p = a.out.join(format!("{name}.{ext}"));
+                let title = if i == 0 {
+                    "4k random read QD1 — latency CDF"
+                } else {
+                    "4k random read QD1, /dev/shm file — latency CDF"
+                };
+                plot_cdf(&p, title, &refs)?;
+                written.push(p.display().to_string());
+            }
+        }
+    }
+    println!("\nmedians of {} rounds of {:.0} s each; 'vs fio' = lbio mean latency ÷ fio io_uring's (\"ps\": ÷ psync/pread)", a.rounds, a.seconds);
+    println!("report: {}", written.join(", "));
+    Ok(())
+}

@@ -164,6 +164,18 @@ pub unsafe fn pwrite_raw(
     Ok(rc as usize)
 }
 
+/// `pread` into a slice (for direct I/O the slice must meet the device's alignment).
+pub fn pread_into(fd: RawFd, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    // SAFETY: the slice is valid and writable for its whole length during the call.
+    unsafe { pread_raw(fd, buf.as_mut_ptr(), buf.len(), offset) }
+}
+
+/// `pwritev2` from a slice, with `RWF_DSYNC` when `dsync` is set.
+pub fn pwrite_from(fd: RawFd, buf: &[u8], offset: u64, dsync: bool) -> io::Result<usize> {
+    // SAFETY: the slice is valid and readable for its whole length during the call.
+    unsafe { pwrite_raw(fd, buf.as_ptr(), buf.len(), offset, dsync) }
+}
+
 /// `fdatasync` on an open descriptor.
 pub fn fdatasync(fd: RawFd) -> io::Result<()> {
     // SAFETY: plain syscall on a descriptor the caller owns.
@@ -210,6 +222,12 @@ pub fn has_cap_ipc_lock() -> bool {
         .find_map(|l| l.strip_prefix("CapEff:"))
         .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
         .is_some_and(|caps| caps & (1 << CAP_IPC_LOCK) != 0)
+}
+
+/// Whether the process runs as root (effective uid 0).
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no arguments and cannot fail.
+    unsafe { libc::geteuid() == 0 }
 }
 
 /// A non-blocking, close-on-exec eventfd.

@@ -1,0 +1,207 @@
+//! Side-by-side comparison: lbio and its anchors on the same device, in alternating rounds, with
+//! ratios taken within each round and summarised as medians (DESIGN.md "Measuring").
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+
+use aios_core::CompletionMode;
+use lbio::{Class, Device};
+
+use crate::bench::fio::{run_fio, FioEngine};
+use crate::bench::{median, run_lbio, run_pread, BenchError, LbioRunOptions, Sample, Workload};
+
+/// One side of a comparison.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Contender {
+    Lbio,
+    Fio(FioEngine),
+    /// The project's own `pread` loop (used when fio is not installed).
+    Pread,
+}
+
+/// What to compare.
+pub struct Comparison<'a> {
+    pub dev: &'a Device,
+    pub path: PathBuf,
+    pub span: u64,
+    pub workload: Workload,
+    pub contenders: Vec<Contender>,
+    pub rounds: u32,
+    pub class: Class,
+    pub completion: CompletionMode,
+}
+
+/// Progress on stderr: one rewritten line on a terminal, plain lines otherwise.
+pub struct Progress {
+    tty: bool,
+    quiet: bool,
+}
+
+impl Progress {
+    pub fn new(quiet: bool) -> Progress {
+        Progress {
+            tty: std::io::stderr().is_terminal(),
+            quiet,
+        }
+    }
+    pub fn step(&self, msg: &str) {
+        if self.quiet {
+            return;
+        }
+        let mut e = std::io::stderr();
+        if self.tty {
+            let _ = write!(e, "\r\x1b[2K{msg}");
+        } else {
+            let _ = writeln!(e, "{msg}");
+        }
+        let _ = e.flush();
+    }
+    pub fn done(&self) {
+        if self.tty && !self.quiet {
+            let _ = write!(std::io::stderr(), "\r\x1b[2K");
+        }
+    }
+}
+
+fn run_one(c: &Comparison<'_>, who: Contender) -> Result<Sample, BenchError> {
+    match who {
+        Contender::Lbio => run_lbio(
+            c.dev,
+            &c.workload,
+            LbioRunOptions {
+                class: c.class,
+                completion: c.completion,
+                span: c.span,
+            },
+        ),
+        Contender::Fio(e) => run_fio(&c.path, c.span, &c.workload, e),
+        Contender::Pread => run_pread(&c.path, &c.workload, c.span),
+    }
+}
+
+/// Run every contender once per round, rotating who goes first; each sample is handed to
+/// `emit` as soon as its round is complete (with its ratios). Returns all samples and the
+/// per-contender medians.
+pub fn run_comparison(
+    c: &Comparison<'_>,
+    progress: &Progress,
+    label: &str,
+    emit: &mut dyn FnMut(&Sample),
+) -> Result<(Vec<Sample>, Vec<Sample>), BenchError> {
+    let n = c.contenders.len();
+    let mut all: Vec<Sample> = Vec::new();
+    for round in 0..c.rounds {
+        let mut this_round: Vec<Sample> = Vec::with_capacity(n);
+        for i in 0..n {
+            let who = c.contenders[(i + round as usize) % n];
+            progress.step(&format!(
+                "{label} round {}/{} · {} · {} bs={} qd={} · {:.0}s",
+                round + 1,
+                c.rounds,
+                name(who),
+                c.workload.rw.name(),
+                c.workload.bs,
+                c.workload.qd,
+                c.workload.seconds
+            ));
+            let mut s = run_one(c, who)?;
+            s.round = Some(round + 1);
+            s.device = Some(c.path.display().to_string());
+            this_round.push(s);
+        }
+        add_ratios(&mut this_round);
+        progress.done();
+        for s in &this_round {
+            emit(s);
+        }
+        all.extend(this_round);
+    }
+    Ok((all.clone(), medians(&all, c)))
+}
+
+fn name(c: Contender) -> &'static str {
+    match c {
+        Contender::Lbio => "lbio",
+        Contender::Fio(e) => e.label(),
+        Contender::Pread => "pread",
+    }
+}
+
+/// Ratios of lbio samples against the anchors of the same round.
+fn add_ratios(round: &mut [Sample]) {
+    let find = |engine: &str| round.iter().find(|s| s.engine == engine).cloned();
+    let uring = find("fio-io_uring");
+    let psync = find("fio-psync").or_else(|| find("pread"));
+    for s in round.iter_mut().filter(|s| s.engine.starts_with("lbio")) {
+        if let Some(f) = &uring {
+            s.ratio_vs_fio = Some(s.lat_us_mean / f.lat_us_mean);
+            s.iops_ratio_vs_fio = Some(s.iops / f.iops);
+        }
+        if let Some(p) = &psync {
+            s.ratio_vs_fio_psync = Some(s.lat_us_mean / p.lat_us_mean);
+        }
+    }
+}
+
+/// Per-engine medians over the rounds (round = None marks a median line).
+fn medians(all: &[Sample], c: &Comparison<'_>) -> Vec<Sample> {
+    let mut engines: Vec<String> = Vec::new();
+    for s in all {
+        if !engines.contains(&s.engine) {
+            engines.push(s.engine.clone());
+        }
+    }
+    engines
+        .iter()
+        .filter_map(|e| {
+            let of: Vec<&Sample> = all.iter().filter(|s| &s.engine == e).collect();
+            let m = |f: &dyn Fn(&Sample) -> f64| median(of.iter().map(|s| f(s)).collect());
+            let mo = |f: &dyn Fn(&Sample) -> Option<f64>| {
+                let v: Vec<f64> = of.iter().filter_map(|s| f(s)).collect();
+                median(v)
+            };
+            let first = of.first()?;
+            Some(Sample {
+                workload: first.workload.clone(),
+                engine: e.clone(),
+                bs: first.bs,
+                qd: first.qd,
+                iops: m(&|s| s.iops)?,
+                lat_us_mean: m(&|s| s.lat_us_mean)?,
+                lat_us_p50: m(&|s| s.lat_us_p50)?,
+                lat_us_p99: m(&|s| s.lat_us_p99)?,
+                lat_us_p999: m(&|s| s.lat_us_p999)?,
+                cpu_s: m(&|s| s.cpu_s)?,
+                iops_per_cpu_s: m(&|s| s.iops_per_cpu_s)?,
+                seconds: m(&|s| s.seconds)?,
+                round: None,
+                device: Some(c.path.display().to_string()),
+                ratio_vs_fio: mo(&|s| s.ratio_vs_fio),
+                iops_ratio_vs_fio: mo(&|s| s.iops_ratio_vs_fio),
+                ratio_vs_fio_psync: mo(&|s| s.ratio_vs_fio_psync),
+                // The plot uses the run whose mean is the median one.
+                cdf: of
+                    .iter()
+                    .min_by(|a, b| {
+                        let med = median(of.iter().map(|s| s.lat_us_mean).collect()).unwrap_or(0.0);
+                        (a.lat_us_mean - med).abs().total_cmp(&(b.lat_us_mean - med).abs())
+                    })
+                    .map(|s| s.cdf.clone())
+                    .unwrap_or_default(),
+            })
+        })
+        .collect()
+}
+
+/// Whether `path` is usable for writes without destroying someone's data: a file the bench
+/// created, or the user said so.
+pub fn check_write_allowed(path: &Path, created_here: bool, destructive: bool) -> Result<(), BenchError> {
+    if created_here || destructive {
+        return Ok(());
+    }
+    Err(BenchError::Invalid(format!(
+        "a write workload overwrites {}; pass --destructive to allow it (or use --device ull, or \
+         a path that does not exist yet, which the bench creates)",
+        path.display()
+    )))
+}

@@ -1,0 +1,361 @@
+//! Benchmarks: lbio workloads, the `pread` baseline, fio as the anchor, and the reports.
+//!
+//! Latency is measured per request from just before submission to the moment its completion is
+//! taken, recorded in an HDR histogram (ns). CPU is the process's user + system time over the
+//! run (getrusage), so IOPS per CPU-second compares CPU efficiency (Rio's metric).
+
+pub mod compare;
+pub mod fio;
+pub mod report;
+pub mod ull;
+
+use std::path::Path;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use aios_core::{sys, CompletionMode, FixedBuf};
+use hdrhistogram::Histogram;
+use lbio::{Class, Device, Io, LbioError};
+use serde::Serialize;
+
+/// Errors of the benchmark harness.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("{0}")]
+    Setup(String),
+    #[error("could not parse: {0}")]
+    Parse(String),
+    #[error(transparent)]
+    Lbio(#[from] LbioError),
+    #[error(transparent)]
+    Core(#[from] aios_core::CoreError),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Access pattern.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Rw {
+    #[value(name = "randread")]
+    RandRead,
+    #[value(name = "randwrite")]
+    RandWrite,
+    #[value(name = "read")]
+    Read,
+    #[value(name = "write")]
+    Write,
+}
+
+impl Rw {
+    /// Name as in fio.
+    pub fn name(self) -> &'static str {
+        match self {
+            Rw::RandRead => "randread",
+            Rw::RandWrite => "randwrite",
+            Rw::Read => "read",
+            Rw::Write => "write",
+        }
+    }
+    /// fio's `--rw` value.
+    pub fn fio_name(self) -> &'static str {
+        self.name()
+    }
+    /// Reads rather than writes.
+    pub fn is_read(self) -> bool {
+        matches!(self, Rw::RandRead | Rw::Read)
+    }
+    fn is_random(self) -> bool {
+        matches!(self, Rw::RandRead | Rw::RandWrite)
+    }
+}
+
+/// One workload: pattern, block size, queue depth, duration.
+#[derive(Clone, Copy, Debug)]
+pub struct Workload {
+    pub rw: Rw,
+    pub bs: u32,
+    pub qd: u32,
+    pub seconds: f64,
+}
+
+/// One measured run of one engine, printed as a table row or one JSON line.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Sample {
+    pub workload: String,
+    pub engine: String,
+    pub bs: u32,
+    pub qd: u32,
+    pub iops: f64,
+    pub lat_us_mean: f64,
+    pub lat_us_p50: f64,
+    pub lat_us_p99: f64,
+    pub lat_us_p999: f64,
+    pub cpu_s: f64,
+    pub iops_per_cpu_s: f64,
+    pub seconds: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub round: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    /// Ours ÷ fio io_uring mean latency, same round.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ratio_vs_fio: Option<f64>,
+    /// Ours ÷ fio io_uring IOPS, same round.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub iops_ratio_vs_fio: Option<f64>,
+    /// Ours ÷ fio psync mean latency, same round.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ratio_vs_fio_psync: Option<f64>,
+    /// Latency CDF points (quantile, µs) for plots.
+    #[serde(skip)]
+    pub cdf: Vec<(f64, f64)>,
+}
+
+/// A latency histogram in nanoseconds (1 ns .. 100 s, 3 significant digits).
+pub fn new_histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 100_000_000_000, 3).expect("static histogram bounds are valid")
+}
+
+fn fill_from_histogram(s: &mut Sample, h: &Histogram<u64>) {
+    let us = |ns: u64| ns as f64 / 1000.0;
+    s.lat_us_mean = h.mean() / 1000.0;
+    s.lat_us_p50 = us(h.value_at_quantile(0.50));
+    s.lat_us_p99 = us(h.value_at_quantile(0.99));
+    s.lat_us_p999 = us(h.value_at_quantile(0.999));
+    s.cdf = h
+        .iter_quantiles(4)
+        .map(|v| (v.quantile_iterated_to(), us(v.value_iterated_to())))
+        .collect();
+}
+
+/// Offsets for a workload: uniformly random or sequential (wrapping), in `bs` units.
+struct Offsets {
+    x: u64,
+    blocks: u64,
+    next_seq: u64,
+    bs: u64,
+    random: bool,
+}
+
+impl Offsets {
+    fn new(span: u64, bs: u32, random: bool, seed: u64) -> Offsets {
+        Offsets {
+            x: seed | 1,
+            blocks: (span / bs as u64).max(1),
+            next_seq: 0,
+            bs: bs as u64,
+            random,
+        }
+    }
+    fn next(&mut self) -> u64 {
+        if self.random {
+            self.x ^= self.x << 13;
+            self.x ^= self.x >> 7;
+            self.x ^= self.x << 17;
+            (self.x % self.blocks) * self.bs
+        } else {
+            let o = self.next_seq;
+            self.next_seq = (self.next_seq + 1) % self.blocks;
+            o * self.bs
+        }
+    }
+}
+
+/// How an lbio run submits.
+#[derive(Clone, Copy, Debug)]
+pub struct LbioRunOptions {
+    pub class: Class,
+    pub completion: CompletionMode,
+    /// Bytes of the device the offsets cover.
+    pub span: u64,
+}
+
+/// Run `w` on `dev` through lbio's detached API: keep `qd` requests in flight; each completion is
+/// timed and replaced by a new request; the replacements and the wait go out in one
+/// `io_uring_enter`.
+pub fn run_lbio(dev: &Device, w: &Workload, opts: LbioRunOptions) -> Result<Sample, BenchError> {
+    dev.check_queue_depth(w.qd)?;
+    let lbio = Rc::clone(dev.lbio());
+    let engine = Rc::clone(lbio.engine());
+    engine.set_completion_mode(opts.completion);
+    let g = *dev.geometry();
+    if w.bs % g.offset_align != 0 {
+        return Err(BenchError::Invalid(format!(
+            "block size {} is not a multiple of the device's {}-byte alignment",
+            w.bs, g.offset_align
+        )));
+    }
+    let span = opts.span.min(g.capacity_bytes);
+    if span < w.bs as u64 {
+        return Err(BenchError::Invalid(format!(
+            "the device holds {span} bytes, less than one {}-byte block",
+            w.bs
+        )));
+    }
+    let mut bufs: Vec<FixedBuf> = Vec::with_capacity(w.qd as usize);
+    for _ in 0..w.qd {
+        let mut b = engine.alloc_blocking(w.bs as usize)?;
+        b.fill(0xa5);
+        bufs.push(b);
+    }
+    let mut offsets = Offsets::new(span, w.bs, w.rw.is_random(), 0x1234_5678);
+    let mut starts = vec![Instant::now(); lbio.config().slots as usize];
+    let mut hist = new_histogram();
+    let make = |off: u64, buf: FixedBuf| -> Io {
+        let io = if w.rw.is_read() {
+            Io::read(off, buf)
+        } else {
+            Io::write(off, buf)
+        };
+        io.class(opts.class)
+    };
+    let submit = |io: Io, starts: &mut [Instant]| -> Result<(), BenchError> {
+        let t = Instant::now();
+        match engine.hold_submissions(|| dev.submit(io)) {
+            Ok(tag) => {
+                starts[tag.0 as usize] = t;
+                Ok(())
+            }
+            Err((e, _)) => Err(e.into()),
+        }
+    };
+
+    // Warm-up: a short burst so first-touch costs stay out of the measurement.
+    let warm = bufs.pop().expect("qd >= 1");
+    submit(make(0, warm), &mut starts)?;
+    lbio.wait_done(1)?;
+    let c = lbio.take_done().expect("warm-up completion");
+    c.result?;
+    bufs.push(c.buf.expect("data requests carry a buffer"));
+
+    let cpu0 = sys::process_cpu_time();
+    let t0 = Instant::now();
+    let deadline = t0 + Duration::from_secs_f64(w.seconds);
+    let mut inflight = 0u32;
+    for b in bufs.drain(..) {
+        submit(make(offsets.next(), b), &mut starts)?;
+        inflight += 1;
+    }
+    let mut ops = 0u64;
+    let mut failure: Option<LbioError> = None;
+    while inflight > 0 {
+        lbio.wait_done(1)?;
+        let now = Instant::now();
+        let accepting = now < deadline && failure.is_none();
+        while let Some(c) = lbio.take_done() {
+            inflight -= 1;
+            let lat = now.duration_since(starts[c.tag.0 as usize]).as_nanos() as u64;
+            if let Err(e) = c.result {
+                failure.get_or_insert(e);
+                continue;
+            }
+            hist.saturating_record(lat.max(1));
+            ops += 1;
+            if accepting {
+                let buf = c.buf.expect("data requests carry a buffer");
+                submit(make(offsets.next(), buf), &mut starts)?;
+                inflight += 1;
+            }
+        }
+    }
+    let elapsed = t0.elapsed().as_secs_f64();
+    let cpu = (sys::process_cpu_time() - cpu0).as_secs_f64();
+    if let Some(e) = failure {
+        return Err(e.into());
+    }
+    let (caps, _) = dev.critical_route();
+    let route = if opts.class == Class::Background {
+        dev.background_route().0.name
+    } else {
+        caps.name
+    };
+    let mut s = Sample {
+        workload: w.rw.name().to_string(),
+        engine: format!(
+            "lbio-{route}{}",
+            if opts.completion == CompletionMode::BusyPoll {
+                "-poll"
+            } else {
+                ""
+            }
+        ),
+        bs: w.bs,
+        qd: w.qd,
+        iops: ops as f64 / elapsed,
+        cpu_s: cpu,
+        iops_per_cpu_s: if cpu > 0.0 { ops as f64 / cpu } else { 0.0 },
+        seconds: elapsed,
+        ..Sample::default()
+    };
+    fill_from_histogram(&mut s, &hist);
+    Ok(s)
+}
+
+/// The project's own baseline: a plain `pread`/`pwrite` loop on an `O_DIRECT` descriptor, QD1,
+/// into an aligned buffer from a small engine's arena.
+pub fn run_pread(path: &Path, w: &Workload, span: u64) -> Result<Sample, BenchError> {
+    use std::os::fd::AsRawFd;
+    let write = !w.rw.is_read();
+    let fd = sys::open_direct(path, write)
+        .map_err(|e| BenchError::Setup(format!("{}: {e}", path.display())))?;
+    let engine = aios_core::Engine::new(aios_core::EngineConfig {
+        ring_entries: 8,
+        arena_bytes: (w.bs as usize).max(4096),
+        huge_pages: false,
+        max_files: 1,
+        ..aios_core::EngineConfig::default()
+    })?;
+    let mut buf = engine.alloc_blocking(w.bs as usize)?;
+    buf.fill(0xa5);
+    let mut offsets = Offsets::new(span, w.bs, w.rw.is_random(), 0x8765_4321);
+    let mut hist = new_histogram();
+    let cpu0 = sys::process_cpu_time();
+    let t0 = Instant::now();
+    let deadline = t0 + Duration::from_secs_f64(w.seconds);
+    let mut ops = 0u64;
+    loop {
+        let t = Instant::now();
+        if t >= deadline {
+            break;
+        }
+        let off = offsets.next();
+        let r = if write {
+            sys::pwrite_from(fd.as_raw_fd(), &buf, off, false)
+        } else {
+            sys::pread_into(fd.as_raw_fd(), &mut buf, off)
+        };
+        r.map_err(|e| BenchError::Setup(format!("pread/pwrite at offset {off}: {e}")))?;
+        hist.saturating_record((t.elapsed().as_nanos() as u64).max(1));
+        ops += 1;
+    }
+    let elapsed = t0.elapsed().as_secs_f64();
+    let cpu = (sys::process_cpu_time() - cpu0).as_secs_f64();
+    let mut s = Sample {
+        workload: w.rw.name().to_string(),
+        engine: "pread".to_string(),
+        bs: w.bs,
+        qd: 1,
+        iops: ops as f64 / elapsed,
+        cpu_s: cpu,
+        iops_per_cpu_s: if cpu > 0.0 { ops as f64 / cpu } else { 0.0 },
+        seconds: elapsed,
+        ..Sample::default()
+    };
+    fill_from_histogram(&mut s, &hist);
+    Ok(s)
+}
+
+/// Median of a list (NaN-free inputs).
+pub fn median(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
+}

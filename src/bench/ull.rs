@@ -1,0 +1,85 @@
+//! The `ull` device: a loop device with direct I/O over an image in /dev/shm, the stand-in for an
+//! ultra-low-latency SSD on machines without NVMe (DESIGN.md, "Devices on these machines").
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::bench::BenchError;
+
+/// Default size of the `ull` image.
+pub const ULL_BYTES: u64 = 1 << 30;
+
+/// A loop device created for a benchmark; detached and its image removed on drop.
+#[derive(Debug)]
+pub struct UllDevice {
+    loop_dev: PathBuf,
+    image: PathBuf,
+}
+
+impl UllDevice {
+    /// Create the image (filled with non-zero data, so reads are not served from holes) and attach
+    /// it with `losetup --direct-io=on`. Needs root.
+    pub fn create(bytes: u64) -> Result<UllDevice, BenchError> {
+        if !aios_core::sys::is_root() {
+            return Err(BenchError::Setup(
+                "the ull device is a loop device: creating it needs root (or pass --device PATH)"
+                    .into(),
+            ));
+        }
+        let image = PathBuf::from(format!("/dev/shm/aios-ull-{}.img", std::process::id()));
+        fill_file(&image, bytes)?;
+        let out = Command::new("losetup")
+            .args(["-f", "--show", "--direct-io=on"])
+            .arg(&image)
+            .output()
+            .map_err(|e| {
+                let _ = std::fs::remove_file(&image);
+                BenchError::Setup(format!("running losetup (util-linux): {e}"))
+            })?;
+        if !out.status.success() {
+            let _ = std::fs::remove_file(&image);
+            return Err(BenchError::Setup(format!(
+                "losetup -f --show --direct-io=on {} failed: {}",
+                image.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        let loop_dev = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim().to_string());
+        Ok(UllDevice { loop_dev, image })
+    }
+
+    /// The loop device's path (`/dev/loopN`).
+    pub fn path(&self) -> &Path {
+        &self.loop_dev
+    }
+}
+
+impl Drop for UllDevice {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").arg("-d").arg(&self.loop_dev).status();
+        let _ = std::fs::remove_file(&self.image);
+    }
+}
+
+/// Create (or overwrite) `path` with `bytes` of pseudo-random data, 1 MiB at a time.
+pub fn fill_file(path: &Path, bytes: u64) -> Result<(), BenchError> {
+    let setup = |e: std::io::Error| BenchError::Setup(format!("writing {}: {e}", path.display()));
+    let mut f = std::fs::File::create(path).map_err(setup)?;
+    let mut chunk = vec![0u8; 1 << 20];
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut left = bytes;
+    while left > 0 {
+        for w in chunk.chunks_exact_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            w.copy_from_slice(&x.to_le_bytes());
+        }
+        let n = left.min(chunk.len() as u64) as usize;
+        f.write_all(&chunk[..n]).map_err(setup)?;
+        left -= n as u64;
+    }
+    f.sync_all().map_err(setup)?;
+    Ok(())
+}

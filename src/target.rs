@@ -1,0 +1,84 @@
+//! The device a command runs on: the `ull` loop device, a file the command creates, or a path
+//! the user named. Whatever the command created is removed when the target is dropped.
+
+use std::path::{Path, PathBuf};
+
+use crate::bench::ull::{fill_file, UllDevice, ULL_BYTES};
+use crate::bench::BenchError;
+
+/// A device prepared for a run.
+#[derive(Debug)]
+pub enum Target {
+    /// The loop-over-/dev/shm device (detached on drop).
+    Ull(UllDevice),
+    /// A file this run created and filled (removed on drop).
+    Created(PathBuf),
+    /// A path the user named; never removed.
+    Existing(PathBuf),
+}
+
+impl Target {
+    /// `ull` → create the loop device; an existing path → use it; a missing path whose parent
+    /// exists → create a file of `create_bytes` filled with data.
+    pub fn prepare(spec: &str, create_bytes: u64) -> Result<Target, BenchError> {
+        if spec == "ull" {
+            return Ok(Target::Ull(UllDevice::create(ULL_BYTES)?));
+        }
+        let path = PathBuf::from(spec);
+        if path.exists() {
+            return Ok(Target::Existing(path));
+        }
+        let parent = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        if !parent.is_dir() {
+            return Err(BenchError::Setup(format!(
+                "{spec}: no such device or file, and {} is not a directory to create it in",
+                parent.display()
+            )));
+        }
+        fill_file(&path, create_bytes)?;
+        Ok(Target::Created(path))
+    }
+
+    /// A scratch file of `bytes` in `dir`, created and filled now.
+    pub fn scratch(dir: &Path, name: &str, bytes: u64) -> Result<Target, BenchError> {
+        let path = dir.join(format!("{name}-{}.img", std::process::id()));
+        fill_file(&path, bytes)?;
+        Ok(Target::Created(path))
+    }
+
+    /// The path to open.
+    pub fn path(&self) -> &Path {
+        match self {
+            Target::Ull(u) => u.path(),
+            Target::Created(p) | Target::Existing(p) => p,
+        }
+    }
+
+    /// Whether this run created the device (so writing to it destroys nobody's data).
+    pub fn created_here(&self) -> bool {
+        !matches!(self, Target::Existing(_))
+    }
+
+    /// A short description for reports.
+    pub fn describe(&self) -> String {
+        match self {
+            Target::Ull(u) => format!(
+                "ull: {} (loop, direct-io, over a 1 GiB image in /dev/shm)",
+                u.path().display()
+            ),
+            Target::Created(p) => format!("{} (scratch file created for this run)", p.display()),
+            Target::Existing(p) => p.display().to_string(),
+        }
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        if let Target::Created(p) = self {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
