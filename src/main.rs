@@ -183,6 +183,7 @@ fn probe_json(p: &DeviceProbe) -> serde_json::Value {
         "max_transfer_bytes": p.max_transfer_bytes,
         "max_transfer_source": p.max_transfer_source,
         "rotational": p.rotational,
+        "allocated_bytes": p.allocated_bytes,
         "iopoll": p.iopoll.is_ok(),
         "iopoll_reason": p.iopoll.as_ref().err(),
         "uring_qd1_us": p.latency.map(|l| l.uring_qd1_ns / 1000.0),
@@ -218,7 +219,14 @@ fn cmd_probe(path: &Path, json: bool, samples: u32) -> Result<(), BenchError> {
         None => p.kind.to_string(),
     })
     .map_err(io_err)?;
-    w(&mut out, "capacity", format!("{} bytes", p.capacity_bytes)).map_err(io_err)?;
+    w(&mut out, "capacity", match p.allocated_bytes {
+        Some(a) if a < p.capacity_bytes => format!(
+            "{} bytes, {a} allocated (sparse: reads of holes never reach the device)",
+            p.capacity_bytes
+        ),
+        _ => format!("{} bytes", p.capacity_bytes),
+    })
+    .map_err(io_err)?;
     w(&mut out, "logical block", format!("{} bytes", p.logical_block)).map_err(io_err)?;
     w(&mut out, "direct I/O", match p.dio {
         Some(d) => format!(
@@ -342,6 +350,12 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
     };
     let stack = open_stack(target.path(), a.bs, a.qd, a.slots, route, write)?;
     let g = *stack.dev.geometry();
+    if a.bs % g.offset_align != 0 {
+        return Err(BenchError::Invalid(format!(
+            "block size {} is not a multiple of the device's {}-byte alignment",
+            a.bs, g.offset_align
+        )));
+    }
     let span = a.span.unwrap_or(g.capacity_bytes).min(g.capacity_bytes);
     let mut contenders = vec![Contender::Lbio];
     if fio.is_some() {

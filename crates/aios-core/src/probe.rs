@@ -98,6 +98,8 @@ pub struct DeviceProbe {
     pub max_transfer_bytes: u32,
     pub max_transfer_source: String,
     pub rotational: Option<bool>,
+    /// For a regular file: bytes allocated on disk (reads of holes never reach the device).
+    pub allocated_bytes: Option<u64>,
     /// `Ok` when a polled read completed, `Err(reason)` otherwise.
     pub iopoll: Result<(), String>,
     pub latency: Option<PathLatency>,
@@ -214,6 +216,7 @@ pub fn probe(path: &Path, opts: ProbeOptions) -> Result<DeviceProbe, CoreError> 
         max_transfer_bytes,
         max_transfer_source,
         rotational,
+        allocated_bytes: (kind == DeviceKind::RegularFile).then_some(st.allocated_bytes),
         iopoll: Err("not tried".to_string()),
         latency: None,
         critical: PathChoice {
@@ -239,7 +242,20 @@ pub fn probe(path: &Path, opts: ProbeOptions) -> Result<DeviceProbe, CoreError> 
         return Ok(probe);
     }
     if opts.try_iopoll {
-        probe.iopoll = try_iopoll(&direct, read_len);
+        // A polled read of a hole completes without reaching the device: read real data.
+        let at = if kind == DeviceKind::RegularFile {
+            sys::next_data_offset(direct.as_raw_fd(), 0)
+                .map(|o| o / read_len as u64 * read_len as u64)
+                .filter(|o| o + read_len as u64 <= capacity_bytes)
+        } else {
+            Some(0)
+        };
+        probe.iopoll = match at {
+            Some(at) => try_iopoll(&direct, read_len, at),
+            None => Err("the file holds no allocated data: a polled read of a hole would \
+                         never reach the device, so IOPOLL cannot be tested"
+                .to_string()),
+        };
     }
     if opts.latency_samples > 0 {
         let lat = measure(&direct, capacity_bytes, read_len, opts.latency_samples)?;
@@ -292,7 +308,7 @@ fn small_engine(iopoll: bool) -> Result<Rc<Engine>, CoreError> {
     })
 }
 
-fn try_iopoll(direct: &std::os::fd::OwnedFd, read_len: u32) -> Result<(), String> {
+fn try_iopoll(direct: &std::os::fd::OwnedFd, read_len: u32, at: u64) -> Result<(), String> {
     let engine = small_engine(true).map_err(|e| e.to_string())?;
     let sink = Rc::new(Last(Cell::new(None)));
     let id = engine
@@ -302,7 +318,7 @@ fn try_iopoll(direct: &std::os::fd::OwnedFd, read_len: u32) -> Result<(), String
         .register_file(direct.as_raw_fd())
         .map_err(|e| e.to_string())?;
     let mut buf = engine.try_alloc(read_len as usize).ok_or("arena exhausted")?;
-    let sqe = engine::read_fixed(file, buf.as_mut_ptr(), read_len, 0);
+    let sqe = engine::read_fixed(file, buf.as_mut_ptr(), read_len, at);
     // SAFETY: `buf` and the file outlive the wait below, which dispatches this SQE's completion.
     unsafe { engine.push(RingKind::Iopoll, id, 0, sqe) }.map_err(|e| e.to_string())?;
     engine.wait(1).map_err(|e| e.to_string())?;

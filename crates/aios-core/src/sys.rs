@@ -56,6 +56,8 @@ pub struct Statx {
     pub rdev_minor: u32,
     pub dev_major: u32,
     pub dev_minor: u32,
+    /// Bytes actually allocated (512-byte blocks × 512).
+    pub allocated_bytes: u64,
 }
 
 impl Statx {
@@ -99,11 +101,20 @@ pub fn statx(fd: RawFd) -> io::Result<Statx> {
         rdev_minor: st.stx_rdev_minor,
         dev_major: st.stx_dev_major,
         dev_minor: st.stx_dev_minor,
+        allocated_bytes: st.stx_blocks * 512,
     })
 }
 
 /// `_IOR(0x12, 114, size_t)`: libc does not export it.
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+
+/// The first offset at or after `from` that holds data (`lseek(SEEK_DATA)`); `None` when the
+/// rest of the file is a hole.
+pub fn next_data_offset(fd: RawFd, from: u64) -> Option<u64> {
+    // SAFETY: plain syscall on a descriptor the caller owns.
+    let r = unsafe { libc::lseek(fd, from as libc::off_t, libc::SEEK_DATA) };
+    (r >= 0).then_some(r as u64)
+}
 
 /// Size in bytes of an open block device (`BLKGETSIZE64`).
 pub fn block_device_bytes(fd: RawFd) -> io::Result<u64> {

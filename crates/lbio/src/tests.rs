@@ -963,7 +963,8 @@ fn config_is_validated_and_names_the_bad_value() {
     for (cfg, needle) in bad {
         match LbioArray::new(Rc::clone(&engine), cfg) {
             Err(e @ LbioError::Config(_)) => assert!(e.to_string().contains(needle), "{e}"),
-            other => panic!("{cfg:?}: expected a config error, got {other:?}"),
+            Err(e) => panic!("{cfg:?}: expected a config error, got {e:?}"),
+            Ok(_) => panic!("{cfg:?} was accepted"),
         }
     }
 }

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The whole test suite: installs what it needs (fio), then format, lint, tests, benches compiled.
+# Usage: scripts/test.sh        (as root on Debian/Ubuntu for the package install and loop devices)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n==> %s\n' "$*"; }
+
+if ! command -v fio >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        step "installing fio (the benchmark anchor)"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio >/dev/null
+    else
+        echo "WARNING: fio is not installed and cannot be installed here (need root + apt-get);" \
+             "the fio comparisons in the tests will be skipped" >&2
+    fi
+fi
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy --all-targets -D warnings"
+cargo clippy --workspace --all-targets -- -D warnings
+
+step "cargo test (unit, integration, property, doc tests)"
+cargo test --workspace
+
+step "examples run"
+for ex in blocking async_engine tokio_driver; do
+    cargo run -q --example "$ex"
+done
+
+step "release build, and one short lbio vs fio comparison on the ull device"
+cargo build --release -q
+if [ "$(id -u)" = 0 ] && command -v fio >/dev/null 2>&1; then
+    ./target/release/aios bench lbio --device ull --seconds 1 --rounds 1 --vs-fio
+else
+    echo "SKIPPED: the ull comparison needs root (loop device) and fio" >&2
+fi
+echo
+echo "all checks passed"
