@@ -41,7 +41,12 @@ impl<F: Future> Future for JoinAll<F> {
         if pending {
             Poll::Pending
         } else {
-            Poll::Ready(this.out.iter_mut().map(|o| o.take().expect("finished")).collect())
+            Poll::Ready(
+                this.out
+                    .iter_mut()
+                    .map(|o| o.take().expect("finished"))
+                    .collect(),
+            )
         }
     }
 }
@@ -82,7 +87,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let reads = (0..8u64).map(|i| dev.read_at(i * 4096, engine.try_alloc(4096).expect("room")));
         for (i, r) in join_all(reads).await.into_iter().enumerate() {
             let b: FixedBuf = r?.expect("reads return their buffer");
-            assert!(b.iter().all(|&x| x == i as u8), "block {i} reads back its stamp");
+            assert!(
+                b.iter().all(|&x| x == i as u8),
+                "block {i} reads back its stamp"
+            );
         }
         Ok(())
     })?;

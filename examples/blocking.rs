@@ -31,7 +31,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
     )?;
     let (route, why) = dev.critical_route();
-    println!("{}: critical requests via {} ({why})", path.display(), route.name);
+    println!(
+        "{}: critical requests via {} ({why})",
+        path.display(),
+        route.name
+    );
 
     // 64 KiB write, durable when it returns (FUA), then read back into a fresh buffer.
     let mut buf = engine.alloc_blocking(64 << 10)?;
@@ -42,7 +46,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     dev.flush_blocking()?;
     let back = dev.read_at_blocking(1 << 20, engine.alloc_blocking(64 << 10)?)?;
     assert_eq!(&back[..], &written[..]);
-    println!("wrote and read back {} bytes at offset 1 MiB: identical", back.len());
+    println!(
+        "wrote and read back {} bytes at offset 1 MiB: identical",
+        back.len()
+    );
 
     // Bad input is a typed error, not a panic.
     let mut odd = engine.alloc_blocking(4096)?;

@@ -23,7 +23,9 @@ impl AsRawFd for EventFd {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_io().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()?;
     let local = tokio::task::LocalSet::new();
     local.block_on(&rt, async {
         let engine = Engine::new(EngineConfig {
@@ -64,7 +66,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut buf = engine.try_alloc(4096).expect("arena room");
         buf.fill(0x42);
         dev.write_at(0, buf, true).await?;
-        let back = dev.read_at(0, engine.try_alloc(4096).expect("room")).await?;
+        let back = dev
+            .read_at(0, engine.try_alloc(4096).expect("room"))
+            .await?;
         let back = back.expect("reads return their buffer");
         assert!(back.iter().all(|&b| b == 0x42));
         println!("tokio: wrote and read back 4 KiB through lbio futures woken via the eventfd");

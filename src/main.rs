@@ -16,7 +16,11 @@ use aios::target::Target;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
-#[command(name = "aios", version, about = "An io_uring storage runtime for NVMe SSDs")]
+#[command(
+    name = "aios",
+    version,
+    about = "An io_uring storage runtime for NVMe SSDs"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -63,6 +67,9 @@ enum ClassArg {
 
 #[derive(Clone, Copy, ValueEnum)]
 enum CompletionArg {
+    /// Busy-poll at QD1 (one critical request: spinning beats a sleep and wake-up), wait above
+    /// (many requests in flight: the core is better left to the device's workers).
+    Auto,
     /// Sleep in io_uring_enter until completions arrive.
     Wait,
     /// Spin on the completion queue (no wake-up latency; burns the core while waiting).
@@ -103,7 +110,7 @@ struct LbioArgs {
     #[arg(long, value_enum, default_value = "critical")]
     class: ClassArg,
     /// How to wait for completions.
-    #[arg(long, value_enum, default_value = "poll")]
+    #[arg(long, value_enum, default_value = "auto")]
     completion: CompletionArg,
     /// Size of a file the bench creates (when --device names a path that does not exist).
     #[arg(long, default_value = "256m", value_parser = parse_size)]
@@ -198,7 +205,10 @@ fn probe_json(p: &DeviceProbe) -> serde_json::Value {
 
 fn cmd_probe(path: &Path, json: bool, samples: u32) -> Result<(), BenchError> {
     if !path.exists() {
-        return Err(BenchError::Setup(format!("{}: no such device or file", path.display())));
+        return Err(BenchError::Setup(format!(
+            "{}: no such device or file",
+            path.display()
+        )));
     }
     let p = probe(
         path,
@@ -214,59 +224,100 @@ fn cmd_probe(path: &Path, json: bool, samples: u32) -> Result<(), BenchError> {
     }
     let w = |out: &mut std::io::StdoutLock<'_>, k: &str, v: String| writeln!(out, "{k:<22} {v}");
     w(&mut out, "device", p.path.display().to_string()).map_err(io_err)?;
-    w(&mut out, "kind", match &p.fs_type {
-        Some(fs) => format!("{} on {fs}", p.kind),
-        None => p.kind.to_string(),
-    })
+    w(
+        &mut out,
+        "kind",
+        match &p.fs_type {
+            Some(fs) => format!("{} on {fs}", p.kind),
+            None => p.kind.to_string(),
+        },
+    )
     .map_err(io_err)?;
-    w(&mut out, "capacity", match p.allocated_bytes {
-        Some(a) if a < p.capacity_bytes => format!(
-            "{} bytes, {a} allocated (sparse: reads of holes never reach the device)",
-            p.capacity_bytes
+    w(
+        &mut out,
+        "capacity",
+        match p.allocated_bytes {
+            Some(a) if a < p.capacity_bytes => format!(
+                "{} bytes, {a} allocated (sparse: reads of holes never reach the device)",
+                p.capacity_bytes
+            ),
+            _ => format!("{} bytes", p.capacity_bytes),
+        },
+    )
+    .map_err(io_err)?;
+    w(
+        &mut out,
+        "logical block",
+        format!("{} bytes", p.logical_block),
+    )
+    .map_err(io_err)?;
+    w(
+        &mut out,
+        "direct I/O",
+        match p.dio {
+            Some(d) => format!(
+                "buffer align {} B, offset/length align {} B ({})",
+                d.mem_align, d.offset_align, p.dio_source
+            ),
+            None => format!("unavailable: {}", p.dio_source),
+        },
+    )
+    .map_err(io_err)?;
+    w(
+        &mut out,
+        "max transfer",
+        format!(
+            "{} KiB ({})",
+            p.max_transfer_bytes / 1024,
+            p.max_transfer_source
         ),
-        _ => format!("{} bytes", p.capacity_bytes),
-    })
+    )
     .map_err(io_err)?;
-    w(&mut out, "logical block", format!("{} bytes", p.logical_block)).map_err(io_err)?;
-    w(&mut out, "direct I/O", match p.dio {
-        Some(d) => format!(
-            "buffer align {} B, offset/length align {} B ({})",
-            d.mem_align, d.offset_align, p.dio_source
-        ),
-        None => format!("unavailable: {}", p.dio_source),
-    })
+    w(
+        &mut out,
+        "rotational",
+        p.rotational.map_or("unknown".into(), |r| r.to_string()),
+    )
     .map_err(io_err)?;
-    w(&mut out, "max transfer", format!(
-        "{} KiB ({})",
-        p.max_transfer_bytes / 1024,
-        p.max_transfer_source
-    ))
-    .map_err(io_err)?;
-    w(&mut out, "rotational", p.rotational.map_or("unknown".into(), |r| r.to_string()))
-        .map_err(io_err)?;
-    w(&mut out, "IOPOLL", match &p.iopoll {
-        Ok(()) => "available (a polled read completed)".to_string(),
-        Err(why) => format!("unavailable: {why}"),
-    })
+    w(
+        &mut out,
+        "IOPOLL",
+        match &p.iopoll {
+            Ok(()) => "available (a polled read completed)".to_string(),
+            Err(why) => format!("unavailable: {why}"),
+        },
+    )
     .map_err(io_err)?;
     if let Some(l) = p.latency {
-        w(&mut out, "QD1 4k read", format!(
-            "io_uring {:.1} us, pread {:.1} us (median of {}) → {}",
-            l.uring_qd1_ns / 1000.0,
-            l.pread_ns / 1000.0,
-            l.samples,
-            if l.punts() {
-                "io_uring punts to io-wq"
-            } else {
-                "io_uring completes inline"
-            }
-        ))
+        w(
+            &mut out,
+            "QD1 4k read",
+            format!(
+                "io_uring {:.1} us, pread {:.1} us (median of {}) → {}",
+                l.uring_qd1_ns / 1000.0,
+                l.pread_ns / 1000.0,
+                l.samples,
+                if l.punts() {
+                    "io_uring punts to io-wq"
+                } else {
+                    "io_uring completes inline"
+                }
+            ),
+        )
         .map_err(io_err)?;
     }
-    w(&mut out, "critical path", format!("{} — {}", p.critical.route, p.critical.reason))
-        .map_err(io_err)?;
-    w(&mut out, "background path", format!("{} — {}", p.background.route, p.background.reason))
-        .map_err(io_err)?;
+    w(
+        &mut out,
+        "critical path",
+        format!("{} — {}", p.critical.route, p.critical.reason),
+    )
+    .map_err(io_err)?;
+    w(
+        &mut out,
+        "background path",
+        format!("{} — {}", p.background.route, p.background.reason),
+    )
+    .map_err(io_err)?;
     Ok(())
 }
 
@@ -291,7 +342,9 @@ fn open_stack(
     if qd > slots {
         return Err(lbio::LbioError::QueueDepth { qd, slots }.into());
     }
-    let arena = (bs as usize * qd as usize + (1 << 20)).next_power_of_two().max(4 << 20);
+    let arena = (bs as usize * qd as usize + (1 << 20))
+        .next_power_of_two()
+        .max(4 << 20);
     let engine = Engine::new(EngineConfig {
         arena_bytes: arena.min(1 << 30),
         ring_entries: slots.next_power_of_two().clamp(64, 4096),
@@ -322,7 +375,10 @@ fn open_stack(
 
 fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
     if a.seconds <= 0.0 || !a.seconds.is_finite() {
-        return Err(BenchError::Invalid(format!("--seconds {} must be > 0", a.seconds)));
+        return Err(BenchError::Invalid(format!(
+            "--seconds {} must be > 0",
+            a.seconds
+        )));
     }
     if a.qd == 0 || a.qd > a.slots {
         return Err(lbio::LbioError::QueueDepth {
@@ -382,7 +438,8 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
             ClassArg::Background => Class::Background,
         },
         completion: match a.completion {
-            CompletionArg::Wait => CompletionMode::Wait,
+            CompletionArg::Auto if a.qd == 1 => CompletionMode::BusyPoll,
+            CompletionArg::Auto | CompletionArg::Wait => CompletionMode::Wait,
             CompletionArg::Poll => CompletionMode::BusyPoll,
         },
     };
@@ -413,7 +470,11 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
     }
     if let Some(p) = &a.plot {
         let refs: Vec<&Sample> = meds.iter().collect();
-        plot_cdf(p, &format!("{} {} QD{} on {}", a.rw.name(), a.bs, a.qd, a.device), &refs)?;
+        plot_cdf(
+            p,
+            &format!("{} {} QD{} on {}", a.rw.name(), a.bs, a.qd, a.device),
+            &refs,
+        )?;
         eprintln!("plot: {}", p.display());
     }
     let m = stack.engine.metrics();
@@ -446,7 +507,10 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
         Target::prepare("ull", 0)?
     } else {
         let dir = std::env::temp_dir();
-        progress.step(&format!("not root: using a 256 MiB scratch file in {}", dir.display()));
+        progress.step(&format!(
+            "not root: using a 256 MiB scratch file in {}",
+            dir.display()
+        ));
         Target::scratch(&dir, "aios-demo", 256 << 20)?
     };
     progress.done();
@@ -511,7 +575,11 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
             contenders: contenders.clone(),
             rounds: a.rounds,
             class: Class::Critical,
-            completion: CompletionMode::BusyPoll,
+            completion: if *qd == 1 {
+                CompletionMode::BusyPoll
+            } else {
+                CompletionMode::Wait
+            },
         };
         let (samples, meds) = run_comparison(&cmp, &progress, title, &mut |_| {})?;
         print_header(&mut std::io::stdout()).map_err(io_err)?;
@@ -546,7 +614,11 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
             }
         }
     }
-    println!("\nmedians of {} rounds of {:.0} s each; 'vs fio' = lbio mean latency ÷ fio io_uring's (\"ps\": ÷ psync/pread)", a.rounds, a.seconds);
+    println!(
+        "\nmedians of {} rounds of {:.0} s each; 'vs fio' = lbio mean latency ÷ fio io_uring's, \
+         'vs psync' = ÷ fio psync's (or the pread loop's)",
+        a.rounds, a.seconds
+    );
     println!("report: {}", written.join(", "));
     Ok(())
 }

@@ -10,7 +10,10 @@ fn aios() -> Command {
 struct Scratch(PathBuf);
 impl Scratch {
     fn new(name: &str, bytes: usize) -> Scratch {
-        let p = PathBuf::from(format!("/var/tmp/aios-cli-{name}-{}.img", std::process::id()));
+        let p = PathBuf::from(format!(
+            "/var/tmp/aios-cli-{name}-{}.img",
+            std::process::id()
+        ));
         let data: Vec<u8> = (0..bytes).map(|i| (i * 7 % 251) as u8).collect();
         std::fs::write(&p, data).unwrap();
         Scratch(p)
@@ -25,8 +28,16 @@ impl Drop for Scratch {
 #[test]
 fn probe_reports_alignment_and_a_route_with_its_reason() {
     let f = Scratch::new("probe", 8 << 20);
-    let out = aios().args(["probe", "--json", "--samples", "20"]).arg(&f.0).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = aios()
+        .args(["probe", "--json", "--samples", "20"])
+        .arg(&f.0)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["kind"], "regular file");
     assert_eq!(v["capacity_bytes"], 8 << 20);
@@ -44,11 +55,24 @@ fn probe_reports_alignment_and_a_route_with_its_reason() {
 fn bench_json_lines_carry_the_documented_fields() {
     let f = Scratch::new("bench", 8 << 20);
     let out = aios()
-        .args(["bench", "lbio", "--json", "--seconds", "0.3", "--qd", "4", "--device"])
+        .args([
+            "bench",
+            "lbio",
+            "--json",
+            "--seconds",
+            "0.3",
+            "--qd",
+            "4",
+            "--device",
+        ])
         .arg(&f.0)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     let lines: Vec<serde_json::Value> = text
         .lines()
@@ -57,8 +81,17 @@ fn bench_json_lines_carry_the_documented_fields() {
     assert_eq!(lines.len(), 1, "one run, one line: {text}");
     let s = &lines[0];
     for k in [
-        "workload", "engine", "bs", "qd", "iops", "lat_us_mean", "lat_us_p50", "lat_us_p99",
-        "lat_us_p999", "cpu_s", "iops_per_cpu_s",
+        "workload",
+        "engine",
+        "bs",
+        "qd",
+        "iops",
+        "lat_us_mean",
+        "lat_us_p50",
+        "lat_us_p99",
+        "lat_us_p999",
+        "cpu_s",
+        "iops_per_cpu_s",
     ] {
         assert!(s.get(k).is_some(), "missing {k} in {s}");
     }
@@ -77,18 +110,40 @@ fn bench_vs_fio_adds_ratios_when_fio_is_installed() {
     }
     let f = Scratch::new("fio", 8 << 20);
     let out = aios()
-        .args(["bench", "lbio", "--json", "--vs-fio", "--rounds", "1", "--seconds", "0.5"])
+        .args([
+            "bench",
+            "lbio",
+            "--json",
+            "--vs-fio",
+            "--rounds",
+            "1",
+            "--seconds",
+            "0.5",
+        ])
         .arg("--device")
         .arg(&f.0)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8_lossy(&out.stdout);
-    let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    let engines: Vec<&str> = lines.iter().map(|l| l["engine"].as_str().unwrap()).collect();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let engines: Vec<&str> = lines
+        .iter()
+        .map(|l| l["engine"].as_str().unwrap())
+        .collect();
     assert!(engines.contains(&"fio-io_uring"), "{engines:?}");
     assert!(engines.contains(&"fio-psync"), "{engines:?}");
-    let ours = lines.iter().find(|l| l["engine"].as_str().unwrap().starts_with("lbio")).unwrap();
+    let ours = lines
+        .iter()
+        .find(|l| l["engine"].as_str().unwrap().starts_with("lbio"))
+        .unwrap();
     assert!(ours["ratio_vs_fio"].as_f64().unwrap() > 0.0);
     assert!(ours["ratio_vs_fio_psync"].as_f64().unwrap() > 0.0);
 }
@@ -104,11 +159,29 @@ fn bench_refuses_bad_input_with_the_value_and_the_fix() {
     let path = f.0.to_str().unwrap();
     let e = run(&["bench", "lbio", "--device", path, "--qd", "5000"]);
     assert!(e.contains("5000") && e.contains("1024"), "{e}");
-    let e = run(&["bench", "lbio", "--device", path, "--rw", "randwrite", "--seconds", "0.1"]);
+    let e = run(&[
+        "bench",
+        "lbio",
+        "--device",
+        path,
+        "--rw",
+        "randwrite",
+        "--seconds",
+        "0.1",
+    ]);
     assert!(e.contains("--destructive"), "{e}");
     let e = run(&["bench", "lbio", "--device", "/nonexistent-dir/x.img"]);
     assert!(e.contains("/nonexistent-dir"), "{e}");
-    let e = run(&["bench", "lbio", "--device", path, "--bs", "1000", "--seconds", "0.1"]);
+    let e = run(&[
+        "bench",
+        "lbio",
+        "--device",
+        path,
+        "--bs",
+        "1000",
+        "--seconds",
+        "0.1",
+    ]);
     assert!(e.contains("1000") && e.contains("512"), "{e}");
     let e = run(&["probe", "/nonexistent-device"]);
     assert!(e.contains("no such device"), "{e}");
@@ -118,9 +191,27 @@ fn bench_refuses_bad_input_with_the_value_and_the_fix() {
 fn bench_writes_to_a_file_it_created_and_cleans_up() {
     let p = format!("/var/tmp/aios-cli-created-{}.img", std::process::id());
     let out = aios()
-        .args(["bench", "lbio", "--rw", "randwrite", "--seconds", "0.2", "--size", "4m", "--device", &p])
+        .args([
+            "bench",
+            "lbio",
+            "--rw",
+            "randwrite",
+            "--seconds",
+            "0.2",
+            "--size",
+            "4m",
+            "--device",
+            &p,
+        ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(!std::path::Path::new(&p).exists(), "the bench removes the file it created");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !std::path::Path::new(&p).exists(),
+        "the bench removes the file it created"
+    );
 }

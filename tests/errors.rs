@@ -165,7 +165,11 @@ fn unaligned_buffer_address_names_address_and_alignment() {
             align,
         } => {
             assert_eq!(align, mem_align);
-            assert_eq!(value % mem_align as u64, 1, "the off-by-one address: {value:#x}");
+            assert_eq!(
+                value % mem_align as u64,
+                1,
+                "the off-by-one address: {value:#x}"
+            );
         }
         ref other => panic!("expected an unaligned buffer address, got {other:?}"),
     }
@@ -188,12 +192,18 @@ fn io_past_the_end_names_capacity_and_last_valid_offset() {
     let msg = e.to_string();
     assert!(msg.contains(&offset.to_string()), "{msg}");
     assert!(msg.contains(&cap.to_string()), "{msg}");
-    assert!(msg.contains(&(cap - 4096).to_string()), "the last valid offset: {msg}");
+    assert!(
+        msg.contains(&(cap - 4096).to_string()),
+        "the last valid offset: {msg}"
+    );
 
     // An offset whose end overflows u64 is past the end too, not an arithmetic panic.
     let huge = u64::MAX - 511;
     let e = read_error(&f, huge, || buf(&f, 4096));
-    assert!(matches!(e, LbioError::PastEnd { offset, .. } if offset == huge), "{e:?}");
+    assert!(
+        matches!(e, LbioError::PastEnd { offset, .. } if offset == huge),
+        "{e:?}"
+    );
 
     // Writes are checked the same way.
     let e = f
@@ -238,9 +248,15 @@ fn open_error(path: &Path) -> LbioError {
 
 #[test]
 fn a_missing_path_is_not_found() {
-    let path = PathBuf::from(format!("/var/tmp/aios-no-such-device-{}", std::process::id()));
+    let path = PathBuf::from(format!(
+        "/var/tmp/aios-no-such-device-{}",
+        std::process::id()
+    ));
     let e = open_error(&path);
-    assert!(matches!(&e, LbioError::NotFound { path: p } if *p == path), "{e:?}");
+    assert!(
+        matches!(&e, LbioError::NotFound { path: p } if *p == path),
+        "{e:?}"
+    );
     assert!(e.to_string().contains(&path.display().to_string()), "{e}");
 }
 
@@ -295,7 +311,9 @@ fn a_file_system_without_direct_io_is_named() {
     let ramfs = match Ramfs::mount() {
         Ok(m) => m,
         Err(why) => {
-            eprintln!("SKIPPED a_file_system_without_direct_io_is_named: mount -t ramfs failed: {why}");
+            eprintln!(
+                "SKIPPED a_file_system_without_direct_io_is_named: mount -t ramfs failed: {why}"
+            );
             return;
         }
     };
@@ -334,14 +352,19 @@ fn a_max_transfer_off_the_alignment_is_refused() {
 fn a_queue_depth_over_the_slots_names_both() {
     let f = fixture();
     let slots = f.lbio.config().slots;
-    f.dev.check_queue_depth(slots).expect("exactly the slots is fine");
+    f.dev
+        .check_queue_depth(slots)
+        .expect("exactly the slots is fine");
     let e = f.dev.check_queue_depth(slots + 1).unwrap_err();
     assert!(matches!(e, LbioError::QueueDepth { qd, slots: s } if qd == slots + 1 && s == slots));
     let msg = e.to_string();
     assert!(msg.contains(&format!("queue depth {}", slots + 1)), "{msg}");
     assert!(msg.contains(&format!("{slots} request slots")), "{msg}");
     assert!(msg.contains("LbioConfig::slots"), "the fix: {msg}");
-    assert!(matches!(f.dev.check_queue_depth(0), Err(LbioError::QueueDepth { qd: 0, .. })));
+    assert!(matches!(
+        f.dev.check_queue_depth(0),
+        Err(LbioError::QueueDepth { qd: 0, .. })
+    ));
 }
 
 const MEMLOCK_CHILD: &str = "AIOS_MEMLOCK_CHILD";
@@ -374,16 +397,26 @@ fn memlock_too_low_names_the_limit_and_the_fix() {
         return;
     }
     let root = aios_core::sys::is_root();
-    let tools: &[&str] = if root { &["setpriv", "prlimit"] } else { &["prlimit"] };
+    let tools: &[&str] = if root {
+        &["setpriv", "prlimit"]
+    } else {
+        &["prlimit"]
+    };
     if let Some(missing) = tools.iter().find(|t| !on_path(t)) {
-        eprintln!("SKIPPED memlock_too_low_names_the_limit_and_the_fix: {missing} is not installed");
+        eprintln!(
+            "SKIPPED memlock_too_low_names_the_limit_and_the_fix: {missing} is not installed"
+        );
         return;
     }
     let exe = std::env::current_exe().unwrap();
     let mut cmd = if root {
         // Root has CAP_IPC_LOCK, which lifts the limit: drop it for the child.
         let mut c = Command::new("setpriv");
-        c.args(["--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock", "prlimit"]);
+        c.args([
+            "--bounding-set=-ipc_lock",
+            "--inh-caps=-ipc_lock",
+            "prlimit",
+        ]);
         c
     } else {
         Command::new("prlimit")
@@ -415,6 +448,9 @@ fn memlock_too_low_names_the_limit_and_the_fix() {
     assert!(line.starts_with("CHILD ERROR MemlockTooLow"), "{line}");
     assert!(line.contains("RLIMIT_MEMLOCK"), "{line}");
     assert!(line.contains("65536"), "names the limit: {line}");
-    assert!(line.contains(&(16u64 << 20).to_string()), "names what is needed: {line}");
+    assert!(
+        line.contains(&(16u64 << 20).to_string()),
+        "names what is needed: {line}"
+    );
     assert!(line.contains("ulimit -l"), "says how to fix it: {line}");
 }

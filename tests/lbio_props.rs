@@ -182,7 +182,10 @@ fn case(unit: u64) -> impl Strategy<Value = (u32, Vec<Step>)> {
 fn independent(reqs: &[Req]) -> Vec<Req> {
     let mut kept: Vec<Req> = Vec::new();
     for r in reqs {
-        if kept.iter().all(|k| !(k.overlaps(r) && (k.write || r.write))) {
+        if kept
+            .iter()
+            .all(|k| !(k.overlaps(r) && (k.write || r.write)))
+        {
             kept.push(*r);
         }
     }
@@ -323,7 +326,10 @@ impl Run<'_> {
         prop_assert_eq!(self.lbio.done_len(), reqs.len());
         let mut seen = vec![false; reqs.len()];
         while let Some(c) = self.lbio.take_done() {
-            let i = tags.iter().position(|t| *t == c.tag).expect("a tag we submitted");
+            let i = tags
+                .iter()
+                .position(|t| *t == c.tag)
+                .expect("a tag we submitted");
             prop_assert!(!seen[i], "request {} completed twice", i);
             seen[i] = true;
             let len = reqs[i].len;
@@ -471,6 +477,13 @@ fn requests_are_split_on_a_real_file() {
         .unwrap()
         .unwrap();
     let m = lbio.metrics();
-    assert_eq!((m.requests, m.pieces, m.split_requests), (2, 10, 2), "two 32 KiB pieces");
-    assert!(back.iter().enumerate().all(|(i, &x)| x == byte(7, i as u64)));
+    assert_eq!(
+        (m.requests, m.pieces, m.split_requests),
+        (2, 10, 2),
+        "two 32 KiB pieces"
+    );
+    assert!(back
+        .iter()
+        .enumerate()
+        .all(|(i, &x)| x == byte(7, i as u64)));
 }

@@ -184,7 +184,9 @@ fn medians(all: &[Sample], c: &Comparison<'_>) -> Vec<Sample> {
                     .iter()
                     .min_by(|a, b| {
                         let med = median(of.iter().map(|s| s.lat_us_mean).collect()).unwrap_or(0.0);
-                        (a.lat_us_mean - med).abs().total_cmp(&(b.lat_us_mean - med).abs())
+                        (a.lat_us_mean - med)
+                            .abs()
+                            .total_cmp(&(b.lat_us_mean - med).abs())
                     })
                     .map(|s| s.cdf.clone())
                     .unwrap_or_default(),
@@ -195,7 +197,11 @@ fn medians(all: &[Sample], c: &Comparison<'_>) -> Vec<Sample> {
 
 /// Whether `path` is usable for writes without destroying someone's data: a file the bench
 /// created, or the user said so.
-pub fn check_write_allowed(path: &Path, created_here: bool, destructive: bool) -> Result<(), BenchError> {
+pub fn check_write_allowed(
+    path: &Path,
+    created_here: bool,
+    destructive: bool,
+) -> Result<(), BenchError> {
     if created_here || destructive {
         return Ok(());
     }

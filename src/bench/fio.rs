@@ -67,9 +67,11 @@ pub fn run_fio(
             cmd.arg("--ioengine=psync").arg("--iodepth=1");
         }
     }
-    let out = cmd
-        .output()
-        .map_err(|e| BenchError::Setup(format!("running fio: {e} (install it: apt-get install fio)")))?;
+    let out = cmd.output().map_err(|e| {
+        BenchError::Setup(format!(
+            "running fio: {e} (install it: apt-get install fio)"
+        ))
+    })?;
     if !out.status.success() {
         return Err(BenchError::Setup(format!(
             "fio failed ({}): {}",
@@ -79,7 +81,9 @@ pub fn run_fio(
     }
     let text = String::from_utf8_lossy(&out.stdout);
     // fio may print notes before the JSON object.
-    let json_start = text.find('{').ok_or_else(|| BenchError::Parse("fio printed no JSON".into()))?;
+    let json_start = text
+        .find('{')
+        .ok_or_else(|| BenchError::Parse("fio printed no JSON".into()))?;
     let v: Value = serde_json::from_str(&text[json_start..])
         .map_err(|e| BenchError::Parse(format!("fio JSON: {e}")))?;
     parse_fio(&v, w, engine)
@@ -121,7 +125,9 @@ pub fn parse_fio(v: &Value, w: &Workload, engine: FioEngine) -> Result<Sample, B
         cdf.iter()
             .find(|(p, _)| (*p - q).abs() < 1e-9)
             .map(|(_, us)| *us)
-            .ok_or_else(|| BenchError::Parse(format!("fio JSON lacks the {}th percentile", q * 100.0)))
+            .ok_or_else(|| {
+                BenchError::Parse(format!("fio JSON lacks the {}th percentile", q * 100.0))
+            })
     };
     let usr = num(job, &["usr_cpu"])?;
     let sys = num(job, &["sys_cpu"])?;
@@ -137,7 +143,11 @@ pub fn parse_fio(v: &Value, w: &Workload, engine: FioEngine) -> Result<Sample, B
         lat_us_p99: at(0.99)?,
         lat_us_p999: at(0.999)?,
         cpu_s,
-        iops_per_cpu_s: if cpu_s > 0.0 { iops * runtime_s / cpu_s } else { 0.0 },
+        iops_per_cpu_s: if cpu_s > 0.0 {
+            iops * runtime_s / cpu_s
+        } else {
+            0.0
+        },
         seconds: runtime_s,
         cdf,
         ..Sample::default()
@@ -181,6 +191,9 @@ mod tests {
             qd: 1,
             seconds: 1.0,
         };
-        assert!(matches!(parse_fio(&v, &w, FioEngine::Psync), Err(BenchError::Parse(_))));
+        assert!(matches!(
+            parse_fio(&v, &w, FioEngine::Psync),
+            Err(BenchError::Parse(_))
+        ));
     }
 }

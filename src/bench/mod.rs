@@ -241,9 +241,11 @@ pub fn run_lbio(dev: &Device, w: &Workload, opts: LbioRunOptions) -> Result<Samp
     let mut failure: Option<LbioError> = None;
     while inflight > 0 {
         lbio.wait_done(1)?;
-        let now = Instant::now();
-        let accepting = now < deadline && failure.is_none();
+        // Inline (sync-route) resubmissions complete at once and land in this same queue, so the
+        // clock and the deadline are read per completion.
         while let Some(c) = lbio.take_done() {
+            let now = Instant::now();
+            let accepting = now < deadline && failure.is_none();
             inflight -= 1;
             let lat = now.duration_since(starts[c.tag.0 as usize]).as_nanos() as u64;
             if let Err(e) = c.result {
@@ -274,7 +276,7 @@ pub fn run_lbio(dev: &Device, w: &Workload, opts: LbioRunOptions) -> Result<Samp
         workload: w.rw.name().to_string(),
         engine: format!(
             "lbio-{route}{}",
-            if opts.completion == CompletionMode::BusyPoll {
+            if opts.completion == CompletionMode::BusyPoll && route.starts_with("io_uring") {
                 "-poll"
             } else {
                 ""

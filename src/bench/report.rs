@@ -11,7 +11,7 @@ use crate::bench::{BenchError, Sample};
 pub fn print_header(out: &mut impl Write) -> std::io::Result<()> {
     writeln!(
         out,
-        "{:>5} {:<18} {:<9} {:>5} {:>4} {:>10} {:>9} {:>9} {:>9} {:>9} {:>7} {:>11} {:>8}",
+        "{:>5} {:<18} {:<9} {:>5} {:>4} {:>10} {:>9} {:>9} {:>9} {:>9} {:>7} {:>11} {:>8} {:>8}",
         "round",
         "engine",
         "workload",
@@ -24,21 +24,18 @@ pub fn print_header(out: &mut impl Write) -> std::io::Result<()> {
         "p99.9 us",
         "cpu s",
         "IOPS/cpu-s",
-        "vs fio"
+        "vs fio",
+        "vs psync"
     )
 }
 
 /// Print one table row.
 pub fn print_row(out: &mut impl Write, s: &Sample) -> std::io::Result<()> {
     let round = s.round.map_or("med".to_string(), |r| r.to_string());
-    let ratio = s
-        .ratio_vs_fio
-        .map(|r| format!("{r:.3}x"))
-        .or_else(|| s.ratio_vs_fio_psync.map(|r| format!("{r:.3}x ps")))
-        .unwrap_or_default();
+    let ratio = |r: Option<f64>| r.map(|r| format!("{r:.3}x")).unwrap_or_default();
     writeln!(
         out,
-        "{:>5} {:<18} {:<9} {:>5} {:>4} {:>10.0} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>7.2} {:>11.0} {:>8}",
+        "{:>5} {:<18} {:<9} {:>5} {:>4} {:>10.0} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>7.2} {:>11.0} {:>8} {:>8}",
         round,
         s.engine,
         s.workload,
@@ -51,7 +48,8 @@ pub fn print_row(out: &mut impl Write, s: &Sample) -> std::io::Result<()> {
         s.lat_us_p999,
         s.cpu_s,
         s.iops_per_cpu_s,
-        ratio
+        ratio(s.ratio_vs_fio),
+        ratio(s.ratio_vs_fio_psync)
     )
 }
 
@@ -111,7 +109,11 @@ fn ensure_font() {
 pub fn plot_cdf(path: &Path, title: &str, samples: &[&Sample]) -> Result<(), BenchError> {
     ensure_font();
     let plot_err = |e: String| BenchError::Setup(format!("plotting {}: {e}", path.display()));
-    let series: Vec<&Sample> = samples.iter().copied().filter(|s| !s.cdf.is_empty()).collect();
+    let series: Vec<&Sample> = samples
+        .iter()
+        .copied()
+        .filter(|s| !s.cdf.is_empty())
+        .collect();
     if series.is_empty() {
         return Err(plot_err("no latency data to plot".into()));
     }
@@ -126,8 +128,20 @@ pub fn plot_cdf(path: &Path, title: &str, samples: &[&Sample]) -> Result<(), Ben
         .fold(0.0, f64::max)
         .max(lo * 2.0);
     match path.extension().and_then(|e| e.to_str()) {
-        Some("svg") => draw_cdf(SVGBackend::new(path, (900, 560)).into_drawing_area(), title, &series, lo, hi),
-        _ => draw_cdf(BitMapBackend::new(path, (900, 560)).into_drawing_area(), title, &series, lo, hi),
+        Some("svg") => draw_cdf(
+            SVGBackend::new(path, (900, 560)).into_drawing_area(),
+            title,
+            &series,
+            lo,
+            hi,
+        ),
+        _ => draw_cdf(
+            BitMapBackend::new(path, (900, 560)).into_drawing_area(),
+            title,
+            &series,
+            lo,
+            hi,
+        ),
     }
     .map_err(plot_err)
 }
@@ -142,44 +156,46 @@ fn draw_cdf<DB: DrawingBackend>(
 where
     DB::ErrorType: 'static,
 {
-        root.fill(&WHITE).map_err(|e| e.to_string())?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 22))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(50)
-            .build_cartesian_2d((lo * 0.9..hi * 1.1).log_scale(), 0.0..1.0)
-            .map_err(|e| e.to_string())?;
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d((lo * 0.9..hi * 1.1).log_scale(), 0.0..1.0)
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .x_desc("latency (us, log scale)")
+        .y_desc("fraction of requests")
+        .label_style(("sans-serif", 14))
+        .draw()
+        .map_err(|e| e.to_string())?;
+    for (i, s) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let pts: Vec<(f64, f64)> = s
+            .cdf
+            .iter()
+            .map(|&(q, us)| (us.clamp(lo * 0.9, hi * 1.1), q))
+            .collect();
         chart
-            .configure_mesh()
-            .x_desc("latency (us, log scale)")
-            .y_desc("fraction of requests")
-            .label_style(("sans-serif", 14))
-            .draw()
-            .map_err(|e| e.to_string())?;
-        for (i, s) in series.iter().enumerate() {
-            let color = Palette99::pick(i).to_rgba();
-            let pts: Vec<(f64, f64)> = s
-                .cdf
-                .iter()
-                .map(|&(q, us)| (us.clamp(lo * 0.9, hi * 1.1), q))
-                .collect();
-            chart
-                .draw_series(LineSeries::new(pts, color.stroke_width(2)))
-                .map_err(|e| e.to_string())?
-                .label(format!("{} (mean {:.1} us)", s.engine, s.lat_us_mean))
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
-        }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::LowerRight)
-            .label_font(("sans-serif", 14))
-            .draw()
-            .map_err(|e| e.to_string())?;
-        root.present().map_err(|e| e.to_string())
+            .draw_series(LineSeries::new(pts, color.stroke_width(2)))
+            .map_err(|e| e.to_string())?
+            .label(format!("{} (mean {:.1} us)", s.engine, s.lat_us_mean))
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+            });
     }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerRight)
+        .label_font(("sans-serif", 14))
+        .draw()
+        .map_err(|e| e.to_string())?;
+    root.present().map_err(|e| e.to_string())
+}
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -57,7 +57,10 @@ impl UllDevice {
 
 impl Drop for UllDevice {
     fn drop(&mut self) {
-        let _ = Command::new("losetup").arg("-d").arg(&self.loop_dev).status();
+        let _ = Command::new("losetup")
+            .arg("-d")
+            .arg(&self.loop_dev)
+            .status();
         let _ = std::fs::remove_file(&self.image);
     }
 }

@@ -30,7 +30,9 @@ impl fmt::Display for Backing {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Backing::HugeTlb => "hugetlb 2 MiB pages",
-            Backing::TransparentHuge => "4 KiB pages with MADV_HUGEPAGE (no hugetlb pages reserved)",
+            Backing::TransparentHuge => {
+                "4 KiB pages with MADV_HUGEPAGE (no hugetlb pages reserved)"
+            }
             Backing::Pages => "4 KiB pages",
         })
     }
@@ -138,7 +140,11 @@ pub struct Arena {
 impl Arena {
     /// Map `bytes` (rounded up to whole frames) of memory. Huge pages are tried first when
     /// `huge_pages` is set. The memory is not registered here: the engine does that.
-    pub(crate) fn map(bytes: usize, frame_bytes: usize, huge_pages: bool) -> Result<Arena, CoreError> {
+    pub(crate) fn map(
+        bytes: usize,
+        frame_bytes: usize,
+        huge_pages: bool,
+    ) -> Result<Arena, CoreError> {
         if !frame_bytes.is_power_of_two() || frame_bytes < 512 {
             return Err(CoreError::Config(format!(
                 "frame_bytes {frame_bytes} must be a power of two of at least 512"
@@ -161,7 +167,10 @@ impl Arena {
                     std::ptr::null_mut(),
                     huge_len,
                     libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_HUGETLB | libc::MAP_POPULATE,
+                    libc::MAP_PRIVATE
+                        | libc::MAP_ANONYMOUS
+                        | libc::MAP_HUGETLB
+                        | libc::MAP_POPULATE,
                     -1,
                     0,
                 )
@@ -393,7 +402,10 @@ impl DerefMut for FixedBuf {
 
 impl Drop for FixedBuf {
     fn drop(&mut self) {
-        self.arena.free.borrow_mut().give_back(self.first, self.frames);
+        self.arena
+            .free
+            .borrow_mut()
+            .give_back(self.first, self.frames);
     }
 }
 
@@ -437,10 +449,17 @@ mod tests {
         let y = a.try_alloc(64 * 4096).unwrap();
         let z = a.try_alloc(63 * 4096).unwrap();
         assert_eq!(a.free_frames(), 0);
-        let ranges = [(x.first, x.frames), (y.first, y.frames), (z.first, z.frames)];
+        let ranges = [
+            (x.first, x.frames),
+            (y.first, y.frames),
+            (z.first, z.frames),
+        ];
         for (i, a1) in ranges.iter().enumerate() {
             for b1 in &ranges[i + 1..] {
-                assert!(a1.0 + a1.1 <= b1.0 || b1.0 + b1.1 <= a1.0, "{a1:?} overlaps {b1:?}");
+                assert!(
+                    a1.0 + a1.1 <= b1.0 || b1.0 + b1.1 <= a1.0,
+                    "{a1:?} overlaps {b1:?}"
+                );
             }
         }
         drop(y);
@@ -452,7 +471,11 @@ mod tests {
     fn fragmentation_fails_a_run_but_not_single_frames() {
         let a = arena(8);
         let bufs: Vec<_> = (0..8).map(|_| a.try_alloc(4096).unwrap()).collect();
-        let keep: Vec<_> = bufs.into_iter().enumerate().filter(|(i, _)| i % 2 == 0).collect();
+        let keep: Vec<_> = bufs
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| i % 2 == 0)
+            .collect();
         assert_eq!(a.free_frames(), 4);
         assert!(a.try_alloc(2 * 4096).is_none());
         assert!(a.try_alloc(4096).is_some());

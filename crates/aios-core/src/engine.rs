@@ -245,7 +245,9 @@ fn build_ring(
                 match drop_order.iter().find(|f| flags.contains(f)) {
                     Some(f) => {
                         flags.retain(|x| x != f);
-                        setup.dropped.push((f, "io_uring_setup returned EINVAL".to_string()));
+                        setup
+                            .dropped
+                            .push((f, "io_uring_setup returned EINVAL".to_string()));
                     }
                     None => {
                         return Err(CoreError::RingSetup {
@@ -305,8 +307,8 @@ impl Engine {
         }
         let (uring, setup) = build_ring(cfg.ring_entries, &wanted, cfg.sqpoll_idle, false)?;
         let iopoll = if cfg.iopoll_ring {
-            let (ring, _) = build_ring(cfg.ring_entries, &wanted, None, true)
-                .map_err(|e| match e {
+            let (ring, _) =
+                build_ring(cfg.ring_entries, &wanted, None, true).map_err(|e| match e {
                     CoreError::RingSetup { source, .. } => CoreError::IopollUnavailable(source),
                     other => other,
                 })?;
@@ -315,7 +317,11 @@ impl Engine {
             None
         };
 
-        let arena = Rc::new(Arena::map(cfg.arena_bytes, cfg.frame_bytes, cfg.huge_pages)?);
+        let arena = Rc::new(Arena::map(
+            cfg.arena_bytes,
+            cfg.frame_bytes,
+            cfg.huge_pages,
+        )?);
         let iov = [arena.iovec()];
         for ring in std::iter::once(&uring).chain(iopoll.as_ref()) {
             // SAFETY: the iovec covers the arena mapping, which lives in an `Rc<Arena>` owned by
@@ -461,7 +467,12 @@ impl Engine {
                 max_files: self.max_files,
             })?;
         for ring in self.rings() {
-            if let Err(e) = ring.uring.borrow().submitter().register_files_update(slot, &[fd]) {
+            if let Err(e) = ring
+                .uring
+                .borrow()
+                .submitter()
+                .register_files_update(slot, &[fd])
+            {
                 self.free_files.borrow_mut().push(slot);
                 return Err(CoreError::Sys {
                     op: "io_uring_register(FILES_UPDATE)",
@@ -477,7 +488,11 @@ impl Engine {
         for ring in self.rings() {
             // A failure leaves the slot pointing at a file we no longer use: harmless, and it is
             // overwritten by the next registration in that slot.
-            let _ = ring.uring.borrow().submitter().register_files_update(file.0, &[-1]);
+            let _ = ring
+                .uring
+                .borrow()
+                .submitter()
+                .register_files_update(file.0, &[-1]);
         }
         self.free_files.borrow_mut().push(file.0);
     }
@@ -574,7 +589,10 @@ impl Engine {
             0
         };
         // SAFETY: no extra argument is passed; the counts come from our own bookkeeping.
-        let r = unsafe { u.submitter().enter::<libc::sigset_t>(to_submit, want, flags, None) };
+        let r = unsafe {
+            u.submitter()
+                .enter::<libc::sigset_t>(to_submit, want, flags, None)
+        };
         if let Ok(n) = r {
             ring.pending.set(to_submit - (n as u32).min(to_submit));
         }
@@ -589,9 +607,7 @@ impl Engine {
                 Ok(_) if ring.pending.get() == 0 || want > 0 => return Ok(()),
                 Ok(_) => continue,
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-                Err(e)
-                    if matches!(e.raw_os_error(), Some(libc::EBUSY) | Some(libc::EAGAIN)) =>
-                {
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY) | Some(libc::EAGAIN)) => {
                     // The CQ is full: make room by dispatching what has completed.
                     if self.reap(ring) == 0 {
                         thread::yield_now();
@@ -659,7 +675,10 @@ impl Engine {
                         Ok(_) => break,
                         Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
                         Err(e)
-                            if matches!(e.raw_os_error(), Some(libc::EBUSY) | Some(libc::EAGAIN)) =>
+                            if matches!(
+                                e.raw_os_error(),
+                                Some(libc::EBUSY) | Some(libc::EAGAIN)
+                            ) =>
                         {
                             n += self.reap(ring);
                         }

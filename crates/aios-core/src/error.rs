@@ -16,7 +16,11 @@ pub enum CoreError {
          buffers; raise it (e.g. `ulimit -l {fix_kib}` in the shell, `LimitMEMLOCK=` in a systemd \
          unit, or memlock in /etc/security/limits.conf), run with CAP_IPC_LOCK, or lower arena_bytes"
     )]
-    MemlockTooLow { limit: u64, needed: u64, fix_kib: u64 },
+    MemlockTooLow {
+        limit: u64,
+        needed: u64,
+        fix_kib: u64,
+    },
 
     /// Mapping the arena failed.
     #[error("could not map a {bytes}-byte buffer arena: {source}")]
@@ -33,7 +37,11 @@ pub enum CoreError {
 
     /// The ring could not be created with any flag combination tried.
     #[error("io_uring_setup failed with {entries} entries and flags [{flags}]: {source}")]
-    RingSetup { entries: u32, flags: String, source: io::Error },
+    RingSetup {
+        entries: u32,
+        flags: String,
+        source: io::Error,
+    },
 
     /// An IOPOLL ring was configured but the kernel refused it.
     #[error("an IOPOLL ring was configured but could not be created: {0}")]
@@ -49,7 +57,11 @@ pub enum CoreError {
 
     /// A buffer range does not fit the buffer.
     #[error("buffer range {start}..{} does not fit the buffer's {capacity}-byte capacity", start + len)]
-    BufferRange { start: usize, len: usize, capacity: usize },
+    BufferRange {
+        start: usize,
+        len: usize,
+        capacity: usize,
+    },
 
     /// The engine was used from a thread other than the one that created it.
     #[error("the engine belongs to the thread that created it; it was used from another thread")]

@@ -159,23 +159,25 @@ pub fn probe(path: &Path, opts: ProbeOptions) -> Result<DeviceProbe, CoreError> 
         (st.dev_major, st.dev_minor)
     };
     let has_queue = qmaj != 0;
-    let (max_transfer_bytes, max_transfer_source) =
-        match has_queue.then(|| sys::block_queue_attr(qmaj, qmin, "max_sectors_kb")).flatten() {
-            Some(kb) => match kb.parse::<u32>() {
-                Ok(kb) if kb > 0 => (
-                    kb.saturating_mul(1024),
-                    format!("/sys/dev/block/{qmaj}:{qmin}/queue/max_sectors_kb"),
-                ),
-                _ => (
-                    DEFAULT_MAX_TRANSFER_BYTES,
-                    format!("default (max_sectors_kb unreadable: {kb:?})"),
-                ),
-            },
-            None => (
-                DEFAULT_MAX_TRANSFER_BYTES,
-                "default (no block queue behind this file)".to_string(),
+    let (max_transfer_bytes, max_transfer_source) = match has_queue
+        .then(|| sys::block_queue_attr(qmaj, qmin, "max_sectors_kb"))
+        .flatten()
+    {
+        Some(kb) => match kb.parse::<u32>() {
+            Ok(kb) if kb > 0 => (
+                kb.saturating_mul(1024),
+                format!("/sys/dev/block/{qmaj}:{qmin}/queue/max_sectors_kb"),
             ),
-        };
+            _ => (
+                DEFAULT_MAX_TRANSFER_BYTES,
+                format!("default (max_sectors_kb unreadable: {kb:?})"),
+            ),
+        },
+        None => (
+            DEFAULT_MAX_TRANSFER_BYTES,
+            "default (no block queue behind this file)".to_string(),
+        ),
+    };
     let rotational = has_queue
         .then(|| sys::block_queue_attr(qmaj, qmin, "rotational"))
         .flatten()
@@ -192,7 +194,10 @@ pub fn probe(path: &Path, opts: ProbeOptions) -> Result<DeviceProbe, CoreError> 
             None,
             format!(
                 "O_DIRECT open failed: {e}{}",
-                fs_type.as_ref().map(|t| format!(" (file system {t})")).unwrap_or_default()
+                fs_type
+                    .as_ref()
+                    .map(|t| format!(" (file system {t})"))
+                    .unwrap_or_default()
             ),
         ),
         (Ok(_), Some(d)) => (Some(d), "statx STATX_DIOALIGN".to_string()),
@@ -237,7 +242,9 @@ pub fn probe(path: &Path, opts: ProbeOptions) -> Result<DeviceProbe, CoreError> 
     };
     let read_len = PROBE_READ_BYTES.max(dio.map_or(512, |d| d.offset_align));
     if capacity_bytes < read_len as u64 {
-        probe.iopoll = Err(format!("device holds {capacity_bytes} bytes: nothing to read"));
+        probe.iopoll = Err(format!(
+            "device holds {capacity_bytes} bytes: nothing to read"
+        ));
         probe.critical.reason = "device too small to measure: io_uring by default".to_string();
         return Ok(probe);
     }
@@ -252,9 +259,11 @@ pub fn probe(path: &Path, opts: ProbeOptions) -> Result<DeviceProbe, CoreError> 
         };
         probe.iopoll = match at {
             Some(at) => try_iopoll(&direct, read_len, at),
-            None => Err("the file holds no allocated data: a polled read of a hole would \
+            None => Err(
+                "the file holds no allocated data: a polled read of a hole would \
                          never reach the device, so IOPOLL cannot be tested"
-                .to_string()),
+                    .to_string(),
+            ),
         };
     }
     if opts.latency_samples > 0 {
@@ -317,7 +326,9 @@ fn try_iopoll(direct: &std::os::fd::OwnedFd, read_len: u32, at: u64) -> Result<(
     let file = engine
         .register_file(direct.as_raw_fd())
         .map_err(|e| e.to_string())?;
-    let mut buf = engine.try_alloc(read_len as usize).ok_or("arena exhausted")?;
+    let mut buf = engine
+        .try_alloc(read_len as usize)
+        .ok_or("arena exhausted")?;
     let sqe = engine::read_fixed(file, buf.as_mut_ptr(), read_len, at);
     // SAFETY: `buf` and the file outlive the wait below, which dispatches this SQE's completion.
     unsafe { engine.push(RingKind::Iopoll, id, 0, sqe) }.map_err(|e| e.to_string())?;
@@ -329,7 +340,10 @@ fn try_iopoll(direct: &std::os::fd::OwnedFd, read_len: u32, at: u64) -> Result<(
         Some(n) if -n == libc::EOPNOTSUPP => {
             Err("EOPNOTSUPP: the device has no poll queues for polled completion".to_string())
         }
-        Some(n) => Err(format!("polled read failed: {}", std::io::Error::from_raw_os_error(-n))),
+        Some(n) => Err(format!(
+            "polled read failed: {}",
+            std::io::Error::from_raw_os_error(-n)
+        )),
         None => Err("polled read produced no completion".to_string()),
     }
 }

@@ -282,9 +282,7 @@ pub fn fs_type_of(path: &Path) -> Option<String> {
     let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
     let mut best: Option<(usize, String)> = None;
     for line in info.lines() {
-        let mut halves = line.splitn(2, " - ");
-        let left = halves.next()?;
-        let right = halves.next()?;
+        let (left, right) = line.split_once(" - ")?;
         let mount_point = left.split(' ').nth(4)?;
         let fstype = right.split(' ').next()?;
         if canon.starts_with(mount_point) && best.as_ref().is_none_or(|b| mount_point.len() >= b.0)

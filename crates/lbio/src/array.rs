@@ -53,8 +53,7 @@ impl LbioConfig {
         }
         if self.max_inflight_background == 0 {
             return Err(LbioError::Config(
-                "max_inflight_background 0 would never issue a background request; use >= 1"
-                    .into(),
+                "max_inflight_background 0 would never issue a background request; use >= 1".into(),
             ));
         }
         if self.split_bytes < 512 || !self.split_bytes.is_power_of_two() {
@@ -407,11 +406,8 @@ impl LbioArray {
             }
             Class::Background => {
                 let d = inner.devs[dev as usize].as_mut().expect("device is open");
-                if d.tokens == 0 {
-                    inner.metrics.throttled_pieces += 1;
-                }
                 d.bg_queue.push_back(tag);
-                self.pump(inner, dev);
+                self.pump(inner, dev, false);
             }
         }
         Ok(Tag(tag))
@@ -420,7 +416,10 @@ impl LbioArray {
     /// Issue every piece of a critical request, split only at the device's max transfer.
     fn issue_critical(&self, inner: &mut Inner, tag: u32) {
         let dev = inner.slots[tag as usize].dev as usize;
-        let max = inner.devs[dev].as_ref().expect("device is open").max_transfer;
+        let max = inner.devs[dev]
+            .as_ref()
+            .expect("device is open")
+            .max_transfer;
         loop {
             let done = self.issue_piece(inner, tag, max, true);
             if done {
@@ -455,8 +454,14 @@ impl LbioArray {
         let issued_all = slot.issued_all;
         slot.outstanding += 1;
         inner.metrics.pieces += 1;
-        let dev = inner.devs[slot.dev as usize].as_ref().expect("device is open");
-        let backend = if critical { &dev.critical } else { &dev.background };
+        let dev = inner.devs[slot.dev as usize]
+            .as_ref()
+            .expect("device is open");
+        let backend = if critical {
+            &dev.critical
+        } else {
+            &dev.background
+        };
         // SAFETY: the slot owns the buffer until the request finishes, which needs every piece's
         // completion; the device's backends stay alive while it has active requests.
         let started = unsafe { backend.start(&self.engine, self.sink, tag as u64, &piece) };
@@ -474,8 +479,9 @@ impl LbioArray {
         issued_all
     }
 
-    /// Issue queued background pieces while the device has tokens.
-    fn pump(&self, inner: &mut Inner, dev: u16) {
+    /// Issue queued background pieces while the device has tokens. `after_wait` marks a pump
+    /// run by a completion: the pieces it issues had been waiting for a token.
+    fn pump(&self, inner: &mut Inner, dev: u16, after_wait: bool) {
         let split = self.cfg.split_bytes;
         loop {
             let d = inner.devs[dev as usize].as_mut().expect("device is open");
@@ -487,6 +493,9 @@ impl LbioArray {
             };
             d.tokens -= 1;
             let max = split.min(d.max_transfer);
+            if after_wait {
+                inner.metrics.throttled_pieces += 1;
+            }
             if self.issue_piece(inner, tag, max, false) {
                 let d = inner.devs[dev as usize].as_mut().expect("device is open");
                 d.bg_queue.pop_front();
@@ -663,8 +672,35 @@ impl LbioArray {
         let background = slot.class == Class::Background;
         self.piece_done(inner, tag, res, background);
         self.finish_if_done(inner, tag);
-        if background {
-            self.pump(inner, dev);
+        // The device may have closed with this completion (its handle was dropped earlier).
+        if background && inner.devs[dev as usize].is_some() {
+            self.pump(inner, dev, true);
+        }
+    }
+}
+
+impl Drop for LbioArray {
+    fn drop(&mut self) {
+        // Slot buffers still targeted by in-flight SQEs must not go back to the arena before the
+        // kernel is done with them. This array can no longer receive completions (its weak
+        // handle is dead), so drain the engine until nothing is in flight.
+        let busy = self
+            .inner
+            .get_mut()
+            .slots
+            .iter()
+            .any(|s| s.state == State::Active && s.outstanding > 0);
+        while busy && self.engine.has_work() {
+            if self.engine.wait(1).is_err() {
+                // The ring is unusable: leak the buffers rather than let the kernel write into
+                // frames someone else owns.
+                for slot in self.inner.get_mut().slots.iter_mut() {
+                    if let Some(b) = slot.buf.take() {
+                        std::mem::forget(b);
+                    }
+                }
+                return;
+            }
         }
     }
 }

@@ -118,7 +118,11 @@ impl FileBackend {
                 fixed,
                 engine: Rc::clone(engine),
             }),
-            ring: if iopoll { RingKind::Iopoll } else { RingKind::Main },
+            ring: if iopoll {
+                RingKind::Iopoll
+            } else {
+                RingKind::Main
+            },
         })
     }
 
@@ -152,7 +156,10 @@ impl Backend for FileBackend {
     ) -> Result<Started, CoreError> {
         let f = self.file.fixed;
         let (ring, sqe) = match piece.op {
-            Op::Read => (self.ring, engine::read_fixed(f, piece.ptr, piece.len, piece.offset)),
+            Op::Read => (
+                self.ring,
+                engine::read_fixed(f, piece.ptr, piece.len, piece.offset),
+            ),
             Op::Write => (
                 self.ring,
                 engine::write_fixed(f, piece.ptr, piece.len, piece.offset, piece.fua),

@@ -230,12 +230,7 @@ impl Device {
         Ok(())
     }
 
-    fn validate(
-        &self,
-        op: Op,
-        offset: u64,
-        buf: Option<&FixedBuf>,
-    ) -> Result<u32, LbioError> {
+    fn validate(&self, op: Op, offset: u64, buf: Option<&FixedBuf>) -> Result<u32, LbioError> {
         if op != Op::Read && !self.writable {
             return Err(LbioError::ReadOnly(op));
         }
@@ -275,7 +270,10 @@ impl Device {
                 align: g.mem_align,
             });
         }
-        if offset.checked_add(len as u64).is_none_or(|end| end > g.capacity_bytes) {
+        if offset
+            .checked_add(len as u64)
+            .is_none_or(|end| end > g.capacity_bytes)
+        {
             return Err(LbioError::PastEnd {
                 offset,
                 len: len as u32,

@@ -24,7 +24,11 @@ pub enum LbioError {
          the last valid offset for it is {})",
         capacity.saturating_sub(*len as u64)
     )]
-    PastEnd { offset: u64, len: u32, capacity: u64 },
+    PastEnd {
+        offset: u64,
+        len: u32,
+        capacity: u64,
+    },
 
     /// A read or write of zero bytes.
     #[error("zero-length {0}: give the buffer a length with FixedBuf::set_len")]

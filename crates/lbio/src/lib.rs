@@ -30,9 +30,7 @@ mod error;
 
 pub use array::{Class, Completion, LbioArray, LbioConfig, LbioMetrics, Tag, MAX_SLOTS};
 pub use backend::{Backend, Caps, FileBackend, MemBackend, Op, Piece, Started, SyncBackend};
-pub use device::{
-    Device, DeviceConfig, Geometry, Io, IoFuture, RouteChoice, MAX_REQUEST_BYTES,
-};
+pub use device::{Device, DeviceConfig, Geometry, Io, IoFuture, RouteChoice, MAX_REQUEST_BYTES};
 pub use error::LbioError;
 
 #[cfg(test)]

@@ -320,7 +320,11 @@ fn critical_request_is_split_at_max_transfer_and_completes_as_one() {
             fua: true,
         })
         .collect();
-    assert_eq!(*log.borrow(), want, "eight FUA pieces of max transfer, in order");
+    assert_eq!(
+        *log.borrow(),
+        want,
+        "eight FUA pieces of max transfer, in order"
+    );
     let m = lbio.metrics();
     assert_eq!((m.requests, m.pieces, m.split_requests), (1, 8, 1));
 
@@ -332,9 +336,18 @@ fn critical_request_is_split_at_max_transfer_and_completes_as_one() {
     let back = dev.read_at_blocking(128 * KIB as u64, buf).unwrap();
     let lens: Vec<(u64, u32)> = log.borrow().iter().map(|s| (s.offset, s.len)).collect();
     let base = 128 * KIB as u64;
-    assert_eq!(lens, [(base, 8192), (base + 8192, 8192), (base + 16384, 4096)]);
-    assert!(log.borrow().iter().all(|s| s.op == Op::Read && s.route == Route::Critical));
-    assert!(is_patterned(&back, 3), "the pieces land in the right parts of the buffer");
+    assert_eq!(
+        lens,
+        [(base, 8192), (base + 8192, 8192), (base + 16384, 4096)]
+    );
+    assert!(log
+        .borrow()
+        .iter()
+        .all(|s| s.op == Op::Read && s.route == Route::Critical));
+    assert!(
+        is_patterned(&back, 3),
+        "the pieces land in the right parts of the buffer"
+    );
     assert_eq!(lbio.metrics().split_requests, 2);
 }
 
@@ -363,11 +376,16 @@ fn background_request_is_split_into_split_bytes_pieces_in_lba_order() {
         .unwrap()
         .unwrap();
     let seen = log.borrow().clone();
-    assert!(seen.iter().all(|s| s.route == Route::Background && s.op == Op::Write));
+    assert!(seen
+        .iter()
+        .all(|s| s.route == Route::Background && s.op == Op::Write));
     let got: Vec<(u64, u32)> = seen.iter().map(|s| (s.offset, s.len)).collect();
     let mut want: Vec<(u64, u32)> = (0..8).map(|i| (base + i * 32768, 32768)).collect();
     want.push((base + 8 * 32768, 8192));
-    assert_eq!(got, want, "32 KiB pieces in ascending LBA order, then the remainder");
+    assert_eq!(
+        got, want,
+        "32 KiB pieces in ascending LBA order, then the remainder"
+    );
 
     // Read it back through the critical route (one piece: under max transfer).
     log.borrow_mut().clear();
@@ -413,7 +431,10 @@ fn custom_split_bytes_is_honoured() {
     dev.run_blocking(Io::write(4096, buf).class(Class::Background))
         .unwrap();
     let got: Vec<(u64, u32)> = log.borrow().iter().map(|s| (s.offset, s.len)).collect();
-    assert_eq!(got, [(4096, 4096), (8192, 4096), (12288, 4096), (16384, 4096)]);
+    assert_eq!(
+        got,
+        [(4096, 4096), (8192, 4096), (12288, 4096), (16384, 4096)]
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -428,7 +449,11 @@ fn background_pieces_in_flight_never_exceed_the_token_budget() {
     let (dev, tracker) = tracked_device(&lbio, &file, 4 << 20);
 
     // Three background writes: 1 MiB (32 pieces) and two of 256 KiB (8 pieces each).
-    let requests = [(0u64, 1 << 20, 11u8), (1 << 20, 256 * KIB, 12), (2 << 20, 256 * KIB, 13)];
+    let requests = [
+        (0u64, 1 << 20, 11u8),
+        (1 << 20, 256 * KIB, 12),
+        (2 << 20, 256 * KIB, 13),
+    ];
     for &(off, len, seed) in &requests {
         let io = Io::write(off, patterned(&engine, len, seed)).class(Class::Background);
         dev.submit(io).map_err(|(e, _)| e).unwrap();
@@ -444,7 +469,11 @@ fn background_pieces_in_flight_never_exceed_the_token_budget() {
         c.result.unwrap();
     }
     assert!(lbio.take_done().is_none());
-    assert_eq!(tracker.max_background.get(), 8, "never more than the budget in flight");
+    assert_eq!(
+        tracker.max_background.get(),
+        8,
+        "never more than the budget in flight"
+    );
     assert_eq!(tracker.outstanding(Route::Background), 0);
 
     // Every piece went out in order: request by request, ascending LBA within each.
@@ -455,11 +484,16 @@ fn background_pieces_in_flight_never_exceed_the_token_budget() {
     let mut sorted = offsets.clone();
     sorted.sort_unstable();
     assert_eq!(offsets, sorted);
-    assert!(lbio.metrics().throttled_pieces >= 1, "the later requests found no token");
+    assert!(
+        lbio.metrics().throttled_pieces >= 1,
+        "the later requests found no token"
+    );
 
     // The bytes are all there.
     for &(off, len, seed) in &requests {
-        let back = dev.read_at_blocking(off, engine.try_alloc(len).unwrap()).unwrap();
+        let back = dev
+            .read_at_blocking(off, engine.try_alloc(len).unwrap())
+            .unwrap();
         assert!(is_patterned(&back, seed), "request at {off}");
     }
     assert_eq!(lbio.free_slots(), lbio.config().slots);
@@ -474,7 +508,11 @@ fn critical_requests_bypass_the_token_budget() {
 
     let bg = Io::write(0, patterned(&engine, 1 << 20, 5)).class(Class::Background);
     dev.submit(bg).map_err(|(e, _)| e).unwrap();
-    assert_eq!(tracker.outstanding(Route::Background), 8, "every token taken");
+    assert_eq!(
+        tracker.outstanding(Route::Background),
+        8,
+        "every token taken"
+    );
     for i in 0..4u64 {
         let io = Io::write((2 << 20) + i * 65536, patterned(&engine, 65536, 6));
         dev.submit(io).map_err(|(e, _)| e).unwrap();
@@ -497,7 +535,10 @@ fn critical_requests_bypass_the_token_budget() {
 fn each_device_has_its_own_token_budget() {
     let engine = engine();
     let lbio = array(&engine, LbioConfig::default());
-    let (fa, fb) = (TempFile::new("budget-a", 1 << 20), TempFile::new("budget-b", 1 << 20));
+    let (fa, fb) = (
+        TempFile::new("budget-a", 1 << 20),
+        TempFile::new("budget-b", 1 << 20),
+    );
     let (a, ta) = tracked_device(&lbio, &fa, 1 << 20);
     let (b, tb) = tracked_device(&lbio, &fb, 1 << 20);
     for (dev, seed) in [(&a, 1u8), (&b, 2)] {
@@ -505,13 +546,19 @@ fn each_device_has_its_own_token_budget() {
         dev.submit(io).map_err(|(e, _)| e).unwrap();
     }
     assert_eq!(ta.outstanding(Route::Background), 8);
-    assert_eq!(tb.outstanding(Route::Background), 8, "device a's pieces do not use b's tokens");
+    assert_eq!(
+        tb.outstanding(Route::Background),
+        8,
+        "device a's pieces do not use b's tokens"
+    );
     lbio.wait_done(2).unwrap();
     while let Some(c) = lbio.take_done() {
         c.result.unwrap();
     }
     for (dev, seed) in [(&a, 1u8), (&b, 2)] {
-        let back = dev.read_at_blocking(0, engine.try_alloc(512 * KIB).unwrap()).unwrap();
+        let back = dev
+            .read_at_blocking(0, engine.try_alloc(512 * KIB).unwrap())
+            .unwrap();
         assert!(is_patterned(&back, seed));
     }
 }
@@ -536,9 +583,6 @@ fn a_smaller_budget_is_honoured() {
 }
 
 #[test]
-#[ignore = "bug: LbioMetrics::throttled_pieces is documented as 'background pieces that had to \
-            wait for a token' but array.rs submit_locked counts one per *request* that found no \
-            token at submission, and none for the pieces of a request that wait in pump()"]
 fn throttled_pieces_counts_every_piece_that_waited_for_a_token() {
     let engine = engine();
     let lbio = array(&engine, LbioConfig::default());
@@ -613,8 +657,13 @@ fn dropped_future_does_not_leak_its_slot_or_buffer() {
     {
         let fut = dev.read_at(0, engine.try_alloc(64 * KIB).unwrap());
         let mut fut = pin!(fut);
-        assert!(fut.as_mut().poll(&mut cx).is_pending(), "the read is in the kernel");
-        let bg = dev.future(Io::read(64 * KIB as u64, engine.try_alloc(1 << 20).unwrap()).class(Class::Background));
+        assert!(
+            fut.as_mut().poll(&mut cx).is_pending(),
+            "the read is in the kernel"
+        );
+        let bg = dev.future(
+            Io::read(64 * KIB as u64, engine.try_alloc(1 << 20).unwrap()).class(Class::Background),
+        );
         let mut bg = pin!(bg);
         assert!(bg.as_mut().poll(&mut cx).is_pending());
         assert_eq!(lbio.free_slots(), slots - 2);
@@ -624,9 +673,21 @@ fn dropped_future_does_not_leak_its_slot_or_buffer() {
     assert_eq!(lbio.free_slots(), slots - 2);
     assert!(engine.arena().free_frames() < frames);
     drain(&engine);
-    assert_eq!(lbio.free_slots(), slots, "orphaned slots freed at completion");
-    assert_eq!(engine.arena().free_frames(), frames, "and their buffers given back");
-    assert_eq!(tracker.background_pieces().len(), 32, "the orphan ran to its end");
+    assert_eq!(
+        lbio.free_slots(),
+        slots,
+        "orphaned slots freed at completion"
+    );
+    assert_eq!(
+        engine.arena().free_frames(),
+        frames,
+        "and their buffers given back"
+    );
+    assert_eq!(
+        tracker.background_pieces().len(),
+        32,
+        "the orphan ran to its end"
+    );
 
     // Its tokens came back too: a new background request gets the whole budget.
     let io = Io::write(0, patterned(&engine, 1 << 20, 8)).class(Class::Background);
@@ -691,7 +752,9 @@ fn async_waits_for_a_slot_instead_of_failing() {
         .unwrap();
     drop(futs);
     for i in 0..6u64 {
-        let back = dev.read_at_blocking(i * 4096, engine.try_alloc(4096).unwrap()).unwrap();
+        let back = dev
+            .read_at_blocking(i * 4096, engine.try_alloc(4096).unwrap())
+            .unwrap();
         assert!(is_patterned(&back, i as u8), "write {i}");
     }
     assert_eq!(lbio.free_slots(), 2);
@@ -717,7 +780,10 @@ fn device_dropped_with_critical_requests_in_flight_closes_after_them() {
         .unwrap();
     drop(dev);
     assert!(
-        matches!(Device::memory(&lbio, 4096), Err(LbioError::TooManyDevices { max: 1 })),
+        matches!(
+            Device::memory(&lbio, 4096),
+            Err(LbioError::TooManyDevices { max: 1 })
+        ),
         "the device slot is held until its request ends"
     );
     lbio.wait_done(1).unwrap();
@@ -726,9 +792,6 @@ fn device_dropped_with_critical_requests_in_flight_closes_after_them() {
 }
 
 #[test]
-#[ignore = "bug: array.rs complete_piece calls pump(dev) after finish_if_done has already closed \
-            the device (devs[dev] = None when closing && active == 0), so pump's \
-            expect(\"device is open\") panics inside the engine's completion dispatch"]
 fn device_dropped_with_a_background_request_in_flight_closes_after_it() {
     let engine = engine();
     let lbio = array(&engine, LbioConfig::default());
@@ -740,6 +803,64 @@ fn device_dropped_with_a_background_request_in_flight_closes_after_it() {
     lbio.wait_done(1).unwrap();
     lbio.take_done().unwrap().result.unwrap();
     assert_eq!(lbio.free_slots(), lbio.config().slots);
+}
+
+#[test]
+fn dropping_the_array_does_not_hand_out_a_buffer_the_kernel_still_owns() {
+    use std::io::Write;
+    use std::os::fd::OwnedFd;
+    use std::os::unix::net::UnixStream;
+
+    // One frame, so a frame handed out again is the one the read targets.
+    let engine = Engine::new(EngineConfig {
+        ring_entries: 8,
+        arena_bytes: 4096,
+        huge_pages: false,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let lbio = array(&engine, LbioConfig::default());
+    // A read from a socket stays in the kernel until the peer sends.
+    let (ours, peer) = UnixStream::pair().unwrap();
+    let backend = FileBackend::new(&engine, Rc::new(OwnedFd::from(ours)), false).unwrap();
+    let dev = Device::from_backends(
+        &lbio,
+        Box::new(backend.clone()),
+        Box::new(backend),
+        geometry(1 << 20, 512, 1 << 20),
+        true,
+    )
+    .unwrap();
+    dev.submit(Io::read(0, engine.try_alloc(4096).unwrap()))
+        .map_err(|(e, _)| e)
+        .unwrap();
+    assert!(engine.has_work(), "the read waits for the peer");
+
+    // The peer sends a little later. Only the order matters: were it late, a broken array would
+    // go unnoticed, but a correct one can never fail (and one whose drop waits is unblocked).
+    let writer = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        (&peer).write_all(&[0x55; 4096]).unwrap();
+        peer
+    });
+    drop(dev);
+    drop(lbio);
+    let mut reused = match engine.try_alloc(4096) {
+        Some(b) => b,
+        None => {
+            drain(&engine);
+            engine
+                .try_alloc(4096)
+                .expect("the frame comes back once the read is done")
+        }
+    };
+    reused.fill(0xaa);
+    drain(&engine);
+    let _peer = writer.join().unwrap();
+    assert!(
+        reused.iter().all(|&b| b == 0xaa),
+        "the kernel wrote a dropped array's read into a buffer handed out again"
+    );
 }
 
 #[test]
@@ -772,7 +893,8 @@ fn flush_reaches_the_backend_and_completes() {
     let (dev, log) = recorded_device(&lbio, 1 << 20, 1 << 20);
     dev.flush_blocking().unwrap();
     assert!(engine.block_on(dev.flush()).unwrap().unwrap().is_none());
-    dev.run_blocking(Io::flush().class(Class::Background)).unwrap();
+    dev.run_blocking(Io::flush().class(Class::Background))
+        .unwrap();
     let seen = log.borrow().clone();
     assert_eq!(seen.len(), 3);
     assert!(seen.iter().all(|s| s.op == Op::Flush && s.len == 0));
@@ -781,7 +903,8 @@ fn flush_reaches_the_backend_and_completes() {
     // Through the ring on a real file (fdatasync), detached.
     let file = TempFile::new("flush", 1 << 20);
     let (fdev, tracker) = tracked_device(&lbio, &file, 1 << 20);
-    fdev.write_at_blocking(0, patterned(&engine, 4096, 1), false).unwrap();
+    fdev.write_at_blocking(0, patterned(&engine, 4096, 1), false)
+        .unwrap();
     let tag = fdev.submit(Io::flush()).map_err(|(e, _)| e).unwrap();
     lbio.wait_done(1).unwrap();
     let c = lbio.take_done().unwrap();
@@ -814,10 +937,14 @@ fn read_only_device_refuses_writes_and_flushes() {
     )
     .unwrap();
 
-    let e = dev.write_at_blocking(0, patterned(&engine, 4096, 1), false).unwrap_err();
+    let e = dev
+        .write_at_blocking(0, patterned(&engine, 4096, 1), false)
+        .unwrap_err();
     assert!(matches!(e, LbioError::ReadOnly(Op::Write)), "{e:?}");
     assert!(e.to_string().contains("read-only"), "{e}");
-    let (e, buf) = dev.submit(Io::write(0, patterned(&engine, 4096, 2))).unwrap_err();
+    let (e, buf) = dev
+        .submit(Io::write(0, patterned(&engine, 4096, 2)))
+        .unwrap_err();
     assert!(matches!(e, LbioError::ReadOnly(Op::Write)));
     assert!(is_patterned(&buf.expect("buffer given back"), 2));
     let e = engine.block_on(dev.flush()).unwrap().unwrap_err();
@@ -829,7 +956,9 @@ fn read_only_device_refuses_writes_and_flushes() {
     assert!(matches!(e, LbioError::ReadOnly(Op::Write)));
     assert!(log.borrow().is_empty(), "nothing reached the device");
 
-    let back = dev.read_at_blocking(0, engine.try_alloc(4096).unwrap()).unwrap();
+    let back = dev
+        .read_at_blocking(0, engine.try_alloc(4096).unwrap())
+        .unwrap();
     assert!(back.iter().all(|&x| x == 0), "reads still work");
     assert_eq!(lbio.free_slots(), lbio.config().slots);
 }
@@ -868,7 +997,14 @@ fn faulty_device(lbio: &Rc<LbioArray>, bad_offset: u64, result: i32) -> Device {
             result,
         })
     };
-    Device::from_backends(lbio, backend(), backend(), geometry(1 << 20, 512, 4096), true).unwrap()
+    Device::from_backends(
+        lbio,
+        backend(),
+        backend(),
+        geometry(1 << 20, 512, 4096),
+        true,
+    )
+    .unwrap()
 }
 
 #[test]
@@ -876,7 +1012,9 @@ fn a_failed_piece_fails_the_whole_request_with_its_errno() {
     let engine = engine();
     let lbio = array(&engine, LbioConfig::default());
     let dev = faulty_device(&lbio, 8192 + 4096, -libc::EIO);
-    let e = dev.write_at_blocking(8192, patterned(&engine, 12288, 1), false).unwrap_err();
+    let e = dev
+        .write_at_blocking(8192, patterned(&engine, 12288, 1), false)
+        .unwrap_err();
     match &e {
         LbioError::Io {
             op: Op::Write,
@@ -891,7 +1029,8 @@ fn a_failed_piece_fails_the_whole_request_with_its_errno() {
     assert_eq!((m.errors, m.pieces), (1, 3), "every piece was still issued");
     assert_eq!(lbio.free_slots(), lbio.config().slots);
     // Requests that miss the bad piece are unaffected.
-    dev.write_at_blocking(0, patterned(&engine, 8192, 1), false).unwrap();
+    dev.write_at_blocking(0, patterned(&engine, 8192, 1), false)
+        .unwrap();
 }
 
 #[test]
@@ -914,7 +1053,11 @@ fn a_short_piece_is_reported_as_short() {
         }) => {}
         other => panic!("expected a short read, got {other:?}"),
     }
-    assert_eq!(c.buf.map(|b| b.len()), Some(8192), "the buffer still comes back");
+    assert_eq!(
+        c.buf.map(|b| b.len()),
+        Some(8192),
+        "the buffer still comes back"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -990,6 +1133,9 @@ fn static_bytes_fit_the_aios_budget() {
         bytes as f64 / 1024.0
     );
     assert!(bytes <= 256 << 10, "{bytes} bytes of static lbio state");
-    assert!(bytes >= 1024 * 8, "at least a tag and a free-list entry per slot");
+    assert!(
+        bytes >= 1024 * 8,
+        "at least a tag and a free-list entry per slot"
+    );
     assert_eq!(LbioArray::static_bytes(2048), 2 * bytes, "linear in slots");
 }
