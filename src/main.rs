@@ -76,6 +76,15 @@ enum CompletionArg {
     Poll,
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum PlugArg {
+    /// Plug at QD1 (the submission rides on the wait: one io_uring_enter per request); submit at
+    /// once above (on the loop device a plugged batch leaves the fast inline path; measured).
+    Auto,
+    On,
+    Off,
+}
+
 #[derive(Args)]
 struct LbioArgs {
     /// `ull` (a loop device over /dev/shm, created and removed by the bench; needs root), an
@@ -112,6 +121,9 @@ struct LbioArgs {
     /// How to wait for completions.
     #[arg(long, value_enum, default_value = "auto")]
     completion: CompletionArg,
+    /// Whether lbio holds submissions until it waits (plugging).
+    #[arg(long, value_enum, default_value = "auto")]
+    plug: PlugArg,
     /// Size of a file the bench creates (when --device names a path that does not exist).
     #[arg(long, default_value = "256m", value_parser = parse_size)]
     size: u64,
@@ -442,6 +454,11 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
             CompletionArg::Auto | CompletionArg::Wait => CompletionMode::Wait,
             CompletionArg::Poll => CompletionMode::BusyPoll,
         },
+        plug: match a.plug {
+            PlugArg::Auto => a.qd == 1,
+            PlugArg::On => true,
+            PlugArg::Off => false,
+        },
     };
     let progress = Progress::new(false);
     if !a.json {
@@ -580,6 +597,7 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
             } else {
                 CompletionMode::Wait
             },
+            plug: *qd == 1,
         };
         let (samples, meds) = run_comparison(&cmp, &progress, title, &mut |_| {})?;
         print_header(&mut std::io::stdout()).map_err(io_err)?;
@@ -615,8 +633,9 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
         }
     }
     println!(
-        "\nmedians of {} rounds of {:.0} s each; 'vs fio' = lbio mean latency ÷ fio io_uring's, \
-         'vs psync' = ÷ fio psync's (or the pread loop's)",
+        "\nmedians of {} rounds of {:.0} s each; 'lat/fio' = lbio mean latency ÷ fio io_uring's, \
+         'IOPS/fio' = lbio IOPS ÷ fio io_uring's, 'lat/psync' = lbio mean latency ÷ fio psync's \
+         (or the pread loop's)",
         a.rounds, a.seconds
     );
     println!("report: {}", written.join(", "));

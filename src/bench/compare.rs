@@ -29,6 +29,8 @@ pub struct Comparison<'a> {
     pub rounds: u32,
     pub class: Class,
     pub completion: CompletionMode,
+    /// Plug lbio's submissions into the next wait (see `LbioRunOptions::plug`).
+    pub plug: bool,
 }
 
 /// Progress on stderr: one rewritten line on a terminal, plain lines otherwise.
@@ -72,6 +74,7 @@ fn run_one(c: &Comparison<'_>, who: Contender) -> Result<Sample, BenchError> {
                 class: c.class,
                 completion: c.completion,
                 span: c.span,
+                plug: c.plug,
             },
         ),
         Contender::Fio(e) => run_fio(&c.path, c.span, &c.workload, e),

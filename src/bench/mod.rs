@@ -169,6 +169,8 @@ pub struct LbioRunOptions {
     pub completion: CompletionMode,
     /// Bytes of the device the offsets cover.
     pub span: u64,
+    /// Hold submissions so they reach the kernel with the next wait (plugging).
+    pub plug: bool,
 }
 
 /// Run `w` on `dev` through lbio's detached API: keep `qd` requests in flight; each completion is
@@ -212,7 +214,14 @@ pub fn run_lbio(dev: &Device, w: &Workload, opts: LbioRunOptions) -> Result<Samp
     };
     let submit = |io: Io, starts: &mut [Instant]| -> Result<(), BenchError> {
         let t = Instant::now();
-        match engine.hold_submissions(|| dev.submit(io)) {
+        // Held, a submission goes out with the next wait (one io_uring_enter for both);
+        // otherwise at once.
+        let r = if opts.plug {
+            engine.hold_submissions(|| dev.submit(io))
+        } else {
+            dev.submit(io)
+        };
+        match r {
             Ok(tag) => {
                 starts[tag.0 as usize] = t;
                 Ok(())

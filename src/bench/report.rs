@@ -11,7 +11,7 @@ use crate::bench::{BenchError, Sample};
 pub fn print_header(out: &mut impl Write) -> std::io::Result<()> {
     writeln!(
         out,
-        "{:>5} {:<18} {:<9} {:>5} {:>4} {:>10} {:>9} {:>9} {:>9} {:>9} {:>7} {:>11} {:>8} {:>8}",
+        "{:>5} {:<18} {:<9} {:>5} {:>4} {:>10} {:>9} {:>9} {:>9} {:>9} {:>7} {:>11} {:>8} {:>8} {:>8}",
         "round",
         "engine",
         "workload",
@@ -24,8 +24,9 @@ pub fn print_header(out: &mut impl Write) -> std::io::Result<()> {
         "p99.9 us",
         "cpu s",
         "IOPS/cpu-s",
-        "vs fio",
-        "vs psync"
+        "lat/fio",
+        "IOPS/fio",
+        "lat/psync"
     )
 }
 
@@ -35,7 +36,7 @@ pub fn print_row(out: &mut impl Write, s: &Sample) -> std::io::Result<()> {
     let ratio = |r: Option<f64>| r.map(|r| format!("{r:.3}x")).unwrap_or_default();
     writeln!(
         out,
-        "{:>5} {:<18} {:<9} {:>5} {:>4} {:>10.0} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>7.2} {:>11.0} {:>8} {:>8}",
+        "{:>5} {:<18} {:<9} {:>5} {:>4} {:>10.0} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>7.2} {:>11.0} {:>8} {:>8} {:>8}",
         round,
         s.engine,
         s.workload,
@@ -49,6 +50,7 @@ pub fn print_row(out: &mut impl Write, s: &Sample) -> std::io::Result<()> {
         s.cpu_s,
         s.iops_per_cpu_s,
         ratio(s.ratio_vs_fio),
+        ratio(s.iops_ratio_vs_fio),
         ratio(s.ratio_vs_fio_psync)
     )
 }

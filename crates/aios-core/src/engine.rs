@@ -635,20 +635,24 @@ impl Engine {
     }
 
     /// Submit what is queued and dispatch at least `min` completions (fewer only if fewer are in
-    /// flight), blocking or spinning according to the completion mode.
+    /// flight), blocking or spinning according to the completion mode. In `Wait` mode the
+    /// submission and the wait are one `io_uring_enter`.
     pub fn wait(&self, min: u32) -> Result<u32, CoreError> {
         let min = min.min(self.inflight());
-        let mut done = self.poll_completions()?;
+        // Completions already posted cost no system call.
+        let mut done: u32 = self.rings().map(|r| self.reap(r)).sum();
         if done >= min {
+            self.submit()?;
             return Ok(done);
         }
-        let mode = self.completion.get();
+        let polled = |e: &Engine| e.iopoll.as_ref().is_some_and(|r| r.inflight.get() > 0);
         while done < min {
-            let polled = self.iopoll.as_ref().filter(|r| r.inflight.get() > 0);
-            if mode == CompletionMode::Wait && polled.is_none() {
-                let want = min - done;
+            if self.completion.get() == CompletionMode::Wait && !polled(self) {
+                if let Some(r) = self.iopoll.as_ref().filter(|r| r.pending.get() > 0) {
+                    self.submit_ring(r, 0)?;
+                }
                 self.bump(|m| m.sleeps += 1);
-                self.submit_ring(&self.main, want)?;
+                self.submit_ring(&self.main, min - done)?;
                 done += self.reap(&self.main);
             } else {
                 let got = self.poll_completions()?;
