@@ -24,7 +24,13 @@ step "cargo clippy --all-targets -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
 
 step "cargo test (unit, integration, property, doc tests)"
-cargo test --workspace
+log=$(mktemp)
+cargo test --workspace 2>&1 | tee "$log"
+totals=$(grep -E '^test result:' "$log" |
+    sed -E 's/.* ([0-9]+) passed; ([0-9]+) failed; ([0-9]+) ignored.*/\1 \2 \3/' |
+    awk '{p+=$1; f+=$2; i+=$3} END {print p, f, i}')
+rm -f "$log"
+read -r passed failed ignored <<<"$totals"
 
 step "examples run"
 for ex in blocking async_engine tokio_driver; do
@@ -40,3 +46,4 @@ else
 fi
 echo
 echo "all checks passed"
+echo "tests: $passed passed, $failed failed, $ignored skipped"

@@ -497,10 +497,12 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
     let m = stack.engine.metrics();
     if !a.json {
         eprintln!(
-            "engine: {} SQEs, {} io_uring_enter calls, ring flags [{}]",
+            "engine: {} SQEs, {} io_uring_enter calls, ring flags [{}], arena {} KiB on {}",
             m.sqes,
             m.enters,
-            stack.engine.ring_setup().applied.join(" ")
+            stack.engine.ring_setup().applied.join(" "),
+            stack.engine.arena().bytes() / 1024,
+            stack.engine.arena().backing()
         );
     }
     Ok(())

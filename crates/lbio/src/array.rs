@@ -296,7 +296,8 @@ impl LbioArray {
     }
 
     /// Bytes of per-engine state fixed at start for `slots` slots (AIOS Table 2 counts 192 KiB
-    /// of lbio array per core): the slot array, its free list and its done queue.
+    /// of lbio array per core): the slot array, its free list, its done queue and the deferred
+    /// completion queue. Each open device adds a background queue of 4 bytes per slot.
     pub fn static_bytes(slots: u32) -> usize {
         let n = slots as usize;
         n * std::mem::size_of::<Lbio>() + n * 4 + n * 4 + n * 2 * std::mem::size_of::<(u32, i32)>()

@@ -330,7 +330,8 @@ impl Device {
         self.future(Io::flush())
     }
 
-    /// Any request as a future.
+    /// Any request as a future. A request refused for bad input resolves to the error and
+    /// drops its buffer; [`Device::submit`] hands the buffer back instead.
     pub fn future(&self, io: Io) -> IoFuture<'_> {
         IoFuture {
             dev: self,
@@ -364,6 +365,9 @@ impl Device {
     }
 
     /// Run any request to completion on the calling thread.
+    ///
+    /// A request refused for bad input (alignment, bounds, read-only) drops its buffer with the
+    /// error; [`Device::submit`] hands the buffer back instead.
     pub fn run_blocking(&self, io: Io) -> Result<Option<FixedBuf>, LbioError> {
         let mut req = self
             .request(io.op, io.offset, io.buf, io.class, io.fua)
