@@ -603,7 +603,9 @@ impl Engine {
     /// errors the kernel returns when it is short of CQ space or interrupted.
     fn submit_ring(&self, ring: &Ring, want: u32) -> Result<(), CoreError> {
         loop {
-            match self.enter(ring, want, false) {
+            // With DEFER_TASKRUN, GETEVENTS also posts completions that finished meanwhile, so a
+            // later wait often finds them without another system call.
+            match self.enter(ring, want, ring.defer_taskrun) {
                 Ok(_) if ring.pending.get() == 0 || want > 0 => return Ok(()),
                 Ok(_) => continue,
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
