@@ -637,7 +637,7 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
         }
     }
     println!(
-        "\nmedians of {} rounds of {:.0} s each; 'lat/fio' = lbio mean latency ÷ fio io_uring's, \
+        "\nmedians of {} rounds of {} s each; 'lat/fio' = lbio mean latency ÷ fio io_uring's, \
          'IOPS/fio' = lbio IOPS ÷ fio io_uring's, 'lat/psync' = lbio mean latency ÷ fio psync's \
          (or the pread loop's)",
         a.rounds, a.seconds

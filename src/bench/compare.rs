@@ -98,7 +98,7 @@ pub fn run_comparison(
         for i in 0..n {
             let who = c.contenders[(i + round as usize) % n];
             progress.step(&format!(
-                "{label} round {}/{} · {} · {} bs={} qd={} · {:.0}s",
+                "{label} round {}/{} · {} · {} bs={} qd={} · {}s",
                 round + 1,
                 c.rounds,
                 name(who),
