@@ -351,9 +351,6 @@ fn open_stack(
     route: RouteChoice,
     write: bool,
 ) -> Result<Stack, BenchError> {
-    if qd > slots {
-        return Err(lbio::LbioError::QueueDepth { qd, slots }.into());
-    }
     let arena = (bs as usize * qd as usize + (1 << 20))
         .next_power_of_two()
         .max(4 << 20);

@@ -117,6 +117,31 @@ pub fn new_histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 100_000_000_000, 3).expect("static histogram bounds are valid")
 }
 
+/// A sample of `ops` requests over `elapsed` seconds and `cpu` CPU-seconds, latencies from `hist`.
+fn measured(
+    w: &Workload,
+    engine: String,
+    qd: u32,
+    ops: u64,
+    elapsed: f64,
+    cpu: f64,
+    hist: &Histogram<u64>,
+) -> Sample {
+    let mut s = Sample {
+        workload: w.rw.name().to_string(),
+        engine,
+        bs: w.bs,
+        qd,
+        iops: ops as f64 / elapsed,
+        cpu_s: cpu,
+        iops_per_cpu_s: if cpu > 0.0 { ops as f64 / cpu } else { 0.0 },
+        seconds: elapsed,
+        ..Sample::default()
+    };
+    fill_from_histogram(&mut s, hist);
+    s
+}
+
 fn fill_from_histogram(s: &mut Sample, h: &Histogram<u64>) {
     let us = |ns: u64| ns as f64 / 1000.0;
     s.lat_us_mean = h.mean() / 1000.0;
@@ -281,26 +306,15 @@ pub fn run_lbio(dev: &Device, w: &Workload, opts: LbioRunOptions) -> Result<Samp
     } else {
         caps.name
     };
-    let mut s = Sample {
-        workload: w.rw.name().to_string(),
-        engine: format!(
-            "lbio-{route}{}",
-            if opts.completion == CompletionMode::BusyPoll && route.starts_with("io_uring") {
-                "-poll"
-            } else {
-                ""
-            }
-        ),
-        bs: w.bs,
-        qd: w.qd,
-        iops: ops as f64 / elapsed,
-        cpu_s: cpu,
-        iops_per_cpu_s: if cpu > 0.0 { ops as f64 / cpu } else { 0.0 },
-        seconds: elapsed,
-        ..Sample::default()
-    };
-    fill_from_histogram(&mut s, &hist);
-    Ok(s)
+    let engine = format!(
+        "lbio-{route}{}",
+        if opts.completion == CompletionMode::BusyPoll && route.starts_with("io_uring") {
+            "-poll"
+        } else {
+            ""
+        }
+    );
+    Ok(measured(w, engine, w.qd, ops, elapsed, cpu, &hist))
 }
 
 /// The project's own baseline: a plain `pread`/`pwrite` loop on an `O_DIRECT` descriptor, QD1,
@@ -342,19 +356,15 @@ pub fn run_pread(path: &Path, w: &Workload, span: u64) -> Result<Sample, BenchEr
     }
     let elapsed = t0.elapsed().as_secs_f64();
     let cpu = (sys::process_cpu_time() - cpu0).as_secs_f64();
-    let mut s = Sample {
-        workload: w.rw.name().to_string(),
-        engine: "pread".to_string(),
-        bs: w.bs,
-        qd: 1,
-        iops: ops as f64 / elapsed,
-        cpu_s: cpu,
-        iops_per_cpu_s: if cpu > 0.0 { ops as f64 / cpu } else { 0.0 },
-        seconds: elapsed,
-        ..Sample::default()
-    };
-    fill_from_histogram(&mut s, &hist);
-    Ok(s)
+    Ok(measured(
+        w,
+        "pread".to_string(),
+        1,
+        ops,
+        elapsed,
+        cpu,
+        &hist,
+    ))
 }
 
 /// Median of a list (NaN-free inputs).

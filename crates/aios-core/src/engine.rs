@@ -432,14 +432,12 @@ impl Engine {
                 return Ok(b);
             }
             if !self.has_work() {
-                return Err(CoreError::Config(format!(
-                    "the arena has no run of {} free frames ({} of {} free, {} bytes each) and no \
-                     I/O is in flight to free one; raise arena_bytes or drop buffers",
-                    len.max(1).div_ceil(self.arena.frame_bytes()),
-                    self.arena.free_frames(),
-                    self.arena.frames(),
-                    self.arena.frame_bytes()
-                )));
+                return Err(CoreError::ArenaExhausted {
+                    needed: len.max(1).div_ceil(self.arena.frame_bytes()),
+                    free: self.arena.free_frames(),
+                    frames: self.arena.frames(),
+                    frame_bytes: self.arena.frame_bytes(),
+                });
             }
             self.wait(1)?;
         }
@@ -563,10 +561,16 @@ impl Engine {
     /// [`Engine::wait`], [`Engine::submit`] or unplug, so a push and the wait for its completion
     /// cost one `io_uring_enter`.
     pub fn hold_submissions<R>(&self, f: impl FnOnce() -> R) -> R {
+        struct Hold<'a>(&'a Cell<u32>);
+        impl Drop for Hold<'_> {
+            // Restores the depth even if `f` panics; submitting is left to the caller's next wait.
+            fn drop(&mut self) {
+                self.0.set(self.0.get() - 1);
+            }
+        }
         self.plug_depth.set(self.plug_depth.get() + 1);
-        let r = f();
-        self.plug_depth.set(self.plug_depth.get() - 1);
-        r
+        let _hold = Hold(&self.plug_depth);
+        f()
     }
 
     /// Submit everything queued, without waiting.

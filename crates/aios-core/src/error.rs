@@ -47,6 +47,18 @@ pub enum CoreError {
     #[error("an IOPOLL ring was configured but could not be created: {0}")]
     IopollUnavailable(io::Error),
 
+    /// No run of free frames is long enough, and no I/O in flight could free one.
+    #[error(
+        "the arena has no run of {needed} free frames ({free} of {frames} free, {frame_bytes} bytes \
+         each) and no I/O is in flight to free one; raise arena_bytes or drop buffers"
+    )]
+    ArenaExhausted {
+        needed: usize,
+        free: u32,
+        frames: u32,
+        frame_bytes: usize,
+    },
+
     /// All registered-file slots are taken.
     #[error("all {max_files} registered-file slots are in use; raise EngineConfig::max_files")]
     FilesExhausted { max_files: u32 },

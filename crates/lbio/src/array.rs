@@ -171,10 +171,10 @@ impl Lbio {
 }
 
 /// Where a device's requests go, and its limits; held by the array for the device's lifetime.
-pub(crate) struct DevState {
-    pub(crate) critical: Box<dyn Backend>,
-    pub(crate) background: Box<dyn Backend>,
-    pub(crate) max_transfer: u32,
+struct DevState {
+    critical: Box<dyn Backend>,
+    background: Box<dyn Backend>,
+    max_transfer: u32,
     tokens: u32,
     bg_queue: VecDeque<u32>,
     active: u32,
@@ -303,7 +303,13 @@ impl LbioArray {
         n * std::mem::size_of::<Lbio>() + n * 4 + n * 4 + n * 2 * std::mem::size_of::<(u32, i32)>()
     }
 
-    pub(crate) fn add_device(&self, dev: DevState) -> Result<u16, LbioError> {
+    /// Give a device a slot in the array, with a full token budget.
+    pub(crate) fn add_device(
+        &self,
+        critical: Box<dyn Backend>,
+        background: Box<dyn Backend>,
+        max_transfer: u32,
+    ) -> Result<u16, LbioError> {
         let mut inner = self.inner.borrow_mut();
         let idx = inner
             .devs
@@ -313,27 +319,15 @@ impl LbioArray {
                 max: self.cfg.max_devices,
             })?;
         inner.devs[idx] = Some(DevState {
-            tokens: self.cfg.max_inflight_background,
-            bg_queue: VecDeque::with_capacity(self.cfg.slots as usize),
-            ..dev
-        });
-        Ok(idx as u16)
-    }
-
-    pub(crate) fn new_dev_state(
-        critical: Box<dyn Backend>,
-        background: Box<dyn Backend>,
-        max_transfer: u32,
-    ) -> DevState {
-        DevState {
             critical,
             background,
             max_transfer,
-            tokens: 0,
-            bg_queue: VecDeque::new(),
+            tokens: self.cfg.max_inflight_background,
+            bg_queue: VecDeque::with_capacity(self.cfg.slots as usize),
             active: 0,
             closing: false,
-        }
+        });
+        Ok(idx as u16)
     }
 
     /// Close device `idx` once its last request has completed.

@@ -168,8 +168,7 @@ impl Device {
             )));
         }
         let caps = (critical.caps(), background.caps());
-        let state = LbioArray::new_dev_state(critical, background, g.max_transfer_bytes);
-        let idx = lbio.add_device(state)?;
+        let idx = lbio.add_device(critical, background, g.max_transfer_bytes)?;
         Ok(Device {
             lbio: Rc::clone(lbio),
             idx,
