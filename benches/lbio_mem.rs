@@ -1,6 +1,7 @@
 //! lbio's own software cost: submit + complete through the slot array on `MemBackend`, batches
 //! of 32 plugged into one submission, on one core. With `AIOS_BENCH_DEVICE=/path` it also times
-//! QD1 4 KiB random reads on that device (e.g. a real NVMe drive).
+//! QD1 4 KiB random reads on that device: a block device, a file, or an NVMe passthrough
+//! character device (`AIOS_BENCH_DEVICE=/dev/ng0n1`, driven with raw NVMe commands).
 
 use std::hint::black_box;
 use std::rc::Rc;
@@ -83,7 +84,14 @@ fn device_qd1(c: &mut Criterion) {
         eprintln!("AIOS_BENCH_DEVICE not set: skipping the device benchmark");
         return;
     };
-    let (engine, lbio) = stack();
+    let passthrough = aios::core::nvme::is_passthrough_device(path.as_ref());
+    let engine = Engine::new(EngineConfig {
+        arena_bytes: 4 << 20,
+        passthrough,
+        ..EngineConfig::default()
+    })
+    .expect("engine");
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).expect("lbio array");
     let dev = Device::open(&lbio, path.as_ref(), DeviceConfig::default()).expect("open device");
     eprintln!("{path}: critical route {:?}", dev.critical_route());
     let blocks = dev.geometry().capacity_bytes / 4096;

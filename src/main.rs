@@ -139,6 +139,10 @@ struct LbioArgs {
     /// Write a latency CDF plot (PNG or SVG by extension) of the median runs.
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Complete critical requests on an IOPOLL ring (the device needs poll queues, e.g. NVMe
+    /// with nvme.poll_queues=N; the route reports why when it cannot be used).
+    #[arg(long)]
+    iopoll: bool,
 }
 
 #[derive(Args)]
@@ -212,6 +216,19 @@ fn probe_json(p: &DeviceProbe) -> serde_json::Value {
         "critical_reason": p.critical.reason,
         "background_route": p.background.route.to_string(),
         "background_reason": p.background.reason,
+        "passthrough": p.passthrough.as_ref().map(|pt| serde_json::json!({
+            "char_device": pt.char_device,
+            "available": pt.namespace.is_ok(),
+            "reason": pt.namespace.as_ref().err(),
+            "nsid": pt.namespace.as_ref().ok().map(|n| n.nsid),
+            "lba_bytes": pt.namespace.as_ref().ok().map(|n| n.lba_bytes),
+            "capacity_lbas": pt.namespace.as_ref().ok().map(|n| n.capacity_lbas),
+            "mdts_bytes": pt.namespace.as_ref().ok().and_then(|n| n.mdts_bytes),
+            "max_transfer_bytes": pt.namespace.as_ref().ok().map(|n| n.max_transfer_bytes()),
+            "iopoll": pt.iopoll.is_ok(),
+            "iopoll_reason": pt.iopoll.as_ref().err(),
+            "qd1_read_us": pt.qd1_read_ns.map(|n| n / 1000.0),
+        })),
     })
 }
 
@@ -318,6 +335,52 @@ fn cmd_probe(path: &Path, json: bool, samples: u32) -> Result<(), BenchError> {
         )
         .map_err(io_err)?;
     }
+    if let Some(pt) = &p.passthrough {
+        w(
+            &mut out,
+            "NVMe passthrough",
+            match &pt.namespace {
+                Ok(ns) => format!(
+                    "available via {} (nsid {}, {} {}, {}-byte LBAs, {} LBAs, {}, volatile \
+                     write cache {})",
+                    pt.char_device.display(),
+                    ns.nsid,
+                    ns.model,
+                    ns.serial,
+                    ns.lba_bytes,
+                    ns.capacity_lbas,
+                    ns.max_transfer_source(),
+                    if ns.volatile_write_cache { "yes" } else { "no" }
+                ),
+                Err(why) => format!("unavailable via {}: {why}", pt.char_device.display()),
+            },
+        )
+        .map_err(io_err)?;
+        w(
+            &mut out,
+            "passthrough IOPOLL",
+            match &pt.iopoll {
+                Ok(()) => "available (a polled passthrough read completed)".to_string(),
+                Err(why) => format!("unavailable: {why}"),
+            },
+        )
+        .map_err(io_err)?;
+        if let Some(ns) = pt.qd1_read_ns {
+            w(
+                &mut out,
+                "passthrough QD1 read",
+                format!("{:.1} us (median)", ns / 1000.0),
+            )
+            .map_err(io_err)?;
+        }
+    } else {
+        w(
+            &mut out,
+            "NVMe passthrough",
+            "unavailable: not an NVMe namespace".to_string(),
+        )
+        .map_err(io_err)?;
+    }
     w(
         &mut out,
         "critical path",
@@ -350,6 +413,7 @@ fn open_stack(
     slots: u32,
     route: RouteChoice,
     write: bool,
+    iopoll: bool,
 ) -> Result<Stack, BenchError> {
     let arena = (bs as usize * qd as usize + (1 << 20))
         .next_power_of_two()
@@ -357,6 +421,8 @@ fn open_stack(
     let engine = Engine::new(EngineConfig {
         arena_bytes: arena.min(1 << 30),
         ring_entries: slots.next_power_of_two().clamp(64, 4096),
+        passthrough: aios::core::nvme::is_passthrough_device(path),
+        iopoll_ring: iopoll,
         ..EngineConfig::default()
     })?;
     let lbio = LbioArray::new(
@@ -372,6 +438,7 @@ fn open_stack(
         DeviceConfig {
             write,
             route,
+            iopoll,
             ..DeviceConfig::default()
         },
     )?;
@@ -413,7 +480,7 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
         RouteArg::Ring => RouteChoice::Ring,
         RouteArg::Sync => RouteChoice::Sync,
     };
-    let stack = open_stack(target.path(), a.bs, a.qd, a.slots, route, write)?;
+    let stack = open_stack(target.path(), a.bs, a.qd, a.slots, route, write, a.iopoll)?;
     let g = *stack.dev.geometry();
     if a.bs % g.offset_align != 0 {
         return Err(BenchError::Invalid(format!(
@@ -576,7 +643,7 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
     }
     for (title, t, qd, contenders) in &sections {
         println!("\n== {title} — {}", t.path().display());
-        let stack = open_stack(t.path(), 4096, *qd, 1024, RouteChoice::Auto, false)?;
+        let stack = open_stack(t.path(), 4096, *qd, 1024, RouteChoice::Auto, false, false)?;
         let (c, why) = stack.dev.critical_route();
         println!("   lbio critical route: {} — {why}", c.name);
         let g = *stack.dev.geometry();

@@ -18,7 +18,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::thread::{self, Thread, ThreadId};
 use std::time::Duration;
 
-use io_uring::{squeue, types, IoUring};
+use io_uring::{cqueue, squeue, types, IoUring};
 
 use crate::arena::{Arena, FixedBuf};
 use crate::error::CoreError;
@@ -33,6 +33,9 @@ pub const PAYLOAD_MASK: u64 = (1 << SINK_SHIFT) - 1;
 const REAP_BATCH: usize = 64;
 /// `IORING_ENTER_GETEVENTS` from the kernel ABI (the io-uring crate keeps its copy private).
 const IORING_ENTER_GETEVENTS: u32 = 1;
+/// Setup flags from the kernel ABI, to report what a ring was built with.
+const IORING_SETUP_SQE128: u32 = 1 << 10;
+const IORING_SETUP_CQE32: u32 = 1 << 11;
 
 /// How the engine waits for completions when a caller must block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,6 +81,10 @@ pub struct EngineConfig {
     /// Register an eventfd that the kernel signals on completions (to drive the engine from
     /// another event loop, e.g. tokio's `AsyncFd`).
     pub eventfd: bool,
+    /// Build every ring with 128-byte SQEs and 32-byte CQEs (`SQE128 | CQE32`), which NVMe
+    /// passthrough (`IORING_OP_URING_CMD`, see [`Engine::push_cmd`]) needs. Doubles the rings'
+    /// memory; ordinary SQEs work on such rings too.
+    pub passthrough: bool,
 }
 
 impl Default for EngineConfig {
@@ -93,6 +100,7 @@ impl Default for EngineConfig {
             iopoll_ring: false,
             fast_flags: true,
             eventfd: false,
+            passthrough: false,
         }
     }
 }
@@ -174,8 +182,71 @@ impl Wake for WakeState {
     }
 }
 
+/// A ring of either SQE format.
+enum Uring {
+    Std(IoUring),
+    /// SQE128 | CQE32: room for an 80-byte passthrough command and a 16-byte extra result.
+    Big(IoUring<squeue::Entry128, cqueue::Entry32>),
+}
+
+impl Uring {
+    fn submitter(&self) -> io_uring::Submitter<'_> {
+        match self {
+            Uring::Std(u) => u.submitter(),
+            Uring::Big(u) => u.submitter(),
+        }
+    }
+
+    /// Push one SQE; `false` when the submission queue is full.
+    ///
+    /// # Safety
+    /// As [`io_uring::SubmissionQueue::push`]: the SQE's buffers and files stay valid until its
+    /// completion.
+    unsafe fn push(&mut self, sqe: &Sqe) -> bool {
+        // SAFETY: forwarded to the caller.
+        unsafe {
+            match (self, sqe) {
+                (Uring::Std(u), Sqe::Std(e)) => u.submission().push(e).is_ok(),
+                (Uring::Big(u), Sqe::Std(e)) => u
+                    .submission()
+                    .push(&squeue::Entry128::from(e.clone()))
+                    .is_ok(),
+                (Uring::Big(u), Sqe::Big(e)) => u.submission().push(e).is_ok(),
+                (Uring::Std(_), Sqe::Big(_)) => {
+                    unreachable!("push_cmd checks the ring format first")
+                }
+            }
+        }
+    }
+
+    /// Copy up to `batch.len()` CQEs out as `(user_data, result, flags)`.
+    fn drain(&mut self, batch: &mut [(u64, i32, u32)]) -> usize {
+        let mut n = 0;
+        match self {
+            Uring::Std(u) => {
+                for cqe in u.completion().take(batch.len()) {
+                    batch[n] = (cqe.user_data(), cqe.result(), cqe.flags());
+                    n += 1;
+                }
+            }
+            Uring::Big(u) => {
+                for cqe in u.completion().take(batch.len()) {
+                    batch[n] = (cqe.user_data(), cqe.result(), cqe.flags());
+                    n += 1;
+                }
+            }
+        }
+        n
+    }
+}
+
+enum Sqe {
+    Std(squeue::Entry),
+    Big(squeue::Entry128),
+}
+
 struct Ring {
-    uring: RefCell<IoUring>,
+    uring: RefCell<Uring>,
     /// SQEs pushed but not yet handed to the kernel.
     pending: Cell<u32>,
     /// SQEs handed to the kernel whose CQE has not been dispatched.
@@ -199,22 +270,23 @@ pub struct Engine {
     wake: Arc<WakeState>,
     owner: ThreadId,
     eventfd: Option<OwnedFd>,
+    passthrough: bool,
 }
 
 const FLAG_NAMES: [&str; 3] = ["SINGLE_ISSUER", "DEFER_TASKRUN", "COOP_TASKRUN"];
 
-fn build_ring(
+fn build_ring<S: squeue::EntryMarker, C: cqueue::EntryMarker>(
     entries: u32,
     wanted: &[&'static str],
     sqpoll_idle: Option<Duration>,
     iopoll: bool,
-) -> Result<(IoUring, RingSetup), CoreError> {
+) -> Result<(IoUring<S, C>, RingSetup), CoreError> {
     let mut flags: Vec<&'static str> = wanted.to_vec();
     let mut setup = RingSetup::default();
     // Drop order when the kernel says EINVAL: newest and most demanding first.
     let drop_order = ["DEFER_TASKRUN", "COOP_TASKRUN", "SINGLE_ISSUER"];
     loop {
-        let mut b = IoUring::builder();
+        let mut b = IoUring::<S, C>::builder();
         b.setup_cqsize(entries * 2);
         for f in &flags {
             match *f {
@@ -238,6 +310,12 @@ fn build_ring(
                 }
                 if iopoll {
                     setup.applied.push("IOPOLL");
+                }
+                if S::BUILD_FLAGS & IORING_SETUP_SQE128 != 0 {
+                    setup.applied.push("SQE128");
+                }
+                if C::BUILD_FLAGS & IORING_SETUP_CQE32 != 0 {
+                    setup.applied.push("CQE32");
                 }
                 return Ok((ring, setup));
             }
@@ -305,13 +383,21 @@ impl Engine {
             // DEFER_TASKRUN needs the submitter to reap; SQPOLL submits from a kernel thread.
             wanted.retain(|f| *f != "DEFER_TASKRUN");
         }
-        let (uring, setup) = build_ring(cfg.ring_entries, &wanted, cfg.sqpoll_idle, false)?;
+        let build = |sqpoll: Option<Duration>, iopoll: bool| -> Result<_, CoreError> {
+            Ok(if cfg.passthrough {
+                let (u, s) = build_ring(cfg.ring_entries, &wanted, sqpoll, iopoll)?;
+                (Uring::Big(u), s)
+            } else {
+                let (u, s) = build_ring(cfg.ring_entries, &wanted, sqpoll, iopoll)?;
+                (Uring::Std(u), s)
+            })
+        };
+        let (uring, setup) = build(cfg.sqpoll_idle, false)?;
         let iopoll = if cfg.iopoll_ring {
-            let (ring, _) =
-                build_ring(cfg.ring_entries, &wanted, None, true).map_err(|e| match e {
-                    CoreError::RingSetup { source, .. } => CoreError::IopollUnavailable(source),
-                    other => other,
-                })?;
+            let (ring, _) = build(None, true).map_err(|e| match e {
+                CoreError::RingSetup { source, .. } => CoreError::IopollUnavailable(source),
+                other => other,
+            })?;
             Some(ring)
         } else {
             None
@@ -357,7 +443,8 @@ impl Engine {
         };
 
         let defer = setup.applied.contains(&"DEFER_TASKRUN");
-        let make_ring = |u: IoUring, iopoll: bool| Ring {
+        let passthrough = cfg.passthrough;
+        let make_ring = |u: Uring, iopoll: bool| Ring {
             uring: RefCell::new(u),
             pending: Cell::new(0),
             inflight: Cell::new(0),
@@ -381,6 +468,7 @@ impl Engine {
             }),
             owner: thread::current().id(),
             eventfd,
+            passthrough,
         }))
     }
 
@@ -391,6 +479,10 @@ impl Engine {
     /// The registered buffer arena.
     pub fn arena(&self) -> &Rc<Arena> {
         &self.arena
+    }
+    /// Whether the rings take 128-byte passthrough SQEs ([`EngineConfig::passthrough`]).
+    pub fn has_passthrough_rings(&self) -> bool {
+        self.passthrough
     }
     /// Whether an IOPOLL ring exists.
     pub fn has_iopoll_ring(&self) -> bool {
@@ -525,16 +617,44 @@ impl Engine {
         payload: u64,
         sqe: squeue::Entry,
     ) -> Result<(), CoreError> {
+        let sqe = sqe.user_data(((sink.0 as u64) << SINK_SHIFT) | payload);
+        // SAFETY: forwarded to the caller.
+        unsafe { self.push_any(kind, payload, Sqe::Std(sqe)) }
+    }
+
+    /// Queue one 128-byte SQE (e.g. an NVMe passthrough `UringCmd80`) for `sink` with `payload`
+    /// as its tag. The engine must have been built with [`EngineConfig::passthrough`].
+    ///
+    /// # Safety
+    /// As [`Engine::push`]: every buffer and file the SQE refers to must stay valid, and untouched
+    /// by the caller, until its completion has been handed to the sink.
+    pub unsafe fn push_cmd(
+        &self,
+        kind: RingKind,
+        sink: SinkId,
+        payload: u64,
+        sqe: squeue::Entry128,
+    ) -> Result<(), CoreError> {
+        if !self.passthrough {
+            return Err(CoreError::Config(
+                "a 128-byte (passthrough) SQE needs an engine built with \
+                 EngineConfig { passthrough: true, .. }"
+                    .into(),
+            ));
+        }
+        let sqe = sqe.user_data(((sink.0 as u64) << SINK_SHIFT) | payload);
+        // SAFETY: forwarded to the caller.
+        unsafe { self.push_any(kind, payload, Sqe::Big(sqe)) }
+    }
+
+    /// # Safety
+    /// As [`Engine::push`].
+    unsafe fn push_any(&self, kind: RingKind, payload: u64, sqe: Sqe) -> Result<(), CoreError> {
         debug_assert!(payload <= PAYLOAD_MASK);
         let ring = self.ring(kind);
-        let sqe = sqe.user_data(((sink.0 as u64) << SINK_SHIFT) | payload);
         loop {
-            let pushed = {
-                let mut u = ring.uring.borrow_mut();
-                let mut sq = u.submission();
-                // SAFETY: the caller's contract covers the SQE's buffers and files.
-                unsafe { sq.push(&sqe) }.is_ok()
-            };
+            // SAFETY: the caller's contract covers the SQE's buffers and files.
+            let pushed = unsafe { ring.uring.borrow_mut().push(&sqe) };
             if pushed {
                 break;
             }
@@ -711,18 +831,7 @@ impl Engine {
         let mut total = 0u32;
         loop {
             let mut batch = [(0u64, 0i32, 0u32); REAP_BATCH];
-            let n = {
-                let mut u = ring.uring.borrow_mut();
-                let mut n = 0;
-                for cqe in u.completion() {
-                    batch[n] = (cqe.user_data(), cqe.result(), cqe.flags());
-                    n += 1;
-                    if n == REAP_BATCH {
-                        break;
-                    }
-                }
-                n
-            };
+            let n = ring.uring.borrow_mut().drain(&mut batch);
             ring.inflight.set(ring.inflight.get() - n as u32);
             for &(user_data, result, flags) in &batch[..n] {
                 let id = (user_data >> SINK_SHIFT) as usize;
@@ -905,6 +1014,66 @@ mod tests {
         engine.wait(10).unwrap();
         assert_eq!(sink.0.get(), 10);
         assert_eq!(sink.1.get(), 0);
+        assert!(!engine.has_work());
+    }
+
+    #[test]
+    fn passthrough_rings_take_both_sqe_sizes() {
+        let engine = Engine::new(EngineConfig {
+            arena_bytes: 1 << 20,
+            passthrough: true,
+            ..EngineConfig::default()
+        })
+        .unwrap();
+        let applied = &engine.ring_setup().applied;
+        assert!(
+            applied.contains(&"SQE128") && applied.contains(&"CQE32"),
+            "{applied:?}"
+        );
+        let sink = Rc::new(Count(Cell::new(0), Cell::new(1)));
+        let id = engine
+            .register_sink(Rc::downgrade(&sink) as Weak<dyn CompletionSink>)
+            .unwrap();
+        // SAFETY: a NOP refers to no memory.
+        unsafe { engine.push(RingKind::Main, id, 1, io_uring::opcode::Nop::new().build()) }
+            .unwrap();
+        engine.wait(1).unwrap();
+        assert_eq!(
+            (sink.0.get(), sink.1.get()),
+            (1, 0),
+            "a 64-byte SQE on a big ring"
+        );
+        // A passthrough command to a file without uring_cmd support completes with an errno.
+        let path = std::env::temp_dir().join(format!("aios-uring-cmd-{}", std::process::id()));
+        let plain = std::fs::File::create(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let file = engine.register_file(plain.as_raw_fd()).unwrap();
+        let cmd = crate::nvme::PassthruCmd::io(crate::nvme::IoOpcode::Flush, 1, 0, 1, 0, 0, false);
+        let sqe = crate::nvme::uring_cmd(file, &cmd, false);
+        // SAFETY: the command carries no buffer; the file outlives the wait.
+        unsafe { engine.push_cmd(RingKind::Main, id, 2, sqe) }.unwrap();
+        engine.wait(1).unwrap();
+        assert_eq!(sink.0.get(), 2);
+        assert_eq!(
+            sink.1.get(),
+            -libc::EOPNOTSUPP,
+            "uring_cmd on a regular file"
+        );
+        engine.unregister_file(file);
+    }
+
+    #[test]
+    fn push_cmd_needs_passthrough_rings() {
+        let engine = Engine::new(EngineConfig {
+            arena_bytes: 1 << 20,
+            ..EngineConfig::default()
+        })
+        .unwrap();
+        let cmd = crate::nvme::PassthruCmd::io(crate::nvme::IoOpcode::Flush, 1, 0, 1, 0, 0, false);
+        let sqe = crate::nvme::uring_cmd(FixedFile(0), &cmd, false);
+        // SAFETY: refused before it reaches the ring.
+        let e = unsafe { engine.push_cmd(RingKind::Main, SinkId(0), 0, sqe) }.unwrap_err();
+        assert!(e.to_string().contains("passthrough: true"), "{e}");
         assert!(!engine.has_work());
     }
 }

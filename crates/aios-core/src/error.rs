@@ -83,6 +83,10 @@ pub enum CoreError {
     #[error("{path}: {source}")]
     Path { path: PathBuf, source: io::Error },
 
+    /// A path given as an NVMe passthrough device is not one.
+    #[error("{path} is not an NVMe namespace passthrough device: {why}")]
+    NotNvme { path: PathBuf, why: String },
+
     /// An io_uring or other system call failed while driving the engine.
     #[error("{op}: {source}")]
     Sys { op: &'static str, source: io::Error },

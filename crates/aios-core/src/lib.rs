@@ -18,6 +18,7 @@
 pub mod arena;
 pub mod engine;
 pub mod error;
+pub mod nvme;
 pub mod probe;
 pub mod sys;
 

@@ -3,7 +3,8 @@
 //! "Probe, then choose" (DESIGN.md): alignment from `statx(STATX_DIOALIGN)`, max transfer and
 //! rotational flag from sysfs, IOPOLL by trying a polled read, and whether io_uring completes
 //! reads inline or punts them to its worker threads by timing QD1 io_uring reads against `pread`
-//! on the device itself.
+//! on the device itself. For an NVMe namespace, also what passthrough (`/dev/ngXnY`) offers:
+//! Identify geometry and whether polled passthrough reads complete.
 
 use std::cell::Cell;
 use std::fmt;
@@ -14,6 +15,7 @@ use std::time::Instant;
 
 use crate::engine::{self, CompletionMode, CompletionSink, Engine, EngineConfig, RingKind};
 use crate::error::CoreError;
+use crate::nvme::{self, IoOpcode, NvmeNamespace, NvmeStatus, PassthruCmd};
 use crate::sys::{self, DioAlign};
 
 /// Transfer limit used when the device exposes no block queue to ask (e.g. a file on tmpfs).
@@ -50,6 +52,8 @@ pub enum Route {
     Ring,
     /// `pread`/`pwrite` on the caller's thread (the thesis' SyncPath).
     Sync,
+    /// Raw NVMe commands through `IORING_OP_URING_CMD` on the namespace's character device.
+    Passthrough,
 }
 
 impl fmt::Display for Route {
@@ -57,6 +61,7 @@ impl fmt::Display for Route {
         f.write_str(match self {
             Route::Ring => "io_uring",
             Route::Sync => "sync pread/pwrite",
+            Route::Passthrough => "NVMe passthrough (io_uring uring_cmd)",
         })
     }
 }
@@ -105,6 +110,21 @@ pub struct DeviceProbe {
     pub latency: Option<PathLatency>,
     pub critical: PathChoice,
     pub background: PathChoice,
+    /// NVMe passthrough for this namespace (`None`: the path is not an NVMe namespace).
+    pub passthrough: Option<PassthroughProbe>,
+}
+
+/// What NVMe passthrough offers for one namespace.
+#[derive(Clone, Debug)]
+pub struct PassthroughProbe {
+    /// The namespace's generic character device (`/dev/ngXnY`).
+    pub char_device: PathBuf,
+    /// Identify results, or why the namespace could not be identified or opened.
+    pub namespace: Result<NvmeNamespace, String>,
+    /// `Ok` when a passthrough read completed on an IOPOLL ring, `Err(reason)` otherwise.
+    pub iopoll: Result<(), String>,
+    /// Median QD1 passthrough read latency, when measured.
+    pub qd1_read_ns: Option<f64>,
 }
 
 /// Probe options.
@@ -145,6 +165,10 @@ pub fn probe(path: &Path, opts: ProbeOptions) -> Result<DeviceProbe, CoreError> 
     } else {
         DeviceKind::Other
     };
+    if kind == DeviceKind::CharDevice && nvme::namespace_id(buffered.as_raw_fd()).is_some() {
+        drop(buffered);
+        return Ok(probe_nvme_char(path, opts));
+    }
     let (capacity_bytes, logical_block) = match kind {
         DeviceKind::BlockDevice => (
             sys::block_device_bytes(buffered.as_raw_fd()).map_err(path_err(path))?,
@@ -210,7 +234,12 @@ pub fn probe(path: &Path, opts: ProbeOptions) -> Result<DeviceProbe, CoreError> 
         ),
     };
 
+    let passthrough = (kind == DeviceKind::BlockDevice)
+        .then(|| nvme::char_device_for(path))
+        .flatten()
+        .map(|ng| probe_passthrough(&ng, opts));
     let mut probe = DeviceProbe {
+        passthrough,
         path: path.to_path_buf(),
         kind,
         fs_type,
@@ -296,6 +325,191 @@ pub fn probe(path: &Path, opts: ProbeOptions) -> Result<DeviceProbe, CoreError> 
         probe.critical.reason = "latency not measured: io_uring by default".to_string();
     }
     Ok(probe)
+}
+
+/// Probe a namespace through its passthrough character device only.
+fn probe_nvme_char(path: &Path, opts: ProbeOptions) -> DeviceProbe {
+    let pt = probe_passthrough(path, opts);
+    let block = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("ng"))
+        .map(|rest| format!("nvme{rest}"));
+    let rotational = block
+        .and_then(|b| std::fs::read_to_string(format!("/sys/block/{b}/queue/rotational")).ok())
+        .map(|r| r.trim() == "1");
+    let mut p = DeviceProbe {
+        path: path.to_path_buf(),
+        kind: DeviceKind::CharDevice,
+        fs_type: None,
+        capacity_bytes: 0,
+        logical_block: 0,
+        dio: None,
+        dio_source: String::new(),
+        max_transfer_bytes: 0,
+        max_transfer_source: String::new(),
+        rotational,
+        allocated_bytes: None,
+        iopoll: pt.iopoll.clone(),
+        latency: None,
+        critical: PathChoice {
+            route: Route::Passthrough,
+            reason: String::new(),
+        },
+        background: PathChoice {
+            route: Route::Passthrough,
+            reason: "asynchronous NVMe commands, throttled by tokens".to_string(),
+        },
+        passthrough: None,
+    };
+    match &pt.namespace {
+        Ok(ns) => {
+            p.capacity_bytes = ns.capacity_bytes();
+            p.logical_block = ns.lba_bytes;
+            p.dio = Some(DioAlign {
+                mem_align: ns.lba_bytes,
+                offset_align: ns.lba_bytes,
+            });
+            p.dio_source = "NVMe Identify Namespace (current LBA format)".to_string();
+            p.max_transfer_bytes = ns.max_transfer_bytes();
+            p.max_transfer_source = ns.max_transfer_source();
+            p.critical.reason = match pt.qd1_read_ns {
+                Some(ns) => format!(
+                    "commands go straight to the NVMe driver, no bio or file layer; QD1 read {:.1} us",
+                    ns / 1000.0
+                ),
+                None => "commands go straight to the NVMe driver, no bio or file layer".into(),
+            };
+        }
+        Err(why) => {
+            p.dio_source = format!("namespace not identified: {why}");
+            p.critical.reason = format!("passthrough unusable: {why}");
+            p.background.reason = p.critical.reason.clone();
+        }
+    }
+    p.passthrough = Some(pt);
+    p
+}
+
+/// Identify a namespace through its character device, try a polled passthrough read and time
+/// QD1 passthrough reads.
+fn probe_passthrough(char_device: &Path, opts: ProbeOptions) -> PassthroughProbe {
+    let mut pt = PassthroughProbe {
+        char_device: char_device.to_path_buf(),
+        namespace: Err("not tried".into()),
+        iopoll: Err("not tried".into()),
+        qd1_read_ns: None,
+    };
+    let (fd, ns) = match nvme::open_namespace(char_device) {
+        Ok(x) => x,
+        Err(e) => {
+            pt.namespace = Err(e.to_string());
+            pt.iopoll = Err("namespace not identified".into());
+            return pt;
+        }
+    };
+    if opts.try_iopoll {
+        pt.iopoll = passthrough_reads(&fd, &ns, true, 1).map(|_| ());
+    }
+    if opts.latency_samples > 0 {
+        pt.qd1_read_ns = passthrough_reads(&fd, &ns, false, opts.latency_samples).ok();
+    }
+    pt.namespace = Ok(ns);
+    pt
+}
+
+/// Issue `samples` QD1 passthrough reads of one block spread over the probe span; the median
+/// latency in ns, or why a read failed.
+fn passthrough_reads(
+    fd: &std::os::fd::OwnedFd,
+    ns: &NvmeNamespace,
+    iopoll: bool,
+    samples: u32,
+) -> Result<f64, String> {
+    let engine = Engine::new(EngineConfig {
+        ring_entries: 8,
+        arena_bytes: 64 << 10,
+        huge_pages: false,
+        max_files: 1,
+        iopoll_ring: iopoll,
+        passthrough: true,
+        completion: CompletionMode::Wait,
+        ..EngineConfig::default()
+    })
+    .map_err(|e| match e {
+        CoreError::IopollUnavailable(src) => format!("the kernel refused an IOPOLL ring: {src}"),
+        e => e.to_string(),
+    })?;
+    let sink = Rc::new(Last(Cell::new(None)));
+    let id = engine
+        .register_sink(Rc::downgrade(&sink) as Weak<dyn CompletionSink>)
+        .map_err(|e| e.to_string())?;
+    let file = engine
+        .register_file(fd.as_raw_fd())
+        .map_err(|e| e.to_string())?;
+    let len = ns.lba_bytes.max(PROBE_READ_BYTES);
+    let mut buf = engine.try_alloc(len as usize).ok_or("arena exhausted")?;
+    let blocks = (ns.capacity_bytes().min(PROBE_SPAN_BYTES) / len as u64).max(1);
+    let ring = if iopoll {
+        RingKind::Iopoll
+    } else {
+        RingKind::Main
+    };
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut times = Vec::with_capacity(samples as usize);
+    let mut outcome = Ok(());
+    for _ in 0..samples {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let offset = (x % blocks) * len as u64;
+        let slba = offset / ns.lba_bytes as u64;
+        let cmd = PassthruCmd::io(
+            IoOpcode::Read,
+            ns.nsid,
+            slba,
+            len / ns.lba_bytes,
+            buf.as_mut_ptr() as u64,
+            len,
+            false,
+        );
+        let t = Instant::now();
+        sink.0.set(None);
+        // SAFETY: `buf` and the registered file outlive the wait, which dispatches this CQE.
+        let pushed = unsafe { engine.push_cmd(ring, id, 0, nvme::uring_cmd(file, &cmd, true)) };
+        if let Err(e) = pushed.and_then(|()| engine.wait(1).map(|_| ())) {
+            outcome = Err(e.to_string());
+            break;
+        }
+        times.push(t.elapsed().as_nanos() as f64);
+        match sink.0.get() {
+            Some(0) => {}
+            Some(r) if -r == libc::EOPNOTSUPP && iopoll => {
+                outcome = Err(
+                    "EOPNOTSUPP: the driver has no poll queues (load nvme with poll_queues=N)"
+                        .into(),
+                );
+                break;
+            }
+            Some(r) if r < 0 => {
+                outcome = Err(format!(
+                    "passthrough read failed: {}",
+                    std::io::Error::from_raw_os_error(-r)
+                ));
+                break;
+            }
+            Some(r) => {
+                outcome = Err(format!("passthrough read failed: {}", NvmeStatus(r as u16)));
+                break;
+            }
+            None => {
+                outcome = Err("the read produced no completion".into());
+                break;
+            }
+        }
+    }
+    engine.unregister_file(file);
+    outcome.map(|()| median(&mut times))
 }
 
 struct Last(Cell<Option<i32>>);

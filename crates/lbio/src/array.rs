@@ -13,7 +13,7 @@ use std::task::Waker;
 
 use aios_core::{CompletionSink, CoreError, Engine, FixedBuf, SinkId};
 
-use crate::backend::{Backend, Op, Piece, Started};
+use crate::backend::{Backend, Op, Outcome, Piece, PieceError, Started};
 use crate::error::LbioError;
 
 /// Slot-array settings, validated once by [`LbioArray::new`].
@@ -41,7 +41,11 @@ impl Default for LbioConfig {
 }
 
 /// The most slots an array may have (tags must fit the completion payload).
-pub const MAX_SLOTS: u32 = 1 << 20;
+pub const MAX_SLOTS: u32 = 1 << TAG_BITS;
+/// A completion payload carries the slot index in its low bits and the piece's length above
+/// them, so a backend whose completions report only success (NVMe passthrough) still yields a
+/// byte count without a lookup.
+const TAG_BITS: u32 = 20;
 
 impl LbioConfig {
     fn validate(&self) -> Result<(), LbioError> {
@@ -144,8 +148,8 @@ struct Lbio {
     issued: u32,
     /// Bytes reported done.
     done: u32,
-    /// First negative result seen (0 = none).
-    errno: i32,
+    /// First failure seen.
+    error: Option<PieceError>,
     buf: Option<FixedBuf>,
     waker: Option<Waker>,
 }
@@ -164,7 +168,7 @@ impl Lbio {
         len: 0,
         issued: 0,
         done: 0,
-        errno: 0,
+        error: None,
         buf: None,
         waker: None,
     };
@@ -243,7 +247,7 @@ pub struct LbioArray {
     inner: RefCell<Inner>,
     /// Completions that arrived while `inner` was borrowed (the engine reaped inside a push):
     /// applied as soon as the borrow ends.
-    deferred: RefCell<VecDeque<(u32, i32)>>,
+    deferred: RefCell<VecDeque<(u64, i32)>>,
     has_deferred: Cell<bool>,
 }
 
@@ -300,7 +304,7 @@ impl LbioArray {
     /// completion queue. Each open device adds a background queue of 4 bytes per slot.
     pub fn static_bytes(slots: u32) -> usize {
         let n = slots as usize;
-        n * std::mem::size_of::<Lbio>() + n * 4 + n * 4 + n * 2 * std::mem::size_of::<(u32, i32)>()
+        n * std::mem::size_of::<Lbio>() + n * 4 + n * 4 + n * 2 * std::mem::size_of::<(u64, i32)>()
     }
 
     /// Give a device a slot in the array, with a full token budget.
@@ -385,7 +389,7 @@ impl LbioArray {
             len: req.len,
             issued: 0,
             done: 0,
-            errno: 0,
+            error: None,
             buf: req.buf,
             waker: None,
         };
@@ -459,16 +463,25 @@ impl LbioArray {
         };
         // SAFETY: the slot owns the buffer until the request finishes, which needs every piece's
         // completion; the device's backends stay alive while it has active requests.
-        let started = unsafe { backend.start(&self.engine, self.sink, tag as u64, &piece) };
+        let payload = tag as u64 | (piece_len as u64) << TAG_BITS;
+        let started = unsafe { backend.start(&self.engine, self.sink, payload, &piece) };
         match started {
             Ok(Started::Queued) => {}
-            Ok(Started::Done(res)) => self.piece_done(inner, tag, res, !critical),
+            Ok(Started::Done(res)) => {
+                let outcome = backend.outcome(res, piece_len);
+                self.piece_done(inner, tag, outcome, !critical)
+            }
             Err(e) => {
                 let errno = match &e {
                     CoreError::Sys { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
                     _ => libc::EIO,
                 };
-                self.piece_done(inner, tag, -errno, !critical);
+                self.piece_done(
+                    inner,
+                    tag,
+                    Outcome::Failed(PieceError::Errno(errno)),
+                    !critical,
+                );
             }
         }
         issued_all
@@ -500,16 +513,17 @@ impl LbioArray {
     }
 
     /// Account one finished piece; a background piece gives its token back.
-    fn piece_done(&self, inner: &mut Inner, tag: u32, res: i32, background: bool) {
+    fn piece_done(&self, inner: &mut Inner, tag: u32, outcome: Outcome, background: bool) {
         let slot = &mut inner.slots[tag as usize];
         debug_assert!(slot.outstanding > 0);
         slot.outstanding -= 1;
-        if res < 0 {
-            if slot.errno == 0 {
-                slot.errno = res;
+        match outcome {
+            Outcome::Bytes(n) => slot.done += n,
+            Outcome::Failed(e) => {
+                if slot.error.is_none() {
+                    slot.error = Some(e);
+                }
             }
-        } else {
-            slot.done += res as u32;
         }
         if background {
             let dev = slot.dev as usize;
@@ -524,7 +538,7 @@ impl LbioArray {
             return;
         }
         slot.state = State::Done;
-        if slot.errno != 0 || slot.done != slot.len {
+        if slot.error.is_some() || slot.done != slot.len {
             inner.metrics.errors += 1;
         }
         let dev = slot.dev as usize;
@@ -557,12 +571,20 @@ impl LbioArray {
     }
 
     fn result_of(slot: &Lbio) -> Result<u32, LbioError> {
-        if slot.errno != 0 {
-            Err(LbioError::Io {
-                op: slot.op,
-                offset: slot.offset,
-                len: slot.len,
-                source: std::io::Error::from_raw_os_error(-slot.errno),
+        if let Some(e) = slot.error {
+            Err(match e {
+                PieceError::Errno(errno) => LbioError::Io {
+                    op: slot.op,
+                    offset: slot.offset,
+                    len: slot.len,
+                    source: std::io::Error::from_raw_os_error(errno),
+                },
+                PieceError::Nvme(status) => LbioError::Nvme {
+                    op: slot.op,
+                    offset: slot.offset,
+                    len: slot.len,
+                    status,
+                },
             })
         } else if slot.done != slot.len {
             Err(LbioError::Short {
@@ -652,20 +674,31 @@ impl LbioArray {
         loop {
             let next = self.deferred.borrow_mut().pop_front();
             match next {
-                Some((tag, res)) => self.complete_piece(tag, res),
+                Some((payload, res)) => self.complete_piece(payload, res),
                 None => break,
             }
         }
         self.has_deferred.set(false);
     }
 
-    fn complete_piece(&self, tag: u32, res: i32) {
+    fn complete_piece(&self, payload: u64, res: i32) {
+        let tag = (payload & (MAX_SLOTS as u64 - 1)) as u32;
+        let piece_len = (payload >> TAG_BITS) as u32;
         let mut guard = self.inner.borrow_mut();
         let inner = &mut *guard;
         let slot = &inner.slots[tag as usize];
         let dev = slot.dev;
         let background = slot.class == Class::Background;
-        self.piece_done(inner, tag, res, background);
+        let d = inner.devs[dev as usize]
+            .as_ref()
+            .expect("a device stays open while it has requests");
+        let backend = if background {
+            &d.background
+        } else {
+            &d.critical
+        };
+        let outcome = backend.outcome(res, piece_len);
+        self.piece_done(inner, tag, outcome, background);
         self.finish_if_done(inner, tag);
         // The device may have closed with this completion (its handle was dropped earlier).
         if background && inner.devs[dev as usize].is_some() {
@@ -702,13 +735,12 @@ impl Drop for LbioArray {
 
 impl CompletionSink for LbioArray {
     fn complete(&self, payload: u64, result: i32, _flags: u32) {
-        let tag = payload as u32;
         if self.inner.try_borrow_mut().is_err() {
             // The engine reaped inside one of our own pushes: apply it when that borrow ends.
-            self.deferred.borrow_mut().push_back((tag, result));
+            self.deferred.borrow_mut().push_back((payload, result));
             self.has_deferred.set(true);
             return;
         }
-        self.complete_piece(tag, result);
+        self.complete_piece(payload, result);
     }
 }

@@ -5,6 +5,7 @@ use std::fmt;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::rc::Rc;
 
+use aios_core::nvme::{self, IoOpcode, NvmeNamespace, NvmeStatus, PassthruCmd};
 use aios_core::{engine, CoreError, Engine, FixedFile, RingKind, SinkId};
 
 /// What a request does.
@@ -60,10 +61,38 @@ pub enum Started {
     Done(i32),
 }
 
+/// Why a piece failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PieceError {
+    /// The kernel refused or failed it (a positive errno value).
+    Errno(i32),
+    /// The NVMe controller completed it with an error status.
+    Nvme(NvmeStatus),
+}
+
+/// A finished piece, as the backend reads its completion result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Bytes transferred.
+    Bytes(u32),
+    Failed(PieceError),
+}
+
 /// A device lbio can send pieces to.
 pub trait Backend {
     /// What this backend can do.
     fn caps(&self) -> Caps;
+
+    /// Read the completion result `res` of a piece of `len` bytes. The default is the read(2)
+    /// convention: bytes transferred, or a negative errno.
+    fn outcome(&self, res: i32, len: u32) -> Outcome {
+        let _ = len;
+        if res < 0 {
+            Outcome::Failed(PieceError::Errno(-res))
+        } else {
+            Outcome::Bytes(res as u32)
+        }
+    }
 
     /// Start `piece`. Asynchronous backends push an SQE for `sink` tagged `tag` and return
     /// [`Started::Queued`]; synchronous ones do the work and return [`Started::Done`].
@@ -293,5 +322,115 @@ impl Backend for MemBackend {
             Op::Flush => {}
         }
         Ok(Started::Done(len as i32))
+    }
+}
+
+/// NVMe passthrough: reads, writes (optionally FUA) and flushes sent as raw NVMe commands
+/// through `IORING_OP_URING_CMD` on the generic character device (`/dev/ngXnY`), with data in the
+/// engine's registered arena (`IORING_URING_CMD_FIXED`). The block layer's bio path, the page
+/// cache and the file layer are all skipped.
+///
+/// Completion results follow the passthrough convention: 0 is success (the whole piece moved), a
+/// positive value is the NVMe status, a negative one an errno.
+#[derive(Clone)]
+pub struct NvmeBackend {
+    file: Rc<RegisteredFile>,
+    nsid: u32,
+    lba_shift: u32,
+    ring: RingKind,
+}
+
+impl NvmeBackend {
+    /// Register the opened character device `fd` of namespace `ns` with the engine, whose rings
+    /// must take 128-byte SQEs (`EngineConfig { passthrough: true, .. }`). With `iopoll`, reads and
+    /// writes go to the engine's IOPOLL ring (the driver must have poll queues).
+    pub fn new(
+        engine: &Rc<Engine>,
+        fd: Rc<OwnedFd>,
+        ns: &NvmeNamespace,
+        iopoll: bool,
+    ) -> Result<Self, CoreError> {
+        if !engine.has_passthrough_rings() {
+            return Err(CoreError::Config(format!(
+                "{}: NVMe passthrough needs an engine built with EngineConfig {{ passthrough: \
+                 true, .. }} (128-byte SQEs, 32-byte CQEs)",
+                ns.char_device.display()
+            )));
+        }
+        if iopoll && !engine.has_iopoll_ring() {
+            return Err(CoreError::Config(
+                "an IOPOLL route needs EngineConfig { iopoll_ring: true, .. }".into(),
+            ));
+        }
+        let fixed = engine.register_file(fd.as_raw_fd())?;
+        Ok(NvmeBackend {
+            file: Rc::new(RegisteredFile {
+                fd,
+                fixed,
+                engine: Rc::clone(engine),
+            }),
+            nsid: ns.nsid,
+            lba_shift: ns.lba_bytes.trailing_zeros(),
+            ring: if iopoll {
+                RingKind::Iopoll
+            } else {
+                RingKind::Main
+            },
+        })
+    }
+}
+
+impl Backend for NvmeBackend {
+    fn caps(&self) -> Caps {
+        Caps {
+            name: if self.ring == RingKind::Iopoll {
+                "nvme-passthrough-iopoll"
+            } else {
+                "nvme-passthrough"
+            },
+            asynchronous: true,
+            fua: true,
+            flush: true,
+            iopoll: self.ring == RingKind::Iopoll,
+        }
+    }
+
+    fn outcome(&self, res: i32, len: u32) -> Outcome {
+        match res {
+            0 => Outcome::Bytes(len),
+            r if r < 0 => Outcome::Failed(PieceError::Errno(-r)),
+            r => Outcome::Failed(PieceError::Nvme(NvmeStatus(r as u16))),
+        }
+    }
+
+    unsafe fn start(
+        &self,
+        engine: &Engine,
+        sink: SinkId,
+        tag: u64,
+        piece: &Piece,
+    ) -> Result<Started, CoreError> {
+        let slba = piece.offset >> self.lba_shift;
+        let nlb = piece.len >> self.lba_shift;
+        let (op, ring) = match piece.op {
+            Op::Read => (IoOpcode::Read, self.ring),
+            Op::Write => (IoOpcode::Write, self.ring),
+            // A flush moves no data and gains nothing from polling.
+            Op::Flush => (IoOpcode::Flush, RingKind::Main),
+        };
+        let cmd = PassthruCmd::io(
+            op,
+            self.nsid,
+            slba,
+            nlb,
+            piece.ptr as u64,
+            piece.len,
+            piece.fua,
+        );
+        let sqe = nvme::uring_cmd(self.file.fixed, &cmd, op != IoOpcode::Flush);
+        // SAFETY: the caller guarantees the buffer until completion; the registered file lives in
+        // `self.file`, which the device keeps until all its requests have completed.
+        unsafe { engine.push_cmd(ring, sink, tag, sqe) }?;
+        Ok(Started::Queued)
     }
 }

@@ -10,7 +10,7 @@ use std::task::{Context, Poll};
 use aios_core::{probe, DeviceKind, DeviceProbe, FixedBuf, ProbeOptions, Route};
 
 use crate::array::{Class, LbioArray, Owner, Request, Tag};
-use crate::backend::{Backend, Caps, FileBackend, MemBackend, Op, SyncBackend};
+use crate::backend::{Backend, Caps, FileBackend, MemBackend, NvmeBackend, Op, SyncBackend};
 use crate::error::LbioError;
 
 /// Sizes and alignment rules of a device, checked on every request.
@@ -88,6 +88,9 @@ impl Device {
             });
         }
         let p = probe(path, cfg.probe)?;
+        if p.kind == DeviceKind::CharDevice && p.passthrough.is_some() {
+            return Self::open_passthrough(lbio, path, cfg, p);
+        }
         if !matches!(p.kind, DeviceKind::BlockDevice | DeviceKind::RegularFile) {
             return Err(LbioError::NotABlockDevice {
                 path: path.to_path_buf(),
@@ -136,7 +139,7 @@ impl Device {
         let critical: Box<dyn Backend> = match route {
             Route::Sync => Box::new(SyncBackend::new(Rc::clone(&fd))),
             Route::Ring if use_iopoll => Box::new(FileBackend::new(engine, Rc::clone(&fd), true)?),
-            Route::Ring => Box::new(ring.clone()),
+            Route::Ring | Route::Passthrough => Box::new(ring.clone()),
         };
         let why = if use_iopoll {
             format!("{why}; completions polled on the IOPOLL ring")
@@ -145,6 +148,80 @@ impl Device {
         };
         let background_why = p.background.reason.clone();
         let mut dev = Self::from_backends(lbio, critical, Box::new(ring), geometry, cfg.write)?;
+        dev.critical.1 = why;
+        dev.background.1 = background_why;
+        dev.probe = Some(p);
+        Ok(dev)
+    }
+
+    /// Open an NVMe namespace's passthrough character device: both classes send raw NVMe
+    /// commands; critical reads and writes use the IOPOLL ring when configured and working.
+    fn open_passthrough(
+        lbio: &Rc<LbioArray>,
+        path: &Path,
+        cfg: DeviceConfig,
+        p: DeviceProbe,
+    ) -> Result<Device, LbioError> {
+        if cfg.route == RouteChoice::Sync {
+            return Err(LbioError::Config(format!(
+                "{}: an NVMe passthrough device takes commands only through io_uring; the sync \
+                 route needs the block device (/dev/nvmeXnY)",
+                path.display()
+            )));
+        }
+        let pt = p.passthrough.as_ref().expect("checked by the caller");
+        if let Err(why) = &pt.namespace {
+            return Err(LbioError::Core(aios_core::CoreError::NotNvme {
+                path: path.to_path_buf(),
+                why: why.clone(),
+            }));
+        }
+        let (fd, ns) = aios_core::nvme::open_namespace(path)?;
+        let fd = Rc::new(fd);
+        let engine = lbio.engine();
+        let max_transfer = cfg
+            .max_transfer_bytes
+            .map_or(ns.max_transfer_bytes(), |m| m.min(ns.max_transfer_bytes()));
+        if max_transfer < ns.lba_bytes || max_transfer % ns.lba_bytes != 0 {
+            return Err(LbioError::Config(format!(
+                "max transfer {max_transfer} must be a positive multiple of the namespace's \
+                 {}-byte blocks",
+                ns.lba_bytes
+            )));
+        }
+        let geometry = Geometry {
+            capacity_bytes: ns.capacity_bytes(),
+            logical_block: ns.lba_bytes,
+            mem_align: ns.lba_bytes,
+            offset_align: ns.lba_bytes,
+            max_transfer_bytes: max_transfer,
+        };
+        let use_iopoll = cfg.iopoll && pt.iopoll.is_ok() && engine.has_iopoll_ring();
+        let background = NvmeBackend::new(engine, Rc::clone(&fd), &ns, false)?;
+        let critical: Box<dyn Backend> = if use_iopoll {
+            Box::new(NvmeBackend::new(engine, fd, &ns, true)?)
+        } else {
+            Box::new(background.clone())
+        };
+        let why = if use_iopoll {
+            format!(
+                "{}; completions polled on the IOPOLL ring",
+                p.critical.reason
+            )
+        } else if cfg.iopoll {
+            match &pt.iopoll {
+                Err(e) => format!("{}; IOPOLL unavailable: {e}", p.critical.reason),
+                Ok(()) => format!(
+                    "{}; IOPOLL works but the engine has no IOPOLL ring",
+                    p.critical.reason
+                ),
+            }
+        } else {
+            p.critical.reason.clone()
+        };
+        let background_why = p.background.reason.clone();
+        let mut dev =
+            Self::from_backends(lbio, critical, Box::new(background), geometry, cfg.write)?;
         dev.critical.1 = why;
         dev.background.1 = background_why;
         dev.probe = Some(p);

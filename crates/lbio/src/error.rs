@@ -81,6 +81,15 @@ pub enum LbioError {
         source: io::Error,
     },
 
+    /// The NVMe controller completed the request with an error status.
+    #[error("{op} of {len} bytes at offset {offset} failed: {status}")]
+    Nvme {
+        op: Op,
+        offset: u64,
+        len: u32,
+        status: aios_core::nvme::NvmeStatus,
+    },
+
     /// The device transferred fewer bytes than asked (e.g. the file shrank underneath).
     #[error("short {op} at offset {offset}: {done} of {len} bytes")]
     Short {

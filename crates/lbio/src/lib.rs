@@ -29,7 +29,10 @@ mod device;
 mod error;
 
 pub use array::{Class, Completion, LbioArray, LbioConfig, LbioMetrics, Tag, MAX_SLOTS};
-pub use backend::{Backend, Caps, FileBackend, MemBackend, Op, Piece, Started, SyncBackend};
+pub use backend::{
+    Backend, Caps, FileBackend, MemBackend, NvmeBackend, Op, Outcome, Piece, PieceError, Started,
+    SyncBackend,
+};
 pub use device::{Device, DeviceConfig, Geometry, Io, IoFuture, RouteChoice, MAX_REQUEST_BYTES};
 pub use error::LbioError;
 
