@@ -1,0 +1,412 @@
+//! The guest kernel: Debian's `linux-image-*` package, fetched with apt and unpacked with `dpkg -x`,
+//! and its modules (found by name, dependencies read from their `.modinfo` sections).
+
+use std::collections::{BTreeMap, HashSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use crate::{run_checked, say};
+
+pub const META_PACKAGE: &str = "linux-image-amd64";
+pub const PKG_ENV: &str = "AIOS_LAB_KERNEL_PKG";
+const COMPLETE: &str = ".aios-lab-complete";
+
+pub struct Kernel {
+    pub pkg: String,
+    pub version: String,
+    pub vmlinuz: PathBuf,
+    /// `…/lib/modules/<version>`
+    pub modules_dir: PathBuf,
+    /// Normalized names of modules built into the kernel.
+    builtin: HashSet<String>,
+    /// Normalized name → path of the `.ko` (or `.ko.xz`) under `kernel/`.
+    index: BTreeMap<String, PathBuf>,
+}
+
+/// Module names as the kernel compares them: `-` and `_` are the same.
+pub fn normalize(name: &str) -> String {
+    name.replace('-', "_")
+}
+
+/// The package `linux-image-amd64` depends on, from `apt-cache depends` output.
+pub fn parse_depends(out: &str) -> Option<String> {
+    out.lines().find_map(|l| {
+        let l = l.trim().trim_start_matches('|');
+        let dep = l.strip_prefix("Depends:")?.trim();
+        (dep.starts_with("linux-image-") && !dep.starts_with('<')).then(|| dep.to_string())
+    })
+}
+
+pub fn resolve_package() -> Result<String, String> {
+    if let Ok(pkg) = std::env::var(PKG_ENV) {
+        if !pkg.is_empty() {
+            return Ok(pkg);
+        }
+    }
+    let out = Command::new("apt-cache")
+        .args(["depends", META_PACKAGE])
+        .output()
+        .map_err(|e| {
+            format!("cannot run apt-cache (set {PKG_ENV} and provide a cached kernel): {e}")
+        })?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    parse_depends(&text).ok_or_else(|| {
+        format!(
+            "apt-cache depends {META_PACKAGE} names no linux-image package (exit {}): {}{}",
+            out.status,
+            text.trim(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )
+    })
+}
+
+/// Downloads (once) and unpacks (once) the kernel package under `lab_dir`.
+pub fn fetch(pkg: &str, lab_dir: &Path) -> Result<Kernel, String> {
+    if pkg.is_empty() || pkg.contains('/') || pkg.starts_with('.') {
+        return Err(format!("bad kernel package name {pkg:?}"));
+    }
+    let root = lab_dir.join("kernel").join(pkg);
+    if root.join(COMPLETE).exists() {
+        say(&format!("lab: kernel {pkg} cached in {}", root.display()));
+    } else {
+        let cache = lab_dir.join("cache");
+        fs::create_dir_all(&cache).map_err(|e| format!("{}: {e}", cache.display()))?;
+        let deb = match find_deb(&cache, pkg) {
+            Some(deb) => deb,
+            None => {
+                say(&format!("lab: fetching kernel {pkg} (apt-get download) …"));
+                let mut cmd = Command::new("apt-get");
+                cmd.args(["download", pkg]).current_dir(&cache);
+                run_checked(&mut cmd, "apt-get download")?;
+                find_deb(&cache, pkg).ok_or_else(|| {
+                    format!(
+                        "apt-get download left no {pkg}_*.deb in {}",
+                        cache.display()
+                    )
+                })?
+            }
+        };
+        say(&format!("lab: unpacking {} …", deb.display()));
+        let tmp = lab_dir.join("kernel").join(format!(".{pkg}.unpacking"));
+        let _ = fs::remove_dir_all(&tmp);
+        fs::create_dir_all(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
+        let mut cmd = Command::new("dpkg");
+        cmd.arg("-x").arg(&deb).arg(&tmp);
+        run_checked(&mut cmd, "dpkg -x")?;
+        fs::write(tmp.join(COMPLETE), pkg).map_err(|e| e.to_string())?;
+        let _ = fs::remove_dir_all(&root);
+        fs::rename(&tmp, &root)
+            .map_err(|e| format!("rename {} → {}: {e}", tmp.display(), root.display()))?;
+    }
+    Kernel::open(pkg, &root)
+}
+
+fn find_deb(cache: &Path, pkg: &str) -> Option<PathBuf> {
+    let prefix = format!("{pkg}_");
+    let mut debs: Vec<PathBuf> = fs::read_dir(cache)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            name.starts_with(&prefix) && name.ends_with(".deb")
+        })
+        .collect();
+    debs.sort();
+    debs.pop()
+}
+
+fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
+    for entry in fs::read_dir(dir)? {
+        let entry = entry?;
+        if entry.file_type()?.is_dir() {
+            walk(&entry.path(), out)?;
+        } else {
+            out.push(entry.path());
+        }
+    }
+    Ok(())
+}
+
+impl Kernel {
+    fn open(pkg: &str, root: &Path) -> Result<Kernel, String> {
+        let mods = root.join("lib/modules");
+        let versions: Vec<String> = fs::read_dir(&mods)
+            .map_err(|e| format!("{}: {e}", mods.display()))?
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .collect();
+        let [version] = versions.as_slice() else {
+            return Err(format!(
+                "expected one kernel version in {}, found {versions:?}",
+                mods.display()
+            ));
+        };
+        let vmlinuz = root.join("boot").join(format!("vmlinuz-{version}"));
+        if !vmlinuz.is_file() {
+            return Err(format!("{} is missing", vmlinuz.display()));
+        }
+        let modules_dir = mods.join(version);
+        let builtin = fs::read_to_string(modules_dir.join("modules.builtin"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                Some(normalize(
+                    Path::new(l).file_name()?.to_str()?.strip_suffix(".ko")?,
+                ))
+            })
+            .collect();
+        let mut files = Vec::new();
+        walk(&modules_dir.join("kernel"), &mut files)
+            .map_err(|e| format!("{}: {e}", modules_dir.display()))?;
+        let index = files
+            .into_iter()
+            .filter_map(|p| {
+                let name = p.file_name()?.to_str()?;
+                let stem = name
+                    .strip_suffix(".ko")
+                    .or_else(|| name.strip_suffix(".ko.xz"))?;
+                Some((normalize(stem), p))
+            })
+            .collect();
+        Ok(Kernel {
+            pkg: pkg.to_string(),
+            version: version.clone(),
+            vmlinuz,
+            modules_dir,
+            builtin,
+            index,
+        })
+    }
+
+    /// A kernel with no modules on disk, for tests of what is generated from one.
+    #[cfg(test)]
+    pub fn for_test(version: &str) -> Kernel {
+        Kernel {
+            pkg: format!("linux-image-{version}"),
+            version: version.to_string(),
+            vmlinuz: PathBuf::from("/nonexistent/vmlinuz"),
+            modules_dir: PathBuf::from("/nonexistent/lib/modules").join(version),
+            builtin: HashSet::new(),
+            index: BTreeMap::new(),
+        }
+    }
+
+    /// Bytes of a module, decompressed if it is a `.ko.xz`.
+    pub fn module_bytes(path: &Path) -> Result<Vec<u8>, String> {
+        if path.extension().is_some_and(|e| e == "xz") {
+            let out = Command::new("xz")
+                .arg("-dc")
+                .arg(path)
+                .stderr(Stdio::inherit())
+                .output()
+                .map_err(|e| format!("cannot run xz: {e}"))?;
+            if !out.status.success() {
+                return Err(format!("xz -dc {} failed ({})", path.display(), out.status));
+            }
+            Ok(out.stdout)
+        } else {
+            fs::read(path).map_err(|e| format!("{}: {e}", path.display()))
+        }
+    }
+
+    /// Works out what to load, in order: each wanted module after the modules it depends on
+    /// (`depends=` in its `.modinfo`), skipping those built into the kernel. Parameters are checked
+    /// against the module's `parm=` entries.
+    pub fn plan_modules(&self, wanted: &[(&str, &str)]) -> Result<Vec<ModuleLoad>, String> {
+        let mut plan = Vec::new();
+        let mut seen = HashSet::new();
+        for (name, params) in wanted {
+            self.add_module(name, params, false, &mut seen, &mut plan, 0)?;
+        }
+        Ok(plan)
+    }
+
+    fn add_module(
+        &self,
+        name: &str,
+        params: &str,
+        implied: bool,
+        seen: &mut HashSet<String>,
+        plan: &mut Vec<ModuleLoad>,
+        depth: usize,
+    ) -> Result<(), String> {
+        let key = normalize(name);
+        if depth > 32 {
+            return Err(format!("module dependency loop at {name}"));
+        }
+        if !seen.insert(key.clone()) {
+            return Ok(());
+        }
+        if self.builtin.contains(&key) {
+            if !params.is_empty() {
+                say(&format!("lab: warning: {name} is built in; parameters {params:?} only apply on the kernel command line"));
+            }
+            plan.push(ModuleLoad {
+                name: name.to_string(),
+                file: None,
+                params: params.to_string(),
+                implied,
+            });
+            return Ok(());
+        }
+        let path = self.index.get(&key).ok_or_else(|| {
+            format!(
+                "module {name} not found under {}",
+                self.modules_dir.display()
+            )
+        })?;
+        let info =
+            modinfo(&Self::module_bytes(path)?).map_err(|e| format!("{}: {e}", path.display()))?;
+        let parms: Vec<&str> = info
+            .iter()
+            .filter(|(k, _)| k == "parm")
+            .filter_map(|(_, v)| v.split(':').next())
+            .collect();
+        for p in params.split_whitespace() {
+            let key = p.split('=').next().unwrap_or(p);
+            if !parms.contains(&key) {
+                return Err(format!(
+                    "module {name} has no parameter {key:?}; it has: {}",
+                    parms.join(" ")
+                ));
+            }
+        }
+        for (k, v) in &info {
+            if k == "depends" {
+                for dep in v.split(',').filter(|d| !d.is_empty()) {
+                    self.add_module(dep, "", true, seen, plan, depth + 1)?;
+                }
+            }
+        }
+        let rel = path
+            .strip_prefix(&self.modules_dir)
+            .map_err(|e| e.to_string())?;
+        plan.push(ModuleLoad {
+            name: name.to_string(),
+            file: Some((path.clone(), rel.to_path_buf())),
+            params: params.to_string(),
+            implied,
+        });
+        Ok(())
+    }
+}
+
+pub struct ModuleLoad {
+    pub name: String,
+    /// (host path, path relative to `lib/modules/<version>`); `None` when built in.
+    pub file: Option<(PathBuf, PathBuf)>,
+    pub params: String,
+    /// Pulled in as a dependency of a module that was asked for.
+    pub implied: bool,
+}
+
+/// `key=value` strings of an ELF object's `.modinfo` section.
+pub fn modinfo(elf: &[u8]) -> Result<Vec<(String, String)>, String> {
+    let section = elf_section(elf, ".modinfo")?.ok_or("no .modinfo section")?;
+    Ok(section
+        .split(|b| *b == 0)
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| {
+            let s = String::from_utf8_lossy(s);
+            let (k, v) = s.split_once('=')?;
+            Some((k.to_string(), v.to_string()))
+        })
+        .collect())
+}
+
+/// The contents of a named section of a little-endian ELF64 file.
+fn elf_section<'a>(elf: &'a [u8], want: &str) -> Result<Option<&'a [u8]>, String> {
+    let bytes = |at: usize, n: usize| {
+        elf.get(at..at + n)
+            .ok_or_else(|| "truncated ELF file".to_string())
+    };
+    let u16_at = |at| bytes(at, 2).map(|b| u16::from_le_bytes([b[0], b[1]]) as usize);
+    let u32_at = |at| bytes(at, 4).map(|b| u32::from_le_bytes(b.try_into().unwrap()) as usize);
+    let u64_at = |at| bytes(at, 8).map(|b| u64::from_le_bytes(b.try_into().unwrap()) as usize);
+    if bytes(0, 6)? != b"\x7fELF\x02\x01" {
+        return Err("not a little-endian ELF64 file".into());
+    }
+    let (shoff, shentsize, shnum, shstrndx) =
+        (u64_at(0x28)?, u16_at(0x3a)?, u16_at(0x3c)?, u16_at(0x3e)?);
+    // Section header: name (u32) at 0, offset (u64) at 0x18, size (u64) at 0x20.
+    let sh = |i: usize| -> Result<(usize, usize, usize), String> {
+        let at = shoff + i * shentsize;
+        Ok((u32_at(at)?, u64_at(at + 0x18)?, u64_at(at + 0x20)?))
+    };
+    let (_, str_off, str_size) = sh(shstrndx)?;
+    let strtab = bytes(str_off, str_size)?;
+    for i in 0..shnum {
+        let (name_off, off, size) = sh(i)?;
+        let name = strtab.get(name_off..).unwrap_or(&[]);
+        let name = &name[..name.iter().position(|b| *b == 0).unwrap_or(name.len())];
+        if name == want.as_bytes() {
+            return Ok(Some(bytes(off, size)?));
+        }
+    }
+    Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn depends_of_the_meta_package() {
+        let out = "linux-image-amd64\n  Depends: linux-image-6.1.0-56-amd64\n";
+        assert_eq!(
+            parse_depends(out).as_deref(),
+            Some("linux-image-6.1.0-56-amd64")
+        );
+        let out = "linux-image-amd64\n |Depends: <linux-image-virtual>\n  Depends: linux-image-6.1.0-9-amd64\n";
+        assert_eq!(
+            parse_depends(out).as_deref(),
+            Some("linux-image-6.1.0-9-amd64")
+        );
+        assert_eq!(parse_depends("linux-image-amd64\n"), None);
+    }
+
+    /// A minimal ELF64 with a section-name table and a `.modinfo` section.
+    fn tiny_elf(modinfo: &[u8]) -> Vec<u8> {
+        let shstr = b"\0.shstrtab\0.modinfo\0";
+        let mut f = vec![0u8; 64];
+        f[..6].copy_from_slice(b"\x7fELF\x02\x01");
+        let shstr_off = f.len();
+        f.extend_from_slice(shstr);
+        let mi_off = f.len();
+        f.extend_from_slice(modinfo);
+        while f.len() % 8 != 0 {
+            f.push(0);
+        }
+        let shoff = f.len();
+        let section = |name: u32, off: usize, size: usize| {
+            let mut s = vec![0u8; 64];
+            s[..4].copy_from_slice(&name.to_le_bytes());
+            s[0x18..0x20].copy_from_slice(&(off as u64).to_le_bytes());
+            s[0x20..0x28].copy_from_slice(&(size as u64).to_le_bytes());
+            s
+        };
+        f.extend(section(0, 0, 0));
+        f.extend(section(1, shstr_off, shstr.len()));
+        f.extend(section(11, mi_off, modinfo.len()));
+        f[0x28..0x30].copy_from_slice(&(shoff as u64).to_le_bytes());
+        f[0x3a..0x3c].copy_from_slice(&64u16.to_le_bytes());
+        f[0x3c..0x3e].copy_from_slice(&3u16.to_le_bytes());
+        f[0x3e..0x40].copy_from_slice(&1u16.to_le_bytes());
+        f
+    }
+
+    #[test]
+    fn modinfo_from_elf_section() {
+        let elf = tiny_elf(b"parm=gb:Size in GB\0\0depends=configfs\0license=GPL\0");
+        let info = modinfo(&elf).unwrap();
+        assert_eq!(
+            info,
+            [
+                ("parm".to_string(), "gb:Size in GB".to_string()),
+                ("depends".to_string(), "configfs".to_string()),
+                ("license".to_string(), "GPL".to_string()),
+            ]
+        );
+        assert!(modinfo(b"not elf at all, long enough").is_err());
+    }
+}

@@ -1,0 +1,599 @@
+//! `cargo xtask lab`: tools → kernel → artifacts → initramfs → boot, then the report.
+
+use std::fs::{self, File};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::initramfs::BUSYBOX;
+use crate::plan::{self, Step, MODULES};
+use crate::qemu::{self, Outcome};
+use crate::results::{self, Log};
+use crate::{artifacts, initramfs, kernel, run_checked, say};
+
+/// Exit status when the lab cannot run on this machine (no QEMU) and `--skip-if-unavailable` is not
+/// given. Distinct from 1 (a failure) and 2 (clap's usage errors).
+const EXIT_SKIPPED: u8 = 3;
+const CONSOLE_TAIL_LINES: usize = 40;
+const OUTPUT_LINES_SHOWN: usize = 200;
+/// Console lines that fail the run: the guest kernel itself went wrong.
+const KERNEL_TROUBLE: &[&str] = &[
+    "Oops",
+    "BUG:",
+    "Kernel panic",
+    "general protection fault",
+    "Call Trace:",
+];
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// An ad-hoc step, NAME=COMMAND (repeatable); run instead of the default plan. COMMAND runs
+    /// under busybox sh in the guest with PATH=/aios/bin:/bin, cwd /tmp.
+    #[arg(long = "step", value_name = "NAME=COMMAND")]
+    steps: Vec<String>,
+    /// Run only this step of the default plan (repeatable).
+    #[arg(long, value_name = "NAME")]
+    only: Vec<String>,
+    /// Comma-separated artifacts to build and copy to /aios/bin: bin:NAME, test:NAME, bench:NAME
+    /// [default: those the selected steps need; for --step, known artifacts its command names]
+    #[arg(long, value_name = "LIST")]
+    artifacts: Option<String>,
+    /// Limit on the guest run (boot to power-off), seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 240)]
+    timeout: u64,
+    /// Keep the whole run directory (disk image, initramfs, stripped binaries), not just the logs.
+    #[arg(long)]
+    keep: bool,
+    /// Size of the emulated NVMe namespace (a fresh sparse file each run), MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 256)]
+    disk_mib: u64,
+    /// Leave out the NVMe controller's persistent memory region (PMR).
+    #[arg(long)]
+    no_pmr: bool,
+    /// Exit 0 after "LAB SKIPPED" when this machine cannot run QEMU (otherwise exit 3).
+    #[arg(long)]
+    skip_if_unavailable: bool,
+    /// Print the default plan and exit.
+    #[arg(long)]
+    list: bool,
+}
+
+enum Failure {
+    /// QEMU cannot be had here.
+    Skip(String),
+    /// A phase before the guest's steps failed.
+    Phase(&'static str, String),
+}
+
+fn phase<T>(name: &'static str, r: Result<T, String>) -> Result<T, Failure> {
+    r.map_err(|e| Failure::Phase(name, e))
+}
+
+pub fn main(args: Args) -> ExitCode {
+    if args.list {
+        for s in plan::default_plan() {
+            let env: String = s.env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
+            let arts: Vec<String> = s.artifacts.iter().map(|a| a.to_string()).collect();
+            println!("{:<14} {env}{}    [{}]", s.name, s.command, arts.join(","));
+        }
+        return ExitCode::SUCCESS;
+    }
+    match run(&args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(Failure::Skip(reason)) => {
+            say("");
+            say(&format!("LAB SKIPPED: {reason}"));
+            say("");
+            if args.skip_if_unavailable {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(EXIT_SKIPPED)
+            }
+        }
+        Err(Failure::Phase(name, msg)) => {
+            say(&format!("lab: FAILED in phase '{name}': {msg}"));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.1} s", d.as_secs_f64())
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+fn target_dir(root: &Path) -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(d) => root.join(d),
+        None => root.join("target"),
+    }
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+fn is_root() -> bool {
+    let status = fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        == Some("0")
+}
+
+fn qemu_runs() -> bool {
+    Command::new("qemu-system-x86_64")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// QEMU and a busybox for the guest, installed with apt when missing and we may.
+fn ensure_tools() -> Result<(), Failure> {
+    let have_qemu = qemu_runs();
+    let have_busybox = Path::new(BUSYBOX).is_file();
+    if have_qemu && have_busybox {
+        return Ok(());
+    }
+    let mut pkgs = Vec::new();
+    if !have_qemu {
+        pkgs.push("qemu-system-x86");
+    }
+    if !have_busybox {
+        pkgs.push("busybox-static");
+    }
+    let why_not = if !is_root() {
+        Some("not root".to_string())
+    } else if which("apt-get").is_none() {
+        Some("no apt-get".to_string())
+    } else {
+        say(&format!("lab: installing {} …", pkgs.join(" ")));
+        let mut update = Command::new("apt-get");
+        update.arg("update");
+        let mut install = Command::new("apt-get");
+        install
+            .args(["install", "-y"])
+            .args(&pkgs)
+            .env("DEBIAN_FRONTEND", "noninteractive");
+        run_checked(&mut update, "apt-get update")
+            .and_then(|()| run_checked(&mut install, "apt-get install"))
+            .err()
+    };
+    let why_not = why_not
+        .map(|w| format!(" and could not install {} ({w})", pkgs.join(" ")))
+        .unwrap_or_default();
+    if !qemu_runs() {
+        return Err(Failure::Skip(format!(
+            "qemu-system-x86_64 is not available{why_not}"
+        )));
+    }
+    if !Path::new(BUSYBOX).is_file() {
+        return Err(Failure::Phase(
+            "tool install",
+            format!("{BUSYBOX} (Debian: busybox-static) is missing{why_not}"),
+        ));
+    }
+    Ok(())
+}
+
+fn run(args: &Args) -> Result<bool, Failure> {
+    let t_start = Instant::now();
+    let (steps, specs) = phase(
+        "plan",
+        plan::select(&args.only, &args.steps, args.artifacts.as_deref()),
+    )?;
+    if args.timeout == 0 || args.disk_mib == 0 {
+        return Err(Failure::Phase(
+            "plan",
+            "--timeout and --disk-mib must be positive".into(),
+        ));
+    }
+    let root = workspace_root();
+    let lab_dir = target_dir(&root).join("lab");
+    let run_dir = lab_dir.join("run");
+
+    let t = Instant::now();
+    ensure_tools()?;
+    let pkg = phase("kernel fetch", kernel::resolve_package())?;
+    let kernel = phase("kernel fetch", kernel::fetch(&pkg, &lab_dir))?;
+    say(&format!(
+        "lab: kernel {} ({}) ready in {}",
+        kernel.version,
+        kernel.pkg,
+        secs(t.elapsed())
+    ));
+
+    let t = Instant::now();
+    let built = if specs.is_empty() {
+        Vec::new()
+    } else {
+        let names: Vec<String> = specs.iter().map(|s| s.to_string()).collect();
+        say(&format!("lab: building artifacts {} …", names.join(", ")));
+        let built = phase("artifact build", artifacts::build(&root, &specs))?;
+        say(&format!("lab: artifacts built in {}", secs(t.elapsed())));
+        built
+    };
+
+    // From here on: the lab proper.
+    let t_lab = Instant::now();
+    let _ = fs::remove_dir_all(&run_dir);
+    phase(
+        "initramfs",
+        fs::create_dir_all(&run_dir).map_err(|e| format!("{}: {e}", run_dir.display())),
+    )?;
+    let modules = phase("initramfs", kernel.plan_modules(MODULES))?;
+    for m in modules.iter().filter(|m| m.file.is_none()) {
+        say(&format!(
+            "lab: module {} is built into {}, not loaded",
+            m.name, kernel.version
+        ));
+    }
+    let initrd = phase(
+        "initramfs",
+        initramfs::build(&run_dir, &kernel, &modules, &built, &steps),
+    )?;
+    let t_initramfs = t_lab.elapsed();
+    say(&format!(
+        "lab: initramfs {:.1} MiB ({} files) in {}",
+        initrd.bytes as f64 / (1 << 20) as f64,
+        initrd.entries,
+        secs(t_initramfs)
+    ));
+
+    let disk = run_dir.join("nvme0.img");
+    phase("boot", sparse_file(&disk, args.disk_mib << 20))?;
+    let pmr = if args.no_pmr {
+        None
+    } else {
+        let pmr = run_dir.join("pmr.img");
+        phase("boot", sparse_file(&pmr, 1 << 20))?;
+        Some(pmr)
+    };
+    let cfg = qemu::Config {
+        vmlinuz: kernel.vmlinuz.clone(),
+        initrd: initrd.path.clone(),
+        disk,
+        pmr,
+        console_log: run_dir.join("console.log"),
+        results_log: run_dir.join("results.log"),
+        qemu_log: run_dir.join("qemu.log"),
+        memory_mib: 2048,
+        smp: 2,
+    };
+    say(&format!(
+        "lab: booting (TCG, {} MiB NVMe{}, timeout {} s) …",
+        args.disk_mib,
+        if cfg.pmr.is_some() {
+            " with 1 MiB PMR"
+        } else {
+            ""
+        },
+        args.timeout
+    ));
+    let mut live = Live {
+        total: steps.len(),
+        start: Some(Instant::now()),
+        ..Live::default()
+    };
+    let (outcome, log, timings) = phase(
+        "boot",
+        qemu::run(&cfg, Duration::from_secs(args.timeout), |log| {
+            live.update(log, false)
+        }),
+    )?;
+    live.update(&log, true);
+    let total = t_start.elapsed();
+    let lab_time = t_lab.elapsed();
+
+    // What went wrong, phase by phase.
+    let mut problems = Vec::new();
+    let console_tail = || {
+        let tail = qemu::tail(&cfg.console_log, CONSOLE_TAIL_LINES);
+        if tail.trim().is_empty() {
+            "(console.log is empty: no kernel messages at loglevel 4, no errors from /init)"
+                .to_string()
+        } else {
+            tail
+        }
+    };
+    match &outcome {
+        Outcome::TimedOut => problems.push(format!(
+            "boot: guest did not finish within {} s; console tail:\n{}",
+            args.timeout,
+            console_tail()
+        )),
+        Outcome::Exited(status) if !log.done => {
+            let qlog = qemu::tail(&cfg.qemu_log, 20);
+            let qlog = if qlog.trim().is_empty() {
+                String::new()
+            } else {
+                format!("\nqemu said:\n{qlog}")
+            };
+            problems.push(format!(
+                "boot: guest stopped before finishing (qemu {status}{}); console tail:\n{}{qlog}",
+                if log.init_t.is_none() {
+                    ", /init never reported"
+                } else {
+                    ""
+                },
+                console_tail()
+            ));
+        }
+        Outcome::Exited(_) => {}
+    }
+    // At loglevel 4 the console stays quiet unless something is wrong (and /init's own errors land
+    // there), so whatever it holds besides the power-off line is worth showing.
+    let console = qemu::read_lossy(&cfg.console_log);
+    let noteworthy: Vec<&str> = console
+        .lines()
+        .filter(|l| !l.trim().is_empty() && !l.contains("reboot: Power down"))
+        .collect();
+    if !noteworthy.is_empty() && log.done {
+        say(&format!(
+            "lab: guest console ({} line(s), last {CONSOLE_TAIL_LINES} shown):",
+            noteworthy.len()
+        ));
+        for l in &noteworthy[noteworthy.len().saturating_sub(CONSOLE_TAIL_LINES)..] {
+            say(&format!("    ! {l}"));
+        }
+    }
+    if let Some(l) = noteworthy
+        .iter()
+        .find(|l| KERNEL_TROUBLE.iter().any(|t| l.contains(t)))
+    {
+        problems.push(format!(
+            "kernel: the guest kernel reported trouble: {}",
+            l.trim()
+        ));
+    }
+    for s in log.steps.iter().filter(|s| s.id.parse::<usize>().is_err()) {
+        let what = if s.name.starts_with("insmod-") {
+            "module load"
+        } else {
+            "device wait"
+        };
+        problems.push(format!(
+            "{what}: {} rc={}",
+            s.name,
+            s.rc.map_or("?".into(), |r| r.to_string())
+        ));
+    }
+    let rows = rows(&steps, &log);
+    let failed: Vec<String> = rows
+        .iter()
+        .filter(|r| r.id.parse::<usize>().is_ok() && r.result != "ok")
+        .map(|r| format!("{} ({})", r.name, r.result))
+        .collect();
+    if !failed.is_empty() {
+        problems.push(format!("step: {}", failed.join(", ")));
+    }
+    let ok = problems.is_empty();
+
+    // Summary: table on stdout, verdict on stderr, JSON for tools.
+    println!();
+    println!("{:<16} {:>5} {:>9}  result", "step", "rc", "guest s");
+    for r in &rows {
+        let rc = r.rc.map_or("-".to_string(), |rc| rc.to_string());
+        let t = r.seconds.map_or("-".to_string(), |t| format!("{t:.2}"));
+        println!("{:<16} {rc:>5} {t:>9}  {}", r.name, r.result);
+    }
+    println!("done marker: {}", if log.done { "yes" } else { "NO" });
+    println!();
+    let boot_to_first = timings.first_step.map_or("-".into(), secs);
+    say(&format!(
+        "lab: timings: initramfs {}, boot to /init {}, boot to first step {boot_to_first}, guest run {}, lab {} (after artifacts), total {}",
+        secs(t_initramfs),
+        timings.init.map_or("-".into(), secs),
+        secs(timings.exit),
+        secs(lab_time),
+        secs(total)
+    ));
+    let summary = json!({
+        "ok": ok,
+        "done": log.done,
+        "timed_out": matches!(outcome, Outcome::TimedOut),
+        "problems": problems,
+        "kernel": { "package": kernel.pkg, "version": kernel.version },
+        "pmr": cfg.pmr.is_some(),
+        "timings_s": {
+            "initramfs": t_initramfs.as_secs_f64(),
+            "boot_to_init": timings.init.map(|d| d.as_secs_f64()),
+            "boot_to_first_step": timings.first_step.map(|d| d.as_secs_f64()),
+            "guest_run": timings.exit.as_secs_f64(),
+            "lab": lab_time.as_secs_f64(),
+            "total": total.as_secs_f64(),
+        },
+        "info": log.info,
+        "steps": rows.iter().map(|r| json!({
+            "id": r.id, "name": r.name, "rc": r.rc, "seconds": r.seconds, "result": r.result, "output": r.output,
+        })).collect::<Vec<_>>(),
+    });
+    let summary_path = run_dir.join("summary.json");
+    if let Err(e) = fs::write(
+        &summary_path,
+        serde_json::to_string_pretty(&summary).unwrap_or_default() + "\n",
+    ) {
+        say(&format!(
+            "lab: warning: cannot write {}: {e}",
+            summary_path.display()
+        ));
+    }
+    if !args.keep {
+        for f in [&cfg.disk, &cfg.initrd] {
+            let _ = fs::remove_file(f);
+        }
+        if let Some(p) = &cfg.pmr {
+            let _ = fs::remove_file(p);
+        }
+        let _ = fs::remove_dir_all(run_dir.join("stage"));
+    }
+    if ok {
+        say(&format!(
+            "lab: PASS: {} step(s) ok; logs in {}",
+            steps.len(),
+            run_dir.display()
+        ));
+    } else {
+        for p in &problems {
+            say(&format!("lab: FAILED: {p}"));
+        }
+        say(&format!(
+            "lab: logs in {} (console.log, results.log, summary.json)",
+            run_dir.display()
+        ));
+    }
+    Ok(ok)
+}
+
+fn sparse_file(path: &Path, len: u64) -> Result<(), String> {
+    File::create(path)
+        .and_then(|f| f.set_len(len))
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+struct Row {
+    id: String,
+    name: String,
+    rc: Option<i32>,
+    seconds: Option<f64>,
+    result: String,
+    output: String,
+}
+
+fn result_word(s: &results::Step) -> String {
+    match s.rc {
+        Some(0) => "ok".into(),
+        Some(rc) => format!("FAILED rc={rc}"),
+        None => "INTERRUPTED".into(),
+    }
+}
+
+/// Setup failures, then every planned step (those the guest never began: "not run").
+fn rows(steps: &[Step], log: &Log) -> Vec<Row> {
+    let row = |s: &results::Step| Row {
+        id: s.id.clone(),
+        name: s.name.clone(),
+        rc: s.rc,
+        seconds: s.seconds(),
+        result: result_word(s),
+        output: s.output.clone(),
+    };
+    let mut rows: Vec<Row> = log
+        .steps
+        .iter()
+        .filter(|s| s.id.parse::<usize>().is_err())
+        .map(row)
+        .collect();
+    for (i, step) in steps.iter().enumerate() {
+        let id = (i + 1).to_string();
+        rows.push(match log.steps.iter().find(|s| s.id == id) {
+            Some(s) => row(s),
+            None => Row {
+                id,
+                name: step.name.clone(),
+                rc: None,
+                seconds: None,
+                result: "not run".into(),
+                output: String::new(),
+            },
+        });
+    }
+    rows
+}
+
+/// Prints the guest's progress as the result log grows.
+#[derive(Default)]
+struct Live {
+    total: usize,
+    start: Option<Instant>,
+    infos: usize,
+    stray: usize,
+    begun: usize,
+    ended: usize,
+    init_seen: bool,
+}
+
+impl Live {
+    fn elapsed(&self) -> String {
+        self.start.map_or(String::new(), |s| {
+            format!("{:>6.1}s", s.elapsed().as_secs_f64())
+        })
+    }
+
+    fn label(&self, s: &results::Step) -> String {
+        match s.id.parse::<usize>() {
+            Ok(n) => format!("[{n}/{}] {}", self.total, s.name),
+            Err(_) => format!("setup {}", s.name),
+        }
+    }
+
+    fn update(&mut self, log: &Log, finished: bool) {
+        if !self.init_seen && log.init_t.is_some() {
+            self.init_seen = true;
+            say(&format!(
+                "lab: {} guest /init started (guest uptime {:.2} s)",
+                self.elapsed(),
+                log.init_t.unwrap_or(0.0)
+            ));
+        }
+        for info in &log.info[self.infos..] {
+            say(&format!("lab: {} guest: {info}", self.elapsed()));
+        }
+        self.infos = log.info.len();
+        if log.stray.len() > self.stray {
+            for line in log.stray[self.stray..].lines() {
+                say(&format!("lab: guest (outside any step): {line}"));
+            }
+            self.stray = log.stray.len();
+        }
+        for (i, s) in log.steps.iter().enumerate() {
+            if i >= self.begun {
+                say(&format!("lab: {} {} …", self.elapsed(), self.label(s)));
+                self.begun = i + 1;
+            }
+            let ended = s.rc.is_some() || i + 1 < log.steps.len() || finished;
+            if !ended {
+                break;
+            }
+            if i >= self.ended {
+                let t = s
+                    .seconds()
+                    .map_or(String::new(), |t| format!(" ({t:.2} s in the guest)"));
+                say(&format!(
+                    "lab: {} {} {}{t}",
+                    self.elapsed(),
+                    self.label(s),
+                    result_word(s)
+                ));
+                print_output(&s.output);
+                self.ended = i + 1;
+            }
+        }
+    }
+}
+
+fn print_output(output: &str) {
+    let lines: Vec<&str> = output.lines().collect();
+    let skip = lines.len().saturating_sub(OUTPUT_LINES_SHOWN);
+    if skip > 0 {
+        say(&format!(
+            "    | … {skip} earlier lines (all of it: target/lab/run/summary.json, results.log)"
+        ));
+    }
+    for l in &lines[skip..] {
+        say(&format!("    | {l}"));
+    }
+}

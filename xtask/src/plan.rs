@@ -1,0 +1,245 @@
+//! What the guest runs: the default plan (data, in one place) and ad-hoc `--step` lists.
+
+use crate::artifacts::{self, Spec};
+
+/// Block and character devices every lab guest has; `/init` waits for them before the steps.
+pub const LAB_DEVICES: &[&str] = &["/dev/nvme0n1", "/dev/ng0n1", "/dev/nullb0"];
+
+/// Modules loaded by `/init`, in order, with their parameters (dependencies are added before them).
+pub const MODULES: &[(&str, &str)] = &[
+    ("crct10dif_common", ""),
+    ("crc64", ""),
+    ("crc-t10dif", ""),
+    ("crc64-rocksoft", ""),
+    ("t10-pi", ""),
+    ("nvme-core", ""),
+    // `nvme.poll_queues=1` on the kernel command line only reaches a module through modprobe;
+    // insmod needs the parameter itself.
+    ("nvme", "poll_queues=1"),
+    (
+        "null_blk",
+        "queue_mode=2 poll_queues=1 memory_backed=1 gb=1 nr_devices=1",
+    ),
+];
+
+struct StepDef {
+    name: &'static str,
+    /// Run by busybox `sh` in the guest, cwd `/tmp`, PATH `/aios/bin:/bin:…`.
+    command: &'static str,
+    artifacts: &'static [&'static str],
+    env: &'static [(&'static str, &'static str)],
+}
+
+/// The default plan of `cargo xtask lab`.
+const DEFAULT_PLAN: &[StepDef] = &[
+    StepDef {
+        name: "probe-ng",
+        command: "aios probe /dev/ng0n1",
+        artifacts: &["bin:aios"],
+        env: &[],
+    },
+    StepDef {
+        name: "probe-nvme",
+        command: "aios probe /dev/nvme0n1",
+        artifacts: &["bin:aios"],
+        env: &[],
+    },
+    StepDef {
+        name: "probe-nullb",
+        command: "aios probe /dev/nullb0",
+        artifacts: &["bin:aios"],
+        env: &[],
+    },
+    StepDef {
+        name: "nvme-tests",
+        command: "nvme_lab --ignored --test-threads=1",
+        artifacts: &["test:nvme_lab"],
+        env: &[
+            ("AIOS_LAB_NVME_CHAR", "/dev/ng0n1"),
+            ("AIOS_LAB_NVME_BLOCK", "/dev/nvme0n1"),
+        ],
+    },
+    StepDef {
+        name: "bench-ng",
+        command: "aios bench lbio --device /dev/ng0n1 --seconds 1 --rounds 1",
+        artifacts: &["bin:aios"],
+        env: &[],
+    },
+    StepDef {
+        name: "criterion-ng",
+        command: "lbio_mem --bench device --warm-up-time 1 --measurement-time 2",
+        artifacts: &["bench:lbio_mem"],
+        env: &[("AIOS_BENCH_DEVICE", "/dev/ng0n1")],
+    },
+];
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Step {
+    pub name: String,
+    pub command: String,
+    pub artifacts: Vec<Spec>,
+    pub env: Vec<(String, String)>,
+}
+
+pub fn default_plan() -> Vec<Step> {
+    DEFAULT_PLAN
+        .iter()
+        .map(|d| Step {
+            name: d.name.to_string(),
+            command: d.command.to_string(),
+            artifacts: d
+                .artifacts
+                .iter()
+                .map(|a| a.parse().expect("valid artifact in DEFAULT_PLAN"))
+                .collect(),
+            env: d
+                .env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        })
+        .collect()
+}
+
+fn check_name(name: &str) -> Result<(), String> {
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._:-".contains(c))
+    {
+        return Err(format!(
+            "step name {name:?}: use letters, digits and . _ : - only"
+        ));
+    }
+    Ok(())
+}
+
+/// `NAME=COMMAND` → an ad-hoc step whose artifacts are the known ones its command names.
+pub fn parse_step(s: &str) -> Result<Step, String> {
+    let (name, command) = s
+        .split_once('=')
+        .ok_or_else(|| format!("--step {s:?} is not NAME=COMMAND"))?;
+    check_name(name)?;
+    if command.trim().is_empty() {
+        return Err(format!("--step {name}: empty command"));
+    }
+    let known: Vec<Spec> = default_plan()
+        .into_iter()
+        .flat_map(|s| s.artifacts)
+        .collect();
+    let mut artifacts: Vec<Spec> = command
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-'))
+        .filter_map(|word| known.iter().find(|k| k.name == word).cloned())
+        .collect();
+    artifacts.sort();
+    artifacts.dedup();
+    Ok(Step {
+        name: name.to_string(),
+        command: command.to_string(),
+        artifacts,
+        env: Vec::new(),
+    })
+}
+
+/// The steps to run and the artifacts to build for them.
+pub fn select(
+    only: &[String],
+    adhoc: &[String],
+    artifacts: Option<&str>,
+) -> Result<(Vec<Step>, Vec<Spec>), String> {
+    let defaults = default_plan();
+    let mut steps = Vec::new();
+    for name in only {
+        let step = defaults.iter().find(|s| &s.name == name).ok_or_else(|| {
+            let names: Vec<&str> = defaults.iter().map(|s| s.name.as_str()).collect();
+            format!(
+                "--only {name}: no such step in the default plan ({})",
+                names.join(", ")
+            )
+        })?;
+        if !steps.contains(step) {
+            steps.push(step.clone());
+        }
+    }
+    for s in adhoc {
+        steps.push(parse_step(s)?);
+    }
+    if only.is_empty() && adhoc.is_empty() {
+        steps = defaults;
+    }
+    for (i, s) in steps.iter().enumerate() {
+        if steps[..i].iter().any(|t| t.name == s.name) {
+            return Err(format!("two steps are named {}", s.name));
+        }
+    }
+    let specs = match artifacts {
+        Some(list) => artifacts::parse_list(list)?,
+        None => steps.iter().flat_map(|s| s.artifacts.clone()).collect(),
+    };
+    let mut specs: Vec<Spec> = specs;
+    specs.sort();
+    specs.dedup();
+    for (i, s) in specs.iter().enumerate() {
+        if specs[..i].iter().any(|t| t.name == s.name) {
+            return Err(format!("two artifacts would both be /aios/bin/{}", s.name));
+        }
+    }
+    Ok((steps, specs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_plan_is_well_formed() {
+        let plan = default_plan();
+        let names: Vec<&str> = plan.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "probe-ng",
+                "probe-nvme",
+                "probe-nullb",
+                "nvme-tests",
+                "bench-ng",
+                "criterion-ng"
+            ]
+        );
+        for s in &plan {
+            check_name(&s.name).unwrap();
+        }
+        let (_, specs) = select(&[], &[], None).unwrap();
+        let specs: Vec<String> = specs.iter().map(|s| s.to_string()).collect();
+        assert_eq!(specs, ["bin:aios", "test:nvme_lab", "bench:lbio_mem"]);
+    }
+
+    #[test]
+    fn adhoc_steps_and_subsets() {
+        let (steps, specs) = select(
+            &[],
+            &[
+                "ls=ls -l /dev/nvme*".into(),
+                "x=aios probe /dev/nvme0n1".into(),
+            ],
+            None,
+        )
+        .unwrap();
+        assert_eq!(steps.len(), 2);
+        assert_eq!(steps[0].command, "ls -l /dev/nvme*");
+        assert_eq!(
+            specs.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+            ["bin:aios"]
+        );
+
+        let (steps, specs) = select(&["probe-nullb".into()], &[], Some("")).unwrap();
+        assert_eq!(steps[0].name, "probe-nullb");
+        assert!(specs.is_empty());
+
+        assert!(select(&["nope".into()], &[], None).is_err());
+        assert!(select(&[], &["a=true".into(), "a=false".into()], None).is_err());
+        assert!(parse_step("no equals").is_err());
+        assert!(parse_step("bad name=true").is_err());
+        assert_eq!(parse_step("e=a=b").unwrap().command, "a=b");
+    }
+}
