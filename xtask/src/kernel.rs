@@ -38,31 +38,103 @@ pub fn parse_depends(out: &str) -> Option<String> {
     })
 }
 
-pub fn resolve_package() -> Result<String, String> {
-    if let Ok(pkg) = std::env::var(PKG_ENV) {
-        if !pkg.is_empty() {
-            return Ok(pkg);
+/// Where the kernel package comes from.
+pub enum Source {
+    /// The machine's own apt sources (for a package named in `AIOS_LAB_KERNEL_PKG`).
+    System,
+    /// `<codename>-backports`, through a private apt configuration under `target/lab/apt/`
+    /// (the machine's sources are not touched).
+    Backports(PathBuf),
+}
+
+impl Source {
+    fn apt_options(&self) -> Vec<String> {
+        match self {
+            Source::System => Vec::new(),
+            Source::Backports(dir) => vec![
+                format!(
+                    "-oDir::Etc::SourceList={}",
+                    dir.join("sources.list").display()
+                ),
+                "-oDir::Etc::SourceParts=/dev/null".to_string(),
+                format!("-oDir::State::Lists={}", dir.join("lists").display()),
+                format!("-oDir::Cache={}", dir.join("cache").display()),
+            ],
         }
     }
+}
+
+fn codename() -> String {
+    fs::read_to_string("/etc/os-release")
+        .ok()
+        .and_then(|t| {
+            t.lines().find_map(|l| {
+                l.strip_prefix("VERSION_CODENAME=")
+                    .map(|v| v.trim_matches('"').to_string())
+            })
+        })
+        .filter(|c| !c.is_empty())
+        .unwrap_or_else(|| "bookworm".to_string())
+}
+
+/// The kernel package to boot: `AIOS_LAB_KERNEL_PKG` from the machine's apt sources, or else the
+/// newest Debian kernel of `<codename>-backports` (6.12 for bookworm). The backports kernel is the
+/// default because 6.1 (bookworm's own) refuses registered buffers for NVMe passthrough whenever
+/// the registered buffer spans more pages than the device's max segments.
+pub fn resolve_package(lab_dir: &Path) -> Result<(String, Source), String> {
+    if let Ok(pkg) = std::env::var(PKG_ENV) {
+        if !pkg.is_empty() {
+            return Ok((pkg, Source::System));
+        }
+    }
+    let dir = lab_dir.join("apt");
+    for sub in ["lists/partial", "cache/archives/partial"] {
+        fs::create_dir_all(dir.join(sub)).map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    let suite = format!("{}-backports", codename());
+    let list = format!("deb http://deb.debian.org/debian {suite} main\n");
+    let sources = dir.join("sources.list");
+    let fresh = fs::read_to_string(&sources).ok().as_deref() == Some(list.as_str())
+        && fs::metadata(dir.join("lists"))
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age.as_secs() < 24 * 3600)
+        && fs::read_dir(dir.join("lists"))
+            .map(|d| d.count() > 2)
+            .unwrap_or(false);
+    let source = Source::Backports(dir.clone());
+    if !fresh {
+        fs::write(&sources, &list).map_err(|e| format!("{}: {e}", sources.display()))?;
+        say(&format!(
+            "lab: apt-get update ({suite}, private lists in {})",
+            dir.display()
+        ));
+        let mut cmd = Command::new("apt-get");
+        cmd.args(source.apt_options()).args(["-q", "update"]);
+        run_checked(&mut cmd, "apt-get update (backports)")?;
+    }
     let out = Command::new("apt-cache")
+        .args(source.apt_options())
         .args(["depends", META_PACKAGE])
         .output()
         .map_err(|e| {
             format!("cannot run apt-cache (set {PKG_ENV} and provide a cached kernel): {e}")
         })?;
     let text = String::from_utf8_lossy(&out.stdout);
-    parse_depends(&text).ok_or_else(|| {
+    let pkg = parse_depends(&text).ok_or_else(|| {
         format!(
-            "apt-cache depends {META_PACKAGE} names no linux-image package (exit {}): {}{}",
+            "apt-cache depends {META_PACKAGE} ({suite}) names no linux-image package (exit {}): {}{}",
             out.status,
             text.trim(),
             String::from_utf8_lossy(&out.stderr).trim()
         )
-    })
+    })?;
+    Ok((pkg, source))
 }
 
 /// Downloads (once) and unpacks (once) the kernel package under `lab_dir`.
-pub fn fetch(pkg: &str, lab_dir: &Path) -> Result<Kernel, String> {
+pub fn fetch(pkg: &str, source: &Source, lab_dir: &Path) -> Result<Kernel, String> {
     if pkg.is_empty() || pkg.contains('/') || pkg.starts_with('.') {
         return Err(format!("bad kernel package name {pkg:?}"));
     }
@@ -77,7 +149,9 @@ pub fn fetch(pkg: &str, lab_dir: &Path) -> Result<Kernel, String> {
             None => {
                 say(&format!("lab: fetching kernel {pkg} (apt-get download) …"));
                 let mut cmd = Command::new("apt-get");
-                cmd.args(["download", pkg]).current_dir(&cache);
+                cmd.args(source.apt_options())
+                    .args(["download", pkg])
+                    .current_dir(&cache);
                 run_checked(&mut cmd, "apt-get download")?;
                 find_deb(&cache, pkg).ok_or_else(|| {
                     format!(
@@ -230,6 +304,10 @@ impl Kernel {
         plan: &mut Vec<ModuleLoad>,
         depth: usize,
     ) -> Result<(), String> {
+        let (name, optional) = match name.strip_prefix('?') {
+            Some(n) => (n, true),
+            None => (name, false),
+        };
         let key = normalize(name);
         if depth > 32 {
             return Err(format!("module dependency loop at {name}"));
@@ -247,6 +325,12 @@ impl Kernel {
                 params: params.to_string(),
                 implied,
             });
+            return Ok(());
+        }
+        if optional && !self.index.contains_key(&key) {
+            say(&format!(
+                "lab: {name} is not a module of this kernel (built in or merged): not loaded"
+            ));
             return Ok(());
         }
         let path = self.index.get(&key).ok_or_else(|| {

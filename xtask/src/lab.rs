@@ -207,8 +207,8 @@ fn run(args: &Args) -> Result<bool, Failure> {
 
     let t = Instant::now();
     ensure_tools()?;
-    let pkg = phase("kernel fetch", kernel::resolve_package())?;
-    let kernel = phase("kernel fetch", kernel::fetch(&pkg, &lab_dir))?;
+    let (pkg, source) = phase("kernel fetch", kernel::resolve_package(&lab_dir))?;
+    let kernel = phase("kernel fetch", kernel::fetch(&pkg, &source, &lab_dir))?;
     say(&format!(
         "lab: kernel {} ({}) ready in {}",
         kernel.version,

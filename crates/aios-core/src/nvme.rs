@@ -7,14 +7,16 @@
 //! agree field for field up to the last word), Identify Controller/Namespace parsing, and the
 //! decoding of an NVMe completion status into something a person can read.
 
+use std::cell::Cell;
 use std::fmt;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
+use std::rc::{Rc, Weak};
 
 use io_uring::{opcode, squeue, types};
 
-use crate::engine::FixedFile;
+use crate::engine::{CompletionSink, Engine, FixedFile, RingKind};
 use crate::error::CoreError;
 use crate::sys;
 
@@ -148,6 +150,83 @@ pub fn uring_cmd(file: FixedFile, cmd: &PassthruCmd, fixed_data: bool) -> squeue
         sqe = sqe.buf_index(Some(0));
     }
     sqe.build()
+}
+
+struct LastResult(Cell<Option<i32>>);
+impl CompletionSink for LastResult {
+    fn complete(&self, _payload: u64, result: i32, _flags: u32) {
+        self.0.set(Some(result));
+    }
+}
+
+/// Read block 0 of the namespace into a buffer of `engine`'s arena, through `file`, with or
+/// without the fixed-buffer flag; the raw completion result.
+fn read_block0(
+    engine: &Engine,
+    file: FixedFile,
+    ns: &NvmeNamespace,
+    fixed: bool,
+) -> Result<i32, CoreError> {
+    let sink = Rc::new(LastResult(Cell::new(None)));
+    let id = engine.register_sink(Rc::downgrade(&sink) as Weak<dyn CompletionSink>)?;
+    let mut buf = engine.alloc_blocking(ns.lba_bytes as usize)?;
+    let cmd = PassthruCmd::io(
+        IoOpcode::Read,
+        ns.nsid,
+        0,
+        1,
+        buf.as_mut_ptr() as u64,
+        ns.lba_bytes,
+        false,
+    );
+    // SAFETY: `buf` and the registered file outlive the waits below, which run until this
+    // command's completion has been dispatched.
+    unsafe { engine.push_cmd(RingKind::Main, id, 0, uring_cmd(file, &cmd, fixed)) }?;
+    while sink.0.get().is_none() {
+        engine.wait(1)?;
+    }
+    Ok(sink.0.get().expect("completed"))
+}
+
+/// Whether the kernel accepts `engine`'s registered arena as passthrough data buffers
+/// (`IORING_URING_CMD_FIXED`), found by reading block 0 both ways. `Ok(Err(why))` when it refuses
+/// them but maps ordinary addresses: Linux 6.1 fails fixed-buffer passthrough with `EINVAL`
+/// whenever the registered buffer spans more pages than the device's max segments, which any
+/// arena larger than a few hundred KiB does.
+pub fn registered_buffers_work(
+    engine: &Engine,
+    file: FixedFile,
+    ns: &NvmeNamespace,
+) -> Result<Result<(), String>, CoreError> {
+    let fixed = read_block0(engine, file, ns, true)?;
+    if fixed == 0 {
+        return Ok(Ok(()));
+    }
+    let plain = read_block0(engine, file, ns, false)?;
+    let describe = |r: i32| {
+        if r < 0 {
+            io::Error::from_raw_os_error(-r).to_string()
+        } else {
+            NvmeStatus(r as u16).to_string()
+        }
+    };
+    if plain == 0 {
+        Ok(Err(format!(
+            "this kernel refuses the registered arena for passthrough data ({}), so each command's \
+             pages are mapped per command (Linux 6.1 does this for registered buffers larger than \
+             the device's max segments)",
+            describe(fixed)
+        )))
+    } else {
+        Err(CoreError::Sys {
+            op: "NVMe passthrough read of block 0",
+            source: if plain < 0 {
+                io::Error::from_raw_os_error(-plain)
+            } else {
+                io::Error::other(describe(plain))
+            },
+        })
+    }
 }
 
 /// An NVMe completion status as the kernel reports it for passthrough (a positive CQE result or

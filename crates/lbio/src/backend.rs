@@ -338,17 +338,20 @@ pub struct NvmeBackend {
     nsid: u32,
     lba_shift: u32,
     ring: RingKind,
+    /// `Err(why)` when the kernel refuses the arena as fixed buffers for passthrough.
+    registered: Result<(), Rc<str>>,
 }
 
 impl NvmeBackend {
     /// Register the opened character device `fd` of namespace `ns` with the engine, whose rings
-    /// must take 128-byte SQEs (`EngineConfig { passthrough: true, .. }`). With `iopoll`, reads and
-    /// writes go to the engine's IOPOLL ring (the driver must have poll queues).
+    /// must take 128-byte SQEs (`EngineConfig { passthrough: true, .. }`), and check with one read
+    /// of block 0 that the kernel takes the arena as fixed buffers (if it refuses them but maps
+    /// plain addresses, commands carry plain addresses and
+    /// [`NvmeBackend::registered_buffers`] says why).
     pub fn new(
         engine: &Rc<Engine>,
         fd: Rc<OwnedFd>,
         ns: &NvmeNamespace,
-        iopoll: bool,
     ) -> Result<Self, CoreError> {
         if !engine.has_passthrough_rings() {
             return Err(CoreError::Config(format!(
@@ -357,36 +360,51 @@ impl NvmeBackend {
                 ns.char_device.display()
             )));
         }
-        if iopoll && !engine.has_iopoll_ring() {
+        let fixed = engine.register_file(fd.as_raw_fd())?;
+        let file = Rc::new(RegisteredFile {
+            fd,
+            fixed,
+            engine: Rc::clone(engine),
+        });
+        let registered = nvme::registered_buffers_work(engine, fixed, ns)?.map_err(Rc::from);
+        Ok(NvmeBackend {
+            file,
+            nsid: ns.nsid,
+            lba_shift: ns.lba_bytes.trailing_zeros(),
+            ring: RingKind::Main,
+            registered,
+        })
+    }
+
+    /// The same namespace with reads and writes on the engine's IOPOLL ring (the driver must have
+    /// poll queues; the engine an IOPOLL ring).
+    pub fn polled(&self) -> Result<Self, CoreError> {
+        if !self.file.engine.has_iopoll_ring() {
             return Err(CoreError::Config(
                 "an IOPOLL route needs EngineConfig { iopoll_ring: true, .. }".into(),
             ));
         }
-        let fixed = engine.register_file(fd.as_raw_fd())?;
         Ok(NvmeBackend {
-            file: Rc::new(RegisteredFile {
-                fd,
-                fixed,
-                engine: Rc::clone(engine),
-            }),
-            nsid: ns.nsid,
-            lba_shift: ns.lba_bytes.trailing_zeros(),
-            ring: if iopoll {
-                RingKind::Iopoll
-            } else {
-                RingKind::Main
-            },
+            ring: RingKind::Iopoll,
+            ..self.clone()
         })
+    }
+
+    /// `Ok` when commands carry data in the registered arena (`IORING_URING_CMD_FIXED`), else why
+    /// the kernel refused it.
+    pub fn registered_buffers(&self) -> Result<(), &str> {
+        self.registered.as_ref().map(|_| ()).map_err(|w| &**w)
     }
 }
 
 impl Backend for NvmeBackend {
     fn caps(&self) -> Caps {
         Caps {
-            name: if self.ring == RingKind::Iopoll {
-                "nvme-passthrough-iopoll"
-            } else {
-                "nvme-passthrough"
+            name: match (self.ring == RingKind::Iopoll, self.registered.is_ok()) {
+                (true, true) => "nvme-passthrough-iopoll",
+                (false, true) => "nvme-passthrough",
+                (true, false) => "nvme-passthrough-iopoll-unregistered",
+                (false, false) => "nvme-passthrough-unregistered",
             },
             asynchronous: true,
             fua: true,
@@ -427,7 +445,8 @@ impl Backend for NvmeBackend {
             piece.len,
             piece.fua,
         );
-        let sqe = nvme::uring_cmd(self.file.fixed, &cmd, op != IoOpcode::Flush);
+        let fixed_data = op != IoOpcode::Flush && self.registered.is_ok();
+        let sqe = nvme::uring_cmd(self.file.fixed, &cmd, fixed_data);
         // SAFETY: the caller guarantees the buffer until completion; the registered file lives in
         // `self.file`, which the device keeps until all its requests have completed.
         unsafe { engine.push_cmd(ring, sink, tag, sqe) }?;

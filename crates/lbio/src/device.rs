@@ -197,27 +197,25 @@ impl Device {
             max_transfer_bytes: max_transfer,
         };
         let use_iopoll = cfg.iopoll && pt.iopoll.is_ok() && engine.has_iopoll_ring();
-        let background = NvmeBackend::new(engine, Rc::clone(&fd), &ns, false)?;
+        let background = NvmeBackend::new(engine, fd, &ns)?;
         let critical: Box<dyn Backend> = if use_iopoll {
-            Box::new(NvmeBackend::new(engine, fd, &ns, true)?)
+            Box::new(background.polled()?)
         } else {
             Box::new(background.clone())
         };
+        let base = match background.registered_buffers() {
+            Ok(()) => p.critical.reason.clone(),
+            Err(refused) => format!("{}; {refused}", p.critical.reason),
+        };
         let why = if use_iopoll {
-            format!(
-                "{}; completions polled on the IOPOLL ring",
-                p.critical.reason
-            )
+            format!("{}; completions polled on the IOPOLL ring", base)
         } else if cfg.iopoll {
             match &pt.iopoll {
-                Err(e) => format!("{}; IOPOLL unavailable: {e}", p.critical.reason),
-                Ok(()) => format!(
-                    "{}; IOPOLL works but the engine has no IOPOLL ring",
-                    p.critical.reason
-                ),
+                Err(e) => format!("{}; IOPOLL unavailable: {e}", base),
+                Ok(()) => format!("{}; IOPOLL works but the engine has no IOPOLL ring", base),
             }
         } else {
-            p.critical.reason.clone()
+            base
         };
         let background_why = p.background.reason.clone();
         let mut dev =

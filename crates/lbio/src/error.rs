@@ -50,7 +50,14 @@ pub enum LbioError {
     NoDirectIo { path: PathBuf, detail: String },
 
     /// The path is neither a block device nor a regular file.
-    #[error("{path}: a {kind} is not a block device or regular file")]
+    #[error(
+        "{path}: a {kind} is not a block device or regular file{}",
+        if kind == "character device" {
+            " (nor an NVMe namespace passthrough device, /dev/ngXnY)"
+        } else {
+            ""
+        }
+    )]
     NotABlockDevice { path: PathBuf, kind: String },
 
     /// A queue depth larger than the slot array.
