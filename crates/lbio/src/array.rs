@@ -185,6 +185,17 @@ struct DevState {
     closing: bool,
 }
 
+impl DevState {
+    /// The backend a request class goes to.
+    fn backend(&self, background: bool) -> &dyn Backend {
+        if background {
+            &*self.background
+        } else {
+            &*self.critical
+        }
+    }
+}
+
 /// A validated request ready for a slot.
 pub(crate) struct Request {
     pub(crate) op: Op,
@@ -453,14 +464,10 @@ impl LbioArray {
         let issued_all = slot.issued_all;
         slot.outstanding += 1;
         inner.metrics.pieces += 1;
-        let dev = inner.devs[slot.dev as usize]
+        let backend = inner.devs[slot.dev as usize]
             .as_ref()
-            .expect("device is open");
-        let backend = if critical {
-            &dev.critical
-        } else {
-            &dev.background
-        };
+            .expect("device is open")
+            .backend(!critical);
         // SAFETY: the slot owns the buffer until the request finishes, which needs every piece's
         // completion; the device's backends stay alive while it has active requests.
         let payload = tag as u64 | (piece_len as u64) << TAG_BITS;
@@ -689,15 +696,11 @@ impl LbioArray {
         let slot = &inner.slots[tag as usize];
         let dev = slot.dev;
         let background = slot.class == Class::Background;
-        let d = inner.devs[dev as usize]
+        let outcome = inner.devs[dev as usize]
             .as_ref()
-            .expect("a device stays open while it has requests");
-        let backend = if background {
-            &d.background
-        } else {
-            &d.critical
-        };
-        let outcome = backend.outcome(res, piece_len);
+            .expect("a device stays open while it has requests")
+            .backend(background)
+            .outcome(res, piece_len);
         self.piece_done(inner, tag, outcome, background);
         self.finish_if_done(inner, tag);
         // The device may have closed with this completion (its handle was dropped earlier).
