@@ -126,6 +126,143 @@ impl FreeMap {
     }
 }
 
+/// Map `bytes` of anonymous memory, trying explicit huge pages first when `huge_pages` is set,
+/// and touch every page so the hot path never takes a first-touch fault.
+fn map_memory(bytes: usize, huge_pages: bool) -> Result<(NonNull<u8>, Backing), CoreError> {
+    let mut backing = Backing::Pages;
+    let mut ptr = libc::MAP_FAILED;
+    if huge_pages {
+        let huge_len = bytes.div_ceil(HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES;
+        // SAFETY: anonymous private mapping with no address hint; the result is checked.
+        ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                huge_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_HUGETLB | libc::MAP_POPULATE,
+                -1,
+                0,
+            )
+        };
+        if ptr != libc::MAP_FAILED {
+            backing = Backing::HugeTlb;
+        }
+    }
+    if ptr == libc::MAP_FAILED {
+        // SAFETY: anonymous private mapping with no address hint; the result is checked.
+        ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(CoreError::ArenaMap {
+                bytes,
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        if huge_pages {
+            // SAFETY: advice on the mapping just created, of exactly its length.
+            unsafe { libc::madvise(ptr, bytes, libc::MADV_HUGEPAGE) };
+            backing = Backing::TransparentHuge;
+        }
+        // SAFETY: the mapping is `bytes` long and writable.
+        unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, bytes) };
+    }
+    // SAFETY: mmap succeeded, so `ptr` is non-null.
+    Ok((unsafe { NonNull::new_unchecked(ptr.cast()) }, backing))
+}
+
+/// Undo [`map_memory`].
+///
+/// # Safety
+/// `base`, `bytes` and `backing` must come from one `map_memory` call, and nothing may use the
+/// memory afterwards.
+unsafe fn unmap_memory(base: NonNull<u8>, bytes: usize, backing: Backing) {
+    let len = if backing == Backing::HugeTlb {
+        bytes.div_ceil(HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    } else {
+        bytes
+    };
+    // SAFETY: the caller's contract.
+    unsafe { libc::munmap(base.as_ptr().cast(), len) };
+}
+
+/// Memory shared by several engines (and threads): mapped once, registered as a fixed buffer
+/// with each engine that does I/O into it ([`Engine::register_region`](crate::Engine::register_region)).
+/// A page cache keeps its frames here, so any core can read a frame another core's I/O filled.
+///
+/// The region only owns the mapping; who may touch which bytes when is the owner's protocol.
+pub struct SharedRegion {
+    base: NonNull<u8>,
+    bytes: usize,
+    backing: Backing,
+}
+
+// SAFETY: the region is plain memory; it hands out only raw pointers, and every access through
+// them is the caller's (unsafe) responsibility.
+unsafe impl Send for SharedRegion {}
+// SAFETY: as above.
+unsafe impl Sync for SharedRegion {}
+
+impl SharedRegion {
+    /// Map `bytes` (rounded up to a whole 4 KiB page), huge pages first when asked.
+    pub fn map(bytes: usize, huge_pages: bool) -> Result<SharedRegion, CoreError> {
+        if bytes == 0 || bytes > 1 << 40 {
+            return Err(CoreError::Config(format!(
+                "shared region of {bytes} bytes: need 1 byte to 1 TiB"
+            )));
+        }
+        let bytes = bytes.div_ceil(4096) * 4096;
+        let (base, backing) = map_memory(bytes, huge_pages)?;
+        Ok(SharedRegion {
+            base,
+            bytes,
+            backing,
+        })
+    }
+    /// Start of the mapping.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.base.as_ptr()
+    }
+    /// Length in bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+    /// How the memory is backed.
+    pub fn backing(&self) -> Backing {
+        self.backing
+    }
+    pub(crate) fn iovec(&self) -> libc::iovec {
+        libc::iovec {
+            iov_base: self.base.as_ptr().cast(),
+            iov_len: self.bytes,
+        }
+    }
+}
+
+impl Drop for SharedRegion {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map`; engines that registered it hold an `Arc` to it, so
+        // the last owner is gone.
+        unsafe { unmap_memory(self.base, self.bytes, self.backing) };
+    }
+}
+
+impl fmt::Debug for SharedRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedRegion")
+            .field("bytes", &self.bytes)
+            .field("backing", &self.backing)
+            .finish()
+    }
+}
+
 /// The engine's registered memory, carved into frames.
 pub struct Arena {
     base: NonNull<u8>,
@@ -157,58 +294,9 @@ impl Arena {
             )));
         }
         let bytes = frames * frame_bytes;
-        let mut backing = Backing::Pages;
-        let mut ptr = libc::MAP_FAILED;
-        if huge_pages {
-            let huge_len = bytes.div_ceil(HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES;
-            // SAFETY: anonymous private mapping with no address hint; the result is checked.
-            ptr = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    huge_len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE
-                        | libc::MAP_ANONYMOUS
-                        | libc::MAP_HUGETLB
-                        | libc::MAP_POPULATE,
-                    -1,
-                    0,
-                )
-            };
-            if ptr != libc::MAP_FAILED {
-                backing = Backing::HugeTlb;
-            }
-        }
-        if ptr == libc::MAP_FAILED {
-            // SAFETY: anonymous private mapping with no address hint; the result is checked.
-            ptr = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    bytes,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                )
-            };
-            if ptr == libc::MAP_FAILED {
-                return Err(CoreError::ArenaMap {
-                    bytes,
-                    source: std::io::Error::last_os_error(),
-                });
-            }
-            if huge_pages {
-                // SAFETY: advice on the mapping just created, of exactly its length.
-                unsafe { libc::madvise(ptr, bytes, libc::MADV_HUGEPAGE) };
-                backing = Backing::TransparentHuge;
-            }
-            // Touch every page now so the hot path never takes a first-touch fault.
-            // SAFETY: the mapping is `bytes` long and writable.
-            unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, bytes) };
-        }
+        let (base, backing) = map_memory(bytes, huge_pages)?;
         Ok(Arena {
-            // SAFETY: mmap succeeded, so `ptr` is non-null.
-            base: unsafe { NonNull::new_unchecked(ptr.cast()) },
+            base,
             bytes,
             frame_bytes,
             frames: frames as u32,
@@ -290,14 +378,9 @@ impl Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
-        let len = if self.backing == Backing::HugeTlb {
-            self.bytes.div_ceil(HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-        } else {
-            self.bytes
-        };
         // SAFETY: unmapping exactly the mapping created in `map`; no FixedBuf outlives the arena
         // because each holds an `Rc<Arena>`.
-        unsafe { libc::munmap(self.base.as_ptr().cast(), len) };
+        unsafe { unmap_memory(self.base, self.bytes, self.backing) };
     }
 }
 

@@ -20,10 +20,12 @@ use std::time::Duration;
 
 use io_uring::{cqueue, squeue, types, IoUring};
 
-use crate::arena::{Arena, FixedBuf};
+use crate::arena::{Arena, FixedBuf, SharedRegion};
 use crate::error::CoreError;
 use crate::sys;
 
+/// Shared regions an engine can register beside its arena (fixed buffers 1..=N).
+pub const MAX_SHARED_REGIONS: usize = 4;
 /// Completion sinks an engine can hold (the top byte of `user_data` names one).
 pub const MAX_COMPLETION_SINKS: usize = 8;
 const SINK_SHIFT: u32 = 56;
@@ -271,6 +273,8 @@ pub struct Engine {
     owner: ThreadId,
     eventfd: Option<OwnedFd>,
     passthrough: bool,
+    /// Shared regions registered as fixed buffers 1.., kept alive while the rings may use them.
+    regions: RefCell<Vec<Arc<SharedRegion>>>,
 }
 
 const FLAG_NAMES: [&str; 3] = ["SINGLE_ISSUER", "DEFER_TASKRUN", "COOP_TASKRUN"];
@@ -410,9 +414,16 @@ impl Engine {
         )?);
         let iov = [arena.iovec()];
         for ring in std::iter::once(&uring).chain(iopoll.as_ref()) {
+            // A sparse table: slot 0 is the arena, the rest take shared regions later.
+            ring.submitter()
+                .register_buffers_sparse(1 + MAX_SHARED_REGIONS as u32)
+                .map_err(|e| CoreError::RegisterBuffers {
+                    bytes: arena.bytes(),
+                    source: e,
+                })?;
             // SAFETY: the iovec covers the arena mapping, which lives in an `Rc<Arena>` owned by
             // the engine; the rings are dropped (unregistering) before the engine's arena field.
-            unsafe { ring.submitter().register_buffers(&iov) }.map_err(|e| {
+            unsafe { ring.submitter().register_buffers_update(0, &iov, None) }.map_err(|e| {
                 CoreError::RegisterBuffers {
                     bytes: arena.bytes(),
                     source: e,
@@ -469,6 +480,7 @@ impl Engine {
             owner: thread::current().id(),
             eventfd,
             passthrough,
+            regions: RefCell::new(Vec::new()),
         }))
     }
 
@@ -544,6 +556,39 @@ impl Engine {
             .ok_or(CoreError::SinksExhausted(MAX_COMPLETION_SINKS))?;
         sinks[free] = Some(sink);
         Ok(SinkId(free as u8))
+    }
+
+    /// Register `region` with every ring as a fixed buffer; returns its buffer index (1..). The
+    /// engine keeps the region alive for as long as it lives. Registering the same region again
+    /// returns the index it already has.
+    pub fn register_region(&self, region: &Arc<SharedRegion>) -> Result<u16, CoreError> {
+        let mut regions = self.regions.borrow_mut();
+        if let Some(i) = regions.iter().position(|r| Arc::ptr_eq(r, region)) {
+            return Ok(i as u16 + 1);
+        }
+        if regions.len() == MAX_SHARED_REGIONS {
+            return Err(CoreError::Config(format!(
+                "an engine takes at most {MAX_SHARED_REGIONS} shared regions"
+            )));
+        }
+        let index = regions.len() as u32 + 1;
+        let iov = [region.iovec()];
+        for ring in self.rings() {
+            // SAFETY: the iovec covers the region's mapping, which the engine keeps alive (its
+            // `Arc` is pushed below) for as long as the rings exist.
+            unsafe {
+                ring.uring
+                    .borrow()
+                    .submitter()
+                    .register_buffers_update(index, &iov, None)
+            }
+            .map_err(|e| CoreError::RegisterBuffers {
+                bytes: region.bytes(),
+                source: e,
+            })?;
+        }
+        regions.push(Arc::clone(region));
+        Ok(index as u16)
     }
 
     /// Register `fd` with every ring; the returned slot stays valid until
@@ -932,25 +977,48 @@ pub fn check_memlock(limit: Option<u64>, needed: u64, cap_ipc_lock: bool) -> Res
     }
 }
 
-/// Build a `ReadFixed` SQE for a registered file.
-pub fn read_fixed(file: FixedFile, buf: *mut u8, len: u32, offset: u64) -> squeue::Entry {
-    io_uring::opcode::ReadFixed::new(types::Fixed(file.0), buf, len, 0)
-        .offset(offset)
-        .build()
+/// Build a read SQE for a registered file: `ReadFixed` from registered buffer `index`, or a
+/// plain `Read` (the kernel pins the pages per I/O) when `index` is `None`.
+pub fn read_sqe(
+    file: FixedFile,
+    buf: *mut u8,
+    len: u32,
+    offset: u64,
+    index: Option<u16>,
+) -> squeue::Entry {
+    let fd = types::Fixed(file.0);
+    match index {
+        Some(i) => io_uring::opcode::ReadFixed::new(fd, buf, len, i)
+            .offset(offset)
+            .build(),
+        None => io_uring::opcode::Read::new(fd, buf, len)
+            .offset(offset)
+            .build(),
+    }
 }
 
-/// Build a `WriteFixed` SQE for a registered file; `dsync` makes it a FUA write (`RWF_DSYNC`).
-pub fn write_fixed(
+/// Build a write SQE for a registered file (`WriteFixed` from buffer `index`, or a plain
+/// `Write`); `dsync` makes it a FUA write (`RWF_DSYNC`).
+pub fn write_sqe(
     file: FixedFile,
     buf: *const u8,
     len: u32,
     offset: u64,
+    index: Option<u16>,
     dsync: bool,
 ) -> squeue::Entry {
-    io_uring::opcode::WriteFixed::new(types::Fixed(file.0), buf, len, 0)
-        .offset(offset)
-        .rw_flags(if dsync { libc::RWF_DSYNC } else { 0 })
-        .build()
+    let fd = types::Fixed(file.0);
+    let flags = if dsync { libc::RWF_DSYNC } else { 0 };
+    match index {
+        Some(i) => io_uring::opcode::WriteFixed::new(fd, buf, len, i)
+            .offset(offset)
+            .rw_flags(flags)
+            .build(),
+        None => io_uring::opcode::Write::new(fd, buf, len)
+            .offset(offset)
+            .rw_flags(flags)
+            .build(),
+    }
 }
 
 /// Build an `fdatasync` SQE for a registered file.
@@ -1049,7 +1117,7 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         let file = engine.register_file(plain.as_raw_fd()).unwrap();
         let cmd = crate::nvme::PassthruCmd::io(crate::nvme::IoOpcode::Flush, 1, 0, 1, 0, 0, false);
-        let sqe = crate::nvme::uring_cmd(file, &cmd, false);
+        let sqe = crate::nvme::uring_cmd(file, &cmd, None);
         // SAFETY: the command carries no buffer; the file outlives the wait.
         unsafe { engine.push_cmd(RingKind::Main, id, 2, sqe) }.unwrap();
         engine.wait(1).unwrap();
@@ -1070,7 +1138,7 @@ mod tests {
         })
         .unwrap();
         let cmd = crate::nvme::PassthruCmd::io(crate::nvme::IoOpcode::Flush, 1, 0, 1, 0, 0, false);
-        let sqe = crate::nvme::uring_cmd(FixedFile(0), &cmd, false);
+        let sqe = crate::nvme::uring_cmd(FixedFile(0), &cmd, None);
         // SAFETY: refused before it reaches the ring.
         let e = unsafe { engine.push_cmd(RingKind::Main, SinkId(0), 0, sqe) }.unwrap_err();
         assert!(e.to_string().contains("passthrough: true"), "{e}");

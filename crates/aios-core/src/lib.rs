@@ -22,10 +22,10 @@ pub mod nvme;
 pub mod probe;
 pub mod sys;
 
-pub use arena::{Arena, Backing, FixedBuf};
+pub use arena::{Arena, Backing, FixedBuf, SharedRegion};
 pub use engine::{
     check_memlock, CompletionMode, CompletionSink, Engine, EngineConfig, EngineMetrics, FixedFile,
-    Plug, RingKind, RingSetup, SinkId, MAX_COMPLETION_SINKS, PAYLOAD_MASK,
+    Plug, RingKind, RingSetup, SinkId, MAX_COMPLETION_SINKS, MAX_SHARED_REGIONS, PAYLOAD_MASK,
 };
 pub use error::CoreError;
 pub use probe::{probe, DeviceKind, DeviceProbe, PathChoice, PathLatency, ProbeOptions, Route};

@@ -141,15 +141,13 @@ impl PassthruCmd {
 }
 
 /// An `IORING_OP_URING_CMD` SQE carrying `cmd` to the registered passthrough device `file`. With
-/// `fixed_data`, `cmd.addr` must lie in the engine's arena (registered buffer 0), which the kernel
-/// then uses without pinning pages per command.
-pub fn uring_cmd(file: FixedFile, cmd: &PassthruCmd, fixed_data: bool) -> squeue::Entry128 {
-    let mut sqe =
-        opcode::UringCmd80::new(types::Fixed(file.0), NVME_URING_CMD_IO).cmd(cmd.to_uring_cmd());
-    if fixed_data {
-        sqe = sqe.buf_index(Some(0));
-    }
-    sqe.build()
+/// `fixed_data: Some(i)`, `cmd.addr` must lie in registered buffer `i` (0 is the engine's arena),
+/// which the kernel then uses without pinning pages per command.
+pub fn uring_cmd(file: FixedFile, cmd: &PassthruCmd, fixed_data: Option<u16>) -> squeue::Entry128 {
+    opcode::UringCmd80::new(types::Fixed(file.0), NVME_URING_CMD_IO)
+        .cmd(cmd.to_uring_cmd())
+        .buf_index(fixed_data)
+        .build()
 }
 
 struct LastResult(Cell<Option<i32>>);
@@ -181,7 +179,14 @@ fn read_block0(
     );
     // SAFETY: `buf` and the registered file outlive the waits below, which run until this
     // command's completion has been dispatched.
-    unsafe { engine.push_cmd(RingKind::Main, id, 0, uring_cmd(file, &cmd, fixed)) }?;
+    unsafe {
+        engine.push_cmd(
+            RingKind::Main,
+            id,
+            0,
+            uring_cmd(file, &cmd, fixed.then_some(0)),
+        )
+    }?;
     while sink.0.get().is_none() {
         engine.wait(1)?;
     }

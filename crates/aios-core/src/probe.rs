@@ -476,7 +476,7 @@ fn passthrough_reads(
         let t = Instant::now();
         sink.0.set(None);
         // SAFETY: `buf` and the registered file outlive the wait, which dispatches this CQE.
-        let pushed = unsafe { engine.push_cmd(ring, id, 0, nvme::uring_cmd(file, &cmd, true)) };
+        let pushed = unsafe { engine.push_cmd(ring, id, 0, nvme::uring_cmd(file, &cmd, Some(0))) };
         if let Err(e) = pushed.and_then(|()| engine.wait(1).map(|_| ())) {
             outcome = Err(e.to_string());
             break;
@@ -543,7 +543,7 @@ fn try_iopoll(direct: &std::os::fd::OwnedFd, read_len: u32, at: u64) -> Result<(
     let mut buf = engine
         .try_alloc(read_len as usize)
         .ok_or("arena exhausted")?;
-    let sqe = engine::read_fixed(file, buf.as_mut_ptr(), read_len, at);
+    let sqe = engine::read_sqe(file, buf.as_mut_ptr(), read_len, at, Some(0));
     // SAFETY: `buf` and the file outlive the wait below, which dispatches this SQE's completion.
     unsafe { engine.push(RingKind::Iopoll, id, 0, sqe) }.map_err(|e| e.to_string())?;
     engine.wait(1).map_err(|e| e.to_string())?;
@@ -595,7 +595,7 @@ fn measure(
     for i in 0..samples + warmup {
         let off = next_offset();
         let t = Instant::now();
-        let sqe = engine::read_fixed(file, buf.as_mut_ptr(), read_len, off);
+        let sqe = engine::read_sqe(file, buf.as_mut_ptr(), read_len, off, Some(0));
         // SAFETY: `buf` and the file stay alive and untouched until `wait` dispatches the CQE.
         unsafe { engine.push(RingKind::Main, id, 0, sqe) }?;
         engine.wait(1)?;

@@ -151,6 +151,7 @@ struct Lbio {
     /// First failure seen.
     error: Option<PieceError>,
     buf: Option<FixedBuf>,
+    raw: Option<RawBuf>,
     waker: Option<Waker>,
 }
 
@@ -170,6 +171,7 @@ impl Lbio {
         done: 0,
         error: None,
         buf: None,
+        raw: None,
         waker: None,
     };
 }
@@ -196,6 +198,45 @@ impl DevState {
     }
 }
 
+/// Memory a request moves data to or from that is not an arena [`FixedBuf`]: e.g. a page-cache
+/// frame in a [`SharedRegion`](aios_core::SharedRegion) registered with the engine, or (with no
+/// index) ordinary memory the kernel pins per I/O.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: u32,
+    index: Option<u16>,
+}
+
+impl RawBuf {
+    /// `len` bytes at `ptr`; `index` is the engine's registered-buffer index that contains them
+    /// (`None`: unregistered memory).
+    ///
+    /// # Safety
+    /// From submission until the request completes, the bytes must stay valid and be used by
+    /// nobody else (writable for reads); with `Some(index)` they must lie inside that registered
+    /// buffer of the engine the request goes through.
+    pub unsafe fn new(ptr: std::ptr::NonNull<u8>, len: u32, index: Option<u16>) -> RawBuf {
+        RawBuf { ptr, len, index }
+    }
+    /// Start address.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> u32 {
+        self.len
+    }
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The registered buffer holding it, if any.
+    pub fn index(&self) -> Option<u16> {
+        self.index
+    }
+}
+
 /// A validated request ready for a slot.
 pub(crate) struct Request {
     pub(crate) op: Op,
@@ -204,6 +245,7 @@ pub(crate) struct Request {
     pub(crate) offset: u64,
     pub(crate) len: u32,
     pub(crate) buf: Option<FixedBuf>,
+    pub(crate) raw: Option<RawBuf>,
 }
 
 /// A request's fields without its buffer, to rebuild it when a submission is refused.
@@ -214,6 +256,7 @@ pub(crate) struct Shape {
     fua: bool,
     offset: u64,
     len: u32,
+    raw: Option<RawBuf>,
 }
 
 impl Request {
@@ -224,6 +267,7 @@ impl Request {
             fua: self.fua,
             offset: self.offset,
             len: self.len,
+            raw: self.raw,
         }
     }
 }
@@ -237,6 +281,7 @@ impl Shape {
             offset: self.offset,
             len: self.len,
             buf,
+            raw: self.raw,
         }
     }
 }
@@ -402,6 +447,7 @@ impl LbioArray {
             done: 0,
             error: None,
             buf: req.buf,
+            raw: req.raw,
             waker: None,
         };
         inner.metrics.requests += 1;
@@ -443,10 +489,15 @@ impl LbioArray {
     fn issue_piece(&self, inner: &mut Inner, tag: u32, max: u32, critical: bool) -> bool {
         let slot = &mut inner.slots[tag as usize];
         let piece_len = (slot.len - slot.issued).min(max);
-        let ptr = match slot.buf.as_mut() {
+        let (ptr, buf_index) = match (slot.buf.as_mut(), slot.raw) {
             // SAFETY: `issued + piece_len <= len <= buf.len()` (checked at submission).
-            Some(b) => unsafe { b.as_mut_ptr().add(slot.issued as usize) },
-            None => std::ptr::null_mut(),
+            (Some(b), _) => (
+                unsafe { b.as_mut_ptr().add(slot.issued as usize) },
+                Some(b.buf_index()),
+            ),
+            // SAFETY: as above, `len <= raw.len()`.
+            (None, Some(r)) => (unsafe { r.as_ptr().add(slot.issued as usize) }, r.index()),
+            (None, None) => (std::ptr::null_mut(), None),
         };
         let piece = Piece {
             op: slot.op,
@@ -454,6 +505,7 @@ impl LbioArray {
             ptr,
             len: piece_len,
             fua: slot.fua,
+            buf_index,
         };
         slot.issued += piece_len;
         slot.issued_all = slot.issued == slot.len;
@@ -570,6 +622,7 @@ impl LbioArray {
         let slot = &mut inner.slots[tag as usize];
         slot.state = State::Free;
         slot.buf = None;
+        slot.raw = None;
         slot.waker = None;
         inner.free.push(tag);
         for w in inner.slot_waiters.drain(..) {

@@ -50,6 +50,8 @@ pub struct Piece {
     pub ptr: *mut u8,
     pub len: u32,
     pub fua: bool,
+    /// The registered buffer `ptr` lies in (`None`: unregistered memory, pinned per I/O).
+    pub buf_index: Option<u16>,
 }
 
 /// How a piece was started.
@@ -187,11 +189,18 @@ impl Backend for FileBackend {
         let (ring, sqe) = match piece.op {
             Op::Read => (
                 self.ring,
-                engine::read_fixed(f, piece.ptr, piece.len, piece.offset),
+                engine::read_sqe(f, piece.ptr, piece.len, piece.offset, piece.buf_index),
             ),
             Op::Write => (
                 self.ring,
-                engine::write_fixed(f, piece.ptr, piece.len, piece.offset, piece.fua),
+                engine::write_sqe(
+                    f,
+                    piece.ptr,
+                    piece.len,
+                    piece.offset,
+                    piece.buf_index,
+                    piece.fua,
+                ),
             ),
             // fsync cannot be polled: it always goes to the main ring.
             Op::Flush => (RingKind::Main, engine::fdatasync(f)),
@@ -445,7 +454,11 @@ impl Backend for NvmeBackend {
             piece.len,
             piece.fua,
         );
-        let fixed_data = op != IoOpcode::Flush && self.registered.is_ok();
+        let fixed_data = match op {
+            IoOpcode::Flush => None,
+            _ if self.registered.is_err() => None,
+            _ => piece.buf_index,
+        };
         let sqe = nvme::uring_cmd(self.file.fixed, &cmd, fixed_data);
         // SAFETY: the caller guarantees the buffer until completion; the registered file lives in
         // `self.file`, which the device keeps until all its requests have completed.

@@ -9,7 +9,7 @@ use std::task::{Context, Poll};
 
 use aios_core::{probe, DeviceKind, DeviceProbe, FixedBuf, ProbeOptions, Route};
 
-use crate::array::{Class, LbioArray, Owner, Request, Tag};
+use crate::array::{Class, LbioArray, Owner, RawBuf, Request, Tag};
 use crate::backend::{Backend, Caps, FileBackend, MemBackend, NvmeBackend, Op, SyncBackend};
 use crate::error::LbioError;
 
@@ -304,15 +304,14 @@ impl Device {
         Ok(())
     }
 
-    fn validate(&self, op: Op, offset: u64, buf: Option<&FixedBuf>) -> Result<u32, LbioError> {
+    fn validate(&self, op: Op, offset: u64, mem: Option<(usize, usize)>) -> Result<u32, LbioError> {
         if op != Op::Read && !self.writable {
             return Err(LbioError::ReadOnly(op));
         }
-        let Some(buf) = buf else {
+        let Some((addr, len)) = mem else {
             return Ok(0);
         };
         let g = &self.geometry;
-        let len = buf.len();
         if len == 0 {
             return Err(LbioError::Empty(op));
         }
@@ -336,7 +335,6 @@ impl Device {
                 align: g.offset_align,
             });
         }
-        let addr = buf.as_ptr() as usize;
         if addr % g.mem_align as usize != 0 {
             return Err(LbioError::Unaligned {
                 what: "buffer address",
@@ -357,24 +355,23 @@ impl Device {
         Ok(len as u32)
     }
 
-    fn request(
-        &self,
-        op: Op,
-        offset: u64,
-        buf: Option<FixedBuf>,
-        class: Class,
-        fua: bool,
-    ) -> Result<Request, (LbioError, Option<FixedBuf>)> {
-        match self.validate(op, offset, buf.as_ref()) {
+    fn request(&self, io: Io) -> Result<Request, (LbioError, Option<FixedBuf>)> {
+        let mem = match (&io.buf, &io.raw) {
+            (Some(b), _) => Some((b.as_ptr() as usize, b.len())),
+            (None, Some(r)) => Some((r.as_ptr() as usize, r.len() as usize)),
+            (None, None) => None,
+        };
+        match self.validate(io.op, io.offset, mem) {
             Ok(len) => Ok(Request {
-                op,
-                class,
-                fua,
-                offset,
+                op: io.op,
+                class: io.class,
+                fua: io.fua,
+                offset: io.offset,
                 len,
-                buf,
+                buf: io.buf,
+                raw: io.raw,
             }),
-            Err(e) => Err((e, buf)),
+            Err(e) => Err((e, io.buf)),
         }
     }
 
@@ -385,7 +382,7 @@ impl Device {
     /// [`Engine::hold_submissions`](aios_core::Engine::hold_submissions) or a plug, many submits
     /// reach the kernel in one `io_uring_enter`.
     pub fn submit(&self, io: Io) -> Result<Tag, (LbioError, Option<FixedBuf>)> {
-        let req = self.request(io.op, io.offset, io.buf, io.class, io.fua)?;
+        let req = self.request(io)?;
         self.lbio.submit(self.idx, req, Owner::Detached)
     }
 
@@ -409,7 +406,7 @@ impl Device {
     pub fn future(&self, io: Io) -> IoFuture<'_> {
         IoFuture {
             dev: self,
-            state: match self.request(io.op, io.offset, io.buf, io.class, io.fua) {
+            state: match self.request(io) {
                 Ok(req) => FutState::Start(Some(req)),
                 Err((e, _)) => FutState::Failed(Some(e)),
             },
@@ -443,9 +440,7 @@ impl Device {
     /// A request refused for bad input (alignment, bounds, read-only) drops its buffer with the
     /// error; [`Device::submit`] hands the buffer back instead.
     pub fn run_blocking(&self, io: Io) -> Result<Option<FixedBuf>, LbioError> {
-        let mut req = self
-            .request(io.op, io.offset, io.buf, io.class, io.fua)
-            .map_err(|e| e.0)?;
+        let mut req = self.request(io).map_err(|e| e.0)?;
         let engine = self.lbio.engine();
         let tag = loop {
             let shape = req.shape();
@@ -493,6 +488,7 @@ pub struct Io {
     op: Op,
     offset: u64,
     buf: Option<FixedBuf>,
+    raw: Option<RawBuf>,
     class: Class,
     fua: bool,
 }
@@ -504,6 +500,7 @@ impl Io {
             op: Op::Read,
             offset,
             buf: Some(buf),
+            raw: None,
             class: Class::Critical,
             fua: false,
         }
@@ -514,6 +511,7 @@ impl Io {
             op: Op::Write,
             offset,
             buf: Some(buf),
+            raw: None,
             class: Class::Critical,
             fua: false,
         }
@@ -524,6 +522,37 @@ impl Io {
             op: Op::Flush,
             offset: 0,
             buf: None,
+            raw: None,
+            class: Class::Critical,
+            fua: false,
+        }
+    }
+    /// Read `raw.len()` bytes at `offset` into memory outside the arena (e.g. a page-cache frame
+    /// in a registered shared region). The completion carries no buffer.
+    ///
+    /// # Safety
+    /// `raw`'s contract ([`RawBuf::new`]) holds until the request completes — also when its
+    /// future is dropped early.
+    pub unsafe fn read_raw(offset: u64, raw: RawBuf) -> Io {
+        Io {
+            op: Op::Read,
+            offset,
+            buf: None,
+            raw: Some(raw),
+            class: Class::Critical,
+            fua: false,
+        }
+    }
+    /// Write `raw.len()` bytes from memory outside the arena at `offset`.
+    ///
+    /// # Safety
+    /// As [`Io::read_raw`] (the bytes must not change until the write completes).
+    pub unsafe fn write_raw(offset: u64, raw: RawBuf) -> Io {
+        Io {
+            op: Op::Write,
+            offset,
+            buf: None,
+            raw: Some(raw),
             class: Class::Critical,
             fua: false,
         }

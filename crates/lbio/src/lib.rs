@@ -28,7 +28,7 @@ mod backend;
 mod device;
 mod error;
 
-pub use array::{Class, Completion, LbioArray, LbioConfig, LbioMetrics, Tag, MAX_SLOTS};
+pub use array::{Class, Completion, LbioArray, LbioConfig, LbioMetrics, RawBuf, Tag, MAX_SLOTS};
 pub use backend::{
     Backend, Caps, FileBackend, MemBackend, NvmeBackend, Op, Outcome, Piece, PieceError, Started,
     SyncBackend,
