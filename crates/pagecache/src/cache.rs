@@ -1,0 +1,320 @@
+//! The shared part of the cache: frames, index, the global free list, files and counters.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use aios_core::SharedRegion;
+
+use crate::error::CacheError;
+use crate::frames::{self, FrameTable, Key, State, NO_KEY};
+use crate::index::Index;
+
+/// Bytes per page (and per frame).
+pub const PAGE_BYTES: usize = 4096;
+
+/// A file the cache holds pages of. Ids are small integers, handed out by
+/// [`PageCache::add_file`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FileId(pub u16);
+
+/// How misses are served: AIOS's asynchronous read path, the vanilla one, or a step between
+/// (the ablation of AIOS Fig. 13).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mode {
+    /// Take frames from a per-handle pool refilled in batches after the read is submitted
+    /// (else: from the shared free list, under its lock, before submitting).
+    pub pool: bool,
+    /// Insert the page into the index after the read is submitted; duplicates are resolved at
+    /// completion (else: insert first, then submit).
+    pub lazy_index: bool,
+    /// Read into the frames as registered (fixed) buffers (else: plain reads, pages pinned per
+    /// I/O by the kernel).
+    pub fixed: bool,
+}
+
+impl Mode {
+    /// Everything on: the AIOS read path.
+    pub const AIOS: Mode = Mode {
+        pool: true,
+        lazy_index: true,
+        fixed: true,
+    };
+    /// Allocate, index, then submit, with unregistered buffers.
+    pub const VANILLA: Mode = Mode {
+        pool: false,
+        lazy_index: false,
+        fixed: false,
+    };
+    /// Vanilla plus registered buffers.
+    pub const FIXED: Mode = Mode {
+        pool: false,
+        lazy_index: false,
+        fixed: true,
+    };
+    /// Registered buffers and the frame pool, indexing before the submit.
+    pub const FIXED_POOL: Mode = Mode {
+        pool: true,
+        lazy_index: false,
+        fixed: true,
+    };
+
+    /// The mode's name in reports.
+    pub fn name(self) -> &'static str {
+        match (self.pool, self.lazy_index, self.fixed) {
+            (true, true, true) => "aios",
+            (false, false, false) => "vanilla",
+            (false, false, true) => "fixed",
+            (true, false, true) => "fixed+pool",
+            (true, true, false) => "pool+lazy",
+            (true, false, false) => "pool",
+            (false, true, true) => "fixed+lazy",
+            (false, true, false) => "lazy",
+        }
+    }
+}
+
+/// Cache settings, validated once by [`PageCache::new`].
+#[derive(Clone, Copy, Debug)]
+pub struct CacheConfig {
+    /// Bytes of page frames (fixed at start; the cache never holds more).
+    pub capacity_bytes: usize,
+    /// Frames a handle's pool takes from (and lazy release gives back to) the shared free list at
+    /// once.
+    pub pool_batch: u32,
+    /// Pages read ahead of a sequential stream (0 turns readahead off).
+    pub readahead_pages: u32,
+    /// Back the frames with huge pages when available.
+    pub huge_pages: bool,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig {
+            capacity_bytes: 64 << 20,
+            pool_batch: 32,
+            readahead_pages: 16,
+            huge_pages: true,
+        }
+    }
+}
+
+/// Counters, shared by all handles.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+    /// Misses that lost a lazy-indexing race (their frame was abandoned).
+    pub duplicates: AtomicU64,
+    /// Misses that found the page being read by someone else and waited for it.
+    pub waited: AtomicU64,
+    pub evictions: AtomicU64,
+    pub writebacks: AtomicU64,
+    pub readahead_pages: AtomicU64,
+    pub read_errors: AtomicU64,
+}
+
+/// A snapshot of [`Counters`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheMetrics {
+    pub hits: u64,
+    pub misses: u64,
+    pub duplicates: u64,
+    pub waited: u64,
+    pub evictions: u64,
+    pub writebacks: u64,
+    pub readahead_pages: u64,
+    pub read_errors: u64,
+    /// Frames in the shared free list now (frames in handles' pools are not counted).
+    pub free_frames: u32,
+    pub frames: u32,
+}
+
+pub(crate) struct FileInfo {
+    pub(crate) size: u64,
+}
+
+/// The page cache shared by all cores: create once, then one [`crate::CacheHandle`] per thread.
+pub struct PageCache {
+    pub(crate) cfg: CacheConfig,
+    pub(crate) region: Arc<SharedRegion>,
+    pub(crate) frames: FrameTable,
+    pub(crate) index: Index,
+    free: Mutex<Vec<u32>>,
+    clock: AtomicUsize,
+    files: Mutex<Vec<FileInfo>>,
+    pub(crate) counters: Counters,
+}
+
+impl std::fmt::Debug for PageCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PageCache")
+            .field("cfg", &self.cfg)
+            .field("metrics", &self.metrics())
+            .finish()
+    }
+}
+
+/// Handles a cache can serve at once is not limited; this many frames per handle are needed.
+pub const MIN_HANDLE_FRAMES_FACTOR: u32 = 2;
+
+impl PageCache {
+    /// Map the frames and build the index. Capacity must hold at least two pool batches.
+    pub fn new(cfg: CacheConfig) -> Result<Arc<PageCache>, CacheError> {
+        if cfg.pool_batch == 0 || cfg.pool_batch > 4096 {
+            return Err(CacheError::Config(format!(
+                "pool_batch {} must be in 1..=4096",
+                cfg.pool_batch
+            )));
+        }
+        let frames = (cfg.capacity_bytes / PAGE_BYTES).min(u32::MAX as usize - 1) as u32;
+        let needed = cfg.pool_batch * MIN_HANDLE_FRAMES_FACTOR;
+        if frames < needed {
+            return Err(CacheError::CapacityTooSmall {
+                capacity_bytes: cfg.capacity_bytes,
+                frames,
+                needed,
+                batch: cfg.pool_batch,
+            });
+        }
+        let region = Arc::new(SharedRegion::map(
+            frames as usize * PAGE_BYTES,
+            cfg.huge_pages,
+        )?);
+        Ok(Arc::new(PageCache {
+            cfg,
+            region,
+            frames: FrameTable::new(frames),
+            index: Index::new(frames),
+            free: Mutex::new((0..frames).rev().collect()),
+            clock: AtomicUsize::new(0),
+            files: Mutex::new(Vec::new()),
+            counters: Counters::default(),
+        }))
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &CacheConfig {
+        &self.cfg
+    }
+
+    /// Register a file of `size` bytes; each handle then attaches its own device for it.
+    pub fn add_file(&self, size: u64) -> Result<FileId, CacheError> {
+        let mut files = self.lock_files();
+        if files.len() >= u16::MAX as usize {
+            return Err(CacheError::Config("at most 65535 files per cache".into()));
+        }
+        if size.div_ceil(PAGE_BYTES as u64) >= frames::MAX_PAGES_PER_FILE {
+            return Err(CacheError::Config(format!(
+                "a file of {size} bytes has more than 2^48 pages"
+            )));
+        }
+        files.push(FileInfo { size });
+        Ok(FileId(files.len() as u16 - 1))
+    }
+
+    fn lock_files(&self) -> std::sync::MutexGuard<'_, Vec<FileInfo>> {
+        self.files.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Size of `file` in bytes.
+    pub fn file_size(&self, file: FileId) -> Option<u64> {
+        self.lock_files().get(file.0 as usize).map(|f| f.size)
+    }
+
+    /// Counters now.
+    pub fn metrics(&self) -> CacheMetrics {
+        let c = &self.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        CacheMetrics {
+            hits: l(&c.hits),
+            misses: l(&c.misses),
+            duplicates: l(&c.duplicates),
+            waited: l(&c.waited),
+            evictions: l(&c.evictions),
+            writebacks: l(&c.writebacks),
+            readahead_pages: l(&c.readahead_pages),
+            read_errors: l(&c.read_errors),
+            free_frames: self.lock_free().len() as u32,
+            frames: self.frames.len(),
+        }
+    }
+
+    fn lock_free(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
+        self.free.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Address of a frame's bytes.
+    pub(crate) fn frame_ptr(&self, frame: u32) -> *mut u8 {
+        debug_assert!(frame < self.frames.len());
+        // SAFETY: frame < frames, and the region holds frames * PAGE_BYTES bytes.
+        unsafe { self.region.as_ptr().add(frame as usize * PAGE_BYTES) }
+    }
+
+    /// Move up to `n` free frames into `out` (one lock). Returns how many moved.
+    pub(crate) fn take_free(&self, out: &mut Vec<u32>, n: usize) -> usize {
+        let mut free = self.lock_free();
+        let k = n.min(free.len());
+        let at = free.len() - k;
+        out.extend(free.drain(at..));
+        k
+    }
+
+    /// Give frames back to the free list (one lock).
+    pub(crate) fn give_free(&self, frames: &mut Vec<u32>) {
+        if frames.is_empty() {
+            return;
+        }
+        self.lock_free().append(frames);
+    }
+
+    /// Give one frame back to the free list.
+    pub(crate) fn give_one(&self, frame: u32) {
+        self.lock_free().push(frame);
+    }
+
+    /// One free frame from the shared list, or by evicting one.
+    pub(crate) fn take_one(&self) -> Result<u32, CacheError> {
+        if let Some(f) = self.lock_free().pop() {
+            return Ok(f);
+        }
+        self.evict_one()
+    }
+
+    /// CLOCK: sweep the hand until a frame that is indexed, valid, clean, unpinned and not
+    /// recently referenced can be taken; referenced frames get a second chance. Dirty frames are
+    /// skipped (they must be written back first: [`crate::CacheHandle::sync`] or writeback).
+    pub(crate) fn evict_one(&self) -> Result<u32, CacheError> {
+        let n = self.frames.len() as usize;
+        // Two full sweeps: the first may only clear referenced bits.
+        for _ in 0..2 * n {
+            let f = (self.clock.fetch_add(1, Ordering::Relaxed) % n) as u32;
+            let s = self.frames.state(f);
+            if !s.has(frames::VALID | frames::INDEXED)
+                || s.pins() > 0
+                || s.flags() & (frames::IO | frames::DIRTY | frames::BUSY) != 0
+            {
+                continue;
+            }
+            if s.has(frames::REFERENCED) {
+                self.frames
+                    .cas(f, s, s.with_flags(s.flags() & !frames::REFERENCED));
+                continue;
+            }
+            let key = self.frames.key(f);
+            // Claim it: bump the version so optimistic readers of the old page fail.
+            if !self
+                .frames
+                .cas(f, s, State::new(s.version().wrapping_add(1), 0, 0))
+            {
+                continue;
+            }
+            self.index.remove(Key(key), f);
+            self.frames.meta(f).key.store(NO_KEY, Ordering::Release);
+            self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+            return Ok(f);
+        }
+        Err(CacheError::NoEvictableFrame {
+            frames: self.frames.len(),
+        })
+    }
+}

@@ -1,0 +1,48 @@
+//! Typed page-cache errors, each naming the wrong value and what would be right.
+
+use lbio::LbioError;
+
+use crate::FileId;
+
+/// Everything a page-cache call can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    /// A read or write reaches past the end of the file.
+    #[error(
+        "{len}-byte access at offset {offset} of file {file:?} runs past its end ({size} bytes)"
+    )]
+    PastEnd {
+        file: FileId,
+        offset: u64,
+        len: usize,
+        size: u64,
+    },
+    /// A read or write of zero bytes.
+    #[error("zero-length access to file {0:?}: pass a non-empty buffer")]
+    Empty(FileId),
+    /// The file id was never added, or this handle has no device attached for it.
+    #[error("file {0:?} is not open on this cache handle: add it with PageCache::add_file and attach a device")]
+    UnknownFile(FileId),
+    /// The configured capacity cannot hold what the cache needs to work.
+    #[error("page cache capacity {capacity_bytes} bytes holds {frames} frames; it needs at least {needed} (one pool batch per handle, {batch} frames)")]
+    CapacityTooSmall {
+        capacity_bytes: usize,
+        frames: u32,
+        needed: u32,
+        batch: u32,
+    },
+    /// Every frame is pinned or dirty and none could be evicted.
+    #[error(
+        "no frame can be evicted: all {frames} are pinned, in flight or dirty; sync or drop guards"
+    )]
+    NoEvictableFrame { frames: u32 },
+    /// A configuration value is out of range.
+    #[error("invalid page cache configuration: {0}")]
+    Config(String),
+    /// The device failed the request (the page is not cached).
+    #[error(transparent)]
+    Io(#[from] LbioError),
+    /// An engine-level failure.
+    #[error(transparent)]
+    Core(#[from] aios_core::CoreError),
+}

@@ -1,0 +1,838 @@
+//! One thread's view of the cache: its engine and lbio array, its frame pool, its devices.
+//!
+//! The asynchronous read path (AIOS §3.2) lives in [`CacheHandle::read`]: on a miss it takes a
+//! frame from the handle's pool of pre-registered frames and submits the read at once; only then
+//! does it insert the page into the index (lazy indexing) and refill the pool, while the device
+//! works. Freed frames collect in a release batch and go back to the shared free list together
+//! (lazy release).
+
+use std::cell::{Cell, RefCell};
+use std::ops::Deref;
+use std::ptr::NonNull;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use aios_core::Engine;
+use lbio::{Class, Device, Io, LbioArray, LbioError, RawBuf, Tag};
+
+use crate::cache::{FileId, Mode, PageCache, PAGE_BYTES};
+use crate::error::CacheError;
+use crate::frames::{self, Key, State, NO_KEY};
+use crate::index::Insert;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// A reader waits for it on this handle.
+    Read,
+    /// Nobody waits: readahead.
+    Readahead,
+    /// Writing a dirty frame back; the handle holds a pin on it.
+    Writeback,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Pending {
+    frame: u32,
+    kind: Kind,
+    /// Set when the completion arrived: `Ok` or the errno-free reason is kept in `error`.
+    done: bool,
+    failed: bool,
+}
+
+/// Sequential-stream detection per file.
+#[derive(Clone, Copy, Debug, Default)]
+struct Stream {
+    next_page: u64,
+    run: u32,
+}
+
+/// A thread's handle on a [`PageCache`]. Not `Send`: create one per thread, each with its own
+/// engine and lbio array.
+pub struct CacheHandle {
+    cache: Arc<PageCache>,
+    engine: Rc<Engine>,
+    lbio: Rc<LbioArray>,
+    region_index: u16,
+    mode: Mode,
+    devices: RefCell<Vec<Option<Rc<Device>>>>,
+    pool: RefCell<Vec<u32>>,
+    release: RefCell<Vec<u32>>,
+    pending: RefCell<Vec<Option<Pending>>>,
+    streams: RefCell<Vec<Stream>>,
+    /// Entry of the last miss to its SQE being queued, ns (the submission latency, AIOS Fig. 14).
+    last_submit_ns: Cell<u64>,
+    last_error: RefCell<Option<LbioError>>,
+}
+
+/// A page pinned in the cache: its bytes, without a copy. Dropping it unpins the page.
+pub struct PageGuard<'a> {
+    handle: &'a CacheHandle,
+    frame: u32,
+    abandoned: bool,
+}
+
+impl Deref for PageGuard<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the frame is pinned and valid: no eviction, no writer (writers need zero
+        // pins) and no read into it until the pin is dropped.
+        unsafe { std::slice::from_raw_parts(self.handle.cache.frame_ptr(self.frame), PAGE_BYTES) }
+    }
+}
+
+impl Drop for PageGuard<'_> {
+    fn drop(&mut self) {
+        self.handle.unpin(self.frame, self.abandoned);
+    }
+}
+
+impl CacheHandle {
+    /// A handle for this thread: registers the cache's frames with `engine` (as a fixed buffer)
+    /// and takes a first pool batch.
+    pub fn new(
+        cache: &Arc<PageCache>,
+        engine: &Rc<Engine>,
+        lbio: &Rc<LbioArray>,
+        mode: Mode,
+    ) -> Result<CacheHandle, CacheError> {
+        let region_index = engine.register_region(&cache.region)?;
+        let batch = cache.cfg.pool_batch as usize;
+        let slots = lbio.config().slots as usize;
+        let h = CacheHandle {
+            cache: Arc::clone(cache),
+            engine: Rc::clone(engine),
+            lbio: Rc::clone(lbio),
+            region_index,
+            mode,
+            devices: RefCell::new(Vec::new()),
+            pool: RefCell::new(Vec::with_capacity(2 * batch)),
+            release: RefCell::new(Vec::with_capacity(2 * batch)),
+            pending: RefCell::new(vec![None; slots]),
+            streams: RefCell::new(Vec::new()),
+            last_submit_ns: Cell::new(0),
+            last_error: RefCell::new(None),
+        };
+        if mode.pool {
+            h.refill()?;
+        }
+        Ok(h)
+    }
+
+    /// The cache this handle works on.
+    pub fn cache(&self) -> &Arc<PageCache> {
+        &self.cache
+    }
+    /// How misses are served.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+    /// Nanoseconds from the last miss's entry to its read being queued on the ring.
+    pub fn last_submit_ns(&self) -> u64 {
+        self.last_submit_ns.get()
+    }
+
+    /// Serve `file` on this handle from `device` (opened on this handle's lbio array). The
+    /// device must hold at least the file's size.
+    pub fn attach(&self, file: FileId, device: Device) -> Result<(), CacheError> {
+        let size = self
+            .cache
+            .file_size(file)
+            .ok_or(CacheError::UnknownFile(file))?;
+        if device.geometry().capacity_bytes < size {
+            return Err(CacheError::Config(format!(
+                "device of {} bytes is smaller than file {file:?} ({size} bytes)",
+                device.geometry().capacity_bytes
+            )));
+        }
+        let mut devs = self.devices.borrow_mut();
+        let i = file.0 as usize;
+        if devs.len() <= i {
+            devs.resize(i + 1, None);
+            self.streams.borrow_mut().resize(i + 1, Stream::default());
+        }
+        devs[i] = Some(Rc::new(device));
+        Ok(())
+    }
+
+    fn device(&self, file: FileId) -> Result<Rc<Device>, CacheError> {
+        self.devices
+            .borrow()
+            .get(file.0 as usize)
+            .and_then(|d| d.clone())
+            .ok_or(CacheError::UnknownFile(file))
+    }
+
+    fn check_range(&self, file: FileId, offset: u64, len: usize) -> Result<(), CacheError> {
+        let size = self
+            .cache
+            .file_size(file)
+            .ok_or(CacheError::UnknownFile(file))?;
+        if len == 0 {
+            return Err(CacheError::Empty(file));
+        }
+        if offset.checked_add(len as u64).is_none_or(|end| end > size) {
+            return Err(CacheError::PastEnd {
+                file,
+                offset,
+                len,
+                size,
+            });
+        }
+        Ok(())
+    }
+
+    /// Read `buf.len()` bytes of `file` at `offset` into `buf`, through the cache.
+    pub fn read(&self, file: FileId, offset: u64, buf: &mut [u8]) -> Result<(), CacheError> {
+        self.check_range(file, offset, buf.len())?;
+        self.device(file)?;
+        let mut done = 0usize;
+        while done < buf.len() {
+            let at = offset + done as u64;
+            let page = at / PAGE_BYTES as u64;
+            let in_page = (at % PAGE_BYTES as u64) as usize;
+            let n = (PAGE_BYTES - in_page).min(buf.len() - done);
+            let dst = &mut buf[done..done + n];
+            self.read_page(Key::new(file.0, page), |frame| {
+                // SAFETY: `frame` points at a whole page; the caller of this closure guarantees
+                // it is either pinned or re-validated after the copy.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(frame.add(in_page), dst.as_mut_ptr(), n);
+                }
+            })?;
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Pin page `page` of `file` and return it without copying.
+    pub fn get(&self, file: FileId, page: u64) -> Result<PageGuard<'_>, CacheError> {
+        self.check_range(file, page * PAGE_BYTES as u64, 1)?;
+        let key = Key::new(file.0, page);
+        loop {
+            if let Some(frame) = self.cache.index.get(key, &self.cache.frames) {
+                if self.cache.frames.pin(frame, key) {
+                    self.cache.frames.mark(frame, frames::REFERENCED);
+                    self.cache.counters.hits.fetch_add(1, Ordering::Relaxed);
+                    return Ok(PageGuard {
+                        handle: self,
+                        frame,
+                        abandoned: false,
+                    });
+                }
+                self.wait_for(frame)?;
+                continue;
+            }
+            match self.miss(key)? {
+                Some((frame, abandoned)) => {
+                    return Ok(PageGuard {
+                        handle: self,
+                        frame,
+                        abandoned,
+                    })
+                }
+                None => continue,
+            }
+        }
+    }
+
+    /// Copy one page's bytes out with `copy` (given the frame's address).
+    fn read_page(&self, key: Key, mut copy: impl FnMut(*const u8)) -> Result<(), CacheError> {
+        let frames = &self.cache.frames;
+        loop {
+            if let Some(frame) = self.cache.index.get(key, frames) {
+                let s1 = frames.state(frame);
+                if s1.has(frames::VALID) && !s1.has(frames::BUSY) && frames.key(frame) == key.0 {
+                    copy(self.cache.frame_ptr(frame));
+                    let s2 = frames.state(frame);
+                    // Optimistic read: valid only if nobody changed the frame meanwhile.
+                    if s2.version() == s1.version()
+                        && s2.has(frames::VALID)
+                        && !s2.has(frames::BUSY)
+                    {
+                        frames.mark(frame, frames::REFERENCED);
+                        self.cache.counters.hits.fetch_add(1, Ordering::Relaxed);
+                        return Ok(());
+                    }
+                    continue;
+                }
+                self.wait_for(frame)?;
+                continue;
+            }
+            if let Some((frame, abandoned)) = self.miss(key)? {
+                copy(self.cache.frame_ptr(frame));
+                self.unpin(frame, abandoned);
+                return Ok(());
+            }
+        }
+    }
+
+    /// A frame found in the index but not readable yet (being read, being written): wait for it
+    /// to settle, driving this handle's I/O meanwhile (it may be ours).
+    fn wait_for(&self, frame: u32) -> Result<(), CacheError> {
+        let before = self.cache.frames.state(frame);
+        self.cache.counters.waited.fetch_add(1, Ordering::Relaxed);
+        loop {
+            self.poll()?;
+            let now = self.cache.frames.state(frame);
+            if now != before || !now.has(frames::IO) {
+                return Ok(());
+            }
+            if self.engine.has_work() {
+                self.engine.wait(1)?;
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// A frame for a miss: from the pool (refilled later, off the critical path) or, without a
+    /// pool, from the shared free list under its lock (evicting when it is empty).
+    fn take_frame(&self) -> Result<u32, CacheError> {
+        if self.mode.pool {
+            if let Some(f) = self.pool.borrow_mut().pop() {
+                return Ok(f);
+            }
+            self.refill()?;
+            return self
+                .pool
+                .borrow_mut()
+                .pop()
+                .ok_or(CacheError::NoEvictableFrame {
+                    frames: self.cache.frames.len(),
+                });
+        }
+        self.take_shared()
+    }
+
+    fn take_shared(&self) -> Result<u32, CacheError> {
+        match self.cache.take_one() {
+            Err(CacheError::NoEvictableFrame { .. }) => {
+                self.writeback_all()?;
+                self.flush_release();
+                self.cache.take_one()
+            }
+            r => r,
+        }
+    }
+
+    /// Fill the pool up to one batch: free frames first, then evictions.
+    fn refill(&self) -> Result<(), CacheError> {
+        let batch = self.cache.cfg.pool_batch as usize;
+        self.flush_release();
+        let mut pool = self.pool.borrow_mut();
+        if pool.len() >= batch {
+            return Ok(());
+        }
+        let want = batch - pool.len();
+        let got = self.cache.take_free(&mut pool, want);
+        for _ in got..want {
+            match self.cache.evict_one() {
+                Ok(f) => pool.push(f),
+                Err(e) if pool.is_empty() => {
+                    drop(pool);
+                    // Everything left is dirty: write it back, then the frames are evictable.
+                    self.writeback_all()?;
+                    let f = self.cache.evict_one().map_err(|_| e)?;
+                    self.pool.borrow_mut().push(f);
+                    return Ok(());
+                }
+                Err(_) => break,
+            }
+        }
+        Ok(())
+    }
+
+    /// Lazy release: give the batch of freed frames back at once.
+    fn flush_release(&self) {
+        let mut r = self.release.borrow_mut();
+        if self.mode.pool {
+            // Keep them for this handle's own pool first.
+            let mut pool = self.pool.borrow_mut();
+            let room = (2 * self.cache.cfg.pool_batch as usize).saturating_sub(pool.len());
+            let k = room.min(r.len());
+            let at = r.len() - k;
+            pool.extend(r.drain(at..));
+        }
+        self.cache.give_free(&mut r);
+    }
+
+    /// Free a frame this handle owns (no pins, out of the index).
+    fn free_frame(&self, frame: u32) {
+        let frames = &self.cache.frames;
+        frames.meta(frame).key.store(NO_KEY, Ordering::Release);
+        frames.update(frame, |s| {
+            Some(State::new(s.version().wrapping_add(1), 0, 0))
+        });
+        if self.mode.pool {
+            let mut r = self.release.borrow_mut();
+            r.push(frame);
+            if r.len() >= self.cache.cfg.pool_batch as usize {
+                drop(r);
+                self.flush_release();
+            }
+        } else {
+            self.cache.give_one(frame);
+        }
+    }
+
+    fn unpin(&self, frame: u32, abandoned: bool) {
+        self.cache.frames.unpin(frame);
+        if abandoned && self.cache.frames.state(frame).pins() == 0 {
+            self.free_frame(frame);
+        }
+    }
+
+    /// Serve a miss: `Some((frame, abandoned))` with the frame pinned and valid, or `None` when
+    /// another reader's frame for the page turned up (the caller looks again).
+    fn miss(&self, key: Key) -> Result<Option<(u32, bool)>, CacheError> {
+        let t0 = Instant::now();
+        let cache = &*self.cache;
+        let frames = &cache.frames;
+        let file = FileId(key.file());
+        let dev = self.device(file)?;
+        cache.counters.misses.fetch_add(1, Ordering::Relaxed);
+        let frame = self.take_frame()?;
+        frames.meta(frame).key.store(key.0, Ordering::Release);
+        frames.update(frame, |s| {
+            Some(State::new(s.version().wrapping_add(1), 1, frames::IO))
+        });
+        if !self.mode.lazy_index {
+            // Vanilla order: index first, then submit.
+            if let Insert::Present(_) = cache.index.insert(key, frame, frames) {
+                frames.unpin(frame);
+                self.free_frame(frame);
+                return Ok(None);
+            }
+            frames.mark(frame, frames::INDEXED);
+        }
+        let ptr = NonNull::new(cache.frame_ptr(frame)).expect("frames are mapped");
+        let index = self.mode.fixed.then_some(self.region_index);
+        // SAFETY: the frame is ours (taken from the pool or free list, pinned, flagged IO): nobody
+        // reads or writes its bytes until the IO flag clears at completion.
+        let raw = unsafe { RawBuf::new(ptr, PAGE_BYTES as u32, index) };
+        // SAFETY: as above, for the request's lifetime.
+        let io = unsafe { Io::read_raw(key.page() * PAGE_BYTES as u64, raw) };
+        let tag = match dev.submit(io) {
+            Ok(tag) => tag,
+            Err((e, _)) => {
+                if !self.mode.lazy_index {
+                    cache.index.remove(key, frame);
+                }
+                frames.unpin(frame);
+                self.free_frame(frame);
+                return Err(e.into());
+            }
+        };
+        self.last_submit_ns.set(t0.elapsed().as_nanos() as u64);
+        self.pending.borrow_mut()[tag.0 as usize] = Some(Pending {
+            frame,
+            kind: Kind::Read,
+            done: false,
+            failed: false,
+        });
+        // The work the reader does not need before the device answers.
+        let mut abandoned = false;
+        if self.mode.lazy_index {
+            match cache.index.insert(key, frame, frames) {
+                Insert::Inserted => frames.mark(frame, frames::INDEXED),
+                Insert::Present(_) => {
+                    frames.mark(frame, frames::ABANDONED);
+                    cache.counters.duplicates.fetch_add(1, Ordering::Relaxed);
+                    abandoned = true;
+                }
+            }
+        }
+        if self.mode.pool && self.pool.borrow().len() < cache.cfg.pool_batch as usize / 2 {
+            self.refill()?;
+        }
+        self.readahead(key, &dev)?;
+        // Now wait for the read.
+        let failed = self.wait_tag(tag)?;
+        if failed {
+            frames.unpin(frame);
+            self.free_frame(frame);
+            return Err(self.take_error());
+        }
+        Ok(Some((frame, abandoned)))
+    }
+
+    /// Readahead for sequential streams: after two consecutive pages, read the next
+    /// `readahead_pages` as background requests. Random access never reaches the threshold.
+    fn readahead(&self, key: Key, dev: &Device) -> Result<(), CacheError> {
+        let ra = self.cache.cfg.readahead_pages as u64;
+        if ra == 0 {
+            return Ok(());
+        }
+        let file = key.file() as usize;
+        let (sequential, next) = {
+            let mut streams = self.streams.borrow_mut();
+            let s = &mut streams[file];
+            if key.page() == s.next_page && key.page() > 0 {
+                s.run += 1;
+            } else {
+                s.run = 0;
+            }
+            s.next_page = key.page() + 1;
+            (s.run >= 1, key.page() + 1)
+        };
+        if !sequential {
+            return Ok(());
+        }
+        let size = self.cache.file_size(FileId(key.file())).unwrap_or(0);
+        let last = size.div_ceil(PAGE_BYTES as u64);
+        let frames = &self.cache.frames;
+        for page in next..(next + ra).min(last) {
+            let k = Key::new(key.file(), page);
+            if self.cache.index.get(k, frames).is_some() {
+                continue;
+            }
+            let Ok(frame) = self.take_frame() else {
+                return Ok(());
+            };
+            frames.meta(frame).key.store(k.0, Ordering::Release);
+            frames.update(frame, |s| {
+                Some(State::new(s.version().wrapping_add(1), 0, frames::IO))
+            });
+            if let Insert::Present(_) = self.cache.index.insert(k, frame, frames) {
+                self.free_frame(frame);
+                continue;
+            }
+            frames.mark(frame, frames::INDEXED);
+            let ptr = NonNull::new(self.cache.frame_ptr(frame)).expect("frames are mapped");
+            // SAFETY: the frame is ours and flagged IO until the completion clears it.
+            let raw = unsafe {
+                RawBuf::new(
+                    ptr,
+                    PAGE_BYTES as u32,
+                    self.mode.fixed.then_some(self.region_index),
+                )
+            };
+            // SAFETY: as above.
+            let io =
+                unsafe { Io::read_raw(page * PAGE_BYTES as u64, raw) }.class(Class::Background);
+            match dev.submit(io) {
+                Ok(tag) => {
+                    self.pending.borrow_mut()[tag.0 as usize] = Some(Pending {
+                        frame,
+                        kind: Kind::Readahead,
+                        done: false,
+                        failed: false,
+                    });
+                    self.cache
+                        .counters
+                        .readahead_pages
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                Err(_) => {
+                    // No slot: readahead is optional. Undo.
+                    self.cache.index.remove(k, frame);
+                    self.free_frame(frame);
+                    return Ok(());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Process finished requests of this handle.
+    pub fn poll(&self) -> Result<(), CacheError> {
+        while let Some(c) = self.lbio.take_done() {
+            self.complete(c.tag, c.result.err());
+        }
+        Ok(())
+    }
+
+    fn complete(&self, tag: Tag, error: Option<LbioError>) {
+        let frames = &self.cache.frames;
+        let mut pending = self.pending.borrow_mut();
+        let Some(p) = pending[tag.0 as usize].as_mut() else {
+            return;
+        };
+        let frame = p.frame;
+        match (p.kind, &error) {
+            (Kind::Read, None) | (Kind::Readahead, None) => {
+                frames.update(frame, |s| {
+                    Some(
+                        s.with_flags((s.flags() & !frames::IO) | frames::VALID)
+                            .bumped(),
+                    )
+                });
+            }
+            (Kind::Read, Some(_)) | (Kind::Readahead, Some(_)) => {
+                // Leave no poisoned page behind: out of the index before anyone can wait on it.
+                let key = Key(frames.key(frame));
+                self.cache.index.remove(key, frame);
+                frames.update(frame, |s| {
+                    Some(
+                        s.with_flags(
+                            (s.flags() & !(frames::IO | frames::INDEXED)) | frames::FAILED,
+                        )
+                        .bumped(),
+                    )
+                });
+                self.cache
+                    .counters
+                    .read_errors
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            (Kind::Writeback, None) => {
+                frames.update(frame, |s| Some(s.with_flags(s.flags() & !frames::DIRTY)));
+                frames.unpin(frame);
+                self.cache
+                    .counters
+                    .writebacks
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            (Kind::Writeback, Some(_)) => {
+                frames.unpin(frame);
+            }
+        }
+        match p.kind {
+            Kind::Read => {
+                p.done = true;
+                p.failed = error.is_some();
+                if let Some(e) = error {
+                    self.last_error.borrow_mut().replace(e);
+                }
+            }
+            Kind::Readahead => {
+                let failed = error.is_some();
+                pending[tag.0 as usize] = None;
+                drop(pending);
+                if failed {
+                    self.free_frame(frame);
+                }
+            }
+            Kind::Writeback => {
+                pending[tag.0 as usize] = None;
+                if let Some(e) = error {
+                    self.last_error.borrow_mut().replace(e);
+                }
+            }
+        }
+    }
+
+    /// Drive I/O until the read with `tag` completes; whether it failed.
+    fn wait_tag(&self, tag: Tag) -> Result<bool, CacheError> {
+        loop {
+            self.poll()?;
+            {
+                let mut pending = self.pending.borrow_mut();
+                if let Some(p) = pending[tag.0 as usize] {
+                    if p.done {
+                        pending[tag.0 as usize] = None;
+                        return Ok(p.failed);
+                    }
+                }
+            }
+            self.engine.wait(1)?;
+        }
+    }
+
+    fn take_error(&self) -> CacheError {
+        match self.last_error.borrow_mut().take() {
+            Some(e) => CacheError::Io(e),
+            None => CacheError::Config("read failed without an error".into()),
+        }
+    }
+}
+
+impl CacheHandle {
+    /// Write `data` into `file` at `offset` through the cache (pages become dirty; [`Self::sync`]
+    /// makes them durable).
+    pub fn write(&self, file: FileId, offset: u64, data: &[u8]) -> Result<(), CacheError> {
+        self.check_range(file, offset, data.len())?;
+        self.device(file)?;
+        let frames = &self.cache.frames;
+        let mut done = 0usize;
+        while done < data.len() {
+            let at = offset + done as u64;
+            let page = at / PAGE_BYTES as u64;
+            let in_page = (at % PAGE_BYTES as u64) as usize;
+            let n = (PAGE_BYTES - in_page).min(data.len() - done);
+            let key = Key::new(file.0, page);
+            let frame = match self.cache.index.get(key, frames) {
+                Some(f) => f,
+                None if n == PAGE_BYTES => {
+                    // A whole page: no need to read it first.
+                    let f = self.take_frame()?;
+                    frames.meta(f).key.store(key.0, Ordering::Release);
+                    frames.update(f, |s| {
+                        Some(State::new(
+                            s.version().wrapping_add(1),
+                            0,
+                            frames::VALID | frames::BUSY,
+                        ))
+                    });
+                    if let Insert::Present(_) = self.cache.index.insert(key, f, frames) {
+                        self.free_frame(f);
+                        continue;
+                    }
+                    frames.mark(f, frames::INDEXED);
+                    self.fill(f, in_page, &data[done..done + n]);
+                    done += n;
+                    continue;
+                }
+                None => {
+                    // Part of a page: bring it in, then modify it.
+                    self.read_page(key, |_| {})?;
+                    continue;
+                }
+            };
+            // Take the frame exclusively: valid, not in flight, no pins.
+            let claimed = frames.update(frame, |s| {
+                (s.has(frames::VALID)
+                    && s.flags() & (frames::IO | frames::BUSY) == 0
+                    && s.pins() == 0
+                    && frames.key(frame) == key.0)
+                    .then(|| s.with_flags(s.flags() | frames::BUSY).bumped())
+            });
+            if claimed.is_none() {
+                self.wait_for(frame)?;
+                continue;
+            }
+            if frames.key(frame) != key.0 {
+                // Recycled between the lookup and the claim: undo and look again.
+                frames.update(frame, |s| {
+                    Some(s.with_flags(s.flags() & !frames::BUSY).bumped())
+                });
+                continue;
+            }
+            self.fill(frame, in_page, &data[done..done + n]);
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Copy `bytes` into a frame this handle holds BUSY, then publish it as valid and dirty.
+    fn fill(&self, frame: u32, in_page: usize, bytes: &[u8]) {
+        // SAFETY: the frame is flagged BUSY by us: optimistic readers retry, pinners and other
+        // writers wait, eviction skips it.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                self.cache.frame_ptr(frame).add(in_page),
+                bytes.len(),
+            );
+        }
+        self.cache.frames.update(frame, |s| {
+            Some(
+                s.with_flags((s.flags() & !frames::BUSY) | frames::DIRTY | frames::VALID)
+                    .bumped(),
+            )
+        });
+    }
+
+    /// Write every dirty page of `file` back (background-class requests), wait for them, and
+    /// flush the device.
+    pub fn sync(&self, file: FileId) -> Result<(), CacheError> {
+        let dev = self.device(file)?;
+        self.writeback(Some(file))?;
+        dev.flush_blocking()?;
+        Ok(())
+    }
+
+    /// Write back the dirty pages of every file attached here.
+    fn writeback_all(&self) -> Result<(), CacheError> {
+        self.writeback(None)
+    }
+
+    fn writeback(&self, only: Option<FileId>) -> Result<(), CacheError> {
+        let frames = &self.cache.frames;
+        let mut issued = 0u32;
+        for frame in 0..frames.len() {
+            let key = Key(frames.key(frame));
+            if key.0 == NO_KEY || only.is_some_and(|f| f.0 != key.file()) {
+                continue;
+            }
+            let Ok(dev) = self.device(FileId(key.file())) else {
+                continue;
+            };
+            // Pin a dirty, valid, settled frame: writers wait for the pin to go.
+            let pinned = frames.update(frame, |s| {
+                (s.has(frames::DIRTY | frames::VALID)
+                    && s.flags() & (frames::BUSY | frames::IO) == 0
+                    && frames.key(frame) == key.0)
+                    .then(|| s.with_pins(s.pins() + 1))
+            });
+            if pinned.is_none() {
+                continue;
+            }
+            let ptr = NonNull::new(self.cache.frame_ptr(frame)).expect("frames are mapped");
+            // SAFETY: pinned: no writer or eviction touches the bytes until the write completes.
+            let raw = unsafe {
+                RawBuf::new(
+                    ptr,
+                    PAGE_BYTES as u32,
+                    self.mode.fixed.then_some(self.region_index),
+                )
+            };
+            let offset = key.page() * PAGE_BYTES as u64;
+            let tag = loop {
+                // SAFETY: as above.
+                let io = unsafe { Io::write_raw(offset, raw) }.class(Class::Background);
+                match dev.submit(io) {
+                    Ok(t) => break t,
+                    Err((LbioError::NoFreeSlot { .. }, _)) => {
+                        self.engine.wait(1)?;
+                        self.poll()?;
+                    }
+                    Err((e, _)) => {
+                        frames.unpin(frame);
+                        return Err(e.into());
+                    }
+                }
+            };
+            self.pending.borrow_mut()[tag.0 as usize] = Some(Pending {
+                frame,
+                kind: Kind::Writeback,
+                done: false,
+                failed: false,
+            });
+            issued += 1;
+        }
+        if issued > 0 {
+            while self
+                .pending
+                .borrow()
+                .iter()
+                .any(|p| p.is_some_and(|p| p.kind == Kind::Writeback))
+            {
+                self.engine.wait(1)?;
+                self.poll()?;
+            }
+        }
+        match self.last_error.borrow_mut().take() {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+
+    /// Frames held in this handle's pool and release batch (not in the shared free list).
+    pub fn held_frames(&self) -> usize {
+        self.pool.borrow().len() + self.release.borrow().len()
+    }
+
+    /// Give every frame this handle holds back to the shared free list.
+    pub fn give_back(&self) {
+        self.flush_release();
+        self.cache.give_free(&mut self.pool.borrow_mut());
+    }
+}
+
+impl Drop for CacheHandle {
+    fn drop(&mut self) {
+        // Readahead still in flight owns frames: let it land first.
+        while self.pending.borrow().iter().any(|p| p.is_some()) {
+            if self.engine.wait(1).is_err() || self.poll().is_err() {
+                break;
+            }
+            if !self.engine.has_work() {
+                break;
+            }
+        }
+        self.give_back();
+    }
+}
