@@ -46,3 +46,6 @@ mod index;
 pub use cache::{CacheConfig, CacheMetrics, FileId, Mode, PageCache, PAGE_BYTES};
 pub use error::CacheError;
 pub use handle::{CacheHandle, PageGuard};
+
+#[cfg(test)]
+mod tests;

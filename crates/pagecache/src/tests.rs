@@ -1,0 +1,452 @@
+//! Behaviour of the cache as a whole: a model-based property test, same-page races across
+//! threads, readahead, and bad input.
+
+use std::cell::Cell;
+use std::rc::Rc;
+use std::sync::{Arc, Barrier};
+
+use aios_core::{CoreError, Engine, EngineConfig, SinkId};
+use lbio::{
+    Backend, Caps, Device, Geometry, LbioArray, LbioConfig, LbioError, MemBackend, Op, Outcome,
+    Piece, Started,
+};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+
+use crate::*;
+
+fn engine() -> Rc<Engine> {
+    Engine::new(EngineConfig {
+        arena_bytes: 1 << 20,
+        huge_pages: false,
+        ..EngineConfig::default()
+    })
+    .unwrap()
+}
+
+/// RAM that can be told to fail reads in a byte range (an I/O error from the device).
+struct Faulty {
+    mem: MemBackend,
+    fail_reads: Cell<Option<(u64, u64)>>,
+}
+
+impl Backend for Faulty {
+    fn caps(&self) -> Caps {
+        self.mem.caps()
+    }
+    fn outcome(&self, res: i32, len: u32) -> Outcome {
+        self.mem.outcome(res, len)
+    }
+    unsafe fn start(
+        &self,
+        engine: &Engine,
+        sink: SinkId,
+        tag: u64,
+        piece: &Piece,
+    ) -> Result<Started, CoreError> {
+        if let Some((lo, hi)) = self.fail_reads.get() {
+            if piece.op == Op::Read && piece.offset < hi && piece.offset + piece.len as u64 > lo {
+                return Ok(Started::Done(-libc_eio()));
+            }
+        }
+        // SAFETY: forwarded contract.
+        unsafe { self.mem.start(engine, sink, tag, piece) }
+    }
+}
+
+fn libc_eio() -> i32 {
+    5
+}
+
+struct Shared(Rc<Faulty>);
+impl Backend for Shared {
+    fn caps(&self) -> Caps {
+        self.0.caps()
+    }
+    fn outcome(&self, res: i32, len: u32) -> Outcome {
+        self.0.outcome(res, len)
+    }
+    unsafe fn start(
+        &self,
+        engine: &Engine,
+        sink: SinkId,
+        tag: u64,
+        piece: &Piece,
+    ) -> Result<Started, CoreError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.0.start(engine, sink, tag, piece) }
+    }
+}
+
+fn faulty_device(lbio: &Rc<LbioArray>, bytes: usize) -> (Device, Rc<Faulty>) {
+    let f = Rc::new(Faulty {
+        mem: MemBackend::new(bytes),
+        fail_reads: Cell::new(None),
+    });
+    let g = Geometry {
+        capacity_bytes: bytes as u64,
+        logical_block: 512,
+        mem_align: 512,
+        offset_align: 512,
+        max_transfer_bytes: 1 << 20,
+    };
+    let dev = Device::from_backends(
+        lbio,
+        Box::new(Shared(Rc::clone(&f))),
+        Box::new(Shared(Rc::clone(&f))),
+        g,
+        true,
+    )
+    .unwrap();
+    (dev, f)
+}
+
+#[derive(Clone, Debug)]
+enum Step {
+    Read {
+        offset: u64,
+        len: usize,
+    },
+    Write {
+        offset: u64,
+        len: usize,
+        seed: u8,
+    },
+    Sync,
+    /// Read a far page range to push other pages out (eviction pressure).
+    Pressure {
+        first_page: u64,
+    },
+}
+
+const FILE_BYTES: u64 = 256 << 10;
+const CACHE_FRAMES: usize = 24;
+
+fn step() -> impl Strategy<Value = Step> {
+    let range = (0..FILE_BYTES - 1)
+        .prop_flat_map(|off| (Just(off), 1..=(FILE_BYTES - off).min(20_000) as usize));
+    prop_oneof![
+        4 => range.clone().prop_map(|(offset, len)| Step::Read { offset, len }),
+        4 => (range, any::<u8>()).prop_map(|((offset, len), seed)| Step::Write { offset, len, seed }),
+        1 => Just(Step::Sync),
+        1 => (0..FILE_BYTES / 4096 - 8).prop_map(|first_page| Step::Pressure { first_page }),
+    ]
+}
+
+fn run_model(mode: Mode, steps: &[Step]) -> Result<(), TestCaseError> {
+    let cache = PageCache::new(CacheConfig {
+        capacity_bytes: CACHE_FRAMES * PAGE_BYTES,
+        pool_batch: 4,
+        readahead_pages: 4,
+        huge_pages: false,
+    })
+    .unwrap();
+    let engine = engine();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let (dev, backend) = faulty_device(&lbio, FILE_BYTES as usize);
+    let file = cache.add_file(FILE_BYTES).unwrap();
+    let h = CacheHandle::new(&cache, &engine, &lbio, mode).unwrap();
+    h.attach(file, dev).unwrap();
+    let mut model = vec![0u8; FILE_BYTES as usize];
+    for s in steps {
+        match *s {
+            Step::Read { offset, len } => {
+                let mut buf = vec![0u8; len];
+                h.read(file, offset, &mut buf)
+                    .map_err(|e| TestCaseError::fail(format!("{s:?}: {e}")))?;
+                prop_assert_eq!(
+                    &buf[..],
+                    &model[offset as usize..offset as usize + len],
+                    "{:?}",
+                    s
+                );
+            }
+            Step::Write { offset, len, seed } => {
+                let data: Vec<u8> = (0..len).map(|i| seed.wrapping_add((i / 7) as u8)).collect();
+                h.write(file, offset, &data)
+                    .map_err(|e| TestCaseError::fail(format!("{s:?}: {e}")))?;
+                model[offset as usize..offset as usize + len].copy_from_slice(&data);
+            }
+            Step::Sync => {
+                h.sync(file)
+                    .map_err(|e| TestCaseError::fail(format!("{s:?}: {e}")))?;
+            }
+            Step::Pressure { first_page } => {
+                let mut buf = vec![0u8; 8 * PAGE_BYTES];
+                let off = first_page * PAGE_BYTES as u64;
+                h.read(file, off, &mut buf)
+                    .map_err(|e| TestCaseError::fail(format!("{s:?}: {e}")))?;
+                prop_assert_eq!(&buf[..], &model[off as usize..off as usize + buf.len()]);
+            }
+        }
+    }
+    h.sync(file)
+        .map_err(|e| TestCaseError::fail(format!("final sync: {e}")))?;
+    // The device now holds what the model holds: read it around the cache.
+    let _ = &backend;
+    let engine2 = engine;
+    let mut raw = engine2.try_alloc(FILE_BYTES as usize).unwrap();
+    raw.fill(0);
+    let dev2 = {
+        let g = Geometry {
+            capacity_bytes: FILE_BYTES,
+            logical_block: 512,
+            mem_align: 512,
+            offset_align: 512,
+            max_transfer_bytes: 1 << 20,
+        };
+        Device::from_backends(
+            &lbio,
+            Box::new(Shared(Rc::clone(&backend))),
+            Box::new(Shared(Rc::clone(&backend))),
+            g,
+            false,
+        )
+        .unwrap()
+    };
+    let raw = dev2.read_at_blocking(0, raw).unwrap();
+    prop_assert!(
+        raw[..] == model[..],
+        "after sync the device differs from the model"
+    );
+    Ok(())
+}
+
+#[test]
+fn random_reads_writes_syncs_and_pressure_match_a_model_in_every_mode() {
+    for mode in [Mode::AIOS, Mode::VANILLA, Mode::FIXED, Mode::FIXED_POOL] {
+        let mut runner = TestRunner::new(Config {
+            cases: 48,
+            failure_persistence: None,
+            ..Config::default()
+        });
+        let r = runner.run(&prop::collection::vec(step(), 1..40), |steps| {
+            run_model(mode, &steps)
+        });
+        if let Err(e) = r {
+            panic!("mode {}: {e}", mode.name());
+        }
+    }
+}
+
+#[test]
+fn a_failed_read_is_a_typed_error_and_leaves_no_page_behind() {
+    let cache = PageCache::new(CacheConfig {
+        capacity_bytes: 64 * PAGE_BYTES,
+        pool_batch: 8,
+        readahead_pages: 0,
+        huge_pages: false,
+    })
+    .unwrap();
+    let engine = engine();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let (dev, backend) = faulty_device(&lbio, 1 << 20);
+    let file = cache.add_file(1 << 20).unwrap();
+    let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+    h.attach(file, dev).unwrap();
+    h.write(file, 8192, &[7u8; 4096]).unwrap();
+    h.sync(file).unwrap();
+    // Evict nothing yet: page 2 is cached. Fail reads of page 5.
+    backend.fail_reads.set(Some((5 * 4096, 6 * 4096)));
+    let mut buf = [0u8; 100];
+    let e = h.read(file, 5 * 4096 + 10, &mut buf).unwrap_err();
+    assert!(matches!(e, CacheError::Io(LbioError::Io { .. })), "{e}");
+    assert_eq!(cache.metrics().read_errors, 1);
+    // No poisoned page: once the device recovers the same read works.
+    backend.fail_reads.set(None);
+    h.read(file, 5 * 4096 + 10, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 0));
+    h.read(file, 8192, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 7));
+}
+
+#[test]
+fn bad_input_is_typed() {
+    let e = PageCache::new(CacheConfig {
+        capacity_bytes: 4 * PAGE_BYTES,
+        pool_batch: 8,
+        ..CacheConfig::default()
+    })
+    .unwrap_err();
+    assert!(
+        matches!(e, CacheError::CapacityTooSmall { frames: 4, .. }),
+        "{e}"
+    );
+    let cache = PageCache::new(CacheConfig {
+        capacity_bytes: 64 * PAGE_BYTES,
+        pool_batch: 8,
+        huge_pages: false,
+        ..CacheConfig::default()
+    })
+    .unwrap();
+    let engine = engine();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let file = cache.add_file(10_000).unwrap();
+    let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+    let mut buf = [0u8; 10];
+    assert!(matches!(
+        h.read(file, 0, &mut buf),
+        Err(CacheError::UnknownFile(_))
+    ));
+    h.attach(file, Device::memory(&lbio, 16384).unwrap())
+        .unwrap();
+    let e = h.read(file, 9995, &mut buf).unwrap_err();
+    assert!(matches!(e, CacheError::PastEnd { size: 10_000, .. }), "{e}");
+    let e = h.read(file, 0, &mut []).unwrap_err();
+    assert!(matches!(e, CacheError::Empty(_)), "{e}");
+    let e = h.write(file, 20_000, &[1]).unwrap_err();
+    assert!(matches!(e, CacheError::PastEnd { .. }), "{e}");
+    // The last partial page is readable up to the end of the file.
+    h.read(file, 9990, &mut buf).unwrap();
+}
+
+#[test]
+fn sequential_reads_trigger_readahead_and_random_reads_do_not() {
+    let cache = PageCache::new(CacheConfig {
+        capacity_bytes: 256 * PAGE_BYTES,
+        pool_batch: 16,
+        readahead_pages: 8,
+        huge_pages: false,
+    })
+    .unwrap();
+    let engine = engine();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let file = cache.add_file(1 << 20).unwrap();
+    let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+    h.attach(file, Device::memory(&lbio, 1 << 20).unwrap())
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    for page in [40u64, 3, 77, 12, 150, 99, 5] {
+        h.read(file, page * 4096, &mut buf).unwrap();
+    }
+    assert_eq!(
+        cache.metrics().readahead_pages,
+        0,
+        "random access never reads ahead"
+    );
+    for page in 0..4u64 {
+        h.read(file, (200 + page) * 4096, &mut buf).unwrap();
+    }
+    let m = cache.metrics();
+    assert!(m.readahead_pages >= 8, "{m:?}");
+    let misses = m.misses;
+    for page in 4..10u64 {
+        h.read(file, (200 + page) * 4096, &mut buf).unwrap();
+    }
+    assert_eq!(cache.metrics().misses, misses, "read-ahead pages are hits");
+}
+
+#[test]
+fn zero_copy_guards_pin_pages_against_eviction() {
+    let cache = PageCache::new(CacheConfig {
+        capacity_bytes: 16 * PAGE_BYTES,
+        pool_batch: 4,
+        readahead_pages: 0,
+        huge_pages: false,
+    })
+    .unwrap();
+    let engine = engine();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let file = cache.add_file(1 << 20).unwrap();
+    let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+    h.attach(file, Device::memory(&lbio, 1 << 20).unwrap())
+        .unwrap();
+    h.write(file, 0, &[9u8; 4096]).unwrap();
+    h.sync(file).unwrap();
+    let g = h.get(file, 0).unwrap();
+    assert!(g.iter().all(|&b| b == 9));
+    let mut buf = [0u8; 4096];
+    for page in 1..200u64 {
+        h.read(file, page * 4096, &mut buf).unwrap();
+    }
+    assert!(g.iter().all(|&b| b == 9), "a pinned page keeps its bytes");
+    assert!(cache.metrics().evictions > 100);
+    drop(g);
+}
+
+#[test]
+fn threads_missing_the_same_pages_get_correct_data_and_no_frame_leaks() {
+    const THREADS: usize = 2;
+    const PAGES: u64 = 64;
+    const ROUNDS: usize = 20;
+    let path = std::env::temp_dir().join(format!("pagecache-stress-{}", std::process::id()));
+    let bytes = (PAGES * 4096) as usize;
+    let content: Vec<u8> = (0..bytes)
+        .map(|i| (i / 4096 * 31 + i % 251) as u8)
+        .collect();
+    std::fs::write(&path, &content).unwrap();
+    let cache = PageCache::new(CacheConfig {
+        capacity_bytes: 32 * PAGE_BYTES,
+        pool_batch: 4,
+        readahead_pages: 0,
+        huge_pages: false,
+    })
+    .unwrap();
+    let file = cache.add_file(bytes as u64).unwrap();
+    let barrier = Arc::new(Barrier::new(THREADS));
+    let workers: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let cache = Arc::clone(&cache);
+            let barrier = Arc::clone(&barrier);
+            let path = path.clone();
+            let content = content.clone();
+            std::thread::spawn(move || {
+                let engine = engine();
+                let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+                let dev = lbio::Device::open(
+                    &lbio,
+                    &path,
+                    lbio::DeviceConfig {
+                        route: lbio::RouteChoice::Ring,
+                        probe: aios_core::ProbeOptions {
+                            latency_samples: 0,
+                            try_iopoll: false,
+                        },
+                        ..lbio::DeviceConfig::default()
+                    },
+                )
+                .unwrap();
+                let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+                h.attach(file, dev).unwrap();
+                let mut buf = vec![0u8; 4096];
+                for round in 0..ROUNDS {
+                    barrier.wait();
+                    // Both threads walk the same pages at once, in different orders.
+                    for i in 0..PAGES {
+                        let page = if (round + t) % 2 == 0 {
+                            i
+                        } else {
+                            PAGES - 1 - i
+                        };
+                        let off = page as usize * 4096;
+                        h.read(file, off as u64, &mut buf).unwrap();
+                        assert!(buf[..] == content[off..off + 4096], "page {page} differs");
+                    }
+                }
+                drop(h);
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    std::fs::remove_file(&path).unwrap();
+    let m = cache.metrics();
+    println!("{m:?}");
+    assert!(m.misses > 0 && m.evictions > 0);
+    // Every frame is either free or holds a clean page: none lost in a pool, a release batch or
+    // an abandoned state.
+    let mut accounted = m.free_frames;
+    for f in 0..cache.frames.len() {
+        let s = cache.frames.state(f);
+        assert_eq!(s.pins(), 0, "frame {f} still pinned");
+        assert!(
+            !s.has(frames::IO) && !s.has(frames::ABANDONED),
+            "frame {f}: {s:?}"
+        );
+        if s.has(frames::VALID | frames::INDEXED) {
+            accounted += 1;
+        }
+    }
+    assert_eq!(accounted, cache.frames.len(), "{m:?}");
+}
