@@ -17,6 +17,7 @@
 
 pub use aios_core as core;
 pub use lbio;
+pub use pagecache;
 
 pub mod bench;
 pub mod target;

@@ -1,6 +1,7 @@
 //! "Allocate at start, never on the hot path" (DESIGN.md): a counting global allocator proves that
 //! steady-state 4 KiB reads and writes through lbio allocate nothing, through the blocking, detached
-//! and async interfaces, on RAM and on a real O_DIRECT file driven by io_uring.
+//! and async interfaces, on RAM and on a real O_DIRECT file driven by io_uring — and that page-cache
+//! reads (hits, misses with eviction, zero-copy guards) allocate nothing either.
 //!
 //! Only allocations made by the measuring thread while it counts are counted, so tests running in
 //! parallel on other threads do not disturb each other. Every read is checked against what was
@@ -359,4 +360,49 @@ fn async_io_on_a_file_allocates_nothing() {
         (WARMUP_OPS + OPS) as u64,
         "every request went through the ring"
     );
+}
+
+#[test]
+fn page_cache_hits_misses_and_evictions_allocate_nothing() {
+    use pagecache::{CacheConfig, CacheHandle, Mode, PageCache};
+    let file = TempFile::new("pagecache");
+    let engine = engine();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let dev = open_file(&lbio, &file);
+    let cache = PageCache::new(CacheConfig {
+        capacity_bytes: 256 * BLOCK,
+        pool_batch: 16,
+        readahead_pages: 0,
+        huge_pages: false,
+    })
+    .unwrap();
+    let id = cache.add_file(DEVICE_BYTES as u64).unwrap();
+    let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+    h.attach(id, dev).unwrap();
+    let mut buf = [0u8; BLOCK];
+    let mut x: u64 = 0x9e37_79b9;
+    // A quarter of the file fits: about three reads in four miss and evict.
+    let mut run = |n: u32| {
+        for i in 0..n {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let page = x % BLOCKS as u64;
+            if i % 4 == 0 {
+                let g = h.get(id, page).expect("guard");
+                assert!(g.iter().all(|&b| b == 0));
+            } else {
+                h.read(id, page * BLOCK as u64, &mut buf).expect("read");
+                assert!(buf.iter().all(|&b| b == 0));
+            }
+        }
+    };
+    run(WARMUP_OPS);
+    let before = cache.metrics();
+    let ((), n) = allocations_during(|| run(OPS / 4));
+    let after = cache.metrics();
+    assert!(after.misses - before.misses > 1000, "{after:?}");
+    assert!(after.hits - before.hits > 1000, "{after:?}");
+    assert!(after.evictions - before.evictions > 1000, "{after:?}");
+    assert_eq!(n, 0, "{n} allocations in {} page-cache reads", OPS / 4);
 }
