@@ -161,6 +161,16 @@ pub trait CompletionSink {
     fn complete(&self, payload: u64, result: i32, flags: u32);
 }
 
+/// A sink that keeps the result of the last completion it got (one request at a time: probes,
+/// capability checks).
+pub(crate) struct LastResult(pub(crate) Cell<Option<i32>>);
+
+impl CompletionSink for LastResult {
+    fn complete(&self, _payload: u64, result: i32, _flags: u32) {
+        self.0.set(Some(result));
+    }
+}
+
 /// Names a registered completion sink (the top byte of each of its SQEs' `user_data`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SinkId(pub u8);

@@ -16,7 +16,7 @@ use std::rc::{Rc, Weak};
 
 use io_uring::{opcode, squeue, types};
 
-use crate::engine::{CompletionSink, Engine, FixedFile, RingKind};
+use crate::engine::{CompletionSink, Engine, FixedFile, LastResult, RingKind};
 use crate::error::CoreError;
 use crate::sys;
 
@@ -148,13 +148,6 @@ pub fn uring_cmd(file: FixedFile, cmd: &PassthruCmd, fixed_data: Option<u16>) ->
         .cmd(cmd.to_uring_cmd())
         .buf_index(fixed_data)
         .build()
-}
-
-struct LastResult(Cell<Option<i32>>);
-impl CompletionSink for LastResult {
-    fn complete(&self, _payload: u64, result: i32, _flags: u32) {
-        self.0.set(Some(result));
-    }
 }
 
 /// Read block 0 of the namespace into a buffer of `engine`'s arena, through `file`, with or

@@ -13,7 +13,9 @@ use std::path::{Path, PathBuf};
 use std::rc::{Rc, Weak};
 use std::time::Instant;
 
-use crate::engine::{self, CompletionMode, CompletionSink, Engine, EngineConfig, RingKind};
+use crate::engine::{
+    self, CompletionMode, CompletionSink, Engine, EngineConfig, LastResult, RingKind,
+};
 use crate::error::CoreError;
 use crate::nvme::{self, IoOpcode, NvmeNamespace, NvmeStatus, PassthruCmd};
 use crate::sys::{self, DioAlign};
@@ -440,7 +442,7 @@ fn passthrough_reads(
         CoreError::IopollUnavailable(src) => format!("the kernel refused an IOPOLL ring: {src}"),
         e => e.to_string(),
     })?;
-    let sink = Rc::new(Last(Cell::new(None)));
+    let sink = Rc::new(LastResult(Cell::new(None)));
     let id = engine
         .register_sink(Rc::downgrade(&sink) as Weak<dyn CompletionSink>)
         .map_err(|e| e.to_string())?;
@@ -512,13 +514,6 @@ fn passthrough_reads(
     outcome.map(|()| median(&mut times))
 }
 
-struct Last(Cell<Option<i32>>);
-impl CompletionSink for Last {
-    fn complete(&self, _payload: u64, result: i32, _flags: u32) {
-        self.0.set(Some(result));
-    }
-}
-
 fn small_engine(iopoll: bool) -> Result<Rc<Engine>, CoreError> {
     Engine::new(EngineConfig {
         ring_entries: 8,
@@ -533,7 +528,7 @@ fn small_engine(iopoll: bool) -> Result<Rc<Engine>, CoreError> {
 
 fn try_iopoll(direct: &std::os::fd::OwnedFd, read_len: u32, at: u64) -> Result<(), String> {
     let engine = small_engine(true).map_err(|e| e.to_string())?;
-    let sink = Rc::new(Last(Cell::new(None)));
+    let sink = Rc::new(LastResult(Cell::new(None)));
     let id = engine
         .register_sink(Rc::downgrade(&sink) as Weak<dyn CompletionSink>)
         .map_err(|e| e.to_string())?;
@@ -574,7 +569,7 @@ fn measure(
     samples: u32,
 ) -> Result<PathLatency, CoreError> {
     let engine = small_engine(false)?;
-    let sink = Rc::new(Last(Cell::new(None)));
+    let sink = Rc::new(LastResult(Cell::new(None)));
     let id = engine.register_sink(Rc::downgrade(&sink) as Weak<dyn CompletionSink>)?;
     let file = engine.register_file(direct.as_raw_fd())?;
     let mut buf = engine

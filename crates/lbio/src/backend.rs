@@ -112,6 +112,16 @@ pub trait Backend {
     ) -> Result<Started, CoreError>;
 }
 
+fn require_iopoll_ring(engine: &Engine) -> Result<(), CoreError> {
+    if engine.has_iopoll_ring() {
+        Ok(())
+    } else {
+        Err(CoreError::Config(
+            "an IOPOLL route needs EngineConfig { iopoll_ring: true, .. }".into(),
+        ))
+    }
+}
+
 struct RegisteredFile {
     fd: Rc<OwnedFd>,
     fixed: FixedFile,
@@ -137,10 +147,8 @@ impl FileBackend {
     /// Register `fd` (opened `O_DIRECT`) with the engine. With `iopoll`, reads and writes go to the
     /// engine's IOPOLL ring (the engine must have one).
     pub fn new(engine: &Rc<Engine>, fd: Rc<OwnedFd>, iopoll: bool) -> Result<Self, CoreError> {
-        if iopoll && !engine.has_iopoll_ring() {
-            return Err(CoreError::Config(
-                "an IOPOLL route needs EngineConfig { iopoll_ring: true, .. }".into(),
-            ));
+        if iopoll {
+            require_iopoll_ring(engine)?;
         }
         let fixed = engine.register_file(fd.as_raw_fd())?;
         Ok(FileBackend {
@@ -388,11 +396,7 @@ impl NvmeBackend {
     /// The same namespace with reads and writes on the engine's IOPOLL ring (the driver must have
     /// poll queues; the engine an IOPOLL ring).
     pub fn polled(&self) -> Result<Self, CoreError> {
-        if !self.file.engine.has_iopoll_ring() {
-            return Err(CoreError::Config(
-                "an IOPOLL route needs EngineConfig { iopoll_ring: true, .. }".into(),
-            ));
-        }
+        require_iopoll_ring(&self.file.engine)?;
         Ok(NvmeBackend {
             ring: RingKind::Iopoll,
             ..self.clone()
