@@ -101,6 +101,7 @@ impl Default for CacheConfig {
 /// Counters, shared by all handles.
 #[derive(Debug, Default)]
 pub struct Counters {
+    /// Published by each handle every 256 hits, at each of its misses and when it drops.
     pub hits: AtomicU64,
     pub misses: AtomicU64,
     /// Misses that lost a lazy-indexing race (their frame was abandoned).

@@ -41,6 +41,16 @@ struct Pending {
     failed: bool,
 }
 
+/// A file served by this handle.
+#[derive(Clone)]
+struct Attached {
+    device: Rc<Device>,
+    size: u64,
+}
+
+/// Hits a handle counts before adding them to the cache's shared counter.
+const HIT_PUBLISH_BATCH: u64 = 256;
+
 /// Sequential-stream detection per file.
 #[derive(Clone, Copy, Debug, Default)]
 struct Stream {
@@ -56,7 +66,12 @@ pub struct CacheHandle {
     lbio: Rc<LbioArray>,
     region_index: u16,
     mode: Mode,
-    devices: RefCell<Vec<Option<Rc<Device>>>>,
+    /// Per file: its device on this handle and its size (copied at attach, so the read path
+    /// takes no shared lock to check bounds).
+    files: RefCell<Vec<Option<Attached>>>,
+    /// Hits not yet added to the shared counter: published in batches, so hits on different
+    /// cores do not all write one cache line.
+    unpublished_hits: Cell<u64>,
     pool: RefCell<Vec<u32>>,
     release: RefCell<Vec<u32>>,
     pending: RefCell<Vec<Option<Pending>>>,
@@ -106,7 +121,8 @@ impl CacheHandle {
             lbio: Rc::clone(lbio),
             region_index,
             mode,
-            devices: RefCell::new(Vec::new()),
+            files: RefCell::new(Vec::new()),
+            unpublished_hits: Cell::new(0),
             pool: RefCell::new(Vec::with_capacity(2 * batch)),
             release: RefCell::new(Vec::with_capacity(2 * batch)),
             pending: RefCell::new(vec![None; slots]),
@@ -146,28 +162,37 @@ impl CacheHandle {
                 device.geometry().capacity_bytes
             )));
         }
-        let mut devs = self.devices.borrow_mut();
+        let mut files = self.files.borrow_mut();
         let i = file.0 as usize;
-        if devs.len() <= i {
-            devs.resize(i + 1, None);
+        if files.len() <= i {
+            files.resize(i + 1, None);
             self.streams.borrow_mut().resize(i + 1, Stream::default());
         }
-        devs[i] = Some(Rc::new(device));
+        files[i] = Some(Attached {
+            device: Rc::new(device),
+            size,
+        });
         Ok(())
     }
 
-    fn device(&self, file: FileId) -> Result<Rc<Device>, CacheError> {
-        self.devices
+    fn attached(&self, file: FileId) -> Result<Attached, CacheError> {
+        self.files
             .borrow()
             .get(file.0 as usize)
             .and_then(|d| d.clone())
             .ok_or(CacheError::UnknownFile(file))
     }
 
+    fn device(&self, file: FileId) -> Result<Rc<Device>, CacheError> {
+        self.attached(file).map(|a| a.device)
+    }
+
     fn check_range(&self, file: FileId, offset: u64, len: usize) -> Result<(), CacheError> {
         let size = self
-            .cache
-            .file_size(file)
+            .files
+            .borrow()
+            .get(file.0 as usize)
+            .and_then(|d| d.as_ref().map(|a| a.size))
             .ok_or(CacheError::UnknownFile(file))?;
         if len == 0 {
             return Err(CacheError::Empty(file));
@@ -183,10 +208,31 @@ impl CacheHandle {
         Ok(())
     }
 
+    fn count_hit(&self) {
+        let n = self.unpublished_hits.get() + 1;
+        if n >= HIT_PUBLISH_BATCH {
+            self.publish_hits_now(n);
+        } else {
+            self.unpublished_hits.set(n);
+        }
+    }
+
+    fn publish_hits_now(&self, n: u64) {
+        self.unpublished_hits.set(0);
+        if n > 0 {
+            self.cache.counters.hits.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// Add this handle's uncounted hits to the cache's metrics (done by itself every
+    /// 256 hits, at every miss and when the handle drops).
+    pub fn publish_metrics(&self) {
+        self.publish_hits_now(self.unpublished_hits.get());
+    }
+
     /// Read `buf.len()` bytes of `file` at `offset` into `buf`, through the cache.
     pub fn read(&self, file: FileId, offset: u64, buf: &mut [u8]) -> Result<(), CacheError> {
         self.check_range(file, offset, buf.len())?;
-        self.device(file)?;
         let mut done = 0usize;
         while done < buf.len() {
             let at = offset + done as u64;
@@ -214,7 +260,7 @@ impl CacheHandle {
             if let Some(frame) = self.cache.index.get(key, &self.cache.frames) {
                 if self.cache.frames.pin(frame, key) {
                     self.cache.frames.mark(frame, frames::REFERENCED);
-                    self.cache.counters.hits.fetch_add(1, Ordering::Relaxed);
+                    self.count_hit();
                     return Ok(PageGuard {
                         handle: self,
                         frame,
@@ -252,7 +298,7 @@ impl CacheHandle {
                         && !s2.has(frames::BUSY)
                     {
                         frames.mark(frame, frames::REFERENCED);
-                        self.cache.counters.hits.fetch_add(1, Ordering::Relaxed);
+                        self.count_hit();
                         return Ok(());
                     }
                     continue;
@@ -384,6 +430,23 @@ impl CacheHandle {
         }
     }
 
+    /// A frame as request memory: registered (the cache's region) or plain, by mode.
+    ///
+    /// # Safety
+    /// The caller owns the frame's bytes for the request's lifetime (see [`RawBuf::new`]).
+    unsafe fn frame_buf(&self, frame: u32) -> RawBuf {
+        let ptr = NonNull::new(self.cache.frame_ptr(frame)).expect("frames are mapped");
+        // SAFETY: the frame lies in the region registered as `region_index`; ownership is the
+        // caller's contract.
+        unsafe {
+            RawBuf::new(
+                ptr,
+                PAGE_BYTES as u32,
+                self.mode.fixed.then_some(self.region_index),
+            )
+        }
+    }
+
     /// Serve a miss: `Some((frame, abandoned))` with the frame pinned and valid, or `None` when
     /// another reader's frame for the page turned up (the caller looks again).
     fn miss(&self, key: Key) -> Result<Option<(u32, bool)>, CacheError> {
@@ -392,6 +455,7 @@ impl CacheHandle {
         let frames = &cache.frames;
         let file = FileId(key.file());
         let dev = self.device(file)?;
+        self.publish_metrics();
         cache.counters.misses.fetch_add(1, Ordering::Relaxed);
         let frame = self.take_frame()?;
         frames.meta(frame).key.store(key.0, Ordering::Release);
@@ -407,11 +471,9 @@ impl CacheHandle {
             }
             frames.mark(frame, frames::INDEXED);
         }
-        let ptr = NonNull::new(cache.frame_ptr(frame)).expect("frames are mapped");
-        let index = self.mode.fixed.then_some(self.region_index);
         // SAFETY: the frame is ours (taken from the pool or free list, pinned, flagged IO): nobody
         // reads or writes its bytes until the IO flag clears at completion.
-        let raw = unsafe { RawBuf::new(ptr, PAGE_BYTES as u32, index) };
+        let raw = unsafe { self.frame_buf(frame) };
         // SAFETY: as above, for the request's lifetime.
         let io = unsafe { Io::read_raw(key.page() * PAGE_BYTES as u64, raw) };
         let tag = match dev.submit(io) {
@@ -480,7 +542,7 @@ impl CacheHandle {
         if !sequential {
             return Ok(());
         }
-        let size = self.cache.file_size(FileId(key.file())).unwrap_or(0);
+        let size = self.attached(FileId(key.file()))?.size;
         let last = size.div_ceil(PAGE_BYTES as u64);
         let frames = &self.cache.frames;
         for page in next..(next + ra).min(last) {
@@ -500,15 +562,8 @@ impl CacheHandle {
                 continue;
             }
             frames.mark(frame, frames::INDEXED);
-            let ptr = NonNull::new(self.cache.frame_ptr(frame)).expect("frames are mapped");
             // SAFETY: the frame is ours and flagged IO until the completion clears it.
-            let raw = unsafe {
-                RawBuf::new(
-                    ptr,
-                    PAGE_BYTES as u32,
-                    self.mode.fixed.then_some(self.region_index),
-                )
-            };
+            let raw = unsafe { self.frame_buf(frame) };
             // SAFETY: as above.
             let io =
                 unsafe { Io::read_raw(page * PAGE_BYTES as u64, raw) }.class(Class::Background);
@@ -644,7 +699,6 @@ impl CacheHandle {
     /// makes them durable).
     pub fn write(&self, file: FileId, offset: u64, data: &[u8]) -> Result<(), CacheError> {
         self.check_range(file, offset, data.len())?;
-        self.device(file)?;
         let frames = &self.cache.frames;
         let mut done = 0usize;
         while done < data.len() {
@@ -760,15 +814,8 @@ impl CacheHandle {
             if pinned.is_none() {
                 continue;
             }
-            let ptr = NonNull::new(self.cache.frame_ptr(frame)).expect("frames are mapped");
             // SAFETY: pinned: no writer or eviction touches the bytes until the write completes.
-            let raw = unsafe {
-                RawBuf::new(
-                    ptr,
-                    PAGE_BYTES as u32,
-                    self.mode.fixed.then_some(self.region_index),
-                )
-            };
+            let raw = unsafe { self.frame_buf(frame) };
             let offset = key.page() * PAGE_BYTES as u64;
             let tag = loop {
                 // SAFETY: as above.
@@ -834,5 +881,6 @@ impl Drop for CacheHandle {
             }
         }
         self.give_back();
+        self.publish_metrics();
     }
 }

@@ -46,7 +46,7 @@ impl Backend for Faulty {
     ) -> Result<Started, CoreError> {
         if let Some((lo, hi)) = self.fail_reads.get() {
             if piece.op == Op::Read && piece.offset < hi && piece.offset + piece.len as u64 > lo {
-                return Ok(Started::Done(-libc_eio()));
+                return Ok(Started::Done(-EIO));
             }
         }
         // SAFETY: forwarded contract.
@@ -54,9 +54,8 @@ impl Backend for Faulty {
     }
 }
 
-fn libc_eio() -> i32 {
-    5
-}
+/// `EIO` (Linux), without a libc dependency for one constant.
+const EIO: i32 = 5;
 
 struct Shared(Rc<Faulty>);
 impl Backend for Shared {
@@ -83,22 +82,63 @@ fn faulty_device(lbio: &Rc<LbioArray>, bytes: usize) -> (Device, Rc<Faulty>) {
         mem: MemBackend::new(bytes),
         fail_reads: Cell::new(None),
     });
+    (device_over(lbio, &f), f)
+}
+
+/// Another device over the same RAM (to read it around the cache).
+fn device_over(lbio: &Rc<LbioArray>, f: &Rc<Faulty>) -> Device {
     let g = Geometry {
-        capacity_bytes: bytes as u64,
+        capacity_bytes: f.mem.len() as u64,
         logical_block: 512,
         mem_align: 512,
         offset_align: 512,
         max_transfer_bytes: 1 << 20,
     };
-    let dev = Device::from_backends(
+    Device::from_backends(
         lbio,
-        Box::new(Shared(Rc::clone(&f))),
-        Box::new(Shared(Rc::clone(&f))),
+        Box::new(Shared(Rc::clone(f))),
+        Box::new(Shared(Rc::clone(f))),
         g,
         true,
     )
+    .unwrap()
+}
+
+/// A cache of `frames` frames with one file of `file_bytes`, and a `mode` handle on a fresh
+/// engine (no device attached yet).
+struct Setup {
+    cache: Arc<PageCache>,
+    engine: Rc<Engine>,
+    lbio: Rc<LbioArray>,
+    file: FileId,
+    h: CacheHandle,
+}
+
+fn setup(
+    frames: usize,
+    pool_batch: u32,
+    readahead_pages: u32,
+    file_bytes: u64,
+    mode: Mode,
+) -> Setup {
+    let cache = PageCache::new(CacheConfig {
+        capacity_bytes: frames * PAGE_BYTES,
+        pool_batch,
+        readahead_pages,
+        huge_pages: false,
+    })
     .unwrap();
-    (dev, f)
+    let engine = engine();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let file = cache.add_file(file_bytes).unwrap();
+    let h = CacheHandle::new(&cache, &engine, &lbio, mode).unwrap();
+    Setup {
+        cache,
+        engine,
+        lbio,
+        file,
+        h,
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -134,18 +174,14 @@ fn step() -> impl Strategy<Value = Step> {
 }
 
 fn run_model(mode: Mode, steps: &[Step]) -> Result<(), TestCaseError> {
-    let cache = PageCache::new(CacheConfig {
-        capacity_bytes: CACHE_FRAMES * PAGE_BYTES,
-        pool_batch: 4,
-        readahead_pages: 4,
-        huge_pages: false,
-    })
-    .unwrap();
-    let engine = engine();
-    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let Setup {
+        engine,
+        lbio,
+        file,
+        h,
+        ..
+    } = setup(CACHE_FRAMES, 4, 4, FILE_BYTES, mode);
     let (dev, backend) = faulty_device(&lbio, FILE_BYTES as usize);
-    let file = cache.add_file(FILE_BYTES).unwrap();
-    let h = CacheHandle::new(&cache, &engine, &lbio, mode).unwrap();
     h.attach(file, dev).unwrap();
     let mut model = vec![0u8; FILE_BYTES as usize];
     for s in steps {
@@ -183,28 +219,10 @@ fn run_model(mode: Mode, steps: &[Step]) -> Result<(), TestCaseError> {
     h.sync(file)
         .map_err(|e| TestCaseError::fail(format!("final sync: {e}")))?;
     // The device now holds what the model holds: read it around the cache.
-    let _ = &backend;
-    let engine2 = engine;
-    let mut raw = engine2.try_alloc(FILE_BYTES as usize).unwrap();
-    raw.fill(0);
-    let dev2 = {
-        let g = Geometry {
-            capacity_bytes: FILE_BYTES,
-            logical_block: 512,
-            mem_align: 512,
-            offset_align: 512,
-            max_transfer_bytes: 1 << 20,
-        };
-        Device::from_backends(
-            &lbio,
-            Box::new(Shared(Rc::clone(&backend))),
-            Box::new(Shared(Rc::clone(&backend))),
-            g,
-            false,
-        )
-        .unwrap()
-    };
-    let raw = dev2.read_at_blocking(0, raw).unwrap();
+    let raw = engine.try_alloc(FILE_BYTES as usize).unwrap();
+    let raw = device_over(&lbio, &backend)
+        .read_at_blocking(0, raw)
+        .unwrap();
     prop_assert!(
         raw[..] == model[..],
         "after sync the device differs from the model"
@@ -231,18 +249,14 @@ fn random_reads_writes_syncs_and_pressure_match_a_model_in_every_mode() {
 
 #[test]
 fn a_failed_read_is_a_typed_error_and_leaves_no_page_behind() {
-    let cache = PageCache::new(CacheConfig {
-        capacity_bytes: 64 * PAGE_BYTES,
-        pool_batch: 8,
-        readahead_pages: 0,
-        huge_pages: false,
-    })
-    .unwrap();
-    let engine = engine();
-    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let Setup {
+        cache,
+        lbio,
+        file,
+        h,
+        ..
+    } = setup(64, 8, 0, 1 << 20, Mode::AIOS);
     let (dev, backend) = faulty_device(&lbio, 1 << 20);
-    let file = cache.add_file(1 << 20).unwrap();
-    let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
     h.attach(file, dev).unwrap();
     h.write(file, 8192, &[7u8; 4096]).unwrap();
     h.sync(file).unwrap();
@@ -272,17 +286,7 @@ fn bad_input_is_typed() {
         matches!(e, CacheError::CapacityTooSmall { frames: 4, .. }),
         "{e}"
     );
-    let cache = PageCache::new(CacheConfig {
-        capacity_bytes: 64 * PAGE_BYTES,
-        pool_batch: 8,
-        huge_pages: false,
-        ..CacheConfig::default()
-    })
-    .unwrap();
-    let engine = engine();
-    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
-    let file = cache.add_file(10_000).unwrap();
-    let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+    let Setup { lbio, file, h, .. } = setup(64, 8, 16, 10_000, Mode::AIOS);
     let mut buf = [0u8; 10];
     assert!(matches!(
         h.read(file, 0, &mut buf),
@@ -302,17 +306,13 @@ fn bad_input_is_typed() {
 
 #[test]
 fn sequential_reads_trigger_readahead_and_random_reads_do_not() {
-    let cache = PageCache::new(CacheConfig {
-        capacity_bytes: 256 * PAGE_BYTES,
-        pool_batch: 16,
-        readahead_pages: 8,
-        huge_pages: false,
-    })
-    .unwrap();
-    let engine = engine();
-    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
-    let file = cache.add_file(1 << 20).unwrap();
-    let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+    let Setup {
+        cache,
+        lbio,
+        file,
+        h,
+        ..
+    } = setup(256, 16, 8, 1 << 20, Mode::AIOS);
     h.attach(file, Device::memory(&lbio, 1 << 20).unwrap())
         .unwrap();
     let mut buf = [0u8; 4096];
@@ -338,17 +338,13 @@ fn sequential_reads_trigger_readahead_and_random_reads_do_not() {
 
 #[test]
 fn zero_copy_guards_pin_pages_against_eviction() {
-    let cache = PageCache::new(CacheConfig {
-        capacity_bytes: 16 * PAGE_BYTES,
-        pool_batch: 4,
-        readahead_pages: 0,
-        huge_pages: false,
-    })
-    .unwrap();
-    let engine = engine();
-    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
-    let file = cache.add_file(1 << 20).unwrap();
-    let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+    let Setup {
+        cache,
+        lbio,
+        file,
+        h,
+        ..
+    } = setup(16, 4, 0, 1 << 20, Mode::AIOS);
     h.attach(file, Device::memory(&lbio, 1 << 20).unwrap())
         .unwrap();
     h.write(file, 0, &[9u8; 4096]).unwrap();
