@@ -48,6 +48,9 @@ struct Attached {
     size: u64,
 }
 
+/// Most pages whose reads one multi-page read sends before waiting.
+pub const MISS_BATCH: usize = 32;
+
 /// Hits a handle counts before adding them to the cache's shared counter.
 const HIT_PUBLISH_BATCH: u64 = 256;
 
@@ -231,23 +234,139 @@ impl CacheHandle {
     }
 
     /// Read `buf.len()` bytes of `file` at `offset` into `buf`, through the cache.
+    ///
+    /// A read spanning several pages sends the reads of all its missing pages (up to
+    /// [`MISS_BATCH`] at a time) before it waits for any of them.
     pub fn read(&self, file: FileId, offset: u64, buf: &mut [u8]) -> Result<(), CacheError> {
         self.check_range(file, offset, buf.len())?;
-        let mut done = 0usize;
-        while done < buf.len() {
-            let at = offset + done as u64;
-            let page = at / PAGE_BYTES as u64;
-            let in_page = (at % PAGE_BYTES as u64) as usize;
-            let n = (PAGE_BYTES - in_page).min(buf.len() - done);
-            let dst = &mut buf[done..done + n];
-            self.read_page(Key::new(file.0, page), |frame| {
-                // SAFETY: `frame` points at a whole page; the caller of this closure guarantees
-                // it is either pinned or re-validated after the copy.
+        let first = offset / PAGE_BYTES as u64;
+        let last = (offset + buf.len() as u64 - 1) / PAGE_BYTES as u64;
+        if first == last {
+            let in_page = (offset % PAGE_BYTES as u64) as usize;
+            return self.read_page(Key::new(file.0, first), |frame| {
+                // SAFETY: `frame` points at a whole page and `in_page + buf.len() <= PAGE_BYTES`;
+                // the caller of this closure pins or re-validates the frame around the copy.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(frame.add(in_page), dst.as_mut_ptr(), n);
+                    std::ptr::copy_nonoverlapping(frame.add(in_page), buf.as_mut_ptr(), buf.len())
                 }
-            })?;
-            done += n;
+            });
+        }
+        let mut page = first;
+        while page <= last {
+            let end = (page + MISS_BATCH as u64 - 1).min(last);
+            self.read_batch(file, offset, buf, page, end)?;
+            page = end + 1;
+        }
+        Ok(())
+    }
+
+    /// Pages `first..=last` of a read of `buf.len()` bytes at `offset`: hits are copied at once;
+    /// the misses are all submitted, then indexed, then waited for and copied.
+    fn read_batch(
+        &self,
+        file: FileId,
+        offset: u64,
+        buf: &mut [u8],
+        first: u64,
+        last: u64,
+    ) -> Result<(), CacheError> {
+        // The part of `buf` page `page` fills, and where in the page it starts.
+        let len = buf.len() as u64;
+        let span = move |page: u64| -> (usize, usize, usize) {
+            let page_start = page * PAGE_BYTES as u64;
+            let from = page_start.max(offset);
+            let to = (page_start + PAGE_BYTES as u64).min(offset + len);
+            (
+                (from - offset) as usize,
+                (to - from) as usize,
+                (from - page_start) as usize,
+            )
+        };
+        let copy_out = |buf: &mut [u8], page: u64, frame: *const u8| {
+            let (at, n, in_page) = span(page);
+            // SAFETY: `frame` points at a whole page and `in_page + n <= PAGE_BYTES`; the frame
+            // is pinned or re-validated by the caller around the copy.
+            unsafe {
+                std::ptr::copy_nonoverlapping(frame.add(in_page), buf[at..at + n].as_mut_ptr(), n)
+            }
+        };
+        let mut missing = [0u64; MISS_BATCH];
+        let mut n_missing = 0;
+        for page in first..=last {
+            let hit = self.try_hit(Key::new(file.0, page), |frame| copy_out(buf, page, frame))?;
+            if !hit {
+                missing[n_missing] = page;
+                n_missing += 1;
+            }
+        }
+        if n_missing == 0 {
+            return Ok(());
+        }
+        if n_missing == 1 {
+            let page = missing[0];
+            return self.read_page(Key::new(file.0, page), |frame| copy_out(buf, page, frame));
+        }
+        let t0 = Instant::now();
+        let dev = self.device(file)?;
+        self.publish_metrics();
+        // Submit every miss; pages raced by another reader or refused for lack of a frame or a
+        // slot are read one by one afterwards.
+        let mut reads = [(0u64, 0u32, Tag(0), false); MISS_BATCH];
+        let mut n_reads = 0;
+        let mut retry = [0u64; MISS_BATCH];
+        let mut n_retry = 0;
+        let mut failure: Option<CacheError> = None;
+        for (i, &page) in missing[..n_missing].iter().enumerate() {
+            match self.start_read(Key::new(file.0, page), &dev) {
+                Ok(Some((frame, tag))) => {
+                    reads[n_reads] = (page, frame, tag, false);
+                    n_reads += 1;
+                }
+                Ok(None) => {
+                    retry[n_retry] = page;
+                    n_retry += 1;
+                }
+                Err(CacheError::Io(LbioError::NoFreeSlot { .. }))
+                | Err(CacheError::NoEvictableFrame { .. })
+                    if n_reads > 0 =>
+                {
+                    for &p in &missing[i..n_missing] {
+                        retry[n_retry] = p;
+                        n_retry += 1;
+                    }
+                    break;
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        if n_reads > 0 {
+            self.last_submit_ns.set(t0.elapsed().as_nanos() as u64);
+            self.engine.submit()?;
+        }
+        // While the device works: lazy indexing, pool refill, readahead.
+        for r in &mut reads[..n_reads] {
+            r.3 = self.index_late(Key::new(file.0, r.0), r.1);
+        }
+        self.after_submit(file, first, last, &dev)?;
+        for &(page, frame, tag, abandoned) in &reads[..n_reads] {
+            match self.finish_read(frame, tag) {
+                Ok(()) => {
+                    copy_out(buf, page, self.cache.frame_ptr(frame));
+                    self.unpin(frame, abandoned);
+                }
+                Err(e) => {
+                    failure.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        for &page in &retry[..n_retry] {
+            self.read_page(Key::new(file.0, page), |frame| copy_out(buf, page, frame))?;
         }
         Ok(())
     }
@@ -285,32 +404,40 @@ impl CacheHandle {
 
     /// Copy one page's bytes out with `copy` (given the frame's address).
     fn read_page(&self, key: Key, mut copy: impl FnMut(*const u8)) -> Result<(), CacheError> {
-        let frames = &self.cache.frames;
         loop {
-            if let Some(frame) = self.cache.index.get(key, frames) {
-                let s1 = frames.state(frame);
-                if s1.has(frames::VALID) && !s1.has(frames::BUSY) && frames.key(frame) == key.0 {
-                    copy(self.cache.frame_ptr(frame));
-                    let s2 = frames.state(frame);
-                    // Optimistic read: valid only if nobody changed the frame meanwhile.
-                    if s2.version() == s1.version()
-                        && s2.has(frames::VALID)
-                        && !s2.has(frames::BUSY)
-                    {
-                        frames.mark(frame, frames::REFERENCED);
-                        self.count_hit();
-                        return Ok(());
-                    }
-                    continue;
-                }
-                self.wait_for(frame)?;
-                continue;
+            if self.try_hit(key, &mut copy)? {
+                return Ok(());
             }
             if let Some((frame, abandoned)) = self.miss(key)? {
                 copy(self.cache.frame_ptr(frame));
                 self.unpin(frame, abandoned);
                 return Ok(());
             }
+        }
+    }
+
+    /// Copy a resident page out with `copy`: `false` when the page is not in the index. A page
+    /// being read or written is waited for.
+    fn try_hit(&self, key: Key, mut copy: impl FnMut(*const u8)) -> Result<bool, CacheError> {
+        let frames = &self.cache.frames;
+        loop {
+            let Some(frame) = self.cache.index.get(key, frames) else {
+                return Ok(false);
+            };
+            let s1 = frames.state(frame);
+            if s1.has(frames::VALID) && !s1.has(frames::BUSY) && frames.key(frame) == key.0 {
+                copy(self.cache.frame_ptr(frame));
+                let s2 = frames.state(frame);
+                // Optimistic read: valid only if nobody changed the frame meanwhile.
+                if s2.version() == s1.version() && s2.has(frames::VALID) && !s2.has(frames::BUSY)
+                {
+                    frames.mark(frame, frames::REFERENCED);
+                    self.count_hit();
+                    return Ok(true);
+                }
+                continue;
+            }
+            self.wait_for(frame)?;
         }
     }
 
@@ -451,13 +578,30 @@ impl CacheHandle {
     /// another reader's frame for the page turned up (the caller looks again).
     fn miss(&self, key: Key) -> Result<Option<(u32, bool)>, CacheError> {
         let t0 = Instant::now();
-        let cache = &*self.cache;
-        let frames = &cache.frames;
         let file = FileId(key.file());
         let dev = self.device(file)?;
         self.publish_metrics();
-        cache.counters.misses.fetch_add(1, Ordering::Relaxed);
+        let Some((frame, tag)) = self.start_read(key, &dev)? else {
+            return Ok(None);
+        };
+        // The SQE is in the ring: what is timed ends here, as it enters the kernel.
+        self.last_submit_ns.set(t0.elapsed().as_nanos() as u64);
+        self.engine.submit()?;
+        // The work the reader does not need before the device answers.
+        let abandoned = self.index_late(key, frame);
+        self.after_submit(file, key.page(), key.page(), &dev)?;
+        self.finish_read(frame, tag)?;
+        Ok(Some((frame, abandoned)))
+    }
+
+    /// Take a frame for `key` and queue its read, held (it reaches the kernel with the caller's
+    /// next submit): the frame pinned and the request's tag, or `None` when the vanilla order
+    /// found the page already indexed by another reader.
+    fn start_read(&self, key: Key, dev: &Device) -> Result<Option<(u32, Tag)>, CacheError> {
+        let cache = &*self.cache;
+        let frames = &cache.frames;
         let frame = self.take_frame()?;
+        cache.counters.misses.fetch_add(1, Ordering::Relaxed);
         frames.meta(frame).key.store(key.0, Ordering::Release);
         frames.update(frame, |s| {
             Some(State::new(s.version().wrapping_add(1), 1, frames::IO))
@@ -476,77 +620,99 @@ impl CacheHandle {
         let raw = unsafe { self.frame_buf(frame) };
         // SAFETY: as above, for the request's lifetime.
         let io = unsafe { Io::read_raw(key.page() * PAGE_BYTES as u64, raw) };
-        let tag = match dev.submit(io) {
-            Ok(tag) => tag,
+        match self.engine.hold_submissions(|| dev.submit(io)) {
+            Ok(tag) => {
+                self.pending.borrow_mut()[tag.0 as usize] = Some(Pending {
+                    frame,
+                    kind: Kind::Read,
+                    done: false,
+                    failed: false,
+                });
+                Ok(Some((frame, tag)))
+            }
             Err((e, _)) => {
                 if !self.mode.lazy_index {
                     cache.index.remove(key, frame);
                 }
                 frames.unpin(frame);
                 self.free_frame(frame);
-                return Err(e.into());
-            }
-        };
-        self.last_submit_ns.set(t0.elapsed().as_nanos() as u64);
-        self.pending.borrow_mut()[tag.0 as usize] = Some(Pending {
-            frame,
-            kind: Kind::Read,
-            done: false,
-            failed: false,
-        });
-        // The work the reader does not need before the device answers.
-        let mut abandoned = false;
-        if self.mode.lazy_index {
-            match cache.index.insert(key, frame, frames) {
-                Insert::Inserted => frames.mark(frame, frames::INDEXED),
-                Insert::Present(_) => {
-                    frames.mark(frame, frames::ABANDONED);
-                    cache.counters.duplicates.fetch_add(1, Ordering::Relaxed);
-                    abandoned = true;
-                }
+                Err(e.into())
             }
         }
-        if self.mode.pool && self.pool.borrow().len() < cache.cfg.pool_batch as usize / 2 {
+    }
+
+    /// Lazy indexing, after the read was submitted: insert the frame, or mark it abandoned when
+    /// another reader's frame for the page got there first (returns whether it was abandoned).
+    fn index_late(&self, key: Key, frame: u32) -> bool {
+        if !self.mode.lazy_index {
+            return false;
+        }
+        let cache = &*self.cache;
+        match cache.index.insert(key, frame, &cache.frames) {
+            Insert::Inserted => {
+                cache.frames.mark(frame, frames::INDEXED);
+                false
+            }
+            Insert::Present(_) => {
+                cache.frames.mark(frame, frames::ABANDONED);
+                cache.counters.duplicates.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+        }
+    }
+
+    /// The rest of the work a miss does while its read is in flight: refill the pool when it
+    /// runs low, and read ahead of a sequential stream.
+    fn after_submit(
+        &self,
+        file: FileId,
+        first: u64,
+        last: u64,
+        dev: &Device,
+    ) -> Result<(), CacheError> {
+        if self.mode.pool && self.pool.borrow().len() < self.cache.cfg.pool_batch as usize / 2 {
             self.refill()?;
         }
-        self.readahead(key, &dev)?;
-        // Now wait for the read.
-        let failed = self.wait_tag(tag)?;
-        if failed {
-            frames.unpin(frame);
+        self.readahead(file, first, last, dev)
+    }
+
+    /// Wait for a miss's read; on failure the frame is released and the error returned.
+    fn finish_read(&self, frame: u32, tag: Tag) -> Result<(), CacheError> {
+        if self.wait_tag(tag)? {
+            self.cache.frames.unpin(frame);
             self.free_frame(frame);
             return Err(self.take_error());
         }
-        Ok(Some((frame, abandoned)))
+        Ok(())
     }
 
-    /// Readahead for sequential streams: after two consecutive pages, read the next
-    /// `readahead_pages` as background requests. Random access never reaches the threshold.
-    fn readahead(&self, key: Key, dev: &Device) -> Result<(), CacheError> {
+    /// Readahead for sequential streams: when a miss on pages `first..=last` continues the
+    /// previous one, read the next `readahead_pages` as background requests. Random access never
+    /// reaches the threshold.
+    fn readahead(&self, file: FileId, first: u64, last: u64, dev: &Device) -> Result<(), CacheError> {
         let ra = self.cache.cfg.readahead_pages as u64;
         if ra == 0 {
             return Ok(());
         }
-        let file = key.file() as usize;
         let (sequential, next) = {
             let mut streams = self.streams.borrow_mut();
-            let s = &mut streams[file];
-            if key.page() == s.next_page && key.page() > 0 {
+            let s = &mut streams[file.0 as usize];
+            if first == s.next_page && first > 0 {
                 s.run += 1;
             } else {
                 s.run = 0;
             }
-            s.next_page = key.page() + 1;
-            (s.run >= 1, key.page() + 1)
+            s.next_page = last + 1;
+            (s.run >= 1, last + 1)
         };
         if !sequential {
             return Ok(());
         }
-        let size = self.attached(FileId(key.file()))?.size;
+        let size = self.attached(file)?.size;
         let last = size.div_ceil(PAGE_BYTES as u64);
         let frames = &self.cache.frames;
         for page in next..(next + ra).min(last) {
-            let k = Key::new(key.file(), page);
+            let k = Key::new(file.0, page);
             if self.cache.index.get(k, frames).is_some() {
                 continue;
             }
