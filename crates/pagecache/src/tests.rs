@@ -28,6 +28,8 @@ fn engine() -> Rc<Engine> {
 struct Faulty {
     mem: MemBackend,
     fail_reads: Cell<Option<(u64, u64)>>,
+    /// Reads take this long (the backend is synchronous: the submitting thread sleeps).
+    read_delay: Cell<Option<std::time::Duration>>,
 }
 
 impl Backend for Faulty {
@@ -48,6 +50,9 @@ impl Backend for Faulty {
             if piece.op == Op::Read && piece.offset < hi && piece.offset + piece.len as u64 > lo {
                 return Ok(Started::Done(-EIO));
             }
+        }
+        if let (Op::Read, Some(d)) = (piece.op, self.read_delay.get()) {
+            std::thread::sleep(d);
         }
         // SAFETY: forwarded contract.
         unsafe { self.mem.start(engine, sink, tag, piece) }
@@ -81,6 +86,7 @@ fn faulty_device(lbio: &Rc<LbioArray>, bytes: usize) -> (Device, Rc<Faulty>) {
     let f = Rc::new(Faulty {
         mem: MemBackend::new(bytes),
         fail_reads: Cell::new(None),
+        read_delay: Cell::new(None),
     });
     (device_over(lbio, &f), f)
 }
@@ -449,4 +455,73 @@ fn threads_missing_the_same_pages_get_correct_data_and_no_frame_leaks() {
         }
     }
     assert_eq!(accounted, cache.frames.len(), "{m:?}");
+}
+
+#[test]
+fn two_readers_missing_one_page_both_read_it_and_the_loser_is_abandoned() {
+    // A device slow enough (2 ms a read) that both threads miss the same pages before either
+    // indexes them: with lazy indexing both read; one frame is indexed and the other abandoned.
+    const PAGES: u64 = 8;
+    for mode in [Mode::AIOS, Mode::VANILLA] {
+        let cache = PageCache::new(CacheConfig {
+            capacity_bytes: 32 * PAGE_BYTES,
+            pool_batch: 4,
+            readahead_pages: 0,
+            huge_pages: false,
+        })
+        .unwrap();
+        let file = cache.add_file(PAGES * 4096).unwrap();
+        let barrier = Arc::new(Barrier::new(2));
+        let workers: Vec<_> = (0..2)
+            .map(|_| {
+                let cache = Arc::clone(&cache);
+                let barrier = Arc::clone(&barrier);
+                std::thread::spawn(move || {
+                    let engine = engine();
+                    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+                    let (dev, backend) = faulty_device(&lbio, (PAGES * 4096) as usize);
+                    let mut b = engine.try_alloc((PAGES * 4096) as usize).unwrap();
+                    for (i, x) in b.iter_mut().enumerate() {
+                        *x = (i / 4096 * 7 + i % 13) as u8;
+                    }
+                    let expect = b.to_vec();
+                    device_over(&lbio, &backend)
+                        .write_at_blocking(0, b, false)
+                        .unwrap();
+                    backend
+                        .read_delay
+                        .set(Some(std::time::Duration::from_millis(2)));
+                    let h = CacheHandle::new(&cache, &engine, &lbio, mode).unwrap();
+                    h.attach(file, dev).unwrap();
+                    barrier.wait();
+                    let mut buf = vec![0u8; 4096];
+                    for page in 0..PAGES {
+                        h.read(file, page * 4096, &mut buf).unwrap();
+                        let at = page as usize * 4096;
+                        assert!(buf[..] == expect[at..at + 4096], "page {page} differs");
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().unwrap();
+        }
+        let m = cache.metrics();
+        if mode.lazy_index {
+            assert!(m.duplicates > 0, "{m:?}");
+        } else {
+            assert_eq!(m.duplicates, 0, "{m:?}");
+        }
+        // Every frame is free or holds an indexed page: abandoned frames went back.
+        let mut accounted = m.free_frames;
+        for f in 0..cache.frames.len() {
+            let s = cache.frames.state(f);
+            assert_eq!(s.pins(), 0, "frame {f} still pinned");
+            assert!(!s.has(frames::ABANDONED), "frame {f}: {s:?}");
+            if s.has(frames::VALID | frames::INDEXED) {
+                accounted += 1;
+            }
+        }
+        assert_eq!(accounted, cache.frames.len(), "{m:?}");
+    }
 }
