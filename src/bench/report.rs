@@ -123,7 +123,7 @@ pub fn plot_cdf(path: &Path, title: &str, samples: &[&Sample]) -> Result<(), Ben
         .iter()
         .flat_map(|s| s.cdf.iter().map(|p| p.1))
         .fold(f64::INFINITY, f64::min)
-        .max(0.1);
+        .max(0.01);
     let hi = series
         .iter()
         .map(|s| s.lat_us_p999.max(s.lat_us_p99))

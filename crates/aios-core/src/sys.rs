@@ -196,6 +196,39 @@ pub fn fdatasync(fd: RawFd) -> io::Result<()> {
     Ok(())
 }
 
+/// Advice for [`fadvise`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Advice {
+    /// Drop the range from the kernel's page cache (clean pages).
+    DontNeed,
+    /// Random access: no readahead.
+    Random,
+}
+
+/// `posix_fadvise` on a range (`len` 0: to the end).
+pub fn fadvise(fd: RawFd, offset: u64, len: u64, advice: Advice) -> io::Result<()> {
+    let a = match advice {
+        Advice::DontNeed => libc::POSIX_FADV_DONTNEED,
+        Advice::Random => libc::POSIX_FADV_RANDOM,
+    };
+    // SAFETY: plain syscall on a descriptor the caller owns; no memory is passed.
+    let rc = unsafe { libc::posix_fadvise(fd, offset as libc::off_t, len as libc::off_t, a) };
+    if rc != 0 {
+        return Err(io::Error::from_raw_os_error(rc));
+    }
+    Ok(())
+}
+
+/// CPU time (user + system) consumed so far by the calling thread.
+pub fn thread_cpu_time() -> Duration {
+    // SAFETY: an all-zero rusage is valid; getrusage fills it.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is a valid, writable rusage.
+    unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, (t.tv_usec as u32) * 1000);
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
 /// CPU time (user + system) consumed so far by the whole process.
 pub fn process_cpu_time() -> Duration {
     // SAFETY: an all-zero rusage is valid; getrusage fills it.

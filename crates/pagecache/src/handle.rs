@@ -79,8 +79,12 @@ pub struct CacheHandle {
     release: RefCell<Vec<u32>>,
     pending: RefCell<Vec<Option<Pending>>>,
     streams: RefCell<Vec<Stream>>,
-    /// Entry of the last miss to its SQE being queued, ns (the submission latency, AIOS Fig. 14).
-    last_submit_ns: Cell<u64>,
+    /// Entry of the last miss to its SQE entering the kernel, ns (the submission latency, AIOS
+    /// Fig. 14); taken by [`CacheHandle::take_submit_ns`].
+    last_submit_ns: Cell<Option<u64>>,
+    /// Whether reads take the clock at entry for `last_submit_ns` (off by default: a clock read
+    /// per call is a sizeable part of a hit).
+    timing: Cell<bool>,
     last_error: RefCell<Option<LbioError>>,
 }
 
@@ -130,7 +134,8 @@ impl CacheHandle {
             release: RefCell::new(Vec::with_capacity(2 * batch)),
             pending: RefCell::new(vec![None; slots]),
             streams: RefCell::new(Vec::new()),
-            last_submit_ns: Cell::new(0),
+            last_submit_ns: Cell::new(None),
+            timing: Cell::new(false),
             last_error: RefCell::new(None),
         };
         if mode.pool {
@@ -147,9 +152,29 @@ impl CacheHandle {
     pub fn mode(&self) -> Mode {
         self.mode
     }
-    /// Nanoseconds from the last miss's entry to its read being queued on the ring.
-    pub fn last_submit_ns(&self) -> u64 {
-        self.last_submit_ns.get()
+    /// The submission latency of the last read that missed since the previous call: ns from the
+    /// read call's entry to its SQE being in the ring as the `io_uring_enter` that submits it
+    /// starts (for a multi-page read, its first batch). `None` when no read missed since.
+    ///
+    /// Recorded only while [`CacheHandle::time_submissions`] is on.
+    pub fn take_submit_ns(&self) -> Option<u64> {
+        self.last_submit_ns.take()
+    }
+
+    /// Record the submission latency of misses (a clock read at every read's entry).
+    pub fn time_submissions(&self, on: bool) {
+        self.timing.set(on);
+    }
+
+    fn entry_clock(&self) -> Option<Instant> {
+        self.timing.get().then(Instant::now)
+    }
+
+    fn record_submit(&self, entry: Option<Instant>) {
+        if let Some(t0) = entry {
+            self.last_submit_ns
+                .set(Some(t0.elapsed().as_nanos() as u64));
+        }
     }
 
     /// Serve `file` on this handle from `device` (opened on this handle's lbio array). The
@@ -238,12 +263,13 @@ impl CacheHandle {
     /// A read spanning several pages sends the reads of all its missing pages (up to
     /// [`MISS_BATCH`] at a time) before it waits for any of them.
     pub fn read(&self, file: FileId, offset: u64, buf: &mut [u8]) -> Result<(), CacheError> {
+        let entry = self.entry_clock();
         self.check_range(file, offset, buf.len())?;
         let first = offset / PAGE_BYTES as u64;
         let last = (offset + buf.len() as u64 - 1) / PAGE_BYTES as u64;
         if first == last {
             let in_page = (offset % PAGE_BYTES as u64) as usize;
-            return self.read_page(Key::new(file.0, first), |frame| {
+            return self.read_page(Key::new(file.0, first), entry, |frame| {
                 // SAFETY: `frame` points at a whole page and `in_page + buf.len() <= PAGE_BYTES`;
                 // the caller of this closure pins or re-validates the frame around the copy.
                 unsafe {
@@ -254,7 +280,7 @@ impl CacheHandle {
         let mut page = first;
         while page <= last {
             let end = (page + MISS_BATCH as u64 - 1).min(last);
-            self.read_batch(file, offset, buf, page, end)?;
+            self.read_batch(file, offset, buf, page, end, entry)?;
             page = end + 1;
         }
         Ok(())
@@ -269,6 +295,7 @@ impl CacheHandle {
         buf: &mut [u8],
         first: u64,
         last: u64,
+        entry: Option<Instant>,
     ) -> Result<(), CacheError> {
         // The part of `buf` page `page` fills, and where in the page it starts.
         let len = buf.len() as u64;
@@ -304,9 +331,10 @@ impl CacheHandle {
         }
         if n_missing == 1 {
             let page = missing[0];
-            return self.read_page(Key::new(file.0, page), |frame| copy_out(buf, page, frame));
+            return self.read_page(Key::new(file.0, page), entry, |frame| {
+                copy_out(buf, page, frame)
+            });
         }
-        let t0 = Instant::now();
         let dev = self.device(file)?;
         self.publish_metrics();
         // Submit every miss; pages raced by another reader or refused for lack of a frame or a
@@ -343,7 +371,7 @@ impl CacheHandle {
             }
         }
         if n_reads > 0 {
-            self.last_submit_ns.set(t0.elapsed().as_nanos() as u64);
+            self.record_submit(entry);
             self.engine.submit()?;
         }
         // While the device works: lazy indexing, pool refill, readahead.
@@ -366,13 +394,16 @@ impl CacheHandle {
             return Err(e);
         }
         for &page in &retry[..n_retry] {
-            self.read_page(Key::new(file.0, page), |frame| copy_out(buf, page, frame))?;
+            self.read_page(Key::new(file.0, page), None, |frame| {
+                copy_out(buf, page, frame)
+            })?;
         }
         Ok(())
     }
 
     /// Pin page `page` of `file` and return it without copying.
     pub fn get(&self, file: FileId, page: u64) -> Result<PageGuard<'_>, CacheError> {
+        let entry = self.entry_clock();
         self.check_range(file, page * PAGE_BYTES as u64, 1)?;
         let key = Key::new(file.0, page);
         loop {
@@ -389,7 +420,7 @@ impl CacheHandle {
                 self.wait_for(frame)?;
                 continue;
             }
-            match self.miss(key)? {
+            match self.miss(key, entry)? {
                 Some((frame, abandoned)) => {
                     return Ok(PageGuard {
                         handle: self,
@@ -403,12 +434,17 @@ impl CacheHandle {
     }
 
     /// Copy one page's bytes out with `copy` (given the frame's address).
-    fn read_page(&self, key: Key, mut copy: impl FnMut(*const u8)) -> Result<(), CacheError> {
+    fn read_page(
+        &self,
+        key: Key,
+        entry: Option<Instant>,
+        mut copy: impl FnMut(*const u8),
+    ) -> Result<(), CacheError> {
         loop {
             if self.try_hit(key, &mut copy)? {
                 return Ok(());
             }
-            if let Some((frame, abandoned)) = self.miss(key)? {
+            if let Some((frame, abandoned)) = self.miss(key, entry)? {
                 copy(self.cache.frame_ptr(frame));
                 self.unpin(frame, abandoned);
                 return Ok(());
@@ -429,8 +465,7 @@ impl CacheHandle {
                 copy(self.cache.frame_ptr(frame));
                 let s2 = frames.state(frame);
                 // Optimistic read: valid only if nobody changed the frame meanwhile.
-                if s2.version() == s1.version() && s2.has(frames::VALID) && !s2.has(frames::BUSY)
-                {
+                if s2.version() == s1.version() && s2.has(frames::VALID) && !s2.has(frames::BUSY) {
                     frames.mark(frame, frames::REFERENCED);
                     self.count_hit();
                     return Ok(true);
@@ -576,8 +611,7 @@ impl CacheHandle {
 
     /// Serve a miss: `Some((frame, abandoned))` with the frame pinned and valid, or `None` when
     /// another reader's frame for the page turned up (the caller looks again).
-    fn miss(&self, key: Key) -> Result<Option<(u32, bool)>, CacheError> {
-        let t0 = Instant::now();
+    fn miss(&self, key: Key, entry: Option<Instant>) -> Result<Option<(u32, bool)>, CacheError> {
         let file = FileId(key.file());
         let dev = self.device(file)?;
         self.publish_metrics();
@@ -585,7 +619,7 @@ impl CacheHandle {
             return Ok(None);
         };
         // The SQE is in the ring: what is timed ends here, as it enters the kernel.
-        self.last_submit_ns.set(t0.elapsed().as_nanos() as u64);
+        self.record_submit(entry);
         self.engine.submit()?;
         // The work the reader does not need before the device answers.
         let abandoned = self.index_late(key, frame);
@@ -689,7 +723,13 @@ impl CacheHandle {
     /// Readahead for sequential streams: when a miss on pages `first..=last` continues the
     /// previous one, read the next `readahead_pages` as background requests. Random access never
     /// reaches the threshold.
-    fn readahead(&self, file: FileId, first: u64, last: u64, dev: &Device) -> Result<(), CacheError> {
+    fn readahead(
+        &self,
+        file: FileId,
+        first: u64,
+        last: u64,
+        dev: &Device,
+    ) -> Result<(), CacheError> {
         let ra = self.cache.cfg.readahead_pages as u64;
         if ra == 0 {
             return Ok(());
@@ -897,7 +937,7 @@ impl CacheHandle {
                 }
                 None => {
                     // Part of a page: bring it in, then modify it.
-                    self.read_page(key, |_| {})?;
+                    self.read_page(key, None, |_| {})?;
                     continue;
                 }
             };
