@@ -372,6 +372,9 @@ fn describe(flags: &[&str], sqpoll: Option<Duration>, iopoll: bool) -> String {
     all.join(" | ")
 }
 
+/// While busy-polling, yield the CPU after this many empty polls in a row.
+const YIELD_EVERY_EMPTY_POLLS: u32 = 8;
+
 impl Engine {
     /// Create an engine on the calling thread: check memlock, build the ring(s), map and register
     /// the arena, reserve registered-file slots.
@@ -827,6 +830,7 @@ impl Engine {
             return Ok(done);
         }
         let polled = |e: &Engine| e.iopoll.as_ref().is_some_and(|r| r.inflight.get() > 0);
+        let mut empty = 0u32;
         while done < min {
             if self.completion.get() == CompletionMode::Wait && !polled(self) {
                 if let Some(r) = self.iopoll.as_ref().filter(|r| r.pending.get() > 0) {
@@ -839,7 +843,14 @@ impl Engine {
                 let got = self.poll_completions()?;
                 if got == 0 {
                     self.bump(|m| m.empty_polls += 1);
-                    std::hint::spin_loop();
+                    empty += 1;
+                    if empty % YIELD_EVERY_EMPTY_POLLS == 0 {
+                        // The device's work may need this CPU (a loop device's worker, a
+                        // softirq): let it run rather than wait for this thread's time slice.
+                        std::thread::yield_now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
                 }
                 done += got;
             }
