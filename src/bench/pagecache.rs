@@ -79,6 +79,8 @@ impl Reader {
 pub struct Case {
     pub reader: Reader,
     pub hot: bool,
+    /// Hits: bytes of the hot set (0 for cold runs).
+    pub hot_bytes: u64,
     pub bs: u32,
     pub threads: u32,
 }
@@ -114,8 +116,8 @@ pub struct PagecacheBench {
     pub rounds: u32,
     /// Capacity of the page cache under test.
     pub cache_bytes: usize,
-    /// Bytes of the hot set the hit workloads read.
-    pub hot_bytes: u64,
+    /// Hot-set sizes of the hit workloads (each one a run per reader).
+    pub hot_sets: Vec<u64>,
 }
 
 /// One measured run, a table row or a JSON line: the foundation's fields plus `mode`, `bs` as
@@ -139,6 +141,9 @@ pub struct PcSample {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub round: Option<u32>,
     pub device: String,
+    /// Hits: the hot set the reads draw from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hot_set: Option<String>,
     /// Read entry → SQE entering the kernel, median (µs); page-cache misses only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub submit_us_p50: Option<f64>,
@@ -232,6 +237,19 @@ impl Permutation {
     }
 }
 
+/// `4194304` → `4m`.
+fn human_size(b: u64) -> String {
+    if b >= 1 << 30 && b % (1 << 30) == 0 {
+        format!("{}g", b >> 30)
+    } else if b >= 1 << 20 && b % (1 << 20) == 0 {
+        format!("{}m", b >> 20)
+    } else if b >= 1 << 10 && b % (1 << 10) == 0 {
+        format!("{}k", b >> 10)
+    } else {
+        b.to_string()
+    }
+}
+
 fn gcd(mut a: u64, mut b: u64) -> u64 {
     while b != 0 {
         (a, b) = (b, a % b);
@@ -309,23 +327,27 @@ impl PagecacheBench {
                     v.push(Case {
                         reader,
                         hot: false,
+                        hot_bytes: 0,
                         bs,
                         threads,
                     });
                 }
             }
             if self.hits {
-                for reader in [
-                    Reader::Kernel,
-                    Reader::Cache(Mode::AIOS),
-                    Reader::CacheZeroCopy,
-                ] {
-                    v.push(Case {
-                        reader,
-                        hot: true,
-                        bs: PAGE_BYTES as u32,
-                        threads,
-                    });
+                for &hot_bytes in &self.hot_sets {
+                    for reader in [
+                        Reader::Kernel,
+                        Reader::Cache(Mode::AIOS),
+                        Reader::CacheZeroCopy,
+                    ] {
+                        v.push(Case {
+                            reader,
+                            hot: true,
+                            hot_bytes,
+                            bs: PAGE_BYTES as u32,
+                            threads,
+                        });
+                    }
                 }
             }
         }
@@ -394,7 +416,7 @@ impl PagecacheBench {
 
     fn run_case(&self, c: Case, capacity: u64, round: u32) -> Result<PcSample, BenchError> {
         let span = if c.hot {
-            self.hot_bytes.min(capacity) / PAGE_BYTES as u64 * PAGE_BYTES as u64
+            c.hot_bytes.min(capacity) / PAGE_BYTES as u64 * PAGE_BYTES as u64
         } else {
             capacity / c.bs as u64 * c.bs as u64
         };
@@ -430,9 +452,12 @@ impl PagecacheBench {
             ),
             None => None,
         };
-        if c.hot && c.reader == Reader::Kernel {
-            warm_kernel(&self.path, span)?;
-        }
+        // Held open for the run: a block device's page cache is dropped at its last close.
+        let _warm = if c.hot && c.reader == Reader::Kernel {
+            Some(warm_kernel(&self.path, span)?)
+        } else {
+            None
+        };
         let barrier = Barrier::new(c.threads as usize);
         let warm_done = Barrier::new(c.threads as usize);
         let seed = 0x5eed_0000 + round as u64 * 7919 + c.bs as u64;
@@ -516,6 +541,7 @@ impl PagecacheBench {
                 .map(|v| (v.quantile_iterated_to(), us(v.value_iterated_to())))
                 .collect(),
             case: Some(c),
+            hot_set: c.hot.then(|| human_size(c.hot_bytes)),
             ..PcSample::default()
         };
         if total.submit.len() > 0 {
@@ -553,8 +579,9 @@ fn device_bytes(path: &std::path::Path) -> Result<u64, BenchError> {
     }
 }
 
-/// Bring `0..span` of `path` into the kernel's page cache.
-fn warm_kernel(path: &std::path::Path, span: u64) -> Result<(), BenchError> {
+/// Bring `0..span` of `path` into the kernel's page cache. The returned descriptor keeps it
+/// there: the kernel drops a block device's cached pages when its last opener closes it.
+fn warm_kernel(path: &std::path::Path, span: u64) -> Result<std::os::fd::OwnedFd, BenchError> {
     let fd = sys::open_buffered(path, false).map_err(setup_err(&path.display().to_string()))?;
     let mut buf = vec![0u8; 1 << 20];
     let mut off = 0;
@@ -564,7 +591,7 @@ fn warm_kernel(path: &std::path::Path, span: u64) -> Result<(), BenchError> {
             .map_err(setup_err("warming the kernel's page cache"))?;
         off += n as u64;
     }
-    Ok(())
+    Ok(fd)
 }
 
 struct ThreadCtx<'a> {
@@ -896,7 +923,10 @@ fn fill_ratios(round: &mut [PcSample]) {
                 }
             }
         } else if let Some(k) = find(&snapshot, &|o| {
-            o.hot && o.reader == Reader::Kernel && o.threads == c.threads
+            o.hot
+                && o.reader == Reader::Kernel
+                && o.threads == c.threads
+                && o.hot_bytes == c.hot_bytes
         }) {
             if k.iops > 0.0 {
                 s.iops_ratio_vs_kernel_hot = Some(s.iops / k.iops);
@@ -904,7 +934,11 @@ fn fill_ratios(round: &mut [PcSample]) {
         }
         if c.threads > 1 {
             if let Some(one) = find(&snapshot, &|o| {
-                o.hot == c.hot && o.reader == c.reader && o.bs == c.bs && o.threads == 1
+                o.hot == c.hot
+                    && o.hot_bytes == c.hot_bytes
+                    && o.reader == c.reader
+                    && o.bs == c.bs
+                    && o.threads == 1
             }) {
                 if one.iops > 0.0 {
                     s.scaling_vs_one_thread = Some(s.iops / one.iops);
@@ -963,11 +997,12 @@ fn medians(cases: &[Case], all: &[PcSample]) -> Vec<PcSample> {
 pub fn print_header(out: &mut impl std::io::Write) -> std::io::Result<()> {
     writeln!(
         out,
-        "{:>5} {:<14} {:<12} {:>5} {:>3} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9} {:>8} {:>9} {:>8} {:>8}",
+        "{:>5} {:<14} {:<12} {:>5} {:>5} {:>3} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9} {:>8} {:>9} {:>8} {:>8}",
         "round",
         "workload",
         "mode",
         "bs",
+        "hot",
         "thr",
         "IOPS",
         "mean us",
@@ -989,11 +1024,12 @@ pub fn print_row(out: &mut impl std::io::Write, s: &PcSample) -> std::io::Result
     let f = |r: Option<f64>, p: usize| r.map(|r| format!("{r:.p$}")).unwrap_or_default();
     writeln!(
         out,
-        "{:>5} {:<14} {:<12} {:>5} {:>3} {:>10.0} {:>9.3} {:>9.3} {:>9.3} {:>10.0} {:>9} {:>8} {:>9} {:>8} {:>8}",
+        "{:>5} {:<14} {:<12} {:>5} {:>5} {:>3} {:>10.0} {:>9.3} {:>9.3} {:>9.3} {:>10.0} {:>9} {:>8} {:>9} {:>8} {:>8}",
         round,
         s.workload,
         s.mode,
         s.bs,
+        s.hot_set.as_deref().unwrap_or(""),
         s.threads,
         s.iops,
         s.lat_us_mean,

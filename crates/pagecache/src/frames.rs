@@ -133,6 +133,12 @@ impl FrameTable {
             .is_ok()
     }
 
+    /// Set the state of a frame this thread owns outright: free (no pins, not valid, out of the
+    /// index), so no other thread changes its state (pins, writers and eviction all need VALID).
+    pub fn set_owned(&self, frame: u32, new: State) {
+        self.meta(frame).state.store(new.0, Ordering::Release);
+    }
+
     /// Apply `f` to the state until the CAS succeeds or `f` declines (returns `None`).
     pub fn update(&self, frame: u32, mut f: impl FnMut(State) -> Option<State>) -> Option<State> {
         let meta = self.meta(frame);

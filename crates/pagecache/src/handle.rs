@@ -245,6 +245,12 @@ impl CacheHandle {
         }
     }
 
+    /// Count misses (after their reads were submitted), publishing this handle's hits with them.
+    fn count_misses(&self, n: u64) {
+        self.publish_metrics();
+        self.cache.counters.misses.fetch_add(n, Ordering::Relaxed);
+    }
+
     fn publish_hits_now(&self, n: u64) {
         self.unpublished_hits.set(0);
         if n > 0 {
@@ -336,7 +342,6 @@ impl CacheHandle {
             });
         }
         let dev = self.device(file)?;
-        self.publish_metrics();
         // Submit every miss; pages raced by another reader or refused for lack of a frame or a
         // slot are read one by one afterwards.
         let mut reads = [(0u64, 0u32, Tag(0), false); MISS_BATCH];
@@ -373,6 +378,7 @@ impl CacheHandle {
         if n_reads > 0 {
             self.record_submit(entry);
             self.engine.submit()?;
+            self.count_misses(n_reads as u64);
         }
         // While the device works: lazy indexing, pool refill, readahead.
         for r in &mut reads[..n_reads] {
@@ -614,13 +620,13 @@ impl CacheHandle {
     fn miss(&self, key: Key, entry: Option<Instant>) -> Result<Option<(u32, bool)>, CacheError> {
         let file = FileId(key.file());
         let dev = self.device(file)?;
-        self.publish_metrics();
         let Some((frame, tag)) = self.start_read(key, &dev)? else {
             return Ok(None);
         };
         // The SQE is in the ring: what is timed ends here, as it enters the kernel.
         self.record_submit(entry);
         self.engine.submit()?;
+        self.count_misses(1);
         // The work the reader does not need before the device answers.
         let abandoned = self.index_late(key, frame);
         self.after_submit(file, key.page(), key.page(), &dev)?;
@@ -635,11 +641,9 @@ impl CacheHandle {
         let cache = &*self.cache;
         let frames = &cache.frames;
         let frame = self.take_frame()?;
-        cache.counters.misses.fetch_add(1, Ordering::Relaxed);
         frames.meta(frame).key.store(key.0, Ordering::Release);
-        frames.update(frame, |s| {
-            Some(State::new(s.version().wrapping_add(1), 1, frames::IO))
-        });
+        let v = frames.state(frame).version().wrapping_add(1);
+        frames.set_owned(frame, State::new(v, 1, frames::IO));
         if !self.mode.lazy_index {
             // Vanilla order: index first, then submit.
             if let Insert::Present(_) = cache.index.insert(key, frame, frames) {
