@@ -44,6 +44,13 @@ if [ "$(id -u)" = 0 ] && command -v fio >/dev/null 2>&1; then
 else
     echo "SKIPPED: the ull comparison needs root (loop device) and fio" >&2
 fi
+step "one short page-cache comparison on the ull device (aios bench pagecache)"
+if [ "$(id -u)" = 0 ]; then
+    ./target/release/aios bench pagecache --device ull --seconds 0.3 --rounds 1 \
+        --out target/bench-report
+else
+    echo "SKIPPED: the ull device is a loop device: it needs root" >&2
+fi
 step "the QEMU lab: NVMe passthrough, IOPOLL and null_blk in a guest (cargo xtask lab)"
 # Installs qemu and busybox-static if missing, fetches the guest kernel once (cached under
 # target/lab/), builds the guest's binaries, boots, runs tests/nvme_lab.rs and the probes and

@@ -544,7 +544,7 @@ impl PagecacheBench {
             hot_set: c.hot.then(|| human_size(c.hot_bytes)),
             ..PcSample::default()
         };
-        if total.submit.len() > 0 {
+        if !total.submit.is_empty() {
             let sh = &total.submit;
             s.submit_us_p50 = Some(us(sh.value_at_quantile(0.5)));
             s.submit_us_mean = Some(sh.mean() / 1000.0);
@@ -553,7 +553,7 @@ impl PagecacheBench {
                 .map(|v| (v.quantile_iterated_to(), us(v.value_iterated_to())))
                 .collect();
         }
-        if total.paired.len() > 0 {
+        if !total.paired.is_empty() {
             let ph = &total.paired;
             s.paired_lbio_us_mean = Some(ph.mean() / 1000.0);
             s.delta_us_vs_lbio = Some(s.lat_us_mean - ph.mean() / 1000.0);
@@ -705,7 +705,7 @@ impl ThreadCtx<'_> {
                     .map_err(|e| BenchError::Setup(format!("attaching the device: {e}")))?;
                 h.time_submissions(!self.case.hot);
                 Prepared::Cache {
-                    h,
+                    h: Box::new(h),
                     file,
                     buf: vec![0u8; bs],
                     paired,
@@ -887,7 +887,7 @@ enum Prepared {
         dev: Device,
     },
     Cache {
-        h: CacheHandle,
+        h: Box<CacheHandle>,
         file: FileId,
         buf: Vec<u8>,
         /// Cold runs: a second device on the same lbio array and a buffer for the paired raw
