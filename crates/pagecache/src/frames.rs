@@ -175,11 +175,7 @@ impl FrameTable {
     pub fn unpin(&self, frame: u32) {
         // One atomic subtract on the pin field: it is > 0 while pinned, so nothing borrows from
         // the version above it.
-        let before = State(
-            self.meta(frame)
-                .state
-                .fetch_sub(1 << 16, Ordering::AcqRel),
-        );
+        let before = State(self.meta(frame).state.fetch_sub(1 << 16, Ordering::AcqRel));
         debug_assert!(before.pins() > 0, "unpin of an unpinned frame {frame}");
     }
 
