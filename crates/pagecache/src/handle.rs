@@ -337,7 +337,7 @@ impl CacheHandle {
         }
         if n_missing == 1 {
             let page = missing[0];
-            return self.read_page(Key::new(file.0, page), entry, |frame| {
+            return self.read_missing(Key::new(file.0, page), entry, |frame| {
                 copy_out(buf, page, frame)
             });
         }
@@ -446,13 +446,27 @@ impl CacheHandle {
         entry: Option<Instant>,
         mut copy: impl FnMut(*const u8),
     ) -> Result<(), CacheError> {
+        if self.try_hit(key, &mut copy)? {
+            return Ok(());
+        }
+        self.read_missing(key, entry, copy)
+    }
+
+    /// [`Self::read_page`] for a page just looked up and not found: the miss first, the index
+    /// again only when another reader's frame turned up meanwhile.
+    fn read_missing(
+        &self,
+        key: Key,
+        entry: Option<Instant>,
+        mut copy: impl FnMut(*const u8),
+    ) -> Result<(), CacheError> {
         loop {
-            if self.try_hit(key, &mut copy)? {
-                return Ok(());
-            }
             if let Some((frame, abandoned)) = self.miss(key, entry)? {
                 copy(self.cache.frame_ptr(frame));
                 self.unpin(frame, abandoned);
+                return Ok(());
+            }
+            if self.try_hit(key, &mut copy)? {
                 return Ok(());
             }
         }
