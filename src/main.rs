@@ -681,7 +681,7 @@ fn cmd_bench_pagecache(a: PagecacheArgs) -> Result<(), BenchError> {
     let mut emit = |s: &pc::PcSample| {
         let mut out = std::io::stdout().lock();
         let _ = if json {
-            pc::print_json(&mut out, s)
+            print_json(&mut out, s)
         } else {
             pc::print_row(&mut out, s)
         };
@@ -745,7 +745,7 @@ fn write_pagecache_plots(
                 &p,
                 &format!(
                     "{title}, {} x{threads} thread(s) on {}",
-                    aios::bench::report::human_bytes(bs),
+                    aios::bench::report::human_bytes(bs.into()),
                     bench.device_name
                 ),
                 &refs,
@@ -919,7 +919,7 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
     let mut f = std::fs::File::create(&pc_jsonl)
         .map_err(|e| BenchError::Setup(format!("creating {}: {e}", pc_jsonl.display())))?;
     for s in pc_all.iter().chain(pc_meds.iter()) {
-        aios::bench::pagecache::print_json(&mut f, s).map_err(io_err)?;
+        print_json(&mut f, s).map_err(io_err)?;
     }
     written.push(pc_jsonl.display().to_string());
     written.extend(write_pagecache_plots(&a.out, &pc, &pc_meds)?);

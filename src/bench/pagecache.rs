@@ -237,19 +237,6 @@ impl Permutation {
     }
 }
 
-/// `4194304` → `4m`.
-fn human_size(b: u64) -> String {
-    if b >= 1 << 30 && b % (1 << 30) == 0 {
-        format!("{}g", b >> 30)
-    } else if b >= 1 << 20 && b % (1 << 20) == 0 {
-        format!("{}m", b >> 20)
-    } else if b >= 1 << 10 && b % (1 << 10) == 0 {
-        format!("{}k", b >> 10)
-    } else {
-        b.to_string()
-    }
-}
-
 fn gcd(mut a: u64, mut b: u64) -> u64 {
     while b != 0 {
         (a, b) = (b, a % b);
@@ -296,19 +283,20 @@ fn thread_stack(
             ..LbioConfig::default()
         },
     )?;
-    let dev = Device::open(
-        &lbio,
-        path,
-        DeviceConfig {
-            route: RouteChoice::Auto,
-            probe: ProbeOptions {
-                latency_samples: 50,
-                try_iopoll: false,
-            },
-            ..DeviceConfig::default()
-        },
-    )?;
+    let dev = Device::open(&lbio, path, device_config())?;
     Ok((engine, lbio, dev))
+}
+
+/// How the bench opens its lbio devices: routes chosen by a short probe, no IOPOLL.
+fn device_config() -> DeviceConfig {
+    DeviceConfig {
+        route: RouteChoice::Auto,
+        probe: ProbeOptions {
+            latency_samples: 50,
+            try_iopoll: false,
+        },
+        ..DeviceConfig::default()
+    }
 }
 
 fn setup_err(what: &str) -> impl Fn(std::io::Error) -> BenchError + '_ {
@@ -395,7 +383,7 @@ impl PagecacheBench {
                     order.len(),
                     c.workload(),
                     c.reader.mode(c.hot),
-                    human_bytes(c.bs),
+                    human_bytes(c.bs.into()),
                     c.threads
                 ));
                 let mut s = self.run_case(*c, capacity, round)?;
@@ -520,7 +508,7 @@ impl PagecacheBench {
             workload: c.workload().into(),
             engine: c.reader.engine().into(),
             mode: c.reader.mode(c.hot).into(),
-            bs: human_bytes(c.bs).to_ascii_lowercase(),
+            bs: human_bytes(c.bs.into()),
             qd: 1,
             threads: c.threads,
             iops: total.ops as f64 / elapsed,
@@ -541,7 +529,7 @@ impl PagecacheBench {
                 .map(|v| (v.quantile_iterated_to(), us(v.value_iterated_to())))
                 .collect(),
             case: Some(c),
-            hot_set: c.hot.then(|| human_size(c.hot_bytes)),
+            hot_set: c.hot.then(|| human_bytes(c.hot_bytes)),
             ..PcSample::default()
         };
         if !total.submit.is_empty() {
@@ -684,18 +672,7 @@ impl ThreadCtx<'_> {
                 let paired = if self.case.hot {
                     None
                 } else {
-                    let raw = Device::open(
-                        &lbio,
-                        self.path,
-                        DeviceConfig {
-                            route: RouteChoice::Auto,
-                            probe: ProbeOptions {
-                                latency_samples: 50,
-                                try_iopoll: false,
-                            },
-                            ..DeviceConfig::default()
-                        },
-                    )?;
+                    let raw = Device::open(&lbio, self.path, device_config())?;
                     let b = engine.alloc_blocking(bs)?;
                     Some(RefCell::new((raw, Some(b))))
                 };
@@ -1042,12 +1019,6 @@ pub fn print_row(out: &mut impl std::io::Write, s: &PcSample) -> std::io::Result
         x(s.iops_ratio_vs_kernel_hot),
         x(s.scaling_vs_one_thread)
     )
-}
-
-/// One JSON line.
-pub fn print_json(out: &mut impl std::io::Write, s: &PcSample) -> std::io::Result<()> {
-    let line = serde_json::to_string(s).map_err(std::io::Error::other)?;
-    writeln!(out, "{line}")
 }
 
 /// The samples (median runs) to plot as CDFs: `submit` picks the submission-latency CDF of

@@ -40,7 +40,7 @@ pub fn print_row(out: &mut impl Write, s: &Sample) -> std::io::Result<()> {
         round,
         s.engine,
         s.workload,
-        human_bytes(s.bs),
+        human_bytes(s.bs.into()),
         s.qd,
         s.iops,
         s.lat_us_mean,
@@ -55,15 +55,17 @@ pub fn print_row(out: &mut impl Write, s: &Sample) -> std::io::Result<()> {
     )
 }
 
-/// Print a sample as one JSON line.
-pub fn print_json(out: &mut impl Write, s: &Sample) -> std::io::Result<()> {
+/// Print a sample (or any report line) as one JSON line.
+pub fn print_json(out: &mut impl Write, s: &impl serde::Serialize) -> std::io::Result<()> {
     let line = serde_json::to_string(s).map_err(std::io::Error::other)?;
     writeln!(out, "{line}")
 }
 
-/// `4096` → `4k`.
-pub fn human_bytes(b: u32) -> String {
-    if b >= 1 << 20 && b % (1 << 20) == 0 {
+/// `4096` → `4k`, `1 << 30` → `1g`.
+pub fn human_bytes(b: u64) -> String {
+    if b >= 1 << 30 && b % (1 << 30) == 0 {
+        format!("{}g", b >> 30)
+    } else if b >= 1 << 20 && b % (1 << 20) == 0 {
         format!("{}m", b >> 20)
     } else if b >= 1024 && b % 1024 == 0 {
         format!("{}k", b >> 10)

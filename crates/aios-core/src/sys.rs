@@ -221,20 +221,19 @@ pub fn fadvise(fd: RawFd, offset: u64, len: u64, advice: Advice) -> io::Result<(
 
 /// CPU time (user + system) consumed so far by the calling thread.
 pub fn thread_cpu_time() -> Duration {
-    // SAFETY: an all-zero rusage is valid; getrusage fills it.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: `ru` is a valid, writable rusage.
-    unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) };
-    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, (t.tv_usec as u32) * 1000);
-    tv(ru.ru_utime) + tv(ru.ru_stime)
+    cpu_time(libc::RUSAGE_THREAD)
 }
 
 /// CPU time (user + system) consumed so far by the whole process.
 pub fn process_cpu_time() -> Duration {
+    cpu_time(libc::RUSAGE_SELF)
+}
+
+fn cpu_time(who: libc::c_int) -> Duration {
     // SAFETY: an all-zero rusage is valid; getrusage fills it.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: `ru` is a valid, writable rusage.
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    unsafe { libc::getrusage(who, &mut ru) };
     let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, (t.tv_usec as u32) * 1000);
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
