@@ -325,13 +325,7 @@ pub fn run_pread(path: &Path, w: &Workload, span: u64) -> Result<Sample, BenchEr
     let write = !w.rw.is_read();
     let fd = sys::open_direct(path, write)
         .map_err(|e| BenchError::Setup(format!("{}: {e}", path.display())))?;
-    let engine = aios_core::Engine::new(aios_core::EngineConfig {
-        ring_entries: 8,
-        arena_bytes: (w.bs as usize).max(4096),
-        huge_pages: false,
-        max_files: 1,
-        ..aios_core::EngineConfig::default()
-    })?;
+    let engine = aligned_memory_engine(w.bs as usize)?;
     let mut buf = engine.alloc_blocking(w.bs as usize)?;
     buf.fill(0xa5);
     let mut offsets = Offsets::new(span, w.bs, w.rw.is_random(), 0x8765_4321);
@@ -366,6 +360,18 @@ pub fn run_pread(path: &Path, w: &Workload, span: u64) -> Result<Sample, BenchEr
         cpu,
         &hist,
     ))
+}
+
+/// A small engine whose arena serves as aligned memory (at least `bytes`) for plain `O_DIRECT`
+/// `pread`/`pwrite` baselines.
+pub fn aligned_memory_engine(bytes: usize) -> Result<Rc<aios_core::Engine>, BenchError> {
+    Ok(aios_core::Engine::new(aios_core::EngineConfig {
+        ring_entries: 8,
+        arena_bytes: bytes.max(4096),
+        huge_pages: false,
+        max_files: 1,
+        ..aios_core::EngineConfig::default()
+    })?)
 }
 
 /// Median of a list (NaN-free inputs).

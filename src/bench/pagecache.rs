@@ -31,7 +31,7 @@ use serde::Serialize;
 
 use crate::bench::compare::Progress;
 use crate::bench::report::human_bytes;
-use crate::bench::{median, new_histogram, BenchError};
+use crate::bench::{aligned_memory_engine, median, new_histogram, BenchError};
 
 /// Hits timed together.
 pub const HIT_BATCH: u64 = 64;
@@ -632,14 +632,7 @@ impl ThreadCtx<'_> {
             Reader::ODirect => {
                 let fd = sys::open_direct(self.path, false)
                     .map_err(setup_err(&self.path.display().to_string()))?;
-                // Aligned memory: a small engine's arena.
-                let engine = Engine::new(EngineConfig {
-                    ring_entries: 8,
-                    arena_bytes: bs.max(1 << 20).next_power_of_two(),
-                    huge_pages: false,
-                    max_files: 1,
-                    ..EngineConfig::default()
-                })?;
+                let engine = aligned_memory_engine(bs)?;
                 Prepared::Fd {
                     fd,
                     buf: Vec::new(),
