@@ -7,6 +7,7 @@ use aios_core::SharedRegion;
 
 use crate::error::CacheError;
 use crate::frames::{self, FrameTable, Key, State, NO_KEY};
+use crate::hazard::Hazards;
 use crate::index::Index;
 
 /// Bytes per page (and per frame).
@@ -140,6 +141,7 @@ pub struct PageCache {
     pub(crate) region: Arc<SharedRegion>,
     pub(crate) frames: FrameTable,
     pub(crate) index: Index,
+    pub(crate) hazards: Hazards,
     free: Mutex<Vec<u32>>,
     clock: AtomicUsize,
     files: Mutex<Vec<FileInfo>>,
@@ -186,6 +188,7 @@ impl PageCache {
             region,
             frames: FrameTable::new(frames),
             index: Index::new(frames),
+            hazards: Hazards::new(),
             free: Mutex::new((0..frames).rev().collect()),
             clock: AtomicUsize::new(0),
             files: Mutex::new(Vec::new()),
@@ -281,8 +284,8 @@ impl PageCache {
         self.evict_one()
     }
 
-    /// CLOCK: sweep the hand until a frame that is indexed, valid, clean, unpinned and not
-    /// recently referenced can be taken; referenced frames get a second chance. Dirty frames are
+    /// CLOCK: sweep the hand until a frame that is indexed, valid, clean, unpinned (no pin count,
+    /// no hazard slot) and not recently referenced can be taken; referenced frames get a second chance. Dirty frames are
     /// skipped (they must be written back first: [`crate::CacheHandle::sync`] or writeback).
     pub(crate) fn evict_one(&self) -> Result<u32, CacheError> {
         let n = self.frames.len() as usize;
@@ -307,6 +310,18 @@ impl PageCache {
                 .frames
                 .cas(f, s, State::new(s.version().wrapping_add(1), 0, 0))
             {
+                continue;
+            }
+            if self.hazards.protects(f) {
+                // A zero-copy guard holds it (it published its slot before our claim): give it
+                // back, referenced, with a new version.
+                self.frames.update(f, |cur| {
+                    Some(State::new(
+                        cur.version().wrapping_add(1),
+                        0,
+                        s.flags() | frames::REFERENCED,
+                    ))
+                });
                 continue;
             }
             self.index.remove(Key(key), f);

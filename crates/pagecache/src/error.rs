@@ -36,6 +36,9 @@ pub enum CacheError {
         "no frame can be evicted: all {frames} are pinned, in flight or dirty; sync or drop guards"
     )]
     NoEvictableFrame { frames: u32 },
+    /// A write to a page this same handle holds a zero-copy guard on (it would wait forever).
+    #[error("page {page} of file {file:?} is held by a PageGuard of this handle: drop the guard before writing the page")]
+    GuardHeld { file: FileId, page: u64 },
     /// A configuration value is out of range.
     #[error("invalid page cache configuration: {0}")]
     Config(String),

@@ -3,7 +3,8 @@
 //! Each frame's state is one `AtomicU64`: a version (bumped whenever the frame changes identity or
 //! content), a pin count, and flags. A hit reads it optimistically — state, data, state again, and
 //! the copy counts only if the version did not move — so readers on different cores never write a
-//! shared cache line (seqlock style). Pinning (zero-copy guards, writeback) is a CAS on the word.
+//! shared cache line (seqlock style). Zero-copy guards publish the frame in a per-handle hazard slot
+//! (see `hazard`); writeback and guards past a handle's slots pin by a CAS on the word.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -121,6 +122,11 @@ impl FrameTable {
         State(self.meta(frame).state.load(Ordering::Acquire))
     }
 
+    /// The state, read after publishing a hazard slot (sequentially consistent, see `hazard`).
+    pub fn state_after_protect(&self, frame: u32) -> State {
+        State(self.meta(frame).state.load(Ordering::SeqCst))
+    }
+
     pub fn key(&self, frame: u32) -> u64 {
         self.meta(frame).key.load(Ordering::Acquire)
     }
@@ -129,7 +135,7 @@ impl FrameTable {
     pub fn cas(&self, frame: u32, old: State, new: State) -> bool {
         self.meta(frame)
             .state
-            .compare_exchange(old.0, new.0, Ordering::AcqRel, Ordering::Acquire)
+            .compare_exchange(old.0, new.0, Ordering::SeqCst, Ordering::Acquire)
             .is_ok()
     }
 
@@ -145,10 +151,12 @@ impl FrameTable {
         let mut cur = State(meta.state.load(Ordering::Acquire));
         loop {
             let new = f(cur)?;
+            // Sequentially consistent: a change that needs the frame unread is followed by a
+            // scan of the hazard slots (see `hazard`), and the two must not be reordered.
             match meta.state.compare_exchange_weak(
                 cur.0,
                 new.0,
-                Ordering::AcqRel,
+                Ordering::SeqCst,
                 Ordering::Acquire,
             ) {
                 Ok(_) => return Some(new),

@@ -20,6 +20,7 @@ use lbio::{Class, Device, Io, LbioArray, LbioError, RawBuf, Tag};
 use crate::cache::{FileId, Mode, PageCache, PAGE_BYTES};
 use crate::error::CacheError;
 use crate::frames::{self, Key, State, NO_KEY};
+use crate::hazard;
 use crate::index::Insert;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,6 +87,11 @@ pub struct CacheHandle {
     /// per call is a sizeable part of a hit).
     timing: Cell<bool>,
     last_error: RefCell<Option<LbioError>>,
+    /// This handle's block of hazard slots (`None` past [`hazard::MAX_BLOCKS`] handles: its guards
+    /// pin by count).
+    hazard_block: Option<usize>,
+    /// Bit `i` set: slot `i` of the block is free.
+    hazard_free: Cell<u16>,
 }
 
 /// A page pinned in the cache: its bytes, without a copy. Dropping it unpins the page.
@@ -93,20 +99,25 @@ pub struct PageGuard<'a> {
     handle: &'a CacheHandle,
     frame: u32,
     abandoned: bool,
+    /// The hazard slot holding the page, or `None` when it is pinned by count.
+    slot: Option<u8>,
 }
 
 impl Deref for PageGuard<'_> {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: the frame is pinned and valid: no eviction, no writer (writers need zero
-        // pins) and no read into it until the pin is dropped.
+        // SAFETY: the frame is pinned (by count or hazard slot) and valid: no eviction, no writer
+        // (both need zero pins and no slot holding it) and no read into it until the guard drops.
         unsafe { std::slice::from_raw_parts(self.handle.cache.frame_ptr(self.frame), PAGE_BYTES) }
     }
 }
 
 impl Drop for PageGuard<'_> {
     fn drop(&mut self) {
-        self.handle.unpin(self.frame, self.abandoned);
+        match self.slot {
+            Some(slot) => self.handle.release_slot(slot),
+            None => self.handle.unpin(self.frame, self.abandoned),
+        }
     }
 }
 
@@ -137,6 +148,8 @@ impl CacheHandle {
             last_submit_ns: Cell::new(None),
             timing: Cell::new(false),
             last_error: RefCell::new(None),
+            hazard_block: cache.hazards.claim(),
+            hazard_free: Cell::new(((1u32 << hazard::SLOTS) - 1) as u16),
         };
         if mode.pool {
             h.refill()?;
@@ -414,29 +427,90 @@ impl CacheHandle {
         let key = Key::new(file.0, page);
         loop {
             if let Some(frame) = self.cache.index.get(key, &self.cache.frames) {
-                if self.cache.frames.pin(frame, key) {
-                    self.cache.frames.mark(frame, frames::REFERENCED);
-                    self.count_hit();
-                    return Ok(PageGuard {
-                        handle: self,
-                        frame,
-                        abandoned: false,
-                    });
-                }
-                self.wait_for(frame)?;
-                continue;
+                let slot = match self.protect(frame, key) {
+                    Protect::Held(slot) => Some(slot),
+                    Protect::Changed => {
+                        self.wait_for(frame)?;
+                        continue;
+                    }
+                    Protect::NoSlot if self.cache.frames.pin(frame, key) => None,
+                    Protect::NoSlot => {
+                        self.wait_for(frame)?;
+                        continue;
+                    }
+                };
+                self.cache.frames.mark(frame, frames::REFERENCED);
+                self.count_hit();
+                return Ok(PageGuard {
+                    handle: self,
+                    frame,
+                    abandoned: false,
+                    slot,
+                });
             }
             match self.miss(key, entry)? {
                 Some((frame, abandoned)) => {
+                    // The miss left the frame pinned by count; an indexed frame moves to a hazard
+                    // slot (published while the count still holds it), so a write from this
+                    // handle can tell its own guard. An abandoned frame keeps the count: it is
+                    // freed when that drops.
+                    let slot = match self.hazard_block {
+                        Some(block) if !abandoned && self.hazard_free.get() != 0 => {
+                            let free = self.hazard_free.get();
+                            let slot = free.trailing_zeros() as usize;
+                            self.cache.hazards.protect(block, slot, frame);
+                            self.hazard_free.set(free & !(1 << slot));
+                            self.cache.frames.unpin(frame);
+                            Some(slot as u8)
+                        }
+                        _ => None,
+                    };
                     return Ok(PageGuard {
                         handle: self,
                         frame,
                         abandoned,
-                    })
+                        slot,
+                    });
                 }
                 None => continue,
             }
         }
+    }
+
+    /// Hold `frame` (found for `key`) through one of this handle's hazard slots: publish it,
+    /// then check the frame still holds the page, valid and not being written.
+    fn protect(&self, frame: u32, key: Key) -> Protect {
+        let Some(block) = self.hazard_block else {
+            return Protect::NoSlot;
+        };
+        let free = self.hazard_free.get();
+        if free == 0 {
+            return Protect::NoSlot;
+        }
+        let frames = &self.cache.frames;
+        let s1 = frames.state(frame);
+        if !s1.has(frames::VALID) || s1.has(frames::BUSY) || frames.key(frame) != key.0 {
+            return Protect::Changed;
+        }
+        let slot = free.trailing_zeros() as usize;
+        self.cache.hazards.protect(block, slot, frame);
+        let s2 = frames.state_after_protect(frame);
+        if s2.version() != s1.version()
+            || !s2.has(frames::VALID)
+            || s2.has(frames::BUSY)
+            || frames.key(frame) != key.0
+        {
+            self.cache.hazards.clear(block, slot);
+            return Protect::Changed;
+        }
+        self.hazard_free.set(free & !(1 << slot));
+        Protect::Held(slot as u8)
+    }
+
+    fn release_slot(&self, slot: u8) {
+        let block = self.hazard_block.expect("a slot implies a block");
+        self.cache.hazards.clear(block, slot as usize);
+        self.hazard_free.set(self.hazard_free.get() | 1 << slot);
     }
 
     /// Copy one page's bytes out with `copy` (given the frame's address).
@@ -978,6 +1052,22 @@ impl CacheHandle {
                 });
                 continue;
             }
+            if self.cache.hazards.protects(frame) {
+                // A zero-copy guard holds the page: give it back and wait for the guard to go,
+                // unless the guard is this handle's own (it would never go).
+                frames.update(frame, |s| {
+                    Some(s.with_flags(s.flags() & !frames::BUSY).bumped())
+                });
+                if self
+                    .hazard_block
+                    .is_some_and(|b| self.cache.hazards.protects_in(b, frame))
+                {
+                    return Err(CacheError::GuardHeld { file, page });
+                }
+                self.poll()?;
+                std::thread::yield_now();
+                continue;
+            }
             self.fill(frame, in_page, &data[done..done + n]);
             done += n;
         }
@@ -1106,5 +1196,18 @@ impl Drop for CacheHandle {
         }
         self.give_back();
         self.publish_metrics();
+        if let Some(b) = self.hazard_block {
+            self.cache.hazards.release(b);
+        }
     }
+}
+
+/// What [`CacheHandle::protect`] got.
+enum Protect {
+    /// The page is held through this slot.
+    Held(u8),
+    /// The frame changed (evicted, being written or read): look again.
+    Changed,
+    /// No hazard slot free on this handle: pin by count instead.
+    NoSlot,
 }

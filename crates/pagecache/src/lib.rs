@@ -13,7 +13,8 @@
 //!   freed once its reader has its bytes. Freed frames go back in batches (lazy release).
 //! - **Hit**: the index is read without locks and a page is copied out optimistically (state
 //!   word, bytes, state word again), so hits on different cores write no shared cache line;
-//!   [`CacheHandle::get`] pins the page instead and hands out a zero-copy guard.
+//!   [`CacheHandle::get`] hands out a zero-copy guard that holds the page through a hazard slot
+//!   of its own handle (eviction and writers check the slots), again writing no shared line.
 //! - [`Mode`] switches the same code to the vanilla path (allocate under a lock, index, then
 //!   submit with unregistered memory) or the steps between, for the ablation of AIOS Fig. 13.
 //!
@@ -41,6 +42,7 @@ mod cache;
 mod error;
 mod frames;
 mod handle;
+mod hazard;
 mod index;
 
 pub use cache::{CacheConfig, CacheMetrics, FileId, Mode, PageCache, PAGE_BYTES};

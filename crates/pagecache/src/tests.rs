@@ -367,6 +367,121 @@ fn zero_copy_guards_pin_pages_against_eviction() {
 }
 
 #[test]
+fn more_guards_than_hazard_slots_pin_by_count_and_a_write_under_its_own_guard_is_refused() {
+    let Setup {
+        cache,
+        lbio,
+        file,
+        h,
+        ..
+    } = setup(64, 4, 0, 1 << 20, Mode::AIOS);
+    h.attach(file, Device::memory(&lbio, 1 << 20).unwrap())
+        .unwrap();
+    let held = crate::hazard::SLOTS as u64 + 5;
+    for page in 0..held {
+        h.write(file, page * 4096, &[page as u8 + 1; 4096]).unwrap();
+    }
+    h.sync(file).unwrap();
+    // The first guards take hazard slots, the rest pin by count; some are hits, page `held`
+    // is a miss.
+    let guards: Vec<_> = (0..=held).map(|p| h.get(file, p).unwrap()).collect();
+    assert_eq!(cache.hazards.in_use(), crate::hazard::SLOTS);
+    let counted = (0..cache.frames.len())
+        .filter(|&f| cache.frames.state(f).pins() > 0)
+        .count();
+    assert_eq!(counted as u64, held + 1 - crate::hazard::SLOTS as u64);
+    let mut buf = [0u8; 4096];
+    for page in 100..250u64 {
+        h.read(file, page * 4096, &mut buf).unwrap();
+    }
+    assert!(cache.metrics().evictions > 100);
+    for (p, g) in guards.iter().enumerate().take(held as usize) {
+        assert!(
+            g.iter().all(|&b| b == p as u8 + 1),
+            "guarded page {p} changed"
+        );
+    }
+    let err = h.write(file, 4096, b"x").unwrap_err();
+    assert!(
+        matches!(err, CacheError::GuardHeld { page: 1, .. }),
+        "{err}"
+    );
+    drop(guards);
+    assert_eq!(cache.hazards.in_use(), 0);
+    h.write(file, 4096, b"x").unwrap();
+    h.read(file, 4096, &mut buf[..2]).unwrap();
+    assert_eq!(&buf[..2], &[b'x', 2]);
+}
+
+#[test]
+fn guards_on_one_thread_never_see_another_threads_writes_or_evictions() {
+    const PAGES: u64 = 8;
+    let path = std::env::temp_dir().join(format!("pagecache-guards-{}", std::process::id()));
+    std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
+    let cache = PageCache::new(CacheConfig {
+        capacity_bytes: 32 * PAGE_BYTES,
+        pool_batch: 4,
+        readahead_pages: 0,
+        huge_pages: false,
+    })
+    .unwrap();
+    let file = cache.add_file(1 << 20).unwrap();
+    let spawn = |writer: bool| {
+        let (cache, path) = (Arc::clone(&cache), path.clone());
+        std::thread::spawn(move || {
+            let engine = engine();
+            let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+            let dev = lbio::Device::open(
+                &lbio,
+                &path,
+                lbio::DeviceConfig {
+                    route: lbio::RouteChoice::Ring,
+                    probe: aios_core::ProbeOptions {
+                        latency_samples: 0,
+                        try_iopoll: false,
+                    },
+                    ..lbio::DeviceConfig::default()
+                },
+            )
+            .unwrap();
+            let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+            h.attach(file, dev).unwrap();
+            let mut held = 0u64;
+            let mut buf = [0u8; 4096];
+            for i in 0..4000u64 {
+                let page = i % PAGES;
+                if writer {
+                    // Whole pages of one byte value, and reads far away that evict.
+                    h.write(file, page * 4096, &[(i % 251) as u8; 4096])
+                        .unwrap();
+                    h.read(file, (64 + i % 128) * 4096, &mut buf).unwrap();
+                } else {
+                    let g = h.get(file, page).unwrap();
+                    let first = g[0];
+                    for _ in 0..4 {
+                        std::hint::spin_loop();
+                    }
+                    assert!(
+                        g.iter().all(|&b| b == first),
+                        "a guarded page was torn or changed under the guard"
+                    );
+                    held += 1;
+                }
+            }
+            held
+        })
+    };
+    let reader = spawn(false);
+    let writer = spawn(true);
+    assert_eq!(reader.join().unwrap(), 4000);
+    writer.join().unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(cache.hazards.in_use(), 0);
+    let m = cache.metrics();
+    assert!(m.evictions > 0, "{m:?}");
+}
+
+#[test]
 fn threads_missing_the_same_pages_get_correct_data_and_no_frame_leaks() {
     const THREADS: usize = 2;
     const PAGES: u64 = 64;
@@ -442,6 +557,7 @@ fn threads_missing_the_same_pages_get_correct_data_and_no_frame_leaks() {
     assert!(m.misses > 0 && m.evictions > 0);
     // Every frame is either free or holds a clean page: none lost in a pool, a release batch or
     // an abandoned state.
+    assert_eq!(cache.hazards.in_use(), 0, "a hazard slot left set");
     let mut accounted = m.free_frames;
     for f in 0..cache.frames.len() {
         let s = cache.frames.state(f);
