@@ -98,6 +98,7 @@ impl Hazards {
     }
 
     /// Slots in use, over all handles.
+    #[cfg(test)]
     pub fn in_use(&self) -> usize {
         self.blocks
             .iter()
