@@ -161,6 +161,16 @@ pub trait CompletionSink {
     fn complete(&self, payload: u64, result: i32, flags: u32);
 }
 
+/// A device simulated in software (lbio's `SimDisk`): it keeps the requests started on it and
+/// completes them, in an order of its choosing, when the engine needs progress.
+pub trait SoftDevice {
+    /// Requests started and not yet completed.
+    fn pending(&self) -> u32;
+    /// Complete at least one pending request by pushing an SQE whose completion stands for it (a
+    /// NOP for its sink, see [`nop_sqe`]); the engine then dispatches it like any other.
+    fn advance(&self, engine: &Engine) -> Result<(), CoreError>;
+}
+
 /// A sink that keeps the result of the last completion it got (one request at a time: probes,
 /// capability checks).
 pub(crate) struct LastResult(pub(crate) Cell<Option<i32>>);
@@ -285,6 +295,8 @@ pub struct Engine {
     passthrough: bool,
     /// Shared regions registered as fixed buffers 1.., kept alive while the rings may use them.
     regions: RefCell<Vec<Arc<SharedRegion>>>,
+    /// Software devices whose requests count as work (see [`SoftDevice`]).
+    soft: RefCell<Vec<Weak<dyn SoftDevice>>>,
 }
 
 const FLAG_NAMES: [&str; 3] = ["SINGLE_ISSUER", "DEFER_TASKRUN", "COOP_TASKRUN"];
@@ -494,6 +506,7 @@ impl Engine {
             eventfd,
             passthrough,
             regions: RefCell::new(Vec::new()),
+            soft: RefCell::new(Vec::new()),
         }))
     }
 
@@ -807,15 +820,50 @@ impl Engine {
         }
     }
 
-    /// Whether any SQE is queued or in flight.
+    /// Whether any SQE is queued or in flight, or a software device holds requests.
     pub fn has_work(&self) -> bool {
         self.rings()
             .any(|r| r.pending.get() > 0 || r.inflight.get() > 0)
+            || self.soft_pending() > 0
     }
 
-    /// SQEs handed to the kernel (or queued) whose completion has not been dispatched.
+    /// SQEs handed to the kernel (or queued) whose completion has not been dispatched, plus
+    /// requests held by software devices.
     pub fn inflight(&self) -> u32 {
-        self.rings().map(|r| r.inflight.get()).sum()
+        self.rings().map(|r| r.inflight.get()).sum::<u32>() + self.soft_pending()
+    }
+
+    /// Let a software device's requests count as this engine's work: waits ask it to complete
+    /// some. The engine keeps a weak reference.
+    pub fn attach_soft_device(&self, dev: Weak<dyn SoftDevice>) {
+        let mut soft = self.soft.borrow_mut();
+        soft.retain(|d| d.strong_count() > 0);
+        soft.push(dev);
+    }
+
+    fn soft_devices(&self) -> Vec<Rc<dyn SoftDevice>> {
+        let soft = self.soft.borrow();
+        if soft.is_empty() {
+            return Vec::new();
+        }
+        soft.iter().filter_map(Weak::upgrade).collect()
+    }
+
+    fn soft_pending(&self) -> u32 {
+        if self.soft.borrow().is_empty() {
+            return 0;
+        }
+        self.soft_devices().iter().map(|d| d.pending()).sum()
+    }
+
+    /// Ask every software device holding requests to complete some.
+    fn advance_soft(&self) -> Result<(), CoreError> {
+        for d in self.soft_devices() {
+            if d.pending() > 0 {
+                d.advance(self)?;
+            }
+        }
+        Ok(())
     }
 
     /// Submit what is queued and dispatch at least `min` completions (fewer only if fewer are in
@@ -832,12 +880,17 @@ impl Engine {
         let polled = |e: &Engine| e.iopoll.as_ref().is_some_and(|r| r.inflight.get() > 0);
         let mut empty = 0u32;
         while done < min {
+            if self.soft_pending() > 0 {
+                // Their completions arrive as NOPs, pushed now and reaped below.
+                self.advance_soft()?;
+            }
             if self.completion.get() == CompletionMode::Wait && !polled(self) {
                 if let Some(r) = self.iopoll.as_ref().filter(|r| r.pending.get() > 0) {
                     self.submit_ring(r, 0)?;
                 }
                 self.bump(|m| m.sleeps += 1);
-                self.submit_ring(&self.main, min - done)?;
+                // Never wait for more than the ring holds (the rest may be a software device's).
+                self.submit_ring(&self.main, (min - done).min(self.main.inflight.get()))?;
                 done += self.reap(&self.main);
             } else {
                 let got = self.poll_completions()?;
@@ -861,6 +914,9 @@ impl Engine {
     /// Submit what is queued, let the kernel post finished completions (deferred task work, IOPOLL
     /// polling) without sleeping, and dispatch them. Returns how many were dispatched.
     pub fn poll_completions(&self) -> Result<u32, CoreError> {
+        if self.soft_pending() > 0 {
+            self.advance_soft()?;
+        }
         let mut n = 0;
         for ring in self.rings() {
             let needs_enter = ring.pending.get() > 0
@@ -1040,6 +1096,11 @@ pub fn write_sqe(
             .rw_flags(flags)
             .build(),
     }
+}
+
+/// Build a NOP SQE (it completes at once with result 0): how a [`SoftDevice`] posts a completion.
+pub fn nop_sqe() -> squeue::Entry {
+    io_uring::opcode::Nop::new().build()
 }
 
 /// Build an `fdatasync` SQE for a registered file.

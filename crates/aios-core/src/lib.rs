@@ -24,8 +24,9 @@ pub mod sys;
 
 pub use arena::{Arena, Backing, FixedBuf, SharedRegion};
 pub use engine::{
-    check_memlock, CompletionMode, CompletionSink, Engine, EngineConfig, EngineMetrics, FixedFile,
-    Plug, RingKind, RingSetup, SinkId, MAX_COMPLETION_SINKS, MAX_SHARED_REGIONS, PAYLOAD_MASK,
+    check_memlock, nop_sqe, CompletionMode, CompletionSink, Engine, EngineConfig, EngineMetrics,
+    FixedFile, Plug, RingKind, RingSetup, SinkId, SoftDevice, MAX_COMPLETION_SINKS,
+    MAX_SHARED_REGIONS, PAYLOAD_MASK,
 };
 pub use error::CoreError;
 pub use probe::{probe, DeviceKind, DeviceProbe, PathChoice, PathLatency, ProbeOptions, Route};

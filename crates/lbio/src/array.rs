@@ -527,7 +527,7 @@ impl LbioArray {
         match started {
             Ok(Started::Queued) => {}
             Ok(Started::Done(res)) => {
-                let outcome = backend.outcome(res, piece_len);
+                let outcome = backend.outcome_of(payload, res, piece_len);
                 self.piece_done(inner, tag, outcome, !critical)
             }
             Err(e) => {
@@ -753,7 +753,7 @@ impl LbioArray {
             .as_ref()
             .expect("a device stays open while it has requests")
             .backend(background)
-            .outcome(res, piece_len);
+            .outcome_of(payload, res, piece_len);
         self.piece_done(inner, tag, outcome, background);
         self.finish_if_done(inner, tag);
         // The device may have closed with this completion (its handle was dropped earlier).

@@ -40,6 +40,9 @@ pub struct Caps {
     pub flush: bool,
     /// Reads and writes go to the engine's IOPOLL ring.
     pub iopoll: bool,
+    /// Completed writes survive a power cut (no volatile write cache, or a protected one): a
+    /// FLUSH buys no durability and callers may skip it.
+    pub power_loss_protected: bool,
 }
 
 /// One device command: a whole request, or one piece of a split one.
@@ -94,6 +97,13 @@ pub trait Backend {
         } else {
             Outcome::Bytes(res as u32)
         }
+    }
+
+    /// [`Backend::outcome`] for the piece whose completion carried `payload` (a backend that
+    /// keeps per-piece results overrides this).
+    fn outcome_of(&self, payload: u64, res: i32, len: u32) -> Outcome {
+        let _ = payload;
+        self.outcome(res, len)
     }
 
     /// Start `piece`. Asynchronous backends push an SQE for `sink` tagged `tag` and return
@@ -183,6 +193,7 @@ impl Backend for FileBackend {
             fua: true,
             flush: true,
             iopoll: self.ring == RingKind::Iopoll,
+            power_loss_protected: false,
         }
     }
 
@@ -246,6 +257,7 @@ impl Backend for SyncBackend {
             fua: true,
             flush: true,
             iopoll: false,
+            power_loss_protected: false,
         }
     }
 
@@ -308,6 +320,7 @@ impl Backend for MemBackend {
             fua: true,
             flush: true,
             iopoll: false,
+            power_loss_protected: false,
         }
     }
 
@@ -423,6 +436,7 @@ impl Backend for NvmeBackend {
             fua: true,
             flush: true,
             iopoll: self.ring == RingKind::Iopoll,
+            power_loss_protected: false,
         }
     }
 

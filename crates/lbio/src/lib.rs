@@ -27,6 +27,7 @@ mod array;
 mod backend;
 mod device;
 mod error;
+mod simdisk;
 
 pub use array::{Class, Completion, LbioArray, LbioConfig, LbioMetrics, RawBuf, Tag, MAX_SLOTS};
 pub use backend::{
@@ -35,6 +36,7 @@ pub use backend::{
 };
 pub use device::{Device, DeviceConfig, Geometry, Io, IoFuture, RouteChoice, MAX_REQUEST_BYTES};
 pub use error::LbioError;
+pub use simdisk::{CrashOptions, SimConfig, SimDisk, SimLatency, SimRng, SimStats};
 
 #[cfg(test)]
 mod tests;

@@ -1,0 +1,755 @@
+//! `SimDisk`: an SSD with a volatile write cache, simulated in RAM, for crash testing.
+//!
+//! Requests are started into a queue and completed later, when the engine needs progress
+//! ([`aios_core::SoftDevice`]): each time, a random non-empty set of the queued requests completes,
+//! in a random order. A completed write sits in the volatile cache (reads see it) and becomes
+//! durable only when a FLUSH submitted after its completion completes, or at once when it was
+//! written with FUA, or at once on a device with power-loss protection.
+//!
+//! [`SimDisk::cut_power`] stops the device where it is; [`SimDisk::crash_image`] then returns an
+//! image a power cut could leave: every durable write, plus any subset of the writes that were
+//! not durable yet (completed or still queued), each of them possibly torn at sector boundaries.
+//! Misdirected writes (a write lands at another offset) and bit rot (flipped bits in the image)
+//! can be switched on. Everything is drawn from one seeded generator, so a run replays exactly
+//! from its seed. A latency model advances a simulated clock ([`SimDisk::sim_time_ns`]).
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use aios_core::{nop_sqe, CoreError, Engine, RingKind, SinkId, SoftDevice};
+
+use crate::array::LbioArray;
+use crate::backend::{Backend, Caps, Op, Outcome, Piece, PieceError, Started};
+use crate::device::{Device, Geometry};
+use crate::error::LbioError;
+
+/// A small, stable, seeded generator (splitmix64): the same seed gives the same run on every
+/// platform and every version of this crate.
+#[derive(Clone, Debug)]
+pub struct SimRng(u64);
+
+impl SimRng {
+    pub fn new(seed: u64) -> SimRng {
+        SimRng(seed)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: u64) -> u64 {
+        debug_assert!(n > 0);
+        ((self.next_u64() as u128 * n as u128) >> 64) as u64
+    }
+    /// True with probability `num / den`.
+    pub fn chance(&mut self, num: u64, den: u64) -> bool {
+        self.below(den) < num
+    }
+}
+
+/// Simulated device time, in nanoseconds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimLatency {
+    pub read_ns: u64,
+    pub write_ns: u64,
+    /// Added per 4 KiB transferred.
+    pub per_4k_ns: u64,
+    /// A FLUSH that writes the volatile cache out.
+    pub flush_ns: u64,
+    /// A FLUSH on a device with power-loss protection (nothing to write out).
+    pub flush_plp_ns: u64,
+}
+
+impl Default for SimLatency {
+    fn default() -> Self {
+        // Roughly an ultra-low-latency NVMe SSD.
+        SimLatency {
+            read_ns: 8_000,
+            write_ns: 10_000,
+            per_4k_ns: 1_000,
+            flush_ns: 20_000,
+            flush_plp_ns: 500,
+        }
+    }
+}
+
+/// How a [`SimDisk`] behaves.
+#[derive(Clone, Copy, Debug)]
+pub struct SimConfig {
+    pub bytes: u64,
+    /// The unit a write is atomic in (a torn write keeps or loses whole sectors).
+    pub sector_bytes: u32,
+    pub seed: u64,
+    /// Power-loss protection: completed writes survive a crash, and FLUSH costs little.
+    pub plp: bool,
+    /// Start this many requests, then cut the power (a crash at a chosen point); `None`: never.
+    pub power_cut_after: Option<u64>,
+    /// Per million writes, how many land at a wrong offset.
+    pub misdirect_per_million: u32,
+    pub latency: SimLatency,
+}
+
+impl SimConfig {
+    /// A device of `bytes` bytes, 512-byte sectors, no power-loss protection, from `seed`.
+    pub fn new(bytes: u64, seed: u64) -> SimConfig {
+        SimConfig {
+            bytes,
+            sector_bytes: 512,
+            seed,
+            plp: false,
+            power_cut_after: None,
+            misdirect_per_million: 0,
+            latency: SimLatency::default(),
+        }
+    }
+}
+
+/// Counters of a [`SimDisk`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SimStats {
+    pub reads: u64,
+    pub writes: u64,
+    pub fua_writes: u64,
+    pub flushes: u64,
+    /// Requests that completed out of the order they were started in.
+    pub reordered: u64,
+    pub misdirected: u64,
+    /// Requests refused or failed because the power was off.
+    pub after_power_cut: u64,
+}
+
+/// What a crash image may contain beyond the durable writes.
+#[derive(Clone, Copy, Debug)]
+pub struct CrashOptions {
+    /// Let multi-sector writes that were not durable survive in part.
+    pub torn: bool,
+    /// Bits to flip at random places in the image (bit rot).
+    pub bit_flips: u32,
+}
+
+impl Default for CrashOptions {
+    fn default() -> Self {
+        CrashOptions {
+            torn: true,
+            bit_flips: 0,
+        }
+    }
+}
+
+struct Queued {
+    sink: SinkId,
+    payload: u64,
+    op: Op,
+    offset: u64,
+    len: u32,
+    /// Where a read's bytes go.
+    ptr: *mut u8,
+    /// A write's bytes, copied at start (the caller's buffer is free after completion).
+    data: Vec<u8>,
+    fua: bool,
+    /// For a FLUSH: completions counted when it was started (it covers those before).
+    flush_mark: u64,
+    started: u64,
+}
+
+/// A completed write not yet durable.
+struct Volatile {
+    completed: u64,
+    offset: u64,
+    data: Vec<u8>,
+    /// Per sector: still able to reach the media (a later durable write of the sector kills it).
+    live: Vec<bool>,
+}
+
+struct Sim {
+    cfg: SimConfig,
+    rng: SimRng,
+    media: Vec<u8>,
+    /// What reads see: the media plus completed writes.
+    view: Vec<u8>,
+    volatile: Vec<Volatile>,
+    queue: Vec<Queued>,
+    /// Payloads of completions that failed (a NOP carries no result of its own).
+    failed: Vec<u64>,
+    started: u64,
+    completed: u64,
+    powered: bool,
+    now_ns: u64,
+    stats: SimStats,
+}
+
+/// A simulated SSD; clone the handle freely (all clones are the same disk). Not `Send`: it lives
+/// on the thread of the engine it is attached to.
+#[derive(Clone)]
+pub struct SimDisk(Rc<RefCell<Sim>>);
+
+impl SimDisk {
+    /// A zero-filled disk.
+    pub fn new(cfg: SimConfig) -> Result<SimDisk, LbioError> {
+        Self::from_image(cfg, vec![0; cfg.bytes as usize])
+    }
+
+    /// A disk holding `image` (durable), e.g. a crash image to recover from.
+    pub fn from_image(cfg: SimConfig, image: Vec<u8>) -> Result<SimDisk, LbioError> {
+        if !cfg.sector_bytes.is_power_of_two() || cfg.sector_bytes < 512 {
+            return Err(LbioError::Config(format!(
+                "SimDisk sector size {} must be a power of two of at least 512",
+                cfg.sector_bytes
+            )));
+        }
+        if image.len() as u64 != cfg.bytes || cfg.bytes % cfg.sector_bytes as u64 != 0 {
+            return Err(LbioError::Config(format!(
+                "SimDisk image of {} bytes: the disk is {} bytes, a multiple of {}-byte sectors",
+                image.len(),
+                cfg.bytes,
+                cfg.sector_bytes
+            )));
+        }
+        Ok(SimDisk(Rc::new(RefCell::new(Sim {
+            cfg,
+            rng: SimRng::new(cfg.seed),
+            view: image.clone(),
+            media: image,
+            volatile: Vec::new(),
+            queue: Vec::new(),
+            failed: Vec::new(),
+            started: 0,
+            completed: 0,
+            powered: true,
+            now_ns: 0,
+            stats: SimStats::default(),
+        }))))
+    }
+
+    /// Open the disk as a device on `lbio` (both request classes), and let `lbio`'s engine drive
+    /// its completions.
+    pub fn open(&self, lbio: &Rc<LbioArray>) -> Result<Device, LbioError> {
+        let cfg = self.0.borrow().cfg;
+        let soft: Rc<dyn SoftDevice> = Rc::new(self.clone());
+        lbio.engine().attach_soft_device(Rc::downgrade(&soft));
+        // The engine holds a weak reference: keep the strong one alive as long as the backend.
+        let geometry = Geometry {
+            capacity_bytes: cfg.bytes,
+            logical_block: cfg.sector_bytes,
+            mem_align: 512,
+            offset_align: cfg.sector_bytes,
+            max_transfer_bytes: 1 << 20,
+        };
+        Device::from_backends(
+            lbio,
+            Box::new(SimBackend(self.clone(), Some(Rc::clone(&soft)))),
+            Box::new(SimBackend(self.clone(), Some(soft))),
+            geometry,
+            true,
+        )
+    }
+
+    /// Stop the device now: queued requests fail, new ones are refused, nothing more changes.
+    pub fn cut_power(&self) {
+        self.0.borrow_mut().powered = false;
+    }
+
+    /// Whether the power is still on.
+    pub fn powered(&self) -> bool {
+        self.0.borrow().powered
+    }
+
+    /// An image a power cut now could leave (see the module docs). Each call draws anew.
+    pub fn crash_image(&self, opts: CrashOptions) -> Vec<u8> {
+        let mut s = self.0.borrow_mut();
+        let s = &mut *s;
+        let sector = s.cfg.sector_bytes as usize;
+        let mut img = s.media.clone();
+        if !s.cfg.plp {
+            for v in &s.volatile {
+                let live = v.live.clone();
+                apply_maybe(
+                    &mut s.rng, &mut img, v.offset, &v.data, &live, sector, opts.torn,
+                );
+            }
+        }
+        let queued: Vec<(u64, Vec<u8>)> = s
+            .queue
+            .iter()
+            .filter(|q| q.op == Op::Write)
+            .map(|q| (q.offset, q.data.clone()))
+            .collect();
+        for (offset, data) in queued {
+            let live = vec![true; data.len() / sector];
+            apply_maybe(
+                &mut s.rng, &mut img, offset, &data, &live, sector, opts.torn,
+            );
+        }
+        for _ in 0..opts.bit_flips {
+            let bit = s.rng.below(img.len() as u64 * 8);
+            img[(bit / 8) as usize] ^= 1 << (bit % 8);
+        }
+        img
+    }
+
+    /// The durable bytes only (what survives if no volatile write does).
+    pub fn media(&self) -> Vec<u8> {
+        self.0.borrow().media.clone()
+    }
+
+    /// What a read would return now.
+    pub fn view(&self) -> Vec<u8> {
+        self.0.borrow().view.clone()
+    }
+
+    /// Requests started so far.
+    pub fn started(&self) -> u64 {
+        self.0.borrow().started
+    }
+
+    /// Simulated device time so far.
+    pub fn sim_time_ns(&self) -> u64 {
+        self.0.borrow().now_ns
+    }
+
+    pub fn stats(&self) -> SimStats {
+        self.0.borrow().stats
+    }
+
+    pub fn config(&self) -> SimConfig {
+        self.0.borrow().cfg
+    }
+}
+
+/// Apply a not-yet-durable write to a crash image: dropped, whole, or (when `torn`) a random
+/// subset of its sectors.
+fn apply_maybe(
+    rng: &mut SimRng,
+    img: &mut [u8],
+    offset: u64,
+    data: &[u8],
+    live: &[bool],
+    sector: usize,
+    torn: bool,
+) {
+    let choice = rng.below(if torn { 3 } else { 2 });
+    for (i, chunk) in data.chunks(sector).enumerate() {
+        let keep = match choice {
+            0 => false,
+            1 => true,
+            _ => rng.chance(1, 2),
+        };
+        if keep && live[i] {
+            let at = offset as usize + i * sector;
+            img[at..at + chunk.len()].copy_from_slice(chunk);
+        }
+    }
+}
+
+impl Sim {
+    /// Complete one queued request: its effect on the disk, and its result.
+    fn complete(&mut self, q: Queued) {
+        let lat = self.cfg.latency;
+        let sector = self.cfg.sector_bytes as usize;
+        let kib4 = (q.len as u64).div_ceil(4096);
+        match q.op {
+            Op::Read => {
+                self.stats.reads += 1;
+                self.now_ns += lat.read_ns + kib4 * lat.per_4k_ns;
+                let at = q.offset as usize;
+                // SAFETY: the backend contract keeps `ptr..ptr+len` ours until this completion is
+                // dispatched; `view` is a separate allocation.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(self.view[at..].as_ptr(), q.ptr, q.len as usize)
+                };
+            }
+            Op::Write => {
+                self.stats.writes += 1;
+                self.now_ns += lat.write_ns + kib4 * lat.per_4k_ns;
+                let mut offset = q.offset;
+                if self.cfg.misdirect_per_million > 0
+                    && self
+                        .rng
+                        .chance(self.cfg.misdirect_per_million as u64, 1_000_000)
+                {
+                    let sectors = (self.cfg.bytes - q.len as u64) / sector as u64;
+                    offset = self.rng.below(sectors + 1) * sector as u64;
+                    self.stats.misdirected += 1;
+                }
+                let at = offset as usize;
+                self.view[at..at + q.data.len()].copy_from_slice(&q.data);
+                if q.fua || self.cfg.plp {
+                    if q.fua {
+                        self.stats.fua_writes += 1;
+                    }
+                    self.media[at..at + q.data.len()].copy_from_slice(&q.data);
+                    // Older cached copies of these sectors can no longer reach the media.
+                    let (lo, hi) = (offset, offset + q.data.len() as u64);
+                    for v in &mut self.volatile {
+                        for (i, live) in v.live.iter_mut().enumerate() {
+                            let s = v.offset + (i * sector) as u64;
+                            if s >= lo && s < hi {
+                                *live = false;
+                            }
+                        }
+                    }
+                } else {
+                    let n = q.data.len() / sector;
+                    self.volatile.push(Volatile {
+                        completed: self.completed,
+                        offset,
+                        data: q.data,
+                        live: vec![true; n],
+                    });
+                }
+            }
+            Op::Flush => {
+                self.stats.flushes += 1;
+                self.now_ns += if self.cfg.plp {
+                    lat.flush_plp_ns
+                } else {
+                    lat.flush_ns
+                };
+                let mark = q.flush_mark;
+                let sector = self.cfg.sector_bytes as usize;
+                let media = &mut self.media;
+                self.volatile.retain(|v| {
+                    if v.completed >= mark {
+                        return true;
+                    }
+                    for (i, chunk) in v.data.chunks(sector).enumerate() {
+                        if v.live[i] {
+                            let at = v.offset as usize + i * sector;
+                            media[at..at + chunk.len()].copy_from_slice(chunk);
+                        }
+                    }
+                    false
+                });
+            }
+        }
+        if q.started != self.completed {
+            self.stats.reordered += 1;
+        }
+        self.completed += 1;
+    }
+}
+
+impl SoftDevice for SimDisk {
+    fn pending(&self) -> u32 {
+        self.0.borrow().queue.len() as u32
+    }
+
+    fn advance(&self, engine: &Engine) -> Result<(), CoreError> {
+        // Pick and apply under the borrow; push completions after it (a push may dispatch
+        // completions, whose handlers may start new requests here).
+        let done: Vec<(SinkId, u64)> = {
+            let mut guard = self.0.borrow_mut();
+            let s = &mut *guard;
+            let n = s.queue.len();
+            if n == 0 {
+                return Ok(());
+            }
+            let k = 1 + s.rng.below(n as u64) as usize;
+            let mut out = Vec::with_capacity(k);
+            for _ in 0..k {
+                let i = s.rng.below(s.queue.len() as u64) as usize;
+                let q = s.queue.swap_remove(i);
+                let (sink, payload) = (q.sink, q.payload);
+                if s.powered {
+                    s.complete(q);
+                } else {
+                    s.stats.after_power_cut += 1;
+                    s.failed.push(payload);
+                }
+                out.push((sink, payload));
+            }
+            out
+        };
+        for (sink, payload) in done {
+            // SAFETY: a NOP refers to no memory or file.
+            unsafe { engine.push(RingKind::Main, sink, payload, nop_sqe())? };
+        }
+        Ok(())
+    }
+}
+
+/// The [`Backend`] face of a [`SimDisk`].
+struct SimBackend(SimDisk, #[allow(dead_code)] Option<Rc<dyn SoftDevice>>);
+
+impl Backend for SimBackend {
+    fn caps(&self) -> Caps {
+        Caps {
+            name: "simdisk",
+            asynchronous: true,
+            fua: true,
+            flush: true,
+            iopoll: false,
+            power_loss_protected: self.0 .0.borrow().cfg.plp,
+        }
+    }
+
+    fn outcome(&self, res: i32, len: u32) -> Outcome {
+        if res < 0 {
+            Outcome::Failed(PieceError::Errno(-res))
+        } else {
+            Outcome::Bytes(len)
+        }
+    }
+
+    fn outcome_of(&self, payload: u64, res: i32, len: u32) -> Outcome {
+        let mut s = self.0 .0.borrow_mut();
+        if let Some(i) = s.failed.iter().position(|&p| p == payload) {
+            s.failed.swap_remove(i);
+            return Outcome::Failed(PieceError::Errno(libc::EIO));
+        }
+        drop(s);
+        self.outcome(res, len)
+    }
+
+    unsafe fn start(
+        &self,
+        _engine: &Engine,
+        sink: SinkId,
+        payload: u64,
+        piece: &Piece,
+    ) -> Result<Started, CoreError> {
+        let mut s = self.0 .0.borrow_mut();
+        if !s.powered {
+            s.stats.after_power_cut += 1;
+            return Ok(Started::Done(-libc::EIO));
+        }
+        let end = piece.offset.checked_add(piece.len as u64);
+        if end.is_none_or(|e| e > s.cfg.bytes) {
+            return Ok(Started::Done(-libc::EINVAL));
+        }
+        let data = if piece.op == Op::Write {
+            // SAFETY: the caller guarantees `ptr..ptr+len` is valid for the piece's lifetime.
+            unsafe { std::slice::from_raw_parts(piece.ptr, piece.len as usize) }.to_vec()
+        } else {
+            Vec::new()
+        };
+        let started = s.started;
+        let mark = s.completed;
+        s.queue.push(Queued {
+            sink,
+            payload,
+            op: piece.op,
+            offset: piece.offset,
+            len: piece.len,
+            ptr: piece.ptr,
+            data,
+            fua: piece.fua,
+            flush_mark: mark,
+            started,
+        });
+        s.started += 1;
+        if s.cfg.power_cut_after.is_some_and(|n| s.started >= n) {
+            s.powered = false;
+        }
+        Ok(Started::Queued)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Io, LbioConfig};
+    use aios_core::{EngineConfig, FixedBuf};
+
+    fn setup(cfg: SimConfig) -> (Rc<Engine>, Rc<LbioArray>, SimDisk, Device) {
+        let engine = Engine::new(EngineConfig {
+            ring_entries: 256,
+            arena_bytes: 4 << 20,
+            huge_pages: false,
+            ..EngineConfig::default()
+        })
+        .unwrap();
+        let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+        let disk = SimDisk::new(cfg).unwrap();
+        let dev = disk.open(&lbio).unwrap();
+        (engine, lbio, disk, dev)
+    }
+
+    fn buf(engine: &Engine, len: usize, v: u8) -> FixedBuf {
+        let mut b = engine.try_alloc(len).unwrap();
+        b.fill(v);
+        b
+    }
+
+    /// Start `n` 4 KiB writes of value `v + i` at block `i`, detached, and wait for all.
+    fn write_blocks(engine: &Engine, lbio: &LbioArray, dev: &Device, n: u64, v: u8) -> Vec<u64> {
+        let mut order = Vec::new();
+        let mut tags = Vec::new();
+        for i in 0..n {
+            let io = Io::write(i * 4096, buf(engine, 4096, v + i as u8));
+            tags.push(dev.submit(io).map_err(|e| e.0).unwrap());
+        }
+        while order.len() < n as usize {
+            lbio.wait_done(1).unwrap();
+            while let Some(c) = lbio.take_done() {
+                c.result.unwrap();
+                order.push(tags.iter().position(|t| *t == c.tag).unwrap() as u64);
+            }
+        }
+        order
+    }
+
+    #[test]
+    fn writes_complete_out_of_order_and_reads_see_them() {
+        let (engine, lbio, disk, dev) = setup(SimConfig::new(1 << 20, 7));
+        let order = write_blocks(&engine, &lbio, &dev, 16, 1);
+        assert_ne!(
+            order,
+            (0..16).collect::<Vec<_>>(),
+            "completion order {order:?}"
+        );
+        assert!(disk.stats().reordered > 0);
+        let back = dev
+            .read_at_blocking(5 * 4096, buf(&engine, 4096, 0))
+            .unwrap();
+        assert!(back.iter().all(|&b| b == 6));
+        assert!(disk.sim_time_ns() > 0);
+    }
+
+    #[test]
+    fn only_flushed_or_fua_writes_are_certain_to_survive_a_crash() {
+        let (engine, lbio, disk, dev) = setup(SimConfig::new(1 << 20, 11));
+        write_blocks(&engine, &lbio, &dev, 2, 1); // blocks 0, 1: values 1, 2
+        dev.flush_blocking().unwrap();
+        dev.write_at_blocking(2 * 4096, buf(&engine, 4096, 9), true)
+            .unwrap(); // FUA
+        dev.write_at_blocking(3 * 4096, buf(&engine, 4096, 7), false)
+            .unwrap(); // volatile
+        disk.cut_power();
+        let mut kept = 0;
+        for _ in 0..64 {
+            let img = disk.crash_image(CrashOptions::default());
+            assert!(img[..4096].iter().all(|&b| b == 1));
+            assert!(img[4096..8192].iter().all(|&b| b == 2));
+            assert!(img[2 * 4096..3 * 4096].iter().all(|&b| b == 9));
+            let b3 = &img[3 * 4096..4 * 4096];
+            if b3.iter().all(|&b| b == 7) {
+                kept += 1;
+            }
+            assert!(b3.iter().all(|&b| b == 7 || b == 0));
+        }
+        assert!(
+            kept > 0 && kept < 64,
+            "the volatile write survived {kept} of 64 crashes"
+        );
+        assert!(disk.media()[3 * 4096..4 * 4096].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn unflushed_multi_sector_writes_tear_at_sector_boundaries() {
+        let (engine, _lbio, disk, dev) = setup(SimConfig::new(1 << 20, 3));
+        dev.write_at_blocking(0, buf(&engine, 4096, 5), false)
+            .unwrap();
+        disk.cut_power();
+        let mut torn = 0;
+        for _ in 0..64 {
+            let img = disk.crash_image(CrashOptions::default());
+            let sectors: Vec<bool> = img[..4096].chunks(512).map(|s| s[0] == 5).collect();
+            for (s, chunk) in sectors.iter().zip(img[..4096].chunks(512)) {
+                assert!(
+                    chunk.iter().all(|&b| b == if *s { 5 } else { 0 }),
+                    "a sector split"
+                );
+            }
+            if sectors.iter().any(|&s| s) && !sectors.iter().all(|&s| s) {
+                torn += 1;
+            }
+        }
+        assert!(torn > 0);
+        let whole = disk.crash_image(CrashOptions {
+            torn: false,
+            bit_flips: 0,
+        });
+        assert!(whole[..4096].iter().all(|&b| b == 5) || whole[..4096].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn power_loss_protection_keeps_completed_writes() {
+        let mut cfg = SimConfig::new(1 << 20, 5);
+        cfg.plp = true;
+        let (engine, _lbio, disk, dev) = setup(cfg);
+        assert!(dev.critical_route().0.power_loss_protected);
+        dev.write_at_blocking(0, buf(&engine, 4096, 4), false)
+            .unwrap();
+        disk.cut_power();
+        for _ in 0..16 {
+            assert!(disk.crash_image(CrashOptions::default())[..4096]
+                .iter()
+                .all(|&b| b == 4));
+        }
+    }
+
+    #[test]
+    fn a_power_cut_fails_queued_and_new_requests() {
+        let mut cfg = SimConfig::new(1 << 20, 9);
+        cfg.power_cut_after = Some(3);
+        let (engine, lbio, disk, dev) = setup(cfg);
+        let mut tags = Vec::new();
+        for i in 0..3u64 {
+            tags.push(
+                dev.submit(Io::write(i * 4096, buf(&engine, 4096, 1)))
+                    .map_err(|e| e.0)
+                    .unwrap(),
+            );
+        }
+        assert!(!disk.powered());
+        let mut failed = 0;
+        while tags.len() > failed {
+            lbio.wait_done(1).unwrap();
+            while let Some(c) = lbio.take_done() {
+                let e = c.result.unwrap_err();
+                assert!(e.to_string().contains("Input/output error"), "{e}");
+                failed += 1;
+            }
+        }
+        assert!(dev.flush_blocking().is_err());
+        assert_eq!(disk.stats().after_power_cut, 4);
+    }
+
+    #[test]
+    fn the_same_seed_replays_the_same_run() {
+        let run = |seed| {
+            let (engine, lbio, disk, dev) = setup(SimConfig::new(1 << 20, seed));
+            let order = write_blocks(&engine, &lbio, &dev, 12, 1);
+            disk.cut_power();
+            (order, disk.crash_image(CrashOptions::default()))
+        };
+        assert_eq!(run(42), run(42));
+        assert_ne!(run(42), run(43));
+    }
+
+    #[test]
+    fn bit_rot_flips_the_asked_number_of_bits() {
+        let (_engine, _lbio, disk, _dev) = setup(SimConfig::new(64 << 10, 1));
+        let img = disk.crash_image(CrashOptions {
+            torn: true,
+            bit_flips: 1,
+        });
+        let ones: u32 = img.iter().map(|b| b.count_ones()).sum();
+        assert_eq!(ones, 1);
+    }
+
+    #[test]
+    fn misdirected_writes_land_elsewhere() {
+        let mut cfg = SimConfig::new(1 << 20, 2);
+        cfg.misdirect_per_million = 1_000_000;
+        let (engine, _lbio, disk, dev) = setup(cfg);
+        dev.write_at_blocking(0, buf(&engine, 4096, 3), true)
+            .unwrap();
+        assert_eq!(disk.stats().misdirected, 1);
+        let media = disk.media();
+        assert!(media.iter().filter(|&&b| b == 3).count() == 4096);
+        assert!(!media[..4096].iter().all(|&b| b == 3));
+    }
+
+    #[test]
+    fn bad_configurations_are_refused() {
+        let mut cfg = SimConfig::new(1 << 20, 1);
+        cfg.sector_bytes = 100;
+        assert!(SimDisk::new(cfg).is_err());
+        assert!(SimDisk::from_image(SimConfig::new(4096, 1), vec![0; 10]).is_err());
+    }
+}
