@@ -1,0 +1,37 @@
+//! Typed journal errors, each naming the wrong value and what would be right.
+
+use lbio::LbioError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    /// A journal area cannot hold even the smallest transaction next to its superblock.
+    #[error("journal area {area} has {blocks} blocks; it needs at least {needed} (a superblock and a log that holds one transaction)")]
+    RegionTooSmall { area: usize, blocks: u64, needed: u64 },
+    /// The layout itself is unusable (overlapping or misaligned areas, none at all).
+    #[error("invalid journal layout: {0}")]
+    Layout(String),
+    /// A transaction needs more log blocks than its area's log has.
+    #[error("transaction needs {needed} log blocks but the journal area's log has {log_blocks}: split it or give the area more blocks")]
+    TxTooLarge { needed: u64, log_blocks: u64 },
+    /// A transaction with nothing in it.
+    #[error("empty transaction: add data, metadata or a revoke before committing")]
+    EmptyTx,
+    /// A block buffer that is not exactly one journal block.
+    #[error("block {block}: {len} bytes given, a journal block is 4096")]
+    BlockLen { block: u64, len: usize },
+    /// A home block inside a journal area or past the device's end.
+    #[error("block {block} is not a home block: {why}")]
+    NotHomeBlock { block: u64, why: String },
+    /// An in-place data write to a block whose journaled metadata is not checkpointed yet (its
+    /// replay would overwrite the data): revoke it in the same transaction first.
+    #[error("block {block} holds journaled metadata not yet checkpointed: revoke it in this transaction before writing data to it")]
+    DataOverJournaledBlock { block: u64 },
+    /// An area's superblock is unreadable.
+    #[error("journal area {area}: bad superblock: {why}")]
+    BadSuperblock { area: usize, why: String },
+    /// The device failed a request.
+    #[error(transparent)]
+    Io(#[from] LbioError),
+    #[error(transparent)]
+    Core(#[from] aios_core::CoreError),
+}

@@ -1,0 +1,261 @@
+//! The on-disk format: a superblock per journal area, then a circular log of 4 KiB blocks.
+//!
+//! A transaction in the log is one or more descriptor blocks, each followed by the metadata
+//! blocks it tags, then revoke blocks, then one commit block. Every descriptor, revoke and commit
+//! block starts with a 32-byte header and ends with a crc32c of the rest of the block; each tag
+//! carries the crc32c of its metadata block; the commit block carries the transaction's block
+//! count and a crc32c chained over all of its blocks. All integers are little-endian.
+//!
+//! ```text
+//! superblock   0 magic "AIOSJSB\x01" · 8 version · 12 block size · 16 area blocks · 24 area index
+//!              28 area count · 32 tail position · 40 tail tid · 48 generation · 4092 crc32c
+//! log header   0 magic · 4 kind (1 descriptor, 2 revoke, 3 commit) · 8 tid · 16 area · 20 count
+//!              24 flags · 28 file · 32.. payload · 4092 crc32c
+//! descriptor   payload: `count` tags of 16 bytes: home block (u64), crc32c of the block (u32), 0
+//! revoke       payload: `count` home blocks (u64)
+//! commit       payload: 32 blocks in the transaction before the commit (u32) · 36 chained crc32c
+//! ```
+
+/// Journal block size (and the unit of home block numbers).
+pub const BLOCK: usize = 4096;
+pub const SB_MAGIC: [u8; 8] = *b"AIOSJSB\x01";
+pub const LOG_MAGIC: u32 = 0x4a53_4941;
+pub const VERSION: u32 = 1;
+pub const HEADER: usize = 32;
+pub const CRC_AT: usize = BLOCK - 4;
+/// Tags one descriptor block holds.
+pub const TAGS_PER_DESC: usize = (CRC_AT - HEADER) / 16;
+/// Block numbers one revoke block holds.
+pub const REVOKES_PER_BLOCK: usize = (CRC_AT - HEADER) / 8;
+/// Descriptor flag: a file-level transaction (it carries one file's metadata only).
+pub const FLAG_FILE_TX: u32 = 1;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Descriptor = 1,
+    Revoke = 2,
+    Commit = 3,
+}
+
+pub fn crc(bytes: &[u8]) -> u32 {
+    crc32c::crc32c(bytes)
+}
+
+/// Chain `bytes` into a running transaction checksum.
+pub fn crc_chain(seed: u32, bytes: &[u8]) -> u32 {
+    crc32c::crc32c_append(seed, bytes)
+}
+
+pub fn put_u32(b: &mut [u8], at: usize, v: u32) {
+    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+pub fn put_u64(b: &mut [u8], at: usize, v: u64) {
+    b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+}
+pub fn get_u32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+pub fn get_u64(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+/// Write the block's trailing checksum.
+pub fn seal(block: &mut [u8]) {
+    let c = crc(&block[..CRC_AT]);
+    put_u32(block, CRC_AT, c);
+}
+
+fn sealed(block: &[u8]) -> bool {
+    block.len() == BLOCK && get_u32(block, CRC_AT) == crc(&block[..CRC_AT])
+}
+
+/// One area's superblock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Superblock {
+    pub area_blocks: u64,
+    pub area_index: u32,
+    pub area_count: u32,
+    /// Log position (0-based, in blocks after the superblock) of the oldest live transaction.
+    pub tail_pos: u64,
+    /// No live transaction in the log has a smaller id.
+    pub tail_tid: u64,
+    pub generation: u64,
+}
+
+impl Superblock {
+    pub fn encode(&self, b: &mut [u8]) {
+        b.fill(0);
+        b[..8].copy_from_slice(&SB_MAGIC);
+        put_u32(b, 8, VERSION);
+        put_u32(b, 12, BLOCK as u32);
+        put_u64(b, 16, self.area_blocks);
+        put_u32(b, 24, self.area_index);
+        put_u32(b, 28, self.area_count);
+        put_u64(b, 32, self.tail_pos);
+        put_u64(b, 40, self.tail_tid);
+        put_u64(b, 48, self.generation);
+        seal(b);
+    }
+
+    /// Decode and check a superblock; the error says what is wrong with it.
+    pub fn decode(b: &[u8]) -> Result<Superblock, String> {
+        if b.len() != BLOCK {
+            return Err(format!("{} bytes, not one {BLOCK}-byte block", b.len()));
+        }
+        if b[..8] != SB_MAGIC {
+            return Err("no journal superblock magic (not formatted, or overwritten)".into());
+        }
+        if !sealed(b) {
+            return Err("checksum mismatch".into());
+        }
+        let version = get_u32(b, 8);
+        if version != VERSION {
+            return Err(format!("format version {version}, this build reads {VERSION}"));
+        }
+        let bs = get_u32(b, 12);
+        if bs as usize != BLOCK {
+            return Err(format!("block size {bs}, expected {BLOCK}"));
+        }
+        let sb = Superblock {
+            area_blocks: get_u64(b, 16),
+            area_index: get_u32(b, 24),
+            area_count: get_u32(b, 28),
+            tail_pos: get_u64(b, 32),
+            tail_tid: get_u64(b, 40),
+            generation: get_u64(b, 48),
+        };
+        if sb.area_blocks < 2 || sb.tail_pos >= sb.area_blocks - 1 {
+            return Err(format!(
+                "tail position {} outside a log of {} blocks",
+                sb.tail_pos,
+                sb.area_blocks.saturating_sub(1)
+            ));
+        }
+        Ok(sb)
+    }
+}
+
+/// A log block's header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    pub kind: Kind,
+    pub tid: u64,
+    pub area: u32,
+    pub count: u32,
+    pub flags: u32,
+    pub file: u32,
+}
+
+impl Header {
+    /// Start a log block: zero it and write the header (seal it when the payload is in).
+    pub fn write(&self, b: &mut [u8]) {
+        b.fill(0);
+        put_u32(b, 0, LOG_MAGIC);
+        put_u32(b, 4, self.kind as u32);
+        put_u64(b, 8, self.tid);
+        put_u32(b, 16, self.area);
+        put_u32(b, 20, self.count);
+        put_u32(b, 24, self.flags);
+        put_u32(b, 28, self.file);
+    }
+
+    /// The header of a sealed log block whose counts fit its kind; `None` for anything else.
+    pub fn read(b: &[u8]) -> Option<Header> {
+        if b.len() != BLOCK || get_u32(b, 0) != LOG_MAGIC || !sealed(b) {
+            return None;
+        }
+        let kind = match get_u32(b, 4) {
+            1 => Kind::Descriptor,
+            2 => Kind::Revoke,
+            3 => Kind::Commit,
+            _ => return None,
+        };
+        let count = get_u32(b, 20);
+        let fits = match kind {
+            // A transaction with no metadata (data and revokes only) has one empty descriptor.
+            Kind::Descriptor => count <= TAGS_PER_DESC as u32,
+            Kind::Revoke => (1..=REVOKES_PER_BLOCK as u32).contains(&count),
+            Kind::Commit => count == 0,
+        };
+        fits.then(|| Header {
+            kind,
+            tid: get_u64(b, 8),
+            area: get_u32(b, 16),
+            count,
+            flags: get_u32(b, 24),
+            file: get_u32(b, 28),
+        })
+    }
+}
+
+/// Tag `i` of a descriptor: (home block, crc32c of the block).
+pub fn tag(b: &[u8], i: usize) -> (u64, u32) {
+    let at = HEADER + 16 * i;
+    (get_u64(b, at), get_u32(b, at + 8))
+}
+
+pub fn put_tag(b: &mut [u8], i: usize, home: u64, crc: u32) {
+    let at = HEADER + 16 * i;
+    put_u64(b, at, home);
+    put_u32(b, at + 8, crc);
+}
+
+/// Blocks a transaction takes in the log.
+pub fn tx_blocks(metas: usize, revokes: usize) -> u64 {
+    let desc = metas.div_ceil(TAGS_PER_DESC).max(1);
+    (desc + metas + revokes.div_ceil(REVOKES_PER_BLOCK) + 1) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn superblock_round_trips_and_rejects_damage() {
+        let sb = Superblock {
+            area_blocks: 64,
+            area_index: 1,
+            area_count: 2,
+            tail_pos: 5,
+            tail_tid: 77,
+            generation: 3,
+        };
+        let mut b = vec![0u8; BLOCK];
+        sb.encode(&mut b);
+        assert_eq!(Superblock::decode(&b), Ok(sb));
+        b[40] ^= 1;
+        assert!(Superblock::decode(&b).unwrap_err().contains("checksum"));
+        assert!(Superblock::decode(&[0u8; BLOCK]).unwrap_err().contains("magic"));
+    }
+
+    #[test]
+    fn headers_need_magic_checksum_and_sane_counts() {
+        let mut b = vec![0u8; BLOCK];
+        let h = Header {
+            kind: Kind::Descriptor,
+            tid: 9,
+            area: 0,
+            count: 2,
+            flags: FLAG_FILE_TX,
+            file: 4,
+        };
+        h.write(&mut b);
+        put_tag(&mut b, 1, 42, 7);
+        seal(&mut b);
+        assert_eq!(Header::read(&b), Some(h));
+        assert_eq!(tag(&b, 1), (42, 7));
+        let mut bad = b.clone();
+        bad[100] ^= 4;
+        assert_eq!(Header::read(&bad), None);
+        put_u32(&mut b, 20, TAGS_PER_DESC as u32 + 1);
+        seal(&mut b);
+        assert_eq!(Header::read(&b), None, "a descriptor with too many tags");
+    }
+
+    #[test]
+    fn transaction_sizes() {
+        assert_eq!(tx_blocks(1, 0), 3);
+        assert_eq!(tx_blocks(0, 1), 3);
+        assert_eq!(tx_blocks(TAGS_PER_DESC + 1, 0), 2 + TAGS_PER_DESC as u64 + 1 + 1);
+    }
+}

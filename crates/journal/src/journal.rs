@@ -1,0 +1,868 @@
+//! Journal areas, transactions, commit (vanilla and overlapped), checkpoint, and recovery on a
+//! device.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, RwLock};
+use std::task::{Context, Poll, Waker};
+
+use aios_core::{Engine, FixedBuf};
+use lbio::{Device, IoFuture, LbioError};
+
+use crate::error::JournalError;
+use crate::format::{
+    self, Header, Kind, Superblock, BLOCK, FLAG_FILE_TX, REVOKES_PER_BLOCK, TAGS_PER_DESC,
+};
+use crate::recovery::{self, AreaLog, LogEnd};
+
+/// Where the journal areas lie on the device, in bytes (each 4 KiB-aligned); every other block
+/// of the device is a home block transactions may write.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// (offset in bytes, blocks) of each area, one per core.
+    pub areas: Vec<(u64, u64)>,
+}
+
+impl Layout {
+    /// `count` areas of `blocks` blocks each, back to back from byte `offset`.
+    pub fn per_core(offset: u64, blocks: u64, count: usize) -> Layout {
+        Layout {
+            areas: (0..count as u64)
+                .map(|i| (offset + i * blocks * BLOCK as u64, blocks))
+                .collect(),
+        }
+    }
+
+    fn validate(&self, device_bytes: u64) -> Result<(), JournalError> {
+        if self.areas.is_empty() {
+            return Err(JournalError::Layout("no journal area".into()));
+        }
+        let min = 1 + format::tx_blocks(1, 0) + 1;
+        for (i, &(off, blocks)) in self.areas.iter().enumerate() {
+            if off % BLOCK as u64 != 0 {
+                return Err(JournalError::Layout(format!(
+                    "area {i} starts at byte {off}, not a multiple of {BLOCK}"
+                )));
+            }
+            if blocks < min {
+                return Err(JournalError::RegionTooSmall {
+                    area: i,
+                    blocks,
+                    needed: min,
+                });
+            }
+            if off + blocks * BLOCK as u64 > device_bytes {
+                return Err(JournalError::Layout(format!(
+                    "area {i} ends at byte {} past the device's {device_bytes}",
+                    off + blocks * BLOCK as u64
+                )));
+            }
+            for (j, &(o2, b2)) in self.areas.iter().enumerate().skip(i + 1) {
+                if off < o2 + b2 * BLOCK as u64 && o2 < off + blocks * BLOCK as u64 {
+                    return Err(JournalError::Layout(format!("areas {i} and {j} overlap")));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn in_area(&self, block: u64) -> Option<usize> {
+        let byte = block * BLOCK as u64;
+        self.areas
+            .iter()
+            .position(|&(off, n)| byte >= off && byte < off + n * BLOCK as u64)
+    }
+}
+
+/// How a commit is carried out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CommitMode {
+    /// Data writes, wait; prepare and write the journal blocks, wait; FLUSH; prepare and write
+    /// the commit block, wait. Preparation sits on the critical path.
+    Vanilla,
+    /// AIOS §3.3: prepare journal and commit blocks while the data writes are in flight, issue
+    /// the journal writes without waiting for the data, wait for all, FLUSH, commit with FUA.
+    Overlapped,
+}
+
+impl CommitMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            CommitMode::Vanilla => "vanilla",
+            CommitMode::Overlapped => "overlapped",
+        }
+    }
+}
+
+/// A transaction being built: ordered data (written in place before the commit), journaled
+/// metadata, revokes.
+#[derive(Clone, Debug, Default)]
+pub struct Tx {
+    data: Vec<(u64, Vec<u8>)>,
+    metas: Vec<(u64, Vec<u8>)>,
+    revokes: Vec<u64>,
+    file: Option<u32>,
+}
+
+fn check_len(block: u64, bytes: &[u8]) -> Result<(), JournalError> {
+    if bytes.len() != BLOCK {
+        return Err(JournalError::BlockLen {
+            block,
+            len: bytes.len(),
+        });
+    }
+    Ok(())
+}
+
+impl Tx {
+    pub fn new() -> Tx {
+        Tx::default()
+    }
+
+    /// A file-level transaction (FastResponse §3.4): it carries only `file`'s own metadata and
+    /// data, and is committed by the calling thread alone.
+    pub fn for_file(file: u32) -> Tx {
+        Tx {
+            file: Some(file),
+            ..Tx::default()
+        }
+    }
+
+    /// Write `bytes` (one block) in place at home block `block`; durable before the commit.
+    pub fn write_data(&mut self, block: u64, bytes: &[u8]) -> Result<&mut Tx, JournalError> {
+        check_len(block, bytes)?;
+        match self.data.iter_mut().find(|(b, _)| *b == block) {
+            Some((_, d)) => d.copy_from_slice(bytes),
+            None => self.data.push((block, bytes.to_vec())),
+        }
+        Ok(self)
+    }
+
+    /// Journal `bytes` (one block) as the new content of metadata block `block`.
+    pub fn write_meta(&mut self, block: u64, bytes: &[u8]) -> Result<&mut Tx, JournalError> {
+        check_len(block, bytes)?;
+        match self.metas.iter_mut().find(|(b, _)| *b == block) {
+            Some((_, d)) => d.copy_from_slice(bytes),
+            None => self.metas.push((block, bytes.to_vec())),
+        }
+        Ok(self)
+    }
+
+    /// Revoke `block`: older journaled versions of it are never replayed (it is being freed or
+    /// reused for data).
+    pub fn revoke(&mut self, block: u64) -> &mut Tx {
+        if !self.revokes.contains(&block) {
+            self.revokes.push(block);
+        }
+        self
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty() && self.metas.is_empty() && self.revokes.is_empty()
+    }
+
+    /// Log blocks the transaction takes.
+    pub fn log_blocks(&self) -> u64 {
+        format::tx_blocks(self.metas.len(), self.revokes.len())
+    }
+}
+
+/// A committed transaction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CommitInfo {
+    pub tid: u64,
+    pub area: usize,
+    pub log_blocks: u64,
+}
+
+/// What recovery found and did.
+#[derive(Clone, Debug)]
+pub struct RecoveryReport {
+    /// Per area: committed transactions replayed, and how its log ended.
+    pub areas: Vec<(usize, LogEnd)>,
+    /// Ids of the transactions replayed, per area, in log order.
+    pub replayed: Vec<Vec<u64>>,
+    /// Home blocks written.
+    pub blocks_written: usize,
+    /// Areas whose log was damaged before its end.
+    pub corrupt: Vec<usize>,
+}
+
+#[derive(Debug)]
+struct AreaState {
+    /// Blocks ever appended (monotonic); the log position is this modulo the log length.
+    head: u64,
+    tail: u64,
+    generation: u64,
+}
+
+/// Counters.
+#[derive(Debug, Default)]
+pub struct JournalStats {
+    pub commits: AtomicU64,
+    pub checkpoints: AtomicU64,
+    pub log_blocks_written: AtomicU64,
+    pub flushes_skipped: AtomicU64,
+}
+
+/// The journal areas of one device, shared by all cores: one [`Journal`] handle per thread.
+pub struct JournalSet {
+    layout: Layout,
+    device_bytes: u64,
+    areas: Vec<Mutex<AreaState>>,
+    next_tid: AtomicU64,
+    /// Commits hold it shared; a checkpoint holds it alone (no commit runs meanwhile).
+    gate: RwLock<()>,
+    /// Committed metadata not yet checkpointed: block → (tid, bytes), newest only.
+    versions: Mutex<HashMap<u64, (u64, Vec<u8>)>>,
+    pub stats: JournalStats,
+}
+
+impl std::fmt::Debug for JournalSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JournalSet")
+            .field("layout", &self.layout)
+            .field("next_tid", &self.next_tid)
+            .finish()
+    }
+}
+
+/// Run `futs` to completion together on `engine`; the first error wins.
+fn join_all(engine: &Engine, futs: Vec<IoFuture<'_>>) -> Result<Vec<FixedBuf>, JournalError> {
+    struct JoinAll<'a> {
+        futs: Vec<Option<Pin<Box<IoFuture<'a>>>>>,
+        out: Vec<Option<FixedBuf>>,
+        err: Option<LbioError>,
+    }
+    impl Future for JoinAll<'_> {
+        type Output = ();
+        fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+            let this = &mut *self;
+            let mut pending = false;
+            for (i, slot) in this.futs.iter_mut().enumerate() {
+                if let Some(f) = slot {
+                    match f.as_mut().poll(cx) {
+                        Poll::Ready(r) => {
+                            match r {
+                                Ok(b) => this.out[i] = b,
+                                Err(e) => {
+                                    this.err.get_or_insert(e);
+                                }
+                            }
+                            *slot = None;
+                        }
+                        Poll::Pending => pending = true,
+                    }
+                }
+            }
+            if pending {
+                Poll::Pending
+            } else {
+                Poll::Ready(())
+            }
+        }
+    }
+    let n = futs.len();
+    let mut j = JoinAll {
+        futs: futs.into_iter().map(|f| Some(Box::pin(f))).collect(),
+        out: (0..n).map(|_| None).collect(),
+        err: None,
+    };
+    engine.block_on(&mut j)?;
+    if let Some(e) = j.err {
+        return Err(e.into());
+    }
+    Ok(j.out.into_iter().flatten().collect())
+}
+
+/// Requests started now (polled once, so they reach the device), waited for later.
+struct Inflight<'a> {
+    futs: Vec<IoFuture<'a>>,
+}
+
+impl<'a> Inflight<'a> {
+    fn new() -> Self {
+        Inflight { futs: Vec::new() }
+    }
+    fn start(&mut self, mut f: IoFuture<'a>) {
+        let mut cx = Context::from_waker(Waker::noop());
+        // The first poll submits the request; a finished one is kept and reported at the wait.
+        let _ = Pin::new(&mut f).poll(&mut cx);
+        self.futs.push(f);
+    }
+    fn wait(self, engine: &Engine) -> Result<(), JournalError> {
+        join_all(engine, self.futs).map(|_| ())
+    }
+}
+
+fn alloc(engine: &Engine) -> Result<FixedBuf, JournalError> {
+    Ok(engine.alloc_blocking(BLOCK)?)
+}
+
+fn read_range(dev: &Device, offset: u64, len: u64) -> Result<Vec<u8>, JournalError> {
+    let engine = dev.lbio().engine();
+    let mut out = Vec::with_capacity(len as usize);
+    let chunk = (256 * 1024u64).min(len.max(BLOCK as u64));
+    let mut at = 0;
+    while at < len {
+        let n = chunk.min(len - at);
+        let buf = engine.alloc_blocking(n as usize)?;
+        let buf = dev.read_at_blocking(offset + at, buf)?;
+        out.extend_from_slice(&buf[..n as usize]);
+        at += n;
+    }
+    Ok(out)
+}
+
+impl JournalSet {
+    fn new(layout: Layout, device_bytes: u64, states: Vec<AreaState>, next_tid: u64) -> Self {
+        JournalSet {
+            layout,
+            device_bytes,
+            areas: states.into_iter().map(Mutex::new).collect(),
+            next_tid: AtomicU64::new(next_tid),
+            gate: RwLock::new(()),
+            versions: Mutex::new(HashMap::new()),
+            stats: JournalStats::default(),
+        }
+    }
+
+    fn log_len(&self, area: usize) -> u64 {
+        self.layout.areas[area].1 - 1
+    }
+
+    fn area_byte(&self, area: usize, block_in_area: u64) -> u64 {
+        self.layout.areas[area].0 + block_in_area * BLOCK as u64
+    }
+
+    fn log_byte(&self, area: usize, seq: u64) -> u64 {
+        self.area_byte(area, 1 + seq % self.log_len(area))
+    }
+
+    fn lock_area(&self, area: usize) -> std::sync::MutexGuard<'_, AreaState> {
+        self.areas[area].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn lock_versions(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (u64, Vec<u8>)>> {
+        self.versions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Write fresh superblocks for every area of `layout` on `dev` (empty logs) and flush.
+    pub fn format(dev: &Device, layout: Layout) -> Result<std::sync::Arc<JournalSet>, JournalError> {
+        let bytes = dev.geometry().capacity_bytes;
+        layout.validate(bytes)?;
+        let engine = dev.lbio().engine();
+        let n = layout.areas.len();
+        let mut futs = Vec::new();
+        for (i, &(off, blocks)) in layout.areas.iter().enumerate() {
+            let mut b = alloc(engine)?;
+            Superblock {
+                area_blocks: blocks,
+                area_index: i as u32,
+                area_count: n as u32,
+                tail_pos: 0,
+                tail_tid: 1,
+                generation: 1,
+            }
+            .encode(&mut b);
+            futs.push(dev.write_at(off, b, false));
+        }
+        join_all(engine, futs)?;
+        engine.block_on(dev.flush())??;
+        let states = (0..n)
+            .map(|_| AreaState {
+                head: 0,
+                tail: 0,
+                generation: 1,
+            })
+            .collect();
+        Ok(std::sync::Arc::new(JournalSet::new(layout, bytes, states, 1)))
+    }
+
+    /// Recover the journal on `dev`: parse every area, replay the committed transactions (merged
+    /// by id, newest version of a block wins, revokes respected), make the result durable, and
+    /// start each area's log afresh.
+    pub fn open(
+        dev: &Device,
+        layout: Layout,
+    ) -> Result<(std::sync::Arc<JournalSet>, RecoveryReport), JournalError> {
+        let bytes = dev.geometry().capacity_bytes;
+        layout.validate(bytes)?;
+        let mut logs: Vec<AreaLog> = Vec::new();
+        for (i, &(off, blocks)) in layout.areas.iter().enumerate() {
+            let img = read_range(dev, off, blocks * BLOCK as u64)?;
+            logs.push(recovery::parse_area(&img, i)?);
+        }
+        let engine = dev.lbio().engine();
+        let writes = recovery::merge(&logs);
+        for (block, _) in &writes {
+            if layout.in_area(*block).is_some() || (block + 1) * BLOCK as u64 > bytes {
+                return Err(JournalError::NotHomeBlock {
+                    block: *block,
+                    why: "a replayed transaction names it".into(),
+                });
+            }
+        }
+        let mut futs = Vec::new();
+        for (block, data) in &writes {
+            let mut b = alloc(engine)?;
+            b.copy_from_slice(data);
+            futs.push(dev.write_at(block * BLOCK as u64, b, false));
+            if futs.len() >= 32 {
+                join_all(engine, std::mem::take(&mut futs))?;
+            }
+        }
+        join_all(engine, futs)?;
+        engine.block_on(dev.flush())??;
+        let next_tid = logs.iter().map(|l| l.max_tid_seen).max().unwrap_or(0) + 1;
+        let mut futs = Vec::new();
+        let mut states = Vec::new();
+        for (i, l) in logs.iter().enumerate() {
+            let mut b = alloc(engine)?;
+            let sb = Superblock {
+                tail_pos: l.end_pos,
+                tail_tid: next_tid,
+                generation: l.superblock.generation + 1,
+                ..l.superblock
+            };
+            sb.encode(&mut b);
+            futs.push(dev.write_at(layout.areas[i].0, b, true));
+            states.push(AreaState {
+                head: l.end_pos,
+                tail: l.end_pos,
+                generation: sb.generation,
+            });
+        }
+        join_all(engine, futs)?;
+        let report = RecoveryReport {
+            areas: logs.iter().enumerate().map(|(i, l)| (i, l.end.clone())).collect(),
+            replayed: logs
+                .iter()
+                .map(|l| l.txs.iter().map(|t| t.tid).collect())
+                .collect(),
+            blocks_written: writes.len(),
+            corrupt: logs
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| matches!(l.end, LogEnd::Corrupt { .. }))
+                .map(|(i, _)| i)
+                .collect(),
+        };
+        Ok((
+            std::sync::Arc::new(JournalSet::new(layout, bytes, states, next_tid)),
+            report,
+        ))
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Transaction id the next commit gets.
+    pub fn next_tid(&self) -> u64 {
+        self.next_tid.load(Ordering::Relaxed)
+    }
+
+    /// Free log blocks in `area` now.
+    pub fn free_log_blocks(&self, area: usize) -> u64 {
+        let s = self.lock_area(area);
+        self.log_len(area) - (s.head - s.tail)
+    }
+}
+
+/// One thread's handle on a [`JournalSet`]: its area, and the device as opened on its engine.
+pub struct Journal {
+    set: std::sync::Arc<JournalSet>,
+    area: usize,
+    dev: Device,
+    engine: Rc<Engine>,
+    mode: CommitMode,
+    /// Skip FLUSH: the device declares power-loss protection.
+    plp: bool,
+}
+
+impl Journal {
+    /// A handle committing into `area`, through `dev` (the journal's device opened on this
+    /// thread's lbio array).
+    pub fn new(
+        set: &std::sync::Arc<JournalSet>,
+        area: usize,
+        dev: Device,
+        mode: CommitMode,
+    ) -> Result<Journal, JournalError> {
+        if area >= set.layout.areas.len() {
+            return Err(JournalError::Layout(format!(
+                "area {area}: the layout has {}",
+                set.layout.areas.len()
+            )));
+        }
+        if dev.geometry().capacity_bytes != set.device_bytes {
+            return Err(JournalError::Layout(format!(
+                "device of {} bytes; the journal set was opened on one of {}",
+                dev.geometry().capacity_bytes,
+                set.device_bytes
+            )));
+        }
+        let plp = dev.critical_route().0.power_loss_protected;
+        Ok(Journal {
+            set: std::sync::Arc::clone(set),
+            area,
+            engine: Rc::clone(dev.lbio().engine()),
+            dev,
+            mode,
+            plp,
+        })
+    }
+
+    pub fn set(&self) -> &std::sync::Arc<JournalSet> {
+        &self.set
+    }
+    pub fn area(&self) -> usize {
+        self.area
+    }
+    pub fn mode(&self) -> CommitMode {
+        self.mode
+    }
+    pub fn set_mode(&mut self, mode: CommitMode) {
+        self.mode = mode;
+    }
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    fn validate(&self, tx: &Tx) -> Result<(), JournalError> {
+        if tx.is_empty() {
+            return Err(JournalError::EmptyTx);
+        }
+        let log_len = self.set.log_len(self.area);
+        let needed = tx.log_blocks();
+        if needed > log_len {
+            return Err(JournalError::TxTooLarge {
+                needed,
+                log_blocks: log_len,
+            });
+        }
+        let blocks = self.set.device_bytes / BLOCK as u64;
+        for &b in tx
+            .data
+            .iter()
+            .map(|(b, _)| b)
+            .chain(tx.metas.iter().map(|(b, _)| b))
+            .chain(&tx.revokes)
+        {
+            if b >= blocks {
+                return Err(JournalError::NotHomeBlock {
+                    block: b,
+                    why: format!("the device has {blocks} blocks"),
+                });
+            }
+            if let Some(a) = self.set.layout.in_area(b) {
+                return Err(JournalError::NotHomeBlock {
+                    block: b,
+                    why: format!("it lies in journal area {a}"),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Commit `tx`: on `Ok` it is durable (its data, metadata and revokes survive any crash).
+    pub fn commit(&self, tx: &Tx) -> Result<CommitInfo, JournalError> {
+        self.validate(tx)?;
+        let needed = tx.log_blocks();
+        loop {
+            {
+                let _shared = self.set.gate.read().unwrap_or_else(|p| p.into_inner());
+                let mut area = self.set.lock_area(self.area);
+                if self.set.log_len(self.area) - (area.head - area.tail) >= needed {
+                    {
+                        let versions = self.set.lock_versions();
+                        if let Some((b, _)) = tx.data.iter().find(|(b, _)| {
+                            versions.contains_key(b) && !tx.revokes.contains(b)
+                        }) {
+                            return Err(JournalError::DataOverJournaledBlock { block: *b });
+                        }
+                    }
+                    let tid = self.set.next_tid.fetch_add(1, Ordering::Relaxed);
+                    let head = area.head;
+                    self.write_tx(tx, tid, head)?;
+                    // Durable: record the new versions, then advance the head.
+                    let mut versions = self.set.lock_versions();
+                    for b in &tx.revokes {
+                        versions.remove(b);
+                    }
+                    for (b, d) in &tx.metas {
+                        versions.insert(*b, (tid, d.clone()));
+                    }
+                    area.head += needed;
+                    drop(versions);
+                    let st = &self.set.stats;
+                    st.commits.fetch_add(1, Ordering::Relaxed);
+                    st.log_blocks_written.fetch_add(needed, Ordering::Relaxed);
+                    return Ok(CommitInfo {
+                        tid,
+                        area: self.area,
+                        log_blocks: needed,
+                    });
+                }
+            }
+            self.checkpoint()?;
+        }
+    }
+
+    /// Build the transaction's log blocks (descriptors with tags, metadata copies, revokes);
+    /// returns them with the chained checksum.
+    fn prepare_journal(&self, tx: &Tx, tid: u64) -> Result<(Vec<FixedBuf>, u32), JournalError> {
+        let (flags, file) = match tx.file {
+            Some(f) => (FLAG_FILE_TX, f),
+            None => (0, 0),
+        };
+        let mut out = Vec::with_capacity(tx.log_blocks() as usize);
+        let mut chain = 0u32;
+        let groups: Vec<&[(u64, Vec<u8>)]> = if tx.metas.is_empty() {
+            vec![&[]]
+        } else {
+            tx.metas.chunks(TAGS_PER_DESC).collect()
+        };
+        for group in groups {
+            let mut d = alloc(&self.engine)?;
+            Header {
+                kind: Kind::Descriptor,
+                tid,
+                area: self.area as u32,
+                count: group.len() as u32,
+                flags,
+                file,
+            }
+            .write(&mut d);
+            for (i, (home, data)) in group.iter().enumerate() {
+                format::put_tag(&mut d, i, *home, format::crc(data));
+            }
+            format::seal(&mut d);
+            chain = format::crc_chain(chain, &d);
+            out.push(d);
+            for (_, data) in group {
+                let mut m = alloc(&self.engine)?;
+                m.copy_from_slice(data);
+                chain = format::crc_chain(chain, &m);
+                out.push(m);
+            }
+        }
+        for group in tx.revokes.chunks(REVOKES_PER_BLOCK) {
+            let mut r = alloc(&self.engine)?;
+            Header {
+                kind: Kind::Revoke,
+                tid,
+                area: self.area as u32,
+                count: group.len() as u32,
+                flags,
+                file,
+            }
+            .write(&mut r);
+            for (i, b) in group.iter().enumerate() {
+                format::put_u64(&mut r, format::HEADER + 8 * i, *b);
+            }
+            format::seal(&mut r);
+            chain = format::crc_chain(chain, &r);
+            out.push(r);
+        }
+        Ok((out, chain))
+    }
+
+    fn prepare_commit(
+        &self,
+        tx: &Tx,
+        tid: u64,
+        blocks: usize,
+        chain: u32,
+    ) -> Result<FixedBuf, JournalError> {
+        let (flags, file) = match tx.file {
+            Some(f) => (FLAG_FILE_TX, f),
+            None => (0, 0),
+        };
+        let mut c = alloc(&self.engine)?;
+        Header {
+            kind: Kind::Commit,
+            tid,
+            area: self.area as u32,
+            count: 0,
+            flags,
+            file,
+        }
+        .write(&mut c);
+        format::put_u32(&mut c, format::HEADER, blocks as u32);
+        format::put_u32(&mut c, format::HEADER + 4, chain);
+        format::seal(&mut c);
+        Ok(c)
+    }
+
+    fn data_bufs(&self, tx: &Tx) -> Result<Vec<(u64, FixedBuf)>, JournalError> {
+        tx.data
+            .iter()
+            .map(|(b, d)| {
+                let mut buf = alloc(&self.engine)?;
+                buf.copy_from_slice(d);
+                Ok((*b, buf))
+            })
+            .collect()
+    }
+
+    fn flush(&self) -> Result<(), JournalError> {
+        if self.plp {
+            self.set.stats.flushes_skipped.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        self.engine.block_on(self.dev.flush())??;
+        Ok(())
+    }
+
+    fn write_tx(&self, tx: &Tx, tid: u64, head: u64) -> Result<(), JournalError> {
+        let dev = &self.dev;
+        let log = |i: usize| self.set.log_byte(self.area, head + i as u64);
+        let commit_fua = dev.critical_route().0.fua;
+        match self.mode {
+            CommitMode::Vanilla => {
+                let data = self.data_bufs(tx)?;
+                let mut w = Inflight::new();
+                for (b, buf) in data {
+                    w.start(dev.write_at(b * BLOCK as u64, buf, false));
+                }
+                w.wait(&self.engine)?;
+                let (blocks, chain) = self.prepare_journal(tx, tid)?;
+                let n = blocks.len();
+                let mut w = Inflight::new();
+                for (i, buf) in blocks.into_iter().enumerate() {
+                    w.start(dev.write_at(log(i), buf, false));
+                }
+                w.wait(&self.engine)?;
+                self.flush()?;
+                let c = self.prepare_commit(tx, tid, n, chain)?;
+                self.engine.block_on(dev.write_at(log(n), c, commit_fua))??;
+            }
+            CommitMode::Overlapped => {
+                let data = self.data_bufs(tx)?;
+                let mut w = Inflight::new();
+                {
+                    let _plug = self.engine.plug();
+                    for (b, buf) in data {
+                        w.start(dev.write_at(b * BLOCK as u64, buf, false));
+                    }
+                }
+                // The data is on its way: prepare the journal while the device works.
+                let (blocks, chain) = self.prepare_journal(tx, tid)?;
+                let n = blocks.len();
+                {
+                    let _plug = self.engine.plug();
+                    for (i, buf) in blocks.into_iter().enumerate() {
+                        w.start(dev.write_at(log(i), buf, false));
+                    }
+                }
+                let c = self.prepare_commit(tx, tid, n, chain)?;
+                w.wait(&self.engine)?;
+                self.flush()?;
+                self.engine.block_on(dev.write_at(log(n), c, commit_fua))??;
+            }
+        }
+        if !commit_fua {
+            // No FUA on this device: a flush makes the commit block durable.
+            self.engine.block_on(dev.flush())??;
+        }
+        Ok(())
+    }
+
+    /// Write every committed metadata block home (newest version), make it durable, and empty
+    /// every area's log. Runs alone: commits on other threads wait for it.
+    pub fn checkpoint(&self) -> Result<(), JournalError> {
+        let set = &*self.set;
+        let _alone = set.gate.write().unwrap_or_else(|p| p.into_inner());
+        let snapshot: Vec<(u64, Vec<u8>)> = set
+            .lock_versions()
+            .iter()
+            .map(|(b, (_, d))| (*b, d.clone()))
+            .collect();
+        let mut futs = Vec::new();
+        for (b, d) in &snapshot {
+            let mut buf = alloc(&self.engine)?;
+            buf.copy_from_slice(d);
+            futs.push(self.dev.write_at(b * BLOCK as u64, buf, false));
+            if futs.len() >= 32 {
+                join_all(&self.engine, std::mem::take(&mut futs))?;
+            }
+        }
+        join_all(&self.engine, futs)?;
+        self.engine.block_on(self.dev.flush())??;
+        // Every log is now redundant: move each tail to its head. Ids below the next one are
+        // all home, so the new tail id is the next id.
+        let tail_tid = set.next_tid.load(Ordering::Relaxed);
+        let mut futs = Vec::new();
+        let mut heads = Vec::new();
+        for (i, &(off, blocks)) in set.layout.areas.iter().enumerate() {
+            let mut a = set.lock_area(i);
+            a.generation += 1;
+            let mut b = alloc(&self.engine)?;
+            Superblock {
+                area_blocks: blocks,
+                area_index: i as u32,
+                area_count: set.layout.areas.len() as u32,
+                tail_pos: a.head % (blocks - 1),
+                tail_tid,
+                generation: a.generation,
+            }
+            .encode(&mut b);
+            heads.push(a.head);
+            futs.push(self.dev.write_at(off, b, true));
+        }
+        join_all(&self.engine, futs)?;
+        if !self.dev.critical_route().0.fua {
+            self.engine.block_on(self.dev.flush())??;
+        }
+        for (i, h) in heads.into_iter().enumerate() {
+            set.lock_area(i).tail = h;
+        }
+        set.lock_versions().clear();
+        set.stats.checkpoints.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// Recovery applied to a device image in memory (what [`JournalSet::open`] would write home),
+/// without resetting the logs: for crash simulation at scale and for inspecting images.
+pub fn recover_image(image: &mut [u8], layout: &Layout) -> Result<RecoveryReport, JournalError> {
+    layout.validate(image.len() as u64)?;
+    let mut logs = Vec::new();
+    for (i, &(off, blocks)) in layout.areas.iter().enumerate() {
+        let area = &image[off as usize..(off + blocks * BLOCK as u64) as usize];
+        logs.push(recovery::parse_area(area, i)?);
+    }
+    let writes: Vec<(u64, Vec<u8>)> = recovery::merge(&logs)
+        .into_iter()
+        .map(|(b, d)| (b, d.to_vec()))
+        .collect();
+    for (b, d) in &writes {
+        let at = (*b * BLOCK as u64) as usize;
+        if layout.in_area(*b).is_some() || at + BLOCK > image.len() {
+            return Err(JournalError::NotHomeBlock {
+                block: *b,
+                why: "a replayed transaction names it".into(),
+            });
+        }
+        image[at..at + BLOCK].copy_from_slice(d);
+    }
+    Ok(RecoveryReport {
+        areas: logs.iter().enumerate().map(|(i, l)| (i, l.end.clone())).collect(),
+        replayed: logs
+            .iter()
+            .map(|l| l.txs.iter().map(|t| t.tid).collect())
+            .collect(),
+        blocks_written: writes.len(),
+        corrupt: logs
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| matches!(l.end, LogEnd::Corrupt { .. }))
+            .map(|(i, _)| i)
+            .collect(),
+    })
+}

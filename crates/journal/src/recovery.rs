@@ -1,0 +1,298 @@
+//! Recovery, as pure functions over bytes: parse an area's log, merge areas by transaction id.
+//!
+//! An area's log is read from its superblock's tail: each transaction must start with a
+//! descriptor whose id is above the previous one's, and ends at a commit block whose count and
+//! chained checksum match what was read. The scan stops at the first transaction that does not
+//! check out. Whether that is the normal torn tail of a crash or damage in the middle of the log
+//! is told by what lies beyond: a transaction's commit is only written after every earlier
+//! transaction of the area is durable, so a valid commit block with a larger id anywhere in the
+//! area (or the broken transaction's own commit, intact, over damaged contents) means the log was
+//! damaged after it was written.
+
+use std::collections::HashMap;
+
+use crate::error::JournalError;
+use crate::format::{self, Header, Kind, Superblock, BLOCK, FLAG_FILE_TX};
+
+/// A committed transaction found in a log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecoveredTx {
+    pub tid: u64,
+    pub area: u32,
+    /// The file of a file-level transaction.
+    pub file: Option<u32>,
+    /// (home block, bytes), in log order.
+    pub metas: Vec<(u64, Vec<u8>)>,
+    pub revokes: Vec<u64>,
+    /// Log position of its first block, and how many blocks it takes.
+    pub pos: u64,
+    pub blocks: u64,
+}
+
+/// How an area's log ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LogEnd {
+    /// After the last committed transaction there is nothing of a newer one.
+    Clean,
+    /// A newer transaction was being written when the crash came (normal; it is dropped).
+    TornTail { tid: u64, pos: u64 },
+    /// The log is damaged before its end: transactions from here on are not replayed.
+    Corrupt { pos: u64, why: String },
+}
+
+/// What one area's log holds.
+#[derive(Clone, Debug)]
+pub struct AreaLog {
+    pub superblock: Superblock,
+    pub txs: Vec<RecoveredTx>,
+    pub end: LogEnd,
+    /// Log position just after the last committed transaction.
+    pub end_pos: u64,
+    /// The largest transaction id in any sealed log block of the area (new ids must exceed it).
+    pub max_tid_seen: u64,
+}
+
+/// Why a transaction did not check out.
+struct Broken {
+    /// Its id, when its first descriptor was readable.
+    tid: Option<u64>,
+    pos: u64,
+    /// Its commit block was found intact but the contents do not match it.
+    commit_intact: bool,
+    why: String,
+}
+
+/// Parse area `index` from its bytes (superblock first, the whole area).
+pub fn parse_area(area: &[u8], index: usize) -> Result<AreaLog, JournalError> {
+    if area.len() < 2 * BLOCK || area.len() % BLOCK != 0 {
+        return Err(JournalError::BadSuperblock {
+            area: index,
+            why: format!("an area of {} bytes is not two or more blocks", area.len()),
+        });
+    }
+    let sb = Superblock::decode(&area[..BLOCK]).map_err(|why| JournalError::BadSuperblock {
+        area: index,
+        why,
+    })?;
+    let blocks = (area.len() / BLOCK) as u64;
+    if sb.area_blocks != blocks || sb.area_index as usize != index {
+        return Err(JournalError::BadSuperblock {
+            area: index,
+            why: format!(
+                "it describes area {} of {} blocks; the layout has area {index} of {blocks}",
+                sb.area_index, sb.area_blocks
+            ),
+        });
+    }
+    let log_len = blocks - 1;
+    let block = |pos: u64| {
+        let at = (1 + (pos % log_len)) as usize * BLOCK;
+        &area[at..at + BLOCK]
+    };
+    let mut txs = Vec::new();
+    let mut pos = sb.tail_pos;
+    let mut consumed = 0u64;
+    let mut min_tid = sb.tail_tid;
+    let broken = loop {
+        match parse_tx(&block, pos, min_tid, log_len - consumed, index as u32) {
+            Ok(Some(tx)) => {
+                consumed += tx.blocks;
+                pos = (pos + tx.blocks) % log_len;
+                min_tid = tx.tid + 1;
+                txs.push(tx);
+            }
+            Ok(None) => break None,
+            Err(b) => break Some(b),
+        }
+    };
+    let last_tid = txs.last().map_or(sb.tail_tid.saturating_sub(1), |t| t.tid);
+    // Evidence of a newer transaction anywhere in the area, and the largest id written.
+    let mut max_tid_seen = last_tid;
+    let mut newer_commit: Option<u64> = None;
+    for p in 0..log_len {
+        let b = block(p);
+        if format::get_u32(b, 0) != format::LOG_MAGIC {
+            continue;
+        }
+        let Some(h) = Header::read(b) else { continue };
+        if h.area as usize != index {
+            continue;
+        }
+        max_tid_seen = max_tid_seen.max(h.tid);
+        let beyond = broken.as_ref().and_then(|b| b.tid).unwrap_or(last_tid);
+        if h.kind == Kind::Commit && h.tid > beyond {
+            newer_commit = Some(p);
+        }
+    }
+    let end = match broken {
+        Some(b) if b.commit_intact => LogEnd::Corrupt {
+            pos: b.pos,
+            why: format!("{} (its commit block is intact)", b.why),
+        },
+        Some(b) if newer_commit.is_some() => LogEnd::Corrupt {
+            pos: b.pos,
+            why: format!(
+                "{}, and a later transaction commits at log block {}",
+                b.why,
+                newer_commit.unwrap_or_default()
+            ),
+        },
+        None if newer_commit.is_some() => LogEnd::Corrupt {
+            pos,
+            why: format!(
+                "no valid descriptor at log block {pos}, but a later transaction commits at log block {}",
+                newer_commit.unwrap_or_default()
+            ),
+        },
+        Some(Broken { tid: Some(tid), .. }) => LogEnd::TornTail { tid, pos },
+        _ => LogEnd::Clean,
+    };
+    Ok(AreaLog {
+        superblock: sb,
+        txs,
+        end,
+        end_pos: pos,
+        max_tid_seen,
+    })
+}
+
+/// Parse the transaction starting at log position `pos`: `Ok(None)` when no newer transaction
+/// starts there.
+fn parse_tx<'a>(
+    block: &impl Fn(u64) -> &'a [u8],
+    pos: u64,
+    min_tid: u64,
+    room: u64,
+    area: u32,
+) -> Result<Option<RecoveredTx>, Broken> {
+    let first = block(pos);
+    let Some(h) = Header::read(first) else {
+        return Ok(None);
+    };
+    if h.kind != Kind::Descriptor || h.tid < min_tid || h.area != area {
+        return Ok(None);
+    }
+    let tid = h.tid;
+    let file = (h.flags & FLAG_FILE_TX != 0).then_some(h.file);
+    let broken = |n: u64, commit_intact: bool, why: String| Broken {
+        tid: Some(tid),
+        pos: pos + n,
+        commit_intact,
+        why: format!("transaction {tid}: {why}"),
+    };
+    let mut chain = 0u32;
+    let mut n = 0u64;
+    let mut metas = Vec::new();
+    let mut revokes = Vec::new();
+    let mut seen_revoke = false;
+    loop {
+        if n >= room {
+            return Err(broken(n, false, "runs past the end of the log".into()));
+        }
+        let b = block(pos + n);
+        let h = Header::read(b).filter(|h| h.tid == tid && h.area == area);
+        match h.map(|h| h.kind) {
+            Some(Kind::Descriptor) if !seen_revoke => {
+                let count = h.map_or(0, |h| h.count) as u64;
+                chain = format::crc_chain(chain, b);
+                n += 1;
+                for i in 0..count {
+                    if n >= room {
+                        return Err(broken(n, false, "runs past the end of the log".into()));
+                    }
+                    let m = block(pos + n);
+                    let (home, crc) = format::tag(b, i as usize);
+                    if format::crc(m) != crc {
+                        let intact = commit_follows(block, pos + n, room - n, tid, area);
+                        return Err(broken(
+                            n,
+                            intact,
+                            format!("metadata block for home block {home} fails its checksum"),
+                        ));
+                    }
+                    chain = format::crc_chain(chain, m);
+                    metas.push((home, m.to_vec()));
+                    n += 1;
+                }
+            }
+            Some(Kind::Revoke) => {
+                seen_revoke = true;
+                let count = h.map_or(0, |h| h.count) as usize;
+                for i in 0..count {
+                    revokes.push(format::get_u64(b, format::HEADER + 8 * i));
+                }
+                chain = format::crc_chain(chain, b);
+                n += 1;
+            }
+            Some(Kind::Commit) => {
+                let blocks = format::get_u32(b, format::HEADER) as u64;
+                let crc = format::get_u32(b, format::HEADER + 4);
+                if blocks != n || crc != chain {
+                    return Err(broken(
+                        n,
+                        true,
+                        format!(
+                            "commit block says {blocks} blocks with checksum {crc:#x}, the log has {n} with {chain:#x}"
+                        ),
+                    ));
+                }
+                return Ok(Some(RecoveredTx {
+                    tid,
+                    area,
+                    file,
+                    metas,
+                    revokes,
+                    pos,
+                    blocks: n + 1,
+                }));
+            }
+            _ => {
+                let intact = commit_follows(block, pos + n, room - n, tid, area);
+                return Err(broken(
+                    n,
+                    intact,
+                    format!("log block {} is not the next block of the transaction", pos + n),
+                ));
+            }
+        }
+    }
+}
+
+/// Whether an intact commit block of `tid` lies within the next `room` log blocks.
+fn commit_follows<'a>(
+    block: &impl Fn(u64) -> &'a [u8],
+    from: u64,
+    room: u64,
+    tid: u64,
+    area: u32,
+) -> bool {
+    (0..room).any(|i| {
+        Header::read(block(from + i))
+            .is_some_and(|h| h.kind == Kind::Commit && h.tid == tid && h.area == area)
+    })
+}
+
+/// The blocks to write home after merging every area's committed transactions by id: for each
+/// block the version of the newest transaction, unless a newer transaction revoked it. Sorted by
+/// block number.
+pub fn merge<'a>(logs: impl IntoIterator<Item = &'a AreaLog>) -> Vec<(u64, &'a [u8])> {
+    let mut txs: Vec<&RecoveredTx> = logs.into_iter().flat_map(|l| l.txs.iter()).collect();
+    txs.sort_by_key(|t| t.tid);
+    let mut newest: HashMap<u64, (u64, &[u8])> = HashMap::new();
+    let mut revoked: HashMap<u64, u64> = HashMap::new();
+    for t in txs {
+        for &b in &t.revokes {
+            revoked.insert(b, t.tid);
+        }
+        for (home, data) in &t.metas {
+            newest.insert(*home, (t.tid, data));
+        }
+    }
+    let mut out: Vec<(u64, &[u8])> = newest
+        .into_iter()
+        .filter(|(b, (tid, _))| revoked.get(b).is_none_or(|r| r <= tid))
+        .map(|(b, (_, d))| (b, d))
+        .collect();
+    out.sort_by_key(|(b, _)| *b);
+    out
+}
