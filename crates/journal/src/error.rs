@@ -6,7 +6,11 @@ use lbio::LbioError;
 pub enum JournalError {
     /// A journal area cannot hold even the smallest transaction next to its superblock.
     #[error("journal area {area} has {blocks} blocks; it needs at least {needed} (a superblock and a log that holds one transaction)")]
-    RegionTooSmall { area: usize, blocks: u64, needed: u64 },
+    RegionTooSmall {
+        area: usize,
+        blocks: u64,
+        needed: u64,
+    },
     /// The layout itself is unusable (overlapping or misaligned areas, none at all).
     #[error("invalid journal layout: {0}")]
     Layout(String),
@@ -29,6 +33,9 @@ pub enum JournalError {
     /// An area's superblock is unreadable.
     #[error("journal area {area}: bad superblock: {why}")]
     BadSuperblock { area: usize, why: String },
+    /// An earlier commit or checkpoint failed part-way; reopen the journal (recovery) to go on.
+    #[error("the journal was aborted by an earlier failed commit or checkpoint: reopen it with JournalSet::open to recover")]
+    Aborted,
     /// The device failed a request.
     #[error(transparent)]
     Io(#[from] LbioError),

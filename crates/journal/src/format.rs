@@ -8,7 +8,8 @@
 //!
 //! ```text
 //! superblock   0 magic "AIOSJSB\x01" · 8 version · 12 block size · 16 area blocks · 24 area index
-//!              28 area count · 32 tail position · 40 tail tid · 48 generation · 4092 crc32c
+//!              28 area count · 32 tail position · 40 tail tid · 48 generation · 508 crc32c
+//!              (all in the first 512-byte sector, so a torn write keeps the old or the new one)
 //! log header   0 magic · 4 kind (1 descriptor, 2 revoke, 3 commit) · 8 tid · 16 area · 20 count
 //!              24 flags · 28 file · 32.. payload · 4092 crc32c
 //! descriptor   payload: `count` tags of 16 bytes: home block (u64), crc32c of the block (u32), 0
@@ -29,6 +30,8 @@ pub const TAGS_PER_DESC: usize = (CRC_AT - HEADER) / 16;
 pub const REVOKES_PER_BLOCK: usize = (CRC_AT - HEADER) / 8;
 /// Descriptor flag: a file-level transaction (it carries one file's metadata only).
 pub const FLAG_FILE_TX: u32 = 1;
+/// The superblock's checksum covers its first sector up to here.
+pub const SB_CRC_AT: usize = 508;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
@@ -94,7 +97,8 @@ impl Superblock {
         put_u64(b, 32, self.tail_pos);
         put_u64(b, 40, self.tail_tid);
         put_u64(b, 48, self.generation);
-        seal(b);
+        let c = crc(&b[..SB_CRC_AT]);
+        put_u32(b, SB_CRC_AT, c);
     }
 
     /// Decode and check a superblock; the error says what is wrong with it.
@@ -105,12 +109,14 @@ impl Superblock {
         if b[..8] != SB_MAGIC {
             return Err("no journal superblock magic (not formatted, or overwritten)".into());
         }
-        if !sealed(b) {
+        if get_u32(b, SB_CRC_AT) != crc(&b[..SB_CRC_AT]) {
             return Err("checksum mismatch".into());
         }
         let version = get_u32(b, 8);
         if version != VERSION {
-            return Err(format!("format version {version}, this build reads {VERSION}"));
+            return Err(format!(
+                "format version {version}, this build reads {VERSION}"
+            ));
         }
         let bs = get_u32(b, 12);
         if bs as usize != BLOCK {
@@ -225,7 +231,9 @@ mod tests {
         assert_eq!(Superblock::decode(&b), Ok(sb));
         b[40] ^= 1;
         assert!(Superblock::decode(&b).unwrap_err().contains("checksum"));
-        assert!(Superblock::decode(&[0u8; BLOCK]).unwrap_err().contains("magic"));
+        assert!(Superblock::decode(&[0u8; BLOCK])
+            .unwrap_err()
+            .contains("magic"));
     }
 
     #[test]
@@ -256,6 +264,9 @@ mod tests {
     fn transaction_sizes() {
         assert_eq!(tx_blocks(1, 0), 3);
         assert_eq!(tx_blocks(0, 1), 3);
-        assert_eq!(tx_blocks(TAGS_PER_DESC + 1, 0), 2 + TAGS_PER_DESC as u64 + 1 + 1);
+        assert_eq!(
+            tx_blocks(TAGS_PER_DESC + 1, 0),
+            2 + TAGS_PER_DESC as u64 + 1 + 1
+        );
     }
 }

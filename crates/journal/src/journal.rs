@@ -218,6 +218,13 @@ pub struct JournalSet {
     gate: RwLock<()>,
     /// Committed metadata not yet checkpointed: block → (tid, bytes), newest only.
     versions: Mutex<HashMap<u64, (u64, Vec<u8>)>>,
+    /// A commit or checkpoint failed part-way: the on-disk log may hold blocks this process no
+    /// longer accounts for, so nothing more is written until the journal is reopened (recovery).
+    aborted: std::sync::atomic::AtomicBool,
+    /// Transactions below this id are home (the last checkpoint, or the recovery, that finished).
+    home_below: AtomicU64,
+    /// The id a checkpoint writing superblocks now will set as the areas' tail.
+    checkpoint_target: AtomicU64,
     pub stats: JournalStats,
 }
 
@@ -281,20 +288,34 @@ fn join_all(engine: &Engine, futs: Vec<IoFuture<'_>>) -> Result<Vec<FixedBuf>, J
 /// Requests started now (polled once, so they reach the device), waited for later.
 struct Inflight<'a> {
     futs: Vec<IoFuture<'a>>,
+    /// The first failure among requests that finished at once.
+    failed: Option<LbioError>,
 }
 
 impl<'a> Inflight<'a> {
     fn new() -> Self {
-        Inflight { futs: Vec::new() }
+        Inflight {
+            futs: Vec::new(),
+            failed: None,
+        }
     }
     fn start(&mut self, mut f: IoFuture<'a>) {
         let mut cx = Context::from_waker(Waker::noop());
-        // The first poll submits the request; a finished one is kept and reported at the wait.
-        let _ = Pin::new(&mut f).poll(&mut cx);
-        self.futs.push(f);
+        // The first poll submits the request.
+        match Pin::new(&mut f).poll(&mut cx) {
+            Poll::Pending => self.futs.push(f),
+            Poll::Ready(Ok(_)) => {}
+            Poll::Ready(Err(e)) => {
+                self.failed.get_or_insert(e);
+            }
+        }
     }
     fn wait(self, engine: &Engine) -> Result<(), JournalError> {
-        join_all(engine, self.futs).map(|_| ())
+        let r = join_all(engine, self.futs);
+        match self.failed {
+            Some(e) => Err(e.into()),
+            None => r.map(|_| ()),
+        }
     }
 }
 
@@ -326,6 +347,9 @@ impl JournalSet {
             next_tid: AtomicU64::new(next_tid),
             gate: RwLock::new(()),
             versions: Mutex::new(HashMap::new()),
+            aborted: std::sync::atomic::AtomicBool::new(false),
+            home_below: AtomicU64::new(next_tid),
+            checkpoint_target: AtomicU64::new(next_tid),
             stats: JournalStats::default(),
         }
     }
@@ -351,7 +375,10 @@ impl JournalSet {
     }
 
     /// Write fresh superblocks for every area of `layout` on `dev` (empty logs) and flush.
-    pub fn format(dev: &Device, layout: Layout) -> Result<std::sync::Arc<JournalSet>, JournalError> {
+    pub fn format(
+        dev: &Device,
+        layout: Layout,
+    ) -> Result<std::sync::Arc<JournalSet>, JournalError> {
         let bytes = dev.geometry().capacity_bytes;
         layout.validate(bytes)?;
         let engine = dev.lbio().engine();
@@ -379,7 +406,9 @@ impl JournalSet {
                 generation: 1,
             })
             .collect();
-        Ok(std::sync::Arc::new(JournalSet::new(layout, bytes, states, 1)))
+        Ok(std::sync::Arc::new(JournalSet::new(
+            layout, bytes, states, 1,
+        )))
     }
 
     /// Recover the journal on `dev`: parse every area, replay the committed transactions (merged
@@ -397,7 +426,8 @@ impl JournalSet {
             logs.push(recovery::parse_area(&img, i)?);
         }
         let engine = dev.lbio().engine();
-        let writes = recovery::merge(&logs);
+        let from = recovery::home_below(&logs);
+        let writes = recovery::merge(&logs, from);
         for (block, _) in &writes {
             if layout.in_area(*block).is_some() || (block + 1) * BLOCK as u64 > bytes {
                 return Err(JournalError::NotHomeBlock {
@@ -438,10 +468,14 @@ impl JournalSet {
         }
         join_all(engine, futs)?;
         let report = RecoveryReport {
-            areas: logs.iter().enumerate().map(|(i, l)| (i, l.end.clone())).collect(),
+            areas: logs
+                .iter()
+                .enumerate()
+                .map(|(i, l)| (i, l.end.clone()))
+                .collect(),
             replayed: logs
                 .iter()
-                .map(|l| l.txs.iter().map(|t| t.tid).collect())
+                .map(|l| l.txs.iter().map(|t| t.tid).filter(|&t| t >= from).collect())
                 .collect(),
             blocks_written: writes.len(),
             corrupt: logs
@@ -464,6 +498,17 @@ impl JournalSet {
     /// Transaction id the next commit gets.
     pub fn next_tid(&self) -> u64 {
         self.next_tid.load(Ordering::Relaxed)
+    }
+
+    /// Transactions with smaller ids are all home (checkpointed, or replayed at open).
+    pub fn home_below(&self) -> u64 {
+        self.home_below.load(Ordering::SeqCst)
+    }
+
+    /// The tail id the latest checkpoint to start writes into the superblocks (equal to
+    /// [`JournalSet::home_below`] unless one is in progress or was cut short).
+    pub fn checkpoint_target(&self) -> u64 {
+        self.checkpoint_target.load(Ordering::SeqCst)
     }
 
     /// Free log blocks in `area` now.
@@ -580,15 +625,21 @@ impl Journal {
                 if self.set.log_len(self.area) - (area.head - area.tail) >= needed {
                     {
                         let versions = self.set.lock_versions();
-                        if let Some((b, _)) = tx.data.iter().find(|(b, _)| {
-                            versions.contains_key(b) && !tx.revokes.contains(b)
-                        }) {
+                        if let Some((b, _)) = tx
+                            .data
+                            .iter()
+                            .find(|(b, _)| versions.contains_key(b) && !tx.revokes.contains(b))
+                        {
                             return Err(JournalError::DataOverJournaledBlock { block: *b });
                         }
                     }
+                    self.check_aborted()?;
                     let tid = self.set.next_tid.fetch_add(1, Ordering::Relaxed);
                     let head = area.head;
-                    self.write_tx(tx, tid, head)?;
+                    if let Err(e) = self.write_tx(tx, tid, head) {
+                        self.set.aborted.store(true, Ordering::SeqCst);
+                        return Err(e);
+                    }
                     // Durable: record the new versions, then advance the head.
                     let mut versions = self.set.lock_versions();
                     for b in &tx.revokes {
@@ -611,6 +662,13 @@ impl Journal {
             }
             self.checkpoint()?;
         }
+    }
+
+    fn check_aborted(&self) -> Result<(), JournalError> {
+        if self.set.aborted.load(Ordering::SeqCst) {
+            return Err(JournalError::Aborted);
+        }
+        Ok(())
     }
 
     /// Build the transaction's log blocks (descriptors with tags, metadata copies, revokes);
@@ -712,7 +770,10 @@ impl Journal {
 
     fn flush(&self) -> Result<(), JournalError> {
         if self.plp {
-            self.set.stats.flushes_skipped.fetch_add(1, Ordering::Relaxed);
+            self.set
+                .stats
+                .flushes_skipped
+                .fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
         self.engine.block_on(self.dev.flush())??;
@@ -740,7 +801,8 @@ impl Journal {
                 w.wait(&self.engine)?;
                 self.flush()?;
                 let c = self.prepare_commit(tx, tid, n, chain)?;
-                self.engine.block_on(dev.write_at(log(n), c, commit_fua))??;
+                self.engine
+                    .block_on(dev.write_at(log(n), c, commit_fua))??;
             }
             CommitMode::Overlapped => {
                 let data = self.data_bufs(tx)?;
@@ -763,7 +825,8 @@ impl Journal {
                 let c = self.prepare_commit(tx, tid, n, chain)?;
                 w.wait(&self.engine)?;
                 self.flush()?;
-                self.engine.block_on(dev.write_at(log(n), c, commit_fua))??;
+                self.engine
+                    .block_on(dev.write_at(log(n), c, commit_fua))??;
             }
         }
         if !commit_fua {
@@ -778,6 +841,16 @@ impl Journal {
     pub fn checkpoint(&self) -> Result<(), JournalError> {
         let set = &*self.set;
         let _alone = set.gate.write().unwrap_or_else(|p| p.into_inner());
+        self.check_aborted()?;
+        let r = self.checkpoint_alone();
+        if r.is_err() {
+            set.aborted.store(true, Ordering::SeqCst);
+        }
+        r
+    }
+
+    fn checkpoint_alone(&self) -> Result<(), JournalError> {
+        let set = &*self.set;
         let snapshot: Vec<(u64, Vec<u8>)> = set
             .lock_versions()
             .iter()
@@ -797,6 +870,7 @@ impl Journal {
         // Every log is now redundant: move each tail to its head. Ids below the next one are
         // all home, so the new tail id is the next id.
         let tail_tid = set.next_tid.load(Ordering::Relaxed);
+        set.checkpoint_target.store(tail_tid, Ordering::SeqCst);
         let mut futs = Vec::new();
         let mut heads = Vec::new();
         for (i, &(off, blocks)) in set.layout.areas.iter().enumerate() {
@@ -823,6 +897,7 @@ impl Journal {
             set.lock_area(i).tail = h;
         }
         set.lock_versions().clear();
+        set.home_below.store(tail_tid, Ordering::SeqCst);
         set.stats.checkpoints.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -837,7 +912,8 @@ pub fn recover_image(image: &mut [u8], layout: &Layout) -> Result<RecoveryReport
         let area = &image[off as usize..(off + blocks * BLOCK as u64) as usize];
         logs.push(recovery::parse_area(area, i)?);
     }
-    let writes: Vec<(u64, Vec<u8>)> = recovery::merge(&logs)
+    let from = recovery::home_below(&logs);
+    let writes: Vec<(u64, Vec<u8>)> = recovery::merge(&logs, from)
         .into_iter()
         .map(|(b, d)| (b, d.to_vec()))
         .collect();
@@ -852,10 +928,14 @@ pub fn recover_image(image: &mut [u8], layout: &Layout) -> Result<RecoveryReport
         image[at..at + BLOCK].copy_from_slice(d);
     }
     Ok(RecoveryReport {
-        areas: logs.iter().enumerate().map(|(i, l)| (i, l.end.clone())).collect(),
+        areas: logs
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (i, l.end.clone()))
+            .collect(),
         replayed: logs
             .iter()
-            .map(|l| l.txs.iter().map(|t| t.tid).collect())
+            .map(|l| l.txs.iter().map(|t| t.tid).filter(|&t| t >= from).collect())
             .collect(),
         blocks_written: writes.len(),
         corrupt: logs

@@ -70,10 +70,8 @@ pub fn parse_area(area: &[u8], index: usize) -> Result<AreaLog, JournalError> {
             why: format!("an area of {} bytes is not two or more blocks", area.len()),
         });
     }
-    let sb = Superblock::decode(&area[..BLOCK]).map_err(|why| JournalError::BadSuperblock {
-        area: index,
-        why,
-    })?;
+    let sb = Superblock::decode(&area[..BLOCK])
+        .map_err(|why| JournalError::BadSuperblock { area: index, why })?;
     let blocks = (area.len() / BLOCK) as u64;
     if sb.area_blocks != blocks || sb.area_index as usize != index {
         return Err(JournalError::BadSuperblock {
@@ -251,7 +249,10 @@ fn parse_tx<'a>(
                 return Err(broken(
                     n,
                     intact,
-                    format!("log block {} is not the next block of the transaction", pos + n),
+                    format!(
+                        "log block {} is not the next block of the transaction",
+                        pos + n
+                    ),
                 ));
             }
         }
@@ -272,11 +273,25 @@ fn commit_follows<'a>(
     })
 }
 
-/// The blocks to write home after merging every area's committed transactions by id: for each
-/// block the version of the newest transaction, unless a newer transaction revoked it. Sorted by
-/// block number.
-pub fn merge<'a>(logs: impl IntoIterator<Item = &'a AreaLog>) -> Vec<(u64, &'a [u8])> {
-    let mut txs: Vec<&RecoveredTx> = logs.into_iter().flat_map(|l| l.txs.iter()).collect();
+/// Transactions below this id are home already: a checkpoint writes every committed block home
+/// and makes it durable before it moves any area's tail, so the largest tail id of any area
+/// covers all areas (even when a crash cut the checkpoint short between superblocks).
+pub fn home_below<'a>(logs: impl IntoIterator<Item = &'a AreaLog>) -> u64 {
+    logs.into_iter()
+        .map(|l| l.superblock.tail_tid)
+        .max()
+        .unwrap_or(0)
+}
+
+/// The blocks to write home after merging every area's committed transactions with ids from
+/// `from_tid` on: for each block the version of the newest transaction, unless a newer
+/// transaction revoked it. Sorted by block number.
+pub fn merge(logs: &[AreaLog], from_tid: u64) -> Vec<(u64, &[u8])> {
+    let mut txs: Vec<&RecoveredTx> = logs
+        .iter()
+        .flat_map(|l| l.txs.iter())
+        .filter(|t| t.tid >= from_tid)
+        .collect();
     txs.sort_by_key(|t| t.tid);
     let mut newest: HashMap<u64, (u64, &[u8])> = HashMap::new();
     let mut revoked: HashMap<u64, u64> = HashMap::new();

@@ -174,6 +174,9 @@ struct Sim {
     queue: Vec<Queued>,
     /// Payloads of completions that failed (a NOP carries no result of its own).
     failed: Vec<u64>,
+    /// Writes that were in flight when the power went: failed to their caller, but the device
+    /// may have written any part of them.
+    cut_in_flight: Vec<(u64, Vec<u8>)>,
     started: u64,
     completed: u64,
     powered: bool,
@@ -216,6 +219,7 @@ impl SimDisk {
             volatile: Vec::new(),
             queue: Vec::new(),
             failed: Vec::new(),
+            cut_in_flight: Vec::new(),
             started: 0,
             completed: 0,
             powered: true,
@@ -252,6 +256,12 @@ impl SimDisk {
         self.0.borrow_mut().powered = false;
     }
 
+    /// Cut the power once `n` more requests have been started (a crash at a chosen point).
+    pub fn cut_power_after(&self, n: u64) {
+        let mut s = self.0.borrow_mut();
+        s.cfg.power_cut_after = Some(s.started + n);
+    }
+
     /// Whether the power is still on.
     pub fn powered(&self) -> bool {
         self.0.borrow().powered
@@ -272,10 +282,15 @@ impl SimDisk {
             }
         }
         let queued: Vec<(u64, Vec<u8>)> = s
-            .queue
+            .cut_in_flight
             .iter()
-            .filter(|q| q.op == Op::Write)
-            .map(|q| (q.offset, q.data.clone()))
+            .cloned()
+            .chain(
+                s.queue
+                    .iter()
+                    .filter(|q| q.op == Op::Write)
+                    .map(|q| (q.offset, q.data.clone())),
+            )
             .collect();
         for (offset, data) in queued {
             let live = vec![true; data.len() / sector];
@@ -458,6 +473,9 @@ impl SoftDevice for SimDisk {
                 } else {
                     s.stats.after_power_cut += 1;
                     s.failed.push(payload);
+                    if q.op == Op::Write {
+                        s.cut_in_flight.push((q.offset, q.data));
+                    }
                 }
                 out.push((sink, payload));
             }
