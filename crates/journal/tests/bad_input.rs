@@ -1,0 +1,225 @@
+//! Bad input gets typed errors, and recovery never panics on any bytes (bounded fuzzing of the
+//! recovery parser: random and mutated images; `AIOS_FUZZ_SECONDS` sets the budget, default 5).
+
+use std::rc::Rc;
+
+use aios_core::{Engine, EngineConfig};
+use journal::{
+    format, recover_image, recovery, CommitMode, Journal, JournalError, JournalSet, Layout, Tx,
+};
+use lbio::{LbioArray, LbioConfig, SimConfig, SimDisk, SimRng};
+
+fn lbio() -> Rc<LbioArray> {
+    let engine = Engine::new(EngineConfig {
+        ring_entries: 128,
+        arena_bytes: 4 << 20,
+        huge_pages: false,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    LbioArray::new(engine, LbioConfig::default()).unwrap()
+}
+
+#[test]
+fn layouts_and_transactions_that_cannot_work_are_refused() {
+    let lbio = lbio();
+    let disk = SimDisk::new(SimConfig::new(64 * 4096, 1)).unwrap();
+    let dev = disk.open(&lbio).unwrap();
+    let e = JournalSet::format(&dev, Layout::per_core(0, 3, 1)).unwrap_err();
+    assert!(
+        matches!(e, JournalError::RegionTooSmall { blocks: 3, .. }),
+        "{e}"
+    );
+    let e = JournalSet::format(&dev, Layout::per_core(0, 100, 1)).unwrap_err();
+    assert!(e.to_string().contains("past the device"), "{e}");
+    let e = JournalSet::format(
+        &dev,
+        Layout {
+            areas: vec![(0, 8), (4096, 8)],
+        },
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("overlap"), "{e}");
+
+    let layout = Layout::per_core(0, 8, 1);
+    let set = JournalSet::format(&dev, layout).unwrap();
+    let j = Journal::new(&set, 0, disk.open(&lbio).unwrap(), CommitMode::Overlapped).unwrap();
+    assert!(matches!(j.commit(&Tx::new()), Err(JournalError::EmptyTx)));
+    let mut big = Tx::new();
+    for b in 0..8 {
+        big.write_meta(20 + b, &[1; 4096]).unwrap();
+    }
+    let e = j.commit(&big).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            JournalError::TxTooLarge {
+                needed: 10,
+                log_blocks: 7
+            }
+        ),
+        "{e}"
+    );
+    let mut tx = Tx::new();
+    assert!(matches!(
+        tx.write_meta(20, &[0; 100]),
+        Err(JournalError::BlockLen { len: 100, .. })
+    ));
+    tx.write_meta(3, &[0; 4096]).unwrap();
+    let e = j.commit(&tx).unwrap_err();
+    assert!(e.to_string().contains("journal area 0"), "{e}");
+    let mut tx = Tx::new();
+    tx.write_data(64, &[0; 4096]).unwrap();
+    assert!(matches!(
+        j.commit(&tx),
+        Err(JournalError::NotHomeBlock { block: 64, .. })
+    ));
+    // Data over journaled, not yet checkpointed metadata needs a revoke first.
+    let mut tx = Tx::new();
+    tx.write_meta(30, &[5; 4096]).unwrap();
+    j.commit(&tx).unwrap();
+    let mut tx = Tx::new();
+    tx.write_data(30, &[6; 4096]).unwrap();
+    assert!(matches!(
+        j.commit(&tx),
+        Err(JournalError::DataOverJournaledBlock { block: 30 })
+    ));
+    tx.revoke(30);
+    j.commit(&tx).unwrap();
+}
+
+#[test]
+fn a_corrupted_superblock_or_descriptor_is_reported() {
+    let lbio = lbio();
+    let layout = Layout::per_core(0, 16, 1);
+    let disk = SimDisk::new(SimConfig::new(64 * 4096, 2)).unwrap();
+    let set = JournalSet::format(&disk.open(&lbio).unwrap(), layout.clone()).unwrap();
+    let j = Journal::new(&set, 0, disk.open(&lbio).unwrap(), CommitMode::Vanilla).unwrap();
+    for i in 0..3u64 {
+        let mut tx = Tx::new();
+        tx.write_meta(40 + i, &[i as u8 + 1; 4096]).unwrap();
+        j.commit(&tx).unwrap();
+    }
+    let image = disk.media();
+
+    let mut bad_sb = image.clone();
+    bad_sb[40] ^= 0xff;
+    let e = recover_image(&mut bad_sb, &layout).unwrap_err();
+    assert!(
+        matches!(&e, JournalError::BadSuperblock { area: 0, why } if why.contains("checksum")),
+        "{e}"
+    );
+    let e = JournalSet::open(
+        &SimDisk::from_image(SimConfig::new(64 * 4096, 3), {
+            let mut b = image.clone();
+            b[..8].fill(0);
+            b
+        })
+        .unwrap()
+        .open(&lbio)
+        .unwrap(),
+        layout.clone(),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("magic"), "{e}");
+
+    // The second transaction's descriptor (log block 3, area block 4) damaged: reported, and
+    // only the first transaction is replayed.
+    let mut bad_desc = image.clone();
+    bad_desc[4 * 4096 + 8] ^= 1;
+    let report = recover_image(&mut bad_desc, &layout).unwrap();
+    assert_eq!(report.corrupt, vec![0]);
+    assert_eq!(report.replayed[0].len(), 1);
+
+    // Undamaged, through the device: all three come back and the log starts afresh.
+    let disk2 = SimDisk::from_image(SimConfig::new(64 * 4096, 4), image).unwrap();
+    let (set2, report) = JournalSet::open(&disk2.open(&lbio).unwrap(), layout.clone()).unwrap();
+    assert_eq!(report.replayed, vec![vec![1, 2, 3]]);
+    assert!(report.corrupt.is_empty());
+    assert_eq!(set2.next_tid(), 4);
+    let view = disk2.view();
+    for i in 0..3usize {
+        assert!(view[(40 + i) * 4096..(41 + i) * 4096]
+            .iter()
+            .all(|&b| b == i as u8 + 1));
+    }
+}
+
+/// Recovery on arbitrary bytes returns (an error or a report) and never panics.
+#[test]
+fn recovery_never_panics_on_any_bytes() {
+    let budget: f64 = std::env::var("AIOS_FUZZ_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5.0);
+    let lbio = lbio();
+    let layout = Layout::per_core(0, 16, 2);
+    // A valid image to mutate: two areas with committed transactions and revokes.
+    let disk = SimDisk::new(SimConfig::new(64 * 4096, 5)).unwrap();
+    let set = JournalSet::format(&disk.open(&lbio).unwrap(), layout.clone()).unwrap();
+    for a in 0..2usize {
+        let j = Journal::new(&set, a, disk.open(&lbio).unwrap(), CommitMode::Overlapped).unwrap();
+        for i in 0..4u64 {
+            let mut tx = Tx::for_file(a as u32);
+            tx.write_meta(40 + i, &[i as u8; 4096]).unwrap();
+            if i == 2 {
+                tx.revoke(41);
+            }
+            j.commit(&tx).unwrap();
+        }
+    }
+    let base = disk.media();
+    let mut rng = SimRng::new(0xf022);
+    let t0 = std::time::Instant::now();
+    let mut runs = 0u64;
+    while t0.elapsed().as_secs_f64() < budget {
+        let mut img = base.clone();
+        match rng.below(4) {
+            // Random bytes in a few places.
+            0 => {
+                for _ in 0..1 + rng.below(16) {
+                    let at = rng.below(img.len() as u64) as usize;
+                    img[at] = rng.next_u64() as u8;
+                }
+            }
+            // A whole block of garbage.
+            1 => {
+                let b = rng.below(32) as usize;
+                for x in &mut img[b * 4096..(b + 1) * 4096] {
+                    *x = rng.next_u64() as u8;
+                }
+            }
+            // A valid-looking header with random fields, resealed.
+            2 => {
+                let b = 1 + rng.below(31) as usize;
+                let blk = &mut img[b * 4096..(b + 1) * 4096];
+                format::put_u32(blk, 0, format::LOG_MAGIC);
+                format::put_u32(blk, 4, 1 + rng.below(3) as u32);
+                format::put_u64(blk, 8, rng.below(12));
+                format::put_u32(blk, 16, rng.below(3) as u32);
+                format::put_u32(blk, 20, rng.next_u64() as u32 % 600);
+                for i in 0..8 {
+                    format::put_u64(blk, 32 + 8 * i, rng.next_u64() % 200);
+                }
+                format::seal(blk);
+            }
+            // A resealed superblock with random positions and ids.
+            _ => {
+                let a = rng.below(2) as usize * 16 * 4096;
+                let sb = &mut img[a..a + 4096];
+                format::put_u64(sb, 16, rng.below(40));
+                format::put_u64(sb, 32, rng.next_u64() % 64);
+                format::put_u64(sb, 40, rng.below(12));
+                let c = format::crc(&sb[..format::SB_CRC_AT]);
+                format::put_u32(sb, format::SB_CRC_AT, c);
+            }
+        }
+        let _ = recover_image(&mut img, &layout);
+        for a in 0..2 {
+            let _ = recovery::parse_area(&img[a * 16 * 4096..(a + 1) * 16 * 4096], a);
+        }
+        runs += 1;
+    }
+    println!("recovery fuzzing: {runs} images in {budget} s, no panic");
+    assert!(runs > 100);
+}
