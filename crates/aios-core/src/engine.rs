@@ -834,11 +834,13 @@ impl Engine {
     }
 
     /// Let a software device's requests count as this engine's work: waits ask it to complete
-    /// some. The engine keeps a weak reference.
+    /// some. The engine keeps a weak reference; attaching the same device again changes nothing.
     pub fn attach_soft_device(&self, dev: Weak<dyn SoftDevice>) {
         let mut soft = self.soft.borrow_mut();
         soft.retain(|d| d.strong_count() > 0);
-        soft.push(dev);
+        if !soft.iter().any(|d| d.ptr_eq(&dev)) {
+            soft.push(dev);
+        }
     }
 
     fn soft_devices(&self) -> Vec<Rc<dyn SoftDevice>> {

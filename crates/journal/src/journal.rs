@@ -323,6 +323,66 @@ fn alloc(engine: &Engine) -> Result<FixedBuf, JournalError> {
     Ok(engine.alloc_blocking(BLOCK)?)
 }
 
+/// Write `(home block, bytes)` pairs in place, at most 32 in flight, and wait for all.
+fn write_home<'d>(
+    dev: &Device,
+    blocks: impl IntoIterator<Item = (u64, &'d [u8])>,
+) -> Result<(), JournalError> {
+    let engine = dev.lbio().engine();
+    let mut futs = Vec::new();
+    for (block, data) in blocks {
+        let mut b = alloc(engine)?;
+        b.copy_from_slice(data);
+        futs.push(dev.write_at(block * BLOCK as u64, b, false));
+        if futs.len() >= 32 {
+            join_all(engine, std::mem::take(&mut futs))?;
+        }
+    }
+    join_all(engine, futs)?;
+    Ok(())
+}
+
+/// (home block, bytes) pairs recovery writes.
+type HomeWrites<'a> = Vec<(u64, &'a [u8])>;
+
+/// What recovery writes home after parsing every area's log, checked against the layout, and the
+/// report of it.
+fn plan_recovery<'a>(
+    logs: &'a [AreaLog],
+    layout: &Layout,
+    device_bytes: u64,
+) -> Result<(HomeWrites<'a>, RecoveryReport), JournalError> {
+    let from = recovery::home_below(logs);
+    let writes = recovery::merge(logs, from);
+    for (block, _) in &writes {
+        if layout.in_area(*block).is_some() || (block + 1) * BLOCK as u64 > device_bytes {
+            return Err(JournalError::NotHomeBlock {
+                block: *block,
+                why: "a replayed transaction names it".into(),
+            });
+        }
+    }
+    let report = RecoveryReport {
+        areas: logs
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (i, l.end.clone()))
+            .collect(),
+        replayed: logs
+            .iter()
+            .map(|l| l.txs.iter().map(|t| t.tid).filter(|&t| t >= from).collect())
+            .collect(),
+        blocks_written: writes.len(),
+        corrupt: logs
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| matches!(l.end, LogEnd::Corrupt { .. }))
+            .map(|(i, _)| i)
+            .collect(),
+    };
+    Ok((writes, report))
+}
+
 fn read_range(dev: &Device, offset: u64, len: u64) -> Result<Vec<u8>, JournalError> {
     let engine = dev.lbio().engine();
     let mut out = Vec::with_capacity(len as usize);
@@ -426,26 +486,8 @@ impl JournalSet {
             logs.push(recovery::parse_area(&img, i)?);
         }
         let engine = dev.lbio().engine();
-        let from = recovery::home_below(&logs);
-        let writes = recovery::merge(&logs, from);
-        for (block, _) in &writes {
-            if layout.in_area(*block).is_some() || (block + 1) * BLOCK as u64 > bytes {
-                return Err(JournalError::NotHomeBlock {
-                    block: *block,
-                    why: "a replayed transaction names it".into(),
-                });
-            }
-        }
-        let mut futs = Vec::new();
-        for (block, data) in &writes {
-            let mut b = alloc(engine)?;
-            b.copy_from_slice(data);
-            futs.push(dev.write_at(block * BLOCK as u64, b, false));
-            if futs.len() >= 32 {
-                join_all(engine, std::mem::take(&mut futs))?;
-            }
-        }
-        join_all(engine, futs)?;
+        let (writes, report) = plan_recovery(&logs, &layout, bytes)?;
+        write_home(dev, writes)?;
         engine.block_on(dev.flush())??;
         let next_tid = logs.iter().map(|l| l.max_tid_seen).max().unwrap_or(0) + 1;
         let mut futs = Vec::new();
@@ -467,24 +509,6 @@ impl JournalSet {
             });
         }
         join_all(engine, futs)?;
-        let report = RecoveryReport {
-            areas: logs
-                .iter()
-                .enumerate()
-                .map(|(i, l)| (i, l.end.clone()))
-                .collect(),
-            replayed: logs
-                .iter()
-                .map(|l| l.txs.iter().map(|t| t.tid).filter(|&t| t >= from).collect())
-                .collect(),
-            blocks_written: writes.len(),
-            corrupt: logs
-                .iter()
-                .enumerate()
-                .filter(|(_, l)| matches!(l.end, LogEnd::Corrupt { .. }))
-                .map(|(i, _)| i)
-                .collect(),
-        };
         Ok((
             std::sync::Arc::new(JournalSet::new(layout, bytes, states, next_tid)),
             report,
@@ -856,16 +880,7 @@ impl Journal {
             .iter()
             .map(|(b, (_, d))| (*b, d.clone()))
             .collect();
-        let mut futs = Vec::new();
-        for (b, d) in &snapshot {
-            let mut buf = alloc(&self.engine)?;
-            buf.copy_from_slice(d);
-            futs.push(self.dev.write_at(b * BLOCK as u64, buf, false));
-            if futs.len() >= 32 {
-                join_all(&self.engine, std::mem::take(&mut futs))?;
-            }
-        }
-        join_all(&self.engine, futs)?;
+        write_home(&self.dev, snapshot.iter().map(|(b, d)| (*b, d.as_slice())))?;
         self.engine.block_on(self.dev.flush())??;
         // Every log is now redundant: move each tail to its head. Ids below the next one are
         // all home, so the new tail id is the next id.
@@ -912,37 +927,10 @@ pub fn recover_image(image: &mut [u8], layout: &Layout) -> Result<RecoveryReport
         let area = &image[off as usize..(off + blocks * BLOCK as u64) as usize];
         logs.push(recovery::parse_area(area, i)?);
     }
-    let from = recovery::home_below(&logs);
-    let writes: Vec<(u64, Vec<u8>)> = recovery::merge(&logs, from)
-        .into_iter()
-        .map(|(b, d)| (b, d.to_vec()))
-        .collect();
-    for (b, d) in &writes {
-        let at = (*b * BLOCK as u64) as usize;
-        if layout.in_area(*b).is_some() || at + BLOCK > image.len() {
-            return Err(JournalError::NotHomeBlock {
-                block: *b,
-                why: "a replayed transaction names it".into(),
-            });
-        }
+    let (writes, report) = plan_recovery(&logs, layout, image.len() as u64)?;
+    for (b, d) in writes {
+        let at = (b * BLOCK as u64) as usize;
         image[at..at + BLOCK].copy_from_slice(d);
     }
-    Ok(RecoveryReport {
-        areas: logs
-            .iter()
-            .enumerate()
-            .map(|(i, l)| (i, l.end.clone()))
-            .collect(),
-        replayed: logs
-            .iter()
-            .map(|l| l.txs.iter().map(|t| t.tid).filter(|&t| t >= from).collect())
-            .collect(),
-        blocks_written: writes.len(),
-        corrupt: logs
-            .iter()
-            .enumerate()
-            .filter(|(_, l)| matches!(l.end, LogEnd::Corrupt { .. }))
-            .map(|(i, _)| i)
-            .collect(),
-    })
+    Ok(report)
 }

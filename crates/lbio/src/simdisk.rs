@@ -187,7 +187,18 @@ struct Sim {
 /// A simulated SSD; clone the handle freely (all clones are the same disk). Not `Send`: it lives
 /// on the thread of the engine it is attached to.
 #[derive(Clone)]
-pub struct SimDisk(Rc<RefCell<Sim>>);
+pub struct SimDisk(Rc<Shared>);
+
+/// The disk's state, shared by its handles and its backends; the engine holds it weakly as a
+/// [`SoftDevice`].
+struct Shared(RefCell<Sim>);
+
+impl std::ops::Deref for Shared {
+    type Target = RefCell<Sim>;
+    fn deref(&self) -> &RefCell<Sim> {
+        &self.0
+    }
+}
 
 impl SimDisk {
     /// A zero-filled disk.
@@ -211,7 +222,7 @@ impl SimDisk {
                 cfg.sector_bytes
             )));
         }
-        Ok(SimDisk(Rc::new(RefCell::new(Sim {
+        Ok(SimDisk(Rc::new(Shared(RefCell::new(Sim {
             cfg,
             rng: SimRng::new(cfg.seed),
             view: image.clone(),
@@ -225,16 +236,15 @@ impl SimDisk {
             powered: true,
             now_ns: 0,
             stats: SimStats::default(),
-        }))))
+        })))))
     }
 
     /// Open the disk as a device on `lbio` (both request classes), and let `lbio`'s engine drive
     /// its completions.
     pub fn open(&self, lbio: &Rc<LbioArray>) -> Result<Device, LbioError> {
         let cfg = self.0.borrow().cfg;
-        let soft: Rc<dyn SoftDevice> = Rc::new(self.clone());
-        lbio.engine().attach_soft_device(Rc::downgrade(&soft));
-        // The engine holds a weak reference: keep the strong one alive as long as the backend.
+        lbio.engine()
+            .attach_soft_device(Rc::downgrade(&self.0) as _);
         let geometry = Geometry {
             capacity_bytes: cfg.bytes,
             logical_block: cfg.sector_bytes,
@@ -244,8 +254,8 @@ impl SimDisk {
         };
         Device::from_backends(
             lbio,
-            Box::new(SimBackend(self.clone(), Some(Rc::clone(&soft)))),
-            Box::new(SimBackend(self.clone(), Some(soft))),
+            Box::new(SimBackend(self.clone())),
+            Box::new(SimBackend(self.clone())),
             geometry,
             true,
         )
@@ -269,37 +279,42 @@ impl SimDisk {
 
     /// An image a power cut now could leave (see the module docs). Each call draws anew.
     pub fn crash_image(&self, opts: CrashOptions) -> Vec<u8> {
-        let mut s = self.0.borrow_mut();
-        let s = &mut *s;
-        let sector = s.cfg.sector_bytes as usize;
-        let mut img = s.media.clone();
-        if !s.cfg.plp {
-            for v in &s.volatile {
-                let live = v.live.clone();
+        let mut guard = self.0.borrow_mut();
+        let Sim {
+            cfg,
+            rng,
+            media,
+            volatile,
+            queue,
+            cut_in_flight,
+            ..
+        } = &mut *guard;
+        let sector = cfg.sector_bytes as usize;
+        let mut img = media.clone();
+        if !cfg.plp {
+            for v in volatile.iter() {
                 apply_maybe(
-                    &mut s.rng, &mut img, v.offset, &v.data, &live, sector, opts.torn,
+                    rng,
+                    &mut img,
+                    v.offset,
+                    &v.data,
+                    Some(&v.live),
+                    sector,
+                    opts.torn,
                 );
             }
         }
-        let queued: Vec<(u64, Vec<u8>)> = s
-            .cut_in_flight
-            .iter()
-            .cloned()
-            .chain(
-                s.queue
-                    .iter()
-                    .filter(|q| q.op == Op::Write)
-                    .map(|q| (q.offset, q.data.clone())),
-            )
-            .collect();
-        for (offset, data) in queued {
-            let live = vec![true; data.len() / sector];
-            apply_maybe(
-                &mut s.rng, &mut img, offset, &data, &live, sector, opts.torn,
-            );
+        let in_flight = cut_in_flight.iter().map(|(o, d)| (*o, d)).chain(
+            queue
+                .iter()
+                .filter(|q| q.op == Op::Write)
+                .map(|q| (q.offset, &q.data)),
+        );
+        for (offset, data) in in_flight {
+            apply_maybe(rng, &mut img, offset, data, None, sector, opts.torn);
         }
         for _ in 0..opts.bit_flips {
-            let bit = s.rng.below(img.len() as u64 * 8);
+            let bit = rng.below(img.len() as u64 * 8);
             img[(bit / 8) as usize] ^= 1 << (bit % 8);
         }
         img
@@ -335,13 +350,13 @@ impl SimDisk {
 }
 
 /// Apply a not-yet-durable write to a crash image: dropped, whole, or (when `torn`) a random
-/// subset of its sectors.
+/// subset of its sectors. `live` marks the sectors that may still reach the media (all if `None`).
 fn apply_maybe(
     rng: &mut SimRng,
     img: &mut [u8],
     offset: u64,
     data: &[u8],
-    live: &[bool],
+    live: Option<&[bool]>,
     sector: usize,
     torn: bool,
 ) {
@@ -352,7 +367,7 @@ fn apply_maybe(
             1 => true,
             _ => rng.chance(1, 2),
         };
-        if keep && live[i] {
+        if keep && live.is_none_or(|l| l[i]) {
             let at = offset as usize + i * sector;
             img[at..at + chunk.len()].copy_from_slice(chunk);
         }
@@ -447,7 +462,7 @@ impl Sim {
     }
 }
 
-impl SoftDevice for SimDisk {
+impl SoftDevice for Shared {
     fn pending(&self) -> u32 {
         self.0.borrow().queue.len() as u32
     }
@@ -490,7 +505,7 @@ impl SoftDevice for SimDisk {
 }
 
 /// The [`Backend`] face of a [`SimDisk`].
-struct SimBackend(SimDisk, #[allow(dead_code)] Option<Rc<dyn SoftDevice>>);
+struct SimBackend(SimDisk);
 
 impl Backend for SimBackend {
     fn caps(&self) -> Caps {
