@@ -454,12 +454,10 @@ impl CacheHandle {
                     // slot (published while the count still holds it), so a write from this
                     // handle can tell its own guard. An abandoned frame keeps the count: it is
                     // freed when that drops.
-                    let slot = match self.hazard_block {
-                        Some(block) if !abandoned && self.hazard_free.get() != 0 => {
-                            let free = self.hazard_free.get();
-                            let slot = free.trailing_zeros() as usize;
+                    let slot = match self.free_slot() {
+                        Some((block, slot)) if !abandoned => {
                             self.cache.hazards.protect(block, slot, frame);
-                            self.hazard_free.set(free & !(1 << slot));
+                            self.take_slot(slot);
                             self.cache.frames.unpin(frame);
                             Some(slot as u8)
                         }
@@ -480,19 +478,14 @@ impl CacheHandle {
     /// Hold `frame` (found for `key`) through one of this handle's hazard slots: publish it,
     /// then check the frame still holds the page, valid and not being written.
     fn protect(&self, frame: u32, key: Key) -> Protect {
-        let Some(block) = self.hazard_block else {
+        let Some((block, slot)) = self.free_slot() else {
             return Protect::NoSlot;
         };
-        let free = self.hazard_free.get();
-        if free == 0 {
-            return Protect::NoSlot;
-        }
         let frames = &self.cache.frames;
         let s1 = frames.state(frame);
         if !s1.has(frames::VALID) || s1.has(frames::BUSY) || frames.key(frame) != key.0 {
             return Protect::Changed;
         }
-        let slot = free.trailing_zeros() as usize;
         self.cache.hazards.protect(block, slot, frame);
         let s2 = frames.state_after_protect(frame);
         if s2.version() != s1.version()
@@ -503,8 +496,19 @@ impl CacheHandle {
             self.cache.hazards.clear(block, slot);
             return Protect::Changed;
         }
-        self.hazard_free.set(free & !(1 << slot));
+        self.take_slot(slot);
         Protect::Held(slot as u8)
+    }
+
+    /// This handle's block and a free slot in it, if any.
+    fn free_slot(&self) -> Option<(usize, usize)> {
+        let block = self.hazard_block?;
+        let free = self.hazard_free.get();
+        (free != 0).then(|| (block, free.trailing_zeros() as usize))
+    }
+
+    fn take_slot(&self, slot: usize) {
+        self.hazard_free.set(self.hazard_free.get() & !(1 << slot));
     }
 
     fn release_slot(&self, slot: u8) {
