@@ -53,6 +53,45 @@ enum BenchCmd {
     /// The page cache's read path (cold misses, hits, submission latency) beside the kernel's
     /// page cache, O_DIRECT pread and raw lbio.
     Pagecache(PagecacheArgs),
+    /// A 4 KiB write made durable: the journal's vanilla and overlapped commit beside ext4's
+    /// pwrite + fsync on the same kind of device.
+    Fsync(FsyncArgs),
+}
+
+#[derive(Args)]
+struct FsyncArgs {
+    /// `ull` (two loop devices over /dev/shm: one for the journal, one made ext4; needs root),
+    /// or a block device or file the journal modes may overwrite (with --destructive when it
+    /// existed before).
+    #[arg(long, default_value = "ull")]
+    device: String,
+    /// A directory on an ext4 file system for the ext4 mode when --device is not `ull`.
+    #[arg(long)]
+    ext4_dir: Option<PathBuf>,
+    /// Thread counts (each thread: its own engine, journal area and file).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    threads: Vec<u32>,
+    /// Modes to run.
+    #[arg(long, value_delimiter = ',', default_value = "vanilla,overlapped,ext4")]
+    modes: Vec<aios::bench::fsync::FsyncMode>,
+    /// Seconds per run.
+    #[arg(long, default_value_t = 1.0)]
+    seconds: f64,
+    /// Rounds (the order alternates from round to round; figures are medians over rounds).
+    #[arg(long, default_value_t = 3)]
+    rounds: u32,
+    /// Size of a file the bench creates (when --device names a path that does not exist).
+    #[arg(long, default_value = "256m", value_parser = parse_size)]
+    size: u64,
+    /// Allow overwriting an existing device or file named by --device.
+    #[arg(long)]
+    destructive: bool,
+    /// One JSON object per line instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Where the latency CDF plot goes (PNG and SVG).
+    #[arg(long, default_value = "aios-report")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -266,6 +305,7 @@ fn main() -> ExitCode {
         } => cmd_probe(&path, json, samples),
         Cmd::Bench(BenchCmd::Lbio(a)) => cmd_bench_lbio(a),
         Cmd::Bench(BenchCmd::Pagecache(a)) => cmd_bench_pagecache(a),
+        Cmd::Bench(BenchCmd::Fsync(a)) => cmd_bench_fsync(a),
         Cmd::Demo(a) => cmd_demo(a),
     };
     match r {
@@ -698,6 +738,130 @@ fn cmd_bench_pagecache(a: PagecacheArgs) -> Result<(), BenchError> {
         eprintln!("plots: {}", written.join(", "));
     }
     Ok(())
+}
+
+/// Targets of the fsync bench: the journal's device, and an ext4 mount when asked for.
+struct FsyncTargets {
+    // Field order is drop order: unmount before the device goes.
+    ext4: Option<aios::bench::fsync::Ext4Mount>,
+    _ext4_dev: Option<Target>,
+    journal: Target,
+}
+
+fn prepare_fsync_targets(
+    device: &str,
+    size: u64,
+    ext4_wanted: bool,
+    destructive: bool,
+    progress: &Progress,
+) -> Result<FsyncTargets, BenchError> {
+    progress.step("preparing the journal's device");
+    let journal = Target::prepare(device, size)?;
+    check_write_allowed(journal.path(), journal.created_here(), destructive)?;
+    let (ext4, ext4_dev) = if ext4_wanted && device == "ull" {
+        progress.step("making ext4 on a second ull device");
+        let t = Target::prepare("ull", 0)?;
+        (Some(aios::bench::fsync::Ext4Mount::make(t.path())?), Some(t))
+    } else {
+        (None, None)
+    };
+    progress.done();
+    Ok(FsyncTargets {
+        ext4,
+        _ext4_dev: ext4_dev,
+        journal,
+    })
+}
+
+fn cmd_bench_fsync(a: FsyncArgs) -> Result<(), BenchError> {
+    use aios::bench::fsync::{self as fs, FsyncBench, FsyncMode};
+    let progress = Progress::new(false);
+    let ext4_wanted = a.modes.contains(&FsyncMode::Ext4);
+    if ext4_wanted && a.device != "ull" && a.ext4_dir.is_none() {
+        return Err(BenchError::Invalid(
+            "the ext4 mode needs --ext4-dir DIR (a directory on ext4) when --device is not ull; \
+             or leave ext4 out with --modes vanilla,overlapped"
+                .into(),
+        ));
+    }
+    let targets = prepare_fsync_targets(&a.device, a.size, ext4_wanted, a.destructive, &progress)?;
+    let ext4_dir = match (&targets.ext4, &a.ext4_dir) {
+        (Some(m), _) => Some(m.dir().to_path_buf()),
+        (None, Some(d)) => {
+            if aios::core::sys::fs_type_of(d).as_deref() != Some("ext4") {
+                eprintln!("note: {} is not on ext4; the 'ext4' rows measure whatever it is", d.display());
+            }
+            Some(d.clone())
+        }
+        (None, None) => None,
+    };
+    let bench = FsyncBench {
+        journal_dev: targets.journal.path().to_path_buf(),
+        ext4_dir,
+        modes: a.modes.clone(),
+        threads: a.threads.clone(),
+        seconds: a.seconds,
+        rounds: a.rounds.max(1),
+        device_name: a.device.clone(),
+    };
+    if !a.json {
+        eprintln!("journal device: {}", targets.journal.describe());
+        if let Some(d) = &bench.ext4_dir {
+            eprintln!("ext4: {}", d.display());
+        }
+        fs::print_header(&mut std::io::stdout()).map_err(io_err)?;
+    }
+    let json = a.json;
+    let mut emit = |s: &fs::FsyncSample| {
+        let mut out = std::io::stdout().lock();
+        let _ = if json {
+            print_json(&mut out, s)
+        } else {
+            fs::print_row(&mut out, s)
+        };
+    };
+    let (_, meds) = bench.run(&progress, &mut emit)?;
+    if bench.rounds > 1 {
+        for s in &meds {
+            emit(s);
+        }
+    }
+    let written = write_fsync_plot(&a.out, &bench, &meds)?;
+    drop(targets);
+    if !a.json {
+        eprintln!("{}", fs::legend());
+        eprintln!("plots: {}", written.join(", "));
+    }
+    Ok(())
+}
+
+fn write_fsync_plot(
+    out: &Path,
+    bench: &aios::bench::fsync::FsyncBench,
+    meds: &[aios::bench::fsync::FsyncSample],
+) -> Result<Vec<String>, BenchError> {
+    std::fs::create_dir_all(out)
+        .map_err(|e| BenchError::Setup(format!("creating {}: {e}", out.display())))?;
+    let threads = bench.threads[0];
+    let series = aios::bench::fsync::cdf_series(meds, threads);
+    let refs: Vec<&Sample> = series.iter().collect();
+    let mut written = Vec::new();
+    if refs.is_empty() {
+        return Ok(written);
+    }
+    for ext in ["png", "svg"] {
+        let p = out.join(format!("fsync_cdf.{ext}"));
+        plot_cdf(
+            &p,
+            &format!(
+                "4 KiB write made durable, x{threads} thread(s) on {}",
+                bench.device_name
+            ),
+            &refs,
+        )?;
+        written.push(p.display().to_string());
+    }
+    Ok(written)
 }
 
 fn print_pagecache_legend() {

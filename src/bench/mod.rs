@@ -6,6 +6,7 @@
 
 pub mod compare;
 pub mod fio;
+pub mod fsync;
 pub mod pagecache;
 pub mod report;
 pub mod ull;

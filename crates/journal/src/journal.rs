@@ -8,6 +8,7 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, RwLock};
 use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
 
 use aios_core::{Engine, FixedBuf};
 use lbio::{Device, IoFuture, LbioError};
@@ -206,6 +207,32 @@ pub struct JournalStats {
     pub checkpoints: AtomicU64,
     pub log_blocks_written: AtomicU64,
     pub flushes_skipped: AtomicU64,
+    /// Where commit time goes, summed over commits (ns): preparing buffers (descriptor, tags,
+    /// checksums, copies; overlapped with the device in overlapped mode) ...
+    pub prepare_ns: AtomicU64,
+    /// ... from the start of the commit until its data and journal blocks are written ...
+    pub writes_ns: AtomicU64,
+    /// ... the FLUSH before the commit block ...
+    pub flush_ns: AtomicU64,
+    /// ... and the commit block's durable write.
+    pub commit_ns: AtomicU64,
+}
+
+impl JournalStats {
+    /// Mean nanoseconds per commit of (prepare, writes, flush, commit block).
+    pub fn mean_phases_ns(&self) -> Option<[f64; 4]> {
+        let n = self.commits.load(Ordering::Relaxed);
+        if n == 0 {
+            return None;
+        }
+        let per = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 / n as f64;
+        Some([
+            per(&self.prepare_ns),
+            per(&self.writes_ns),
+            per(&self.flush_ns),
+            per(&self.commit_ns),
+        ])
+    }
 }
 
 /// The journal areas of one device, shared by all cores: one [`Journal`] handle per thread.
@@ -808,37 +835,57 @@ impl Journal {
         let dev = &self.dev;
         let log = |i: usize| self.set.log_byte(self.area, head + i as u64);
         let commit_fua = dev.critical_route().0.fua;
-        match self.mode {
+        let st = &self.set.stats;
+        let add = |a: &AtomicU64, from: Instant| {
+            a.fetch_add(from.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        };
+        let start = Instant::now();
+        let mut prep = Duration::ZERO;
+        let timed = |prep: &mut Duration, f: &mut dyn FnMut()| {
+            let t = Instant::now();
+            f();
+            *prep += t.elapsed();
+        };
+        let c = match self.mode {
             CommitMode::Vanilla => {
-                let data = self.data_bufs(tx)?;
+                let mut data = Ok(Vec::new());
+                timed(&mut prep, &mut || data = self.data_bufs(tx));
                 let mut w = Inflight::new();
-                for (b, buf) in data {
+                for (b, buf) in data? {
                     w.start(dev.write_at(b * BLOCK as u64, buf, false));
                 }
                 w.wait(&self.engine)?;
-                let (blocks, chain) = self.prepare_journal(tx, tid)?;
+                let mut journal = Ok((Vec::new(), 0));
+                timed(&mut prep, &mut || journal = self.prepare_journal(tx, tid));
+                let (blocks, chain) = journal?;
                 let n = blocks.len();
                 let mut w = Inflight::new();
                 for (i, buf) in blocks.into_iter().enumerate() {
                     w.start(dev.write_at(log(i), buf, false));
                 }
                 w.wait(&self.engine)?;
+                add(&st.writes_ns, start);
+                let t = Instant::now();
                 self.flush()?;
-                let c = self.prepare_commit(tx, tid, n, chain)?;
-                self.engine
-                    .block_on(dev.write_at(log(n), c, commit_fua))??;
+                add(&st.flush_ns, t);
+                let mut c = Err(JournalError::EmptyTx);
+                timed(&mut prep, &mut || c = self.prepare_commit(tx, tid, n, chain));
+                (c?, n)
             }
             CommitMode::Overlapped => {
-                let data = self.data_bufs(tx)?;
+                let mut data = Ok(Vec::new());
+                timed(&mut prep, &mut || data = self.data_bufs(tx));
                 let mut w = Inflight::new();
                 {
                     let _plug = self.engine.plug();
-                    for (b, buf) in data {
+                    for (b, buf) in data? {
                         w.start(dev.write_at(b * BLOCK as u64, buf, false));
                     }
                 }
                 // The data is on its way: prepare the journal while the device works.
-                let (blocks, chain) = self.prepare_journal(tx, tid)?;
+                let mut journal = Ok((Vec::new(), 0));
+                timed(&mut prep, &mut || journal = self.prepare_journal(tx, tid));
+                let (blocks, chain) = journal?;
                 let n = blocks.len();
                 {
                     let _plug = self.engine.plug();
@@ -846,17 +893,28 @@ impl Journal {
                         w.start(dev.write_at(log(i), buf, false));
                     }
                 }
-                let c = self.prepare_commit(tx, tid, n, chain)?;
+                let mut c = Err(JournalError::EmptyTx);
+                timed(&mut prep, &mut || c = self.prepare_commit(tx, tid, n, chain));
+                let c = c?;
                 w.wait(&self.engine)?;
+                add(&st.writes_ns, start);
+                let t = Instant::now();
                 self.flush()?;
-                self.engine
-                    .block_on(dev.write_at(log(n), c, commit_fua))??;
+                add(&st.flush_ns, t);
+                (c, n)
             }
-        }
+        };
+        st.prepare_ns
+            .fetch_add(prep.as_nanos() as u64, Ordering::Relaxed);
+        let (c, n) = c;
+        let t = Instant::now();
+        self.engine
+            .block_on(dev.write_at(log(n), c, commit_fua))??;
         if !commit_fua {
             // No FUA on this device: a flush makes the commit block durable.
             self.engine.block_on(dev.flush())??;
         }
+        add(&st.commit_ns, t);
         Ok(())
     }
 

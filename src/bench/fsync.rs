@@ -1,0 +1,706 @@
+//! `aios bench fsync`: a 4 KiB write made durable, through the journal (vanilla and overlapped
+//! commit) and through ext4 (`pwrite` + `fsync`) on the same kind of device.
+//!
+//! One operation of the journal modes is what a file system's `fsync` of a 4 KiB overwrite
+//! costs on the journal: build a file-level transaction with the data block (ordered, written in
+//! place) and the file's inode block (journaled metadata), then commit it. Each thread has its
+//! own engine, its own journal area (per-core journals) and its own file; the latency of one
+//! operation runs from building the transaction to the commit's return. The ext4 anchor does
+//! the same on a freshly made ext4: `pwrite` 4 KiB at a random block of a preallocated file of
+//! its own, then `fsync`.
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::rc::Rc;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use aios_core::{sys, CompletionMode, Engine, EngineConfig, ProbeOptions};
+use hdrhistogram::Histogram;
+use journal::{CommitMode, Journal, JournalSet, Layout, Tx};
+use lbio::{Device, DeviceConfig, LbioArray, LbioConfig, RouteChoice};
+use serde::Serialize;
+
+use crate::bench::compare::Progress;
+use crate::bench::pagecache::completion_for;
+use crate::bench::{median, new_histogram, BenchError};
+
+/// Journal blocks per area (4 MiB): a checkpoint every ~340 single-block commits per thread.
+pub const AREA_BLOCKS: u64 = 1024;
+/// Blocks of each thread's file (its home region on the journal device; its file on ext4).
+pub const FILE_BLOCKS: u64 = 4096;
+const BLOCK: usize = journal::format::BLOCK;
+
+/// What makes the write durable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum FsyncMode {
+    /// The journal, vanilla commit.
+    Vanilla,
+    /// The journal, overlapped commit (AIOS §3.3).
+    Overlapped,
+    /// `pwrite` + `fsync` on ext4.
+    Ext4,
+}
+
+impl FsyncMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            FsyncMode::Vanilla => "vanilla",
+            FsyncMode::Overlapped => "overlapped",
+            FsyncMode::Ext4 => "ext4",
+        }
+    }
+}
+
+/// One measured run, printed as a table row or one JSON line.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct FsyncSample {
+    pub mode: String,
+    pub threads: u32,
+    pub iops: f64,
+    pub lat_us_mean: f64,
+    pub lat_us_p50: f64,
+    pub lat_us_p99: f64,
+    pub lat_us_p999: f64,
+    pub cpu_s: f64,
+    pub iops_per_cpu_s: f64,
+    pub seconds: f64,
+    /// Journal checkpoints during the run (journal modes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoints: Option<u64>,
+    /// FLUSH commands skipped because the device declares power-loss protection.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub flushes_skipped: Option<u64>,
+    /// Journal modes: mean µs per commit spent preparing buffers, until the data and journal
+    /// blocks were written, in the FLUSH, and writing the commit block durably.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub phases_us: Option<Phases>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub round: Option<u32>,
+    pub device: String,
+    /// Mean latency ÷ vanilla's, same round and thread count.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lat_vs_vanilla: Option<f64>,
+    /// IOPS ÷ ext4's, same round and thread count.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub iops_vs_ext4: Option<f64>,
+    #[serde(skip)]
+    pub cdf: Vec<(f64, f64)>,
+}
+
+/// Where a commit's time goes (mean µs per commit).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Phases {
+    pub prepare: f64,
+    pub writes: f64,
+    pub flush: f64,
+    pub commit: f64,
+}
+
+/// An ext4 file system made for the run on a device, mounted on a fresh directory; unmounted
+/// (and the directory removed) on drop.
+#[derive(Debug)]
+pub struct Ext4Mount {
+    dir: PathBuf,
+}
+
+impl Ext4Mount {
+    /// `mkfs.ext4` on `dev` (destroys its contents) and mount it (default options: ordered
+    /// data, barriers on). Needs root and e2fsprogs.
+    pub fn make(dev: &Path) -> Result<Ext4Mount, BenchError> {
+        let run = |cmd: &mut Command, what: &str| -> Result<(), BenchError> {
+            let out = cmd
+                .output()
+                .map_err(|e| BenchError::Setup(format!("running {what}: {e}")))?;
+            if !out.status.success() {
+                return Err(BenchError::Setup(format!(
+                    "{what} failed: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                )));
+            }
+            Ok(())
+        };
+        run(
+            Command::new("mkfs.ext4").args(["-q", "-F"]).arg(dev),
+            "mkfs.ext4 (e2fsprogs)",
+        )?;
+        let dir = std::env::temp_dir().join(format!("aios-ext4-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| BenchError::Setup(format!("creating {}: {e}", dir.display())))?;
+        if let Err(e) = run(Command::new("mount").arg(dev).arg(&dir), "mount") {
+            let _ = std::fs::remove_dir(&dir);
+            return Err(e);
+        }
+        Ok(Ext4Mount { dir })
+    }
+
+    /// The mount point.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for Ext4Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.dir).status();
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// The benchmark: modes × thread counts, `rounds` rounds in alternating order.
+#[derive(Debug)]
+pub struct FsyncBench {
+    /// The device the journal modes write (its contents are destroyed).
+    pub journal_dev: PathBuf,
+    /// A directory on ext4 for the ext4 mode.
+    pub ext4_dir: Option<PathBuf>,
+    pub modes: Vec<FsyncMode>,
+    pub threads: Vec<u32>,
+    pub seconds: f64,
+    pub rounds: u32,
+    pub device_name: String,
+}
+
+fn xorshift(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+/// What one thread measured.
+struct ThreadResult {
+    hist: Histogram<u64>,
+    ops: u64,
+}
+
+impl FsyncBench {
+    /// Every run of one round, in order.
+    pub fn cases(&self) -> Vec<(FsyncMode, u32)> {
+        let mut v = Vec::new();
+        for &t in &self.threads {
+            for &m in &self.modes {
+                v.push((m, t));
+            }
+        }
+        v
+    }
+
+    /// Check the settings before anything is written.
+    pub fn validate(&self) -> Result<(), BenchError> {
+        if self.seconds <= 0.0 || !self.seconds.is_finite() {
+            return Err(BenchError::Invalid(format!(
+                "--seconds {} must be > 0",
+                self.seconds
+            )));
+        }
+        if self.threads.is_empty() || self.threads.contains(&0) {
+            return Err(BenchError::Invalid("--threads needs counts >= 1".into()));
+        }
+        if self.modes.is_empty() {
+            return Err(BenchError::Invalid("--modes is empty".into()));
+        }
+        if self.modes.contains(&FsyncMode::Ext4) && self.ext4_dir.is_none() {
+            return Err(BenchError::Invalid(
+                "the ext4 mode needs an ext4 directory (--ext4-dir, or --device ull)".into(),
+            ));
+        }
+        let max_t = *self.threads.iter().max().expect("non-empty") as u64;
+        if self.modes.iter().any(|m| *m != FsyncMode::Ext4) {
+            let need = self.journal_bytes(max_t);
+            let have = device_bytes(&self.journal_dev)?;
+            if have < need {
+                return Err(BenchError::Invalid(format!(
+                    "{} holds {have} bytes; {max_t} thread(s) need {need} ({AREA_BLOCKS} journal \
+                     blocks and {FILE_BLOCKS} file blocks each)",
+                    self.journal_dev.display()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn journal_bytes(&self, threads: u64) -> u64 {
+        threads * (AREA_BLOCKS + FILE_BLOCKS + 1) * BLOCK as u64
+    }
+
+    /// Run every case for every round; `emit` sees each sample once its round is complete.
+    /// Returns all samples and the per-case medians.
+    pub fn run(
+        &self,
+        progress: &Progress,
+        emit: &mut dyn FnMut(&FsyncSample),
+    ) -> Result<(Vec<FsyncSample>, Vec<FsyncSample>), BenchError> {
+        self.validate()?;
+        let cases = self.cases();
+        let rounds = self.rounds.max(1);
+        let mut all = Vec::new();
+        for round in 0..rounds {
+            let mut order = cases.clone();
+            if round % 2 == 1 {
+                order.reverse();
+            }
+            let mut this_round = Vec::new();
+            for (i, &(mode, threads)) in order.iter().enumerate() {
+                progress.step(&format!(
+                    "fsync round {}/{rounds} run {}/{}: {} x{threads} thread(s)",
+                    round + 1,
+                    i + 1,
+                    order.len(),
+                    mode.name()
+                ));
+                let mut s = self.run_case(mode, threads)?;
+                s.round = Some(round + 1);
+                this_round.push(s);
+            }
+            progress.done();
+            fill_ratios(&mut this_round);
+            this_round.sort_by_key(|s| case_index(&cases, s));
+            for s in &this_round {
+                emit(s);
+            }
+            all.extend(this_round);
+        }
+        let meds = medians(&cases, &all, &self.device_name);
+        Ok((all, meds))
+    }
+
+    fn run_case(&self, mode: FsyncMode, threads: u32) -> Result<FsyncSample, BenchError> {
+        match mode {
+            FsyncMode::Ext4 => self.run_ext4(threads),
+            FsyncMode::Vanilla => self.run_journal(CommitMode::Vanilla, threads),
+            FsyncMode::Overlapped => self.run_journal(CommitMode::Overlapped, threads),
+        }
+    }
+
+    /// Layout for `threads` areas at the start of the device; thread `t`'s file blocks follow.
+    fn layout(threads: u32) -> Layout {
+        Layout::per_core(0, AREA_BLOCKS, threads as usize)
+    }
+
+    fn run_journal(&self, mode: CommitMode, threads: u32) -> Result<FsyncSample, BenchError> {
+        let completion = completion_for(threads);
+        let layout = Self::layout(threads);
+        let set = {
+            let (_e, _l, dev) = stack(&self.journal_dev, completion)?;
+            JournalSet::format(&dev, layout).map_err(journal_err)?
+        };
+        let files_at = threads as u64 * AREA_BLOCKS;
+        let barrier = Arc::new(Barrier::new(threads as usize + 1));
+        let seconds = self.seconds;
+        let path = self.journal_dev.clone();
+        let (results, elapsed, cpu) = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    let set = Arc::clone(&set);
+                    let barrier = Arc::clone(&barrier);
+                    let path = path.clone();
+                    s.spawn(move || -> Result<ThreadResult, BenchError> {
+                        let ready = (|| {
+                            let (engine, _lbio, dev) = stack(&path, completion)?;
+                            let j = Journal::new(&set, t as usize, dev, mode).map_err(journal_err)?;
+                            Ok::<_, BenchError>((engine, _lbio, j))
+                        })();
+                        barrier.wait();
+                        let (_engine, _lbio, j) = ready?;
+                        // Thread t's "file": an inode block and FILE_BLOCKS data blocks.
+                        let inode = files_at + t as u64 * (FILE_BLOCKS + 1);
+                        let first = inode + 1;
+                        let mut data = vec![0u8; BLOCK];
+                        let mut meta = vec![0u8; BLOCK];
+                        let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (t as u64 + 1);
+                        let mut one = |n: u64| -> Result<u64, BenchError> {
+                            let block = first + xorshift(&mut x) % FILE_BLOCKS;
+                            data[..8].copy_from_slice(&n.to_le_bytes());
+                            meta[..8].copy_from_slice(&n.to_le_bytes());
+                            meta[8..16].copy_from_slice(&block.to_le_bytes());
+                            let t0 = Instant::now();
+                            let mut tx = Tx::for_file(t);
+                            tx.write_data(block, &data)
+                                .and_then(|tx| tx.write_meta(inode, &meta))
+                                .map_err(journal_err)?;
+                            j.commit(&tx).map_err(journal_err)?;
+                            Ok(t0.elapsed().as_nanos() as u64)
+                        };
+                        for n in 0..8 {
+                            one(n)?; // warm-up
+                        }
+                        timed_loop(seconds, |n| one(n + 8))
+                    })
+                })
+                .collect();
+            let cpu0 = sys::process_cpu_time();
+            let t0 = Instant::now();
+            barrier.wait();
+            let results: Vec<_> = handles
+                .into_iter()
+                .map(|h| h.join().expect("bench thread panicked"))
+                .collect();
+            (
+                results,
+                t0.elapsed().as_secs_f64(),
+                (sys::process_cpu_time() - cpu0).as_secs_f64(),
+            )
+        });
+        let mut s = self.sample(
+            if mode == CommitMode::Vanilla {
+                FsyncMode::Vanilla
+            } else {
+                FsyncMode::Overlapped
+            },
+            threads,
+            results,
+            elapsed,
+            cpu,
+        )?;
+        let st = &set.stats;
+        s.checkpoints = Some(st.checkpoints.load(std::sync::atomic::Ordering::Relaxed));
+        s.flushes_skipped = Some(st.flushes_skipped.load(std::sync::atomic::Ordering::Relaxed));
+        s.phases_us = st.mean_phases_ns().map(|p| Phases {
+            prepare: p[0] / 1000.0,
+            writes: p[1] / 1000.0,
+            flush: p[2] / 1000.0,
+            commit: p[3] / 1000.0,
+        });
+        Ok(s)
+    }
+
+    fn run_ext4(&self, threads: u32) -> Result<FsyncSample, BenchError> {
+        let dir = self.ext4_dir.as_ref().expect("validated");
+        let seconds = self.seconds;
+        let barrier = Arc::new(Barrier::new(threads as usize + 1));
+        let (results, elapsed, cpu) = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    let barrier = Arc::clone(&barrier);
+                    let path = dir.join(format!("aios-fsync-{t}"));
+                    s.spawn(move || -> Result<ThreadResult, BenchError> {
+                        let ready = prepare_ext4_file(&path);
+                        barrier.wait();
+                        let f = ready?;
+                        let mut data = vec![0u8; BLOCK];
+                        let mut x = 0x2545_f491_4f6c_dd1du64 ^ (t as u64 + 1);
+                        let err = |e: std::io::Error| {
+                            BenchError::Setup(format!("{}: {e}", path.display()))
+                        };
+                        let mut one = |n: u64| -> Result<u64, BenchError> {
+                            let block = xorshift(&mut x) % FILE_BLOCKS;
+                            data[..8].copy_from_slice(&n.to_le_bytes());
+                            let t0 = Instant::now();
+                            f.write_all_at(&data, block * BLOCK as u64).map_err(err)?;
+                            f.sync_all().map_err(err)?;
+                            Ok(t0.elapsed().as_nanos() as u64)
+                        };
+                        for n in 0..8 {
+                            one(n)?;
+                        }
+                        let r = timed_loop(seconds, |n| one(n + 8));
+                        drop(f);
+                        let _ = std::fs::remove_file(&path);
+                        r
+                    })
+                })
+                .collect();
+            let cpu0 = sys::process_cpu_time();
+            let t0 = Instant::now();
+            barrier.wait();
+            let results: Vec<_> = handles
+                .into_iter()
+                .map(|h| h.join().expect("bench thread panicked"))
+                .collect();
+            (
+                results,
+                t0.elapsed().as_secs_f64(),
+                (sys::process_cpu_time() - cpu0).as_secs_f64(),
+            )
+        });
+        self.sample(FsyncMode::Ext4, threads, results, elapsed, cpu)
+    }
+
+    fn sample(
+        &self,
+        mode: FsyncMode,
+        threads: u32,
+        results: Vec<Result<ThreadResult, BenchError>>,
+        elapsed: f64,
+        cpu: f64,
+    ) -> Result<FsyncSample, BenchError> {
+        let mut hist = new_histogram();
+        let mut ops = 0;
+        for r in results {
+            let r = r?;
+            hist.add(&r.hist)
+                .map_err(|e| BenchError::Setup(format!("merging histograms: {e}")))?;
+            ops += r.ops;
+        }
+        let us = |ns: u64| ns as f64 / 1000.0;
+        Ok(FsyncSample {
+            mode: mode.name().into(),
+            threads,
+            iops: ops as f64 / elapsed,
+            lat_us_mean: hist.mean() / 1000.0,
+            lat_us_p50: us(hist.value_at_quantile(0.5)),
+            lat_us_p99: us(hist.value_at_quantile(0.99)),
+            lat_us_p999: us(hist.value_at_quantile(0.999)),
+            cpu_s: cpu,
+            iops_per_cpu_s: if cpu > 0.0 { ops as f64 / cpu } else { 0.0 },
+            seconds: elapsed,
+            device: self.device_name.clone(),
+            cdf: hist
+                .iter_quantiles(4)
+                .map(|v| (v.quantile_iterated_to(), us(v.value_iterated_to())))
+                .collect(),
+            ..FsyncSample::default()
+        })
+    }
+}
+
+/// Run `one` until `seconds` pass; `one(n)` returns the operation's latency in ns.
+fn timed_loop(
+    seconds: f64,
+    mut one: impl FnMut(u64) -> Result<u64, BenchError>,
+) -> Result<ThreadResult, BenchError> {
+    let mut hist = new_histogram();
+    let deadline = Instant::now() + Duration::from_secs_f64(seconds);
+    let mut ops = 0u64;
+    while Instant::now() < deadline {
+        let ns = one(ops)?;
+        hist.saturating_record(ns.max(1));
+        ops += 1;
+    }
+    Ok(ThreadResult { hist, ops })
+}
+
+/// A file of FILE_BLOCKS written and made durable, so the run overwrites allocated blocks.
+fn prepare_ext4_file(path: &Path) -> Result<std::fs::File, BenchError> {
+    let err = |e: std::io::Error| BenchError::Setup(format!("{}: {e}", path.display()));
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .map_err(err)?;
+    let chunk = vec![0x5au8; 1 << 20];
+    let bytes = FILE_BLOCKS * BLOCK as u64;
+    let mut at = 0;
+    while at < bytes {
+        let n = chunk.len().min((bytes - at) as usize);
+        f.write_all_at(&chunk[..n], at).map_err(err)?;
+        at += n as u64;
+    }
+    f.sync_all().map_err(err)?;
+    Ok(f)
+}
+
+fn journal_err(e: journal::JournalError) -> BenchError {
+    BenchError::Setup(format!("journal: {e}"))
+}
+
+fn device_bytes(path: &Path) -> Result<u64, BenchError> {
+    let (_e, _l, dev) = stack(path, CompletionMode::Wait)?;
+    Ok(dev.geometry().capacity_bytes)
+}
+
+/// One thread's engine, lbio array and writable device.
+fn stack(
+    path: &Path,
+    completion: CompletionMode,
+) -> Result<(Rc<Engine>, Rc<LbioArray>, Device), BenchError> {
+    let engine = Engine::new(EngineConfig {
+        arena_bytes: 4 << 20,
+        ring_entries: 256,
+        huge_pages: false,
+        ..EngineConfig::default()
+    })?;
+    engine.set_completion_mode(completion);
+    let lbio = LbioArray::new(
+        Rc::clone(&engine),
+        LbioConfig {
+            slots: 128,
+            ..LbioConfig::default()
+        },
+    )?;
+    let dev = Device::open(
+        &lbio,
+        path,
+        DeviceConfig {
+            write: true,
+            route: RouteChoice::Auto,
+            probe: ProbeOptions {
+                latency_samples: 50,
+                try_iopoll: false,
+            },
+            ..DeviceConfig::default()
+        },
+    )?;
+    Ok((engine, lbio, dev))
+}
+
+fn case_index(cases: &[(FsyncMode, u32)], s: &FsyncSample) -> usize {
+    cases
+        .iter()
+        .position(|(m, t)| m.name() == s.mode && *t == s.threads)
+        .unwrap_or(usize::MAX)
+}
+
+/// Ratios within one round: latency ÷ vanilla's, IOPS ÷ ext4's, same thread count.
+fn fill_ratios(round: &mut [FsyncSample]) {
+    let find = |round: &[FsyncSample], mode: &str, t: u32| {
+        round
+            .iter()
+            .find(|s| s.mode == mode && s.threads == t)
+            .map(|s| (s.lat_us_mean, s.iops))
+    };
+    for i in 0..round.len() {
+        let (mode, t) = (round[i].mode.clone(), round[i].threads);
+        let vanilla = find(round, "vanilla", t);
+        let ext4 = find(round, "ext4", t);
+        let s = &mut round[i];
+        if mode != "ext4" {
+            s.lat_vs_vanilla = vanilla.map(|(lat, _)| s.lat_us_mean / lat);
+        }
+        s.iops_vs_ext4 = ext4.map(|(_, iops)| s.iops / iops);
+    }
+}
+
+/// Per case: the median of each figure over the rounds (ratios: the median of the per-round
+/// ratios).
+fn medians(cases: &[(FsyncMode, u32)], all: &[FsyncSample], device: &str) -> Vec<FsyncSample> {
+    let mut out = Vec::new();
+    for &(mode, threads) in cases {
+        let mine: Vec<&FsyncSample> = all
+            .iter()
+            .filter(|s| s.mode == mode.name() && s.threads == threads)
+            .collect();
+        if mine.is_empty() {
+            continue;
+        }
+        let med = |f: &dyn Fn(&FsyncSample) -> f64| {
+            median(mine.iter().map(|s| f(s)).collect()).unwrap_or(0.0)
+        };
+        let med_opt = |f: &dyn Fn(&FsyncSample) -> Option<f64>| {
+            median(mine.iter().filter_map(|s| f(s)).collect())
+        };
+        // The CDF of the round whose mean is the median one.
+        let mean = med(&|s| s.lat_us_mean);
+        let cdf = mine
+            .iter()
+            .min_by(|a, b| {
+                (a.lat_us_mean - mean)
+                    .abs()
+                    .total_cmp(&(b.lat_us_mean - mean).abs())
+            })
+            .map(|s| s.cdf.clone())
+            .unwrap_or_default();
+        out.push(FsyncSample {
+            mode: mode.name().into(),
+            threads,
+            iops: med(&|s| s.iops),
+            lat_us_mean: mean,
+            lat_us_p50: med(&|s| s.lat_us_p50),
+            lat_us_p99: med(&|s| s.lat_us_p99),
+            lat_us_p999: med(&|s| s.lat_us_p999),
+            cpu_s: med(&|s| s.cpu_s),
+            iops_per_cpu_s: med(&|s| s.iops_per_cpu_s),
+            seconds: med(&|s| s.seconds),
+            checkpoints: med_opt(&|s| s.checkpoints.map(|c| c as f64)).map(|c| c as u64),
+            flushes_skipped: med_opt(&|s| s.flushes_skipped.map(|c| c as f64)).map(|c| c as u64),
+            phases_us: mine
+                .iter()
+                .all(|s| s.phases_us.is_some())
+                .then(|| {
+                    let ph = |f: &dyn Fn(&Phases) -> f64| {
+                        med(&|s| s.phases_us.as_ref().map_or(0.0, f))
+                    };
+                    Phases {
+                        prepare: ph(&|p| p.prepare),
+                        writes: ph(&|p| p.writes),
+                        flush: ph(&|p| p.flush),
+                        commit: ph(&|p| p.commit),
+                    }
+                }),
+            round: None,
+            device: device.into(),
+            lat_vs_vanilla: med_opt(&|s| s.lat_vs_vanilla),
+            iops_vs_ext4: med_opt(&|s| s.iops_vs_ext4),
+            cdf,
+        });
+    }
+    out
+}
+
+/// The table header.
+pub fn print_header(out: &mut impl std::io::Write) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "{:>5} {:<10} {:>3} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>6} {:>9} {:>9}  {}",
+        "round",
+        "mode",
+        "thr",
+        "IOPS",
+        "mean us",
+        "p50 us",
+        "p99 us",
+        "p99.9 us",
+        "IOPS/cpu-s",
+        "ckpts",
+        "lat/van",
+        "IOPS/ext4",
+        "prep/writes/flush/commit us"
+    )
+}
+
+/// One table row.
+pub fn print_row(out: &mut impl std::io::Write, s: &FsyncSample) -> std::io::Result<()> {
+    let round = s.round.map_or("med".to_string(), |r| r.to_string());
+    let ratio = |r: Option<f64>| r.map(|r| format!("{r:.3}x")).unwrap_or_default();
+    writeln!(
+        out,
+        "{:>5} {:<10} {:>3} {:>9.0} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10.0} {:>6} {:>9} {:>9}  {}",
+        round,
+        s.mode,
+        s.threads,
+        s.iops,
+        s.lat_us_mean,
+        s.lat_us_p50,
+        s.lat_us_p99,
+        s.lat_us_p999,
+        s.iops_per_cpu_s,
+        s.checkpoints.map(|c| c.to_string()).unwrap_or_default(),
+        ratio(s.lat_vs_vanilla),
+        ratio(s.iops_vs_ext4),
+        s.phases_us
+            .map(|p| format!(
+                "{:.1}/{:.1}/{:.1}/{:.1}",
+                p.prepare, p.writes, p.flush, p.commit
+            ))
+            .unwrap_or_default()
+    )
+}
+
+/// What the table's columns mean.
+pub fn legend() -> &'static str {
+    "one op = a 4 KiB write made durable: journal modes build a file-level transaction (the data \
+     block in place + the file's inode block journaled) and commit it; ext4 = pwrite 4 KiB + \
+     fsync. 'lat/van' = mean latency ÷ vanilla's, 'IOPS/ext4' = IOPS ÷ ext4's (same round and \
+     thread count; 'med' rows: medians over rounds)"
+}
+
+/// The latency CDFs of the median rows as `Sample`s, for `report::plot_cdf`.
+pub fn cdf_series(meds: &[FsyncSample], threads: u32) -> Vec<crate::bench::Sample> {
+    meds.iter()
+        .filter(|s| s.threads == threads && !s.cdf.is_empty())
+        .map(|s| crate::bench::Sample {
+            engine: s.mode.clone(),
+            workload: "write+fsync".into(),
+            bs: BLOCK as u32,
+            qd: 1,
+            lat_us_mean: s.lat_us_mean,
+            cdf: s.cdf.clone(),
+            ..crate::bench::Sample::default()
+        })
+        .collect()
+}
