@@ -71,6 +71,13 @@ struct FsyncArgs {
     /// Thread counts (each thread: its own engine, journal area and file).
     #[arg(long, value_delimiter = ',', default_value = "1")]
     threads: Vec<u32>,
+    /// Journal areas (default: one per thread, per-core journals). Fewer areas than threads:
+    /// threads share them and concurrent commits form groups (group commit).
+    #[arg(long)]
+    areas: Option<u32>,
+    /// Turn group commit off (threads sharing an area then commit one after another).
+    #[arg(long)]
+    no_group_commit: bool,
     /// Modes to run.
     #[arg(long, value_delimiter = ',', default_value = "vanilla,overlapped,ext4")]
     modes: Vec<aios::bench::fsync::FsyncMode>,
@@ -761,7 +768,10 @@ fn prepare_fsync_targets(
     let (ext4, ext4_dev) = if ext4_wanted && device == "ull" {
         progress.step("making ext4 on a second ull device");
         let t = Target::prepare("ull", 0)?;
-        (Some(aios::bench::fsync::Ext4Mount::make(t.path())?), Some(t))
+        (
+            Some(aios::bench::fsync::Ext4Mount::make(t.path())?),
+            Some(t),
+        )
     } else {
         (None, None)
     };
@@ -789,7 +799,10 @@ fn cmd_bench_fsync(a: FsyncArgs) -> Result<(), BenchError> {
         (Some(m), _) => Some(m.dir().to_path_buf()),
         (None, Some(d)) => {
             if aios::core::sys::fs_type_of(d).as_deref() != Some("ext4") {
-                eprintln!("note: {} is not on ext4; the 'ext4' rows measure whatever it is", d.display());
+                eprintln!(
+                    "note: {} is not on ext4; the 'ext4' rows measure whatever it is",
+                    d.display()
+                );
             }
             Some(d.clone())
         }
@@ -803,6 +816,8 @@ fn cmd_bench_fsync(a: FsyncArgs) -> Result<(), BenchError> {
         seconds: a.seconds,
         rounds: a.rounds.max(1),
         device_name: a.device.clone(),
+        areas: a.areas,
+        group_commit: !a.no_group_commit,
     };
     if !a.json {
         eprintln!("journal device: {}", targets.journal.describe());

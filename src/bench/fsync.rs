@@ -70,6 +70,12 @@ pub struct FsyncSample {
     /// Journal checkpoints during the run (journal modes).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub checkpoints: Option<u64>,
+    /// Journal areas the threads commit into.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub areas: Option<u32>,
+    /// Fraction of commits that went out in a group (group commit).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grouped: Option<f64>,
     /// FLUSH commands skipped because the device declares power-loss protection.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub flushes_skipped: Option<u64>,
@@ -161,6 +167,11 @@ pub struct FsyncBench {
     pub seconds: f64,
     pub rounds: u32,
     pub device_name: String,
+    /// Journal areas; `None`: one per thread (per-core journals). With fewer areas than threads,
+    /// thread t commits into area t mod areas and concurrent commits form groups.
+    pub areas: Option<u32>,
+    /// Group commit on (the default) or off.
+    pub group_commit: bool,
 }
 
 fn xorshift(x: &mut u64) -> u64 {
@@ -208,6 +219,9 @@ impl FsyncBench {
             ));
         }
         let max_t = *self.threads.iter().max().expect("non-empty") as u64;
+        if self.areas == Some(0) {
+            return Err(BenchError::Invalid("--areas must be >= 1".into()));
+        }
         if self.modes.iter().any(|m| *m != FsyncMode::Ext4) {
             let need = self.journal_bytes(max_t);
             let have = device_bytes(&self.journal_dev)?;
@@ -275,19 +289,20 @@ impl FsyncBench {
         }
     }
 
-    /// Layout for `threads` areas at the start of the device; thread `t`'s file blocks follow.
-    fn layout(threads: u32) -> Layout {
-        Layout::per_core(0, AREA_BLOCKS, threads as usize)
+    fn areas_for(&self, threads: u32) -> u32 {
+        self.areas.map_or(threads, |a| a.clamp(1, threads))
     }
 
     fn run_journal(&self, mode: CommitMode, threads: u32) -> Result<FsyncSample, BenchError> {
         let completion = completion_for(threads);
-        let layout = Self::layout(threads);
+        let areas = self.areas_for(threads);
+        let layout = Layout::per_core(0, AREA_BLOCKS, areas as usize);
+        let group = self.group_commit;
         let set = {
             let (_e, _l, dev) = stack(&self.journal_dev, completion)?;
             JournalSet::format(&dev, layout).map_err(journal_err)?
         };
-        let files_at = threads as u64 * AREA_BLOCKS;
+        let files_at = areas as u64 * AREA_BLOCKS;
         let barrier = Arc::new(Barrier::new(threads as usize + 1));
         let seconds = self.seconds;
         let path = self.journal_dev.clone();
@@ -300,7 +315,9 @@ impl FsyncBench {
                     s.spawn(move || -> Result<ThreadResult, BenchError> {
                         let ready = (|| {
                             let (engine, _lbio, dev) = stack(&path, completion)?;
-                            let j = Journal::new(&set, t as usize, dev, mode).map_err(journal_err)?;
+                            let mut j = Journal::new(&set, (t % areas) as usize, dev, mode)
+                                .map_err(journal_err)?;
+                            j.set_group_commit(group);
                             Ok::<_, BenchError>((engine, _lbio, j))
                         })();
                         barrier.wait();
@@ -317,7 +334,13 @@ impl FsyncBench {
                             meta[..8].copy_from_slice(&n.to_le_bytes());
                             meta[8..16].copy_from_slice(&block.to_le_bytes());
                             let t0 = Instant::now();
-                            let mut tx = Tx::for_file(t);
+                            // A file-level transaction when the thread has its area to itself;
+                            // sharing one, a plain one that may join a group.
+                            let mut tx = if areas == threads {
+                                Tx::for_file(t)
+                            } else {
+                                Tx::new()
+                            };
                             tx.write_data(block, &data)
                                 .and_then(|tx| tx.write_meta(inode, &meta))
                                 .map_err(journal_err)?;
@@ -357,7 +380,19 @@ impl FsyncBench {
         )?;
         let st = &set.stats;
         s.checkpoints = Some(st.checkpoints.load(std::sync::atomic::Ordering::Relaxed));
-        s.flushes_skipped = Some(st.flushes_skipped.load(std::sync::atomic::Ordering::Relaxed));
+        s.areas = Some(areas);
+        let commits = st.commits.load(std::sync::atomic::Ordering::Relaxed);
+        if commits > 0 {
+            s.grouped = Some(
+                st.grouped_commits
+                    .load(std::sync::atomic::Ordering::Relaxed) as f64
+                    / commits as f64,
+            );
+        }
+        s.flushes_skipped = Some(
+            st.flushes_skipped
+                .load(std::sync::atomic::Ordering::Relaxed),
+        );
         s.phases_us = st.mean_phases_ns().map(|p| Phases {
             prepare: p[0] / 1000.0,
             writes: p[1] / 1000.0,
@@ -607,21 +642,18 @@ fn medians(cases: &[(FsyncMode, u32)], all: &[FsyncSample], device: &str) -> Vec
             iops_per_cpu_s: med(&|s| s.iops_per_cpu_s),
             seconds: med(&|s| s.seconds),
             checkpoints: med_opt(&|s| s.checkpoints.map(|c| c as f64)).map(|c| c as u64),
+            areas: mine[0].areas,
+            grouped: med_opt(&|s| s.grouped),
             flushes_skipped: med_opt(&|s| s.flushes_skipped.map(|c| c as f64)).map(|c| c as u64),
-            phases_us: mine
-                .iter()
-                .all(|s| s.phases_us.is_some())
-                .then(|| {
-                    let ph = |f: &dyn Fn(&Phases) -> f64| {
-                        med(&|s| s.phases_us.as_ref().map_or(0.0, f))
-                    };
-                    Phases {
-                        prepare: ph(&|p| p.prepare),
-                        writes: ph(&|p| p.writes),
-                        flush: ph(&|p| p.flush),
-                        commit: ph(&|p| p.commit),
-                    }
-                }),
+            phases_us: mine.iter().all(|s| s.phases_us.is_some()).then(|| {
+                let ph = |f: &dyn Fn(&Phases) -> f64| med(&|s| s.phases_us.as_ref().map_or(0.0, f));
+                Phases {
+                    prepare: ph(&|p| p.prepare),
+                    writes: ph(&|p| p.writes),
+                    flush: ph(&|p| p.flush),
+                    commit: ph(&|p| p.commit),
+                }
+            }),
             round: None,
             device: device.into(),
             lat_vs_vanilla: med_opt(&|s| s.lat_vs_vanilla),
@@ -636,10 +668,12 @@ fn medians(cases: &[(FsyncMode, u32)], all: &[FsyncSample], device: &str) -> Vec
 pub fn print_header(out: &mut impl std::io::Write) -> std::io::Result<()> {
     writeln!(
         out,
-        "{:>5} {:<10} {:>3} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>6} {:>9} {:>9}  {}",
+        "{:>5} {:<10} {:>3} {:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>6} {:>9} {:>9}  \
+         prep/writes/flush/commit us",
         "round",
         "mode",
         "thr",
+        "grp%",
         "IOPS",
         "mean us",
         "p50 us",
@@ -649,7 +683,6 @@ pub fn print_header(out: &mut impl std::io::Write) -> std::io::Result<()> {
         "ckpts",
         "lat/van",
         "IOPS/ext4",
-        "prep/writes/flush/commit us"
     )
 }
 
@@ -659,10 +692,13 @@ pub fn print_row(out: &mut impl std::io::Write, s: &FsyncSample) -> std::io::Res
     let ratio = |r: Option<f64>| r.map(|r| format!("{r:.3}x")).unwrap_or_default();
     writeln!(
         out,
-        "{:>5} {:<10} {:>3} {:>9.0} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10.0} {:>6} {:>9} {:>9}  {}",
+        "{:>5} {:<10} {:>3} {:>5} {:>9.0} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10.0} {:>6} {:>9} {:>9}  {}",
         round,
         s.mode,
         s.threads,
+        s.grouped
+            .map(|g| format!("{:.0}", g * 100.0))
+            .unwrap_or_default(),
         s.iops,
         s.lat_us_mean,
         s.lat_us_p50,
@@ -686,7 +722,8 @@ pub fn legend() -> &'static str {
     "one op = a 4 KiB write made durable: journal modes build a file-level transaction (the data \
      block in place + the file's inode block journaled) and commit it; ext4 = pwrite 4 KiB + \
      fsync. 'lat/van' = mean latency ÷ vanilla's, 'IOPS/ext4' = IOPS ÷ ext4's (same round and \
-     thread count; 'med' rows: medians over rounds)"
+     thread count; 'med' rows: medians over rounds); 'grp%' = commits that went out in a \
+     group (group commit, when threads share areas: --areas)"
 }
 
 /// The latency CDFs of the median rows as `Sample`s, for `report::plot_cdf`.

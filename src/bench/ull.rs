@@ -30,10 +30,7 @@ impl UllDevice {
         // Unique per device: a run may hold several at once (the fsync bench's journal and ext4).
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let image = PathBuf::from(format!(
-            "/dev/shm/aios-ull-{}-{n}.img",
-            std::process::id()
-        ));
+        let image = PathBuf::from(format!("/dev/shm/aios-ull-{}-{n}.img", std::process::id()));
         fill_file(&image, bytes)?;
         let out = Command::new("losetup")
             .args(["-f", "--show", "--direct-io=on"])

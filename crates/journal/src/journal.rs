@@ -6,7 +6,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, RwLock};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -166,6 +166,46 @@ impl Tx {
     }
 
     /// Log blocks the transaction takes.
+    /// Join `later` onto this transaction (group commit): its writes come after ours, so a
+    /// block both write ends as `later` has it and `later`'s revokes cancel our metadata for
+    /// the block. Refused (false, `self` unchanged) when the union would not fit `log_len` log
+    /// blocks or when `later` writes in place a block this one journals.
+    fn absorb(&mut self, later: &Tx, log_len: u64) -> bool {
+        let journals = |b: &u64| self.metas.iter().any(|(m, _)| m == b);
+        if later
+            .data
+            .iter()
+            .any(|(b, _)| journals(b) && !later.revokes.contains(b))
+        {
+            return false;
+        }
+        let mut m = self.clone();
+        for (b, d) in &later.data {
+            match m.data.iter_mut().find(|(x, _)| x == b) {
+                Some(slot) => slot.1.clone_from(d),
+                None => m.data.push((*b, d.clone())),
+            }
+        }
+        for b in &later.revokes {
+            m.metas.retain(|(x, _)| x != b);
+            if !m.revokes.contains(b) {
+                m.revokes.push(*b);
+            }
+        }
+        for (b, d) in &later.metas {
+            m.revokes.retain(|x| x != b);
+            match m.metas.iter_mut().find(|(x, _)| x == b) {
+                Some(slot) => slot.1.clone_from(d),
+                None => m.metas.push((*b, d.clone())),
+            }
+        }
+        if m.log_blocks() > log_len {
+            return false;
+        }
+        *self = m;
+        true
+    }
+
     pub fn log_blocks(&self) -> u64 {
         format::tx_blocks(self.metas.len(), self.revokes.len())
     }
@@ -198,6 +238,55 @@ struct AreaState {
     head: u64,
     tail: u64,
     generation: u64,
+    /// A thread is committing into this area (the leader); others queue behind it.
+    leader: bool,
+    /// Commits waiting for the leader, in arrival order.
+    queue: std::collections::VecDeque<Arc<Waiter>>,
+}
+
+impl AreaState {
+    fn new(head: u64, generation: u64) -> AreaState {
+        AreaState {
+            head,
+            tail: head,
+            generation,
+            leader: false,
+            queue: Default::default(),
+        }
+    }
+}
+
+/// A commit request waiting behind an area's leader.
+struct Waiter {
+    tx: Tx,
+    /// May join another thread's group (not a file-level transaction, the handle allows it).
+    joinable: bool,
+    state: Mutex<WaitState>,
+    cv: Condvar,
+}
+
+enum WaitState {
+    Waiting,
+    /// Committed in a group; the result is this request's.
+    Done(Result<CommitInfo, JournalError>),
+    /// The area is this request's to commit (the previous leader passed it on).
+    Lead,
+}
+
+impl std::fmt::Debug for Waiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Waiter")
+            .field("log_blocks", &self.tx.log_blocks())
+            .field("joinable", &self.joinable)
+            .finish()
+    }
+}
+
+impl Waiter {
+    fn finish(&self, to: WaitState) {
+        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = to;
+        self.cv.notify_one();
+    }
 }
 
 /// Counters.
@@ -207,6 +296,10 @@ pub struct JournalStats {
     pub checkpoints: AtomicU64,
     pub log_blocks_written: AtomicU64,
     pub flushes_skipped: AtomicU64,
+    /// Journal transactions that carried more than one commit (group commit) ...
+    pub groups: AtomicU64,
+    /// ... and the commits they carried.
+    pub grouped_commits: AtomicU64,
     /// Where commit time goes, summed over commits (ns): preparing buffers (descriptor, tags,
     /// checksums, copies; overlapped with the device in overlapped mode) ...
     pub prepare_ns: AtomicU64,
@@ -486,13 +579,7 @@ impl JournalSet {
         }
         join_all(engine, futs)?;
         engine.block_on(dev.flush())??;
-        let states = (0..n)
-            .map(|_| AreaState {
-                head: 0,
-                tail: 0,
-                generation: 1,
-            })
-            .collect();
+        let states = (0..n).map(|_| AreaState::new(0, 1)).collect();
         Ok(std::sync::Arc::new(JournalSet::new(
             layout, bytes, states, 1,
         )))
@@ -529,11 +616,7 @@ impl JournalSet {
             };
             sb.encode(&mut b);
             futs.push(dev.write_at(layout.areas[i].0, b, true));
-            states.push(AreaState {
-                head: l.end_pos,
-                tail: l.end_pos,
-                generation: sb.generation,
-            });
+            states.push(AreaState::new(l.end_pos, sb.generation));
         }
         join_all(engine, futs)?;
         Ok((
@@ -578,6 +661,8 @@ pub struct Journal {
     mode: CommitMode,
     /// Skip FLUSH: the device declares power-loss protection.
     plp: bool,
+    /// Let this handle's commits join (and take in) other threads' commits to the same area.
+    group_commit: bool,
 }
 
 impl Journal {
@@ -610,6 +695,7 @@ impl Journal {
             dev,
             mode,
             plp,
+            group_commit: true,
         })
     }
 
@@ -624,6 +710,10 @@ impl Journal {
     }
     pub fn set_mode(&mut self, mode: CommitMode) {
         self.mode = mode;
+    }
+    /// Turn group commit on (the default) or off for this handle's commits.
+    pub fn set_group_commit(&mut self, on: bool) {
+        self.group_commit = on;
     }
     pub fn device(&self) -> &Device {
         &self.dev
@@ -666,27 +756,132 @@ impl Journal {
     }
 
     /// Commit `tx`: on `Ok` it is durable (its data, metadata and revokes survive any crash).
+    ///
+    /// One thread at a time commits into an area. A commit that finds the area busy waits; with
+    /// group commit on (the default) the next thread to commit takes every waiting transaction
+    /// it can fit into one journal transaction, so concurrent commits share one set of journal
+    /// writes, one FLUSH and one commit block. A file-level transaction ([`Tx::for_file`]) never
+    /// joins a group: the calling thread commits it itself.
     pub fn commit(&self, tx: &Tx) -> Result<CommitInfo, JournalError> {
         self.validate(tx)?;
+        let joinable = self.group_commit && tx.file.is_none();
+        {
+            let mut area = self.set.lock_area(self.area);
+            if area.leader {
+                let me = Arc::new(Waiter {
+                    tx: tx.clone(),
+                    joinable,
+                    state: Mutex::new(WaitState::Waiting),
+                    cv: Condvar::new(),
+                });
+                area.queue.push_back(Arc::clone(&me));
+                drop(area);
+                let mut st = me.state.lock().unwrap_or_else(|p| p.into_inner());
+                loop {
+                    match std::mem::replace(&mut *st, WaitState::Waiting) {
+                        WaitState::Waiting => {
+                            st = me.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+                        }
+                        WaitState::Done(r) => return r,
+                        WaitState::Lead => break,
+                    }
+                }
+            } else {
+                area.leader = true;
+            }
+        }
+        // This thread leads the area now: commit `tx` (with whatever joins it), then pass the
+        // area on to the next waiter.
+        let r = self.lead(tx, joinable);
+        let mut area = self.set.lock_area(self.area);
+        match area.queue.pop_front() {
+            Some(next) => {
+                drop(area);
+                next.finish(WaitState::Lead);
+            }
+            None => area.leader = false,
+        }
+        r
+    }
+
+    /// Commit `own` as the area's leader, joined (when `join`) by waiting joinable commits.
+    fn lead(&self, own: &Tx, join: bool) -> Result<CommitInfo, JournalError> {
+        let log_len = self.set.log_len(self.area);
+        let mut members: Vec<Arc<Waiter>> = Vec::new();
+        let merged;
+        let tx = if join {
+            let mut area = self.set.lock_area(self.area);
+            let mut m = own.clone();
+            let mut rest = std::collections::VecDeque::new();
+            // A transaction that would be refused for writing in place over journaled blocks
+            // commits by itself, so that its error stays its own.
+            let fits = |t: &Tx| self.data_conflict(t).is_none();
+            let own_ok = fits(own);
+            while let Some(w) = area.queue.pop_front() {
+                if own_ok && w.joinable && fits(&w.tx) && m.absorb(&w.tx, log_len) {
+                    members.push(w);
+                } else {
+                    rest.push_back(w);
+                }
+            }
+            area.queue = rest;
+            drop(area);
+            if members.is_empty() {
+                own
+            } else {
+                merged = m;
+                &merged
+            }
+        } else {
+            own
+        };
+        let mut r = self.commit_led(tx, members.len() as u64 + 1);
+        if !members.is_empty() && matches!(r, Err(JournalError::DataOverJournaledBlock { .. })) {
+            // Another area journaled a block the group writes in place since the check: the
+            // others go back to the front of the queue, untouched, and this one commits alone.
+            let mut area = self.set.lock_area(self.area);
+            for w in members.drain(..).rev() {
+                area.queue.push_front(w);
+            }
+            drop(area);
+            r = self.commit_led(own, 1);
+        }
+        let st = &self.set.stats;
+        if !members.is_empty() {
+            st.groups.fetch_add(1, Ordering::Relaxed);
+            st.grouped_commits
+                .fetch_add(members.len() as u64 + 1, Ordering::Relaxed);
+        }
+        for w in members {
+            w.finish(WaitState::Done(match &r {
+                Ok(info) => Ok(*info),
+                Err(JournalError::DataOverJournaledBlock { block }) => {
+                    Err(JournalError::DataOverJournaledBlock { block: *block })
+                }
+                Err(_) => Err(JournalError::Aborted),
+            }));
+        }
+        r
+    }
+
+    /// Write `tx` into the area (checkpointing first when the log lacks room) and make it
+    /// durable; the caller leads the area. `members` commits are in it.
+    fn commit_led(&self, tx: &Tx, members: u64) -> Result<CommitInfo, JournalError> {
         let needed = tx.log_blocks();
         loop {
             {
                 let _shared = self.set.gate.read().unwrap_or_else(|p| p.into_inner());
-                let mut area = self.set.lock_area(self.area);
-                if self.set.log_len(self.area) - (area.head - area.tail) >= needed {
-                    {
-                        let versions = self.set.lock_versions();
-                        if let Some((b, _)) = tx
-                            .data
-                            .iter()
-                            .find(|(b, _)| versions.contains_key(b) && !tx.revokes.contains(b))
-                        {
-                            return Err(JournalError::DataOverJournaledBlock { block: *b });
-                        }
+                let head = {
+                    let area = self.set.lock_area(self.area);
+                    (self.set.log_len(self.area) - (area.head - area.tail) >= needed)
+                        .then_some(area.head)
+                };
+                if let Some(head) = head {
+                    if let Some(block) = self.data_conflict(tx) {
+                        return Err(JournalError::DataOverJournaledBlock { block });
                     }
                     self.check_aborted()?;
                     let tid = self.set.next_tid.fetch_add(1, Ordering::Relaxed);
-                    let head = area.head;
                     if let Err(e) = self.write_tx(tx, tid, head) {
                         self.set.aborted.store(true, Ordering::SeqCst);
                         return Err(e);
@@ -699,10 +894,10 @@ impl Journal {
                     for (b, d) in &tx.metas {
                         versions.insert(*b, (tid, d.clone()));
                     }
-                    area.head += needed;
+                    self.set.lock_area(self.area).head += needed;
                     drop(versions);
                     let st = &self.set.stats;
-                    st.commits.fetch_add(1, Ordering::Relaxed);
+                    st.commits.fetch_add(members, Ordering::Relaxed);
                     st.log_blocks_written.fetch_add(needed, Ordering::Relaxed);
                     return Ok(CommitInfo {
                         tid,
@@ -713,6 +908,16 @@ impl Journal {
             }
             self.checkpoint()?;
         }
+    }
+
+    /// A block `tx` writes in place that holds journaled metadata not yet checkpointed (and
+    /// that `tx` does not revoke).
+    fn data_conflict(&self, tx: &Tx) -> Option<u64> {
+        let versions = self.set.lock_versions();
+        tx.data
+            .iter()
+            .find(|(b, _)| versions.contains_key(b) && !tx.revokes.contains(b))
+            .map(|(b, _)| *b)
     }
 
     fn check_aborted(&self) -> Result<(), JournalError> {
@@ -869,7 +1074,9 @@ impl Journal {
                 self.flush()?;
                 add(&st.flush_ns, t);
                 let mut c = Err(JournalError::EmptyTx);
-                timed(&mut prep, &mut || c = self.prepare_commit(tx, tid, n, chain));
+                timed(&mut prep, &mut || {
+                    c = self.prepare_commit(tx, tid, n, chain)
+                });
                 (c?, n)
             }
             CommitMode::Overlapped => {
@@ -894,7 +1101,9 @@ impl Journal {
                     }
                 }
                 let mut c = Err(JournalError::EmptyTx);
-                timed(&mut prep, &mut || c = self.prepare_commit(tx, tid, n, chain));
+                timed(&mut prep, &mut || {
+                    c = self.prepare_commit(tx, tid, n, chain)
+                });
                 let c = c?;
                 w.wait(&self.engine)?;
                 add(&st.writes_ns, start);

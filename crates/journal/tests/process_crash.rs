@@ -277,7 +277,10 @@ fn main() {
     let dir: PathBuf = std::env::var_os("AIOS_CRASH_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(std::env::temp_dir);
-    println!("process crash: {reps} repetitions, AIOS_CRASH_SEED={seed}, files in {}", dir.display());
+    println!(
+        "process crash: {reps} repetitions, AIOS_CRASH_SEED={seed}, files in {}",
+        dir.display()
+    );
     let mut rng = SimRng::new(seed);
     let path = dir.join(format!("aios-journal-crash-{}.img", std::process::id()));
     let mut total_acks = 0usize;
@@ -349,7 +352,9 @@ fn main() {
     let _ = std::fs::remove_file(&path);
     println!("{total_acks} acknowledged commits checked across {reps} repetitions");
     if !failures.is_empty() {
-        eprintln!("process crash: repetitions {failures:?} failed; replay with AIOS_CRASH_SEED={seed}");
+        eprintln!(
+            "process crash: repetitions {failures:?} failed; replay with AIOS_CRASH_SEED={seed}"
+        );
         std::process::exit(1);
     }
 }
