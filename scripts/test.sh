@@ -51,6 +51,15 @@ if [ "$(id -u)" = 0 ]; then
 else
     echo "SKIPPED: the ull device is a loop device: it needs root" >&2
 fi
+step "one short fsync comparison on the ull device (aios bench fsync: vanilla, overlapped, ext4)"
+if [ "$(id -u)" = 0 ] && command -v mkfs.ext4 >/dev/null 2>&1; then
+    ./target/release/aios bench fsync --device ull --seconds 0.3 --rounds 1 --threads 1,2 \
+        --out target/bench-report
+    ./target/release/aios bench fsync --device ull --seconds 0.3 --rounds 1 --threads 2 --areas 1 \
+        --modes overlapped --json --out target/bench-report
+else
+    echo "SKIPPED: the fsync comparison needs root (loop devices, mount) and e2fsprogs" >&2
+fi
 step "the QEMU lab: NVMe passthrough, IOPOLL and null_blk in a guest (cargo xtask lab)"
 # Installs qemu and busybox-static if missing, fetches the guest kernel once (cached under
 # target/lab/), builds the guest's binaries, boots, runs tests/nvme_lab.rs and the probes and

@@ -1104,6 +1104,61 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
     written.extend(write_pagecache_plots(&a.out, &pc, &pc_meds)?);
     drop(pc_target);
     print_pagecache_legend();
+
+    // The journal's commit (AIOS §3.3, Fig. 5) beside ext4's fsync on the same kind of device.
+    let root = aios::core::sys::is_root();
+    let fsync_modes = if root {
+        vec![
+            aios::bench::fsync::FsyncMode::Vanilla,
+            aios::bench::fsync::FsyncMode::Overlapped,
+            aios::bench::fsync::FsyncMode::Ext4,
+        ]
+    } else {
+        println!("\n(not root: the fsync section runs without the ext4 anchor, on a scratch file)");
+        vec![
+            aios::bench::fsync::FsyncMode::Vanilla,
+            aios::bench::fsync::FsyncMode::Overlapped,
+        ]
+    };
+    let fsync_targets = if root {
+        prepare_fsync_targets("ull", 0, true, false, &progress)?
+    } else {
+        FsyncTargets {
+            ext4: None,
+            _ext4_dev: None,
+            journal: Target::scratch(&std::env::temp_dir(), "aios-demo-fsync", 64 << 20)?,
+        }
+    };
+    println!(
+        "\n== fsync: 4 KiB write made durable, journal commit vs ext4 — {}",
+        fsync_targets.journal.path().display()
+    );
+    let fb = aios::bench::fsync::FsyncBench {
+        journal_dev: fsync_targets.journal.path().to_path_buf(),
+        ext4_dir: fsync_targets.ext4.as_ref().map(|m| m.dir().to_path_buf()),
+        modes: fsync_modes,
+        threads: vec![1],
+        seconds: (a.seconds / 2.0).max(0.2),
+        rounds: a.rounds,
+        device_name: if root { "ull".into() } else { "file".into() },
+        areas: None,
+        group_commit: true,
+    };
+    let (fs_all, fs_meds) = fb.run(&progress, &mut |_| {})?;
+    aios::bench::fsync::print_header(&mut std::io::stdout()).map_err(io_err)?;
+    for s in &fs_meds {
+        aios::bench::fsync::print_row(&mut std::io::stdout(), s).map_err(io_err)?;
+    }
+    let fs_jsonl = a.out.join("demo-fsync.jsonl");
+    let mut f = std::fs::File::create(&fs_jsonl)
+        .map_err(|e| BenchError::Setup(format!("creating {}: {e}", fs_jsonl.display())))?;
+    for s in fs_all.iter().chain(fs_meds.iter()) {
+        print_json(&mut f, s).map_err(io_err)?;
+    }
+    written.push(fs_jsonl.display().to_string());
+    written.extend(write_fsync_plot(&a.out, &fb, &fs_meds)?);
+    drop(fsync_targets);
+    println!("{}", aios::bench::fsync::legend());
     println!(
         "\nmedians of {} rounds of {} s each; 'lat/fio' = lbio mean latency ÷ fio io_uring's, \
          'IOPS/fio' = lbio IOPS ÷ fio io_uring's, 'lat/psync' = lbio mean latency ÷ fio psync's \
