@@ -3,7 +3,9 @@
 //! at a random moment, recovers the journal and checks that every acknowledged commit is there,
 //! and that no transaction shows up partly applied. Each repetition kills the child twice: the
 //! second child starts by recovering what the first one left and commits on from there, so
-//! recovery followed by more commits is covered as well.
+//! recovery followed by more commits is covered as well. The child commits from two threads at
+//! once: each into its own area (per-core journals), or, every other pair of repetitions, both
+//! into one area, where their commits form groups (group commit).
 //!
 //! The child is this same test binary (it has no libtest harness), started with
 //! `AIOS_JOURNAL_CHILD` set. `AIOS_CRASH_REPS` sets the repetitions (default 24, vanilla and
@@ -30,15 +32,24 @@ const BLOCK: usize = 4096;
 const AREAS: usize = 2;
 const AREA_BLOCKS: u64 = 32;
 const HOME: u64 = AREAS as u64 * AREA_BLOCKS;
-/// Commit i writes metadata blocks M1 + i % 5 and M2 + i % 3 and data block D + i % 64.
-const M1: u64 = HOME;
-const M2: u64 = HOME + 5;
-const D: u64 = HOME + 8;
+/// Committing threads in the child, each with its own blocks.
+const THREADS: u64 = 2;
+/// Blocks of one thread: thread t's commit i writes metadata blocks M1 + i % 5 and M2 + i % 3 and
+/// data block D + i % 64, all offset by t * PER_THREAD.
+const M1: u64 = 0;
+const M2: u64 = 5;
+const D: u64 = 8;
 const DATA_BLOCKS: u64 = 64;
-const FILE_BYTES: u64 = (D + DATA_BLOCKS) * BLOCK as u64;
+const PER_THREAD: u64 = D + DATA_BLOCKS;
+const FILE_BYTES: u64 = (HOME + THREADS * PER_THREAD) * BLOCK as u64;
 
-fn blocks_of(i: u64) -> [u64; 3] {
-    [M1 + i % 5, M2 + i % 3, D + i % DATA_BLOCKS]
+fn blocks_of(t: u64, i: u64) -> [u64; 3] {
+    let base = HOME + t * PER_THREAD;
+    [
+        base + M1 + i % 5,
+        base + M2 + i % 3,
+        base + D + i % DATA_BLOCKS,
+    ]
 }
 
 /// Block `b` as commit `i` writes it: the pair (i + 1, b) and a fill derived from both.
@@ -91,89 +102,116 @@ fn layout() -> Layout {
     Layout::per_core(0, AREA_BLOCKS, AREAS)
 }
 
-/// The child: format (first phase) or recover (second), then commit from `start` on, alternating
-/// areas, writing each acknowledged index to stdout. Runs until killed.
-fn child(path: &Path, mode: CommitMode, start: u64, format: bool) -> ! {
-    let (_engine, _lbio, a, b) = stack(path);
-    let set = if format {
-        JournalSet::format(&a, layout()).expect("format")
-    } else {
-        JournalSet::open(&a, layout()).expect("recover").0
+/// The child: format (first phase) or recover (second), then THREADS threads commit, thread t
+/// from index `start[t]` on, each writing `(t, i)` to stdout once commit i is acknowledged. With
+/// `shared`, both threads commit into area 0 (group commit); otherwise thread t into area t.
+/// Runs until killed.
+fn child(
+    path: &Path,
+    mode: CommitMode,
+    start: [u64; THREADS as usize],
+    format: bool,
+    shared: bool,
+) -> ! {
+    let set = {
+        let (_engine, _lbio, a, _) = stack(path);
+        if format {
+            JournalSet::format(&a, layout()).expect("format")
+        } else {
+            JournalSet::open(&a, layout()).expect("recover").0
+        }
     };
-    let journals = [
-        Journal::new(&set, 0, a, mode).expect("journal 0"),
-        Journal::new(&set, 1, b, mode).expect("journal 1"),
-    ];
-    let mut out = std::io::stdout().lock();
-    for i in start.. {
-        let [m1, m2, d] = blocks_of(i);
-        let mut tx = Tx::new();
-        tx.write_data(d, &content(i, d))
-            .and_then(|tx| tx.write_meta(m1, &content(i, m1)))
-            .and_then(|tx| tx.write_meta(m2, &content(i, m2)))
-            .expect("build tx");
-        journals[(i % AREAS as u64) as usize]
-            .commit(&tx)
-            .expect("commit");
-        // Acknowledged: tell the parent.
-        out.write_all(&i.to_le_bytes()).expect("ack pipe");
-        out.flush().expect("ack pipe");
+    let out = std::sync::Arc::new(std::sync::Mutex::new(std::io::stdout()));
+    let threads: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (set, out, path) = (set.clone(), out.clone(), path.to_path_buf());
+            std::thread::spawn(move || {
+                let (_engine, _lbio, dev, _) = stack(&path);
+                let area = if shared { 0 } else { t as usize };
+                let j = Journal::new(&set, area, dev, mode).expect("journal");
+                for i in start[t as usize].. {
+                    let [m1, m2, d] = blocks_of(t, i);
+                    let mut tx = Tx::new();
+                    tx.write_data(d, &content(i, d))
+                        .and_then(|tx| tx.write_meta(m1, &content(i, m1)))
+                        .and_then(|tx| tx.write_meta(m2, &content(i, m2)))
+                        .expect("build tx");
+                    j.commit(&tx).expect("commit");
+                    // Acknowledged: tell the parent.
+                    let mut msg = [0u8; 16];
+                    msg[..8].copy_from_slice(&t.to_le_bytes());
+                    msg[8..].copy_from_slice(&i.to_le_bytes());
+                    let mut o = out.lock().unwrap();
+                    o.write_all(&msg).expect("ack pipe");
+                    o.flush().expect("ack pipe");
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        let _ = t.join();
     }
-    unreachable!("the index space is not exhausted before the kill")
+    // A thread only ends by panicking (its message is on stderr).
+    std::process::exit(2)
 }
 
-/// What the parent knows: the highest index any child started (`issued`), and per block the
-/// last acknowledged commit that wrote it.
+/// What the parent knows, per thread: the highest index it may have started (`issued`), and the
+/// acknowledged indices.
 struct Model {
-    issued: Option<u64>,
-    acked: Vec<u64>,
+    issued: [Option<u64>; THREADS as usize],
+    acked: [Vec<u64>; THREADS as usize],
 }
 
 impl Model {
-    fn last_acked_writer(&self, b: u64) -> Option<u64> {
-        self.acked
+    fn last_acked_writer(&self, t: u64, b: u64) -> Option<u64> {
+        self.acked[t as usize]
             .iter()
             .rev()
             .copied()
-            .find(|&i| blocks_of(i).contains(&b))
+            .find(|&i| blocks_of(t, i).contains(&b))
     }
 
     /// Check the recovered file: each block holds the version of a commit that wrote it, no
     /// older than its last acknowledged writer and not beyond what was issued; and whatever
     /// commit a metadata block shows, that commit's other blocks are at least as new.
     fn check(&self, file: &std::fs::File) -> Result<(), String> {
-        let mut seen = std::collections::HashMap::new();
-        for b in M1..D + DATA_BLOCKS {
-            let mut buf = vec![0u8; BLOCK];
-            file.read_exact_at(&mut buf, b * BLOCK as u64)
-                .map_err(|e| format!("reading block {b}: {e}"))?;
-            let got = decode(&buf, b)?;
-            if let Some(j) = got {
-                if !blocks_of(j).contains(&b) || self.issued.is_none_or(|n| j > n) {
-                    return Err(format!(
-                        "block {b} holds commit {j}, which never wrote it (issued up to {:?})",
-                        self.issued
-                    ));
-                }
-            }
-            if let Some(l) = self.last_acked_writer(b) {
-                if got.is_none_or(|j| j < l) {
-                    return Err(format!(
-                        "block {b}: acknowledged commit {l} is lost (the block holds {got:?})"
-                    ));
-                }
-            }
-            seen.insert(b, got);
-        }
-        for b in M1..D {
-            if let Some(Some(j)) = seen.get(&b) {
-                for other in blocks_of(*j) {
-                    let o = seen[&other];
-                    if o.is_none_or(|o| o < *j) {
+        for t in 0..THREADS {
+            let base = HOME + t * PER_THREAD;
+            let issued = self.issued[t as usize];
+            let mut seen = std::collections::HashMap::new();
+            for b in base..base + PER_THREAD {
+                let mut buf = vec![0u8; BLOCK];
+                file.read_exact_at(&mut buf, b * BLOCK as u64)
+                    .map_err(|e| format!("reading block {b}: {e}"))?;
+                let got = decode(&buf, b)?;
+                if let Some(j) = got {
+                    if !blocks_of(t, j).contains(&b) || issued.is_none_or(|n| j > n) {
                         return Err(format!(
-                            "commit {j} is partly applied: block {b} holds it, block {other} \
-                             holds {o:?}"
+                            "block {b} holds thread {t}'s commit {j}, which never wrote it \
+                             (issued up to {issued:?})"
                         ));
+                    }
+                }
+                if let Some(l) = self.last_acked_writer(t, b) {
+                    if got.is_none_or(|j| j < l) {
+                        return Err(format!(
+                            "block {b}: thread {t}'s acknowledged commit {l} is lost (the block \
+                             holds {got:?})"
+                        ));
+                    }
+                }
+                seen.insert(b, got);
+            }
+            for b in base..base + D {
+                if let Some(Some(j)) = seen.get(&b) {
+                    for other in blocks_of(t, *j) {
+                        let o = seen[&other];
+                        if o.is_none_or(|o| o < *j) {
+                            return Err(format!(
+                                "thread {t}'s commit {j} is partly applied: block {b} holds it, \
+                                 block {other} holds {o:?}"
+                            ));
+                        }
                     }
                 }
             }
@@ -183,7 +221,7 @@ impl Model {
 }
 
 struct Run {
-    acks: Vec<u64>,
+    acks: Vec<(u64, u64)>,
     killed_after: Duration,
 }
 
@@ -191,15 +229,17 @@ struct Run {
 fn run_child(
     path: &Path,
     mode: CommitMode,
-    start: u64,
+    start: [u64; THREADS as usize],
     format: bool,
+    shared: bool,
     delay: Duration,
 ) -> Result<Run, String> {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .env("AIOS_JOURNAL_CHILD", path)
         .env("AIOS_JOURNAL_MODE", mode.name())
-        .env("AIOS_JOURNAL_START", start.to_string())
+        .env("AIOS_JOURNAL_START", start.map(|s| s.to_string()).join(","))
         .env("AIOS_JOURNAL_FORMAT", if format { "1" } else { "0" })
+        .env("AIOS_JOURNAL_SHARED", if shared { "1" } else { "0" })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -208,13 +248,14 @@ fn run_child(
     let (tx, rx) = mpsc::channel();
     let reader = std::thread::spawn(move || {
         let mut acks = Vec::new();
-        let mut b = [0u8; 8];
+        let mut b = [0u8; 16];
         while pipe.read_exact(&mut b).is_ok() {
-            let i = u64::from_le_bytes(b);
+            let t = u64::from_le_bytes(b[..8].try_into().unwrap());
+            let i = u64::from_le_bytes(b[8..].try_into().unwrap());
             if acks.is_empty() {
                 let _ = tx.send(());
             }
-            acks.push(i);
+            acks.push((t, i));
         }
         acks
     });
@@ -249,12 +290,15 @@ fn main() {
             Ok("vanilla") => CommitMode::Vanilla,
             _ => CommitMode::Overlapped,
         };
-        let start = std::env::var("AIOS_JOURNAL_START")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
+        let mut start = [0u64; THREADS as usize];
+        if let Ok(s) = std::env::var("AIOS_JOURNAL_START") {
+            for (slot, v) in start.iter_mut().zip(s.split(',')) {
+                *slot = v.parse().expect("AIOS_JOURNAL_START: indices");
+            }
+        }
         let format = std::env::var("AIOS_JOURNAL_FORMAT").as_deref() == Ok("1");
-        child(Path::new(&path), mode, start, format);
+        let shared = std::env::var("AIOS_JOURNAL_SHARED").as_deref() == Ok("1");
+        child(Path::new(&path), mode, start, format, shared);
     }
     // Under `cargo test` libtest options may be passed; a listing run (`--list`) gets one line.
     if std::env::args().any(|a| a == "--list") {
@@ -291,31 +335,44 @@ fn main() {
         } else {
             CommitMode::Overlapped
         };
+        // Every other pair of repetitions, both threads share area 0 (group commit).
+        let shared = rep % 4 >= 2;
         let r = (|| -> Result<String, String> {
             let f = std::fs::File::create(&path).map_err(|e| e.to_string())?;
             f.set_len(FILE_BYTES).map_err(|e| e.to_string())?;
             drop(f);
             let mut model = Model {
-                issued: None,
-                acked: Vec::new(),
+                issued: [None; THREADS as usize],
+                acked: Default::default(),
             };
-            let mut start = 0u64;
+            let mut start = [0u64; THREADS as usize];
             let mut line = Vec::new();
             for phase in 0..2 {
                 let delay = Duration::from_micros(rng.below(60_000));
-                let run = run_child(&path, mode, start, phase == 0, delay)?;
-                if let Some((k, w)) = run
-                    .acks
-                    .iter()
-                    .enumerate()
-                    .find(|(k, &i)| i != start + *k as u64)
-                {
-                    return Err(format!("ack {k} is {w}, expected {}", start + k as u64));
+                let run = run_child(&path, mode, start, phase == 0, shared, delay)?;
+                for t in 0..THREADS as usize {
+                    let mine: Vec<u64> = run
+                        .acks
+                        .iter()
+                        .filter(|a| a.0 == t as u64)
+                        .map(|a| a.1)
+                        .collect();
+                    if let Some((k, w)) = mine
+                        .iter()
+                        .enumerate()
+                        .find(|(k, &i)| i != start[t] + *k as u64)
+                    {
+                        return Err(format!(
+                            "thread {t}: ack {k} is {w}, expected {}",
+                            start[t] + k as u64
+                        ));
+                    }
+                    // The thread may have started the commit after its last ack.
+                    let next = start[t] + mine.len() as u64;
+                    model.issued[t] = Some(next);
+                    model.acked[t].extend(&mine);
+                    start[t] = next + 1;
                 }
-                // The child may have started the commit after its last ack.
-                let next = start + run.acks.len() as u64;
-                model.issued = Some(next);
-                model.acked.extend(&run.acks);
                 total_acks += run.acks.len();
                 // Recover in this process, as the next user of the file would, and check.
                 {
@@ -337,14 +394,18 @@ fn main() {
                     run.acks.len(),
                     run.killed_after.as_secs_f64() * 1e3
                 ));
-                start = next + 1;
             }
             Ok(line.join("; "))
         })();
+        let what = format!(
+            "{} {}",
+            mode.name(),
+            if shared { "shared area" } else { "per-core" }
+        );
         match r {
-            Ok(s) => println!("rep {rep:>2} {:<10} ok: {s}", mode.name()),
+            Ok(s) => println!("rep {rep:>2} {what:<22} ok: {s}"),
             Err(e) => {
-                println!("rep {rep:>2} {:<10} FAILED: {e}", mode.name());
+                println!("rep {rep:>2} {what:<22} FAILED: {e}");
                 failures.push(rep);
             }
         }
