@@ -350,28 +350,25 @@ fn main() {
             for phase in 0..2 {
                 let delay = Duration::from_micros(rng.below(60_000));
                 let run = run_child(&path, mode, start, phase == 0, shared, delay)?;
-                for t in 0..THREADS as usize {
-                    let mine: Vec<u64> = run
-                        .acks
-                        .iter()
-                        .filter(|a| a.0 == t as u64)
-                        .map(|a| a.1)
-                        .collect();
-                    if let Some((k, w)) = mine
+                for t in 0..THREADS {
+                    let k = t as usize;
+                    let mine: Vec<u64> =
+                        run.acks.iter().filter(|a| a.0 == t).map(|a| a.1).collect();
+                    if let Some((n, w)) = mine
                         .iter()
                         .enumerate()
-                        .find(|(k, &i)| i != start[t] + *k as u64)
+                        .find(|(n, &i)| i != start[k] + *n as u64)
                     {
                         return Err(format!(
-                            "thread {t}: ack {k} is {w}, expected {}",
-                            start[t] + k as u64
+                            "thread {t}: ack {n} is {w}, expected {}",
+                            start[k] + n as u64
                         ));
                     }
                     // The thread may have started the commit after its last ack.
-                    let next = start[t] + mine.len() as u64;
-                    model.issued[t] = Some(next);
-                    model.acked[t].extend(&mine);
-                    start[t] = next + 1;
+                    let next = start[k] + mine.len() as u64;
+                    model.issued[k] = Some(next);
+                    model.acked[k].extend(&mine);
+                    start[k] = next + 1;
                 }
                 total_acks += run.acks.len();
                 // Recover in this process, as the next user of the file would, and check.
