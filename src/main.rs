@@ -93,6 +93,11 @@ struct FsyncArgs {
     /// Allow overwriting an existing device or file named by --device.
     #[arg(long)]
     destructive: bool,
+    /// With --device ull: declare both loop devices free of a volatile write cache ("write
+    /// through"), like a ULL SSD with power-loss protection: FLUSH becomes free for ext4 and is
+    /// skipped by the journal.
+    #[arg(long)]
+    plp: bool,
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
@@ -337,6 +342,7 @@ fn probe_json(p: &DeviceProbe) -> serde_json::Value {
         "max_transfer_bytes": p.max_transfer_bytes,
         "max_transfer_source": p.max_transfer_source,
         "rotational": p.rotational,
+        "volatile_write_cache": p.volatile_write_cache,
         "allocated_bytes": p.allocated_bytes,
         "iopoll": p.iopoll.is_ok(),
         "iopoll_reason": p.iopoll.as_ref().err(),
@@ -437,6 +443,16 @@ fn cmd_probe(path: &Path, json: bool, samples: u32) -> Result<(), BenchError> {
         &mut out,
         "rotational",
         p.rotational.map_or("unknown".into(), |r| r.to_string()),
+    )
+    .map_err(io_err)?;
+    w(
+        &mut out,
+        "volatile write cache",
+        match p.volatile_write_cache {
+            Some(true) => "yes: durability needs FLUSH or FUA".to_string(),
+            Some(false) => "no: writes are durable at completion (FLUSH skipped)".to_string(),
+            None => "unknown (a file: fdatasync)".to_string(),
+        },
     )
     .map_err(io_err)?;
     w(
@@ -760,14 +776,27 @@ fn prepare_fsync_targets(
     size: u64,
     ext4_wanted: bool,
     destructive: bool,
+    plp: bool,
     progress: &Progress,
 ) -> Result<FsyncTargets, BenchError> {
+    if plp && device != "ull" {
+        return Err(BenchError::Invalid(
+            "--plp applies to --device ull (the bench sets its loop devices to write through)"
+                .into(),
+        ));
+    }
+    let write_through = |t: &Target| match t {
+        Target::Ull(u) if plp => u.set_write_through(),
+        _ => Ok(()),
+    };
     progress.step("preparing the journal's device");
     let journal = Target::prepare(device, size)?;
     check_write_allowed(journal.path(), journal.created_here(), destructive)?;
+    write_through(&journal)?;
     let (ext4, ext4_dev) = if ext4_wanted && device == "ull" {
         progress.step("making ext4 on a second ull device");
         let t = Target::prepare("ull", 0)?;
+        write_through(&t)?;
         (
             Some(aios::bench::fsync::Ext4Mount::make(t.path())?),
             Some(t),
@@ -794,7 +823,14 @@ fn cmd_bench_fsync(a: FsyncArgs) -> Result<(), BenchError> {
                 .into(),
         ));
     }
-    let targets = prepare_fsync_targets(&a.device, a.size, ext4_wanted, a.destructive, &progress)?;
+    let targets = prepare_fsync_targets(
+        &a.device,
+        a.size,
+        ext4_wanted,
+        a.destructive,
+        a.plp,
+        &progress,
+    )?;
     let ext4_dir = match (&targets.ext4, &a.ext4_dir) {
         (Some(m), _) => Some(m.dir().to_path_buf()),
         (None, Some(d)) => {
@@ -815,7 +851,11 @@ fn cmd_bench_fsync(a: FsyncArgs) -> Result<(), BenchError> {
         threads: a.threads.clone(),
         seconds: a.seconds,
         rounds: a.rounds.max(1),
-        device_name: a.device.clone(),
+        device_name: if a.plp {
+            format!("{}-plp", a.device)
+        } else {
+            a.device.clone()
+        },
         areas: a.areas,
         group_commit: !a.no_group_commit,
     };
@@ -1121,7 +1161,7 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
         ]
     };
     let fsync_targets = if root {
-        prepare_fsync_targets("ull", 0, true, false, &progress)?
+        prepare_fsync_targets("ull", 0, true, false, false, &progress)?
     } else {
         FsyncTargets {
             ext4: None,

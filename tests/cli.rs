@@ -215,3 +215,145 @@ fn bench_writes_to_a_file_it_created_and_cleans_up() {
         "the bench removes the file it created"
     );
 }
+
+#[test]
+fn bench_fsync_json_lines_carry_the_documented_fields() {
+    // A file the bench creates (and removes): the journal modes only, as ext4 needs a mount.
+    let p = format!("/var/tmp/aios-cli-fsync-{}.img", std::process::id());
+    let out = aios()
+        .args([
+            "bench",
+            "fsync",
+            "--modes",
+            "vanilla,overlapped",
+            "--threads",
+            "1,2",
+            "--seconds",
+            "0.1",
+            "--rounds",
+            "1",
+            "--size",
+            "64m",
+            "--json",
+            "--out",
+        ])
+        .arg(std::env::temp_dir().join(format!("aios-cli-fsync-{}", std::process::id())))
+        .args(["--device", &p])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !std::path::Path::new(&p).exists(),
+        "the created file is removed"
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 4, "2 modes x 2 thread counts");
+    for v in &lines {
+        assert!(["vanilla", "overlapped"].contains(&v["mode"].as_str().unwrap()));
+        assert!(v["threads"].as_u64().unwrap() >= 1);
+        assert!(v["iops"].as_f64().unwrap() > 0.0);
+        let mean = v["lat_us_mean"].as_f64().unwrap();
+        assert!(
+            mean > 0.0 && v["lat_us_p99"].as_f64().unwrap() >= v["lat_us_p50"].as_f64().unwrap()
+        );
+        assert!(v["phases_us"]["commit"].as_f64().unwrap() > 0.0);
+        assert!(v["lat_vs_vanilla"].as_f64().unwrap() > 0.0);
+    }
+    // Refusals name the fix.
+    let e = aios()
+        .args(["bench", "fsync", "--device", &p, "--modes", "ext4"])
+        .output()
+        .unwrap();
+    assert!(!e.status.success());
+    assert!(String::from_utf8_lossy(&e.stderr).contains("--ext4-dir"));
+    let e = aios()
+        .args([
+            "bench", "fsync", "--device", &p, "--modes", "vanilla", "--plp",
+        ])
+        .output()
+        .unwrap();
+    assert!(!e.status.success());
+    assert!(String::from_utf8_lossy(&e.stderr).contains("--plp"));
+}
+
+/// A loop device over a file in /dev/shm (root only); detached on drop.
+struct Loop {
+    dev: String,
+    img: PathBuf,
+}
+impl Loop {
+    fn new(name: &str) -> Option<Loop> {
+        if !Command::new("id")
+            .arg("-u")
+            .output()
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        {
+            eprintln!("SKIPPED: loop devices need root");
+            return None;
+        }
+        let img = PathBuf::from(format!(
+            "/dev/shm/aios-cli-{name}-{}.img",
+            std::process::id()
+        ));
+        std::fs::write(&img, vec![1u8; 8 << 20]).unwrap();
+        let out = Command::new("losetup")
+            .args(["-f", "--show", "--direct-io=on"])
+            .arg(&img)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        let l = Loop { dev, img };
+        // The kernel keeps the write-cache setting across attachments: start from the default.
+        std::fs::write(l.write_cache_attr(), "write back").unwrap();
+        Some(l)
+    }
+    fn write_cache_attr(&self) -> String {
+        let name = self.dev.trim_start_matches("/dev/");
+        format!("/sys/block/{name}/queue/write_cache")
+    }
+}
+impl Drop for Loop {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.write_cache_attr(), "write back");
+        let _ = Command::new("losetup").args(["-d", &self.dev]).status();
+        let _ = std::fs::remove_file(&self.img);
+    }
+}
+
+#[test]
+fn probe_reads_whether_a_block_device_has_a_volatile_write_cache() {
+    let Some(l) = Loop::new("vwc") else { return };
+    let probe = || {
+        let out = aios()
+            .args(["probe", "--json", "--samples", "5", &l.dev])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    // A loop device starts as "write back": it has a volatile cache.
+    assert_eq!(probe()["volatile_write_cache"], true);
+    let name = l.dev.trim_start_matches("/dev/");
+    std::fs::write(
+        format!("/sys/block/{name}/queue/write_cache"),
+        "write through",
+    )
+    .unwrap();
+    assert_eq!(probe()["volatile_write_cache"], false);
+}

@@ -49,7 +49,29 @@ impl UllDevice {
             )));
         }
         let loop_dev = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim().to_string());
-        Ok(UllDevice { loop_dev, image })
+        let dev = UllDevice { loop_dev, image };
+        // The kernel keeps a loop device's write-cache setting across detach and attach: start
+        // from the ull device's definition (a volatile cache, like a loop device's default).
+        dev.set_write_cache("write back")?;
+        Ok(dev)
+    }
+
+    /// Declare the device free of a volatile write cache (`queue/write_cache` = "write
+    /// through"), as an SSD with power-loss protection reports itself: the kernel then completes
+    /// FLUSH at once and drops FUA, and lbio declares the device power-loss protected.
+    pub fn set_write_through(&self) -> Result<(), BenchError> {
+        self.set_write_cache("write through")
+    }
+
+    fn set_write_cache(&self, mode: &str) -> Result<(), BenchError> {
+        let name = self
+            .loop_dev
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default();
+        let attr = PathBuf::from(format!("/sys/block/{name}/queue/write_cache"));
+        std::fs::write(&attr, mode)
+            .map_err(|e| BenchError::Setup(format!("writing {}: {e}", attr.display())))
     }
 
     /// The loop device's path (`/dev/loopN`).
@@ -60,6 +82,8 @@ impl UllDevice {
 
 impl Drop for UllDevice {
     fn drop(&mut self) {
+        // Leave the loop device as it was found (the setting outlives the attachment).
+        let _ = self.set_write_cache("write back");
         let _ = Command::new("losetup")
             .arg("-d")
             .arg(&self.loop_dev)

@@ -105,6 +105,12 @@ pub struct DeviceProbe {
     pub max_transfer_bytes: u32,
     pub max_transfer_source: String,
     pub rotational: Option<bool>,
+    /// Whether the device has a volatile write cache (completed writes need a FLUSH to be
+    /// durable): the block queue's `write_cache` ("write back" / "write through"), or the NVMe
+    /// controller's VWC bit. `Some(false)` means durable at completion (power-loss protected,
+    /// or no cache): the kernel drops FLUSH and FUA for such a device anyway. `None` for a
+    /// regular file, whose durability also needs its file system's metadata synced.
+    pub volatile_write_cache: Option<bool>,
     /// For a regular file: bytes allocated on disk (reads of holes never reach the device).
     pub allocated_bytes: Option<u64>,
     /// `Ok` when a polled read completed, `Err(reason)` otherwise.
@@ -208,6 +214,14 @@ pub fn probe(path: &Path, opts: ProbeOptions) -> Result<DeviceProbe, CoreError> 
         .then(|| sys::block_queue_attr(qmaj, qmin, "rotational"))
         .flatten()
         .map(|r| r == "1");
+    let volatile_write_cache = (kind == DeviceKind::BlockDevice)
+        .then(|| sys::block_queue_attr(qmaj, qmin, "write_cache"))
+        .flatten()
+        .and_then(|w| match w.as_str() {
+            "write back" => Some(true),
+            "write through" => Some(false),
+            _ => None,
+        });
     let fs_type = if kind == DeviceKind::RegularFile {
         sys::fs_type_of(path)
     } else {
@@ -252,6 +266,7 @@ pub fn probe(path: &Path, opts: ProbeOptions) -> Result<DeviceProbe, CoreError> 
         max_transfer_bytes,
         max_transfer_source,
         rotational,
+        volatile_write_cache,
         allocated_bytes: (kind == DeviceKind::RegularFile).then_some(st.allocated_bytes),
         iopoll: Err("not tried".to_string()),
         latency: None,
@@ -348,6 +363,7 @@ fn probe_nvme_char(path: &Path, opts: ProbeOptions) -> DeviceProbe {
         max_transfer_bytes: 0,
         max_transfer_source: String::new(),
         rotational,
+        volatile_write_cache: pt.namespace.as_ref().ok().map(|n| n.volatile_write_cache),
         allocated_bytes: None,
         iopoll: pt.iopoll.clone(),
         latency: None,

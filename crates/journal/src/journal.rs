@@ -1119,7 +1119,7 @@ impl Journal {
         let t = Instant::now();
         self.engine
             .block_on(dev.write_at(log(n), c, commit_fua))??;
-        if !commit_fua {
+        if !commit_fua && !self.plp {
             // No FUA on this device: a flush makes the commit block durable.
             self.engine.block_on(dev.flush())??;
         }

@@ -150,6 +150,7 @@ impl Device {
         let mut dev = Self::from_backends(lbio, critical, Box::new(ring), geometry, cfg.write)?;
         dev.critical.1 = why;
         dev.background.1 = background_why;
+        dev.declare_cache(&p);
         dev.probe = Some(p);
         Ok(dev)
     }
@@ -222,6 +223,7 @@ impl Device {
             Self::from_backends(lbio, critical, Box::new(background), geometry, cfg.write)?;
         dev.critical.1 = why;
         dev.background.1 = background_why;
+        dev.declare_cache(&p);
         dev.probe = Some(p);
         Ok(dev)
     }
@@ -272,6 +274,17 @@ impl Device {
             geometry,
             true,
         )
+    }
+
+    /// A device without a volatile write cache (the kernel's `write_cache` says "write
+    /// through", or the NVMe controller has no VWC) makes writes durable at completion: both
+    /// routes declare power-loss protection, and callers skip their FLUSH (the kernel would
+    /// complete it without doing anything).
+    fn declare_cache(&mut self, p: &DeviceProbe) {
+        if p.volatile_write_cache == Some(false) {
+            self.critical.0.power_loss_protected = true;
+            self.background.0.power_loss_protected = true;
+        }
     }
 
     /// The device's geometry.
