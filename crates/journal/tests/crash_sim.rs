@@ -9,7 +9,8 @@
 //! are followed by later ones and checks the damage is reported.
 //!
 //! `AIOS_SIM_SEEDS` sets how many workloads run (default 2000, about 100,000 crash states);
-//! `AIOS_SIM_SEED=N` replays one seed. A failure prints its seed.
+//! `AIOS_SIM_SEED=N` replays one seed. A failure prints its seed. A proptest draws 200 more
+//! workloads from fresh random seeds each run (`AIOS_SIM_RANDOM_CASES`).
 
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -294,6 +295,23 @@ fn crashes_at_random_points_recover_every_acknowledged_commit_atomically() {
         seeds.len() < 100
             || (total.mid_commit > 0 && total.pending_applied > 0 && total.torn_tails > 0)
     );
+}
+
+proptest::proptest! {
+    // The fixed seeds above replay the same 100,000 states every run; these draw fresh
+    // workloads each run (proptest records a failing seed in proptest-regressions/ and replays
+    // it first next time).
+    #![proptest_config(proptest::prelude::ProptestConfig {
+        cases: std::env::var("AIOS_SIM_RANDOM_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(200),
+        ..proptest::prelude::ProptestConfig::default()
+    })]
+    #[test]
+    fn fresh_random_workloads_recover_every_acknowledged_commit(seed in proptest::prelude::any::<u64>()) {
+        let (_engine, lbio) = engine();
+        if let Err(e) = run_seed(seed, &lbio) {
+            proptest::prop_assert!(false, "{e}\nreplay with: AIOS_SIM_SEED={seed} cargo test -p journal --test crash_sim");
+        }
+    }
 }
 
 #[test]

@@ -409,6 +409,13 @@ fn main() {
     }
     let _ = std::fs::remove_file(&path);
     println!("{total_acks} acknowledged commits checked across {reps} repetitions");
+    // The summary line libtest prints, so suite totals count this test too.
+    println!(
+        "test result: {}. {} passed; {} failed; 0 ignored; 0 measured; 0 filtered out",
+        if failures.is_empty() { "ok" } else { "FAILED" },
+        failures.is_empty() as u32,
+        !failures.is_empty() as u32
+    );
     if !failures.is_empty() {
         eprintln!(
             "process crash: repetitions {failures:?} failed; replay with AIOS_CRASH_SEED={seed}"
