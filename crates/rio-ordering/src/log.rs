@@ -1,0 +1,416 @@
+//! The persistent attribute log (Rio §4.3.2): a circular array of 64-byte attribute entries on
+//! byte-addressable persistent memory, after a header.
+//!
+//! - An entry is written (persist word 0) before its data is submitted; its persist word is set
+//!   when the data is durable.
+//! - Head and tail live in memory. A slot is free again once every group of its entry's stream
+//!   up to that entry is durable (not merely completed: a completed write in a volatile cache can
+//!   still be lost, and recovery must then see the entry to stop the prefix before it).
+//! - Recovery cannot tell a freed entry from a live one by looking at it, so the header holds,
+//!   per stream, the group below which everything is durable (`durable_below`). Before a slot is
+//!   reused whose entry is not yet below the header's mark, the header is rewritten with the
+//!   current marks: one header write per lap of the log at most. Entries below the mark are
+//!   ignored by recovery.
+//! - A full log refuses the append ([`RioError::LogFull`]): back-pressure, never overwrite.
+//! - Each open starts a new epoch; entries of older epochs are stale.
+
+use crate::attr::{Attr, ATTR_BYTES};
+use crate::error::RioError;
+
+/// Byte-addressable persistent memory: what an NVMe PMR (or other persistent memory) offers.
+pub trait Pmr {
+    /// Bytes of the region.
+    fn len(&self) -> usize;
+    /// Whether the region is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Write `bytes` at `offset`, durable when this returns (on a PMR: the writes, then a read
+    /// back that makes them persistent).
+    fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError>;
+    /// Read `out.len()` bytes at `offset`.
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError>;
+}
+
+/// Persistent memory **emulated in RAM**: what it holds survives exactly as long as the value
+/// does. For simulation and tests, where the "crash" is simulated and the test keeps the value.
+#[derive(Clone, Debug)]
+pub struct MemPmr {
+    bytes: Vec<u8>,
+}
+
+impl MemPmr {
+    /// A zeroed region of `len` bytes.
+    pub fn new(len: usize) -> MemPmr {
+        MemPmr {
+            bytes: vec![0; len],
+        }
+    }
+    /// The raw contents (to damage them in tests, or to inspect).
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.bytes
+    }
+}
+
+impl Pmr for MemPmr {
+    fn len(&self) -> usize {
+        self.bytes.len()
+    }
+    fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
+        let end = check_range(offset, bytes.len(), self.bytes.len())?;
+        self.bytes[offset..end].copy_from_slice(bytes);
+        Ok(())
+    }
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError> {
+        let end = check_range(offset, out.len(), self.bytes.len())?;
+        out.copy_from_slice(&self.bytes[offset..end]);
+        Ok(())
+    }
+}
+
+fn check_range(offset: usize, len: usize, size: usize) -> Result<usize, RioError> {
+    offset
+        .checked_add(len)
+        .filter(|&e| e <= size)
+        .ok_or_else(|| {
+            RioError::Config(format!(
+                "persistent-memory access at {offset}+{len} past its {size} bytes"
+            ))
+        })
+}
+
+const LOG_MAGIC: u32 = u32::from_le_bytes(*b"RIOL");
+/// Header: magic, crc, epoch, slots, streams, version, then `durable_below` per stream; padded
+/// to whole 64-byte slots. Two copies, written in turn, so a torn header write leaves the other.
+const HEADER_FIXED: usize = 24;
+
+/// Streams one log serves at most.
+pub const MAX_STREAMS: u16 = 64;
+
+/// Bytes of one header copy (room for MAX_STREAMS marks), a whole number of slots.
+const fn header_copy_bytes(_streams: usize) -> usize {
+    (HEADER_FIXED + 8 * MAX_STREAMS as usize).div_ceil(ATTR_BYTES) * ATTR_BYTES
+}
+
+/// Bytes before the first slot: both header copies.
+const fn header_bytes(streams: usize) -> usize {
+    2 * header_copy_bytes(streams)
+}
+
+/// What a log header says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Header {
+    pub epoch: u32,
+    pub slots: u32,
+    /// Bumped on every header write; the newer valid copy wins.
+    pub version: u32,
+    /// Per stream: every group below this is durable (recovery starts here).
+    pub durable_below: Vec<u64>,
+}
+
+impl Header {
+    fn encode(&self) -> Vec<u8> {
+        let mut b = vec![0u8; header_copy_bytes(self.durable_below.len())];
+        b[0..4].copy_from_slice(&LOG_MAGIC.to_le_bytes());
+        b[8..12].copy_from_slice(&self.epoch.to_le_bytes());
+        b[12..16].copy_from_slice(&self.slots.to_le_bytes());
+        b[16..18].copy_from_slice(&(self.durable_below.len() as u16).to_le_bytes());
+        b[20..24].copy_from_slice(&self.version.to_le_bytes());
+        for (i, d) in self.durable_below.iter().enumerate() {
+            b[HEADER_FIXED + 8 * i..HEADER_FIXED + 8 * i + 8].copy_from_slice(&d.to_le_bytes());
+        }
+        let crc = crc32c::crc32c(&b[8..]);
+        b[4..8].copy_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    /// Read one header copy at `at`.
+    fn read_copy(pmr: &dyn Pmr, at: usize) -> Result<Header, RioError> {
+        let mut fixed = [0u8; HEADER_FIXED];
+        if pmr.len() < at + HEADER_FIXED {
+            return Err(RioError::Corrupt(format!(
+                "a persistent region of {} bytes holds no log header",
+                pmr.len()
+            )));
+        }
+        pmr.read(at, &mut fixed)?;
+        if u32::from_le_bytes(fixed[0..4].try_into().expect("4")) != LOG_MAGIC {
+            return Err(RioError::Corrupt(
+                "no attribute log here (bad magic): format it first".into(),
+            ));
+        }
+        let streams = u16::from_le_bytes([fixed[16], fixed[17]]) as usize;
+        if streams == 0 || streams > MAX_STREAMS as usize {
+            return Err(RioError::Corrupt(format!(
+                "log header claims {streams} streams"
+            )));
+        }
+        let len = header_copy_bytes(streams);
+        if header_bytes(streams) > pmr.len() {
+            return Err(RioError::Corrupt(format!(
+                "log header claims {streams} streams, more than the region holds"
+            )));
+        }
+        let mut b = vec![0u8; len];
+        pmr.read(at, &mut b)?;
+        if crc32c::crc32c(&b[8..]) != u32::from_le_bytes(b[4..8].try_into().expect("4")) {
+            return Err(RioError::Corrupt("log header checksum mismatch".into()));
+        }
+        let slots = u32::from_le_bytes(b[12..16].try_into().expect("4"));
+        if header_bytes(streams) + slots as usize * ATTR_BYTES > pmr.len() {
+            return Err(RioError::Corrupt(format!(
+                "log header claims {slots} slots, more than the region holds"
+            )));
+        }
+        Ok(Header {
+            epoch: u32::from_le_bytes(b[8..12].try_into().expect("4")),
+            slots,
+            version: u32::from_le_bytes(b[20..24].try_into().expect("4")),
+            durable_below: (0..streams)
+                .map(|i| {
+                    u64::from_le_bytes(
+                        b[HEADER_FIXED + 8 * i..HEADER_FIXED + 8 * i + 8]
+                            .try_into()
+                            .expect("8"),
+                    )
+                })
+                .collect(),
+        })
+    }
+
+    /// Read the header of `pmr`: the newer of its two copies that checks out.
+    pub fn read(pmr: &dyn Pmr) -> Result<Header, RioError> {
+        let first = Self::read_copy(pmr, 0);
+        let second = Self::read_copy(pmr, header_copy_bytes(0));
+        match (first, second) {
+            (Ok(a), Ok(b)) => Ok(if b.version > a.version { b } else { a }),
+            (Ok(a), Err(_)) => Ok(a),
+            (Err(_), Ok(b)) => Ok(b),
+            (Err(e), Err(_)) => Err(e),
+        }
+    }
+
+    /// Where the copy for `version` goes.
+    fn copy_offset(&self) -> usize {
+        (self.version % 2) as usize * header_copy_bytes(self.durable_below.len())
+    }
+}
+
+/// A slot of the log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slot(pub u32);
+
+/// The attribute log on a persistent region.
+pub struct AttrLog<P: Pmr> {
+    pmr: P,
+    header: Header,
+    /// Per slot: the (stream, last group) of the entry written there, while it may still matter
+    /// to recovery (until the header's mark passes it).
+    used: Vec<Option<(u16, u64)>>,
+    tail: u32,
+    /// Per stream, in memory: every group below is durable.
+    durable_below: Vec<u64>,
+    live: u32,
+    header_writes: u64,
+}
+
+impl<P: Pmr> AttrLog<P> {
+    /// Write an empty log for `streams` streams over the whole region.
+    pub fn format(mut pmr: P, streams: u16) -> Result<AttrLog<P>, RioError> {
+        if streams == 0 || streams > MAX_STREAMS {
+            return Err(RioError::Config(format!(
+                "a log serves 1..={MAX_STREAMS} streams, not {streams}"
+            )));
+        }
+        let hb = header_bytes(streams as usize);
+        let slots = pmr.len().saturating_sub(hb) / ATTR_BYTES;
+        if slots < 2 {
+            return Err(RioError::Config(format!(
+                "a persistent region of {} bytes holds {slots} attribute slots for {streams} \
+                 streams; it needs at least 2 (make it at least {} bytes)",
+                pmr.len(),
+                hb + 2 * ATTR_BYTES
+            )));
+        }
+        // Zero the slots, then write the header.
+        let zero = vec![0u8; slots * ATTR_BYTES];
+        pmr.persist(hb, &zero)?;
+        let mut header = Header {
+            epoch: 1,
+            slots: slots as u32,
+            version: 0,
+            durable_below: vec![1; streams as usize],
+        };
+        pmr.persist(header.copy_offset(), &header.encode())?;
+        header.version = 1;
+        pmr.persist(header.copy_offset(), &header.encode())?;
+        Ok(Self::with_header(pmr, header))
+    }
+
+    fn with_header(pmr: P, header: Header) -> AttrLog<P> {
+        let durable_below = header.durable_below.clone();
+        AttrLog {
+            used: vec![None; header.slots as usize],
+            pmr,
+            tail: 0,
+            live: 0,
+            header_writes: 0,
+            durable_below,
+            header,
+        }
+    }
+
+    /// Reopen after recovery: `durable_below` per stream is where each stream resumes (the end
+    /// of its recovered prefix). Starts a new epoch, so every entry now in the log is stale.
+    pub fn reopen(mut pmr: P, durable_below: &[u64]) -> Result<AttrLog<P>, RioError> {
+        let old = Header::read(&pmr)?;
+        if durable_below.len() != old.durable_below.len() {
+            return Err(RioError::Config(format!(
+                "the log has {} streams, {} marks given",
+                old.durable_below.len(),
+                durable_below.len()
+            )));
+        }
+        let header = Header {
+            epoch: old.epoch.wrapping_add(1).max(1),
+            slots: old.slots,
+            version: old.version.wrapping_add(1),
+            durable_below: durable_below.to_vec(),
+        };
+        pmr.persist(header.copy_offset(), &header.encode())?;
+        Ok(Self::with_header(pmr, header))
+    }
+
+    /// Streams the log serves.
+    pub fn streams(&self) -> u16 {
+        self.header.durable_below.len() as u16
+    }
+    /// Attribute slots.
+    pub fn slots(&self) -> u32 {
+        self.header.slots
+    }
+    /// The current epoch (stamped on new entries).
+    pub fn epoch(&self) -> u32 {
+        self.header.epoch
+    }
+    /// Entries not yet released.
+    pub fn live(&self) -> u32 {
+        self.live
+    }
+    /// Header rewrites so far (one per lap at most).
+    pub fn header_writes(&self) -> u64 {
+        self.header_writes
+    }
+    /// The region.
+    pub fn pmr(&self) -> &P {
+        &self.pmr
+    }
+    /// The region, mutably (tests damage it).
+    pub fn pmr_mut(&mut self) -> &mut P {
+        &mut self.pmr
+    }
+
+    fn slot_offset(&self, s: u32) -> usize {
+        header_bytes(self.header.durable_below.len()) + s as usize * ATTR_BYTES
+    }
+
+    /// Persist `attr` (stamped with this epoch, persist word clear) in the next slot. A full log
+    /// refuses with [`RioError::LogFull`]: the caller waits for durability to free slots.
+    pub fn append(&mut self, attr: &Attr) -> Result<Slot, RioError> {
+        if attr.stream >= self.streams() {
+            return Err(RioError::Config(format!(
+                "stream {} on a log of {} streams",
+                attr.stream,
+                self.streams()
+            )));
+        }
+        let s = self.tail;
+        if let Some((stream, seq)) = self.used[s as usize] {
+            if seq >= self.durable_below[stream as usize] {
+                return Err(RioError::LogFull {
+                    slots: self.header.slots,
+                });
+            }
+            if seq >= self.header.durable_below[stream as usize] {
+                // Recovery would still read this entry as live: move the marks first.
+                self.header.durable_below.clone_from(&self.durable_below);
+                self.header.version = self.header.version.wrapping_add(1);
+                self.pmr
+                    .persist(self.header.copy_offset(), &self.header.encode())?;
+                self.header_writes += 1;
+            }
+            self.live -= 1;
+        }
+        let mut a = *attr;
+        a.epoch = self.header.epoch;
+        a.persist = false;
+        let mut b = [0u8; ATTR_BYTES];
+        a.encode(&mut b);
+        let off = self.slot_offset(s);
+        self.pmr.persist(off, &b)?;
+        self.used[s as usize] = Some((a.stream, a.seq_end));
+        self.live += 1;
+        self.tail = (s + 1) % self.header.slots;
+        Ok(Slot(s))
+    }
+
+    /// The data of the entry in `slot` (group `seq`) is durable: set its persist word.
+    pub fn set_persist(&mut self, slot: Slot, seq: u64) -> Result<(), RioError> {
+        let off = self.slot_offset(slot.0) + 60;
+        self.pmr
+            .persist(off, &Attr::persisted_word(seq).to_le_bytes())
+    }
+
+    /// Every group of `stream` below `below` is durable: their slots may be reused.
+    pub fn durable(&mut self, stream: u16, below: u64) {
+        let d = &mut self.durable_below[stream as usize];
+        *d = (*d).max(below);
+    }
+
+    /// Whether the next append would find a free slot.
+    pub fn has_room(&self) -> bool {
+        match self.used[self.tail as usize] {
+            Some((stream, seq)) => seq < self.durable_below[stream as usize],
+            None => true,
+        }
+    }
+}
+
+/// Everything in a log region: its header, the entries of its epoch, and damaged slots.
+#[derive(Clone, Debug)]
+pub struct LogScan {
+    pub header: Header,
+    pub entries: Vec<(Slot, Attr)>,
+    /// Slots holding a damaged entry (skipped; reported).
+    pub damaged: Vec<(Slot, String)>,
+    /// Entries of earlier epochs (stale; ignored).
+    pub stale: usize,
+}
+
+/// Read every slot of the log on `pmr`.
+pub fn scan(pmr: &dyn Pmr) -> Result<LogScan, RioError> {
+    let header = Header::read(pmr)?;
+    let hb = header_bytes(header.durable_below.len());
+    let mut entries = Vec::new();
+    let mut damaged = Vec::new();
+    let mut stale = 0;
+    let mut b = [0u8; ATTR_BYTES];
+    for s in 0..header.slots {
+        pmr.read(hb + s as usize * ATTR_BYTES, &mut b)?;
+        match Attr::decode(&b) {
+            Ok(None) => {}
+            Ok(Some(a)) if a.epoch != header.epoch => stale += 1,
+            Ok(Some(a)) if a.stream as usize >= header.durable_below.len() => {
+                damaged.push((Slot(s), format!("stream {} out of range", a.stream)))
+            }
+            Ok(Some(a)) => entries.push((Slot(s), a)),
+            Err(e) => damaged.push((Slot(s), e.to_string())),
+        }
+    }
+    Ok(LogScan {
+        header,
+        entries,
+        damaged,
+        stale,
+    })
+}
