@@ -414,3 +414,103 @@ pub fn scan(pmr: &dyn Pmr) -> Result<LogScan, RioError> {
         stale,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::recover;
+
+    fn attr(stream: u16, seq: u64) -> Attr {
+        Attr {
+            stream,
+            seq,
+            seq_end: seq,
+            offset: seq * 4096,
+            len: 4096,
+            boundary: true,
+            num: 1,
+            members: 1,
+            ..Attr::default()
+        }
+    }
+
+    #[test]
+    fn a_region_too_small_is_refused_with_the_size_needed() {
+        let e = AttrLog::format(MemPmr::new(1200), 1).err().unwrap();
+        assert!(e.to_string().contains("at least"), "{e}");
+        assert!(AttrLog::format(MemPmr::new(64 << 10), 0).is_err());
+        assert!(AttrLog::format(MemPmr::new(64 << 10), MAX_STREAMS + 1).is_err());
+    }
+
+    #[test]
+    fn a_full_log_pushes_back_instead_of_overwriting() {
+        let region = header_bytes(1) + 4 * ATTR_BYTES;
+        let mut log = AttrLog::format(MemPmr::new(region), 1).unwrap();
+        for seq in 1..=4 {
+            log.append(&attr(0, seq)).unwrap();
+        }
+        assert!(!log.has_room());
+        assert!(matches!(
+            log.append(&attr(0, 5)),
+            Err(RioError::LogFull { slots: 4 })
+        ));
+        // Nothing was overwritten: all four entries are still there.
+        assert_eq!(scan(log.pmr()).unwrap().entries.len(), 4);
+        // Groups 1 and 2 durable: two slots free, and the header mark moves before reuse.
+        log.durable(0, 3);
+        log.append(&attr(0, 5)).unwrap();
+        log.append(&attr(0, 6)).unwrap();
+        assert!(log.append(&attr(0, 7)).is_err());
+        assert_eq!(log.header_writes(), 1);
+        assert_eq!(Header::read(log.pmr()).unwrap().durable_below, vec![3]);
+    }
+
+    #[test]
+    fn a_damaged_entry_is_skipped_and_reported_and_recovery_stops_before_it() {
+        let mut log = AttrLog::format(MemPmr::new(64 << 10), 1).unwrap();
+        for seq in 1..=4 {
+            let s = log.append(&attr(0, seq)).unwrap();
+            log.set_persist(s, seq).unwrap();
+        }
+        // Damage group 3's entry (slot 2).
+        let off = header_bytes(1) + 2 * ATTR_BYTES + 20;
+        log.pmr_mut().bytes_mut()[off] ^= 0xff;
+        let sc = scan(log.pmr()).unwrap();
+        assert_eq!(sc.damaged.len(), 1);
+        assert_eq!(sc.damaged[0].0, Slot(2));
+        let r = recover(&sc, &|_| true);
+        assert_eq!(r.damaged.len(), 1);
+        let s = &r.streams[0];
+        assert_eq!(s.prefix_end, 3, "groups 1 and 2 survive");
+        assert_eq!(s.beyond.iter().map(|a| a.seq).collect::<Vec<_>>(), vec![4]);
+        assert!(s.stopped_by.as_deref().unwrap().contains("group 3"));
+    }
+
+    #[test]
+    fn a_torn_header_leaves_the_other_copy() {
+        let mut log = AttrLog::format(MemPmr::new(64 << 10), 2).unwrap();
+        let v = Header::read(log.pmr()).unwrap().version;
+        // Damage the newer copy: the older one is read.
+        let at = (v % 2) as usize * header_copy_bytes(2) + 30;
+        log.pmr_mut().bytes_mut()[at] ^= 1;
+        let h = Header::read(log.pmr()).unwrap();
+        assert_eq!(h.version, v - 1);
+        assert_eq!(h.durable_below, vec![1, 1]);
+        // Both damaged: a typed error.
+        let other = ((v - 1) % 2) as usize * header_copy_bytes(2) + 30;
+        log.pmr_mut().bytes_mut()[other] ^= 1;
+        assert!(matches!(Header::read(log.pmr()), Err(RioError::Corrupt(_))));
+    }
+
+    #[test]
+    fn reopening_starts_a_new_epoch() {
+        let mut log = AttrLog::format(MemPmr::new(64 << 10), 1).unwrap();
+        log.append(&attr(0, 1)).unwrap();
+        let pmr = log.pmr().clone();
+        let log = AttrLog::reopen(pmr, &[1]).unwrap();
+        let sc = scan(log.pmr()).unwrap();
+        assert!(sc.entries.is_empty());
+        assert_eq!(sc.stale, 1);
+        assert_eq!(log.epoch(), 2);
+    }
+}
