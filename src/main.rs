@@ -78,6 +78,11 @@ struct FsyncArgs {
     /// Turn group commit off (threads sharing an area then commit one after another).
     #[arg(long)]
     no_group_commit: bool,
+    /// How the journal makes data and journal blocks durable before the commit block: `auto`
+    /// (what it measures on the device: FUA writes when one costs less than a write plus a
+    /// FLUSH), `flush` (plain writes, then a FLUSH) or `fua` (every block written with FUA).
+    #[arg(long, default_value = "auto", value_parser = parse_durability)]
+    durability: DurabilityArg,
     /// Modes to run.
     #[arg(long, value_delimiter = ',', default_value = "vanilla,overlapped,ext4")]
     modes: Vec<aios::bench::fsync::FsyncMode>,
@@ -148,6 +153,21 @@ struct PagecacheArgs {
     /// Where the CDF plots go (PNG and SVG).
     #[arg(long, default_value = "aios-report")]
     out: PathBuf,
+}
+
+#[derive(Clone, Copy)]
+struct DurabilityArg(Option<aios::journal::Durability>);
+
+fn parse_durability(s: &str) -> Result<DurabilityArg, String> {
+    use aios::journal::Durability;
+    match s {
+        "auto" => Ok(DurabilityArg(None)),
+        "flush" => Ok(DurabilityArg(Some(Durability::Flush))),
+        "fua" => Ok(DurabilityArg(Some(Durability::FuaWrites))),
+        other => Err(format!(
+            "unknown durability '{other}' (one of: auto, flush, fua)"
+        )),
+    }
 }
 
 fn parse_mode(s: &str) -> Result<aios::pagecache::Mode, String> {
@@ -858,6 +878,7 @@ fn cmd_bench_fsync(a: FsyncArgs) -> Result<(), BenchError> {
         },
         areas: a.areas,
         group_commit: !a.no_group_commit,
+        durability: a.durability.0,
     };
     if !a.json {
         eprintln!("journal device: {}", targets.journal.describe());
@@ -1183,6 +1204,7 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
         device_name: if root { "ull".into() } else { "file".into() },
         areas: None,
         group_commit: true,
+        durability: None,
     };
     let (fs_all, fs_meds) = fb.run(&progress, &mut |_| {})?;
     aios::bench::fsync::print_header(&mut std::io::stdout()).map_err(io_err)?;

@@ -70,6 +70,10 @@ pub struct FsyncSample {
     /// Journal checkpoints during the run (journal modes).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub checkpoints: Option<u64>,
+    /// Journal modes: how data and journal blocks were made durable, and what the journal
+    /// measured when it chose.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub durability: Option<DurabilityInfo>,
     /// Journal areas the threads commit into.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub areas: Option<u32>,
@@ -103,6 +107,15 @@ pub struct Phases {
     pub writes: f64,
     pub flush: f64,
     pub commit: f64,
+}
+
+/// The durability a journal run used (`flush` or `fua`) and the probe's medians (µs).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DurabilityInfo {
+    pub chosen: String,
+    pub probe_write_us: f64,
+    pub probe_fua_write_us: f64,
+    pub probe_flush_us: f64,
 }
 
 /// An ext4 file system made for the run on a device, mounted on a fresh directory; unmounted
@@ -172,6 +185,9 @@ pub struct FsyncBench {
     pub areas: Option<u32>,
     /// Group commit on (the default) or off.
     pub group_commit: bool,
+    /// How data and journal blocks are made durable: `None` = what the journal measured at
+    /// format time.
+    pub durability: Option<journal::Durability>,
 }
 
 fn xorshift(x: &mut u64) -> u64 {
@@ -302,6 +318,9 @@ impl FsyncBench {
             let (_e, _l, dev) = stack(&self.journal_dev, completion)?;
             JournalSet::format(&dev, layout).map_err(journal_err)?
         };
+        if let Some(d) = self.durability {
+            set.set_durability(d);
+        }
         let files_at = areas as u64 * AREA_BLOCKS;
         let barrier = Arc::new(Barrier::new(threads as usize + 1));
         let seconds = self.seconds;
@@ -381,6 +400,13 @@ impl FsyncBench {
         let st = &set.stats;
         s.checkpoints = Some(st.checkpoints.load(std::sync::atomic::Ordering::Relaxed));
         s.areas = Some(areas);
+        let p = set.durability_probe();
+        s.durability = Some(DurabilityInfo {
+            chosen: set.durability().name().into(),
+            probe_write_us: p.write_us,
+            probe_fua_write_us: p.fua_write_us,
+            probe_flush_us: p.flush_us,
+        });
         let commits = st.commits.load(std::sync::atomic::Ordering::Relaxed);
         if commits > 0 {
             s.grouped = Some(
@@ -643,6 +669,7 @@ fn medians(cases: &[(FsyncMode, u32)], all: &[FsyncSample], device: &str) -> Vec
             seconds: med(&|s| s.seconds),
             checkpoints: med_opt(&|s| s.checkpoints.map(|c| c as f64)).map(|c| c as u64),
             areas: mine[0].areas,
+            durability: mine[0].durability.clone(),
             grouped: med_opt(&|s| s.grouped),
             flushes_skipped: med_opt(&|s| s.flushes_skipped.map(|c| c as f64)).map(|c| c as u64),
             phases_us: mine.iter().all(|s| s.phases_us.is_some()).then(|| {
@@ -669,7 +696,7 @@ pub fn print_header(out: &mut impl std::io::Write) -> std::io::Result<()> {
     writeln!(
         out,
         "{:>5} {:<10} {:>3} {:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>6} {:>9} {:>9}  \
-         prep/writes/flush/commit us",
+         durability: prep/writes/flush/commit us",
         "round",
         "mode",
         "thr",
@@ -710,8 +737,12 @@ pub fn print_row(out: &mut impl std::io::Write, s: &FsyncSample) -> std::io::Res
         ratio(s.iops_vs_ext4),
         s.phases_us
             .map(|p| format!(
-                "{:.1}/{:.1}/{:.1}/{:.1}",
-                p.prepare, p.writes, p.flush, p.commit
+                "{}: {:.1}/{:.1}/{:.1}/{:.1}",
+                s.durability.as_ref().map_or("", |d| d.chosen.as_str()),
+                p.prepare,
+                p.writes,
+                p.flush,
+                p.commit
             ))
             .unwrap_or_default()
     )
@@ -723,7 +754,9 @@ pub fn legend() -> &'static str {
      block in place + the file's inode block journaled) and commit it; ext4 = pwrite 4 KiB + \
      fsync. 'lat/van' = mean latency ÷ vanilla's, 'IOPS/ext4' = IOPS ÷ ext4's (same round and \
      thread count; 'med' rows: medians over rounds); 'grp%' = commits that went out in a \
-     group (group commit, when threads share areas: --areas)"
+     group (group commit, when threads share areas: --areas); durability 'fua' = data and \
+     journal blocks written with FUA, no FLUSH; 'flush' = plain writes, then a FLUSH (chosen by \
+     measuring the device at format time unless --durability says)"
 }
 
 /// The latency CDFs of the median rows as `Sample`s, for `report::plot_cdf`.

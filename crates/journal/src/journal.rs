@@ -98,6 +98,94 @@ impl CommitMode {
     }
 }
 
+/// How a commit makes its data and journal blocks durable before writing the commit block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durability {
+    /// Plain writes, then one FLUSH (skipped on a device with power-loss protection).
+    Flush,
+    /// Every data and journal block written with FUA (`RWF_DSYNC` on files and block devices,
+    /// the FUA bit on NVMe), durable at its completion; no FLUSH.
+    FuaWrites,
+}
+
+impl Durability {
+    pub fn name(self) -> &'static str {
+        match self {
+            Durability::Flush => "flush",
+            Durability::FuaWrites => "fua",
+        }
+    }
+}
+
+/// What [`JournalSet::format`] / [`JournalSet::open`] measured to choose the [`Durability`]:
+/// medians of single 4 KiB requests on the journal's device, in µs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DurabilityProbe {
+    pub write_us: f64,
+    pub fua_write_us: f64,
+    pub flush_us: f64,
+    pub chosen: Durability,
+    pub why: String,
+}
+
+/// Time plain writes, FUA writes and FLUSHes at byte `at` (a free log block, written with
+/// zeros) and choose: FUA writes when one costs less than a write and a FLUSH after it.
+fn probe_durability(dev: &Device, at: u64) -> Result<DurabilityProbe, JournalError> {
+    let caps = dev.critical_route().0;
+    let untimed = |chosen, why: &str| DurabilityProbe {
+        write_us: 0.0,
+        fua_write_us: 0.0,
+        flush_us: 0.0,
+        chosen,
+        why: why.to_string(),
+    };
+    if caps.power_loss_protected {
+        return Ok(untimed(
+            Durability::Flush,
+            "the device has no volatile write cache: no FLUSH, plain writes",
+        ));
+    }
+    if !caps.fua {
+        return Ok(untimed(Durability::Flush, "the device has no FUA writes"));
+    }
+    let engine = dev.lbio().engine();
+    let mut w = Vec::new();
+    let mut f = Vec::new();
+    let mut fw = Vec::new();
+    let time = |out: &mut Vec<f64>, fut: lbio::IoFuture<'_>| -> Result<(), JournalError> {
+        let t = Instant::now();
+        engine.block_on(fut)??;
+        out.push(t.elapsed().as_secs_f64() * 1e6);
+        Ok(())
+    };
+    for _ in 0..12 {
+        let b = alloc(engine)?;
+        time(&mut w, dev.write_at(at, b, false))?;
+        time(&mut f, dev.flush())?;
+        let b = alloc(engine)?;
+        time(&mut fw, dev.write_at(at, b, true))?;
+    }
+    let med = |mut v: Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    let (write_us, flush_us, fua_write_us) = (med(w), med(f), med(fw));
+    let chosen = if fua_write_us < write_us + flush_us {
+        Durability::FuaWrites
+    } else {
+        Durability::Flush
+    };
+    Ok(DurabilityProbe {
+        write_us,
+        fua_write_us,
+        flush_us,
+        chosen,
+        why: format!(
+            "FUA write {fua_write_us:.1} us vs write {write_us:.1} us + FLUSH {flush_us:.1} us"
+        ),
+    })
+}
+
 /// A transaction being built: ordered data (written in place before the commit), journaled
 /// metadata, revokes.
 #[derive(Clone, Debug, Default)]
@@ -346,6 +434,9 @@ pub struct JournalSet {
     /// The id a checkpoint writing superblocks now will set as the areas' tail.
     checkpoint_target: AtomicU64,
     pub stats: JournalStats,
+    /// 0: FLUSH, 1: FUA writes.
+    durability: std::sync::atomic::AtomicU8,
+    probe: DurabilityProbe,
 }
 
 impl std::fmt::Debug for JournalSet {
@@ -519,8 +610,18 @@ fn read_range(dev: &Device, offset: u64, len: u64) -> Result<Vec<u8>, JournalErr
 }
 
 impl JournalSet {
-    fn new(layout: Layout, device_bytes: u64, states: Vec<AreaState>, next_tid: u64) -> Self {
+    fn new(
+        layout: Layout,
+        device_bytes: u64,
+        states: Vec<AreaState>,
+        next_tid: u64,
+        probe: DurabilityProbe,
+    ) -> Self {
         JournalSet {
+            durability: std::sync::atomic::AtomicU8::new(
+                (probe.chosen == Durability::FuaWrites) as u8,
+            ),
+            probe,
             layout,
             device_bytes,
             areas: states.into_iter().map(Mutex::new).collect(),
@@ -579,9 +680,11 @@ impl JournalSet {
         }
         join_all(engine, futs)?;
         engine.block_on(dev.flush())??;
+        // The first log block of area 0 is free: time the durability primitives there.
+        let probe = probe_durability(dev, layout.areas[0].0 + BLOCK as u64)?;
         let states = (0..n).map(|_| AreaState::new(0, 1)).collect();
         Ok(std::sync::Arc::new(JournalSet::new(
-            layout, bytes, states, 1,
+            layout, bytes, states, 1, probe,
         )))
     }
 
@@ -619,14 +722,38 @@ impl JournalSet {
             states.push(AreaState::new(l.end_pos, sb.generation));
         }
         join_all(engine, futs)?;
+        // Area 0's next log block is free (its log restarts there): time the primitives there.
+        let (off0, blocks0) = layout.areas[0];
+        let free = off0 + (1 + logs[0].end_pos % (blocks0 - 1)) * BLOCK as u64;
+        let probe = probe_durability(dev, free)?;
         Ok((
-            std::sync::Arc::new(JournalSet::new(layout, bytes, states, next_tid)),
+            std::sync::Arc::new(JournalSet::new(layout, bytes, states, next_tid, probe)),
             report,
         ))
     }
 
     pub fn layout(&self) -> &Layout {
         &self.layout
+    }
+
+    /// How commits make data and journal blocks durable (chosen by measurement at open).
+    pub fn durability(&self) -> Durability {
+        if self.durability.load(Ordering::Relaxed) == 1 {
+            Durability::FuaWrites
+        } else {
+            Durability::Flush
+        }
+    }
+
+    /// Override the measured choice.
+    pub fn set_durability(&self, d: Durability) {
+        self.durability
+            .store((d == Durability::FuaWrites) as u8, Ordering::Relaxed);
+    }
+
+    /// What was measured at open, and why the durability was chosen.
+    pub fn durability_probe(&self) -> &DurabilityProbe {
+        &self.probe
     }
 
     /// Transaction id the next commit gets.
@@ -1038,6 +1165,8 @@ impl Journal {
 
     fn write_tx(&self, tx: &Tx, tid: u64, head: u64) -> Result<(), JournalError> {
         let dev = &self.dev;
+        // FUA on every data and journal block makes the FLUSH before the commit unneeded.
+        let fua = !self.plp && self.set.durability() == Durability::FuaWrites;
         let log = |i: usize| self.set.log_byte(self.area, head + i as u64);
         let commit_fua = dev.critical_route().0.fua;
         let st = &self.set.stats;
@@ -1057,7 +1186,7 @@ impl Journal {
                 timed(&mut prep, &mut || data = self.data_bufs(tx));
                 let mut w = Inflight::new();
                 for (b, buf) in data? {
-                    w.start(dev.write_at(b * BLOCK as u64, buf, false));
+                    w.start(dev.write_at(b * BLOCK as u64, buf, fua));
                 }
                 w.wait(&self.engine)?;
                 let mut journal = Ok((Vec::new(), 0));
@@ -1066,12 +1195,14 @@ impl Journal {
                 let n = blocks.len();
                 let mut w = Inflight::new();
                 for (i, buf) in blocks.into_iter().enumerate() {
-                    w.start(dev.write_at(log(i), buf, false));
+                    w.start(dev.write_at(log(i), buf, fua));
                 }
                 w.wait(&self.engine)?;
                 add(&st.writes_ns, start);
                 let t = Instant::now();
-                self.flush()?;
+                if !fua {
+                    self.flush()?;
+                }
                 add(&st.flush_ns, t);
                 let mut c = Err(JournalError::EmptyTx);
                 timed(&mut prep, &mut || {
@@ -1086,7 +1217,7 @@ impl Journal {
                 {
                     let _plug = self.engine.plug();
                     for (b, buf) in data? {
-                        w.start(dev.write_at(b * BLOCK as u64, buf, false));
+                        w.start(dev.write_at(b * BLOCK as u64, buf, fua));
                     }
                 }
                 // The data is on its way: prepare the journal while the device works.
@@ -1097,7 +1228,7 @@ impl Journal {
                 {
                     let _plug = self.engine.plug();
                     for (i, buf) in blocks.into_iter().enumerate() {
-                        w.start(dev.write_at(log(i), buf, false));
+                        w.start(dev.write_at(log(i), buf, fua));
                     }
                 }
                 let mut c = Err(JournalError::EmptyTx);
@@ -1108,7 +1239,9 @@ impl Journal {
                 w.wait(&self.engine)?;
                 add(&st.writes_ns, start);
                 let t = Instant::now();
-                self.flush()?;
+                if !fua {
+                    self.flush()?;
+                }
                 add(&st.flush_ns, t);
                 (c, n)
             }

@@ -54,7 +54,7 @@ pub mod recovery;
 
 pub use error::JournalError;
 pub use journal::{
-    recover_image, CommitInfo, CommitMode, Journal, JournalSet, JournalStats, Layout,
-    RecoveryReport, Tx,
+    recover_image, CommitInfo, CommitMode, Durability, DurabilityProbe, Journal, JournalSet,
+    JournalStats, Layout, RecoveryReport, Tx,
 };
 pub use recovery::{AreaLog, LogEnd, RecoveredTx};

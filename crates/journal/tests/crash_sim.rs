@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 use aios_core::{Engine, EngineConfig};
-use journal::{recover_image, CommitMode, Journal, JournalSet, Layout, LogEnd, Tx};
+use journal::{recover_image, CommitMode, Durability, Journal, JournalSet, Layout, LogEnd, Tx};
 use lbio::{CrashOptions, LbioArray, LbioConfig, SimConfig, SimDisk, SimRng};
 
 const AREA_BLOCKS: u64 = 16;
@@ -74,6 +74,12 @@ fn run_seed(seed: u64, lbio: &Rc<LbioArray>) -> Result<Outcome, String> {
     let disk = SimDisk::new(cfg).map_err(|e| e.to_string())?;
     let set =
         JournalSet::format(&disk.open(lbio).unwrap(), layout.clone()).map_err(|e| e.to_string())?;
+    // Both ways of making data and journal blocks durable before the commit block.
+    set.set_durability(if rng.chance(1, 2) {
+        Durability::FuaWrites
+    } else {
+        Durability::Flush
+    });
     let journals: Vec<Journal> = (0..areas)
         .map(|a| {
             let mode = if rng.chance(1, 2) {

@@ -76,7 +76,11 @@ pub struct Attr {
 impl Attr {
     /// Encode into a 64-byte entry.
     pub fn encode(&self, out: &mut [u8]) {
-        assert_eq!(out.len(), ATTR_BYTES, "an attribute entry is {ATTR_BYTES} bytes");
+        assert_eq!(
+            out.len(),
+            ATTR_BYTES,
+            "an attribute entry is {ATTR_BYTES} bytes"
+        );
         out.fill(0);
         out[0..4].copy_from_slice(&MAGIC.to_le_bytes());
         out[8..10].copy_from_slice(&self.stream.to_le_bytes());
@@ -131,7 +135,9 @@ impl Attr {
             return Ok(None);
         }
         if crc32c::crc32c(&b[8..60]) != u32_at(4) {
-            return Err(RioError::Corrupt("attribute entry checksum mismatch".into()));
+            return Err(RioError::Corrupt(
+                "attribute entry checksum mismatch".into(),
+            ));
         }
         let flags = u16_at(52);
         let seq = u64_at(16);

@@ -255,7 +255,10 @@ impl Model {
         });
         let i = self.units.len() - 1;
         for g in attr.seq..=attr.seq_end {
-            self.group_units.entry((attr.stream, g)).or_default().push(i);
+            self.group_units
+                .entry((attr.stream, g))
+                .or_default()
+                .push(i);
         }
         if !self.touched[attr.stream as usize].contains(&attr.target) {
             self.touched[attr.stream as usize].push(attr.target);
@@ -311,14 +314,26 @@ impl Model {
         }
     }
 
-    fn dispatch_group(&mut self, s: u16, seq: u64, reqs: Vec<Req>, rng: &mut Rng) -> Result<(), String> {
+    fn dispatch_group(
+        &mut self,
+        s: u16,
+        seq: u64,
+        reqs: Vec<Req>,
+        rng: &mut Rng,
+    ) -> Result<(), String> {
         self.dispatching[s as usize] = Some(seq);
         let r = self.dispatch_group_inner(s, seq, reqs, rng);
         self.dispatching[s as usize] = None;
         r
     }
 
-    fn dispatch_group_inner(&mut self, s: u16, seq: u64, reqs: Vec<Req>, rng: &mut Rng) -> Result<(), String> {
+    fn dispatch_group_inner(
+        &mut self,
+        s: u16,
+        seq: u64,
+        reqs: Vec<Req>,
+        rng: &mut Rng,
+    ) -> Result<(), String> {
         let n = reqs.len() as u16;
         let last = reqs.len() - 1;
         if rng.chance(1, 4) {
@@ -415,7 +430,10 @@ impl Model {
         let plp = self.plp.clone();
         let r = recover(&sc, &|t| plp[t as usize]);
         if r.damaged.len() > usize::from(self.torn.is_some()) {
-            return Err(format!("damaged entries beyond the torn append: {:?}", r.damaged));
+            return Err(format!(
+                "damaged entries beyond the torn append: {:?}",
+                r.damaged
+            ));
         }
         for sr in &r.streams {
             let s = sr.stream;
@@ -437,10 +455,25 @@ impl Model {
                         eprintln!("slot {:>3} {a:?}", slot.0);
                     }
                     eprintln!("header {:?}", sc.header);
-                    for u in self.units.iter().filter(|u| u.attr.stream == s && u.attr.seq >= 8) {
-                        eprintln!("unit slot {} seq {} t{} off {} completed {} durable {}", u.slot.0, u.attr.seq, u.attr.target, u.attr.offset, u.completed, u.durable);
+                    for u in self
+                        .units
+                        .iter()
+                        .filter(|u| u.attr.stream == s && u.attr.seq >= 8)
+                    {
+                        eprintln!(
+                            "unit slot {} seq {} t{} off {} completed {} durable {}",
+                            u.slot.0,
+                            u.attr.seq,
+                            u.attr.target,
+                            u.attr.offset,
+                            u.completed,
+                            u.durable
+                        );
                     }
-                    eprintln!("torn {:?}", self.torn.map(|t| ((t.0 - SLOT0) / ATTR_BYTES, t.2)));
+                    eprintln!(
+                        "torn {:?}",
+                        self.torn.map(|t| ((t.0 - SLOT0) / ATTR_BYTES, t.2))
+                    );
                 }
                 return Err(format!(
                     "stream {s}: groups below {acked} were acknowledged, the prefix ends at {} ({:?})",
@@ -459,9 +492,10 @@ impl Model {
                 if torn_here {
                     continue; // its data was never submitted
                 }
-                let listed = sr.beyond.iter().any(|b| {
-                    b.target == a.target && b.offset == a.offset && b.len == a.len
-                });
+                let listed = sr
+                    .beyond
+                    .iter()
+                    .any(|b| b.target == a.target && b.offset == a.offset && b.len == a.len);
                 if !listed {
                     return Err(format!(
                         "stream {s}: command {a:?} past the prefix ({}) is not listed for discarding",
@@ -471,10 +505,14 @@ impl Model {
             }
         }
         // Reopening starts a new epoch with nothing live.
-        let reopened = AttrLog::reopen(img.clone(), &r.resume_marks()).map_err(|e| e.to_string())?;
+        let reopened =
+            AttrLog::reopen(img.clone(), &r.resume_marks()).map_err(|e| e.to_string())?;
         let again = scan(reopened.pmr()).map_err(|e| e.to_string())?;
         if !again.entries.is_empty() {
-            return Err(format!("{} entries live after reopening", again.entries.len()));
+            return Err(format!(
+                "{} entries live after reopening",
+                again.entries.len()
+            ));
         }
         Ok(())
     }
