@@ -13,6 +13,11 @@ pub enum RioError {
          durability, or give the log more room"
     )]
     LogFull { slots: u32 },
+    /// The engine or a device refused.
+    #[error(transparent)]
+    Lbio(#[from] lbio::LbioError),
+    #[error(transparent)]
+    Core(#[from] aios_core::CoreError),
     /// A damaged log or entry.
     #[error("attribute log damaged: {0}")]
     Corrupt(String),

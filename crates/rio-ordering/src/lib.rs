@@ -31,11 +31,13 @@
 #![forbid(unsafe_code)]
 
 pub mod attr;
+mod device;
 mod error;
 pub mod log;
 pub mod recovery;
 
 pub use attr::{Attr, ATTR_BYTES};
+pub use device::{Done, OrderedConfig, OrderedDevice, OrderedStats, Write};
 pub use error::RioError;
 pub use log::{scan, AttrLog, Header, LogScan, MemPmr, Pmr, Slot, MAX_STREAMS};
 pub use recovery::{recover, Recovery, StreamRecovery};

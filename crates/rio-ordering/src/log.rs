@@ -367,6 +367,15 @@ impl<P: Pmr> AttrLog<P> {
         *d = (*d).max(below);
     }
 
+    #[doc(hidden)]
+    pub fn debug_tail(&self) -> (u32, Option<(u16, u64)>, Vec<u64>) {
+        (
+            self.tail,
+            self.used[self.tail as usize],
+            self.durable_below.clone(),
+        )
+    }
+
     /// Whether the next append would find a free slot.
     pub fn has_room(&self) -> bool {
         match self.used[self.tail as usize] {

@@ -1,0 +1,798 @@
+//! The ordered device: the sequencer, streams, the ORDER queue (merging whole groups, splitting
+//! requests above the device's transfer limit), asynchronous execution on lbio with the
+//! attribute written before the data, in-order completion per stream, and `wait` for
+//! durability.
+//!
+//! One `OrderedDevice` lives on one engine (one thread), like everything lbio drives. It owns
+//! its lbio array, so every detached completion on it is its own.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::rc::Rc;
+
+use aios_core::{Engine, FixedBuf};
+use lbio::{Device, Io, LbioArray};
+
+use crate::attr::Attr;
+use crate::error::RioError;
+use crate::log::{AttrLog, Pmr, Slot};
+
+/// Settings of an ordered device.
+#[derive(Clone, Copy, Debug)]
+pub struct OrderedConfig {
+    /// Closed groups a stream's ORDER queue holds before sending them (1: send each group when
+    /// it closes). Held groups are sent at `wait`, `poll` and `flush_queue` too.
+    pub batch: usize,
+    /// Merge consecutive whole groups that are contiguous on one target into one command.
+    pub merge: bool,
+    /// Largest merged command.
+    pub max_merge_bytes: u32,
+}
+
+impl Default for OrderedConfig {
+    fn default() -> Self {
+        OrderedConfig {
+            batch: 1,
+            merge: true,
+            max_merge_bytes: 128 << 10,
+        }
+    }
+}
+
+/// One ordered write.
+#[derive(Debug)]
+pub struct Write {
+    pub target: u16,
+    /// Byte offset on the target.
+    pub offset: u64,
+    pub buf: FixedBuf,
+    /// An in-place update (recovery hands it to the upper layer instead of discarding it).
+    pub ipu: bool,
+}
+
+/// A finished write, handed back in order (per stream: group order, then submission order).
+#[derive(Debug)]
+pub struct Done {
+    pub stream: u16,
+    pub seq: u64,
+    /// The id [`OrderedDevice::submit`] returned.
+    pub id: u64,
+    pub result: Result<(), String>,
+    pub buf: FixedBuf,
+}
+
+/// Counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OrderedStats {
+    pub requests: u64,
+    /// Device commands sent (data writes; FLUSHes counted apart).
+    pub device_cmds: u64,
+    pub merged_cmds: u64,
+    pub split_cmds: u64,
+    pub flushes: u64,
+    /// Appends that found the log full and waited for durability.
+    pub log_full_waits: u64,
+}
+
+struct Req {
+    id: u64,
+    w: Write,
+}
+
+/// A command on the device: its entry, the groups and requests it carries.
+struct Cmd {
+    stream: u16,
+    target: u16,
+    seq: u64,
+    seq_end: u64,
+    slot: Slot,
+    /// Requests carried: (id, the caller's buffer when the device got a copy; `None`: the
+    /// command's own buffer is the caller's and comes back with the completion).
+    reqs: Vec<(u64, Option<FixedBuf>)>,
+    /// Pieces of one split request still out (the request's buffer waits in `reqs`).
+    split: Option<u64>,
+}
+
+#[derive(Default)]
+struct Group {
+    /// Commands not yet completed.
+    out: u32,
+    /// Commands not yet durable.
+    not_durable: u32,
+    /// Every command is sent.
+    sent: bool,
+    failed: Option<String>,
+    /// Finished requests, waiting for their turn.
+    done: Vec<(u64, FixedBuf)>,
+    order: Vec<u64>,
+}
+
+#[derive(Default)]
+struct Stream {
+    next_seq: u64,
+    open: Vec<Req>,
+    queued: VecDeque<(u64, Vec<Req>)>,
+    prev: HashMap<u16, u64>,
+    groups: BTreeMap<u64, Group>,
+    /// Groups below are handed back (in order).
+    done_below: u64,
+    /// Groups below are durable.
+    durable_below: u64,
+    /// Targets written since the last wait.
+    touched: Vec<u16>,
+    ready: VecDeque<Done>,
+}
+
+struct Target {
+    dev: Device,
+    plp: bool,
+    max_transfer: u32,
+    /// Completed commands not yet covered by a FLUSH (non-PLP targets): (stream, seqs).
+    volatile: Vec<(u16, u64, u64)>,
+}
+
+/// Rio's ordered block device over lbio targets and an attribute log.
+pub struct OrderedDevice<P: Pmr> {
+    engine: Rc<Engine>,
+    lbio: Rc<LbioArray>,
+    targets: Vec<Target>,
+    log: AttrLog<P>,
+    streams: Vec<Stream>,
+    cfg: OrderedConfig,
+    inflight: HashMap<u32, Cmd>,
+    /// Split requests: pieces still out, keyed by request id.
+    pieces_out: HashMap<u64, u32>,
+    next_id: u64,
+    stats: OrderedStats,
+}
+
+impl<P: Pmr> OrderedDevice<P> {
+    /// An ordered device over `targets` (devices opened on `lbio`, which this device then owns:
+    /// every detached completion on it is taken as its own) with the attribute log `log` (one
+    /// stream per log stream). Streams start at group `start[s]` (1 on a fresh log; a
+    /// recovery's [`crate::Recovery::resume_marks`] after a crash).
+    pub fn new(
+        lbio: Rc<LbioArray>,
+        targets: Vec<Device>,
+        log: AttrLog<P>,
+        start: &[u64],
+        cfg: OrderedConfig,
+    ) -> Result<OrderedDevice<P>, RioError> {
+        if targets.is_empty() {
+            return Err(RioError::Config("an ordered device needs a target".into()));
+        }
+        if start.len() != log.streams() as usize {
+            return Err(RioError::Config(format!(
+                "{} start groups for a log of {} streams",
+                start.len(),
+                log.streams()
+            )));
+        }
+        if cfg.batch == 0 {
+            return Err(RioError::Config("batch must be at least 1".into()));
+        }
+        let targets = targets
+            .into_iter()
+            .map(|dev| Target {
+                plp: dev.critical_route().0.power_loss_protected,
+                max_transfer: dev.geometry().max_transfer_bytes,
+                dev,
+                volatile: Vec::new(),
+            })
+            .collect();
+        let streams = start
+            .iter()
+            .map(|&s| Stream {
+                next_seq: s.max(1),
+                done_below: s.max(1),
+                durable_below: s.max(1),
+                ..Stream::default()
+            })
+            .collect();
+        Ok(OrderedDevice {
+            engine: Rc::clone(lbio.engine()),
+            lbio,
+            targets,
+            log,
+            streams,
+            cfg,
+            inflight: HashMap::new(),
+            pieces_out: HashMap::new(),
+            next_id: 1,
+            stats: OrderedStats::default(),
+        })
+    }
+
+    pub fn stats(&self) -> OrderedStats {
+        self.stats
+    }
+    pub fn log(&self) -> &AttrLog<P> {
+        &self.log
+    }
+    pub fn streams(&self) -> u16 {
+        self.streams.len() as u16
+    }
+    /// The group the stream's next request joins.
+    pub fn next_seq(&self, stream: u16) -> u64 {
+        self.streams[stream as usize].next_seq
+    }
+
+    /// Queue an ordered write on `stream`; `end_of_group` closes its group (the writes of one
+    /// group may reach the device in any order; groups reach it in order). Returns the write's
+    /// id, which its [`Done`] carries.
+    pub fn submit(&mut self, stream: u16, w: Write, end_of_group: bool) -> Result<u64, RioError> {
+        let s = self.stream_index(stream)?;
+        let t = self
+            .targets
+            .get(w.target as usize)
+            .ok_or_else(|| RioError::Config(format!("target {} does not exist", w.target)))?;
+        let g = t.dev.geometry();
+        let len = w.buf.len() as u64;
+        if len == 0
+            || w.offset % g.offset_align as u64 != 0
+            || len % g.offset_align as u64 != 0
+            || w.offset + len > g.capacity_bytes
+        {
+            return Err(RioError::Config(format!(
+                "write of {len} bytes at {} on target {}: must be a non-empty multiple of {} \
+                 bytes, aligned, inside its {} bytes",
+                w.offset, w.target, g.offset_align, g.capacity_bytes
+            )));
+        }
+        let st = &self.streams[s];
+        if let Some(o) = st.open.iter().find(|r| {
+            r.w.target == w.target
+                && r.w.offset < w.offset + len
+                && w.offset < r.w.offset + r.w.buf.len() as u64
+        }) {
+            return Err(RioError::OverlapInGroup {
+                stream,
+                seq: st.next_seq,
+                target: w.target,
+                offset: w.offset.max(o.w.offset),
+                end: (w.offset + len).min(o.w.offset + o.w.buf.len() as u64),
+            });
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.stats.requests += 1;
+        let st = &mut self.streams[s];
+        st.open.push(Req { id, w });
+        if end_of_group {
+            self.close_group(stream)?;
+            if self.streams[s].queued.len() >= self.cfg.batch {
+                self.send_queued(stream)?;
+            }
+        }
+        Ok(id)
+    }
+
+    fn stream_index(&self, stream: u16) -> Result<usize, RioError> {
+        if stream as usize >= self.streams.len() {
+            return Err(RioError::Config(format!(
+                "stream {stream}: the device has {}",
+                self.streams.len()
+            )));
+        }
+        Ok(stream as usize)
+    }
+
+    /// Send every closed group held in the stream's ORDER queue.
+    pub fn flush_queue(&mut self, stream: u16) -> Result<(), RioError> {
+        self.stream_index(stream)?;
+        self.send_queued(stream)
+    }
+
+    fn send_queued(&mut self, stream: u16) -> Result<(), RioError> {
+        let s = stream as usize;
+        let mut queued: VecDeque<(u64, Vec<Req>)> = self.streams[s].queued.drain(..).collect();
+        while let Some(first) = queued.pop_front() {
+            // Whole groups, each on one target and following the previous one's bytes, go out
+            // as one command while they fit.
+            let max = self.cfg.max_merge_bytes as u64;
+            let mut run = vec![first];
+            let first_mergeable =
+                self.cfg.merge && mergeable(&run[0].1, None) && group_bytes(&run[0].1) <= max;
+            if first_mergeable {
+                let target = run[0].1[0].w.target;
+                let mut bytes = group_bytes(&run[0].1);
+                let mut end = group_end(&run[0].1);
+                while let Some(next) = queued.front() {
+                    let nb = group_bytes(&next.1);
+                    if next.1[0].w.target != target
+                        || !mergeable(&next.1, Some(end))
+                        || bytes + nb > max
+                    {
+                        break;
+                    }
+                    bytes += nb;
+                    end = group_end(&next.1);
+                    run.push(queued.pop_front().expect("front"));
+                }
+            }
+            let requests: usize = run.iter().map(|g| g.1.len()).sum();
+            if first_mergeable && requests > 1 {
+                self.send_merged(stream, run)?;
+            } else {
+                let (seq, reqs) = run.pop().expect("one group");
+                self.send_group(stream, seq, reqs)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn base_attr(&self, stream: u16, target: u16, seq: u64) -> Attr {
+        Attr {
+            stream,
+            target,
+            seq,
+            seq_end: seq,
+            prev: self.streams[stream as usize]
+                .prev
+                .get(&target)
+                .copied()
+                .unwrap_or(0),
+            members: 1,
+            ..Attr::default()
+        }
+    }
+
+    /// Whole groups `gs` (all on one target, contiguous) as one command; their buffers are
+    /// copied into one and go back with the completions.
+    fn send_merged(&mut self, stream: u16, gs: Vec<(u64, Vec<Req>)>) -> Result<(), RioError> {
+        let target = gs[0].1[0].w.target;
+        let len: u64 = gs.iter().map(|(_, rs)| group_bytes(rs)).sum();
+        let mut a = self.base_attr(stream, target, gs[0].0);
+        a.seq_end = gs.last().expect("non-empty").0;
+        a.offset = gs[0].1[0].w.offset;
+        a.len = len as u32;
+        a.merged = true;
+        a.boundary = true;
+        a.members = gs.iter().map(|(_, rs)| rs.len() as u16).sum();
+        if gs.len() == 1 {
+            a.num = a.members;
+        }
+        a.ipu = gs.iter().flat_map(|(_, rs)| rs).any(|r| r.w.ipu);
+        let mut buf = self.engine.alloc_blocking(len as usize)?;
+        let mut at = 0;
+        let seqs: Vec<u64> = gs.iter().map(|g| g.0).collect();
+        let mut originals = Vec::new();
+        for (_, rs) in gs {
+            for r in rs {
+                let n = r.w.buf.len();
+                buf[at..at + n].copy_from_slice(&r.w.buf);
+                at += n;
+                originals.push((r.id, Some(r.w.buf)));
+            }
+        }
+        self.stats.merged_cmds += 1;
+        self.issue(stream, a, buf, originals, None, &seqs)
+    }
+
+    fn send_group(&mut self, stream: u16, seq: u64, reqs: Vec<Req>) -> Result<(), RioError> {
+        let n = reqs.len() as u16;
+        let last = reqs.len() - 1;
+        for (k, r) in reqs.into_iter().enumerate() {
+            let mut a = self.base_attr(stream, r.w.target, seq);
+            a.offset = r.w.offset;
+            a.len = r.w.buf.len() as u32;
+            a.ipu = r.w.ipu;
+            if k == last {
+                a.boundary = true;
+                a.num = n;
+            }
+            let max = (self.targets[r.w.target as usize].max_transfer as usize).max(4096);
+            let len = r.w.buf.len();
+            if len <= max {
+                // The caller's buffer goes to the device and comes back with the completion.
+                self.issue(stream, a, r.w.buf, vec![(r.id, None)], None, &[seq])?;
+                continue;
+            }
+            let pieces = len.div_ceil(max);
+            if pieces > u8::MAX as usize {
+                return Err(RioError::Config(format!(
+                    "a {len}-byte write splits into {pieces} pieces of {max} bytes; at most 255"
+                )));
+            }
+            self.pieces_out.insert(r.id, pieces as u32);
+            let mut original = Some(r.w.buf);
+            for p in 0..pieces {
+                let src = original.as_ref().expect("kept until the last piece");
+                let from = p * max;
+                let to = (from + max).min(len);
+                let mut piece = self.engine.alloc_blocking(to - from)?;
+                piece.copy_from_slice(&src[from..to]);
+                let mut pa = a;
+                pa.offset = r.w.offset + from as u64;
+                pa.len = (to - from) as u32;
+                pa.split = Some((p as u8, pieces as u8));
+                self.stats.split_cmds += 1;
+                // The last piece carries the caller's buffer back.
+                let back = if p + 1 == pieces {
+                    original.take()
+                } else {
+                    None
+                };
+                self.issue(stream, pa, piece, vec![(r.id, back)], Some(r.id), &[seq])?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Take what has finished, without blocking; return the completions now in order (per
+    /// stream: group order, then submission order within a group).
+    pub fn poll(&mut self) -> Result<Vec<Done>, RioError> {
+        for stream in 0..self.streams.len() as u16 {
+            if !self.streams[stream as usize].queued.is_empty() {
+                self.send_queued(stream)?;
+            }
+        }
+        self.engine.poll_completions()?;
+        self.reap()?;
+        Ok(self.take_ready())
+    }
+
+    /// Block until some completion is in order to hand back (or nothing is in flight), then
+    /// return what is ready.
+    pub fn wait_any(&mut self) -> Result<Vec<Done>, RioError> {
+        loop {
+            self.reap()?;
+            if self.streams.iter().any(|s| !s.ready.is_empty()) || self.inflight.is_empty() {
+                return Ok(self.take_ready());
+            }
+            self.lbio.wait_done(1)?;
+        }
+    }
+
+    fn take_ready(&mut self) -> Vec<Done> {
+        self.streams
+            .iter_mut()
+            .flat_map(|s| s.ready.drain(..))
+            .collect()
+    }
+
+    /// Make everything submitted on `stream` durable: close its open group, send its queue,
+    /// wait for its writes, and on every target it wrote without power-loss protection log a
+    /// FLUSH entry, FLUSH, and persist the entry. On `Ok`, every write of the stream survives a
+    /// crash (recovery keeps it). Completions stay ready for [`OrderedDevice::poll`].
+    pub fn wait(&mut self, stream: u16) -> Result<(), RioError> {
+        let s = self.stream_index(stream)?;
+        if !self.streams[s].open.is_empty() {
+            self.close_group(stream)?;
+        }
+        self.send_queued(stream)?;
+        while self.inflight.values().any(|c| c.stream == stream) {
+            self.lbio.wait_done(1)?;
+            self.reap()?;
+        }
+        let last = self.streams[s].next_seq - 1;
+        if last == 0 {
+            return Ok(());
+        }
+        for t in std::mem::take(&mut self.streams[s].touched) {
+            self.flush_target(t, Some((stream, last)))?;
+        }
+        if let Some(f) = self.streams[s]
+            .groups
+            .values()
+            .find_map(|g| g.failed.clone())
+        {
+            return Err(RioError::Config(format!(
+                "stream {stream}: a write failed: {f}"
+            )));
+        }
+        Ok(())
+    }
+
+    fn close_group(&mut self, stream: u16) -> Result<(), RioError> {
+        let st = &mut self.streams[stream as usize];
+        let seq = st.next_seq;
+        st.next_seq += 1;
+        let reqs = std::mem::take(&mut st.open);
+        st.groups.insert(
+            seq,
+            Group {
+                order: reqs.iter().map(|r| r.id).collect(),
+                ..Group::default()
+            },
+        );
+        st.queued.push_back((seq, reqs));
+        Ok(())
+    }
+
+    /// Persist `a` in the log (waiting for room), then send the data.
+    fn issue(
+        &mut self,
+        stream: u16,
+        a: Attr,
+        buf: FixedBuf,
+        reqs: Vec<(u64, Option<FixedBuf>)>,
+        split: Option<u64>,
+        seqs: &[u64],
+    ) -> Result<(), RioError> {
+        let slot = loop {
+            match self.log.append(&a) {
+                Ok(s) => break s,
+                Err(RioError::LogFull { .. }) => {
+                    self.stats.log_full_waits += 1;
+                    self.make_room()?;
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        let t = &self.targets[a.target as usize];
+        let tag = t.dev.submit(Io::write(a.offset, buf)).map_err(|(e, _)| {
+            RioError::Config(format!("submitting to target {}: {e}", a.target))
+        })?;
+        self.stats.device_cmds += 1;
+        let st = &mut self.streams[stream as usize];
+        for &g in seqs {
+            let grp = st.groups.get_mut(&g).expect("group registered at close");
+            grp.out += 1;
+            grp.not_durable += 1;
+        }
+        st.prev.insert(a.target, a.seq_end);
+        if !st.touched.contains(&a.target) {
+            st.touched.push(a.target);
+        }
+        self.inflight.insert(
+            tag.0,
+            Cmd {
+                stream,
+                target: a.target,
+                seq: a.seq,
+                seq_end: a.seq_end,
+                slot,
+                reqs,
+                split,
+            },
+        );
+        // A group is fully sent once its last command is out.
+        let last_of_group = a.boundary && a.split.is_none_or(|(i, n)| i + 1 == n);
+        if last_of_group {
+            for &g in seqs {
+                st.groups.get_mut(&g).expect("group").sent = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// The log is full: wait for completions and, on targets without power-loss protection,
+    /// FLUSH, so that durable groups free their slots.
+    fn make_room(&mut self) -> Result<(), RioError> {
+        let before = self.log.has_room();
+        if before {
+            return Ok(());
+        }
+        self.drain_all()?;
+        for t in 0..self.targets.len() as u16 {
+            self.flush_target(t, None)?;
+        }
+        if !self.log.has_room() {
+            if std::env::var_os("AIOS_RIO_DEBUG").is_some() {
+                for (i, st) in self.streams.iter().enumerate() {
+                    eprintln!(
+                        "stream {i}: next {} done_below {} durable_below {} queued {} open {} groups {:?}",
+                        st.next_seq, st.done_below, st.durable_below, st.queued.len(), st.open.len(),
+                        st.groups.iter().map(|(g, x)| (*g, x.out, x.not_durable, x.sent, x.done.len(), x.order.len())).collect::<Vec<_>>()
+                    );
+                }
+                eprintln!("log {:?}", self.log.debug_tail());
+            }
+            return Err(RioError::Config(format!(
+                "the attribute log ({} slots) cannot hold one group's entries: give it more room",
+                self.log.slots()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Wait for every command in flight to complete.
+    fn drain_all(&mut self) -> Result<(), RioError> {
+        while !self.inflight.is_empty() {
+            self.lbio.wait_done(1)?;
+            self.reap()?;
+        }
+        Ok(())
+    }
+
+    /// Take finished commands: set persist words (power-loss-protected targets), account
+    /// groups, hand back what is now in order.
+    fn reap(&mut self) -> Result<(), RioError> {
+        while let Some(c) = self.lbio.take_done() {
+            self.account(c)?;
+        }
+        Ok(())
+    }
+
+    /// One finished command. Taken from lbio, its tag may be reused at once, so it is accounted
+    /// for here and now.
+    fn account(&mut self, c: lbio::Completion) -> Result<(), RioError> {
+        {
+            let Some(cmd) = self.inflight.remove(&c.tag.0) else {
+                return Ok(());
+            };
+            let failed = c.result.as_ref().err().map(|e| e.to_string());
+            let plp = self.targets[cmd.target as usize].plp;
+            if plp && failed.is_none() {
+                self.log.set_persist(cmd.slot, cmd.seq)?;
+            } else if failed.is_none() {
+                self.targets[cmd.target as usize]
+                    .volatile
+                    .push((cmd.stream, cmd.seq, cmd.seq_end));
+            }
+            let st = &mut self.streams[cmd.stream as usize];
+            for g in cmd.seq..=cmd.seq_end {
+                if let Some(grp) = st.groups.get_mut(&g) {
+                    grp.out -= 1;
+                    if plp && failed.is_none() {
+                        grp.not_durable -= 1;
+                    }
+                    if let Some(f) = &failed {
+                        grp.failed.get_or_insert_with(|| f.clone());
+                    }
+                }
+            }
+            // A split request is finished when its last piece is.
+            let finished: Vec<(u64, Option<FixedBuf>)> = match cmd.split {
+                Some(id) => {
+                    let left = self.pieces_out.get_mut(&id).expect("split request");
+                    *left -= 1;
+                    if *left == 0 {
+                        self.pieces_out.remove(&id);
+                        cmd.reqs
+                    } else {
+                        Vec::new()
+                    }
+                }
+                None => cmd.reqs,
+            };
+            let mut device_buf = c.buf;
+            for (id, buf) in finished {
+                let g = (cmd.seq..=cmd.seq_end)
+                    .find(|g| st.groups.get(g).is_some_and(|grp| grp.order.contains(&id)))
+                    .expect("the request's group");
+                let buf = buf
+                    .or_else(|| device_buf.take())
+                    .expect("a write returns its buffer");
+                st.groups.get_mut(&g).expect("group").done.push((id, buf));
+            }
+            self.advance(cmd.stream);
+        }
+        Ok(())
+    }
+
+    /// Hand back groups in order, and move the durability mark.
+    fn advance(&mut self, stream: u16) {
+        let st = &mut self.streams[stream as usize];
+        while let Some(grp) = st.groups.get(&st.done_below) {
+            if !grp.sent || grp.out > 0 || grp.done.len() < grp.order.len() {
+                break;
+            }
+            let seq = st.done_below;
+            let grp = st.groups.get_mut(&seq).expect("group");
+            let result = match &grp.failed {
+                Some(f) => Err(f.clone()),
+                None => Ok(()),
+            };
+            let mut done = std::mem::take(&mut grp.done);
+            let order = grp.order.clone();
+            done.sort_by_key(|(id, _)| order.iter().position(|o| o == id));
+            for (id, buf) in done {
+                st.ready.push_back(Done {
+                    stream,
+                    seq,
+                    id,
+                    result: result.clone(),
+                    buf,
+                });
+            }
+            st.done_below += 1;
+        }
+        // Durable in order; the log may reuse the slots of durable groups.
+        while let Some(grp) = st.groups.get(&st.durable_below) {
+            if !grp.sent || grp.not_durable > 0 || st.durable_below >= st.done_below {
+                break;
+            }
+            st.groups.remove(&st.durable_below);
+            st.durable_below += 1;
+        }
+        self.log.durable(stream, st.durable_below);
+    }
+
+    /// FLUSH target `t`: every command completed on it becomes durable. With `marker`
+    /// `(stream, seq)`, a FLUSH entry of that stream is logged first and persisted after.
+    fn flush_target(&mut self, t: u16, marker: Option<(u16, u64)>) -> Result<(), RioError> {
+        if self.targets[t as usize].plp {
+            return Ok(());
+        }
+        let covered = std::mem::take(&mut self.targets[t as usize].volatile);
+        let slot = match marker {
+            Some((stream, seq)) => {
+                let mut m = self.base_attr(stream, t, seq);
+                m.flush = true;
+                m.members = 0;
+                Some((self.append_marker(&m)?, seq))
+            }
+            None => None,
+        };
+        let tag = self.targets[t as usize]
+            .dev
+            .submit(Io::flush())
+            .map_err(|(e, _)| RioError::Config(format!("FLUSH on target {t}: {e}")))?;
+        self.stats.flushes += 1;
+        // Wait for the FLUSH, taking data completions on the way.
+        let mut flushed = None;
+        while flushed.is_none() {
+            self.lbio.wait_done(1)?;
+            while let Some(c) = self.lbio.take_done() {
+                if c.tag == tag {
+                    flushed = Some(c.result);
+                    break;
+                }
+                self.account(c)?;
+            }
+        }
+        flushed.expect("set")?;
+        if let Some((slot, seq)) = slot {
+            self.log.set_persist(slot, seq)?;
+        }
+        for (stream, a, b) in covered {
+            let st = &mut self.streams[stream as usize];
+            for g in a..=b {
+                if let Some(grp) = st.groups.get_mut(&g) {
+                    grp.not_durable -= 1;
+                }
+            }
+            self.advance(stream);
+        }
+        Ok(())
+    }
+
+    fn append_marker(&mut self, m: &Attr) -> Result<Slot, RioError> {
+        loop {
+            match self.log.append(m) {
+                Ok(s) => return Ok(s),
+                Err(RioError::LogFull { .. }) => {
+                    self.stats.log_full_waits += 1;
+                    // Room comes from other targets' durability (this FLUSH is not out yet).
+                    self.drain_all()?;
+                    let others: Vec<u16> = (0..self.targets.len() as u16)
+                        .filter(|&o| o != m.target)
+                        .collect();
+                    for o in others {
+                        self.flush_target(o, None)?;
+                    }
+                    if !self.log.has_room() {
+                        return Err(RioError::LogFull {
+                            slots: self.log.slots(),
+                        });
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+fn group_bytes(rs: &[Req]) -> u64 {
+    rs.iter().map(|r| r.w.buf.len() as u64).sum()
+}
+
+fn group_end(rs: &[Req]) -> u64 {
+    let last = rs.last().expect("non-empty");
+    last.w.offset + last.w.buf.len() as u64
+}
+
+/// A group can join a merged command: all on one target, each request following the previous
+/// one's bytes (from `after` when given).
+fn mergeable(rs: &[Req], after: Option<u64>) -> bool {
+    let t = rs[0].w.target;
+    let mut at = after.unwrap_or(rs[0].w.offset);
+    for r in rs {
+        if r.w.target != t || r.w.offset != at {
+            return false;
+        }
+        at += r.w.buf.len() as u64;
+    }
+    true
+}
