@@ -568,16 +568,6 @@ impl<P: Pmr> OrderedDevice<P> {
             self.flush_target(t, None)?;
         }
         if !self.log.has_room() {
-            if std::env::var_os("AIOS_RIO_DEBUG").is_some() {
-                for (i, st) in self.streams.iter().enumerate() {
-                    eprintln!(
-                        "stream {i}: next {} done_below {} durable_below {} queued {} open {} groups {:?}",
-                        st.next_seq, st.done_below, st.durable_below, st.queued.len(), st.open.len(),
-                        st.groups.iter().map(|(g, x)| (*g, x.out, x.not_durable, x.sent, x.done.len(), x.order.len())).collect::<Vec<_>>()
-                    );
-                }
-                eprintln!("log {:?}", self.log.debug_tail());
-            }
             return Err(RioError::Config(format!(
                 "the attribute log ({} slots) cannot hold one group's entries: give it more room",
                 self.log.slots()

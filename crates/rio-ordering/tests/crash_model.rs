@@ -450,31 +450,6 @@ impl Model {
             }
             let acked = self.acked_below[s as usize];
             if sr.prefix_end < acked && sr.base < acked {
-                if std::env::var_os("AIOS_RIO_DEBUG").is_some() {
-                    for (slot, a) in sc.entries.iter().filter(|e| e.1.stream == s) {
-                        eprintln!("slot {:>3} {a:?}", slot.0);
-                    }
-                    eprintln!("header {:?}", sc.header);
-                    for u in self
-                        .units
-                        .iter()
-                        .filter(|u| u.attr.stream == s && u.attr.seq >= 8)
-                    {
-                        eprintln!(
-                            "unit slot {} seq {} t{} off {} completed {} durable {}",
-                            u.slot.0,
-                            u.attr.seq,
-                            u.attr.target,
-                            u.attr.offset,
-                            u.completed,
-                            u.durable
-                        );
-                    }
-                    eprintln!(
-                        "torn {:?}",
-                        self.torn.map(|t| ((t.0 - SLOT0) / ATTR_BYTES, t.2))
-                    );
-                }
                 return Err(format!(
                     "stream {s}: groups below {acked} were acknowledged, the prefix ends at {} ({:?})",
                     sr.prefix_end, sr.stopped_by

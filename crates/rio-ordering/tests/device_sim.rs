@@ -292,26 +292,6 @@ fn crash_run(seed: u64, images: usize) -> Result<(usize, u64, u64), String> {
             }
             let got = &imgs[t as usize][off as usize..off as usize + len];
             if got != pattern(id, len).as_slice() {
-                if std::env::var_os("AIOS_RIO_DEBUG").is_some() {
-                    eprintln!("header {:?} plp {:?}", sc.header, plp);
-                    for (slot, a) in sc
-                        .entries
-                        .iter()
-                        .filter(|e| e.1.stream == s && e.1.seq <= 3)
-                    {
-                        eprintln!("slot {} t{} seq {}..={} off {} len {} flush {} persist {} merged {} split {:?}", slot.0, a.target, a.seq, a.seq_end, a.offset, a.len, a.flush, a.persist, a.merged, a.split);
-                    }
-                    let media = r.disks[t as usize].media();
-                    eprintln!(
-                        "media has it: {}",
-                        &media[off as usize..off as usize + len] == pattern(id, len).as_slice()
-                    );
-                    eprintln!(
-                        "view has it: {}",
-                        &r.disks[t as usize].view()[off as usize..off as usize + len]
-                            == pattern(id, len).as_slice()
-                    );
-                }
                 return Err(format!(
                     "seed {seed} image {k}: stream {s} group {seq} (in the recovered prefix \
                      {}..{}) lost its write at {off} on target {t} (power-loss protected: {})",
