@@ -61,6 +61,9 @@ pub struct SimLatency {
     pub flush_ns: u64,
     /// A FLUSH on a device with power-loss protection (nothing to write out).
     pub flush_plp_ns: u64,
+    /// Requests the device works on at once (its internal parallelism). A FLUSH waits for
+    /// everything before it and occupies the whole device.
+    pub parallelism: u32,
 }
 
 impl Default for SimLatency {
@@ -72,6 +75,7 @@ impl Default for SimLatency {
             per_4k_ns: 1_000,
             flush_ns: 20_000,
             flush_plp_ns: 500,
+            parallelism: 8,
         }
     }
 }
@@ -153,6 +157,8 @@ struct Queued {
     /// For a FLUSH: completions counted when it was started (it covers those before).
     flush_mark: u64,
     started: u64,
+    /// The simulated time the host issued it.
+    issued_ns: u64,
 }
 
 /// A completed write not yet durable.
@@ -180,7 +186,10 @@ struct Sim {
     started: u64,
     completed: u64,
     powered: bool,
+    /// The host's simulated clock: the latest completion it has seen.
     now_ns: u64,
+    /// When each of the device's parallel units is next free.
+    units: Vec<u64>,
     stats: SimStats,
 }
 
@@ -235,6 +244,7 @@ impl SimDisk {
             completed: 0,
             powered: true,
             now_ns: 0,
+            units: vec![0; cfg.latency.parallelism.max(1) as usize],
             stats: SimStats::default(),
         })))))
     }
@@ -375,6 +385,29 @@ fn apply_maybe(
 }
 
 impl Sim {
+    /// Account a request issued at `issued` taking `cost` on the first free unit (a barrier
+    /// waits for all units and holds them all); the host sees it done at its end.
+    fn run_for(&mut self, issued: u64, cost: u64, barrier: bool) {
+        let done = if barrier {
+            let start = self.units.iter().copied().max().unwrap_or(0).max(issued);
+            let done = start + cost;
+            self.units.iter_mut().for_each(|u| *u = done);
+            done
+        } else {
+            let (i, free) = self
+                .units
+                .iter()
+                .copied()
+                .enumerate()
+                .min_by_key(|&(_, t)| t)
+                .expect("at least one unit");
+            let done = free.max(issued) + cost;
+            self.units[i] = done;
+            done
+        };
+        self.now_ns = self.now_ns.max(done);
+    }
+
     /// Complete one queued request: its effect on the disk, and its result.
     fn complete(&mut self, q: Queued) {
         let lat = self.cfg.latency;
@@ -383,7 +416,7 @@ impl Sim {
         match q.op {
             Op::Read => {
                 self.stats.reads += 1;
-                self.now_ns += lat.read_ns + kib4 * lat.per_4k_ns;
+                self.run_for(q.issued_ns, lat.read_ns + kib4 * lat.per_4k_ns, false);
                 let at = q.offset as usize;
                 // SAFETY: the backend contract keeps `ptr..ptr+len` ours until this completion is
                 // dispatched; `view` is a separate allocation.
@@ -393,7 +426,7 @@ impl Sim {
             }
             Op::Write => {
                 self.stats.writes += 1;
-                self.now_ns += lat.write_ns + kib4 * lat.per_4k_ns;
+                self.run_for(q.issued_ns, lat.write_ns + kib4 * lat.per_4k_ns, false);
                 let mut offset = q.offset;
                 if self.cfg.misdirect_per_million > 0
                     && self
@@ -433,11 +466,12 @@ impl Sim {
             }
             Op::Flush => {
                 self.stats.flushes += 1;
-                self.now_ns += if self.cfg.plp {
+                let cost = if self.cfg.plp {
                     lat.flush_plp_ns
                 } else {
                     lat.flush_ns
                 };
+                self.run_for(q.issued_ns, cost, true);
                 let mark = q.flush_mark;
                 let sector = self.cfg.sector_bytes as usize;
                 let media = &mut self.media;
@@ -561,6 +595,7 @@ impl Backend for SimBackend {
         };
         let started = s.started;
         let mark = s.completed;
+        let issued_ns = s.now_ns;
         s.queue.push(Queued {
             sink,
             payload,
@@ -572,6 +607,7 @@ impl Backend for SimBackend {
             fua: piece.fua,
             flush_mark: mark,
             started,
+            issued_ns,
         });
         s.started += 1;
         if s.cfg.power_cut_after.is_some_and(|n| s.started >= n) {
@@ -623,6 +659,27 @@ mod tests {
             }
         }
         order
+    }
+
+    #[test]
+    fn simulated_time_overlaps_requests_in_flight_and_serialises_waits() {
+        let mut cfg = SimConfig::new(1 << 20, 5);
+        cfg.latency.parallelism = 8;
+        let cost = cfg.latency.write_ns + cfg.latency.per_4k_ns;
+        // Eight writes in flight together: about one write's time.
+        let (engine, lbio, disk, dev) = setup(cfg);
+        write_blocks(&engine, &lbio, &dev, 8, 1);
+        assert_eq!(disk.sim_time_ns(), cost);
+        // Eight writes one after another: eight times that.
+        let (engine, _lbio, disk, dev) = setup(cfg);
+        for i in 0..8u64 {
+            dev.write_at_blocking(i * 4096, buf(&engine, 4096, 1), false)
+                .unwrap();
+        }
+        assert_eq!(disk.sim_time_ns(), 8 * cost);
+        // A FLUSH waits for what is on the device and holds all of it.
+        dev.flush_blocking().unwrap();
+        assert_eq!(disk.sim_time_ns(), 8 * cost + cfg.latency.flush_ns);
     }
 
     #[test]

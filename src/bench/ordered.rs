@@ -1,0 +1,595 @@
+//! `aios bench ordered`: 4 KiB ordered writes — Rio's ordered device, against synchronous
+//! ordering (each write waited for and FLUSHed before the next, as Linux orders writes) and
+//! against orderless writes (no ordering at all: the ceiling).
+//!
+//! Each stream is a thread with its own engine and device handle. `rio` keeps `qd` writes in
+//! flight per stream, each its own group (so every write is ordered after the one before), with
+//! an ORDER queue of `batch` groups (merging contiguous ones); the run ends with `wait` (every
+//! write durable). On `sim` (a SimDisk without power-loss protection, device time modelled
+//! with parallel units and a costly FLUSH) throughput is measured in simulated device time.
+
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use aios_core::{sys, CompletionMode, Engine, EngineConfig, FixedBuf, ProbeOptions};
+use lbio::{Device, DeviceConfig, Io, LbioArray, LbioConfig, RouteChoice, SimConfig, SimDisk};
+use rio_ordering::{AttrLog, MemPmr, OrderedConfig, OrderedDevice, Write};
+use serde::Serialize;
+
+use crate::bench::compare::Progress;
+use crate::bench::{median, BenchError};
+
+const BS: usize = 4096;
+/// Rio's PMR is 2 MiB per target (§5); the emulated one is the same size.
+const PMR_BYTES: usize = 2 << 20;
+
+/// What orders the writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum OrderedMode {
+    /// Rio's ordered device.
+    Rio,
+    /// Write, wait, FLUSH, wait, then the next write.
+    Sync,
+    /// Plain asynchronous writes, no ordering.
+    Orderless,
+}
+
+impl OrderedMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            OrderedMode::Rio => "rio",
+            OrderedMode::Sync => "sync",
+            OrderedMode::Orderless => "orderless",
+        }
+    }
+}
+
+/// Where the writes go.
+#[derive(Clone, Debug)]
+pub enum OrderedTarget {
+    /// A block device or file (the `ull` loop device, or one the user named).
+    Path(PathBuf),
+    /// A SimDisk per stream, no power-loss protection.
+    Sim,
+}
+
+/// One measured run.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct OrderedSample {
+    pub mode: String,
+    pub streams: u32,
+    pub batch: u32,
+    pub iops: f64,
+    pub iops_per_cpu_s: f64,
+    /// Data commands sent to the device (merging makes fewer than writes).
+    pub device_cmds: u64,
+    pub flushes: u64,
+    pub writes: u64,
+    pub seconds: f64,
+    pub cpu_s: f64,
+    /// Whose clock `seconds` is: `wall` or `simulated`.
+    pub clock: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub round: Option<u32>,
+    pub device: String,
+    /// IOPS ÷ orderless IOPS (same round, streams).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub iops_vs_orderless: Option<f64>,
+    /// IOPS per CPU-second ÷ orderless's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_eff_vs_orderless: Option<f64>,
+    /// IOPS ÷ synchronous ordering's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub iops_vs_sync: Option<f64>,
+}
+
+/// The benchmark.
+#[derive(Clone, Debug)]
+pub struct OrderedBench {
+    pub target: OrderedTarget,
+    pub device_name: String,
+    pub modes: Vec<OrderedMode>,
+    pub streams: Vec<u32>,
+    /// ORDER-queue batch sizes (rio only; the other modes run once per stream count).
+    pub batches: Vec<u32>,
+    pub qd: u32,
+    /// Sequential writes (each stream in its own region) instead of random ones.
+    pub sequential: bool,
+    /// Wall seconds per run (device paths).
+    pub seconds: f64,
+    /// Writes per stream per run (sim).
+    pub sim_writes: u64,
+    pub rounds: u32,
+}
+
+struct Run {
+    writes: u64,
+    device_cmds: u64,
+    flushes: u64,
+    /// Simulated ns (sim) — the longest stream's.
+    sim_ns: u64,
+}
+
+fn xorshift(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+/// Offsets for one stream: its own region of `region` bytes from `base`.
+struct Offsets {
+    base: u64,
+    blocks: u64,
+    next: u64,
+    x: u64,
+    sequential: bool,
+}
+
+impl Offsets {
+    fn next(&mut self) -> u64 {
+        let b = if self.sequential {
+            let b = self.next;
+            self.next = (self.next + 1) % self.blocks;
+            b
+        } else {
+            xorshift(&mut self.x) % self.blocks
+        };
+        self.base + b * BS as u64
+    }
+}
+
+impl OrderedBench {
+    /// Every run of one round.
+    pub fn cases(&self) -> Vec<(OrderedMode, u32, u32)> {
+        let mut v = Vec::new();
+        for &s in &self.streams {
+            for &m in &self.modes {
+                if m == OrderedMode::Rio {
+                    for &b in &self.batches {
+                        v.push((m, s, b));
+                    }
+                } else {
+                    v.push((m, s, 1));
+                }
+            }
+        }
+        v
+    }
+
+    pub fn validate(&self) -> Result<(), BenchError> {
+        if self.streams.is_empty() || self.streams.contains(&0) {
+            return Err(BenchError::Invalid("--streams needs counts >= 1".into()));
+        }
+        if self.batches.is_empty() || self.batches.contains(&0) {
+            return Err(BenchError::Invalid("--batch needs sizes >= 1".into()));
+        }
+        if self.qd == 0 || self.qd > 512 {
+            return Err(BenchError::Invalid(format!("--qd {} must be 1..=512", self.qd)));
+        }
+        if self.seconds <= 0.0 || !self.seconds.is_finite() {
+            return Err(BenchError::Invalid(format!("--seconds {} must be > 0", self.seconds)));
+        }
+        Ok(())
+    }
+
+    /// All rounds; `emit` sees each sample when its round is complete. Returns all samples and
+    /// the medians.
+    pub fn run(
+        &self,
+        progress: &Progress,
+        emit: &mut dyn FnMut(&OrderedSample),
+    ) -> Result<(Vec<OrderedSample>, Vec<OrderedSample>), BenchError> {
+        self.validate()?;
+        let cases = self.cases();
+        let mut all = Vec::new();
+        for round in 0..self.rounds.max(1) {
+            let mut order = cases.clone();
+            if round % 2 == 1 {
+                order.reverse();
+            }
+            let mut this = Vec::new();
+            for (i, &(m, s, b)) in order.iter().enumerate() {
+                progress.step(&format!(
+                    "ordered round {}/{} run {}/{}: {} x{s} stream(s) batch {b}",
+                    round + 1,
+                    self.rounds.max(1),
+                    i + 1,
+                    order.len(),
+                    m.name()
+                ));
+                let mut smp = self.run_case(m, s, b)?;
+                smp.round = Some(round + 1);
+                this.push(smp);
+            }
+            progress.done();
+            fill_ratios(&mut this);
+            this.sort_by_key(|x| {
+                cases
+                    .iter()
+                    .position(|c| c.0.name() == x.mode && c.1 == x.streams && c.2 == x.batch)
+            });
+            for x in &this {
+                emit(x);
+            }
+            all.extend(this);
+        }
+        let meds = medians(&cases, &all, &self.device_name);
+        Ok((all, meds))
+    }
+
+    fn run_case(&self, mode: OrderedMode, streams: u32, batch: u32) -> Result<OrderedSample, BenchError> {
+        let barrier = Arc::new(Barrier::new(streams as usize + 1));
+        let sim = matches!(self.target, OrderedTarget::Sim);
+        let (runs, elapsed, cpu) = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..streams)
+                .map(|t| {
+                    let barrier = Arc::clone(&barrier);
+                    let me = self.clone();
+                    sc.spawn(move || me.stream_thread(mode, t, streams, batch, &barrier))
+                })
+                .collect();
+            let cpu0 = sys::process_cpu_time();
+            let t0 = Instant::now();
+            barrier.wait();
+            let runs: Vec<_> = hs
+                .into_iter()
+                .map(|h| h.join().expect("bench thread panicked"))
+                .collect();
+            (
+                runs,
+                t0.elapsed().as_secs_f64(),
+                (sys::process_cpu_time() - cpu0).as_secs_f64(),
+            )
+        });
+        let mut writes = 0;
+        let mut cmds = 0;
+        let mut flushes = 0;
+        let mut sim_ns = 0;
+        for r in runs {
+            let r = r?;
+            writes += r.writes;
+            cmds += r.device_cmds;
+            flushes += r.flushes;
+            sim_ns = sim_ns.max(r.sim_ns);
+        }
+        let seconds = if sim { sim_ns as f64 / 1e9 } else { elapsed };
+        Ok(OrderedSample {
+            mode: mode.name().into(),
+            streams,
+            batch,
+            iops: writes as f64 / seconds.max(1e-9),
+            iops_per_cpu_s: if cpu > 0.0 { writes as f64 / cpu } else { 0.0 },
+            device_cmds: cmds,
+            flushes,
+            writes,
+            seconds,
+            cpu_s: cpu,
+            clock: if sim { "simulated" } else { "wall" }.into(),
+            device: self.device_name.clone(),
+            ..OrderedSample::default()
+        })
+    }
+
+    fn stream_thread(
+        &self,
+        mode: OrderedMode,
+        t: u32,
+        streams: u32,
+        batch: u32,
+        barrier: &Barrier,
+    ) -> Result<Run, BenchError> {
+        let ready = self.open_stream(streams);
+        barrier.wait();
+        let (engine, lbio, dev, disk) = ready?;
+        let cap = dev.geometry().capacity_bytes;
+        let region = (cap / streams as u64) / BS as u64 * BS as u64;
+        let mut offs = Offsets {
+            base: t as u64 * region,
+            blocks: (region / BS as u64).max(1),
+            next: 0,
+            x: 0x9e37_79b9_7f4a_7c15 ^ (t as u64 + 1),
+            sequential: self.sequential,
+        };
+        let budget = Budget {
+            deadline: Instant::now() + Duration::from_secs_f64(self.seconds),
+            writes: disk.as_ref().map(|_| self.sim_writes),
+        };
+        let mut run = match mode {
+            OrderedMode::Rio => run_rio(&engine, lbio, dev, &mut offs, self.qd, batch, &budget)?,
+            OrderedMode::Sync => run_sync(&engine, &dev, &mut offs, &budget)?,
+            OrderedMode::Orderless => run_orderless(&engine, &lbio, &dev, &mut offs, self.qd, &budget)?,
+        };
+        run.sim_ns = disk.map_or(0, |d| d.sim_time_ns());
+        Ok(run)
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn open_stream(
+        &self,
+        streams: u32,
+    ) -> Result<(Rc<Engine>, Rc<LbioArray>, Device, Option<SimDisk>), BenchError> {
+        let engine = Engine::new(EngineConfig {
+            arena_bytes: 16 << 20,
+            ring_entries: 1024,
+            huge_pages: false,
+            ..EngineConfig::default()
+        })?;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+        engine.set_completion_mode(if streams < cores {
+            CompletionMode::BusyPoll
+        } else {
+            CompletionMode::Wait
+        });
+        let lbio = LbioArray::new(
+            Rc::clone(&engine),
+            LbioConfig {
+                slots: 1024,
+                ..LbioConfig::default()
+            },
+        )?;
+        match &self.target {
+            OrderedTarget::Path(p) => {
+                let dev = Device::open(
+                    &lbio,
+                    p,
+                    DeviceConfig {
+                        write: true,
+                        route: RouteChoice::Auto,
+                        probe: ProbeOptions {
+                            latency_samples: 50,
+                            try_iopoll: false,
+                        },
+                        ..DeviceConfig::default()
+                    },
+                )?;
+                Ok((engine, lbio, dev, None))
+            }
+            OrderedTarget::Sim => {
+                let disk = SimDisk::new(SimConfig::new(64 << 20, 0x5eed))?;
+                let dev = disk.open(&lbio)?;
+                Ok((engine, lbio, dev, Some(disk)))
+            }
+        }
+    }
+}
+
+struct Budget {
+    deadline: Instant,
+    /// Sim: a fixed number of writes instead of a deadline.
+    writes: Option<u64>,
+}
+
+impl Budget {
+    fn more(&self, done: u64) -> bool {
+        match self.writes {
+            Some(n) => done < n,
+            None => Instant::now() < self.deadline,
+        }
+    }
+}
+
+fn fill(engine: &Engine, n: usize) -> Result<Vec<FixedBuf>, BenchError> {
+    (0..n)
+        .map(|i| {
+            let mut b = engine.alloc_blocking(BS)?;
+            b.fill(i as u8 | 1);
+            Ok(b)
+        })
+        .collect()
+}
+
+fn run_rio(
+    engine: &Rc<Engine>,
+    lbio: Rc<LbioArray>,
+    dev: Device,
+    offs: &mut Offsets,
+    qd: u32,
+    batch: u32,
+    budget: &Budget,
+) -> Result<Run, BenchError> {
+    let rio = |e: rio_ordering::RioError| BenchError::Setup(format!("rio: {e}"));
+    let log = AttrLog::format(MemPmr::new(PMR_BYTES), 1).map_err(rio)?;
+    let mut od = OrderedDevice::new(
+        lbio,
+        vec![dev],
+        log,
+        &[1],
+        OrderedConfig {
+            batch: batch as usize,
+            merge: true,
+            ..OrderedConfig::default()
+        },
+    )
+    .map_err(rio)?;
+    let mut free = fill(engine, qd as usize)?;
+    let mut issued = 0u64;
+    let mut done = 0u64;
+    loop {
+        while budget.more(issued) {
+            let Some(buf) = free.pop() else { break };
+            od.submit(
+                0,
+                Write {
+                    target: 0,
+                    offset: offs.next(),
+                    buf,
+                    ipu: false,
+                },
+                true,
+            )
+            .map_err(rio)?;
+            issued += 1;
+        }
+        if done == issued {
+            break;
+        }
+        // Everything queued goes out before waiting (the unplug).
+        od.flush_queue(0).map_err(rio)?;
+        for d in od.wait_any().map_err(rio)? {
+            d.result.map_err(|e| BenchError::Setup(format!("rio write: {e}")))?;
+            free.push(d.buf);
+            done += 1;
+        }
+    }
+    od.wait(0).map_err(rio)?;
+    let st = od.stats();
+    Ok(Run {
+        writes: done,
+        device_cmds: st.device_cmds,
+        flushes: st.flushes,
+        sim_ns: 0,
+    })
+}
+
+fn run_sync(engine: &Engine, dev: &Device, offs: &mut Offsets, budget: &Budget) -> Result<Run, BenchError> {
+    let mut buf = Some(fill(engine, 1)?.pop().expect("one"));
+    let mut n = 0u64;
+    while budget.more(n) {
+        let b = dev.write_at_blocking(offs.next(), buf.take().expect("buffer"), false)?;
+        buf = Some(b);
+        dev.flush_blocking()?;
+        n += 1;
+    }
+    Ok(Run {
+        writes: n,
+        device_cmds: n,
+        flushes: n,
+        sim_ns: 0,
+    })
+}
+
+fn run_orderless(
+    engine: &Engine,
+    lbio: &LbioArray,
+    dev: &Device,
+    offs: &mut Offsets,
+    qd: u32,
+    budget: &Budget,
+) -> Result<Run, BenchError> {
+    let mut free = fill(engine, qd as usize)?;
+    let mut issued = 0u64;
+    let mut done = 0u64;
+    loop {
+        while budget.more(issued) {
+            let Some(buf) = free.pop() else { break };
+            dev.submit(Io::write(offs.next(), buf)).map_err(|(e, _)| e)?;
+            issued += 1;
+        }
+        if done == issued {
+            break;
+        }
+        lbio.wait_done(1)?;
+        while let Some(c) = lbio.take_done() {
+            c.result?;
+            free.push(c.buf.expect("writes carry a buffer"));
+            done += 1;
+        }
+    }
+    Ok(Run {
+        writes: done,
+        device_cmds: done,
+        flushes: 0,
+        sim_ns: 0,
+    })
+}
+
+fn fill_ratios(round: &mut [OrderedSample]) {
+    let find = |r: &[OrderedSample], mode: &str, s: u32| {
+        r.iter()
+            .find(|x| x.mode == mode && x.streams == s)
+            .map(|x| (x.iops, x.iops_per_cpu_s))
+    };
+    for i in 0..round.len() {
+        let s = round[i].streams;
+        let ol = find(round, "orderless", s);
+        let sy = find(round, "sync", s);
+        let x = &mut round[i];
+        if x.mode != "orderless" {
+            x.iops_vs_orderless = ol.map(|(iops, _)| x.iops / iops);
+            x.cpu_eff_vs_orderless = ol.map(|(_, eff)| x.iops_per_cpu_s / eff);
+        }
+        if x.mode != "sync" {
+            x.iops_vs_sync = sy.map(|(iops, _)| x.iops / iops);
+        }
+    }
+}
+
+fn medians(cases: &[(OrderedMode, u32, u32)], all: &[OrderedSample], device: &str) -> Vec<OrderedSample> {
+    let mut out = Vec::new();
+    for &(m, s, b) in cases {
+        let mine: Vec<&OrderedSample> = all
+            .iter()
+            .filter(|x| x.mode == m.name() && x.streams == s && x.batch == b)
+            .collect();
+        if mine.is_empty() {
+            continue;
+        }
+        let med = |f: &dyn Fn(&OrderedSample) -> f64| median(mine.iter().map(|x| f(x)).collect()).unwrap_or(0.0);
+        let med_opt = |f: &dyn Fn(&OrderedSample) -> Option<f64>| median(mine.iter().filter_map(|x| f(x)).collect());
+        out.push(OrderedSample {
+            mode: m.name().into(),
+            streams: s,
+            batch: b,
+            iops: med(&|x| x.iops),
+            iops_per_cpu_s: med(&|x| x.iops_per_cpu_s),
+            device_cmds: med(&|x| x.device_cmds as f64) as u64,
+            flushes: med(&|x| x.flushes as f64) as u64,
+            writes: med(&|x| x.writes as f64) as u64,
+            seconds: med(&|x| x.seconds),
+            cpu_s: med(&|x| x.cpu_s),
+            clock: mine[0].clock.clone(),
+            round: None,
+            device: device.into(),
+            iops_vs_orderless: med_opt(&|x| x.iops_vs_orderless),
+            cpu_eff_vs_orderless: med_opt(&|x| x.cpu_eff_vs_orderless),
+            iops_vs_sync: med_opt(&|x| x.iops_vs_sync),
+        });
+    }
+    out
+}
+
+/// The table header.
+pub fn print_header(out: &mut impl std::io::Write) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "{:>5} {:<10} {:>4} {:>5} {:>10} {:>11} {:>9} {:>8} {:>8} {:>9} {:>9} {:>9}",
+        "round", "mode", "strm", "batch", "IOPS", "IOPS/cpu-s", "writes", "cmds", "flushes",
+        "/orderless", "cpu/orderl", "/sync"
+    )
+}
+
+/// One table row.
+pub fn print_row(out: &mut impl std::io::Write, s: &OrderedSample) -> std::io::Result<()> {
+    let round = s.round.map_or("med".to_string(), |r| r.to_string());
+    let ratio = |r: Option<f64>| r.map(|r| format!("{r:.3}x")).unwrap_or_default();
+    writeln!(
+        out,
+        "{:>5} {:<10} {:>4} {:>5} {:>10.0} {:>11.0} {:>9} {:>8} {:>8} {:>9} {:>9} {:>9}",
+        round,
+        s.mode,
+        s.streams,
+        s.batch,
+        s.iops,
+        s.iops_per_cpu_s,
+        s.writes,
+        s.device_cmds,
+        s.flushes,
+        ratio(s.iops_vs_orderless),
+        ratio(s.cpu_eff_vs_orderless),
+        ratio(s.iops_vs_sync)
+    )
+}
+
+/// What the columns mean.
+pub fn legend() -> &'static str {
+    "4 KiB writes, each its own group (ordered after the one before); rio = Rio's ordered device \
+     (attribute log on an emulated 2 MiB PMR, ORDER queue of 'batch' groups, merging contiguous \
+     ones, wait at the end); sync = write, wait, FLUSH, wait; orderless = plain writes, no \
+     ordering. 'cmds' = data commands sent; '/orderless' = IOPS ÷ orderless's; 'cpu/orderl' = \
+     IOPS per CPU-second ÷ orderless's; '/sync' = IOPS ÷ sync's (same round and streams; 'med': \
+     medians over rounds). On sim the clock is the SimDisk's simulated device time."
+}
