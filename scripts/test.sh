@@ -60,6 +60,12 @@ if [ "$(id -u)" = 0 ] && command -v mkfs.ext4 >/dev/null 2>&1; then
 else
     echo "SKIPPED: the fsync comparison needs root (loop devices, mount) and e2fsprogs" >&2
 fi
+step "one short ordered-write comparison (aios bench ordered: rio, sync, orderless; ull and sim)"
+if [ "$(id -u)" = 0 ]; then
+    ./target/release/aios bench ordered --device ull --streams 1,2 --seconds 0.3 --rounds 1
+fi
+./target/release/aios bench ordered --device sim --streams 1 --rounds 1 --sim-writes 3000 \
+    --batch 1,32 --seq
 step "the QEMU lab: NVMe passthrough, IOPOLL and null_blk in a guest (cargo xtask lab)"
 # Installs qemu and busybox-static if missing, fetches the guest kernel once (cached under
 # target/lab/), builds the guest's binaries, boots, runs tests/nvme_lab.rs and the probes and

@@ -1326,6 +1326,60 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
     written.extend(write_fsync_plot(&a.out, &fb, &fs_meds)?);
     drop(fsync_targets);
     println!("{}", aios::bench::fsync::legend());
+
+    // Rio's ordered writes: against orderless writes on the device, and against synchronous
+    // ordering on a SimDisk with a costly FLUSH.
+    let ordered_dev = if root {
+        Target::prepare("ull", 0)?
+    } else {
+        Target::scratch(&std::env::temp_dir(), "aios-demo-ordered", 256 << 20)?
+    };
+    let mut ordered_all = Vec::new();
+    for (title, target, name) in [
+        (
+            "ordered 4 KiB random writes, 1 stream — rio vs sync vs orderless",
+            aios::bench::ordered::OrderedTarget::Path(ordered_dev.path().to_path_buf()),
+            if root { "ull" } else { "file" },
+        ),
+        (
+            "ordered 4 KiB random writes on SimDisk (FLUSH 20 us, simulated device time)",
+            aios::bench::ordered::OrderedTarget::Sim,
+            "sim",
+        ),
+    ] {
+        println!("\n== {title}");
+        let ob = aios::bench::ordered::OrderedBench {
+            target,
+            device_name: name.into(),
+            modes: vec![
+                aios::bench::ordered::OrderedMode::Rio,
+                aios::bench::ordered::OrderedMode::Sync,
+                aios::bench::ordered::OrderedMode::Orderless,
+            ],
+            streams: vec![1],
+            batches: vec![1],
+            qd: 32,
+            sequential: false,
+            seconds: (a.seconds / 2.0).max(0.2),
+            sim_writes: 5_000,
+            rounds: a.rounds,
+        };
+        let (all, meds) = ob.run(&progress, &mut |_| {})?;
+        aios::bench::ordered::print_header(&mut std::io::stdout()).map_err(io_err)?;
+        for s in &meds {
+            aios::bench::ordered::print_row(&mut std::io::stdout(), s).map_err(io_err)?;
+        }
+        ordered_all.extend(all.into_iter().chain(meds));
+    }
+    drop(ordered_dev);
+    let ord_jsonl = a.out.join("demo-ordered.jsonl");
+    let mut f = std::fs::File::create(&ord_jsonl)
+        .map_err(|e| BenchError::Setup(format!("creating {}: {e}", ord_jsonl.display())))?;
+    for s in &ordered_all {
+        print_json(&mut f, s).map_err(io_err)?;
+    }
+    written.push(ord_jsonl.display().to_string());
+    println!("{}", aios::bench::ordered::legend());
     println!(
         "\nmedians of {} rounds of {} s each; 'lat/fio' = lbio mean latency ÷ fio io_uring's, \
          'IOPS/fio' = lbio IOPS ÷ fio io_uring's, 'lat/psync' = lbio mean latency ÷ fio psync's \

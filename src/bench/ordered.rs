@@ -68,6 +68,9 @@ pub struct OrderedSample {
     pub device_cmds: u64,
     pub flushes: u64,
     pub writes: u64,
+    /// `io_uring_enter` calls per write, and waits that slept in the kernel per write.
+    pub enters_per_write: f64,
+    pub sleeps_per_write: f64,
     pub seconds: f64,
     pub cpu_s: f64,
     /// Whose clock `seconds` is: `wall` or `simulated`.
@@ -106,6 +109,8 @@ pub struct OrderedBench {
 }
 
 struct Run {
+    enters: u64,
+    sleeps: u64,
     writes: u64,
     device_cmds: u64,
     flushes: u64,
@@ -168,10 +173,16 @@ impl OrderedBench {
             return Err(BenchError::Invalid("--batch needs sizes >= 1".into()));
         }
         if self.qd == 0 || self.qd > 512 {
-            return Err(BenchError::Invalid(format!("--qd {} must be 1..=512", self.qd)));
+            return Err(BenchError::Invalid(format!(
+                "--qd {} must be 1..=512",
+                self.qd
+            )));
         }
         if self.seconds <= 0.0 || !self.seconds.is_finite() {
-            return Err(BenchError::Invalid(format!("--seconds {} must be > 0", self.seconds)));
+            return Err(BenchError::Invalid(format!(
+                "--seconds {} must be > 0",
+                self.seconds
+            )));
         }
         Ok(())
     }
@@ -221,7 +232,12 @@ impl OrderedBench {
         Ok((all, meds))
     }
 
-    fn run_case(&self, mode: OrderedMode, streams: u32, batch: u32) -> Result<OrderedSample, BenchError> {
+    fn run_case(
+        &self,
+        mode: OrderedMode,
+        streams: u32,
+        batch: u32,
+    ) -> Result<OrderedSample, BenchError> {
         let barrier = Arc::new(Barrier::new(streams as usize + 1));
         let sim = matches!(self.target, OrderedTarget::Sim);
         let (runs, elapsed, cpu) = std::thread::scope(|sc| {
@@ -249,8 +265,11 @@ impl OrderedBench {
         let mut cmds = 0;
         let mut flushes = 0;
         let mut sim_ns = 0;
+        let (mut enters, mut sleeps) = (0, 0);
         for r in runs {
             let r = r?;
+            enters += r.enters;
+            sleeps += r.sleeps;
             writes += r.writes;
             cmds += r.device_cmds;
             flushes += r.flushes;
@@ -270,6 +289,8 @@ impl OrderedBench {
             cpu_s: cpu,
             clock: if sim { "simulated" } else { "wall" }.into(),
             device: self.device_name.clone(),
+            enters_per_write: enters as f64 / writes.max(1) as f64,
+            sleeps_per_write: sleeps as f64 / writes.max(1) as f64,
             ..OrderedSample::default()
         })
     }
@@ -301,9 +322,14 @@ impl OrderedBench {
         let mut run = match mode {
             OrderedMode::Rio => run_rio(&engine, lbio, dev, &mut offs, self.qd, batch, &budget)?,
             OrderedMode::Sync => run_sync(&engine, &dev, &mut offs, &budget)?,
-            OrderedMode::Orderless => run_orderless(&engine, &lbio, &dev, &mut offs, self.qd, &budget)?,
+            OrderedMode::Orderless => {
+                run_orderless(&engine, &lbio, &dev, &mut offs, self.qd, &budget)?
+            }
         };
         run.sim_ns = disk.map_or(0, |d| d.sim_time_ns());
+        let m = engine.metrics();
+        run.enters = m.enters;
+        run.sleeps = m.sleeps;
         Ok(run)
     }
 
@@ -405,11 +431,15 @@ fn run_rio(
         },
     )
     .map_err(rio)?;
-    let mut free = fill(engine, qd as usize)?;
+    // A few buffers beyond the queue depth: commands that finished on the device wait for the
+    // older ones before their buffers come back in order, and the device stays busy meanwhile
+    // (more than a few only spreads the copies over more cache).
+    let mut free = fill(engine, qd as usize + 8)?;
+    let mut got: Vec<rio_ordering::Done> = Vec::with_capacity(qd as usize + 8);
     let mut issued = 0u64;
     let mut done = 0u64;
     loop {
-        while budget.more(issued) {
+        while budget.more(issued) && od.in_flight() < qd as usize {
             let Some(buf) = free.pop() else { break };
             od.submit(
                 0,
@@ -429,8 +459,10 @@ fn run_rio(
         }
         // Everything queued goes out before waiting (the unplug).
         od.flush_queue(0).map_err(rio)?;
-        for d in od.wait_any().map_err(rio)? {
-            d.result.map_err(|e| BenchError::Setup(format!("rio write: {e}")))?;
+        od.wait_progress_into(&mut got).map_err(rio)?;
+        for d in got.drain(..) {
+            d.result
+                .map_err(|e| BenchError::Setup(format!("rio write: {e}")))?;
             free.push(d.buf);
             done += 1;
         }
@@ -442,10 +474,17 @@ fn run_rio(
         device_cmds: st.device_cmds,
         flushes: st.flushes,
         sim_ns: 0,
+        enters: 0,
+        sleeps: 0,
     })
 }
 
-fn run_sync(engine: &Engine, dev: &Device, offs: &mut Offsets, budget: &Budget) -> Result<Run, BenchError> {
+fn run_sync(
+    engine: &Engine,
+    dev: &Device,
+    offs: &mut Offsets,
+    budget: &Budget,
+) -> Result<Run, BenchError> {
     let mut buf = Some(fill(engine, 1)?.pop().expect("one"));
     let mut n = 0u64;
     while budget.more(n) {
@@ -459,6 +498,8 @@ fn run_sync(engine: &Engine, dev: &Device, offs: &mut Offsets, budget: &Budget) 
         device_cmds: n,
         flushes: n,
         sim_ns: 0,
+        enters: 0,
+        sleeps: 0,
     })
 }
 
@@ -476,7 +517,8 @@ fn run_orderless(
     loop {
         while budget.more(issued) {
             let Some(buf) = free.pop() else { break };
-            dev.submit(Io::write(offs.next(), buf)).map_err(|(e, _)| e)?;
+            dev.submit(Io::write(offs.next(), buf))
+                .map_err(|(e, _)| e)?;
             issued += 1;
         }
         if done == issued {
@@ -494,6 +536,8 @@ fn run_orderless(
         device_cmds: done,
         flushes: 0,
         sim_ns: 0,
+        enters: 0,
+        sleeps: 0,
     })
 }
 
@@ -518,7 +562,11 @@ fn fill_ratios(round: &mut [OrderedSample]) {
     }
 }
 
-fn medians(cases: &[(OrderedMode, u32, u32)], all: &[OrderedSample], device: &str) -> Vec<OrderedSample> {
+fn medians(
+    cases: &[(OrderedMode, u32, u32)],
+    all: &[OrderedSample],
+    device: &str,
+) -> Vec<OrderedSample> {
     let mut out = Vec::new();
     for &(m, s, b) in cases {
         let mine: Vec<&OrderedSample> = all
@@ -528,8 +576,12 @@ fn medians(cases: &[(OrderedMode, u32, u32)], all: &[OrderedSample], device: &st
         if mine.is_empty() {
             continue;
         }
-        let med = |f: &dyn Fn(&OrderedSample) -> f64| median(mine.iter().map(|x| f(x)).collect()).unwrap_or(0.0);
-        let med_opt = |f: &dyn Fn(&OrderedSample) -> Option<f64>| median(mine.iter().filter_map(|x| f(x)).collect());
+        let med = |f: &dyn Fn(&OrderedSample) -> f64| {
+            median(mine.iter().map(|x| f(x)).collect()).unwrap_or(0.0)
+        };
+        let med_opt = |f: &dyn Fn(&OrderedSample) -> Option<f64>| {
+            median(mine.iter().filter_map(|x| f(x)).collect())
+        };
         out.push(OrderedSample {
             mode: m.name().into(),
             streams: s,
@@ -539,6 +591,8 @@ fn medians(cases: &[(OrderedMode, u32, u32)], all: &[OrderedSample], device: &st
             device_cmds: med(&|x| x.device_cmds as f64) as u64,
             flushes: med(&|x| x.flushes as f64) as u64,
             writes: med(&|x| x.writes as f64) as u64,
+            enters_per_write: med(&|x| x.enters_per_write),
+            sleeps_per_write: med(&|x| x.sleeps_per_write),
             seconds: med(&|x| x.seconds),
             cpu_s: med(&|x| x.cpu_s),
             clock: mine[0].clock.clone(),
@@ -557,8 +611,18 @@ pub fn print_header(out: &mut impl std::io::Write) -> std::io::Result<()> {
     writeln!(
         out,
         "{:>5} {:<10} {:>4} {:>5} {:>10} {:>11} {:>9} {:>8} {:>8} {:>9} {:>9} {:>9}",
-        "round", "mode", "strm", "batch", "IOPS", "IOPS/cpu-s", "writes", "cmds", "flushes",
-        "/orderless", "cpu/orderl", "/sync"
+        "round",
+        "mode",
+        "strm",
+        "batch",
+        "IOPS",
+        "IOPS/cpu-s",
+        "writes",
+        "cmds",
+        "flushes",
+        "/orderless",
+        "cpu/orderl",
+        "/sync"
     )
 }
 

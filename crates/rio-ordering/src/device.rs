@@ -6,11 +6,12 @@
 //! One `OrderedDevice` lives on one engine (one thread), like everything lbio drives. It owns
 //! its lbio array, so every detached completion on it is its own.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
 
 use aios_core::{Engine, FixedBuf};
 use lbio::{Device, Io, LbioArray};
+use smallvec::SmallVec;
 
 use crate::attr::Attr;
 use crate::error::RioError;
@@ -78,6 +79,14 @@ struct Req {
     w: Write,
 }
 
+/// Whole groups sent as one command.
+type Run = SmallVec<[(u64, GroupReqs); 4]>;
+
+/// A group's requests (most groups hold one: no heap allocation for those).
+type GroupReqs = SmallVec<[Req; 1]>;
+/// Requests a command carries: (id, the caller's buffer when the device got a copy).
+type Carried = SmallVec<[(u64, Option<FixedBuf>); 1]>;
+
 /// A command on the device: its entry, the groups and requests it carries.
 struct Cmd {
     stream: u16,
@@ -87,7 +96,7 @@ struct Cmd {
     slot: Slot,
     /// Requests carried: (id, the caller's buffer when the device got a copy; `None`: the
     /// command's own buffer is the caller's and comes back with the completion).
-    reqs: Vec<(u64, Option<FixedBuf>)>,
+    reqs: Carried,
     /// Pieces of one split request still out (the request's buffer waits in `reqs`).
     split: Option<u64>,
 }
@@ -102,17 +111,62 @@ struct Group {
     sent: bool,
     failed: Option<String>,
     /// Finished requests, waiting for their turn.
-    done: Vec<(u64, FixedBuf)>,
-    order: Vec<u64>,
+    done: SmallVec<[(u64, FixedBuf); 1]>,
+    /// The group's requests have ids `first_id..first_id + count` (ids are per stream and
+    /// consecutive within a group).
+    first_id: u64,
+    count: u32,
+}
+
+impl Group {
+    fn holds(&self, id: u64) -> bool {
+        id >= self.first_id && id < self.first_id + self.count as u64
+    }
+}
+
+/// A stream's groups from the oldest not yet durable on, by seq.
+#[derive(Default)]
+struct Groups {
+    base: u64,
+    q: VecDeque<Group>,
+}
+
+impl Groups {
+    fn get(&self, g: u64) -> Option<&Group> {
+        g.checked_sub(self.base)
+            .and_then(|i| self.q.get(i as usize))
+    }
+    fn get_mut(&mut self, g: u64) -> Option<&mut Group> {
+        g.checked_sub(self.base)
+            .and_then(|i| self.q.get_mut(i as usize))
+    }
+    /// Add group `g` (the next one).
+    fn push(&mut self, g: u64, grp: Group) {
+        if self.q.is_empty() {
+            self.base = g;
+        }
+        debug_assert_eq!(g, self.base + self.q.len() as u64, "groups close in order");
+        self.q.push_back(grp);
+    }
+    /// Drop the oldest group.
+    fn pop(&mut self) {
+        self.q.pop_front();
+        self.base += 1;
+    }
+    fn iter(&self) -> impl Iterator<Item = &Group> {
+        self.q.iter()
+    }
 }
 
 #[derive(Default)]
 struct Stream {
     next_seq: u64,
-    open: Vec<Req>,
-    queued: VecDeque<(u64, Vec<Req>)>,
+    open: GroupReqs,
+    queued: VecDeque<(u64, GroupReqs)>,
     prev: HashMap<u16, u64>,
-    groups: BTreeMap<u64, Group>,
+    groups: Groups,
+    /// Ids of the stream's writes.
+    next_id: u64,
     /// Groups below are handed back (in order).
     done_below: u64,
     /// Groups below are durable.
@@ -138,10 +192,11 @@ pub struct OrderedDevice<P: Pmr> {
     log: AttrLog<P>,
     streams: Vec<Stream>,
     cfg: OrderedConfig,
-    inflight: HashMap<u32, Cmd>,
+    /// Commands in flight, by lbio tag.
+    inflight: Vec<Option<Cmd>>,
+    inflight_n: usize,
     /// Split requests: pieces still out, keyed by request id.
     pieces_out: HashMap<u64, u32>,
-    next_id: u64,
     stats: OrderedStats,
 }
 
@@ -183,6 +238,7 @@ impl<P: Pmr> OrderedDevice<P> {
             .iter()
             .map(|&s| Stream {
                 next_seq: s.max(1),
+                next_id: 1,
                 done_below: s.max(1),
                 durable_below: s.max(1),
                 ..Stream::default()
@@ -195,9 +251,9 @@ impl<P: Pmr> OrderedDevice<P> {
             log,
             streams,
             cfg,
-            inflight: HashMap::new(),
+            inflight: Vec::new(),
+            inflight_n: 0,
             pieces_out: HashMap::new(),
-            next_id: 1,
             stats: OrderedStats::default(),
         })
     }
@@ -252,10 +308,10 @@ impl<P: Pmr> OrderedDevice<P> {
                 end: (w.offset + len).min(o.w.offset + o.w.buf.len() as u64),
             });
         }
-        let id = self.next_id;
-        self.next_id += 1;
         self.stats.requests += 1;
         let st = &mut self.streams[s];
+        let id = st.next_id;
+        st.next_id += 1;
         st.open.push(Req { id, w });
         if end_of_group {
             self.close_group(stream)?;
@@ -284,12 +340,13 @@ impl<P: Pmr> OrderedDevice<P> {
 
     fn send_queued(&mut self, stream: u16) -> Result<(), RioError> {
         let s = stream as usize;
-        let mut queued: VecDeque<(u64, Vec<Req>)> = self.streams[s].queued.drain(..).collect();
+        let mut queued = std::mem::take(&mut self.streams[s].queued);
         while let Some(first) = queued.pop_front() {
             // Whole groups, each on one target and following the previous one's bytes, go out
             // as one command while they fit.
             let max = self.cfg.max_merge_bytes as u64;
-            let mut run = vec![first];
+            let mut run: Run = SmallVec::new();
+            run.push(first);
             let first_mergeable =
                 self.cfg.merge && mergeable(&run[0].1, None) && group_bytes(&run[0].1) <= max;
             if first_mergeable {
@@ -317,6 +374,10 @@ impl<P: Pmr> OrderedDevice<P> {
                 self.send_group(stream, seq, reqs)?;
             }
         }
+        // Keep the queue's allocation for the next groups.
+        if self.streams[s].queued.is_empty() {
+            self.streams[s].queued = queued;
+        }
         Ok(())
     }
 
@@ -338,7 +399,7 @@ impl<P: Pmr> OrderedDevice<P> {
 
     /// Whole groups `gs` (all on one target, contiguous) as one command; their buffers are
     /// copied into one and go back with the completions.
-    fn send_merged(&mut self, stream: u16, gs: Vec<(u64, Vec<Req>)>) -> Result<(), RioError> {
+    fn send_merged(&mut self, stream: u16, gs: Run) -> Result<(), RioError> {
         let target = gs[0].1[0].w.target;
         let len: u64 = gs.iter().map(|(_, rs)| group_bytes(rs)).sum();
         let mut a = self.base_attr(stream, target, gs[0].0);
@@ -355,7 +416,7 @@ impl<P: Pmr> OrderedDevice<P> {
         let mut buf = self.engine.alloc_blocking(len as usize)?;
         let mut at = 0;
         let seqs: Vec<u64> = gs.iter().map(|g| g.0).collect();
-        let mut originals = Vec::new();
+        let mut originals = Carried::new();
         for (_, rs) in gs {
             for r in rs {
                 let n = r.w.buf.len();
@@ -368,7 +429,7 @@ impl<P: Pmr> OrderedDevice<P> {
         self.issue(stream, a, buf, originals, None, &seqs)
     }
 
-    fn send_group(&mut self, stream: u16, seq: u64, reqs: Vec<Req>) -> Result<(), RioError> {
+    fn send_group(&mut self, stream: u16, seq: u64, reqs: GroupReqs) -> Result<(), RioError> {
         let n = reqs.len() as u16;
         let last = reqs.len() - 1;
         for (k, r) in reqs.into_iter().enumerate() {
@@ -384,7 +445,9 @@ impl<P: Pmr> OrderedDevice<P> {
             let len = r.w.buf.len();
             if len <= max {
                 // The caller's buffer goes to the device and comes back with the completion.
-                self.issue(stream, a, r.w.buf, vec![(r.id, None)], None, &[seq])?;
+                let mut carried = Carried::new();
+                carried.push((r.id, None));
+                self.issue(stream, a, r.w.buf, carried, None, &[seq])?;
                 continue;
             }
             let pieces = len.div_ceil(max);
@@ -412,7 +475,9 @@ impl<P: Pmr> OrderedDevice<P> {
                 } else {
                     None
                 };
-                self.issue(stream, pa, piece, vec![(r.id, back)], Some(r.id), &[seq])?;
+                let mut carried = Carried::new();
+                carried.push((r.id, back));
+                self.issue(stream, pa, piece, carried, Some(r.id), &[seq])?;
             }
         }
         Ok(())
@@ -436,11 +501,41 @@ impl<P: Pmr> OrderedDevice<P> {
     pub fn wait_any(&mut self) -> Result<Vec<Done>, RioError> {
         loop {
             self.reap()?;
-            if self.streams.iter().any(|s| !s.ready.is_empty()) || self.inflight.is_empty() {
+            if self.streams.iter().any(|s| !s.ready.is_empty()) || self.inflight_n == 0 {
                 return Ok(self.take_ready());
             }
             self.lbio.wait_done(1)?;
         }
+    }
+
+    /// Block until at least one command finishes on the device (or none is in flight), then
+    /// return what is ready in order (possibly nothing: the oldest write may still be out).
+    /// For callers that keep the device busy: refill on any finished command, not only on
+    /// in-order completions.
+    pub fn wait_progress(&mut self) -> Result<Vec<Done>, RioError> {
+        let mut out = Vec::new();
+        self.wait_progress_into(&mut out)?;
+        Ok(out)
+    }
+
+    /// [`OrderedDevice::wait_progress`], appending to `out` (no allocation once `out` has
+    /// room).
+    pub fn wait_progress_into(&mut self, out: &mut Vec<Done>) -> Result<(), RioError> {
+        let before = self.inflight_n;
+        self.reap()?;
+        if self.inflight_n == before && self.inflight_n > 0 {
+            self.lbio.wait_done(1)?;
+            self.reap()?;
+        }
+        for s in &mut self.streams {
+            out.extend(s.ready.drain(..));
+        }
+        Ok(())
+    }
+
+    /// Device commands in flight.
+    pub fn in_flight(&self) -> usize {
+        self.inflight_n
     }
 
     fn take_ready(&mut self) -> Vec<Done> {
@@ -460,7 +555,7 @@ impl<P: Pmr> OrderedDevice<P> {
             self.close_group(stream)?;
         }
         self.send_queued(stream)?;
-        while self.inflight.values().any(|c| c.stream == stream) {
+        while self.inflight.iter().flatten().any(|c| c.stream == stream) {
             self.lbio.wait_done(1)?;
             self.reap()?;
         }
@@ -471,11 +566,7 @@ impl<P: Pmr> OrderedDevice<P> {
         for t in std::mem::take(&mut self.streams[s].touched) {
             self.flush_target(t, Some((stream, last)))?;
         }
-        if let Some(f) = self.streams[s]
-            .groups
-            .values()
-            .find_map(|g| g.failed.clone())
-        {
+        if let Some(f) = self.streams[s].groups.iter().find_map(|g| g.failed.clone()) {
             return Err(RioError::Config(format!(
                 "stream {stream}: a write failed: {f}"
             )));
@@ -488,10 +579,11 @@ impl<P: Pmr> OrderedDevice<P> {
         let seq = st.next_seq;
         st.next_seq += 1;
         let reqs = std::mem::take(&mut st.open);
-        st.groups.insert(
+        st.groups.push(
             seq,
             Group {
-                order: reqs.iter().map(|r| r.id).collect(),
+                first_id: reqs.first().map_or(0, |r| r.id),
+                count: reqs.len() as u32,
                 ..Group::default()
             },
         );
@@ -505,7 +597,7 @@ impl<P: Pmr> OrderedDevice<P> {
         stream: u16,
         a: Attr,
         buf: FixedBuf,
-        reqs: Vec<(u64, Option<FixedBuf>)>,
+        reqs: Carried,
         split: Option<u64>,
         seqs: &[u64],
     ) -> Result<(), RioError> {
@@ -526,7 +618,7 @@ impl<P: Pmr> OrderedDevice<P> {
         self.stats.device_cmds += 1;
         let st = &mut self.streams[stream as usize];
         for &g in seqs {
-            let grp = st.groups.get_mut(&g).expect("group registered at close");
+            let grp = st.groups.get_mut(g).expect("group registered at close");
             grp.out += 1;
             grp.not_durable += 1;
         }
@@ -534,23 +626,25 @@ impl<P: Pmr> OrderedDevice<P> {
         if !st.touched.contains(&a.target) {
             st.touched.push(a.target);
         }
-        self.inflight.insert(
-            tag.0,
-            Cmd {
-                stream,
-                target: a.target,
-                seq: a.seq,
-                seq_end: a.seq_end,
-                slot,
-                reqs,
-                split,
-            },
-        );
+        let at = tag.0 as usize;
+        if self.inflight.len() <= at {
+            self.inflight.resize_with(at + 1, || None);
+        }
+        self.inflight_n += 1;
+        self.inflight[at] = Some(Cmd {
+            stream,
+            target: a.target,
+            seq: a.seq,
+            seq_end: a.seq_end,
+            slot,
+            reqs,
+            split,
+        });
         // A group is fully sent once its last command is out.
         let last_of_group = a.boundary && a.split.is_none_or(|(i, n)| i + 1 == n);
         if last_of_group {
             for &g in seqs {
-                st.groups.get_mut(&g).expect("group").sent = true;
+                st.groups.get_mut(g).expect("group").sent = true;
             }
         }
         Ok(())
@@ -578,7 +672,7 @@ impl<P: Pmr> OrderedDevice<P> {
 
     /// Wait for every command in flight to complete.
     fn drain_all(&mut self) -> Result<(), RioError> {
-        while !self.inflight.is_empty() {
+        while self.inflight_n > 0 {
             self.lbio.wait_done(1)?;
             self.reap()?;
         }
@@ -598,9 +692,14 @@ impl<P: Pmr> OrderedDevice<P> {
     /// for here and now.
     fn account(&mut self, c: lbio::Completion) -> Result<(), RioError> {
         {
-            let Some(cmd) = self.inflight.remove(&c.tag.0) else {
+            let Some(cmd) = self
+                .inflight
+                .get_mut(c.tag.0 as usize)
+                .and_then(Option::take)
+            else {
                 return Ok(());
             };
+            self.inflight_n -= 1;
             let failed = c.result.as_ref().err().map(|e| e.to_string());
             let plp = self.targets[cmd.target as usize].plp;
             if plp && failed.is_none() {
@@ -612,7 +711,7 @@ impl<P: Pmr> OrderedDevice<P> {
             }
             let st = &mut self.streams[cmd.stream as usize];
             for g in cmd.seq..=cmd.seq_end {
-                if let Some(grp) = st.groups.get_mut(&g) {
+                if let Some(grp) = st.groups.get_mut(g) {
                     grp.out -= 1;
                     if plp && failed.is_none() {
                         grp.not_durable -= 1;
@@ -623,7 +722,7 @@ impl<P: Pmr> OrderedDevice<P> {
                 }
             }
             // A split request is finished when its last piece is.
-            let finished: Vec<(u64, Option<FixedBuf>)> = match cmd.split {
+            let finished: Carried = match cmd.split {
                 Some(id) => {
                     let left = self.pieces_out.get_mut(&id).expect("split request");
                     *left -= 1;
@@ -631,7 +730,7 @@ impl<P: Pmr> OrderedDevice<P> {
                         self.pieces_out.remove(&id);
                         cmd.reqs
                     } else {
-                        Vec::new()
+                        Carried::new()
                     }
                 }
                 None => cmd.reqs,
@@ -639,12 +738,12 @@ impl<P: Pmr> OrderedDevice<P> {
             let mut device_buf = c.buf;
             for (id, buf) in finished {
                 let g = (cmd.seq..=cmd.seq_end)
-                    .find(|g| st.groups.get(g).is_some_and(|grp| grp.order.contains(&id)))
+                    .find(|&g| st.groups.get(g).is_some_and(|grp| grp.holds(id)))
                     .expect("the request's group");
                 let buf = buf
                     .or_else(|| device_buf.take())
                     .expect("a write returns its buffer");
-                st.groups.get_mut(&g).expect("group").done.push((id, buf));
+                st.groups.get_mut(g).expect("group").done.push((id, buf));
             }
             self.advance(cmd.stream);
         }
@@ -654,19 +753,19 @@ impl<P: Pmr> OrderedDevice<P> {
     /// Hand back groups in order, and move the durability mark.
     fn advance(&mut self, stream: u16) {
         let st = &mut self.streams[stream as usize];
-        while let Some(grp) = st.groups.get(&st.done_below) {
-            if !grp.sent || grp.out > 0 || grp.done.len() < grp.order.len() {
+        while let Some(grp) = st.groups.get(st.done_below) {
+            if !grp.sent || grp.out > 0 || grp.done.len() < grp.count as usize {
                 break;
             }
             let seq = st.done_below;
-            let grp = st.groups.get_mut(&seq).expect("group");
+            let grp = st.groups.get_mut(seq).expect("group");
             let result = match &grp.failed {
                 Some(f) => Err(f.clone()),
                 None => Ok(()),
             };
             let mut done = std::mem::take(&mut grp.done);
-            let order = grp.order.clone();
-            done.sort_by_key(|(id, _)| order.iter().position(|o| o == id));
+            // Submission order within the group: ids increase.
+            done.sort_unstable_by_key(|(id, _)| *id);
             for (id, buf) in done {
                 st.ready.push_back(Done {
                     stream,
@@ -679,11 +778,12 @@ impl<P: Pmr> OrderedDevice<P> {
             st.done_below += 1;
         }
         // Durable in order; the log may reuse the slots of durable groups.
-        while let Some(grp) = st.groups.get(&st.durable_below) {
+        while let Some(grp) = st.groups.get(st.durable_below) {
             if !grp.sent || grp.not_durable > 0 || st.durable_below >= st.done_below {
                 break;
             }
-            st.groups.remove(&st.durable_below);
+            debug_assert_eq!(st.groups.base, st.durable_below);
+            st.groups.pop();
             st.durable_below += 1;
         }
         self.log.durable(stream, st.durable_below);
@@ -729,7 +829,7 @@ impl<P: Pmr> OrderedDevice<P> {
         for (stream, a, b) in covered {
             let st = &mut self.streams[stream as usize];
             for g in a..=b {
-                if let Some(grp) = st.groups.get_mut(&g) {
+                if let Some(grp) = st.groups.get_mut(g) {
                     grp.not_durable -= 1;
                 }
             }
