@@ -289,29 +289,44 @@ impl SimDisk {
 
     /// An image a power cut now could leave (see the module docs). Each call draws anew.
     pub fn crash_image(&self, opts: CrashOptions) -> Vec<u8> {
+        let mut img = self.0.borrow().media.clone();
+        self.crash_draw(opts.torn, &mut |at, bytes| {
+            img[at as usize..at as usize + bytes.len()].copy_from_slice(bytes)
+        });
+        let mut guard = self.0.borrow_mut();
+        for _ in 0..opts.bit_flips {
+            let bit = guard.rng.below(img.len() as u64 * 8);
+            img[(bit / 8) as usize] ^= 1 << (bit % 8);
+        }
+        img
+    }
+
+    /// A crash draw as the sectors it puts over [`SimDisk::media`], in order (a later one wins
+    /// where two overlap): the same draw [`SimDisk::crash_image`] makes, without copying the
+    /// whole disk — for checking very many crash states. Bit flips are not drawn here.
+    pub fn crash_overlay(&self, opts: CrashOptions) -> Vec<(u64, Vec<u8>)> {
+        let mut out = Vec::new();
+        self.crash_draw(opts.torn, &mut |at, bytes| out.push((at, bytes.to_vec())));
+        out
+    }
+
+    /// One crash draw, the cheapest way: `put(offset, bytes)` for every not-yet-durable sector
+    /// it keeps, in order (a later one wins where two overlap), over [`SimDisk::media`];
+    /// `torn` lets multi-sector writes survive in part.
+    pub fn crash_draw(&self, torn: bool, put: &mut dyn FnMut(u64, &[u8])) {
         let mut guard = self.0.borrow_mut();
         let Sim {
             cfg,
             rng,
-            media,
             volatile,
             queue,
             cut_in_flight,
             ..
         } = &mut *guard;
         let sector = cfg.sector_bytes as usize;
-        let mut img = media.clone();
         if !cfg.plp {
             for v in volatile.iter() {
-                apply_maybe(
-                    rng,
-                    &mut img,
-                    v.offset,
-                    &v.data,
-                    Some(&v.live),
-                    sector,
-                    opts.torn,
-                );
+                choose_sectors(rng, put, v.offset, &v.data, Some(&v.live), sector, torn);
             }
         }
         let in_flight = cut_in_flight.iter().map(|(o, d)| (*o, d)).chain(
@@ -321,13 +336,8 @@ impl SimDisk {
                 .map(|q| (q.offset, &q.data)),
         );
         for (offset, data) in in_flight {
-            apply_maybe(rng, &mut img, offset, data, None, sector, opts.torn);
+            choose_sectors(rng, put, offset, data, None, sector, torn);
         }
-        for _ in 0..opts.bit_flips {
-            let bit = rng.below(img.len() as u64 * 8);
-            img[(bit / 8) as usize] ^= 1 << (bit % 8);
-        }
-        img
     }
 
     /// The durable bytes only (what survives if no volatile write does).
@@ -359,11 +369,12 @@ impl SimDisk {
     }
 }
 
-/// Apply a not-yet-durable write to a crash image: dropped, whole, or (when `torn`) a random
-/// subset of its sectors. `live` marks the sectors that may still reach the media (all if `None`).
-fn apply_maybe(
+/// Draw what a crash keeps of a not-yet-durable write: nothing, all of it, or (when `torn`) a
+/// random subset of its sectors; `live` marks the sectors that may still reach the media (all
+/// if `None`). The kept sectors go to `put`.
+fn choose_sectors(
     rng: &mut SimRng,
-    img: &mut [u8],
+    put: &mut dyn FnMut(u64, &[u8]),
     offset: u64,
     data: &[u8],
     live: Option<&[bool]>,
@@ -378,8 +389,7 @@ fn apply_maybe(
             _ => rng.chance(1, 2),
         };
         if keep && live.is_none_or(|l| l[i]) {
-            let at = offset as usize + i * sector;
-            img[at..at + chunk.len()].copy_from_slice(chunk);
+            put(offset + (i * sector) as u64, chunk);
         }
     }
 }
