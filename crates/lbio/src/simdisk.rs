@@ -13,8 +13,8 @@
 //! can be switched on. Everything is drawn from one seeded generator, so a run replays exactly
 //! from its seed. A latency model advances a simulated clock ([`SimDisk::sim_time_ns`]).
 
-use std::cell::RefCell;
 use std::rc::Rc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use aios_core::{nop_sqe, CoreError, Engine, RingKind, SinkId, SoftDevice};
 
@@ -149,8 +149,10 @@ struct Queued {
     op: Op,
     offset: u64,
     len: u32,
+    /// The opening that started it (and completes it).
+    port: u64,
     /// Where a read's bytes go.
-    ptr: *mut u8,
+    ptr: ReadPtr,
     /// A write's bytes, copied at start (the caller's buffer is free after completion).
     data: Vec<u8>,
     fua: bool,
@@ -178,8 +180,8 @@ struct Sim {
     view: Vec<u8>,
     volatile: Vec<Volatile>,
     queue: Vec<Queued>,
-    /// Payloads of completions that failed (a NOP carries no result of its own).
-    failed: Vec<u64>,
+    /// (port, payload) of completions that failed (a NOP carries no result of its own).
+    failed: Vec<(u64, u64)>,
     /// Writes that were in flight when the power went: failed to their caller, but the device
     /// may have written any part of them.
     cut_in_flight: Vec<(u64, Vec<u8>)>,
@@ -193,21 +195,36 @@ struct Sim {
     stats: SimStats,
 }
 
-/// A simulated SSD; clone the handle freely (all clones are the same disk). Not `Send`: it lives
-/// on the thread of the engine it is attached to.
+/// A simulated SSD; clone the handle freely (all clones are the same disk), also across
+/// threads: each thread opens it on its own engine ([`SimDisk::open`]), and each opening
+/// completes its own requests when its engine waits.
 #[derive(Clone)]
-pub struct SimDisk(Rc<Shared>);
+pub struct SimDisk(Arc<Shared>);
 
-/// The disk's state, shared by its handles and its backends; the engine holds it weakly as a
-/// [`SoftDevice`].
-struct Shared(RefCell<Sim>);
+/// The disk's state, shared by its handles and its ports.
+struct Shared {
+    sim: Mutex<Sim>,
+    next_port: std::sync::atomic::AtomicU64,
+}
 
-impl std::ops::Deref for Shared {
-    type Target = RefCell<Sim>;
-    fn deref(&self) -> &RefCell<Sim> {
-        &self.0
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Sim> {
+        self.sim.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
+
+/// One opening of the disk on one engine: the engine holds it weakly as a [`SoftDevice`] and
+/// asks it to complete the requests started through it.
+struct Port {
+    disk: Arc<Shared>,
+    id: u64,
+}
+
+/// A read's destination, used only on the thread whose engine started the read.
+struct ReadPtr(*mut u8);
+// SAFETY: the pointer is written only in `Port::advance`, on the engine thread that started
+// the request (ports complete only their own requests); other threads never touch it.
+unsafe impl Send for ReadPtr {}
 
 impl SimDisk {
     /// A zero-filled disk.
@@ -231,30 +248,39 @@ impl SimDisk {
                 cfg.sector_bytes
             )));
         }
-        Ok(SimDisk(Rc::new(Shared(RefCell::new(Sim {
-            cfg,
-            rng: SimRng::new(cfg.seed),
-            view: image.clone(),
-            media: image,
-            volatile: Vec::new(),
-            queue: Vec::new(),
-            failed: Vec::new(),
-            cut_in_flight: Vec::new(),
-            started: 0,
-            completed: 0,
-            powered: true,
-            now_ns: 0,
-            units: vec![0; cfg.latency.parallelism.max(1) as usize],
-            stats: SimStats::default(),
-        })))))
+        Ok(SimDisk(Arc::new(Shared {
+            next_port: std::sync::atomic::AtomicU64::new(1),
+            sim: Mutex::new(Sim {
+                cfg,
+                rng: SimRng::new(cfg.seed),
+                view: image.clone(),
+                media: image,
+                volatile: Vec::new(),
+                queue: Vec::new(),
+                failed: Vec::new(),
+                cut_in_flight: Vec::new(),
+                started: 0,
+                completed: 0,
+                powered: true,
+                now_ns: 0,
+                units: vec![0; cfg.latency.parallelism.max(1) as usize],
+                stats: SimStats::default(),
+            }),
+        })))
     }
 
     /// Open the disk as a device on `lbio` (both request classes), and let `lbio`'s engine drive
     /// its completions.
     pub fn open(&self, lbio: &Rc<LbioArray>) -> Result<Device, LbioError> {
-        let cfg = self.0.borrow().cfg;
-        lbio.engine()
-            .attach_soft_device(Rc::downgrade(&self.0) as _);
+        let cfg = self.0.lock().cfg;
+        let port = Rc::new(Port {
+            disk: Arc::clone(&self.0),
+            id: self
+                .0
+                .next_port
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        });
+        lbio.engine().attach_soft_device(Rc::downgrade(&port) as _);
         let geometry = Geometry {
             capacity_bytes: cfg.bytes,
             logical_block: cfg.sector_bytes,
@@ -264,8 +290,8 @@ impl SimDisk {
         };
         Device::from_backends(
             lbio,
-            Box::new(SimBackend(self.clone())),
-            Box::new(SimBackend(self.clone())),
+            Box::new(SimBackend(Rc::clone(&port))),
+            Box::new(SimBackend(port)),
             geometry,
             true,
         )
@@ -273,27 +299,27 @@ impl SimDisk {
 
     /// Stop the device now: queued requests fail, new ones are refused, nothing more changes.
     pub fn cut_power(&self) {
-        self.0.borrow_mut().powered = false;
+        self.0.lock().powered = false;
     }
 
     /// Cut the power once `n` more requests have been started (a crash at a chosen point).
     pub fn cut_power_after(&self, n: u64) {
-        let mut s = self.0.borrow_mut();
+        let mut s = self.0.lock();
         s.cfg.power_cut_after = Some(s.started + n);
     }
 
     /// Whether the power is still on.
     pub fn powered(&self) -> bool {
-        self.0.borrow().powered
+        self.0.lock().powered
     }
 
     /// An image a power cut now could leave (see the module docs). Each call draws anew.
     pub fn crash_image(&self, opts: CrashOptions) -> Vec<u8> {
-        let mut img = self.0.borrow().media.clone();
+        let mut img = self.0.lock().media.clone();
         self.crash_draw(opts.torn, &mut |at, bytes| {
             img[at as usize..at as usize + bytes.len()].copy_from_slice(bytes)
         });
-        let mut guard = self.0.borrow_mut();
+        let mut guard = self.0.lock();
         for _ in 0..opts.bit_flips {
             let bit = guard.rng.below(img.len() as u64 * 8);
             img[(bit / 8) as usize] ^= 1 << (bit % 8);
@@ -314,7 +340,7 @@ impl SimDisk {
     /// it keeps, in order (a later one wins where two overlap), over [`SimDisk::media`];
     /// `torn` lets multi-sector writes survive in part.
     pub fn crash_draw(&self, torn: bool, put: &mut dyn FnMut(u64, &[u8])) {
-        let mut guard = self.0.borrow_mut();
+        let mut guard = self.0.lock();
         let Sim {
             cfg,
             rng,
@@ -342,30 +368,30 @@ impl SimDisk {
 
     /// The durable bytes only (what survives if no volatile write does).
     pub fn media(&self) -> Vec<u8> {
-        self.0.borrow().media.clone()
+        self.0.lock().media.clone()
     }
 
     /// What a read would return now.
     pub fn view(&self) -> Vec<u8> {
-        self.0.borrow().view.clone()
+        self.0.lock().view.clone()
     }
 
     /// Requests started so far.
     pub fn started(&self) -> u64 {
-        self.0.borrow().started
+        self.0.lock().started
     }
 
     /// Simulated device time so far.
     pub fn sim_time_ns(&self) -> u64 {
-        self.0.borrow().now_ns
+        self.0.lock().now_ns
     }
 
     pub fn stats(&self) -> SimStats {
-        self.0.borrow().stats
+        self.0.lock().stats
     }
 
     pub fn config(&self) -> SimConfig {
-        self.0.borrow().cfg
+        self.0.lock().cfg
     }
 }
 
@@ -431,7 +457,7 @@ impl Sim {
                 // SAFETY: the backend contract keeps `ptr..ptr+len` ours until this completion is
                 // dispatched; `view` is a separate allocation.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(self.view[at..].as_ptr(), q.ptr, q.len as usize)
+                    std::ptr::copy_nonoverlapping(self.view[at..].as_ptr(), q.ptr.0, q.len as usize)
                 };
             }
             Op::Write => {
@@ -506,32 +532,54 @@ impl Sim {
     }
 }
 
-impl SoftDevice for Shared {
+impl SoftDevice for Port {
     fn pending(&self) -> u32 {
-        self.0.borrow().queue.len() as u32
+        let id = self.id;
+        self.disk
+            .lock()
+            .queue
+            .iter()
+            .filter(|q| q.port == id)
+            .count() as u32
     }
 
     fn advance(&self, engine: &Engine) -> Result<(), CoreError> {
-        // Pick and apply under the borrow; push completions after it (a push may dispatch
+        // Pick and apply under the lock; push completions after it (a push may dispatch
         // completions, whose handlers may start new requests here).
         let done: Vec<(SinkId, u64)> = {
-            let mut guard = self.0.borrow_mut();
+            let mut guard = self.disk.lock();
             let s = &mut *guard;
-            let n = s.queue.len();
+            let mine: Vec<usize> = (0..s.queue.len())
+                .filter(|&i| s.queue[i].port == self.id)
+                .collect();
+            let n = mine.len();
             if n == 0 {
                 return Ok(());
             }
+            // A random non-empty subset of this port's requests, in random order.
             let k = 1 + s.rng.below(n as u64) as usize;
-            let mut out = Vec::with_capacity(k);
+            let mut picked: Vec<usize> = Vec::with_capacity(k);
+            let mut pool = mine;
             for _ in 0..k {
-                let i = s.rng.below(s.queue.len() as u64) as usize;
-                let q = s.queue.swap_remove(i);
+                let j = s.rng.below(pool.len() as u64) as usize;
+                picked.push(pool.swap_remove(j));
+            }
+            // Remove from the back so earlier indices stay valid.
+            let mut order: Vec<usize> = picked.clone();
+            order.sort_unstable_by(|a, b| b.cmp(a));
+            let mut taken: Vec<(usize, Queued)> =
+                order.into_iter().map(|i| (i, s.queue.remove(i))).collect();
+            // Apply in the drawn order.
+            let mut out = Vec::with_capacity(k);
+            for i in picked {
+                let at = taken.iter().position(|(j, _)| *j == i).expect("taken");
+                let (_, q) = taken.swap_remove(at);
                 let (sink, payload) = (q.sink, q.payload);
                 if s.powered {
                     s.complete(q);
                 } else {
                     s.stats.after_power_cut += 1;
-                    s.failed.push(payload);
+                    s.failed.push((self.id, payload));
                     if q.op == Op::Write {
                         s.cut_in_flight.push((q.offset, q.data));
                     }
@@ -548,8 +596,8 @@ impl SoftDevice for Shared {
     }
 }
 
-/// The [`Backend`] face of a [`SimDisk`].
-struct SimBackend(SimDisk);
+/// The [`Backend`] face of a [`SimDisk`] opening.
+struct SimBackend(Rc<Port>);
 
 impl Backend for SimBackend {
     fn caps(&self) -> Caps {
@@ -559,7 +607,7 @@ impl Backend for SimBackend {
             fua: true,
             flush: true,
             iopoll: false,
-            power_loss_protected: self.0 .0.borrow().cfg.plp,
+            power_loss_protected: self.0.disk.lock().cfg.plp,
         }
     }
 
@@ -572,8 +620,9 @@ impl Backend for SimBackend {
     }
 
     fn outcome_of(&self, payload: u64, res: i32, len: u32) -> Outcome {
-        let mut s = self.0 .0.borrow_mut();
-        if let Some(i) = s.failed.iter().position(|&p| p == payload) {
+        let mut s = self.0.disk.lock();
+        let port = self.0.id;
+        if let Some(i) = s.failed.iter().position(|&p| p == (port, payload)) {
             s.failed.swap_remove(i);
             return Outcome::Failed(PieceError::Errno(libc::EIO));
         }
@@ -588,7 +637,7 @@ impl Backend for SimBackend {
         payload: u64,
         piece: &Piece,
     ) -> Result<Started, CoreError> {
-        let mut s = self.0 .0.borrow_mut();
+        let mut s = self.0.disk.lock();
         if !s.powered {
             s.stats.after_power_cut += 1;
             return Ok(Started::Done(-libc::EIO));
@@ -609,10 +658,11 @@ impl Backend for SimBackend {
         s.queue.push(Queued {
             sink,
             payload,
+            port: self.0.id,
             op: piece.op,
             offset: piece.offset,
             len: piece.len,
-            ptr: piece.ptr,
+            ptr: ReadPtr(piece.ptr),
             data,
             fua: piece.fua,
             flush_mark: mark,
