@@ -1151,6 +1151,35 @@ impl Journal {
             .collect()
     }
 
+    /// The transaction's log blocks as few writes as possible: blocks that follow each other in
+    /// the log (all of them unless the log wraps) go out as one request.
+    fn log_runs(
+        &self,
+        blocks: Vec<FixedBuf>,
+        head: u64,
+    ) -> Result<Vec<(u64, FixedBuf)>, JournalError> {
+        let at = |i: usize| self.set.log_byte(self.area, head + i as u64);
+        let mut runs: Vec<(u64, Vec<FixedBuf>)> = Vec::new();
+        for (i, b) in blocks.into_iter().enumerate() {
+            match runs.last_mut() {
+                Some((start, bs)) if *start + (bs.len() * BLOCK) as u64 == at(i) => bs.push(b),
+                _ => runs.push((at(i), vec![b])),
+            }
+        }
+        runs.into_iter()
+            .map(|(start, mut bs)| {
+                if bs.len() == 1 {
+                    return Ok((start, bs.pop().expect("one")));
+                }
+                let mut one = self.engine.alloc_blocking(bs.len() * BLOCK)?;
+                for (k, b) in bs.iter().enumerate() {
+                    one[k * BLOCK..(k + 1) * BLOCK].copy_from_slice(b);
+                }
+                Ok((start, one))
+            })
+            .collect()
+    }
+
     fn flush(&self) -> Result<(), JournalError> {
         if self.plp {
             self.set
@@ -1193,9 +1222,14 @@ impl Journal {
                 timed(&mut prep, &mut || journal = self.prepare_journal(tx, tid));
                 let (blocks, chain) = journal?;
                 let n = blocks.len();
+                let mut runs = Ok(Vec::new());
+                let mut blocks = Some(blocks);
+                timed(&mut prep, &mut || {
+                    runs = self.log_runs(blocks.take().expect("once"), head)
+                });
                 let mut w = Inflight::new();
-                for (i, buf) in blocks.into_iter().enumerate() {
-                    w.start(dev.write_at(log(i), buf, fua));
+                for (at, buf) in runs? {
+                    w.start(dev.write_at(at, buf, fua));
                 }
                 w.wait(&self.engine)?;
                 add(&st.writes_ns, start);
@@ -1225,10 +1259,15 @@ impl Journal {
                 timed(&mut prep, &mut || journal = self.prepare_journal(tx, tid));
                 let (blocks, chain) = journal?;
                 let n = blocks.len();
+                let mut runs = Ok(Vec::new());
+                let mut blocks = Some(blocks);
+                timed(&mut prep, &mut || {
+                    runs = self.log_runs(blocks.take().expect("once"), head)
+                });
                 {
                     let _plug = self.engine.plug();
-                    for (i, buf) in blocks.into_iter().enumerate() {
-                        w.start(dev.write_at(log(i), buf, fua));
+                    for (at, buf) in runs? {
+                        w.start(dev.write_at(at, buf, fua));
                     }
                 }
                 let mut c = Err(JournalError::EmptyTx);
