@@ -936,8 +936,9 @@ impl Journal {
         let log_len = self.set.log_len(self.area);
         let mut members: Vec<Arc<Waiter>> = Vec::new();
         let merged;
-        let tx = if join {
-            let mut area = self.set.lock_area(self.area);
+        let mut area = self.set.lock_area(self.area);
+        // Nobody waiting (the usual case): commit `own` as it is, without copying it.
+        let tx = if join && !area.queue.is_empty() {
             let mut m = own.clone();
             let mut rest = std::collections::VecDeque::new();
             // A transaction that would be refused for writing in place over journaled blocks
@@ -960,6 +961,7 @@ impl Journal {
                 &merged
             }
         } else {
+            drop(area);
             own
         };
         let mut r = self.commit_led(tx, members.len() as u64 + 1);
