@@ -609,6 +609,21 @@ fn cmd_probe(path: &Path, json: bool, samples: u32) -> Result<(), BenchError> {
     Ok(())
 }
 
+/// Print a sample on stdout: one JSON object, or a table row through `row`.
+fn emit_line<S: serde::Serialize>(
+    json: bool,
+    s: &S,
+    row: impl Fn(&mut std::io::StdoutLock<'static>, &S) -> std::io::Result<()>,
+) {
+    let mut out = std::io::stdout().lock();
+    // A closed stdout (e.g. piped into `head`) is not worth failing the run for.
+    let _ = if json {
+        print_json(&mut out, s)
+    } else {
+        row(&mut out, s)
+    };
+}
+
 fn io_err(e: std::io::Error) -> BenchError {
     BenchError::Setup(format!("writing output: {e}"))
 }
@@ -750,14 +765,7 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
         print_header(&mut std::io::stdout()).map_err(io_err)?;
     }
     let json = a.json;
-    let mut emit = |s: &Sample| {
-        let mut out = std::io::stdout().lock();
-        let _ = if json {
-            print_json(&mut out, s)
-        } else {
-            print_row(&mut out, s)
-        };
-    };
+    let mut emit = |s: &Sample| emit_line(json, s, |o, s| print_row(o, s));
     let (_, meds) = run_comparison(&cmp, &progress, "bench", &mut emit)?;
     if rounds > 1 {
         for s in &meds {
@@ -807,14 +815,7 @@ fn cmd_bench_pagecache(a: PagecacheArgs) -> Result<(), BenchError> {
         pc::print_header(&mut std::io::stdout()).map_err(io_err)?;
     }
     let json = a.json;
-    let mut emit = |s: &pc::PcSample| {
-        let mut out = std::io::stdout().lock();
-        let _ = if json {
-            print_json(&mut out, s)
-        } else {
-            pc::print_row(&mut out, s)
-        };
-    };
+    let mut emit = |s: &pc::PcSample| emit_line(json, s, |o, s| pc::print_row(o, s));
     let (_, meds) = bench.run(&Progress::new(false), &mut emit)?;
     if bench.rounds > 1 {
         for s in &meds {
@@ -867,14 +868,7 @@ fn cmd_bench_ordered(a: OrderedArgs) -> Result<(), BenchError> {
         ob::print_header(&mut std::io::stdout()).map_err(io_err)?;
     }
     let json = a.json;
-    let mut emit = |s: &ob::OrderedSample| {
-        let mut out = std::io::stdout().lock();
-        let _ = if json {
-            print_json(&mut out, s)
-        } else {
-            ob::print_row(&mut out, s)
-        };
-    };
+    let mut emit = |s: &ob::OrderedSample| emit_line(json, s, |o, s| ob::print_row(o, s));
     let (_, meds) = bench.run(&progress, &mut emit)?;
     if bench.rounds > 1 {
         for s in &meds {
@@ -993,14 +987,7 @@ fn cmd_bench_fsync(a: FsyncArgs) -> Result<(), BenchError> {
         fs::print_header(&mut std::io::stdout()).map_err(io_err)?;
     }
     let json = a.json;
-    let mut emit = |s: &fs::FsyncSample| {
-        let mut out = std::io::stdout().lock();
-        let _ = if json {
-            print_json(&mut out, s)
-        } else {
-            fs::print_row(&mut out, s)
-        };
-    };
+    let mut emit = |s: &fs::FsyncSample| emit_line(json, s, |o, s| fs::print_row(o, s));
     let (_, meds) = bench.run(&progress, &mut emit)?;
     if bench.rounds > 1 {
         for s in &meds {

@@ -13,10 +13,9 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::rc::Rc;
-use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use aios_core::{sys, CompletionMode, Engine, EngineConfig, ProbeOptions};
+use aios_core::{CompletionMode, Engine, EngineConfig, ProbeOptions};
 use hdrhistogram::Histogram;
 use journal::{CommitMode, Journal, JournalSet, Layout, Tx};
 use lbio::{Device, DeviceConfig, LbioArray, LbioConfig, RouteChoice};
@@ -24,7 +23,7 @@ use serde::Serialize;
 
 use crate::bench::compare::Progress;
 use crate::bench::pagecache::completion_for;
-use crate::bench::{median, new_histogram, BenchError};
+use crate::bench::{median, new_histogram, run_threads, BenchError};
 
 /// Journal blocks per area (4 MiB): a checkpoint every ~340 single-block commits per thread.
 pub const AREA_BLOCKS: u64 = 1024;
@@ -322,69 +321,48 @@ impl FsyncBench {
             set.set_durability(d);
         }
         let files_at = areas as u64 * AREA_BLOCKS;
-        let barrier = Arc::new(Barrier::new(threads as usize + 1));
         let seconds = self.seconds;
-        let path = self.journal_dev.clone();
-        let (results, elapsed, cpu) = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..threads)
-                .map(|t| {
-                    let set = Arc::clone(&set);
-                    let barrier = Arc::clone(&barrier);
-                    let path = path.clone();
-                    s.spawn(move || -> Result<ThreadResult, BenchError> {
-                        let ready = (|| {
-                            let (engine, _lbio, dev) = stack(&path, completion)?;
-                            let mut j = Journal::new(&set, (t % areas) as usize, dev, mode)
-                                .map_err(journal_err)?;
-                            j.set_group_commit(group);
-                            Ok::<_, BenchError>((engine, _lbio, j))
-                        })();
-                        barrier.wait();
-                        let (_engine, _lbio, j) = ready?;
-                        // Thread t's "file": an inode block and FILE_BLOCKS data blocks.
-                        let inode = files_at + t as u64 * (FILE_BLOCKS + 1);
-                        let first = inode + 1;
-                        let mut data = vec![0u8; BLOCK];
-                        let mut meta = vec![0u8; BLOCK];
-                        let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (t as u64 + 1);
-                        let mut one = |n: u64| -> Result<u64, BenchError> {
-                            let block = first + xorshift(&mut x) % FILE_BLOCKS;
-                            data[..8].copy_from_slice(&n.to_le_bytes());
-                            meta[..8].copy_from_slice(&n.to_le_bytes());
-                            meta[8..16].copy_from_slice(&block.to_le_bytes());
-                            let t0 = Instant::now();
-                            // A file-level transaction when the thread has its area to itself;
-                            // sharing one, a plain one that may join a group.
-                            let mut tx = if areas == threads {
-                                Tx::for_file(t)
-                            } else {
-                                Tx::new()
-                            };
-                            tx.write_data(block, &data)
-                                .and_then(|tx| tx.write_meta(inode, &meta))
-                                .map_err(journal_err)?;
-                            j.commit(&tx).map_err(journal_err)?;
-                            Ok(t0.elapsed().as_nanos() as u64)
-                        };
-                        for n in 0..8 {
-                            one(n)?; // warm-up
-                        }
-                        timed_loop(seconds, |n| one(n + 8))
-                    })
-                })
-                .collect();
-            let cpu0 = sys::process_cpu_time();
-            let t0 = Instant::now();
+        let path = &self.journal_dev;
+        let set = &set;
+        let (results, elapsed, cpu) = run_threads(threads, |t, barrier| {
+            let ready = (|| {
+                let (engine, _lbio, dev) = stack(path, completion)?;
+                let mut j =
+                    Journal::new(&set, (t % areas) as usize, dev, mode).map_err(journal_err)?;
+                j.set_group_commit(group);
+                Ok::<_, BenchError>((engine, _lbio, j))
+            })();
             barrier.wait();
-            let results: Vec<_> = handles
-                .into_iter()
-                .map(|h| h.join().expect("bench thread panicked"))
-                .collect();
-            (
-                results,
-                t0.elapsed().as_secs_f64(),
-                (sys::process_cpu_time() - cpu0).as_secs_f64(),
-            )
+            let (_engine, _lbio, j) = ready?;
+            // Thread t's "file": an inode block and FILE_BLOCKS data blocks.
+            let inode = files_at + t as u64 * (FILE_BLOCKS + 1);
+            let first = inode + 1;
+            let mut data = vec![0u8; BLOCK];
+            let mut meta = vec![0u8; BLOCK];
+            let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (t as u64 + 1);
+            let mut one = |n: u64| -> Result<u64, BenchError> {
+                let block = first + xorshift(&mut x) % FILE_BLOCKS;
+                data[..8].copy_from_slice(&n.to_le_bytes());
+                meta[..8].copy_from_slice(&n.to_le_bytes());
+                meta[8..16].copy_from_slice(&block.to_le_bytes());
+                let t0 = Instant::now();
+                // A file-level transaction when the thread has its area to itself;
+                // sharing one, a plain one that may join a group.
+                let mut tx = if areas == threads {
+                    Tx::for_file(t)
+                } else {
+                    Tx::new()
+                };
+                tx.write_data(block, &data)
+                    .and_then(|tx| tx.write_meta(inode, &meta))
+                    .map_err(journal_err)?;
+                j.commit(&tx).map_err(journal_err)?;
+                Ok(t0.elapsed().as_nanos() as u64)
+            };
+            for n in 0..8 {
+                one(n)?; // warm-up
+            }
+            timed_loop(seconds, |n| one(n + 8))
         });
         let mut s = self.sample(
             if mode == CommitMode::Vanilla {
@@ -431,51 +409,29 @@ impl FsyncBench {
     fn run_ext4(&self, threads: u32) -> Result<FsyncSample, BenchError> {
         let dir = self.ext4_dir.as_ref().expect("validated");
         let seconds = self.seconds;
-        let barrier = Arc::new(Barrier::new(threads as usize + 1));
-        let (results, elapsed, cpu) = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..threads)
-                .map(|t| {
-                    let barrier = Arc::clone(&barrier);
-                    let path = dir.join(format!("aios-fsync-{t}"));
-                    s.spawn(move || -> Result<ThreadResult, BenchError> {
-                        let ready = prepare_ext4_file(&path);
-                        barrier.wait();
-                        let f = ready?;
-                        let mut data = vec![0u8; BLOCK];
-                        let mut x = 0x2545_f491_4f6c_dd1du64 ^ (t as u64 + 1);
-                        let err = |e: std::io::Error| {
-                            BenchError::Setup(format!("{}: {e}", path.display()))
-                        };
-                        let mut one = |n: u64| -> Result<u64, BenchError> {
-                            let block = xorshift(&mut x) % FILE_BLOCKS;
-                            data[..8].copy_from_slice(&n.to_le_bytes());
-                            let t0 = Instant::now();
-                            f.write_all_at(&data, block * BLOCK as u64).map_err(err)?;
-                            f.sync_all().map_err(err)?;
-                            Ok(t0.elapsed().as_nanos() as u64)
-                        };
-                        for n in 0..8 {
-                            one(n)?;
-                        }
-                        let r = timed_loop(seconds, |n| one(n + 8));
-                        drop(f);
-                        let _ = std::fs::remove_file(&path);
-                        r
-                    })
-                })
-                .collect();
-            let cpu0 = sys::process_cpu_time();
-            let t0 = Instant::now();
+        let (results, elapsed, cpu) = run_threads(threads, |t, barrier| {
+            let path = dir.join(format!("aios-fsync-{t}"));
+            let ready = prepare_ext4_file(&path);
             barrier.wait();
-            let results: Vec<_> = handles
-                .into_iter()
-                .map(|h| h.join().expect("bench thread panicked"))
-                .collect();
-            (
-                results,
-                t0.elapsed().as_secs_f64(),
-                (sys::process_cpu_time() - cpu0).as_secs_f64(),
-            )
+            let f = ready?;
+            let mut data = vec![0u8; BLOCK];
+            let mut x = 0x2545_f491_4f6c_dd1du64 ^ (t as u64 + 1);
+            let err = |e: std::io::Error| BenchError::Setup(format!("{}: {e}", path.display()));
+            let mut one = |n: u64| -> Result<u64, BenchError> {
+                let block = xorshift(&mut x) % FILE_BLOCKS;
+                data[..8].copy_from_slice(&n.to_le_bytes());
+                let t0 = Instant::now();
+                f.write_all_at(&data, block * BLOCK as u64).map_err(err)?;
+                f.sync_all().map_err(err)?;
+                Ok(t0.elapsed().as_nanos() as u64)
+            };
+            for n in 0..8 {
+                one(n)?;
+            }
+            let r = timed_loop(seconds, |n| one(n + 8));
+            drop(f);
+            let _ = std::fs::remove_file(&path);
+            r
         });
         self.sample(FsyncMode::Ext4, threads, results, elapsed, cpu)
     }

@@ -376,6 +376,36 @@ pub fn aligned_memory_engine(bytes: usize) -> Result<Rc<aios_core::Engine>, Benc
     })?)
 }
 
+/// Run `f(t, ready)` on `threads` threads at once. Each thread prepares, then calls
+/// `ready.wait()`; the clocks start when all have. Returns the threads' results (in order), the
+/// wall seconds and the process CPU seconds from that start until the last thread ends.
+pub fn run_threads<R: Send>(
+    threads: u32,
+    f: impl Fn(u32, &std::sync::Barrier) -> R + Sync,
+) -> (Vec<R>, f64, f64) {
+    let ready = std::sync::Barrier::new(threads as usize + 1);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let (f, ready) = (&f, &ready);
+                s.spawn(move || f(t, ready))
+            })
+            .collect();
+        ready.wait();
+        let cpu0 = sys::process_cpu_time();
+        let t0 = Instant::now();
+        let results: Vec<R> = handles
+            .into_iter()
+            .map(|h| h.join().expect("bench thread panicked"))
+            .collect();
+        (
+            results,
+            t0.elapsed().as_secs_f64(),
+            (sys::process_cpu_time() - cpu0).as_secs_f64(),
+        )
+    })
+}
+
 /// Median of a list (NaN-free inputs).
 pub fn median(mut v: Vec<f64>) -> Option<f64> {
     if v.is_empty() {

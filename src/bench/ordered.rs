@@ -10,16 +10,16 @@
 
 use std::path::PathBuf;
 use std::rc::Rc;
-use std::sync::{Arc, Barrier};
+use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use aios_core::{sys, CompletionMode, Engine, EngineConfig, FixedBuf, ProbeOptions};
+use aios_core::{CompletionMode, Engine, EngineConfig, FixedBuf, ProbeOptions};
 use lbio::{Device, DeviceConfig, Io, LbioArray, LbioConfig, RouteChoice, SimConfig, SimDisk};
 use rio_ordering::{AttrLog, MemPmr, OrderedConfig, OrderedDevice, Write};
 use serde::Serialize;
 
 use crate::bench::compare::Progress;
-use crate::bench::{median, BenchError};
+use crate::bench::{median, run_threads, BenchError};
 
 const BS: usize = 4096;
 /// Rio's PMR is 2 MiB per target (§5); the emulated one is the same size.
@@ -238,28 +238,9 @@ impl OrderedBench {
         streams: u32,
         batch: u32,
     ) -> Result<OrderedSample, BenchError> {
-        let barrier = Arc::new(Barrier::new(streams as usize + 1));
         let sim = matches!(self.target, OrderedTarget::Sim);
-        let (runs, elapsed, cpu) = std::thread::scope(|sc| {
-            let hs: Vec<_> = (0..streams)
-                .map(|t| {
-                    let barrier = Arc::clone(&barrier);
-                    let me = self.clone();
-                    sc.spawn(move || me.stream_thread(mode, t, streams, batch, &barrier))
-                })
-                .collect();
-            let cpu0 = sys::process_cpu_time();
-            let t0 = Instant::now();
-            barrier.wait();
-            let runs: Vec<_> = hs
-                .into_iter()
-                .map(|h| h.join().expect("bench thread panicked"))
-                .collect();
-            (
-                runs,
-                t0.elapsed().as_secs_f64(),
-                (sys::process_cpu_time() - cpu0).as_secs_f64(),
-            )
+        let (runs, elapsed, cpu) = run_threads(streams, |t, barrier| {
+            self.stream_thread(mode, t, streams, batch, barrier)
         });
         let mut writes = 0;
         let mut cmds = 0;
