@@ -328,7 +328,7 @@ impl FsyncBench {
             let ready = (|| {
                 let (engine, _lbio, dev) = stack(path, completion)?;
                 let mut j =
-                    Journal::new(&set, (t % areas) as usize, dev, mode).map_err(journal_err)?;
+                    Journal::new(set, (t % areas) as usize, dev, mode).map_err(journal_err)?;
                 j.set_group_commit(group);
                 Ok::<_, BenchError>((engine, _lbio, j))
             })();
