@@ -765,7 +765,7 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
         print_header(&mut std::io::stdout()).map_err(io_err)?;
     }
     let json = a.json;
-    let mut emit = |s: &Sample| emit_line(json, s, |o, s| print_row(o, s));
+    let mut emit = |s: &Sample| emit_line(json, s, print_row);
     let (_, meds) = run_comparison(&cmp, &progress, "bench", &mut emit)?;
     if rounds > 1 {
         for s in &meds {
@@ -815,7 +815,7 @@ fn cmd_bench_pagecache(a: PagecacheArgs) -> Result<(), BenchError> {
         pc::print_header(&mut std::io::stdout()).map_err(io_err)?;
     }
     let json = a.json;
-    let mut emit = |s: &pc::PcSample| emit_line(json, s, |o, s| pc::print_row(o, s));
+    let mut emit = |s: &pc::PcSample| emit_line(json, s, pc::print_row);
     let (_, meds) = bench.run(&Progress::new(false), &mut emit)?;
     if bench.rounds > 1 {
         for s in &meds {
@@ -868,7 +868,7 @@ fn cmd_bench_ordered(a: OrderedArgs) -> Result<(), BenchError> {
         ob::print_header(&mut std::io::stdout()).map_err(io_err)?;
     }
     let json = a.json;
-    let mut emit = |s: &ob::OrderedSample| emit_line(json, s, |o, s| ob::print_row(o, s));
+    let mut emit = |s: &ob::OrderedSample| emit_line(json, s, ob::print_row);
     let (_, meds) = bench.run(&progress, &mut emit)?;
     if bench.rounds > 1 {
         for s in &meds {
@@ -987,7 +987,7 @@ fn cmd_bench_fsync(a: FsyncArgs) -> Result<(), BenchError> {
         fs::print_header(&mut std::io::stdout()).map_err(io_err)?;
     }
     let json = a.json;
-    let mut emit = |s: &fs::FsyncSample| emit_line(json, s, |o, s| fs::print_row(o, s));
+    let mut emit = |s: &fs::FsyncSample| emit_line(json, s, fs::print_row);
     let (_, meds) = bench.run(&progress, &mut emit)?;
     if bench.rounds > 1 {
         for s in &meds {
