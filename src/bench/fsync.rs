@@ -12,17 +12,14 @@
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use aios_core::{CompletionMode, Engine, EngineConfig, ProbeOptions};
 use hdrhistogram::Histogram;
 use journal::{CommitMode, Journal, JournalSet, Layout, Tx};
-use lbio::{Device, DeviceConfig, LbioArray, LbioConfig, RouteChoice};
 use serde::Serialize;
 
 use crate::bench::compare::Progress;
-use crate::bench::pagecache::completion_for;
+use crate::bench::pagecache::{completion_for, device_bytes, thread_stack};
 use crate::bench::{median, new_histogram, run_threads, BenchError};
 
 /// Journal blocks per area (4 MiB): a checkpoint every ~340 single-block commits per thread.
@@ -314,7 +311,7 @@ impl FsyncBench {
         let layout = Layout::per_core(0, AREA_BLOCKS, areas as usize);
         let group = self.group_commit;
         let set = {
-            let (_e, _l, dev) = stack(&self.journal_dev, completion)?;
+            let (_e, _l, dev) = thread_stack(&self.journal_dev, 4 << 20, completion, true)?;
             JournalSet::format(&dev, layout).map_err(journal_err)?
         };
         if let Some(d) = self.durability {
@@ -326,7 +323,7 @@ impl FsyncBench {
         let set = &set;
         let (results, elapsed, cpu) = run_threads(threads, |t, barrier| {
             let ready = (|| {
-                let (engine, _lbio, dev) = stack(path, completion)?;
+                let (engine, _lbio, dev) = thread_stack(path, 4 << 20, completion, true)?;
                 let mut j =
                     Journal::new(set, (t % areas) as usize, dev, mode).map_err(journal_err)?;
                 j.set_group_commit(group);
@@ -514,46 +511,6 @@ fn prepare_ext4_file(path: &Path) -> Result<std::fs::File, BenchError> {
 
 fn journal_err(e: journal::JournalError) -> BenchError {
     BenchError::Setup(format!("journal: {e}"))
-}
-
-fn device_bytes(path: &Path) -> Result<u64, BenchError> {
-    let (_e, _l, dev) = stack(path, CompletionMode::Wait)?;
-    Ok(dev.geometry().capacity_bytes)
-}
-
-/// One thread's engine, lbio array and writable device.
-fn stack(
-    path: &Path,
-    completion: CompletionMode,
-) -> Result<(Rc<Engine>, Rc<LbioArray>, Device), BenchError> {
-    let engine = Engine::new(EngineConfig {
-        arena_bytes: 4 << 20,
-        ring_entries: 256,
-        huge_pages: false,
-        ..EngineConfig::default()
-    })?;
-    engine.set_completion_mode(completion);
-    let lbio = LbioArray::new(
-        Rc::clone(&engine),
-        LbioConfig {
-            slots: 128,
-            ..LbioConfig::default()
-        },
-    )?;
-    let dev = Device::open(
-        &lbio,
-        path,
-        DeviceConfig {
-            write: true,
-            route: RouteChoice::Auto,
-            probe: ProbeOptions {
-                latency_samples: 50,
-                try_iopoll: false,
-            },
-            ..DeviceConfig::default()
-        },
-    )?;
-    Ok((engine, lbio, dev))
 }
 
 fn case_index(cases: &[(FsyncMode, u32)], s: &FsyncSample) -> usize {

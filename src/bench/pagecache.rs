@@ -263,11 +263,12 @@ pub fn completion_for(threads: u32) -> CompletionMode {
     }
 }
 
-/// An engine, lbio array and device for one thread, reading at QD1.
-fn thread_stack(
+/// An engine, lbio array and device (`write`: opened for writing too) for one bench thread.
+pub(crate) fn thread_stack(
     path: &std::path::Path,
     arena: usize,
     completion: CompletionMode,
+    write: bool,
 ) -> Result<(Rc<Engine>, Rc<LbioArray>, Device), BenchError> {
     let engine = Engine::new(EngineConfig {
         arena_bytes: arena.next_power_of_two().max(1 << 20),
@@ -283,7 +284,14 @@ fn thread_stack(
             ..LbioConfig::default()
         },
     )?;
-    let dev = Device::open(&lbio, path, device_config())?;
+    let dev = Device::open(
+        &lbio,
+        path,
+        DeviceConfig {
+            write,
+            ..device_config()
+        },
+    )?;
     Ok((engine, lbio, dev))
 }
 
@@ -557,7 +565,7 @@ impl PagecacheBench {
 }
 
 /// Bytes of the device or file at `path`.
-fn device_bytes(path: &std::path::Path) -> Result<u64, BenchError> {
+pub(crate) fn device_bytes(path: &std::path::Path) -> Result<u64, BenchError> {
     let f = std::fs::File::open(path).map_err(setup_err(&path.display().to_string()))?;
     let st = sys::statx(f.as_raw_fd()).map_err(setup_err(&path.display().to_string()))?;
     if st.is_block_device() {
@@ -641,7 +649,7 @@ impl ThreadCtx<'_> {
             }
             Reader::Lbio => {
                 let (engine, lbio, dev) =
-                    thread_stack(self.path, 2 * bs, completion_for(self.case.threads))?;
+                    thread_stack(self.path, 2 * bs, completion_for(self.case.threads), false)?;
                 Prepared::Lbio {
                     engine,
                     _lbio: lbio,
@@ -659,6 +667,7 @@ impl ThreadCtx<'_> {
                     self.path,
                     (2 * bs).max(1 << 20),
                     completion_for(self.case.threads),
+                    false,
                 )?;
                 // Cold runs pair every miss with a raw lbio read of another block on the same
                 // engine, so the two are compared under the same conditions.
