@@ -1206,29 +1206,24 @@ impl Journal {
         };
         let start = Instant::now();
         let mut prep = Duration::ZERO;
-        let timed = |prep: &mut Duration, f: &mut dyn FnMut()| {
+        // Buffer preparation, timed into `prep` wherever it happens.
+        fn timed<R>(prep: &mut Duration, f: impl FnOnce() -> R) -> R {
             let t = Instant::now();
-            f();
+            let r = f();
             *prep += t.elapsed();
-        };
+            r
+        }
         let c = match self.mode {
             CommitMode::Vanilla => {
-                let mut data = Ok(Vec::new());
-                timed(&mut prep, &mut || data = self.data_bufs(tx));
+                let data = timed(&mut prep, || self.data_bufs(tx));
                 let mut w = Inflight::new();
                 for (b, buf) in data? {
                     w.start(dev.write_at(b * BLOCK as u64, buf, fua));
                 }
                 w.wait(&self.engine)?;
-                let mut journal = Ok((Vec::new(), 0));
-                timed(&mut prep, &mut || journal = self.prepare_journal(tx, tid));
-                let (blocks, chain) = journal?;
+                let (blocks, chain) = timed(&mut prep, || self.prepare_journal(tx, tid))?;
                 let n = blocks.len();
-                let mut runs = Ok(Vec::new());
-                let mut blocks = Some(blocks);
-                timed(&mut prep, &mut || {
-                    runs = self.log_runs(blocks.take().expect("once"), head)
-                });
+                let runs = timed(&mut prep, || self.log_runs(blocks, head));
                 let mut w = Inflight::new();
                 for (at, buf) in runs? {
                     w.start(dev.write_at(at, buf, fua));
@@ -1240,15 +1235,11 @@ impl Journal {
                     self.flush()?;
                 }
                 add(&st.flush_ns, t);
-                let mut c = Err(JournalError::EmptyTx);
-                timed(&mut prep, &mut || {
-                    c = self.prepare_commit(tx, tid, n, chain)
-                });
+                let c = timed(&mut prep, || self.prepare_commit(tx, tid, n, chain));
                 (c?, n)
             }
             CommitMode::Overlapped => {
-                let mut data = Ok(Vec::new());
-                timed(&mut prep, &mut || data = self.data_bufs(tx));
+                let data = timed(&mut prep, || self.data_bufs(tx));
                 let mut w = Inflight::new();
                 {
                     let _plug = self.engine.plug();
@@ -1257,25 +1248,16 @@ impl Journal {
                     }
                 }
                 // The data is on its way: prepare the journal while the device works.
-                let mut journal = Ok((Vec::new(), 0));
-                timed(&mut prep, &mut || journal = self.prepare_journal(tx, tid));
-                let (blocks, chain) = journal?;
+                let (blocks, chain) = timed(&mut prep, || self.prepare_journal(tx, tid))?;
                 let n = blocks.len();
-                let mut runs = Ok(Vec::new());
-                let mut blocks = Some(blocks);
-                timed(&mut prep, &mut || {
-                    runs = self.log_runs(blocks.take().expect("once"), head)
-                });
+                let runs = timed(&mut prep, || self.log_runs(blocks, head));
                 {
                     let _plug = self.engine.plug();
                     for (at, buf) in runs? {
                         w.start(dev.write_at(at, buf, fua));
                     }
                 }
-                let mut c = Err(JournalError::EmptyTx);
-                timed(&mut prep, &mut || {
-                    c = self.prepare_commit(tx, tid, n, chain)
-                });
+                let c = timed(&mut prep, || self.prepare_commit(tx, tid, n, chain));
                 let c = c?;
                 w.wait(&self.engine)?;
                 add(&st.writes_ns, start);
