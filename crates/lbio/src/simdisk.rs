@@ -549,31 +549,25 @@ impl SoftDevice for Port {
         let done: Vec<(SinkId, u64)> = {
             let mut guard = self.disk.lock();
             let s = &mut *guard;
-            let mine: Vec<usize> = (0..s.queue.len())
-                .filter(|&i| s.queue[i].port == self.id)
-                .collect();
-            let n = mine.len();
-            if n == 0 {
+            // This port's requests leave the queue; a random non-empty subset of them completes,
+            // in random order, and the rest go back.
+            let mut mine = Vec::new();
+            let mut i = 0;
+            while i < s.queue.len() {
+                if s.queue[i].port == self.id {
+                    mine.push(s.queue.swap_remove(i));
+                } else {
+                    i += 1;
+                }
+            }
+            if mine.is_empty() {
                 return Ok(());
             }
-            // A random non-empty subset of this port's requests, in random order.
-            let k = 1 + s.rng.below(n as u64) as usize;
-            let mut picked: Vec<usize> = Vec::with_capacity(k);
-            let mut pool = mine;
-            for _ in 0..k {
-                let j = s.rng.below(pool.len() as u64) as usize;
-                picked.push(pool.swap_remove(j));
-            }
-            // Remove from the back so earlier indices stay valid.
-            let mut order: Vec<usize> = picked.clone();
-            order.sort_unstable_by(|a, b| b.cmp(a));
-            let mut taken: Vec<(usize, Queued)> =
-                order.into_iter().map(|i| (i, s.queue.remove(i))).collect();
-            // Apply in the drawn order.
+            let k = 1 + s.rng.below(mine.len() as u64) as usize;
             let mut out = Vec::with_capacity(k);
-            for i in picked {
-                let at = taken.iter().position(|(j, _)| *j == i).expect("taken");
-                let (_, q) = taken.swap_remove(at);
+            for _ in 0..k {
+                let j = s.rng.below(mine.len() as u64) as usize;
+                let q = mine.swap_remove(j);
                 let (sink, payload) = (q.sink, q.payload);
                 if s.powered {
                     s.complete(q);
@@ -586,6 +580,7 @@ impl SoftDevice for Port {
                 }
                 out.push((sink, payload));
             }
+            s.queue.extend(mine);
             out
         };
         for (sink, payload) in done {
