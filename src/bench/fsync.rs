@@ -20,7 +20,7 @@ use serde::Serialize;
 
 use crate::bench::compare::Progress;
 use crate::bench::pagecache::{completion_for, device_bytes, thread_stack};
-use crate::bench::{median, new_histogram, run_threads, BenchError};
+use crate::bench::{cdf_us, median, new_histogram, quantile_us, run_threads, BenchError};
 
 /// Journal blocks per area (4 MiB): a checkpoint every ~340 single-block commits per thread.
 pub const AREA_BLOCKS: u64 = 1024;
@@ -449,23 +449,19 @@ impl FsyncBench {
                 .map_err(|e| BenchError::Setup(format!("merging histograms: {e}")))?;
             ops += r.ops;
         }
-        let us = |ns: u64| ns as f64 / 1000.0;
         Ok(FsyncSample {
             mode: mode.name().into(),
             threads,
             iops: ops as f64 / elapsed,
             lat_us_mean: hist.mean() / 1000.0,
-            lat_us_p50: us(hist.value_at_quantile(0.5)),
-            lat_us_p99: us(hist.value_at_quantile(0.99)),
-            lat_us_p999: us(hist.value_at_quantile(0.999)),
+            lat_us_p50: quantile_us(&hist, 0.5),
+            lat_us_p99: quantile_us(&hist, 0.99),
+            lat_us_p999: quantile_us(&hist, 0.999),
             cpu_s: cpu,
             iops_per_cpu_s: if cpu > 0.0 { ops as f64 / cpu } else { 0.0 },
             seconds: elapsed,
             device: self.device_name.clone(),
-            cdf: hist
-                .iter_quantiles(4)
-                .map(|v| (v.quantile_iterated_to(), us(v.value_iterated_to())))
-                .collect(),
+            cdf: cdf_us(&hist),
             ..FsyncSample::default()
         })
     }

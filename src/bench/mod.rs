@@ -146,15 +146,28 @@ fn measured(
 }
 
 fn fill_from_histogram(s: &mut Sample, h: &Histogram<u64>) {
-    let us = |ns: u64| ns as f64 / 1000.0;
     s.lat_us_mean = h.mean() / 1000.0;
-    s.lat_us_p50 = us(h.value_at_quantile(0.50));
-    s.lat_us_p99 = us(h.value_at_quantile(0.99));
-    s.lat_us_p999 = us(h.value_at_quantile(0.999));
-    s.cdf = h
-        .iter_quantiles(4)
-        .map(|v| (v.quantile_iterated_to(), us(v.value_iterated_to())))
-        .collect();
+    s.lat_us_p50 = quantile_us(h, 0.50);
+    s.lat_us_p99 = quantile_us(h, 0.99);
+    s.lat_us_p999 = quantile_us(h, 0.999);
+    s.cdf = cdf_us(h);
+}
+
+/// The value at quantile `q` of a histogram in ns, in µs.
+pub fn quantile_us(h: &Histogram<u64>, q: f64) -> f64 {
+    h.value_at_quantile(q) as f64 / 1000.0
+}
+
+/// The points (quantile, µs) of a histogram in ns, for latency CDF plots.
+pub fn cdf_us(h: &Histogram<u64>) -> Vec<(f64, f64)> {
+    h.iter_quantiles(4)
+        .map(|v| {
+            (
+                v.quantile_iterated_to(),
+                v.value_iterated_to() as f64 / 1000.0,
+            )
+        })
+        .collect()
 }
 
 /// Offsets for a workload: uniformly random or sequential (wrapping), in `bs` units.

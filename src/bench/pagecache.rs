@@ -31,7 +31,7 @@ use serde::Serialize;
 
 use crate::bench::compare::Progress;
 use crate::bench::report::human_bytes;
-use crate::bench::{aligned_memory_engine, median, new_histogram, BenchError};
+use crate::bench::{aligned_memory_engine, cdf_us, median, new_histogram, quantile_us, BenchError};
 
 /// Hits timed together.
 pub const HIT_BATCH: u64 = 64;
@@ -508,7 +508,6 @@ impl PagecacheBench {
             total.elapsed = total.elapsed.max(o.elapsed);
             total.cpu += o.cpu;
         }
-        let us = |ns: u64| ns as f64 / 1000.0;
         let elapsed = total.elapsed.as_secs_f64().max(1e-9);
         let cpu = total.cpu.as_secs_f64();
         let h = &total.hist;
@@ -521,9 +520,9 @@ impl PagecacheBench {
             threads: c.threads,
             iops: total.ops as f64 / elapsed,
             lat_us_mean: h.mean() / 1000.0,
-            lat_us_p50: us(h.value_at_quantile(0.5)),
-            lat_us_p99: us(h.value_at_quantile(0.99)),
-            lat_us_p999: us(h.value_at_quantile(0.999)),
+            lat_us_p50: quantile_us(h, 0.5),
+            lat_us_p99: quantile_us(h, 0.99),
+            lat_us_p999: quantile_us(h, 0.999),
             cpu_s: cpu,
             iops_per_cpu_s: if cpu > 0.0 {
                 total.ops as f64 / cpu
@@ -532,28 +531,22 @@ impl PagecacheBench {
             },
             seconds: elapsed,
             device: self.device_name.clone(),
-            cdf: h
-                .iter_quantiles(4)
-                .map(|v| (v.quantile_iterated_to(), us(v.value_iterated_to())))
-                .collect(),
+            cdf: cdf_us(h),
             case: Some(c),
             hot_set: c.hot.then(|| human_bytes(c.hot_bytes)),
             ..PcSample::default()
         };
         if !total.submit.is_empty() {
             let sh = &total.submit;
-            s.submit_us_p50 = Some(us(sh.value_at_quantile(0.5)));
+            s.submit_us_p50 = Some(quantile_us(sh, 0.5));
             s.submit_us_mean = Some(sh.mean() / 1000.0);
-            s.submit_cdf = sh
-                .iter_quantiles(4)
-                .map(|v| (v.quantile_iterated_to(), us(v.value_iterated_to())))
-                .collect();
+            s.submit_cdf = cdf_us(sh);
         }
         if !total.paired.is_empty() {
             let ph = &total.paired;
             s.paired_lbio_us_mean = Some(ph.mean() / 1000.0);
             s.delta_us_vs_lbio = Some(s.lat_us_mean - ph.mean() / 1000.0);
-            s.delta_us_vs_lbio_p50 = Some(s.lat_us_p50 - us(ph.value_at_quantile(0.5)));
+            s.delta_us_vs_lbio_p50 = Some(s.lat_us_p50 - quantile_us(ph, 0.5));
         }
         if let Some(cache) = &cache {
             let m = cache.metrics();
