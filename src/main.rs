@@ -643,9 +643,12 @@ fn open_stack(
     write: bool,
     iopoll: bool,
 ) -> Result<Stack, BenchError> {
-    let arena = (bs as usize * qd as usize + (1 << 20))
-        .next_power_of_two()
-        .max(4 << 20);
+    let arena = aios::bench::arena_within_memlock(
+        (bs as usize * qd as usize + (1 << 20))
+            .next_power_of_two()
+            .max(4 << 20),
+        1,
+    );
     let engine = Engine::new(EngineConfig {
         arena_bytes: arena.min(1 << 30),
         ring_entries: slots.next_power_of_two().clamp(64, 4096),
@@ -1239,8 +1242,9 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
         hits: true,
         seconds: (a.seconds / 2.0).max(0.2),
         rounds: a.rounds,
-        cache_bytes: 64 << 20,
-        hot_sets: vec![4 << 20],
+        // The cache's frames are pinned: without CAP_IPC_LOCK, what RLIMIT_MEMLOCK allows.
+        cache_bytes: aios::bench::arena_within_memlock(64 << 20, 1),
+        hot_sets: vec![(4u64 << 20).min(aios::bench::arena_within_memlock(64 << 20, 1) as u64 / 2)],
     };
     let (pc_all, pc_meds) = pc.run(&progress, &mut |_| {})?;
     aios::bench::pagecache::print_header(&mut std::io::stdout()).map_err(io_err)?;

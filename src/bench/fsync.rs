@@ -20,7 +20,9 @@ use serde::Serialize;
 
 use crate::bench::compare::Progress;
 use crate::bench::pagecache::{completion_for, device_bytes, thread_stack};
-use crate::bench::{cdf_us, median, new_histogram, quantile_us, run_threads, BenchError};
+use crate::bench::{
+    arena_within_memlock, cdf_us, median, new_histogram, quantile_us, run_threads, BenchError,
+};
 
 /// Journal blocks per area (4 MiB): a checkpoint every ~340 single-block commits per thread.
 pub const AREA_BLOCKS: u64 = 1024;
@@ -311,7 +313,8 @@ impl FsyncBench {
         let layout = Layout::per_core(0, AREA_BLOCKS, areas as usize);
         let group = self.group_commit;
         let set = {
-            let (_e, _l, dev) = thread_stack(&self.journal_dev, 4 << 20, completion, true)?;
+            // Formatting needs a few buffers only.
+            let (_e, _l, dev) = thread_stack(&self.journal_dev, 1 << 20, completion, true)?;
             JournalSet::format(&dev, layout).map_err(journal_err)?
         };
         if let Some(d) = self.durability {
@@ -320,10 +323,11 @@ impl FsyncBench {
         let files_at = areas as u64 * AREA_BLOCKS;
         let seconds = self.seconds;
         let path = &self.journal_dev;
+        let arena = arena_within_memlock(4 << 20, threads);
         let set = &set;
         let (results, elapsed, cpu) = run_threads(threads, |t, barrier| {
             let ready = (|| {
-                let (engine, _lbio, dev) = thread_stack(path, 4 << 20, completion, true)?;
+                let (engine, _lbio, dev) = thread_stack(path, arena, completion, true)?;
                 let mut j =
                     Journal::new(set, (t % areas) as usize, dev, mode).map_err(journal_err)?;
                 j.set_group_commit(group);

@@ -419,6 +419,28 @@ pub fn run_threads<R: Send>(
     })
 }
 
+/// The arena for each of `engines` bench engines alive at once: `wanted`, or, in a process whose
+/// pinned memory is limited (no `CAP_IPC_LOCK`, finite `RLIMIT_MEMLOCK`), what a quarter of the
+/// limit allows — the previous run's arenas can still be counted while the kernel tears their
+/// rings down. Never below 1 MiB.
+pub fn arena_within_memlock(wanted: usize, engines: u32) -> usize {
+    if sys::has_cap_ipc_lock() {
+        return wanted;
+    }
+    match sys::memlock_limit() {
+        Ok(Some(limit)) => {
+            let share = (limit / 4 / engines.max(1) as u64) as usize;
+            let pow2 = if share == 0 {
+                0
+            } else {
+                1 << (usize::BITS - 1 - share.leading_zeros())
+            };
+            wanted.min(pow2).max(1 << 20)
+        }
+        _ => wanted,
+    }
+}
+
 /// Median of a list (NaN-free inputs).
 pub fn median(mut v: Vec<f64>) -> Option<f64> {
     if v.is_empty() {

@@ -19,7 +19,7 @@ use rio_ordering::{AttrLog, MemPmr, OrderedConfig, OrderedDevice, Write};
 use serde::Serialize;
 
 use crate::bench::compare::Progress;
-use crate::bench::{median, run_threads, BenchError};
+use crate::bench::{arena_within_memlock, median, run_threads, BenchError};
 
 const BS: usize = 4096;
 /// Rio's PMR is 2 MiB per target (§5); the emulated one is the same size.
@@ -320,7 +320,7 @@ impl OrderedBench {
         streams: u32,
     ) -> Result<(Rc<Engine>, Rc<LbioArray>, Device, Option<SimDisk>), BenchError> {
         let engine = Engine::new(EngineConfig {
-            arena_bytes: 16 << 20,
+            arena_bytes: arena_within_memlock(16 << 20, streams),
             ring_entries: 1024,
             huge_pages: false,
             ..EngineConfig::default()
