@@ -1,13 +1,16 @@
 //! Rio's ordered block device (EuroSys'23, §4): ordering attributes, the persistent attribute
 //! log, and recovery to the longest valid prefix of each stream's order.
 //!
-//! **In progress.** Built so far: the attribute and its 64-byte log entry ([`Attr`]), the
-//! circular attribute log on persistent memory with back-pressure and per-stream durability
-//! marks ([`AttrLog`], [`MemPmr`] — an *emulated* PMR in RAM), and recovery ([`recover`]):
-//! per stream, the longest prefix of groups whose requests are all in the log and durable
-//! (merged groups all or nothing, split requests joined again), what lies beyond it, and the
-//! in-place updates among that. The sequencer, the ORDER queue, asynchronous in-order execution
-//! over lbio, the NVMe PMR and block-log backends and `aios bench ordered` are not built yet.
+//! **In progress.** Built: the attribute and its 64-byte log entry ([`Attr`]); the circular
+//! attribute log on persistent memory with back-pressure and per-stream durability marks
+//! ([`AttrLog`], [`MemPmr`] — an *emulated* PMR in RAM); the ordered device over lbio
+//! ([`OrderedDevice`]: streams and groups, an ORDER queue that merges contiguous whole groups
+//! and splits writes above the transfer limit, the attribute persisted before its data,
+//! in-order completion per stream, `wait` with a logged FLUSH); and recovery ([`recover`]): per
+//! stream, the longest prefix of groups whose requests are all in the log and durable (merged
+//! groups all or nothing, split requests joined again), what lies beyond it, and the in-place
+//! updates among that. Not built yet: the NVMe PMR and block-log backends, and moving a stream
+//! to another thread.
 //!
 //! ```
 //! use rio_ordering::{recover, scan, Attr, AttrLog, MemPmr};
