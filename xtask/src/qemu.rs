@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 
 use crate::results::{self, Log};
 
-pub const KERNEL_CMDLINE: &str = "console=ttyS0 panic=-1 loglevel=4 nvme.poll_queues=1";
+/// `iomem=relaxed`: the nvme driver claims every BAR of the controller, and Debian kernels have
+/// `CONFIG_IO_STRICT_DEVMEM`, so mapping the PMR BAR from user space needs it.
+pub const KERNEL_CMDLINE: &str =
+    "console=ttyS0 panic=-1 loglevel=4 nvme.poll_queues=1 iomem=relaxed";
 
 pub struct Config {
     pub vmlinuz: PathBuf,

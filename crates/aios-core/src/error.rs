@@ -87,6 +87,10 @@ pub enum CoreError {
     #[error("{path} is not an NVMe namespace passthrough device: {why}")]
     NotNvme { path: PathBuf, why: String },
 
+    /// An NVMe controller's persistent memory region cannot be used.
+    #[error("{path}: no usable NVMe persistent memory region (PMR): {why}")]
+    Pmr { path: PathBuf, why: String },
+
     /// An io_uring or other system call failed while driving the engine.
     #[error("{op}: {source}")]
     Sys { op: &'static str, source: io::Error },

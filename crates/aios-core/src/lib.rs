@@ -19,6 +19,7 @@ pub mod arena;
 pub mod engine;
 pub mod error;
 pub mod nvme;
+pub mod pmr;
 pub mod probe;
 pub mod sys;
 

@@ -37,10 +37,13 @@ pub mod attr;
 mod device;
 mod error;
 pub mod log;
+pub mod pmr;
 pub mod recovery;
 
+pub use aios_core::pmr::NvmePmr;
 pub use attr::{Attr, ATTR_BYTES};
 pub use device::{Done, OrderedConfig, OrderedDevice, OrderedStats, Write};
 pub use error::RioError;
 pub use log::{scan, AttrLog, Header, LogScan, MemPmr, Pmr, Slot, MAX_STREAMS};
+pub use pmr::FilePmr;
 pub use recovery::{recover, Recovery, StreamRecovery};
