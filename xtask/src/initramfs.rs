@@ -137,13 +137,35 @@ run_step() {{
         devices = LAB_DEVICES.join(" "),
         secs = DEVICE_WAIT_TENTHS / 10,
     ));
-    for (i, step) in steps.iter().enumerate() {
-        s.push_str(&format!(
-            "run_step {} {} {}\n",
-            i + 1,
-            step.name,
-            step_script_path(i)
-        ));
+    // Which boot this is: `aios.boot=N` on the kernel command line (1 when absent). A boot runs
+    // the steps up to and including the next one that cuts the power.
+    let boots = crate::plan::boots(steps);
+    if boots.len() > 1 {
+        s.push_str(
+            r#"boot=1
+for w in $(cat /proc/cmdline); do case "$w" in aios.boot=*) boot=${w#aios.boot=};; esac; done
+mark "info boot $boot"
+"#,
+        );
+    }
+    for (b, range) in boots.iter().enumerate() {
+        let indent = if boots.len() > 1 {
+            s.push_str(&format!("if [ \"$boot\" = {} ]; then\n", b + 1));
+            "  "
+        } else {
+            ""
+        };
+        for i in range.clone() {
+            s.push_str(&format!(
+                "{indent}run_step {} {} {}\n",
+                i + 1,
+                steps[i].name,
+                step_script_path(i)
+            ));
+        }
+        if boots.len() > 1 {
+            s.push_str("fi\n");
+        }
     }
     s.push_str(
         r#"mark "done t=$(now)"
@@ -305,6 +327,7 @@ mod tests {
             command: "nvme_lab --ignored".into(),
             artifacts: vec![],
             env: vec![("AIOS_LAB_NVME_CHAR".into(), "/dev/ng0n1".into())],
+            cuts_power: false,
         };
         assert_eq!(
             step_script(&step),
@@ -332,16 +355,23 @@ mod tests {
                 implied: false,
             },
         ];
-        let steps: Vec<Step> = ["a", "b"]
+        let mut steps: Vec<Step> = ["a", "b"]
             .iter()
             .map(|n| Step {
                 name: n.to_string(),
                 command: "true".into(),
                 artifacts: vec![],
                 env: vec![],
+                cuts_power: false,
             })
             .collect();
         let init = init_script(&kernel, &modules, &steps);
+        assert!(!init.contains("aios.boot"), "one boot: no boot switch");
+        // A power cut after step a: two boots, chosen by the kernel command line.
+        steps[0].cuts_power = true;
+        let two = init_script(&kernel, &modules, &steps);
+        assert!(two.contains("if [ \"$boot\" = 1 ]; then\n  run_step 1 a /aios/steps/1.sh\nfi\n"));
+        assert!(two.contains("if [ \"$boot\" = 2 ]; then\n  run_step 2 b /aios/steps/2.sh\nfi\n"));
         assert!(init.starts_with("#!/bin/busybox sh\n"));
         assert!(init.contains("mark \"info module crc64 is built in, skipped\"\n"));
         assert!(init.contains(
@@ -361,7 +391,10 @@ mod tests {
                 && pos("mark \"done") < init.rfind("poweroff -f").unwrap()
         );
         // The host's busybox (the one copied into the guest) must accept the syntax.
-        if Path::new(BUSYBOX).is_file() {
+        for init in [&init, &two] {
+            if !Path::new(BUSYBOX).is_file() {
+                break;
+            }
             let file = std::env::temp_dir().join(format!("xtask-init-{}.sh", std::process::id()));
             fs::write(&file, &init).unwrap();
             let out = Command::new(BUSYBOX)

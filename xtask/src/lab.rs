@@ -262,7 +262,8 @@ fn run(args: &Args) -> Result<bool, Failure> {
         phase("boot", sparse_file(&pmr, 1 << 20))?;
         Some(pmr)
     };
-    let cfg = qemu::Config {
+    let boots = plan::boots(&steps);
+    let mut cfg = qemu::Config {
         vmlinuz: kernel.vmlinuz.clone(),
         initrd: initrd.path.clone(),
         disk,
@@ -272,109 +273,236 @@ fn run(args: &Args) -> Result<bool, Failure> {
         qemu_log: run_dir.join("qemu.log"),
         memory_mib: 2048,
         smp: 2,
+        boot: 1,
     };
     say(&format!(
-        "lab: booting (TCG, {} MiB NVMe{}, timeout {} s) …",
+        "lab: booting (TCG, {} MiB NVMe{}, timeout {} s{}) …",
         args.disk_mib,
         if cfg.pmr.is_some() {
             " with 1 MiB PMR"
         } else {
             ""
         },
-        args.timeout
+        args.timeout,
+        if boots.len() > 1 {
+            format!(
+                " per boot; {} boots with a power cut between each, same disk and PMR",
+                boots.len()
+            )
+        } else {
+            String::new()
+        }
     ));
-    let mut live = Live {
-        total: steps.len(),
-        start: Some(Instant::now()),
-        ..Live::default()
-    };
-    let (outcome, log, timings) = phase(
-        "boot",
-        qemu::run(&cfg, Duration::from_secs(args.timeout), |log| {
-            live.update(log, false)
-        }),
-    )?;
-    live.update(&log, true);
+
+    let mut problems = Vec::new();
+    // All boots' result logs as one: steps keep their plan-wide ids.
+    let mut log = Log::default();
+    // Steps whose planned power cut happened.
+    let mut cut_done: Vec<usize> = Vec::new();
+    let mut timings: Option<qemu::Timings> = None;
+    let mut guest_run = Duration::ZERO;
+    let mut timed_out = false;
+    let mut boot_json = Vec::new();
+    for (b, range) in boots.iter().enumerate() {
+        let n = b as u32 + 1;
+        cfg.boot = n;
+        let suffix = if n == 1 {
+            String::new()
+        } else {
+            format!(".boot{n}")
+        };
+        cfg.console_log = run_dir.join(format!("console{suffix}.log"));
+        cfg.results_log = run_dir.join(format!("results{suffix}.log"));
+        cfg.qemu_log = run_dir.join(format!("qemu{suffix}.log"));
+        let cut_step = range.clone().last().filter(|&i| steps[i].cuts_power);
+        if boots.len() > 1 {
+            let names: Vec<&str> = steps[range.clone()]
+                .iter()
+                .map(|s| s.name.as_str())
+                .collect();
+            say(&format!(
+                "lab: boot {n} of {}: {}{}",
+                boots.len(),
+                names.join(", "),
+                cut_step.map_or(String::new(), |i| format!(
+                    " (then {} cuts the power)",
+                    steps[i].name
+                ))
+            ));
+        }
+        let mut live = Live {
+            total: steps.len(),
+            start: Some(Instant::now()),
+            ..Live::default()
+        };
+        let (outcome, boot_log, boot_timings) = phase(
+            "boot",
+            qemu::run(&cfg, Duration::from_secs(args.timeout), |log| {
+                live.update(log, false)
+            }),
+        )?;
+        live.update(&boot_log, true);
+        guest_run += boot_timings.exit;
+        let before = problems.len();
+        let console_tail = || {
+            let tail = qemu::tail(&cfg.console_log, CONSOLE_TAIL_LINES);
+            if tail.trim().is_empty() {
+                "(console log is empty: no kernel messages at loglevel 4, no errors from /init)"
+                    .to_string()
+            } else {
+                tail
+            }
+        };
+        let console = qemu::read_lossy(&cfg.console_log);
+        let reset_seen = console.contains("sysrq: Resetting");
+        let boot_name = if boots.len() > 1 {
+            format!("boot {n}: ")
+        } else {
+            String::new()
+        };
+        match (&outcome, cut_step) {
+            (Outcome::TimedOut, _) => {
+                timed_out = true;
+                problems.push(format!(
+                    "boot: {boot_name}guest did not finish within {} s; console tail:\n{}",
+                    args.timeout,
+                    console_tail()
+                ))
+            }
+            (Outcome::Exited(_), Some(c)) => {
+                let id = (c + 1).to_string();
+                let step = boot_log.steps.iter().find(|s| s.id == id);
+                let why = match step {
+                    None => Some("it never began".to_string()),
+                    Some(s) if s.rc.is_some() => Some(format!(
+                        "it ended with rc={} instead",
+                        s.rc.unwrap_or_default()
+                    )),
+                    Some(_) if boot_log.done => Some("the guest went on to finish".into()),
+                    Some(_) if !reset_seen => Some(
+                        "the console shows no sysrq reset (the guest died some other way)".into(),
+                    ),
+                    Some(_) => None,
+                };
+                match why {
+                    None => {
+                        say(&format!(
+                            "lab: {boot_name}{} cut the power as planned (guest reset by sysrq, {})",
+                            steps[c].name,
+                            secs(boot_timings.exit)
+                        ));
+                        cut_done.push(c);
+                    }
+                    Some(why) => problems.push(format!(
+                        "power cut: {boot_name}step {} was to cut the power, but {why}; console tail:\n{}",
+                        steps[c].name,
+                        console_tail()
+                    )),
+                }
+            }
+            (Outcome::Exited(status), None) if !boot_log.done => {
+                let qlog = qemu::tail(&cfg.qemu_log, 20);
+                let qlog = if qlog.trim().is_empty() {
+                    String::new()
+                } else {
+                    format!("\nqemu said:\n{qlog}")
+                };
+                problems.push(format!(
+                    "boot: {boot_name}guest stopped before finishing (qemu {status}{}); console tail:\n{}{qlog}",
+                    if boot_log.init_t.is_none() {
+                        ", /init never reported"
+                    } else {
+                        ""
+                    },
+                    console_tail()
+                ));
+            }
+            (Outcome::Exited(_), None) => {}
+        }
+        // At loglevel 4 the console stays quiet unless something is wrong (and /init's own
+        // errors land there), so whatever it holds besides the power-off or planned reset line
+        // is worth showing.
+        let noteworthy: Vec<&str> = console
+            .lines()
+            .filter(|l| {
+                !l.trim().is_empty()
+                    && !l.contains("reboot: Power down")
+                    && !(cut_step.is_some() && l.contains("sysrq: Resetting"))
+            })
+            .collect();
+        if !noteworthy.is_empty() && problems.len() == before {
+            say(&format!(
+                "lab: {boot_name}guest console ({} line(s), last {CONSOLE_TAIL_LINES} shown):",
+                noteworthy.len()
+            ));
+            for l in &noteworthy[noteworthy.len().saturating_sub(CONSOLE_TAIL_LINES)..] {
+                say(&format!("    ! {l}"));
+            }
+        }
+        if let Some(l) = noteworthy
+            .iter()
+            .find(|l| KERNEL_TROUBLE.iter().any(|t| l.contains(t)))
+        {
+            problems.push(format!(
+                "kernel: {boot_name}the guest kernel reported trouble: {}",
+                l.trim()
+            ));
+        }
+        for s in boot_log
+            .steps
+            .iter()
+            .filter(|s| s.id.parse::<usize>().is_err())
+        {
+            let what = if s.name.starts_with("insmod-") {
+                "module load"
+            } else {
+                "device wait"
+            };
+            problems.push(format!(
+                "{what}: {boot_name}{} rc={}",
+                s.name,
+                s.rc.map_or("?".into(), |r| r.to_string())
+            ));
+        }
+        boot_json.push(json!({
+            "boot": n,
+            "steps": steps[range.clone()].iter().map(|s| s.name.clone()).collect::<Vec<_>>(),
+            "power_cut": cut_step.map(|c| steps[c].name.clone()),
+            "guest_run_s": boot_timings.exit.as_secs_f64(),
+            "boot_to_init_s": boot_timings.init.map(|d| d.as_secs_f64()),
+        }));
+        if timings.is_none() {
+            log.init_t = boot_log.init_t;
+            log.ready_t = boot_log.ready_t;
+        }
+        log.done = boot_log.done;
+        log.done_t = boot_log.done_t;
+        log.info.extend(boot_log.info);
+        log.stray.push_str(&boot_log.stray);
+        log.steps.extend(boot_log.steps);
+        timings.get_or_insert(boot_timings);
+        if problems.len() > before && b + 1 < boots.len() {
+            say(&format!(
+                "lab: not booting again: boot {n} went wrong, so the later boots' steps are not run"
+            ));
+            break;
+        }
+    }
+    let timings = timings.unwrap_or_default();
     let total = t_start.elapsed();
     let lab_time = t_lab.elapsed();
 
-    // What went wrong, phase by phase.
-    let mut problems = Vec::new();
-    let console_tail = || {
-        let tail = qemu::tail(&cfg.console_log, CONSOLE_TAIL_LINES);
-        if tail.trim().is_empty() {
-            "(console.log is empty: no kernel messages at loglevel 4, no errors from /init)"
-                .to_string()
-        } else {
-            tail
-        }
-    };
-    match &outcome {
-        Outcome::TimedOut => problems.push(format!(
-            "boot: guest did not finish within {} s; console tail:\n{}",
-            args.timeout,
-            console_tail()
-        )),
-        Outcome::Exited(status) if !log.done => {
-            let qlog = qemu::tail(&cfg.qemu_log, 20);
-            let qlog = if qlog.trim().is_empty() {
-                String::new()
-            } else {
-                format!("\nqemu said:\n{qlog}")
-            };
-            problems.push(format!(
-                "boot: guest stopped before finishing (qemu {status}{}); console tail:\n{}{qlog}",
-                if log.init_t.is_none() {
-                    ", /init never reported"
-                } else {
-                    ""
-                },
-                console_tail()
-            ));
-        }
-        Outcome::Exited(_) => {}
-    }
-    // At loglevel 4 the console stays quiet unless something is wrong (and /init's own errors land
-    // there), so whatever it holds besides the power-off line is worth showing.
-    let console = qemu::read_lossy(&cfg.console_log);
-    let noteworthy: Vec<&str> = console
-        .lines()
-        .filter(|l| !l.trim().is_empty() && !l.contains("reboot: Power down"))
-        .collect();
-    if !noteworthy.is_empty() && log.done {
-        say(&format!(
-            "lab: guest console ({} line(s), last {CONSOLE_TAIL_LINES} shown):",
-            noteworthy.len()
-        ));
-        for l in &noteworthy[noteworthy.len().saturating_sub(CONSOLE_TAIL_LINES)..] {
-            say(&format!("    ! {l}"));
+    let mut rows = rows(&steps, &log);
+    for r in &mut rows {
+        if let Ok(i) = r.id.parse::<usize>() {
+            if cut_done.contains(&(i - 1)) {
+                r.result = "ok (power cut)".into();
+            }
         }
     }
-    if let Some(l) = noteworthy
-        .iter()
-        .find(|l| KERNEL_TROUBLE.iter().any(|t| l.contains(t)))
-    {
-        problems.push(format!(
-            "kernel: the guest kernel reported trouble: {}",
-            l.trim()
-        ));
-    }
-    for s in log.steps.iter().filter(|s| s.id.parse::<usize>().is_err()) {
-        let what = if s.name.starts_with("insmod-") {
-            "module load"
-        } else {
-            "device wait"
-        };
-        problems.push(format!(
-            "{what}: {} rc={}",
-            s.name,
-            s.rc.map_or("?".into(), |r| r.to_string())
-        ));
-    }
-    let rows = rows(&steps, &log);
     let failed: Vec<String> = rows
         .iter()
-        .filter(|r| r.id.parse::<usize>().is_ok() && r.result != "ok")
+        .filter(|r| r.id.parse::<usize>().is_ok() && !r.result.starts_with("ok"))
         .map(|r| format!("{} ({})", r.name, r.result))
         .collect();
     if !failed.is_empty() {
@@ -397,14 +525,15 @@ fn run(args: &Args) -> Result<bool, Failure> {
         "lab: timings: initramfs {}, boot to /init {}, boot to first step {boot_to_first}, guest run {}, lab {} (after artifacts), total {}",
         secs(t_initramfs),
         timings.init.map_or("-".into(), secs),
-        secs(timings.exit),
+        secs(guest_run),
         secs(lab_time),
         secs(total)
     ));
     let summary = json!({
         "ok": ok,
         "done": log.done,
-        "timed_out": matches!(outcome, Outcome::TimedOut),
+        "timed_out": timed_out,
+        "boots": boot_json,
         "problems": problems,
         "kernel": { "package": kernel.pkg, "version": kernel.version },
         "pmr": cfg.pmr.is_some(),
@@ -412,7 +541,7 @@ fn run(args: &Args) -> Result<bool, Failure> {
             "initramfs": t_initramfs.as_secs_f64(),
             "boot_to_init": timings.init.map(|d| d.as_secs_f64()),
             "boot_to_first_step": timings.first_step.map(|d| d.as_secs_f64()),
-            "guest_run": timings.exit.as_secs_f64(),
+            "guest_run": guest_run.as_secs_f64(),
             "lab": lab_time.as_secs_f64(),
             "total": total.as_secs_f64(),
         },

@@ -30,7 +30,15 @@ struct StepDef {
     command: &'static str,
     artifacts: &'static [&'static str],
     env: &'static [(&'static str, &'static str)],
+    /// The step ends its boot by cutting the guest's power (it resets the machine itself); the
+    /// steps after it run in the next boot, on the same NVMe disk image and PMR file.
+    cuts_power: bool,
 }
+
+const PMR_ENV: &[(&str, &str)] = &[
+    ("AIOS_LAB_NVME_CHAR", "/dev/ng0n1"),
+    ("AIOS_LAB_NVME_BLOCK", "/dev/nvme0n1"),
+];
 
 /// The default plan of `cargo xtask lab`.
 const DEFAULT_PLAN: &[StepDef] = &[
@@ -39,18 +47,21 @@ const DEFAULT_PLAN: &[StepDef] = &[
         command: "aios probe /dev/ng0n1",
         artifacts: &["bin:aios"],
         env: &[],
+        cuts_power: false,
     },
     StepDef {
         name: "probe-nvme",
         command: "aios probe /dev/nvme0n1",
         artifacts: &["bin:aios"],
         env: &[],
+        cuts_power: false,
     },
     StepDef {
         name: "probe-nullb",
         command: "aios probe /dev/nullb0",
         artifacts: &["bin:aios"],
         env: &[],
+        cuts_power: false,
     },
     StepDef {
         name: "nvme-tests",
@@ -62,24 +73,50 @@ const DEFAULT_PLAN: &[StepDef] = &[
             ("AIOS_LAB_NULLB", "/dev/nullb0"),
             ("AIOS_LAB_EXPECT_FIXED_BUFFERS", "1"),
         ],
+        cuts_power: false,
     },
     StepDef {
         name: "bench-ng",
         command: "aios bench lbio --device /dev/ng0n1 --seconds 1 --rounds 1",
         artifacts: &["bin:aios"],
         env: &[],
+        cuts_power: false,
     },
     StepDef {
         name: "bench-ng-iopoll",
         command: "aios bench lbio --device /dev/ng0n1 --seconds 1 --rounds 1 --iopoll",
         artifacts: &["bin:aios"],
         env: &[],
+        cuts_power: false,
     },
     StepDef {
         name: "criterion-ng",
         command: "lbio_mem --bench device --warm-up-time 1 --measurement-time 2",
         artifacts: &["bench:lbio_mem"],
         env: &[("AIOS_BENCH_DEVICE", "/dev/ng0n1")],
+        cuts_power: false,
+    },
+    // Rio's attribute log on the controller's PMR across two power cuts (tests/pmr_lab.rs).
+    StepDef {
+        name: "pmr-cut-1",
+        command: "pmr_lab --fresh --cut --seed 1",
+        artifacts: &["test:pmr_lab"],
+        env: PMR_ENV,
+        cuts_power: true,
+    },
+    StepDef {
+        name: "pmr-cut-2",
+        command: "pmr_lab --cut --seed 2",
+        artifacts: &["test:pmr_lab"],
+        env: PMR_ENV,
+        cuts_power: true,
+    },
+    StepDef {
+        name: "pmr-recover",
+        command: "pmr_lab",
+        artifacts: &["test:pmr_lab"],
+        env: PMR_ENV,
+        cuts_power: false,
     },
 ];
 
@@ -89,6 +126,26 @@ pub struct Step {
     pub command: String,
     pub artifacts: Vec<Spec>,
     pub env: Vec<(String, String)>,
+    /// The step cuts the guest's power: the boot ends with it, and the next boot runs the
+    /// steps after it on the same disk image and PMR.
+    pub cuts_power: bool,
+}
+
+/// The steps of each boot, as index ranges into `steps`: a boot ends after a step that cuts
+/// the power.
+pub fn boots(steps: &[Step]) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    for (i, s) in steps.iter().enumerate() {
+        if s.cuts_power {
+            out.push(start..i + 1);
+            start = i + 1;
+        }
+    }
+    if start < steps.len() || out.is_empty() {
+        out.push(start..steps.len());
+    }
+    out
 }
 
 pub fn default_plan() -> Vec<Step> {
@@ -107,6 +164,7 @@ pub fn default_plan() -> Vec<Step> {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
+            cuts_power: d.cuts_power,
         })
         .collect()
 }
@@ -148,6 +206,7 @@ pub fn parse_step(s: &str) -> Result<Step, String> {
         command: command.to_string(),
         artifacts,
         env: Vec::new(),
+        cuts_power: false,
     })
 }
 
@@ -214,15 +273,28 @@ mod tests {
                 "nvme-tests",
                 "bench-ng",
                 "bench-ng-iopoll",
-                "criterion-ng"
+                "criterion-ng",
+                "pmr-cut-1",
+                "pmr-cut-2",
+                "pmr-recover"
             ]
         );
+        let b = boots(&plan);
+        assert_eq!(b, [0..8, 8..9, 9..10], "a boot ends after each power cut");
         for s in &plan {
             check_name(&s.name).unwrap();
         }
         let (_, specs) = select(&[], &[], None).unwrap();
         let specs: Vec<String> = specs.iter().map(|s| s.to_string()).collect();
-        assert_eq!(specs, ["bin:aios", "test:nvme_lab", "bench:lbio_mem"]);
+        assert_eq!(
+            specs,
+            [
+                "bin:aios",
+                "test:nvme_lab",
+                "test:pmr_lab",
+                "bench:lbio_mem"
+            ]
+        );
     }
 
     #[test]

@@ -24,6 +24,8 @@ pub struct Config {
     pub qemu_log: PathBuf,
     pub memory_mib: u32,
     pub smp: u32,
+    /// Which boot of the run (`aios.boot=N` on the kernel command line; 1 for the first).
+    pub boot: u32,
 }
 
 pub fn command(cfg: &Config) -> Command {
@@ -49,7 +51,8 @@ pub fn command(cfg: &Config) -> Command {
         .arg(&cfg.vmlinuz)
         .arg("-initrd")
         .arg(&cfg.initrd)
-        .args(["-append", KERNEL_CMDLINE]);
+        .arg("-append")
+        .arg(format!("{KERNEL_CMDLINE} aios.boot={}", cfg.boot));
     cmd.arg("-drive").arg(format!(
         "file={},if=none,id=nv0,format=raw",
         cfg.disk.display()

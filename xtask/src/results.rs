@@ -127,6 +127,11 @@ pub fn parse(text: &str) -> Log {
             }
             _ => false,
         };
+        if !handled && !complete && open.is_none() {
+            // A line still arriving outside any step: most likely a marker cut mid-write; wait
+            // for its newline before deciding what it is.
+            continue;
+        }
         if !handled {
             let mut piece = line.to_string();
             if complete {
@@ -214,6 +219,10 @@ mod tests {
         let log = parse("@@AIOS-LAB step 1 begin a t=1\nx\n\n@@AIOS-LAB step 1 end rc=0 t=2\n");
         assert_eq!(log.steps[0].rc, Some(0));
         assert_eq!(log.steps[0].output, "x\n");
+        // Outside a step, half a marker is not stray text either.
+        let log = parse("@@AIOS-LAB init t=1\n@@AIOS-LAB info module crc64 i");
+        assert_eq!(log.stray, "");
+        assert!(log.info.is_empty());
     }
 
     #[test]
