@@ -45,5 +45,5 @@ pub use attr::{Attr, ATTR_BYTES};
 pub use device::{Done, OrderedConfig, OrderedDevice, OrderedStats, Write};
 pub use error::RioError;
 pub use log::{scan, AttrLog, Header, LogScan, MemPmr, Pmr, Slot, MAX_STREAMS};
-pub use pmr::FilePmr;
+pub use pmr::{BlockLogStats, BlockPmr, FilePmr};
 pub use recovery::{recover, Recovery, StreamRecovery};

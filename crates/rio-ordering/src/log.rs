@@ -30,6 +30,25 @@ pub trait Pmr {
     fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError>;
     /// Read `out.len()` bytes at `offset`.
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError>;
+    /// Whether [`Pmr::persist`] only stages the bytes, which become durable at the next
+    /// [`Pmr::sync`] (a log kept in device blocks). Byte-addressable persistent memory: `false`.
+    fn deferred(&self) -> bool {
+        false
+    }
+    /// The unit the region is written in; the log starts its slots on such a boundary so that
+    /// header and slots never share one. 1 for byte-addressable memory.
+    fn block_bytes(&self) -> usize {
+        1
+    }
+    /// Make every staged [`Pmr::persist`] durable (nothing to do where persist is immediate).
+    fn sync(&mut self) -> Result<(), RioError> {
+        Ok(())
+    }
+    /// Like [`Pmr::persist`], but durable on return even on a deferred region, before anything
+    /// staged after it (the log header, whose marks must be durable before a slot is reused).
+    fn persist_ordered(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
+        self.persist(offset, bytes)
+    }
 }
 
 /// Persistent memory **emulated in RAM**: what it holds survives exactly as long as the value
@@ -80,8 +99,9 @@ fn check_range(offset: usize, len: usize, size: usize) -> Result<usize, RioError
 }
 
 const LOG_MAGIC: u32 = u32::from_le_bytes(*b"RIOL");
-/// Header: magic, crc, epoch, slots, streams, version, then `durable_below` per stream; padded
-/// to whole 64-byte slots. Two copies, written in turn, so a torn header write leaves the other.
+/// Header: magic, crc, epoch, slots, streams, where the slots start (in 64-byte units; 0 means
+/// right after both copies), version, then `durable_below` per stream; padded to whole 64-byte
+/// slots. Two copies, written in turn, so a torn header write leaves the other.
 const HEADER_FIXED: usize = 24;
 
 /// Streams one log serves at most.
@@ -106,6 +126,8 @@ pub struct Header {
     pub version: u32,
     /// Per stream: every group below this is durable (recovery starts here).
     pub durable_below: Vec<u64>,
+    /// Byte offset of slot 0 (after both header copies, rounded up to the region's block).
+    pub slots_at: usize,
 }
 
 impl Header {
@@ -115,6 +137,7 @@ impl Header {
         b[8..12].copy_from_slice(&self.epoch.to_le_bytes());
         b[12..16].copy_from_slice(&self.slots.to_le_bytes());
         b[16..18].copy_from_slice(&(self.durable_below.len() as u16).to_le_bytes());
+        b[18..20].copy_from_slice(&((self.slots_at / ATTR_BYTES) as u16).to_le_bytes());
         b[20..24].copy_from_slice(&self.version.to_le_bytes());
         for (i, d) in self.durable_below.iter().enumerate() {
             b[HEADER_FIXED + 8 * i..HEADER_FIXED + 8 * i + 8].copy_from_slice(&d.to_le_bytes());
@@ -157,7 +180,16 @@ impl Header {
             return Err(RioError::Corrupt("log header checksum mismatch".into()));
         }
         let slots = u32::from_le_bytes(b[12..16].try_into().expect("4"));
-        if header_bytes(streams) + slots as usize * ATTR_BYTES > pmr.len() {
+        let slots_at = match u16::from_le_bytes([b[18], b[19]]) as usize * ATTR_BYTES {
+            0 => header_bytes(streams),
+            at if at < header_bytes(streams) => {
+                return Err(RioError::Corrupt(format!(
+                    "log header puts its slots at byte {at}, inside the header"
+                )))
+            }
+            at => at,
+        };
+        if slots_at + slots as usize * ATTR_BYTES > pmr.len() {
             return Err(RioError::Corrupt(format!(
                 "log header claims {slots} slots, more than the region holds"
             )));
@@ -175,6 +207,7 @@ impl Header {
                     )
                 })
                 .collect(),
+            slots_at,
         })
     }
 
@@ -222,7 +255,13 @@ impl<P: Pmr> AttrLog<P> {
                 "a log serves 1..={MAX_STREAMS} streams, not {streams}"
             )));
         }
-        let hb = header_bytes(streams as usize);
+        let block = pmr.block_bytes().max(1);
+        if block > u16::MAX as usize * ATTR_BYTES / 2 {
+            return Err(RioError::Config(format!(
+                "a region written in {block}-byte blocks: blocks above 1 MiB are not supported"
+            )));
+        }
+        let hb = header_bytes(streams as usize).div_ceil(block) * block;
         let slots = pmr.len().saturating_sub(hb) / ATTR_BYTES;
         if slots < 2 {
             return Err(RioError::Config(format!(
@@ -235,15 +274,17 @@ impl<P: Pmr> AttrLog<P> {
         // Zero the slots, then write the header.
         let zero = vec![0u8; slots * ATTR_BYTES];
         pmr.persist(hb, &zero)?;
+        pmr.sync()?;
         let mut header = Header {
             epoch: 1,
             slots: slots as u32,
             version: 0,
             durable_below: vec![1; streams as usize],
+            slots_at: hb,
         };
-        pmr.persist(header.copy_offset(), &header.encode())?;
+        pmr.persist_ordered(header.copy_offset(), &header.encode())?;
         header.version = 1;
-        pmr.persist(header.copy_offset(), &header.encode())?;
+        pmr.persist_ordered(header.copy_offset(), &header.encode())?;
         Ok(Self::with_header(pmr, header))
     }
 
@@ -276,8 +317,9 @@ impl<P: Pmr> AttrLog<P> {
             slots: old.slots,
             version: old.version.wrapping_add(1),
             durable_below: durable_below.to_vec(),
+            slots_at: old.slots_at,
         };
-        pmr.persist(header.copy_offset(), &header.encode())?;
+        pmr.persist_ordered(header.copy_offset(), &header.encode())?;
         Ok(Self::with_header(pmr, header))
     }
 
@@ -311,7 +353,18 @@ impl<P: Pmr> AttrLog<P> {
     }
 
     fn slot_offset(&self, s: u32) -> usize {
-        header_bytes(self.header.durable_below.len()) + s as usize * ATTR_BYTES
+        self.header.slots_at + s as usize * ATTR_BYTES
+    }
+
+    /// Whether appends and persist words wait for [`AttrLog::sync`] to become durable (a
+    /// block-backed region): the caller syncs before submitting the data of appended entries.
+    pub fn deferred(&self) -> bool {
+        self.pmr.deferred()
+    }
+
+    /// Make every append and persist word so far durable (a no-op on persistent memory).
+    pub fn sync(&mut self) -> Result<(), RioError> {
+        self.pmr.sync()
     }
 
     /// Persist `attr` (stamped with this epoch, persist word clear) in the next slot. A full log
@@ -336,7 +389,7 @@ impl<P: Pmr> AttrLog<P> {
                 self.header.durable_below.clone_from(&self.durable_below);
                 self.header.version = self.header.version.wrapping_add(1);
                 self.pmr
-                    .persist(self.header.copy_offset(), &self.header.encode())?;
+                    .persist_ordered(self.header.copy_offset(), &self.header.encode())?;
                 self.header_writes += 1;
             }
             self.live -= 1;
@@ -399,7 +452,7 @@ pub struct LogScan {
 /// Read every slot of the log on `pmr`.
 pub fn scan(pmr: &dyn Pmr) -> Result<LogScan, RioError> {
     let header = Header::read(pmr)?;
-    let hb = header_bytes(header.durable_below.len());
+    let hb = header.slots_at;
     let mut entries = Vec::new();
     let mut damaged = Vec::new();
     let mut stale = 0;

@@ -10,7 +10,9 @@ use std::rc::Rc;
 
 use aios_core::{Engine, EngineConfig};
 use lbio::{LbioArray, LbioConfig, SimConfig, SimDisk, SimRng};
-use rio_ordering::{recover, scan, AttrLog, MemPmr, OrderedConfig, OrderedDevice, RioError, Write};
+use rio_ordering::{
+    recover, scan, AttrLog, MemPmr, OrderedConfig, OrderedDevice, Pmr, RioError, Write,
+};
 
 const DISK: u64 = 1 << 20;
 /// SimDisk's default sector.
@@ -34,10 +36,128 @@ fn pattern(id: u64, len: usize) -> Vec<u8> {
     v
 }
 
+/// A log region that is either persistent memory or a block log (deferred: appends and persist
+/// words are staged and become durable at `sync`, as with `BlockPmr`), kept in memory so that a
+/// crash can take exactly what was synced.
+enum LogRegion {
+    Mem(MemPmr),
+    Blocks {
+        durable: Vec<u8>,
+        image: Vec<u8>,
+        dirty: std::collections::BTreeSet<usize>,
+    },
+}
+
+const LOG_BLOCK: usize = 512;
+
+impl LogRegion {
+    fn blocks(len: usize) -> LogRegion {
+        LogRegion::Blocks {
+            durable: vec![0; len],
+            image: vec![0; len],
+            dirty: Default::default(),
+        }
+    }
+    fn write_back(durable: &mut [u8], image: &[u8], b: usize) {
+        let r = b * LOG_BLOCK..((b + 1) * LOG_BLOCK).min(image.len());
+        durable[r.clone()].copy_from_slice(&image[r]);
+    }
+    /// The region after a power cut: what was synced, plus any subset of the staged blocks (a
+    /// sync the cut interrupted).
+    fn crash_image(&self, rng: &mut SimRng) -> MemPmr {
+        match self {
+            LogRegion::Mem(m) => m.clone(),
+            LogRegion::Blocks {
+                durable,
+                image,
+                dirty,
+            } => {
+                let mut d = durable.clone();
+                for &b in dirty {
+                    if rng.chance(1, 2) {
+                        Self::write_back(&mut d, image, b);
+                    }
+                }
+                let mut m = MemPmr::new(d.len());
+                m.bytes_mut().copy_from_slice(&d);
+                m
+            }
+        }
+    }
+}
+
+impl Pmr for LogRegion {
+    fn len(&self) -> usize {
+        match self {
+            LogRegion::Mem(m) => m.len(),
+            LogRegion::Blocks { image, .. } => image.len(),
+        }
+    }
+    fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
+        match self {
+            LogRegion::Mem(m) => m.persist(offset, bytes),
+            LogRegion::Blocks { image, dirty, .. } => {
+                image[offset..offset + bytes.len()].copy_from_slice(bytes);
+                for b in offset / LOG_BLOCK..(offset + bytes.len()).div_ceil(LOG_BLOCK) {
+                    dirty.insert(b);
+                }
+                Ok(())
+            }
+        }
+    }
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError> {
+        match self {
+            LogRegion::Mem(m) => m.read(offset, out),
+            LogRegion::Blocks { image, .. } => {
+                out.copy_from_slice(&image[offset..offset + out.len()]);
+                Ok(())
+            }
+        }
+    }
+    fn deferred(&self) -> bool {
+        matches!(self, LogRegion::Blocks { .. })
+    }
+    fn block_bytes(&self) -> usize {
+        if self.deferred() {
+            LOG_BLOCK
+        } else {
+            1
+        }
+    }
+    fn sync(&mut self) -> Result<(), RioError> {
+        if let LogRegion::Blocks {
+            durable,
+            image,
+            dirty,
+        } = self
+        {
+            for b in std::mem::take(dirty) {
+                Self::write_back(durable, image, b);
+            }
+        }
+        Ok(())
+    }
+    fn persist_ordered(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
+        self.persist(offset, bytes)?;
+        if let LogRegion::Blocks {
+            durable,
+            image,
+            dirty,
+        } = self
+        {
+            for b in offset / LOG_BLOCK..(offset + bytes.len()).div_ceil(LOG_BLOCK) {
+                Self::write_back(durable, image, b);
+                dirty.remove(&b);
+            }
+        }
+        Ok(())
+    }
+}
+
 struct Rig {
     engine: Rc<Engine>,
     disks: Vec<SimDisk>,
-    dev: OrderedDevice<MemPmr>,
+    dev: OrderedDevice<LogRegion>,
 }
 
 fn rig(
@@ -47,6 +167,18 @@ fn rig(
     streams: u16,
     slots: usize,
     cfg: OrderedConfig,
+) -> Rig {
+    rig_with(seed, targets, plp, streams, slots, cfg, false)
+}
+
+fn rig_with(
+    seed: u64,
+    targets: usize,
+    plp: &[bool],
+    streams: u16,
+    slots: usize,
+    cfg: OrderedConfig,
+    block_log: bool,
 ) -> Rig {
     let engine = engine();
     let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
@@ -58,7 +190,14 @@ fn rig(
         })
         .collect();
     let devs = disks.iter().map(|d| d.open(&lbio).unwrap()).collect();
-    let log = AttrLog::format(MemPmr::new(2 * 576 + slots * 64), streams).unwrap();
+    let bytes = 2 * 576 + slots * 64;
+    let region = if block_log {
+        // Room for the header block and the same number of slots.
+        LogRegion::blocks(bytes.div_ceil(LOG_BLOCK) * LOG_BLOCK + LOG_BLOCK)
+    } else {
+        LogRegion::Mem(MemPmr::new(bytes))
+    };
+    let log = AttrLog::format(region, streams).unwrap();
     let start = vec![1; streams as usize];
     let dev = OrderedDevice::new(lbio, devs, log, &start, cfg).unwrap();
     Rig { engine, disks, dev }
@@ -205,13 +344,15 @@ fn crash_run(seed: u64, images: usize) -> Result<(usize, u64, u64), String> {
         merge: rng.chance(2, 3),
         ..OrderedConfig::default()
     };
-    let mut r = rig(
+    let block_log = rng.chance(1, 2);
+    let mut r = rig_with(
         seed,
         targets,
         &plp,
         streams,
         64 + rng.below(64) as usize,
         cfg,
+        block_log,
     );
     // Every write goes to fresh bytes (out-of-place), so the image shows which landed.
     let mut next_off = vec![0u64; targets];
@@ -261,7 +402,8 @@ fn crash_run(seed: u64, images: usize) -> Result<(usize, u64, u64), String> {
     for d in &r.disks {
         d.cut_power();
     }
-    let sc = scan(r.dev.log().pmr()).map_err(|e| format!("seed {seed}: scan: {e}"))?;
+    let log_image = r.dev.log().pmr().crash_image(&mut rng);
+    let sc = scan(&log_image).map_err(|e| format!("seed {seed}: scan: {e}"))?;
     let rec = recover(&sc, &|t| plp[t as usize]);
     if !rec.damaged.is_empty() {
         return Err(format!("seed {seed}: damaged entries {:?}", rec.damaged));
@@ -270,7 +412,8 @@ fn crash_run(seed: u64, images: usize) -> Result<(usize, u64, u64), String> {
         let acked = acked_below[sr.stream as usize];
         if sr.prefix_end < acked {
             return Err(format!(
-                "seed {seed}: stream {}: acknowledged below {acked}, prefix ends at {} ({:?})",
+                "seed {seed}: stream {}: acknowledged below {acked}, prefix ends at {} ({:?}; \
+                 block log: {block_log})",
                 sr.stream, sr.prefix_end, sr.stopped_by
             ));
         }
@@ -318,7 +461,8 @@ fn crash_run(seed: u64, images: usize) -> Result<(usize, u64, u64), String> {
             let sr = &rec.streams[s as usize];
             return Err(format!(
                 "seed {seed} state {k}: stream {s} group {seq} (in the recovered prefix {}..{}) \
-                 lost its write at {off} on target {t}, sector {} (power-loss protected: {})",
+                 lost its write at {off} on target {t}, sector {} (power-loss protected: {}, \
+                 block log: {block_log})",
                 sr.base,
                 sr.prefix_end,
                 key & ((1 << 48) - 1),
