@@ -62,7 +62,8 @@ else
 fi
 step "one short ordered-write comparison (aios bench ordered: rio, sync, orderless; ull and sim)"
 if [ "$(id -u)" = 0 ]; then
-    ./target/release/aios bench ordered --device ull --streams 1,2 --seconds 0.3 --rounds 1
+    ./target/release/aios bench ordered --device ull --streams 1,2 --seconds 0.3 --rounds 1 \
+        --log pmr,block
 fi
 ./target/release/aios bench ordered --device sim --streams 1 --rounds 1 --sim-writes 3000 \
     --batch 1,32 --seq

@@ -77,6 +77,10 @@ struct OrderedArgs {
     /// Modes to run.
     #[arg(long, value_delimiter = ',', default_value = "rio,sync,orderless")]
     modes: Vec<aios::bench::ordered::OrderedMode>,
+    /// Rio's attribute log: `pmr` (persistent memory, emulated in RAM) and/or `block` (blocks at
+    /// the end of the device, written with FUA ahead of each batch's data; not on sim).
+    #[arg(long, value_delimiter = ',', default_value = "pmr")]
+    log: Vec<aios::bench::ordered::LogKind>,
     /// Writes in flight per stream (rio, orderless).
     #[arg(long, default_value_t = 32)]
     qd: u32,
@@ -854,6 +858,7 @@ fn cmd_bench_ordered(a: OrderedArgs) -> Result<(), BenchError> {
         modes: a.modes.clone(),
         streams: a.streams.clone(),
         batches: a.batch.clone(),
+        logs: a.log.clone(),
         qd: a.qd,
         sequential: a.seq,
         seconds: a.seconds,
@@ -1349,6 +1354,7 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
             ],
             streams: vec![1],
             batches: vec![1],
+            logs: vec![aios::bench::ordered::LogKind::Pmr],
             qd: 32,
             sequential: false,
             seconds: (a.seconds / 2.0).max(0.2),

@@ -357,3 +357,67 @@ fn probe_reads_whether_a_block_device_has_a_volatile_write_cache() {
     .unwrap();
     assert_eq!(probe()["volatile_write_cache"], false);
 }
+
+#[test]
+fn bench_ordered_runs_rio_with_a_pmr_and_a_block_log_and_refuses_a_block_log_on_sim() {
+    let dir = std::env::temp_dir().join(format!("aios-cli-ordered-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("ordered.img");
+    let out = aios()
+        .args(["bench", "ordered", "--device"])
+        .arg(&path)
+        .args([
+            "--size",
+            "64m",
+            "--streams",
+            "1",
+            "--modes",
+            "rio,orderless",
+            "--log",
+            "pmr,block",
+            "--batch",
+            "4",
+            "--seconds",
+            "0.1",
+            "--rounds",
+            "1",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let block = lines
+        .iter()
+        .find(|l| l["mode"] == "rio" && l["log"] == "block")
+        .expect("a rio run with the block log");
+    assert!(block["log_syncs"].as_u64().unwrap() > 0, "{block}");
+    assert!(block["log_sync_us_mean"].as_f64().unwrap() > 0.0, "{block}");
+    assert!(block["lat_us_mean"].as_f64().unwrap() > 0.0, "{block}");
+    let pmr = lines
+        .iter()
+        .find(|l| l["mode"] == "rio" && l["log"] == "pmr")
+        .expect("a rio run with the PMR log");
+    assert!(pmr.get("log_syncs").is_none(), "{pmr}");
+    assert!(lines.iter().any(|l| l["mode"] == "orderless"));
+    assert!(!path.exists(), "the bench removes the file it created");
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let out = aios()
+        .args(["bench", "ordered", "--device", "sim", "--log", "block"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        e.contains("--log block") && e.contains("device path"),
+        "{e}"
+    );
+}

@@ -13,17 +13,42 @@ use std::rc::Rc;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
+use std::collections::VecDeque;
+
 use aios_core::{CompletionMode, Engine, EngineConfig, FixedBuf, ProbeOptions};
+use hdrhistogram::Histogram;
 use lbio::{Device, DeviceConfig, Io, LbioArray, LbioConfig, RouteChoice, SimConfig, SimDisk};
-use rio_ordering::{AttrLog, MemPmr, OrderedConfig, OrderedDevice, Write};
+use rio_ordering::{AttrLog, BlockPmr, MemPmr, OrderedConfig, OrderedDevice, Pmr, Write};
 use serde::Serialize;
 
 use crate::bench::compare::Progress;
-use crate::bench::{arena_within_memlock, median, run_threads, BenchError};
+use crate::bench::{arena_within_memlock, median, quantile_us, run_threads, BenchError};
 
 const BS: usize = 4096;
 /// Rio's PMR is 2 MiB per target (§5); the emulated one is the same size.
 const PMR_BYTES: usize = 2 << 20;
+/// A block log per stream, at the end of the device (outside every stream's data region).
+const BLOCK_LOG_BYTES: u64 = 1 << 20;
+
+/// Where Rio keeps its attribute log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogKind {
+    /// Persistent memory, emulated in RAM (what a device with a PMR offers).
+    Pmr,
+    /// Blocks on the target device itself (hardware without a PMR): written with FUA ahead of
+    /// each batch's data.
+    Block,
+}
+
+impl LogKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            LogKind::Pmr => "pmr",
+            LogKind::Block => "block",
+        }
+    }
+}
 
 /// What orders the writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
@@ -60,9 +85,20 @@ pub enum OrderedTarget {
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct OrderedSample {
     pub mode: String,
+    /// Rio's attribute log: `pmr` (emulated persistent memory) or `block` (on the device).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub log: Option<String>,
     pub streams: u32,
     pub batch: u32,
     pub iops: f64,
+    /// Per write, from submission to its (in-order) completion; sync: write + FLUSH.
+    pub lat_us_mean: f64,
+    pub lat_us_p99: f64,
+    /// Block log: syncs (attribute-block writes ahead of a batch's data) and their mean time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub log_syncs: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub log_sync_us_mean: Option<f64>,
     pub iops_per_cpu_s: f64,
     /// Data commands sent to the device (merging makes fewer than writes).
     pub device_cmds: u64,
@@ -98,6 +134,8 @@ pub struct OrderedBench {
     pub streams: Vec<u32>,
     /// ORDER-queue batch sizes (rio only; the other modes run once per stream count).
     pub batches: Vec<u32>,
+    /// Attribute logs to run rio with.
+    pub logs: Vec<LogKind>,
     pub qd: u32,
     /// Sequential writes (each stream in its own region) instead of random ones.
     pub sequential: bool,
@@ -109,6 +147,9 @@ pub struct OrderedBench {
 }
 
 struct Run {
+    lat: Histogram<u64>,
+    log_syncs: u64,
+    log_sync_ns: u64,
     enters: u64,
     sleeps: u64,
     writes: u64,
@@ -147,18 +188,30 @@ impl Offsets {
     }
 }
 
+/// One run: mode, streams, batch, and rio's log.
+pub type Case = (OrderedMode, u32, u32, Option<LogKind>);
+
+fn case_matches(c: &Case, x: &OrderedSample) -> bool {
+    c.0.name() == x.mode
+        && c.1 == x.streams
+        && c.2 == x.batch
+        && c.3.map(|l| l.name().to_string()) == x.log
+}
+
 impl OrderedBench {
     /// Every run of one round.
-    pub fn cases(&self) -> Vec<(OrderedMode, u32, u32)> {
+    pub fn cases(&self) -> Vec<Case> {
         let mut v = Vec::new();
         for &s in &self.streams {
             for &m in &self.modes {
                 if m == OrderedMode::Rio {
-                    for &b in &self.batches {
-                        v.push((m, s, b));
+                    for &l in &self.logs {
+                        for &b in &self.batches {
+                            v.push((m, s, b, Some(l)));
+                        }
                     }
                 } else {
-                    v.push((m, s, 1));
+                    v.push((m, s, 1, None));
                 }
             }
         }
@@ -171,6 +224,18 @@ impl OrderedBench {
         }
         if self.batches.is_empty() || self.batches.contains(&0) {
             return Err(BenchError::Invalid("--batch needs sizes >= 1".into()));
+        }
+        if self.logs.is_empty() {
+            return Err(BenchError::Invalid("--log needs pmr, block or both".into()));
+        }
+        if matches!(self.target, OrderedTarget::Sim)
+            && self.modes.contains(&OrderedMode::Rio)
+            && self.logs.contains(&LogKind::Block)
+        {
+            return Err(BenchError::Invalid(
+                "--log block keeps the log on the device's blocks: it needs a device path, not sim"
+                    .into(),
+            ));
         }
         if self.qd == 0 || self.qd > 512 {
             return Err(BenchError::Invalid(format!(
@@ -203,26 +268,23 @@ impl OrderedBench {
                 order.reverse();
             }
             let mut this = Vec::new();
-            for (i, &(m, s, b)) in order.iter().enumerate() {
+            for (i, &(m, s, b, l)) in order.iter().enumerate() {
                 progress.step(&format!(
-                    "ordered round {}/{} run {}/{}: {} x{s} stream(s) batch {b}",
+                    "ordered round {}/{} run {}/{}: {}{} x{s} stream(s) batch {b}",
                     round + 1,
                     self.rounds.max(1),
                     i + 1,
                     order.len(),
-                    m.name()
+                    m.name(),
+                    l.map_or(String::new(), |l| format!(" ({} log)", l.name()))
                 ));
-                let mut smp = self.run_case(m, s, b)?;
+                let mut smp = self.run_case(m, s, b, l)?;
                 smp.round = Some(round + 1);
                 this.push(smp);
             }
             progress.done();
             fill_ratios(&mut this);
-            this.sort_by_key(|x| {
-                cases
-                    .iter()
-                    .position(|c| c.0.name() == x.mode && c.1 == x.streams && c.2 == x.batch)
-            });
+            this.sort_by_key(|x| cases.iter().position(|c| case_matches(c, x)));
             for x in &this {
                 emit(x);
             }
@@ -237,11 +299,21 @@ impl OrderedBench {
         mode: OrderedMode,
         streams: u32,
         batch: u32,
+        log: Option<LogKind>,
     ) -> Result<OrderedSample, BenchError> {
         let sim = matches!(self.target, OrderedTarget::Sim);
         let (runs, elapsed, cpu) = run_threads(streams, |t, barrier| {
-            self.stream_thread(mode, t, streams, batch, barrier)
+            self.stream_thread(
+                mode,
+                t,
+                streams,
+                batch,
+                log.unwrap_or(LogKind::Pmr),
+                barrier,
+            )
         });
+        let mut lat = new_hist();
+        let (mut log_syncs, mut log_sync_ns) = (0, 0);
         let mut writes = 0;
         let mut cmds = 0;
         let mut flushes = 0;
@@ -249,6 +321,10 @@ impl OrderedBench {
         let (mut enters, mut sleeps) = (0, 0);
         for r in runs {
             let r = r?;
+            lat.add(&r.lat)
+                .map_err(|e| BenchError::Setup(format!("latency histogram: {e}")))?;
+            log_syncs += r.log_syncs;
+            log_sync_ns += r.log_sync_ns;
             enters += r.enters;
             sleeps += r.sleeps;
             writes += r.writes;
@@ -257,11 +333,17 @@ impl OrderedBench {
             sim_ns = sim_ns.max(r.sim_ns);
         }
         let seconds = if sim { sim_ns as f64 / 1e9 } else { elapsed };
+        let block = log == Some(LogKind::Block) && mode == OrderedMode::Rio;
         Ok(OrderedSample {
             mode: mode.name().into(),
+            log: log.map(|l| l.name().into()),
             streams,
             batch,
             iops: writes as f64 / seconds.max(1e-9),
+            lat_us_mean: lat.mean() / 1000.0,
+            lat_us_p99: quantile_us(&lat, 0.99),
+            log_syncs: block.then_some(log_syncs),
+            log_sync_us_mean: block.then(|| log_sync_ns as f64 / 1000.0 / log_syncs.max(1) as f64),
             iops_per_cpu_s: if cpu > 0.0 { writes as f64 / cpu } else { 0.0 },
             device_cmds: cmds,
             flushes,
@@ -282,13 +364,19 @@ impl OrderedBench {
         t: u32,
         streams: u32,
         batch: u32,
+        log: LogKind,
         barrier: &Barrier,
     ) -> Result<Run, BenchError> {
         let ready = self.open_stream(streams);
         barrier.wait();
         let (engine, lbio, dev, disk) = ready?;
         let cap = dev.geometry().capacity_bytes;
-        let region = (cap / streams as u64) / BS as u64 * BS as u64;
+        // Block logs (one per stream) sit at the end, outside the data regions.
+        let logs_at = match &self.target {
+            OrderedTarget::Path(_) => cap.saturating_sub(BLOCK_LOG_BYTES * streams as u64),
+            OrderedTarget::Sim => cap,
+        };
+        let region = (logs_at / streams as u64) / BS as u64 * BS as u64;
         let mut offs = Offsets {
             base: t as u64 * region,
             blocks: (region / BS as u64).max(1),
@@ -300,10 +388,31 @@ impl OrderedBench {
             deadline: Instant::now() + Duration::from_secs_f64(self.seconds),
             writes: disk.as_ref().map(|_| self.sim_writes),
         };
-        let mut run = match mode {
-            OrderedMode::Rio => run_rio(&engine, lbio, dev, &mut offs, self.qd, batch, &budget)?,
-            OrderedMode::Sync => run_sync(&engine, &dev, &mut offs, &budget)?,
-            OrderedMode::Orderless => {
+        let mut run = match (mode, log, &self.target) {
+            (OrderedMode::Rio, LogKind::Block, OrderedTarget::Path(p)) => {
+                let region = BlockPmr::open(
+                    &engine,
+                    p,
+                    logs_at + t as u64 * BLOCK_LOG_BYTES,
+                    BLOCK_LOG_BYTES as usize,
+                )
+                .map_err(|e| BenchError::Setup(format!("block log: {e}")))?;
+                run_rio(
+                    &engine, lbio, dev, region, &mut offs, self.qd, batch, &budget,
+                )?
+            }
+            (OrderedMode::Rio, ..) => run_rio(
+                &engine,
+                lbio,
+                dev,
+                MemPmr::new(PMR_BYTES),
+                &mut offs,
+                self.qd,
+                batch,
+                &budget,
+            )?,
+            (OrderedMode::Sync, ..) => run_sync(&engine, &dev, &mut offs, &budget)?,
+            (OrderedMode::Orderless, ..) => {
                 run_orderless(&engine, &lbio, &dev, &mut offs, self.qd, &budget)?
             }
         };
@@ -389,17 +498,31 @@ fn fill(engine: &Engine, n: usize) -> Result<Vec<FixedBuf>, BenchError> {
         .collect()
 }
 
-fn run_rio(
+fn new_hist() -> Histogram<u64> {
+    Histogram::new_with_bounds(100, 60_000_000_000, 3).expect("valid histogram bounds")
+}
+
+fn record(h: &mut Histogram<u64>, since: Instant) {
+    h.saturating_record(since.elapsed().as_nanos() as u64);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_rio<P: Pmr>(
     engine: &Rc<Engine>,
     lbio: Rc<LbioArray>,
     dev: Device,
+    region: P,
     offs: &mut Offsets,
     qd: u32,
     batch: u32,
     budget: &Budget,
 ) -> Result<Run, BenchError> {
     let rio = |e: rio_ordering::RioError| BenchError::Setup(format!("rio: {e}"));
-    let log = AttrLog::format(MemPmr::new(PMR_BYTES), 1).map_err(rio)?;
+    let log = AttrLog::format(region, 1).map_err(rio)?;
+    let mut lat = new_hist();
+    // Submission times of the writes not yet completed, oldest first (completions come back
+    // in submission order).
+    let mut started: VecDeque<Instant> = VecDeque::with_capacity(qd as usize + 8);
     let mut od = OrderedDevice::new(
         lbio,
         vec![dev],
@@ -433,6 +556,7 @@ fn run_rio(
                 true,
             )
             .map_err(rio)?;
+            started.push_back(Instant::now());
             issued += 1;
         }
         if done == issued {
@@ -444,6 +568,10 @@ fn run_rio(
         for d in got.drain(..) {
             d.result
                 .map_err(|e| BenchError::Setup(format!("rio write: {e}")))?;
+            record(
+                &mut lat,
+                started.pop_front().expect("a submission per completion"),
+            );
             free.push(d.buf);
             done += 1;
         }
@@ -451,6 +579,9 @@ fn run_rio(
     od.wait(0).map_err(rio)?;
     let st = od.stats();
     Ok(Run {
+        lat,
+        log_syncs: st.log_syncs,
+        log_sync_ns: st.log_sync_ns,
         writes: done,
         device_cmds: st.device_cmds,
         flushes: st.flushes,
@@ -468,13 +599,19 @@ fn run_sync(
 ) -> Result<Run, BenchError> {
     let mut buf = Some(fill(engine, 1)?.pop().expect("one"));
     let mut n = 0u64;
+    let mut lat = new_hist();
     while budget.more(n) {
+        let t = Instant::now();
         let b = dev.write_at_blocking(offs.next(), buf.take().expect("buffer"), false)?;
         buf = Some(b);
         dev.flush_blocking()?;
+        record(&mut lat, t);
         n += 1;
     }
     Ok(Run {
+        lat,
+        log_syncs: 0,
+        log_sync_ns: 0,
         writes: n,
         device_cmds: n,
         flushes: n,
@@ -495,11 +632,20 @@ fn run_orderless(
     let mut free = fill(engine, qd as usize)?;
     let mut issued = 0u64;
     let mut done = 0u64;
+    let mut lat = new_hist();
+    // Submission time by lbio tag.
+    let mut started: Vec<Option<Instant>> = Vec::new();
     loop {
         while budget.more(issued) {
             let Some(buf) = free.pop() else { break };
-            dev.submit(Io::write(offs.next(), buf))
+            let tag = dev
+                .submit(Io::write(offs.next(), buf))
                 .map_err(|(e, _)| e)?;
+            let at = tag.0 as usize;
+            if started.len() <= at {
+                started.resize(at + 1, None);
+            }
+            started[at] = Some(Instant::now());
             issued += 1;
         }
         if done == issued {
@@ -508,11 +654,17 @@ fn run_orderless(
         lbio.wait_done(1)?;
         while let Some(c) = lbio.take_done() {
             c.result?;
+            if let Some(t) = started.get_mut(c.tag.0 as usize).and_then(Option::take) {
+                record(&mut lat, t);
+            }
             free.push(c.buf.expect("writes carry a buffer"));
             done += 1;
         }
     }
     Ok(Run {
+        lat,
+        log_syncs: 0,
+        log_sync_ns: 0,
         writes: done,
         device_cmds: done,
         flushes: 0,
@@ -543,17 +695,11 @@ fn fill_ratios(round: &mut [OrderedSample]) {
     }
 }
 
-fn medians(
-    cases: &[(OrderedMode, u32, u32)],
-    all: &[OrderedSample],
-    device: &str,
-) -> Vec<OrderedSample> {
+fn medians(cases: &[Case], all: &[OrderedSample], device: &str) -> Vec<OrderedSample> {
     let mut out = Vec::new();
-    for &(m, s, b) in cases {
-        let mine: Vec<&OrderedSample> = all
-            .iter()
-            .filter(|x| x.mode == m.name() && x.streams == s && x.batch == b)
-            .collect();
+    for c in cases {
+        let &(m, s, b, l) = c;
+        let mine: Vec<&OrderedSample> = all.iter().filter(|x| case_matches(c, x)).collect();
         if mine.is_empty() {
             continue;
         }
@@ -565,9 +711,14 @@ fn medians(
         };
         out.push(OrderedSample {
             mode: m.name().into(),
+            log: l.map(|l| l.name().into()),
             streams: s,
             batch: b,
             iops: med(&|x| x.iops),
+            lat_us_mean: med(&|x| x.lat_us_mean),
+            lat_us_p99: med(&|x| x.lat_us_p99),
+            log_syncs: med_opt(&|x| x.log_syncs.map(|n| n as f64)).map(|n| n as u64),
+            log_sync_us_mean: med_opt(&|x| x.log_sync_us_mean),
             iops_per_cpu_s: med(&|x| x.iops_per_cpu_s),
             device_cmds: med(&|x| x.device_cmds as f64) as u64,
             flushes: med(&|x| x.flushes as f64) as u64,
@@ -591,13 +742,15 @@ fn medians(
 pub fn print_header(out: &mut impl std::io::Write) -> std::io::Result<()> {
     writeln!(
         out,
-        "{:>5} {:<10} {:>4} {:>5} {:>10} {:>11} {:>9} {:>8} {:>8} {:>9} {:>9} {:>9}",
+        "{:>5} {:<10} {:>4} {:>5} {:>10} {:>11} {:>8} {:>8} {:>9} {:>8} {:>8} {:>9} {:>9} {:>9}",
         "round",
         "mode",
         "strm",
         "batch",
         "IOPS",
         "IOPS/cpu-s",
+        "lat us",
+        "p99 us",
         "writes",
         "cmds",
         "flushes",
@@ -613,13 +766,18 @@ pub fn print_row(out: &mut impl std::io::Write, s: &OrderedSample) -> std::io::R
     let ratio = |r: Option<f64>| r.map(|r| format!("{r:.3}x")).unwrap_or_default();
     writeln!(
         out,
-        "{:>5} {:<10} {:>4} {:>5} {:>10.0} {:>11.0} {:>9} {:>8} {:>8} {:>9} {:>9} {:>9}",
+        "{:>5} {:<10} {:>4} {:>5} {:>10.0} {:>11.0} {:>8.1} {:>8.1} {:>9} {:>8} {:>8} {:>9} {:>9} {:>9}",
         round,
-        s.mode,
+        match &s.log {
+            Some(l) if l != "pmr" => format!("{}/{l}", s.mode),
+            _ => s.mode.clone(),
+        },
         s.streams,
         s.batch,
         s.iops,
         s.iops_per_cpu_s,
+        s.lat_us_mean,
+        s.lat_us_p99,
         s.writes,
         s.device_cmds,
         s.flushes,
@@ -636,5 +794,9 @@ pub fn legend() -> &'static str {
      ones, wait at the end); sync = write, wait, FLUSH, wait; orderless = plain writes, no \
      ordering. 'cmds' = data commands sent; '/orderless' = IOPS ÷ orderless's; 'cpu/orderl' = \
      IOPS per CPU-second ÷ orderless's; '/sync' = IOPS ÷ sync's (same round and streams; 'med': \
-     medians over rounds). On sim the clock is the SimDisk's simulated device time."
+     medians over rounds). 'lat us' = mean µs from submission to in-order completion (sync: \
+     write + FLUSH), 'p99 us' its 99th percentile. rio/block = the attribute log in blocks at the \
+     end of the device instead of the PMR: one FUA write of the batch's attribute blocks ahead of \
+     its data (JSON: log_syncs, log_sync_us_mean — the latency it adds). On sim the clock is the \
+     SimDisk's simulated device time."
 }
