@@ -61,6 +61,19 @@ pub struct Done {
     pub buf: FixedBuf,
 }
 
+/// A stream leaving one ordered device for another (another thread's): everything it wrote
+/// before is durable, and this says where its order goes on. `Send`: pass it over a channel and
+/// [`OrderedDevice::attach`] it there. Both devices must have the same targets in the same order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StreamHandoff {
+    pub stream: u16,
+    /// The stream's next group.
+    pub next_seq: u64,
+    /// Per target, the stream's last group sent there (the next entry's `prev`).
+    pub prev: Vec<(u16, u64)>,
+    next_id: u64,
+}
+
 /// Counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct OrderedStats {
@@ -178,6 +191,8 @@ struct Stream {
     /// Targets written since the last wait.
     touched: Vec<u16>,
     ready: VecDeque<Done>,
+    /// The stream lives on another device: [`OrderedDevice::attach`] brings it here.
+    away: bool,
 }
 
 struct Target {
@@ -211,7 +226,8 @@ impl<P: Pmr> OrderedDevice<P> {
     /// An ordered device over `targets` (devices opened on `lbio`, which this device then owns:
     /// every detached completion on it is taken as its own) with the attribute log `log` (one
     /// stream per log stream). Streams start at group `start[s]` (1 on a fresh log; a
-    /// recovery's [`crate::Recovery::resume_marks`] after a crash).
+    /// recovery's [`crate::Recovery::resume_marks`] after a crash); `start[s] == 0` means the
+    /// stream lives on another device until a [`StreamHandoff`] brings it here.
     pub fn new(
         lbio: Rc<LbioArray>,
         targets: Vec<Device>,
@@ -248,6 +264,7 @@ impl<P: Pmr> OrderedDevice<P> {
                 next_id: 1,
                 done_below: s.max(1),
                 durable_below: s.max(1),
+                away: s == 0,
                 ..Stream::default()
             })
             .collect();
@@ -337,7 +354,92 @@ impl<P: Pmr> OrderedDevice<P> {
                 self.streams.len()
             )));
         }
+        if self.streams[stream as usize].away {
+            return Err(RioError::Config(format!(
+                "stream {stream} lives on another ordered device (thread): attach its handoff here \
+                 first"
+            )));
+        }
         Ok(stream as usize)
+    }
+
+    /// Whether `stream` lives on this device.
+    pub fn has_stream(&self, stream: u16) -> bool {
+        self.streams.get(stream as usize).is_some_and(|s| !s.away)
+    }
+
+    /// Stream stealing, the giving side: make everything `stream` wrote durable ([`wait`]),
+    /// take its completions not yet handed back, and let it go. The returned handoff brings it
+    /// to another device ([`OrderedDevice::attach`]), typically on another thread; its order
+    /// goes on there unbroken. Recovery then reads both devices' logs as one
+    /// ([`crate::LogScan::merge`]).
+    ///
+    /// [`wait`]: OrderedDevice::wait
+    pub fn detach(&mut self, stream: u16) -> Result<(StreamHandoff, Vec<Done>), RioError> {
+        let s = self.stream_index(stream)?;
+        self.wait(stream)?;
+        let st = &mut self.streams[s];
+        if st.durable_below != st.next_seq || !st.open.is_empty() || !st.queued.is_empty() {
+            return Err(RioError::Config(format!(
+                "stream {stream}: groups {}..{} are not durable after wait; cannot move it",
+                st.durable_below, st.next_seq
+            )));
+        }
+        let done: Vec<Done> = st.ready.drain(..).collect();
+        let mut prev: Vec<(u16, u64)> = st.prev.iter().map(|(&t, &g)| (t, g)).collect();
+        prev.sort_unstable();
+        let handoff = StreamHandoff {
+            stream,
+            next_seq: st.next_seq,
+            prev,
+            next_id: st.next_id,
+        };
+        st.away = true;
+        st.prev.clear();
+        st.touched.clear();
+        Ok((handoff, done))
+    }
+
+    /// Stream stealing, the taking side: the stream continues here from `h`. The device must
+    /// not hold the stream already (created with `start[s] == 0`, or detached before).
+    pub fn attach(&mut self, h: StreamHandoff) -> Result<(), RioError> {
+        let s = h.stream as usize;
+        let Some(st) = self.streams.get(s) else {
+            return Err(RioError::Config(format!(
+                "stream {}: the device has {}",
+                h.stream,
+                self.streams.len()
+            )));
+        };
+        if !st.away {
+            return Err(RioError::Config(format!(
+                "stream {} already lives on this device",
+                h.stream
+            )));
+        }
+        if let Some(&(t, _)) = h
+            .prev
+            .iter()
+            .find(|(t, _)| *t as usize >= self.targets.len())
+        {
+            return Err(RioError::Config(format!(
+                "stream {}: the handoff names target {t}; this device has {} (both devices \
+                 need the same targets)",
+                h.stream,
+                self.targets.len()
+            )));
+        }
+        self.streams[s] = Stream {
+            next_seq: h.next_seq,
+            next_id: h.next_id,
+            done_below: h.next_seq,
+            durable_below: h.next_seq,
+            prev: h.prev.into_iter().collect(),
+            away: false,
+            ..Stream::default()
+        };
+        self.log.durable(h.stream, h.next_seq);
+        Ok(())
     }
 
     /// Send every closed group held in the stream's ORDER queue.

@@ -42,7 +42,7 @@ pub mod recovery;
 
 pub use aios_core::pmr::NvmePmr;
 pub use attr::{Attr, ATTR_BYTES};
-pub use device::{Done, OrderedConfig, OrderedDevice, OrderedStats, Write};
+pub use device::{Done, OrderedConfig, OrderedDevice, OrderedStats, StreamHandoff, Write};
 pub use error::RioError;
 pub use log::{scan, AttrLog, Header, LogScan, MemPmr, Pmr, Slot, MAX_STREAMS};
 pub use pmr::{BlockLogStats, BlockPmr, FilePmr};

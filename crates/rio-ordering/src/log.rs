@@ -449,6 +449,42 @@ pub struct LogScan {
     pub stale: usize,
 }
 
+impl LogScan {
+    /// Several logs read as one: a stream that moved between ordered devices (threads, each
+    /// with its own log; see [`crate::OrderedDevice::detach`]) has entries in each. Entries of
+    /// every log's current epoch are kept; per stream, the highest durability mark wins (a
+    /// device marks a stream durable only up to what it knows to be durable). The merged
+    /// header's epoch, version and slot position are the first log's; its slots the sum.
+    pub fn merge(scans: &[LogScan]) -> Result<LogScan, RioError> {
+        let first = scans
+            .first()
+            .ok_or_else(|| RioError::Config("no logs to merge".into()))?;
+        let streams = first.header.durable_below.len();
+        let mut out = first.clone();
+        for sc in &scans[1..] {
+            if sc.header.durable_below.len() != streams {
+                return Err(RioError::Config(format!(
+                    "logs of {streams} and {} streams cannot be merged",
+                    sc.header.durable_below.len()
+                )));
+            }
+            for (m, &d) in out
+                .header
+                .durable_below
+                .iter_mut()
+                .zip(&sc.header.durable_below)
+            {
+                *m = (*m).max(d);
+            }
+            out.header.slots += sc.header.slots;
+            out.entries.extend(sc.entries.iter().cloned());
+            out.damaged.extend(sc.damaged.iter().cloned());
+            out.stale += sc.stale;
+        }
+        Ok(out)
+    }
+}
+
 /// Read every slot of the log on `pmr`.
 pub fn scan(pmr: &dyn Pmr) -> Result<LogScan, RioError> {
     let header = Header::read(pmr)?;

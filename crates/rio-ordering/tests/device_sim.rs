@@ -332,6 +332,89 @@ fn overlapping_writes_in_one_group_are_refused() {
     r.dev.wait(0).unwrap();
 }
 
+/// A write: (stream, seq, target, offset, len, pattern id).
+type WriteRec = (u16, u64, u16, u64, usize, u64);
+
+/// Recovers `sc` and checks it against the writes: every acknowledged group is in its stream's
+/// prefix, and in each of `images` crash states drawn from the (cut) disks every write of a
+/// prefix is intact. Returns the writes checked.
+fn check_crash(
+    what: &str,
+    sc: &rio_ordering::LogScan,
+    plp: &[bool],
+    acked_below: &[u64],
+    writes: &[WriteRec],
+    disks: &[SimDisk],
+    images: usize,
+) -> Result<u64, String> {
+    let rec = recover(sc, &|t| plp[t as usize]);
+    if !rec.damaged.is_empty() {
+        return Err(format!("{what}: damaged entries {:?}", rec.damaged));
+    }
+    for sr in &rec.streams {
+        let acked = acked_below[sr.stream as usize];
+        if sr.prefix_end < acked {
+            return Err(format!(
+                "{what}: stream {}: acknowledged below {acked}, prefix ends at {} ({:?})",
+                sr.stream, sr.prefix_end, sr.stopped_by
+            ));
+        }
+    }
+    // The writes to check: those in a recovered prefix.
+    let in_prefix: Vec<&WriteRec> = writes
+        .iter()
+        .filter(|w| {
+            let sr = &rec.streams[w.0 as usize];
+            w.1 >= sr.base && w.1 < sr.prefix_end
+        })
+        .collect();
+    let media: Vec<Vec<u8>> = disks.iter().map(|d| d.media()).collect();
+    // Every write goes to fresh bytes, so a recovered write is intact in a crash state iff each
+    // of its sectors is either durable already or put back by that state's draw (checked byte
+    // for byte). Writes already durable hold in every state; the others are checked per draw.
+    let mut at_risk: HashMap<u64, (usize, usize)> = HashMap::new(); // sector -> (write, chunk)
+    for (w, &&(_, _, t, off, len, id)) in in_prefix.iter().enumerate() {
+        let want = pattern(id, len);
+        let m = &media[t as usize];
+        for (i, chunk) in want.chunks(SECTOR).enumerate() {
+            let at = off as usize + i * SECTOR;
+            if &m[at..at + SECTOR] != chunk {
+                at_risk.insert(((t as u64) << 48) | at as u64, (w, i));
+            }
+        }
+    }
+    let mut checked = 0u64;
+    for k in 0..images {
+        let mut back: std::collections::HashSet<u64> = std::collections::HashSet::new();
+        for (t, d) in disks.iter().enumerate() {
+            d.crash_draw(true, &mut |at, bytes| {
+                let key = ((t as u64) << 48) | at;
+                if let Some(&(w, i)) = at_risk.get(&key) {
+                    let &(_, _, _, _, len, id) = in_prefix[w];
+                    let want = pattern(id, len);
+                    if bytes == &want[i * SECTOR..(i + 1) * SECTOR] {
+                        back.insert(key);
+                    }
+                }
+            });
+        }
+        if let Some((key, &(w, _))) = at_risk.iter().find(|(key, _)| !back.contains(key)) {
+            let &(s, seq, t, off, _, _) = in_prefix[w];
+            let sr = &rec.streams[s as usize];
+            return Err(format!(
+                "{what} state {k}: stream {s} group {seq} (in the recovered prefix {}..{}) \
+                 lost its write at {off} on target {t}, sector {} (power-loss protected: {})",
+                sr.base,
+                sr.prefix_end,
+                key & ((1 << 48) - 1),
+                plp[t as usize]
+            ));
+        }
+        checked += in_prefix.len() as u64;
+    }
+    Ok(checked)
+}
+
 /// One crash workload: random streams, groups, sizes (some above the transfer limit: split),
 /// targets with and without power-loss protection, waits; a power cut; images; recovery.
 fn crash_run(seed: u64, images: usize) -> Result<(usize, u64, u64), String> {
@@ -357,7 +440,7 @@ fn crash_run(seed: u64, images: usize) -> Result<(usize, u64, u64), String> {
     // Every write goes to fresh bytes (out-of-place), so the image shows which landed.
     let mut next_off = vec![0u64; targets];
     // (stream, seq, target, offset, len, id)
-    let mut writes: Vec<(u16, u64, u16, u64, usize, u64)> = Vec::new();
+    let mut writes: Vec<WriteRec> = Vec::new();
     let mut acked_below = vec![1u64; streams as usize];
     let steps = 20 + rng.below(150);
     for _ in 0..steps {
@@ -404,73 +487,15 @@ fn crash_run(seed: u64, images: usize) -> Result<(usize, u64, u64), String> {
     }
     let log_image = r.dev.log().pmr().crash_image(&mut rng);
     let sc = scan(&log_image).map_err(|e| format!("seed {seed}: scan: {e}"))?;
-    let rec = recover(&sc, &|t| plp[t as usize]);
-    if !rec.damaged.is_empty() {
-        return Err(format!("seed {seed}: damaged entries {:?}", rec.damaged));
-    }
-    for sr in &rec.streams {
-        let acked = acked_below[sr.stream as usize];
-        if sr.prefix_end < acked {
-            return Err(format!(
-                "seed {seed}: stream {}: acknowledged below {acked}, prefix ends at {} ({:?}; \
-                 block log: {block_log})",
-                sr.stream, sr.prefix_end, sr.stopped_by
-            ));
-        }
-    }
-    // The writes to check: those in a recovered prefix.
-    let in_prefix: Vec<&(u16, u64, u16, u64, usize, u64)> = writes
-        .iter()
-        .filter(|w| {
-            let sr = &rec.streams[w.0 as usize];
-            w.1 >= sr.base && w.1 < sr.prefix_end
-        })
-        .collect();
-    let media: Vec<Vec<u8>> = r.disks.iter().map(|d| d.media()).collect();
-    // Every write goes to fresh bytes, so a recovered write is intact in a crash state iff each
-    // of its sectors is either durable already or put back by that state's draw (checked byte
-    // for byte). Writes already durable hold in every state; the others are checked per draw.
-    let mut at_risk: HashMap<u64, (usize, usize)> = HashMap::new(); // sector -> (write, chunk)
-    for (w, &&(_, _, t, off, len, id)) in in_prefix.iter().enumerate() {
-        let want = pattern(id, len);
-        let m = &media[t as usize];
-        for (i, chunk) in want.chunks(SECTOR).enumerate() {
-            let at = off as usize + i * SECTOR;
-            if &m[at..at + SECTOR] != chunk {
-                at_risk.insert(((t as u64) << 48) | at as u64, (w, i));
-            }
-        }
-    }
-    let mut checked = 0u64;
-    for k in 0..images {
-        let mut back: std::collections::HashSet<u64> = std::collections::HashSet::new();
-        for (t, d) in r.disks.iter().enumerate() {
-            d.crash_draw(true, &mut |at, bytes| {
-                let key = ((t as u64) << 48) | at;
-                if let Some(&(w, i)) = at_risk.get(&key) {
-                    let &(_, _, _, _, len, id) = in_prefix[w];
-                    let want = pattern(id, len);
-                    if bytes == &want[i * SECTOR..(i + 1) * SECTOR] {
-                        back.insert(key);
-                    }
-                }
-            });
-        }
-        if let Some((key, &(w, _))) = at_risk.iter().find(|(key, _)| !back.contains(key)) {
-            let &(s, seq, t, off, _, _) = in_prefix[w];
-            let sr = &rec.streams[s as usize];
-            return Err(format!(
-                "seed {seed} state {k}: stream {s} group {seq} (in the recovered prefix {}..{}) \
-                 lost its write at {off} on target {t}, sector {} (power-loss protected: {}, \
-                 block log: {block_log})",
-                sr.base,
-                sr.prefix_end,
-                key & ((1 << 48) - 1),
-                plp[t as usize]
-            ));
-        }
-        checked += in_prefix.len() as u64;
-    }
+    let checked = check_crash(
+        &format!("seed {seed} (block log: {block_log})"),
+        &sc,
+        &plp,
+        &acked_below,
+        &writes,
+        &r.disks,
+        images,
+    )?;
     let split = r.dev.stats().split_cmds;
     Ok((images, checked, split))
 }
@@ -504,4 +529,197 @@ fn crashes_through_the_device_path_keep_a_durable_prefix_with_every_acknowledged
         seeds.len(),
         t0.elapsed().as_secs_f64()
     );
+}
+
+/// What the stealing test's main thread asks a worker (one ordered device on its own thread).
+enum Op {
+    Write {
+        stream: u16,
+        target: u16,
+        offset: u64,
+        len: usize,
+        id: u64,
+        end: bool,
+    },
+    Poll,
+    Wait(u16),
+    Detach(u16),
+    Attach(rio_ordering::StreamHandoff),
+    Finish,
+}
+
+enum Reply {
+    Seq(u64),
+    Acked(u64),
+    Handoff(rio_ordering::StreamHandoff),
+    Done,
+    Log(MemPmr),
+    Failed(String),
+}
+
+fn worker(
+    disks: Vec<SimDisk>,
+    start: Vec<u64>,
+    rx: std::sync::mpsc::Receiver<Op>,
+    tx: std::sync::mpsc::Sender<Reply>,
+) {
+    let engine = engine();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let devs = disks.iter().map(|d| d.open(&lbio).unwrap()).collect();
+    let log = AttrLog::format(MemPmr::new(2 * 576 + 256 * 64), start.len() as u16).unwrap();
+    let mut dev = OrderedDevice::new(lbio, devs, log, &start, OrderedConfig::default()).unwrap();
+    for op in rx {
+        let reply = match op {
+            Op::Write {
+                stream,
+                target,
+                offset,
+                len,
+                id,
+                end,
+            } => {
+                let seq = dev.next_seq(stream);
+                match dev.submit(stream, write(&engine, target, offset, id, len), end) {
+                    Ok(_) => Reply::Seq(seq),
+                    Err(e) => Reply::Failed(format!("submit: {e}")),
+                }
+            }
+            Op::Poll => match dev.poll() {
+                Ok(_) => Reply::Done,
+                Err(e) => Reply::Failed(format!("poll: {e}")),
+            },
+            Op::Wait(s) => match dev.wait(s) {
+                Ok(()) => Reply::Acked(dev.next_seq(s)),
+                Err(e) => Reply::Failed(format!("wait: {e}")),
+            },
+            Op::Detach(s) => match dev.detach(s) {
+                Ok((h, _done)) => Reply::Handoff(h),
+                Err(e) => Reply::Failed(format!("detach: {e}")),
+            },
+            Op::Attach(h) => match dev.attach(h) {
+                Ok(()) => Reply::Done,
+                Err(e) => Reply::Failed(format!("attach: {e}")),
+            },
+            Op::Finish => {
+                let _ = tx.send(Reply::Log(dev.log().pmr().clone()));
+                return;
+            }
+        };
+        if tx.send(reply).is_err() {
+            return;
+        }
+    }
+}
+
+/// Stream stealing: two streams move back and forth between two threads, each with its own
+/// ordered device, engine and attribute log, over the same targets; then a power cut. The two
+/// logs read as one recover, per stream, a prefix holding every acknowledged write, intact.
+#[test]
+fn streams_moving_between_threads_keep_their_order_through_a_crash() {
+    let mut states = 0usize;
+    for seed in 1..=40u64 {
+        let mut rng = SimRng::new(seed ^ 0x57ea1);
+        let targets = 1 + rng.below(2) as usize;
+        let plp: Vec<bool> = (0..targets).map(|_| rng.chance(1, 2)).collect();
+        let disks: Vec<SimDisk> = (0..targets)
+            .map(|t| {
+                let mut c = SimConfig::new(DISK, seed * 7 + t as u64);
+                c.plp = plp[t];
+                SimDisk::new(c).unwrap()
+            })
+            .collect();
+        let mut chans = Vec::new();
+        std::thread::scope(|scope| {
+            // Worker 0 starts with stream 0, worker 1 with stream 1.
+            for w in 0..2usize {
+                let (otx, orx) = std::sync::mpsc::channel::<Op>();
+                let (rtx, rrx) = std::sync::mpsc::channel::<Reply>();
+                let d = disks.clone();
+                let start = if w == 0 { vec![1, 0] } else { vec![0, 1] };
+                scope.spawn(move || worker(d, start, orx, rtx));
+                chans.push((otx, rrx));
+            }
+            let ask = |w: usize, op: Op| -> Reply {
+                chans[w].0.send(op).unwrap();
+                match chans[w].1.recv().unwrap() {
+                    Reply::Failed(e) => panic!("seed {seed}: worker {w}: {e}"),
+                    r => r,
+                }
+            };
+            let mut home = [0usize, 1usize];
+            let mut next_off = vec![0u64; targets];
+            let mut writes: Vec<WriteRec> = Vec::new();
+            let mut acked_below = vec![1u64; 2];
+            let mut moves = 0;
+            for _ in 0..150 {
+                let s = rng.below(2) as u16;
+                let w = home[s as usize];
+                match rng.below(12) {
+                    0..=7 => {
+                        let t = rng.below(targets as u64) as u16;
+                        let len = 4096 * (1 + rng.below(2) as usize);
+                        let off = next_off[t as usize];
+                        if off + len as u64 > DISK {
+                            break;
+                        }
+                        next_off[t as usize] += len as u64;
+                        let id = writes.len() as u64 + 1;
+                        let end = rng.chance(1, 2);
+                        let Reply::Seq(seq) = ask(
+                            w,
+                            Op::Write {
+                                stream: s,
+                                target: t,
+                                offset: off,
+                                len,
+                                id,
+                                end,
+                            },
+                        ) else {
+                            unreachable!()
+                        };
+                        writes.push((s, seq, t, off, len, id));
+                    }
+                    8 => {
+                        ask(w, Op::Poll);
+                    }
+                    9 => {
+                        let Reply::Acked(below) = ask(w, Op::Wait(s)) else {
+                            unreachable!()
+                        };
+                        acked_below[s as usize] = below;
+                    }
+                    _ => {
+                        // Steal: the stream moves to the other thread.
+                        let Reply::Handoff(h) = ask(w, Op::Detach(s)) else {
+                            unreachable!()
+                        };
+                        // Detaching made everything before durable.
+                        acked_below[s as usize] = h.next_seq;
+                        let other = 1 - w;
+                        ask(other, Op::Attach(h));
+                        home[s as usize] = other;
+                        moves += 1;
+                    }
+                }
+            }
+            for d in &disks {
+                d.cut_power();
+            }
+            let mut scans = Vec::new();
+            for w in 0..2 {
+                chans[w].0.send(Op::Finish).unwrap();
+                let Reply::Log(pmr) = chans[w].1.recv().unwrap() else {
+                    panic!("seed {seed}: worker {w} sent no log")
+                };
+                scans.push(scan(&pmr).unwrap());
+            }
+            let merged = rio_ordering::LogScan::merge(&scans).unwrap();
+            let what = format!("seed {seed} ({moves} moves)");
+            check_crash(&what, &merged, &plp, &acked_below, &writes, &disks, 100)
+                .unwrap_or_else(|e| panic!("{e}"));
+            states += 100;
+        });
+    }
+    println!("stream stealing: 40 workloads, {states} crash states, 0 violations");
 }
