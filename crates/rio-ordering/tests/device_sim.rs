@@ -707,9 +707,9 @@ fn streams_moving_between_threads_keep_their_order_through_a_crash() {
                 d.cut_power();
             }
             let mut scans = Vec::new();
-            for w in 0..2 {
-                chans[w].0.send(Op::Finish).unwrap();
-                let Reply::Log(pmr) = chans[w].1.recv().unwrap() else {
+            for (w, (otx, rrx)) in chans.iter().enumerate() {
+                otx.send(Op::Finish).unwrap();
+                let Reply::Log(pmr) = rrx.recv().unwrap() else {
                     panic!("seed {seed}: worker {w} sent no log")
                 };
                 scans.push(scan(&pmr).unwrap());
