@@ -2,15 +2,19 @@
 //! log, and recovery to the longest valid prefix of each stream's order.
 //!
 //! **In progress.** Built: the attribute and its 64-byte log entry ([`Attr`]); the circular
-//! attribute log on persistent memory with back-pressure and per-stream durability marks
-//! ([`AttrLog`], [`MemPmr`] — an *emulated* PMR in RAM); the ordered device over lbio
-//! ([`OrderedDevice`]: streams and groups, an ORDER queue that merges contiguous whole groups
-//! and splits writes above the transfer limit, the attribute persisted before its data,
-//! in-order completion per stream, `wait` with a logged FLUSH); and recovery ([`recover`]): per
+//! attribute log with back-pressure and per-stream durability marks ([`AttrLog`]) on any
+//! [`Pmr`]: an NVMe controller's persistent memory region ([`NvmePmr`]), a block log on the
+//! device for hardware without one ([`BlockPmr`]), or persistent memory *emulated* in a file
+//! ([`FilePmr`]) or in RAM ([`MemPmr`]); the ordered device over lbio ([`OrderedDevice`]:
+//! streams and groups, an ORDER queue that merges contiguous whole groups and splits writes
+//! above the transfer limit, the attribute persisted before its data, in-order completion per
+//! stream, `wait` with a logged FLUSH, stream stealing between threads with
+//! [`OrderedDevice::detach`] and [`OrderedDevice::attach`]); and recovery ([`recover`]): per
 //! stream, the longest prefix of groups whose requests are all in the log and durable (merged
 //! groups all or nothing, split requests joined again), what lies beyond it, and the in-place
-//! updates among that. Not built yet: the NVMe PMR and block-log backends, and moving a stream
-//! to another thread.
+//! updates among that, over one log or several ([`LogScan::merge`]). Not built yet: an
+//! asynchronous block log (its sync blocks the thread), and targets across the network
+//! (rio-net).
 //!
 //! ```
 //! use rio_ordering::{recover, scan, Attr, AttrLog, MemPmr};
