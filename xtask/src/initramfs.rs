@@ -396,7 +396,7 @@ mod tests {
                 break;
             }
             let file = std::env::temp_dir().join(format!("xtask-init-{}.sh", std::process::id()));
-            fs::write(&file, &init).unwrap();
+            fs::write(&file, init).unwrap();
             let out = Command::new(BUSYBOX)
                 .args(["sh", "-n"])
                 .arg(&file)

@@ -425,9 +425,8 @@ fn run(args: &Args) -> Result<bool, Failure> {
         let noteworthy: Vec<&str> = console
             .lines()
             .filter(|l| {
-                !l.trim().is_empty()
-                    && !l.contains("reboot: Power down")
-                    && !(cut_step.is_some() && l.contains("sysrq: Resetting"))
+                let planned_reset = cut_step.is_some() && l.contains("sysrq: Resetting");
+                !(l.trim().is_empty() || l.contains("reboot: Power down") || planned_reset)
             })
             .collect();
         if !noteworthy.is_empty() && problems.len() == before {
