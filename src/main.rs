@@ -1096,6 +1096,19 @@ fn write_pagecache_plots(
     Ok(written)
 }
 
+/// Writes one JSON line per sample to `path`; returns the path as printed.
+fn write_jsonl<'a, T: serde::Serialize + 'a>(
+    path: &std::path::Path,
+    samples: impl IntoIterator<Item = &'a T>,
+) -> Result<String, BenchError> {
+    let mut f = std::fs::File::create(path)
+        .map_err(|e| BenchError::Setup(format!("creating {}: {e}", path.display())))?;
+    for s in samples {
+        print_json(&mut f, s).map_err(io_err)?;
+    }
+    Ok(path.display().to_string())
+}
+
 fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
     std::fs::create_dir_all(&a.out)
         .map_err(|e| BenchError::Setup(format!("creating {}: {e}", a.out.display())))?;
@@ -1200,13 +1213,10 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
     // `Existing` aliases of the ull device must not outlive it: drop sections in reverse.
     while sections.pop().is_some() {}
 
-    let jsonl = a.out.join("demo.jsonl");
-    let mut f = std::fs::File::create(&jsonl)
-        .map_err(|e| BenchError::Setup(format!("creating {}: {e}", jsonl.display())))?;
-    for s in all.iter().chain(medians.iter().flatten()) {
-        print_json(&mut f, s).map_err(io_err)?;
-    }
-    let mut written = vec![jsonl.display().to_string()];
+    let mut written = vec![write_jsonl(
+        &a.out.join("demo.jsonl"),
+        all.iter().chain(medians.iter().flatten()),
+    )?];
     for (i, name) in [(0usize, "latency_cdf"), (2, "latency_cdf_tmpfs")] {
         if let Some(m) = medians.get(i) {
             let refs: Vec<&Sample> = m.iter().collect();
@@ -1256,13 +1266,10 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
     for s in &pc_meds {
         aios::bench::pagecache::print_row(&mut std::io::stdout(), s).map_err(io_err)?;
     }
-    let pc_jsonl = a.out.join("demo-pagecache.jsonl");
-    let mut f = std::fs::File::create(&pc_jsonl)
-        .map_err(|e| BenchError::Setup(format!("creating {}: {e}", pc_jsonl.display())))?;
-    for s in pc_all.iter().chain(pc_meds.iter()) {
-        print_json(&mut f, s).map_err(io_err)?;
-    }
-    written.push(pc_jsonl.display().to_string());
+    written.push(write_jsonl(
+        &a.out.join("demo-pagecache.jsonl"),
+        pc_all.iter().chain(pc_meds.iter()),
+    )?);
     written.extend(write_pagecache_plots(&a.out, &pc, &pc_meds)?);
     drop(pc_target);
     print_pagecache_legend();
@@ -1312,13 +1319,10 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
     for s in &fs_meds {
         aios::bench::fsync::print_row(&mut std::io::stdout(), s).map_err(io_err)?;
     }
-    let fs_jsonl = a.out.join("demo-fsync.jsonl");
-    let mut f = std::fs::File::create(&fs_jsonl)
-        .map_err(|e| BenchError::Setup(format!("creating {}: {e}", fs_jsonl.display())))?;
-    for s in fs_all.iter().chain(fs_meds.iter()) {
-        print_json(&mut f, s).map_err(io_err)?;
-    }
-    written.push(fs_jsonl.display().to_string());
+    written.push(write_jsonl(
+        &a.out.join("demo-fsync.jsonl"),
+        fs_all.iter().chain(fs_meds.iter()),
+    )?);
     written.extend(write_fsync_plot(&a.out, &fb, &fs_meds)?);
     drop(fsync_targets);
     println!("{}", aios::bench::fsync::legend());
@@ -1369,13 +1373,10 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
         ordered_all.extend(all.into_iter().chain(meds));
     }
     drop(ordered_dev);
-    let ord_jsonl = a.out.join("demo-ordered.jsonl");
-    let mut f = std::fs::File::create(&ord_jsonl)
-        .map_err(|e| BenchError::Setup(format!("creating {}: {e}", ord_jsonl.display())))?;
-    for s in &ordered_all {
-        print_json(&mut f, s).map_err(io_err)?;
-    }
-    written.push(ord_jsonl.display().to_string());
+    written.push(write_jsonl(
+        &a.out.join("demo-ordered.jsonl"),
+        &ordered_all,
+    )?);
     println!("{}", aios::bench::ordered::legend());
     println!(
         "\nmedians of {} rounds of {} s each; 'lat/fio' = lbio mean latency ÷ fio io_uring's, \

@@ -22,7 +22,9 @@ use rio_ordering::{AttrLog, BlockPmr, MemPmr, OrderedConfig, OrderedDevice, Pmr,
 use serde::Serialize;
 
 use crate::bench::compare::Progress;
-use crate::bench::{arena_within_memlock, median, quantile_us, run_threads, BenchError};
+use crate::bench::{
+    arena_within_memlock, median, new_histogram, quantile_us, run_threads, BenchError,
+};
 
 const BS: usize = 4096;
 /// Rio's PMR is 2 MiB per target (§5); the emulated one is the same size.
@@ -312,7 +314,7 @@ impl OrderedBench {
                 barrier,
             )
         });
-        let mut lat = new_hist();
+        let mut lat = new_histogram();
         let (mut log_syncs, mut log_sync_ns) = (0, 0);
         let mut writes = 0;
         let mut cmds = 0;
@@ -498,10 +500,6 @@ fn fill(engine: &Engine, n: usize) -> Result<Vec<FixedBuf>, BenchError> {
         .collect()
 }
 
-fn new_hist() -> Histogram<u64> {
-    Histogram::new_with_bounds(100, 60_000_000_000, 3).expect("valid histogram bounds")
-}
-
 fn record(h: &mut Histogram<u64>, since: Instant) {
     h.saturating_record(since.elapsed().as_nanos() as u64);
 }
@@ -519,7 +517,7 @@ fn run_rio<P: Pmr>(
 ) -> Result<Run, BenchError> {
     let rio = |e: rio_ordering::RioError| BenchError::Setup(format!("rio: {e}"));
     let log = AttrLog::format(region, 1).map_err(rio)?;
-    let mut lat = new_hist();
+    let mut lat = new_histogram();
     // Submission times of the writes not yet completed, oldest first (completions come back
     // in submission order).
     let mut started: VecDeque<Instant> = VecDeque::with_capacity(qd as usize + 8);
@@ -599,7 +597,7 @@ fn run_sync(
 ) -> Result<Run, BenchError> {
     let mut buf = Some(fill(engine, 1)?.pop().expect("one"));
     let mut n = 0u64;
-    let mut lat = new_hist();
+    let mut lat = new_histogram();
     while budget.more(n) {
         let t = Instant::now();
         let b = dev.write_at_blocking(offs.next(), buf.take().expect("buffer"), false)?;
@@ -632,7 +630,7 @@ fn run_orderless(
     let mut free = fill(engine, qd as usize)?;
     let mut issued = 0u64;
     let mut done = 0u64;
-    let mut lat = new_hist();
+    let mut lat = new_histogram();
     // Submission time by lbio tag.
     let mut started: Vec<Option<Instant>> = Vec::new();
     loop {

@@ -87,7 +87,7 @@ impl Pmr for MemPmr {
     }
 }
 
-fn check_range(offset: usize, len: usize, size: usize) -> Result<usize, RioError> {
+pub(crate) fn check_range(offset: usize, len: usize, size: usize) -> Result<usize, RioError> {
     offset
         .checked_add(len)
         .filter(|&e| e <= size)

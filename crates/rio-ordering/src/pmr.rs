@@ -23,7 +23,7 @@ use aios_core::pmr::NvmePmr;
 use aios_core::{sys, Engine, FixedBuf};
 
 use crate::error::RioError;
-use crate::log::Pmr;
+use crate::log::{check_range, Pmr};
 
 impl Pmr for NvmePmr {
     fn len(&self) -> usize {
@@ -85,13 +85,13 @@ impl Pmr for FilePmr {
         self.len
     }
     fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
-        check(offset, bytes.len(), self.len)?;
+        check_range(offset, bytes.len(), self.len)?;
         let io = |e: std::io::Error| RioError::Config(format!("{}: {e}", self.path.display()));
         self.file.write_all_at(bytes, offset as u64).map_err(io)?;
         self.file.sync_data().map_err(io)
     }
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError> {
-        check(offset, out.len(), self.len)?;
+        check_range(offset, out.len(), self.len)?;
         self.file
             .read_exact_at(out, offset as u64)
             .map_err(|e| RioError::Config(format!("{}: {e}", self.path.display())))
@@ -232,7 +232,7 @@ impl Pmr for BlockPmr {
         self.image.len()
     }
     fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
-        check(offset, bytes.len(), self.image.len())?;
+        check_range(offset, bytes.len(), self.image.len())?;
         if bytes.is_empty() {
             return Ok(());
         }
@@ -245,7 +245,7 @@ impl Pmr for BlockPmr {
         Ok(())
     }
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError> {
-        check(offset, out.len(), self.image.len())?;
+        check_range(offset, out.len(), self.image.len())?;
         out.copy_from_slice(&self.image[offset..offset + out.len()]);
         Ok(())
     }
@@ -287,15 +287,6 @@ impl Pmr for BlockPmr {
         self.write_blocks(first, last + 1)?;
         self.any_dirty = self.dirty.iter().any(|&d| d);
         Ok(())
-    }
-}
-
-fn check(offset: usize, len: usize, size: usize) -> Result<(), RioError> {
-    match offset.checked_add(len) {
-        Some(e) if e <= size => Ok(()),
-        _ => Err(RioError::Config(format!(
-            "persistent-memory access at {offset}+{len} past its {size} bytes"
-        ))),
     }
 }
 
