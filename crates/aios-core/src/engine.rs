@@ -542,6 +542,11 @@ impl Engine {
     pub fn eventfd(&self) -> Option<RawFd> {
         self.eventfd.as_ref().map(|f| f.as_raw_fd())
     }
+    /// The eventfd, borrowed for a `poll(2)` set (when configured).
+    pub fn eventfd_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        self.eventfd.as_ref().map(|f| f.as_fd())
+    }
     /// Reset the eventfd's counter (after the event loop saw it readable).
     pub fn drain_eventfd(&self) {
         if let Some(fd) = &self.eventfd {

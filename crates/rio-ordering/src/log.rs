@@ -51,6 +51,31 @@ pub trait Pmr {
     }
 }
 
+/// A boxed region (a target choosing its log kind at run time) is a region.
+impl<P: Pmr + ?Sized> Pmr for Box<P> {
+    fn len(&self) -> usize {
+        (**self).len()
+    }
+    fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
+        (**self).persist(offset, bytes)
+    }
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError> {
+        (**self).read(offset, out)
+    }
+    fn deferred(&self) -> bool {
+        (**self).deferred()
+    }
+    fn block_bytes(&self) -> usize {
+        (**self).block_bytes()
+    }
+    fn sync(&mut self) -> Result<(), RioError> {
+        (**self).sync()
+    }
+    fn persist_ordered(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
+        (**self).persist_ordered(offset, bytes)
+    }
+}
+
 /// Persistent memory **emulated in RAM**: what it holds survives exactly as long as the value
 /// does. For simulation and tests, where the "crash" is simulated and the test keeps the value.
 #[derive(Clone, Debug)]
@@ -346,6 +371,10 @@ impl<P: Pmr> AttrLog<P> {
     /// The region.
     pub fn pmr(&self) -> &P {
         &self.pmr
+    }
+    /// Give the region back (to reopen it after recovery).
+    pub fn into_pmr(self) -> P {
+        self.pmr
     }
     /// The region, mutably (tests damage it).
     pub fn pmr_mut(&mut self) -> &mut P {

@@ -1,0 +1,167 @@
+//! A non-blocking TCP connection with a receive buffer PDUs are decoded from and a send buffer
+//! PDUs are encoded into; both sides of the protocol drive it from a `poll(2)` loop.
+
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::os::fd::AsFd;
+use std::time::Duration;
+
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+
+use crate::pdu::Digests;
+
+/// Bytes read per `read` call at most.
+const READ_CHUNK: usize = 256 << 10;
+
+/// Receive buffer: bytes not yet decoded start at `start`.
+#[derive(Default)]
+pub struct Rx {
+    buf: Vec<u8>,
+    start: usize,
+}
+
+impl Rx {
+    pub fn pending(&self) -> &[u8] {
+        &self.buf[self.start..]
+    }
+    pub fn consume(&mut self, n: usize) {
+        self.start += n;
+        if self.start == self.buf.len() {
+            self.buf.clear();
+            self.start = 0;
+        }
+    }
+    fn compact(&mut self) {
+        if self.start > 0 && self.start >= self.buf.len() / 2 {
+            self.buf.drain(..self.start);
+            self.start = 0;
+        }
+    }
+}
+
+/// One connection.
+pub struct Conn {
+    pub sock: TcpStream,
+    pub rx: Rx,
+    pub tx: Vec<u8>,
+    tx_at: usize,
+    pub dg: Digests,
+    /// Largest PDU accepted from the peer.
+    pub max_pdu: u32,
+    /// The peer closed its side.
+    pub eof: bool,
+    /// Bytes received so far (progress, for timeouts).
+    pub received: u64,
+}
+
+impl Conn {
+    pub fn new(sock: TcpStream, max_pdu: u32) -> io::Result<Conn> {
+        sock.set_nodelay(true)?;
+        sock.set_nonblocking(true)?;
+        Ok(Conn {
+            sock,
+            rx: Rx::default(),
+            tx: Vec::with_capacity(64 << 10),
+            tx_at: 0,
+            dg: Digests::default(),
+            max_pdu,
+            eof: false,
+            received: 0,
+        })
+    }
+
+    /// Read what the socket has (without blocking). Returns the bytes read.
+    pub fn fill(&mut self) -> io::Result<usize> {
+        let mut total = 0;
+        self.rx.compact();
+        loop {
+            let len = self.rx.buf.len();
+            self.rx.buf.resize(len + READ_CHUNK, 0);
+            let r = self.sock.read(&mut self.rx.buf[len..]);
+            match r {
+                Ok(0) => {
+                    self.rx.buf.truncate(len);
+                    self.eof = true;
+                    return Ok(total);
+                }
+                Ok(n) => {
+                    self.rx.buf.truncate(len + n);
+                    total += n;
+                    self.received += n as u64;
+                    if n < READ_CHUNK {
+                        return Ok(total);
+                    }
+                }
+                Err(e) => {
+                    self.rx.buf.truncate(len);
+                    return match e.kind() {
+                        io::ErrorKind::WouldBlock => Ok(total),
+                        io::ErrorKind::Interrupted => continue,
+                        _ => Err(e),
+                    };
+                }
+            }
+        }
+    }
+
+    /// Send what is queued, as far as the socket takes it. Returns whether all of it went.
+    pub fn flush(&mut self) -> io::Result<bool> {
+        while self.tx_at < self.tx.len() {
+            match self.sock.write(&self.tx[self.tx_at..]) {
+                Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "socket closed")),
+                Ok(n) => self.tx_at += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        self.tx.clear();
+        self.tx_at = 0;
+        Ok(true)
+    }
+
+    /// Bytes queued and not yet sent.
+    pub fn unsent(&self) -> usize {
+        self.tx.len() - self.tx_at
+    }
+
+    /// Send everything queued, waiting for the socket as needed (up to `timeout`).
+    pub fn flush_blocking(&mut self, timeout: Duration) -> io::Result<()> {
+        let deadline = std::time::Instant::now() + timeout;
+        while !self.flush()? {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "send timed out"));
+            }
+            wait_fds(&[(&self.sock, false, true)], Some(left))?;
+        }
+        Ok(())
+    }
+}
+
+/// Wait until one of `fds` is ready: (fd, readable wanted, writable wanted). `None`: no limit.
+pub fn wait_fds(fds: &[(&dyn AsFd, bool, bool)], timeout: Option<Duration>) -> io::Result<()> {
+    let mut pfds: Vec<PollFd> = fds
+        .iter()
+        .map(|(fd, r, w)| {
+            let mut f = PollFlags::empty();
+            if *r {
+                f |= PollFlags::POLLIN;
+            }
+            if *w {
+                f |= PollFlags::POLLOUT;
+            }
+            PollFd::new(fd.as_fd(), f)
+        })
+        .collect();
+    let t = match timeout {
+        None => PollTimeout::NONE,
+        Some(d) => PollTimeout::try_from(d.as_millis().min(i32::MAX as u128) as i32)
+            .unwrap_or(PollTimeout::MAX),
+    };
+    match poll(&mut pfds, t) {
+        Ok(_) => Ok(()),
+        Err(nix::errno::Errno::EINTR) => Ok(()),
+        Err(e) => Err(io::Error::from(e)),
+    }
+}

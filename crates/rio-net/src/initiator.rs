@@ -1,0 +1,1428 @@
+//! The initiator: a volume striped over target servers (`stripe` bytes round robin, 4 KiB by
+//! default, as in Rio's Fig. 10(c,d)), with Rio's sequencer on top.
+//!
+//! - One NVMe/TCP I/O connection per (stream, target), so a stream's commands to a target travel
+//!   one in-order channel (Rio principle 2), plus one admin connection per target.
+//! - A write is split at stripe boundaries; each piece is one command carrying the attribute
+//!   (its group's `seq`, the group's previous group on that target as `prev`, the request count
+//!   on the group's final piece).
+//! - **A write is handed back ([`Done`]) once it and every write before it on its stream is
+//!   durable**: at its completion on targets with power-loss protection, after an ordered FLUSH
+//!   otherwise. The initiator keeps each write's buffer until then, so it can replay writes a
+//!   failed target lost. A stream whose writes have all completed but are not yet durable
+//!   sends the FLUSHes itself; [`Volume::wait`] does so at once.
+//! - A connection that fails, or goes quiet with commands out for `io_timeout`, starts
+//!   recovery: reconnect (retrying for `reconnect_for`), collect every target's attribute log,
+//!   build the global order ([`rio_ordering::recover`] over the merged logs), zero the data of
+//!   writes beyond each stream's durable prefix, reset the targets' logs to the prefix, and
+//!   replay the writes this initiator still holds. [`Volume::open`] runs the same recovery for
+//!   an initiator that starts after a crash (nothing to replay: the volume is cut back to the
+//!   prefix, and in-place updates beyond it are reported).
+
+use std::collections::VecDeque;
+use std::net::{SocketAddr, TcpStream};
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use aios_core::{Engine, EngineConfig, FixedBuf};
+use rio_ordering::{recover, scan, Attr, LogScan, MemPmr};
+
+use crate::conn::{wait_fds, Conn};
+use crate::error::NetError;
+use crate::pdu::{self, op, Cqe, Digests, Pdu, Sqe, WireAttr};
+use crate::target::{LBA, MAX_DATA, MAX_PDU};
+
+/// Settings of a volume.
+#[derive(Clone, Debug)]
+pub struct VolumeConfig {
+    pub targets: Vec<SocketAddr>,
+    pub streams: u16,
+    /// Stripe unit in bytes (a multiple of 4 KiB).
+    pub stripe: u32,
+    /// Writes per stream not yet handed back; submitting more waits.
+    pub window: u32,
+    pub digests: Digests,
+    /// A connection with commands out that receives nothing this long counts as failed.
+    pub io_timeout: Duration,
+    /// How long to keep trying to reach a failed target.
+    pub reconnect_for: Duration,
+    pub subnqn: String,
+    pub hostnqn: String,
+    /// Registered arena for write and read buffers.
+    pub arena_bytes: usize,
+    /// Print recovery steps to stderr.
+    pub verbose: bool,
+}
+
+impl VolumeConfig {
+    pub fn new(targets: Vec<SocketAddr>, streams: u16) -> VolumeConfig {
+        VolumeConfig {
+            targets,
+            streams,
+            stripe: 4096,
+            window: 64,
+            digests: Digests::default(),
+            io_timeout: Duration::from_secs(5),
+            reconnect_for: Duration::from_secs(30),
+            subnqn: "nqn.2026-11.io.aios:target".into(),
+            hostnqn: "nqn.2026-11.io.aios:initiator".into(),
+            arena_bytes: 32 << 20,
+            verbose: false,
+        }
+    }
+}
+
+/// A finished request. Ordered writes: durable, and every earlier write of the stream too.
+#[derive(Debug)]
+pub struct Done {
+    pub stream: u16,
+    /// The write's group (0 for orderless writes and reads).
+    pub seq: u64,
+    pub id: u64,
+    pub result: Result<(), String>,
+    pub buf: FixedBuf,
+}
+
+/// What recovery found and did.
+#[derive(Clone, Debug, Default)]
+pub struct RecoveryReport {
+    /// Per stream: groups below this are durable on every target (the stream resumes here).
+    pub prefix_end: Vec<u64>,
+    /// Writes beyond the prefixes whose data was zeroed.
+    pub discarded: usize,
+    /// In-place updates beyond the prefixes (not zeroed: for the upper layer).
+    pub in_place: Vec<Attr>,
+    /// Writes this initiator replayed (it still held them).
+    pub replayed: usize,
+    pub took: Duration,
+}
+
+/// Counters.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct VolumeStats {
+    pub ordered_cmds: u64,
+    pub flushes: u64,
+    pub marks: u64,
+    pub recoveries: u64,
+    pub replayed: u64,
+}
+
+struct TargetInfo {
+    addr: SocketAddr,
+    admin: Option<Conn>,
+    cntlid: u16,
+    ns_bytes: u64,
+    plp: bool,
+    rio: bool,
+    log_streams: u16,
+    next_cid: u16,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    /// A piece of an ordered write: (group seq, request index in the group).
+    Ordered { seq: u64, req: u32 },
+    /// An ordered FLUSH covering this connection's commands sent before it.
+    Flush { covers: u64 },
+    Mark,
+    /// A piece of an orderless write or read: index into the orderless table.
+    Plain { slot: u32 },
+    PlainFlush,
+}
+
+struct ICmd {
+    kind: Kind,
+    /// Byte range of the request's buffer this command carries (writes, reads).
+    range: (u32, u32),
+    sent_no: u64,
+    completed: bool,
+}
+
+struct IoConn {
+    conn: Option<Conn>,
+    cmds: Vec<Option<ICmd>>,
+    free: Vec<u16>,
+    /// Ordered pieces not yet durable, in the order sent.
+    order: VecDeque<u16>,
+    /// Commands awaiting their CQE.
+    outstanding: u32,
+    sent: u64,
+    /// Ordered pieces completed but not yet durable.
+    volatile: u32,
+    last_progress: Instant,
+}
+
+impl IoConn {
+    fn new() -> IoConn {
+        IoConn {
+            conn: None,
+            cmds: Vec::new(),
+            free: Vec::new(),
+            order: VecDeque::new(),
+            outstanding: 0,
+            sent: 0,
+            volatile: 0,
+            last_progress: Instant::now(),
+        }
+    }
+    fn alloc(&mut self, kind: Kind, range: (u32, u32)) -> u16 {
+        let cid = match self.free.pop() {
+            Some(c) => c,
+            None => {
+                self.cmds.push(None);
+                (self.cmds.len() - 1) as u16
+            }
+        };
+        self.sent += 1;
+        self.outstanding += 1;
+        self.cmds[cid as usize] = Some(ICmd {
+            kind,
+            range,
+            sent_no: self.sent,
+            completed: false,
+        });
+        cid
+    }
+    fn release(&mut self, cid: u16) {
+        self.cmds[cid as usize] = None;
+        self.free.push(cid);
+    }
+    fn reset(&mut self) {
+        self.conn = None;
+        self.cmds.clear();
+        self.free.clear();
+        self.order.clear();
+        self.outstanding = 0;
+        self.volatile = 0;
+    }
+}
+
+struct Req {
+    id: u64,
+    offset: u64,
+    buf: Option<FixedBuf>,
+    pieces: u32,
+    durable: u32,
+    failed: Option<String>,
+}
+
+struct Group {
+    seq: u64,
+    reqs: Vec<Req>,
+}
+
+struct Stream {
+    next_seq: u64,
+    open: Vec<Req>,
+    /// Groups sent and not yet handed back, oldest first (`groups[0].seq == durable_below`).
+    groups: VecDeque<Group>,
+    /// Per target: the stream's last group sent there.
+    prev: Vec<u64>,
+    /// Per target: the mark last told.
+    mark_told: Vec<u64>,
+    durable_below: u64,
+    next_id: u64,
+    not_done: u32,
+}
+
+/// An orderless write or a read in flight.
+struct Plain {
+    stream: u16,
+    id: u64,
+    buf: Option<FixedBuf>,
+    pieces: u32,
+    failed: Option<String>,
+    read: bool,
+}
+
+/// A volume striped over target servers.
+pub struct Volume {
+    cfg: VolumeConfig,
+    engine: Rc<Engine>,
+    targets: Vec<TargetInfo>,
+    /// `[stream * targets + target]`.
+    conns: Vec<IoConn>,
+    streams: Vec<Stream>,
+    plain: Vec<Option<Plain>>,
+    plain_free: Vec<u32>,
+    ready: VecDeque<Done>,
+    bytes: u64,
+    stats: VolumeStats,
+    hostid: [u8; 16],
+}
+
+fn status_err(peer: SocketAddr, what: &str, cqe: &Cqe) -> NetError {
+    let (sct, sc) = cqe.sct_sc();
+    NetError::Status {
+        peer: peer.to_string(),
+        what: what.into(),
+        sct,
+        sc,
+    }
+}
+
+impl Volume {
+    /// Connect to every target and recover: the volume is cut back to each stream's durable
+    /// prefix (see the module docs) and streams resume after it.
+    pub fn open(cfg: VolumeConfig) -> Result<(Volume, RecoveryReport), NetError> {
+        let mut v = Volume::connect(cfg)?;
+        let r = v.recover()?;
+        Ok((v, r))
+    }
+
+    /// Connect without recovering (reads and orderless writes only until [`Volume::recover`]).
+    pub fn connect(cfg: VolumeConfig) -> Result<Volume, NetError> {
+        if cfg.targets.is_empty() || cfg.streams == 0 {
+            return Err(NetError::Config("a volume needs at least one target and one stream".into()));
+        }
+        if cfg.stripe == 0 || cfg.stripe % LBA != 0 || cfg.stripe > MAX_DATA {
+            return Err(NetError::Config(format!(
+                "stripe {} must be a multiple of {LBA} up to {MAX_DATA}",
+                cfg.stripe
+            )));
+        }
+        if cfg.window == 0 {
+            return Err(NetError::Config("window must be at least 1".into()));
+        }
+        let engine = Engine::new(EngineConfig {
+            arena_bytes: cfg.arena_bytes,
+            huge_pages: false,
+            ring_entries: 64,
+            ..EngineConfig::default()
+        })?;
+        let nt = cfg.targets.len();
+        let mut hostid = [0u8; 16];
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+            ^ std::process::id() as u64;
+        hostid[..8].copy_from_slice(&seed.to_le_bytes());
+        let mut v = Volume {
+            targets: cfg
+                .targets
+                .iter()
+                .map(|&addr| TargetInfo {
+                    addr,
+                    admin: None,
+                    cntlid: 0,
+                    ns_bytes: 0,
+                    plp: false,
+                    rio: false,
+                    log_streams: 0,
+                    next_cid: 0,
+                })
+                .collect(),
+            conns: (0..cfg.streams as usize * nt).map(|_| IoConn::new()).collect(),
+            streams: (0..cfg.streams)
+                .map(|_| Stream {
+                    next_seq: 1,
+                    open: Vec::new(),
+                    groups: VecDeque::new(),
+                    prev: vec![0; nt],
+                    mark_told: vec![0; nt],
+                    durable_below: 1,
+                    next_id: 1,
+                    not_done: 0,
+                })
+                .collect(),
+            plain: Vec::new(),
+            plain_free: Vec::new(),
+            ready: VecDeque::new(),
+            bytes: 0,
+            stats: VolumeStats::default(),
+            engine,
+            hostid,
+            cfg,
+        };
+        for t in 0..nt {
+            v.connect_admin(t)?;
+        }
+        let min_ns = v.targets.iter().map(|t| t.ns_bytes).min().unwrap_or(0);
+        let per_target = min_ns / v.cfg.stripe as u64 * v.cfg.stripe as u64;
+        v.bytes = per_target * nt as u64;
+        for s in 0..v.cfg.streams {
+            for t in 0..nt {
+                v.connect_io(s, t)?;
+            }
+        }
+        Ok(v)
+    }
+
+    /// Bytes of the volume.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+    pub fn streams(&self) -> u16 {
+        self.cfg.streams
+    }
+    pub fn stats(&self) -> VolumeStats {
+        self.stats
+    }
+    pub fn engine(&self) -> &Rc<Engine> {
+        &self.engine
+    }
+    /// A buffer from the volume's arena (waits for nothing: `None` when exhausted).
+    pub fn alloc(&self, len: usize) -> Option<FixedBuf> {
+        let mut b = self.engine.try_alloc(len)?;
+        b.set_len(len).ok()?;
+        Some(b)
+    }
+    /// Whether each target keeps completed writes across power loss.
+    pub fn plp(&self) -> Vec<bool> {
+        self.targets.iter().map(|t| t.plp).collect()
+    }
+    /// The group the stream's next write joins.
+    pub fn next_seq(&self, stream: u16) -> u64 {
+        self.streams[stream as usize].next_seq
+    }
+
+    fn tcp(&self, t: usize) -> Result<Conn, NetError> {
+        let addr = self.targets[t].addr;
+        let sock = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+            .map_err(|e| NetError::io("connect to", addr, e))?;
+        let mut c = Conn::new(sock, MAX_PDU).map_err(|e| NetError::io("socket setup for", addr, e))?;
+        pdu::put_icreq(&mut c.tx, self.cfg.digests, 0);
+        let p = self.exchange(&mut c, addr, |p| matches!(p, Pdu::ICResp { .. }))?;
+        let Reply::IcResp { dgst } = p else {
+            return Err(NetError::peer(addr, "no ICResp"));
+        };
+        c.dg = Digests {
+            header: dgst & 1 != 0,
+            data: dgst & 2 != 0,
+        };
+        Ok(c)
+    }
+
+    /// Send what `c` holds and read until `done` matches a PDU; data PDUs are collected.
+    fn exchange(
+        &self,
+        c: &mut Conn,
+        addr: SocketAddr,
+        done: impl Fn(&Pdu) -> bool,
+    ) -> Result<Reply, NetError> {
+        let deadline = Instant::now() + self.cfg.io_timeout;
+        c.flush_blocking(self.cfg.io_timeout)
+            .map_err(|e| NetError::io("send to", addr, e))?;
+        let mut data = Vec::new();
+        loop {
+            loop {
+                let dg = c.dg;
+                let got = pdu::decode(c.rx.pending(), dg, c.max_pdu).map_err(|e| NetError::Protocol {
+                    peer: addr.to_string(),
+                    source: e,
+                })?;
+                let Some((p, n)) = got else { break };
+                let matched = done(&p);
+                let reply = match p {
+                    Pdu::ICResp { dgst, .. } => Some(Reply::IcResp { dgst }),
+                    Pdu::Resp { cqe } => Some(Reply::Resp(cqe, std::mem::take(&mut data))),
+                    Pdu::C2HData { data: d, .. } => {
+                        data.extend_from_slice(d);
+                        None
+                    }
+                    Pdu::TermReq { fes, .. } => {
+                        return Err(NetError::peer(addr, format!("terminated the connection (status {fes:#x})")))
+                    }
+                    other => {
+                        return Err(NetError::peer(addr, format!("unexpected PDU {other:?}")));
+                    }
+                };
+                c.rx.consume(n);
+                if matched {
+                    if let Some(r) = reply {
+                        return Ok(r);
+                    }
+                }
+            }
+            if c.eof {
+                return Err(NetError::peer(addr, "closed the connection"));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(NetError::io(
+                    "waiting for",
+                    addr,
+                    std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer"),
+                ));
+            }
+            wait_fds(&[(&c.sock, true, false)], Some(left)).map_err(|e| NetError::io("poll", addr, e))?;
+            c.fill().map_err(|e| NetError::io("receive from", addr, e))?;
+        }
+    }
+
+    /// A command on `t`'s admin queue, waited for.
+    fn admin(&mut self, t: usize, mut sqe: Sqe, out: &[u8], what: &str) -> Result<(Cqe, Vec<u8>), NetError> {
+        let addr = self.targets[t].addr;
+        let cid = self.targets[t].next_cid;
+        self.targets[t].next_cid = cid.wrapping_add(1);
+        sqe.set_cid(cid);
+        let mut c = self.targets[t]
+            .admin
+            .take()
+            .ok_or_else(|| NetError::peer(addr, "no admin connection"))?;
+        pdu::put_cmd(&mut c.tx, &sqe, out, c.dg);
+        let r = self.exchange(&mut c, addr, |p| matches!(p, Pdu::Resp { cqe } if cqe.cid == cid));
+        match r {
+            Ok(Reply::Resp(cqe, data)) => {
+                self.targets[t].admin = Some(c);
+                if cqe.ok() {
+                    Ok((cqe, data))
+                } else {
+                    Err(status_err(addr, what, &cqe))
+                }
+            }
+            Ok(_) => Err(NetError::peer(addr, "unexpected reply")),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn connect_data(&self, cntlid: u16) -> Vec<u8> {
+        let mut d = vec![0u8; 1024];
+        d[0..16].copy_from_slice(&self.hostid);
+        d[16..18].copy_from_slice(&cntlid.to_le_bytes());
+        let s = self.cfg.subnqn.as_bytes();
+        d[256..256 + s.len().min(255)].copy_from_slice(&s[..s.len().min(255)]);
+        let h = self.cfg.hostnqn.as_bytes();
+        d[512..512 + h.len().min(255)].copy_from_slice(&h[..h.len().min(255)]);
+        d
+    }
+
+    fn connect_sqe(qid: u16, sqsize: u16) -> Sqe {
+        let mut sqe = Sqe::default();
+        sqe.set_opcode(op::FABRICS);
+        sqe.0[4] = op::FC_CONNECT;
+        sqe.0[42..44].copy_from_slice(&qid.to_le_bytes());
+        sqe.0[44..46].copy_from_slice(&sqsize.to_le_bytes());
+        sqe.0[48..52].copy_from_slice(&0u32.to_le_bytes()); // KATO: none
+        sqe.set_sgl(1024, true);
+        sqe
+    }
+
+    fn connect_admin(&mut self, t: usize) -> Result<(), NetError> {
+        let c = self.tcp(t)?;
+        self.targets[t].admin = Some(c);
+        let data = self.connect_data(0xffff);
+        let (cqe, _) = self.admin(t, Self::connect_sqe(0, 31), &data, "Connect (admin queue)")?;
+        self.targets[t].cntlid = cqe.dw0 as u16;
+        // CC: enable, 64-byte SQEs, 16-byte CQEs.
+        let mut set = Sqe::default();
+        set.set_opcode(op::FABRICS);
+        set.0[4] = op::FC_PROPERTY_SET;
+        set.0[44..48].copy_from_slice(&0x14u32.to_le_bytes());
+        set.0[48..56].copy_from_slice(&(1u64 | 6 << 16 | 4 << 20).to_le_bytes());
+        self.admin(t, set, &[], "Property Set CC")?;
+        let deadline = Instant::now() + self.cfg.io_timeout;
+        loop {
+            let mut get = Sqe::default();
+            get.set_opcode(op::FABRICS);
+            get.0[4] = op::FC_PROPERTY_GET;
+            get.0[44..48].copy_from_slice(&0x1cu32.to_le_bytes());
+            let (cqe, _) = self.admin(t, get, &[], "Property Get CSTS")?;
+            if cqe.dw0 & 1 == 1 {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(NetError::peer(self.targets[t].addr, "controller never became ready"));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let mut id = Sqe::default();
+        id.set_opcode(op::IDENTIFY);
+        id.set_cdw(1, 1);
+        id.set_cdw(10, 0);
+        id.set_sgl(4096, false);
+        let (_, page) = self.admin(t, id, &[], "Identify Namespace")?;
+        if page.len() < 4096 {
+            return Err(NetError::peer(self.targets[t].addr, "short Identify Namespace data"));
+        }
+        let nsze = u64::from_le_bytes(page[0..8].try_into().expect("8"));
+        let flbas = page[26] as usize & 0xf;
+        let lbads = page[128 + 4 * flbas + 2];
+        if lbads as u32 != LBA.trailing_zeros() {
+            return Err(NetError::peer(
+                self.targets[t].addr,
+                format!("namespace 1 has {}-byte blocks; this initiator needs {LBA}", 1u64 << lbads),
+            ));
+        }
+        self.targets[t].ns_bytes = nsze * LBA as u64;
+        let mut info = Sqe::default();
+        info.set_opcode(op::RIO_INFO);
+        match self.admin(t, info, &[], "RIO_INFO") {
+            Ok((cqe, _)) => {
+                self.targets[t].rio = true;
+                self.targets[t].plp = cqe.dw1 & 1 != 0;
+                self.targets[t].log_streams = (cqe.dw1 >> 16) as u16;
+                if self.targets[t].log_streams < self.cfg.streams {
+                    return Err(NetError::Config(format!(
+                        "target {} keeps a log for {} streams; this volume has {}",
+                        self.targets[t].addr, self.targets[t].log_streams, self.cfg.streams
+                    )));
+                }
+                let slots = cqe.dw0 as u64;
+                let need = 4 * self.cfg.streams as u64 * (self.cfg.window as u64 + 2);
+                if slots < need {
+                    return Err(NetError::Config(format!(
+                        "target {}'s attribute log has {slots} slots; {} streams with a window of {} need {need}",
+                        self.targets[t].addr, self.cfg.streams, self.cfg.window
+                    )));
+                }
+            }
+            Err(NetError::Status { sct: 0, sc: 1, .. }) => {
+                // A standard NVMe/TCP target: orderless I/O only.
+                self.targets[t].rio = false;
+            }
+            Err(e) => return Err(e),
+        }
+        Ok(())
+    }
+
+    fn connect_io(&mut self, s: u16, t: usize) -> Result<(), NetError> {
+        let addr = self.targets[t].addr;
+        let mut c = self.tcp(t)?;
+        let data = self.connect_data(self.targets[t].cntlid);
+        let mut sqe = Self::connect_sqe(s + 1, 127);
+        sqe.set_cid(0);
+        pdu::put_cmd(&mut c.tx, &sqe, &data, c.dg);
+        match self.exchange(&mut c, addr, |p| matches!(p, Pdu::Resp { .. }))? {
+            Reply::Resp(cqe, _) if cqe.ok() => {}
+            Reply::Resp(cqe, _) => return Err(status_err(addr, "Connect (I/O queue)", &cqe)),
+            _ => return Err(NetError::peer(addr, "no Connect response")),
+        }
+        let ic = &mut self.conns[s as usize * self.targets.len() + t];
+        ic.reset();
+        ic.conn = Some(c);
+        ic.last_progress = Instant::now();
+        Ok(())
+    }
+
+    /// Where volume byte `off` lives: (target, byte offset on it).
+    fn locate(&self, off: u64) -> (usize, u64) {
+        let stripe = self.cfg.stripe as u64;
+        let unit = off / stripe;
+        let nt = self.targets.len() as u64;
+        ((unit % nt) as usize, (unit / nt) * stripe + off % stripe)
+    }
+
+    /// Pieces of `offset..offset+len`: (target, target offset, range in the buffer).
+    fn pieces(&self, offset: u64, len: u32) -> Vec<(usize, u64, (u32, u32))> {
+        let stripe = self.cfg.stripe as u64;
+        let mut out = Vec::new();
+        let mut at = 0u32;
+        while at < len {
+            let off = offset + at as u64;
+            let n = ((stripe - off % stripe) as u32).min(len - at);
+            let (t, toff) = self.locate(off);
+            out.push((t, toff, (at, at + n)));
+            at += n;
+        }
+        out
+    }
+
+    fn check_range(&self, offset: u64, len: usize) -> Result<(), NetError> {
+        if len == 0 || offset % LBA as u64 != 0 || len % LBA as usize != 0 {
+            return Err(NetError::Config(format!(
+                "volume I/O at byte {offset} of {len} bytes: offset and length must be multiples of {LBA}"
+            )));
+        }
+        if offset + len as u64 > self.bytes {
+            return Err(NetError::Config(format!(
+                "volume I/O at byte {offset} of {len} bytes ends past the volume ({} bytes)",
+                self.bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// Queue an ordered write on `stream`; `end_of_group` closes its group (the writes of one
+    /// group may become durable in any order among themselves; groups in order). Waits while
+    /// the stream has `window` writes not yet handed back.
+    pub fn submit(&mut self, stream: u16, offset: u64, buf: FixedBuf, end_of_group: bool) -> Result<u64, NetError> {
+        if stream >= self.cfg.streams {
+            return Err(NetError::Config(format!("stream {stream} of a volume with {}", self.cfg.streams)));
+        }
+        if self.targets.iter().any(|t| !t.rio) {
+            return Err(NetError::Config("ordered writes need Rio targets (one of them is a plain NVMe/TCP target)".into()));
+        }
+        self.check_range(offset, buf.len())?;
+        while self.streams[stream as usize].not_done >= self.cfg.window {
+            self.drive(true)?;
+        }
+        let st = &mut self.streams[stream as usize];
+        let id = st.next_id;
+        st.next_id += 1;
+        st.not_done += 1;
+        st.open.push(Req {
+            id,
+            offset,
+            buf: Some(buf),
+            pieces: 0,
+            durable: 0,
+            failed: None,
+        });
+        if end_of_group {
+            self.close_group(stream)?;
+        }
+        Ok(id)
+    }
+
+    fn close_group(&mut self, stream: u16) -> Result<(), NetError> {
+        let s = stream as usize;
+        let reqs = std::mem::take(&mut self.streams[s].open);
+        if reqs.is_empty() {
+            return Ok(());
+        }
+        let seq = self.streams[s].next_seq;
+        self.streams[s].next_seq += 1;
+        let mut g = Group { seq, reqs };
+        for r in &mut g.reqs {
+            r.pieces = self.pieces(r.offset, r.buf.as_ref().map_or(0, |b| b.len() as u32)).len() as u32;
+        }
+        self.streams[s].groups.push_back(g);
+        self.send_group(stream, seq)
+    }
+
+    /// Send every piece of group `seq` (first send and replay alike).
+    fn send_group(&mut self, stream: u16, seq: u64) -> Result<(), NetError> {
+        let s = stream as usize;
+        let nt = self.targets.len();
+        let gi = (seq - self.streams[s].groups[0].seq) as usize;
+        let mut plan = Vec::new();
+        for (ri, r) in self.streams[s].groups[gi].reqs.iter().enumerate() {
+            let len = r.buf.as_ref().map_or(0, |b| b.len() as u32);
+            for (t, toff, range) in self.pieces(r.offset, len) {
+                plan.push((ri as u32, t, toff, range));
+            }
+        }
+        let num = plan.len() as u16;
+        let prev_before = self.streams[s].prev.clone();
+        for (i, &(ri, t, toff, range)) in plan.iter().enumerate() {
+            let last = i + 1 == plan.len();
+            let mark = self.take_mark(stream, t);
+            let attr = WireAttr {
+                stream,
+                seq,
+                seq_end: seq,
+                prev: prev_before[t],
+                num: if last { num } else { 0 },
+                members: 1,
+                boundary: last,
+                mark,
+                ..WireAttr::default()
+            };
+            let ic = &mut self.conns[s * nt + t];
+            let cid = ic.alloc(Kind::Ordered { seq, req: ri }, range);
+            ic.order.push_back(cid);
+            let mut sqe = Sqe::default();
+            sqe.set_opcode(op::WRITE);
+            sqe.set_cid(cid);
+            sqe.set_cdw(1, 1);
+            let slba = toff / LBA as u64;
+            sqe.set_cdw(10, slba as u32);
+            sqe.set_cdw(11, (slba >> 32) as u32);
+            sqe.set_cdw(12, (range.1 - range.0) / LBA - 1);
+            attr.put(&mut sqe);
+            sqe.set_sgl(range.1 - range.0, true);
+            let buf = self.streams[s].groups[gi].reqs[ri as usize]
+                .buf
+                .as_ref()
+                .expect("held until durable");
+            if let Some(c) = self.conns[s * nt + t].conn.as_mut() {
+                pdu::put_cmd(&mut c.tx, &sqe, &buf[range.0 as usize..range.1 as usize], c.dg);
+            }
+            self.stats.ordered_cmds += 1;
+        }
+        for &(_, t, _, _) in &plan {
+            self.streams[s].prev[t] = seq;
+        }
+        Ok(())
+    }
+
+    /// The mark to piggyback on the next ordered command to `t` (0: nothing new).
+    fn take_mark(&mut self, stream: u16, t: usize) -> u64 {
+        let st = &mut self.streams[stream as usize];
+        if st.durable_below > st.mark_told[t].max(1) {
+            st.mark_told[t] = st.durable_below;
+            st.durable_below
+        } else {
+            0
+        }
+    }
+
+    /// Orderless write (no attribute); handed back at completion (not necessarily durable).
+    pub fn write_orderless(&mut self, stream: u16, offset: u64, buf: FixedBuf) -> Result<u64, NetError> {
+        self.plain_io(stream, offset, buf, false)
+    }
+
+    /// Read into `buf`; handed back with the data.
+    pub fn read(&mut self, stream: u16, offset: u64, buf: FixedBuf) -> Result<u64, NetError> {
+        self.plain_io(stream, offset, buf, true)
+    }
+
+    fn plain_io(&mut self, stream: u16, offset: u64, buf: FixedBuf, read: bool) -> Result<u64, NetError> {
+        if stream >= self.cfg.streams {
+            return Err(NetError::Config(format!("stream {stream} of a volume with {}", self.cfg.streams)));
+        }
+        self.check_range(offset, buf.len())?;
+        while self.streams[stream as usize].not_done >= self.cfg.window {
+            self.drive(true)?;
+        }
+        let s = stream as usize;
+        let nt = self.targets.len();
+        let id = self.streams[s].next_id;
+        self.streams[s].next_id += 1;
+        self.streams[s].not_done += 1;
+        let pieces = self.pieces(offset, buf.len() as u32);
+        let slot = match self.plain_free.pop() {
+            Some(x) => x,
+            None => {
+                self.plain.push(None);
+                (self.plain.len() - 1) as u32
+            }
+        };
+        for &(t, toff, range) in &pieces {
+            let ic = &mut self.conns[s * nt + t];
+            let cid = ic.alloc(Kind::Plain { slot }, range);
+            let mut sqe = Sqe::default();
+            sqe.set_opcode(if read { op::READ } else { op::WRITE });
+            sqe.set_cid(cid);
+            sqe.set_cdw(1, 1);
+            let slba = toff / LBA as u64;
+            sqe.set_cdw(10, slba as u32);
+            sqe.set_cdw(11, (slba >> 32) as u32);
+            sqe.set_cdw(12, (range.1 - range.0) / LBA - 1);
+            sqe.set_sgl(range.1 - range.0, !read);
+            if let Some(c) = ic.conn.as_mut() {
+                let data = if read { &[][..] } else { &buf[range.0 as usize..range.1 as usize] };
+                pdu::put_cmd(&mut c.tx, &sqe, data, c.dg);
+            }
+        }
+        self.plain[slot as usize] = Some(Plain {
+            stream,
+            id,
+            buf: Some(buf),
+            pieces: pieces.len() as u32,
+            failed: None,
+            read,
+        });
+        Ok(id)
+    }
+
+    /// Plain FLUSH of every target on `stream`'s connections, waited for (synchronous ordering:
+    /// what a stack without Rio does between dependent writes).
+    pub fn flush_all(&mut self, stream: u16) -> Result<(), NetError> {
+        let s = stream as usize;
+        let nt = self.targets.len();
+        for t in 0..nt {
+            let ic = &mut self.conns[s * nt + t];
+            let cid = ic.alloc(Kind::PlainFlush, (0, 0));
+            let mut sqe = Sqe::default();
+            sqe.set_opcode(op::FLUSH);
+            sqe.set_cid(cid);
+            sqe.set_cdw(1, 1);
+            if let Some(c) = ic.conn.as_mut() {
+                pdu::put_cmd(&mut c.tx, &sqe, &[], c.dg);
+            }
+            self.stats.flushes += 1;
+        }
+        while (0..nt).any(|t| self.conns[s * nt + t].outstanding > 0) {
+            self.drive(true)?;
+        }
+        Ok(())
+    }
+
+    /// Close the open group, make everything the stream wrote durable, and wait until it is all
+    /// handed back.
+    pub fn wait(&mut self, stream: u16) -> Result<(), NetError> {
+        self.close_group(stream)?;
+        let s = stream as usize;
+        loop {
+            let st = &self.streams[s];
+            if st.groups.is_empty() && st.open.is_empty() {
+                break;
+            }
+            self.maybe_flush(stream, true);
+            self.drive(true)?;
+        }
+        self.tell_marks(stream);
+        Ok(())
+    }
+
+    /// Finished requests so far (without waiting).
+    pub fn poll(&mut self) -> Result<Vec<Done>, NetError> {
+        self.drive(false)?;
+        Ok(self.ready.drain(..).collect())
+    }
+
+    /// Wait until at least one request is handed back.
+    pub fn wait_any(&mut self) -> Result<Vec<Done>, NetError> {
+        while self.ready.is_empty() {
+            let sent = self.streams.iter().any(|s| !s.groups.is_empty())
+                || self.plain.iter().any(|p| p.is_some());
+            if !sent {
+                return Ok(Vec::new());
+            }
+            self.drive(true)?;
+        }
+        Ok(self.ready.drain(..).collect())
+    }
+
+    /// Send ordered FLUSHes for the stream when all its ordered commands have completed and some
+    /// are not durable yet (or `now`).
+    fn maybe_flush(&mut self, stream: u16, now: bool) {
+        let s = stream as usize;
+        let nt = self.targets.len();
+        let busy = (0..nt).any(|t| {
+            let ic = &self.conns[s * nt + t];
+            ic.order.iter().any(|&cid| {
+                ic.cmds[cid as usize]
+                    .as_ref()
+                    .is_some_and(|c| !c.completed)
+            })
+        });
+        if busy {
+            return; // a FLUSH covers completed writes only; try again after completions
+        }
+        let _ = now;
+        let last = self.streams[s].next_seq - 1;
+        for t in 0..nt {
+            if self.targets[t].plp || self.conns[s * nt + t].volatile == 0 {
+                continue;
+            }
+            let mark = self.take_mark(stream, t);
+            let ic = &mut self.conns[s * nt + t];
+            if ic.cmds.iter().flatten().any(|c| matches!(c.kind, Kind::Flush { .. })) {
+                continue; // one at a time
+            }
+            let covers = ic.sent;
+            let cid = ic.alloc(Kind::Flush { covers }, (0, 0));
+            let mut sqe = Sqe::default();
+            sqe.set_opcode(op::FLUSH);
+            sqe.set_cid(cid);
+            sqe.set_cdw(1, 1);
+            WireAttr {
+                stream,
+                seq: last,
+                seq_end: last,
+                flush: true,
+                mark,
+                ..WireAttr::default()
+            }
+            .put(&mut sqe);
+            if let Some(c) = ic.conn.as_mut() {
+                pdu::put_cmd(&mut c.tx, &sqe, &[], c.dg);
+            }
+            self.stats.flushes += 1;
+        }
+    }
+
+    /// Tell the targets the stream's durability mark where they have not heard it.
+    fn tell_marks(&mut self, stream: u16) {
+        let s = stream as usize;
+        let nt = self.targets.len();
+        for t in 0..nt {
+            let mark = self.take_mark(stream, t);
+            if mark == 0 {
+                continue;
+            }
+            let ic = &mut self.conns[s * nt + t];
+            let cid = ic.alloc(Kind::Mark, (0, 0));
+            let mut sqe = Sqe::default();
+            sqe.set_opcode(op::RIO_MARK);
+            sqe.set_cid(cid);
+            sqe.set_cdw(10, stream as u32);
+            sqe.set_cdw(11, mark as u32);
+            sqe.set_cdw(12, (mark >> 32) as u32);
+            if let Some(c) = ic.conn.as_mut() {
+                pdu::put_cmd(&mut c.tx, &sqe, &[], c.dg);
+            }
+            self.stats.marks += 1;
+        }
+    }
+
+    /// Move everything along: send, receive, complete. `block`: wait for the network when there
+    /// is nothing to do. A failed target starts recovery.
+    fn drive(&mut self, block: bool) -> Result<(), NetError> {
+        match self.drive_once(block) {
+            Ok(()) => Ok(()),
+            Err((t, why)) => {
+                if self.cfg.verbose {
+                    eprintln!("aios initiator: target {} failed ({why}); recovering", self.targets[t].addr);
+                }
+                self.recover_with_retry(t, why)?;
+                Ok(())
+            }
+        }
+    }
+
+    fn drive_once(&mut self, block: bool) -> Result<(), (usize, String)> {
+        let nt = self.targets.len();
+        let mut progress = false;
+        for i in 0..self.conns.len() {
+            let t = i % nt;
+            let Some(c) = self.conns[i].conn.as_mut() else {
+                return Err((t, "not connected".into()));
+            };
+            c.flush().map_err(|e| (t, format!("send: {e}")))?;
+            let n = c.fill().map_err(|e| (t, format!("receive: {e}")))?;
+            if n > 0 {
+                progress = true;
+                self.conns[i].last_progress = Instant::now();
+            }
+            progress |= self.take_pdus(i).map_err(|e| (t, e))?;
+            let ic = &self.conns[i];
+            if ic.conn.as_ref().is_some_and(|c| c.eof) {
+                return Err((t, "the target closed the connection".into()));
+            }
+            if ic.outstanding > 0 && ic.last_progress.elapsed() > self.cfg.io_timeout {
+                return Err((t, format!("no answer for {:?}", self.cfg.io_timeout)));
+            }
+        }
+        for s in 0..self.cfg.streams {
+            self.maybe_flush(s, false);
+            if self.streams[s as usize].not_done == 0 {
+                self.tell_marks(s);
+            }
+        }
+        for i in 0..self.conns.len() {
+            if let Some(c) = self.conns[i].conn.as_mut() {
+                c.flush().map_err(|e| (i % nt, format!("send: {e}")))?;
+            }
+        }
+        if progress || !block || !self.ready.is_empty() {
+            return Ok(());
+        }
+        let fds: Vec<(&dyn std::os::fd::AsFd, bool, bool)> = self
+            .conns
+            .iter()
+            .filter_map(|ic| ic.conn.as_ref())
+            .map(|c| (&c.sock as &dyn std::os::fd::AsFd, true, c.unsent() > 0))
+            .collect();
+        let _ = wait_fds(&fds, Some(Duration::from_millis(100)));
+        Ok(())
+    }
+
+    /// Decode and apply the PDUs connection `i` has received.
+    fn take_pdus(&mut self, i: usize) -> Result<bool, String> {
+        let nt = self.targets.len();
+        let s = i / nt;
+        let mut any = false;
+        loop {
+            let ic = &mut self.conns[i];
+            let Some(c) = ic.conn.as_mut() else { return Ok(any) };
+            let dg = c.dg;
+            let (p, n) = match pdu::decode(c.rx.pending(), dg, c.max_pdu) {
+                Ok(Some(x)) => x,
+                Ok(None) => return Ok(any),
+                Err(e) => return Err(e.to_string()),
+            };
+            any = true;
+            match p {
+                Pdu::Resp { cqe } => {
+                    c.rx.consume(n);
+                    self.on_cqe(s, i, cqe)?;
+                }
+                Pdu::C2HData { cccid, datao, data, .. } => {
+                    let Some(cmd) = ic.cmds.get(cccid as usize).and_then(|c| c.as_ref()) else {
+                        return Err(format!("data for unknown command {cccid}"));
+                    };
+                    let Kind::Plain { slot } = cmd.kind else {
+                        return Err(format!("data for command {cccid}, which reads nothing"));
+                    };
+                    let (a, b) = cmd.range;
+                    if datao as u64 + data.len() as u64 > (b - a) as u64 {
+                        return Err(format!("{} bytes at {datao} for a {}-byte read", data.len(), b - a));
+                    }
+                    let p = self.plain[slot as usize].as_mut().ok_or("data for a finished read")?;
+                    let buf = p.buf.as_mut().expect("held until done");
+                    let at = a as usize + datao as usize;
+                    buf[at..at + data.len()].copy_from_slice(data);
+                    c.rx.consume(n);
+                }
+                Pdu::TermReq { fes, .. } => {
+                    return Err(format!("the target terminated the connection (status {fes:#x})"))
+                }
+                other => return Err(format!("unexpected PDU {other:?}")),
+            }
+        }
+    }
+
+    fn on_cqe(&mut self, s: usize, i: usize, cqe: Cqe) -> Result<(), String> {
+        let nt = self.targets.len();
+        let t = i % nt;
+        let ic = &mut self.conns[i];
+        let Some(cmd) = ic.cmds.get_mut(cqe.cid as usize).and_then(|c| c.as_mut()) else {
+            return Err(format!("completion for unknown command {}", cqe.cid));
+        };
+        if cmd.completed {
+            return Err(format!("second completion for command {}", cqe.cid));
+        }
+        cmd.completed = true;
+        ic.outstanding -= 1;
+        let err = (!cqe.ok()).then(|| {
+            let (sct, sc) = cqe.sct_sc();
+            format!("target {} failed the command: status type {sct:#x} code {sc:#04x}", self.targets[t].addr)
+        });
+        match cmd.kind {
+            Kind::Ordered { seq, req } => {
+                if let Some(e) = err {
+                    self.conns[i].order.retain(|&c| c != cqe.cid);
+                    self.conns[i].release(cqe.cid);
+                    self.piece_durable(s, seq, req, Some(e));
+                } else if self.targets[t].plp {
+                    self.conns[i].order.retain(|&c| c != cqe.cid);
+                    self.conns[i].release(cqe.cid);
+                    self.piece_durable(s, seq, req, None);
+                } else {
+                    self.conns[i].volatile += 1;
+                }
+            }
+            Kind::Flush { covers } => {
+                let ic = &mut self.conns[i];
+                ic.release(cqe.cid);
+                if let Some(e) = err {
+                    // Nothing became durable; the next flush tries again.
+                    eprintln!("aios initiator: ordered FLUSH failed: {e}");
+                    return Ok(());
+                }
+                let mut now_durable = Vec::new();
+                let mut keep = VecDeque::new();
+                while let Some(cid) = ic.order.pop_front() {
+                    let c = ic.cmds[cid as usize].as_ref().expect("ordered piece");
+                    if c.completed && c.sent_no <= covers {
+                        if let Kind::Ordered { seq, req } = c.kind {
+                            now_durable.push((seq, req));
+                        }
+                        ic.release(cid);
+                        ic.volatile -= 1;
+                    } else {
+                        keep.push_back(cid);
+                    }
+                }
+                ic.order = keep;
+                for (seq, req) in now_durable {
+                    self.piece_durable(s, seq, req, None);
+                }
+            }
+            Kind::Mark => {
+                self.conns[i].release(cqe.cid);
+            }
+            Kind::PlainFlush => {
+                self.conns[i].release(cqe.cid);
+                if let Some(e) = err {
+                    return Err(e);
+                }
+            }
+            Kind::Plain { slot } => {
+                self.conns[i].release(cqe.cid);
+                let p = self.plain[slot as usize].as_mut().ok_or("completion for a finished request")?;
+                p.pieces -= 1;
+                if let Some(e) = err {
+                    p.failed.get_or_insert(e);
+                }
+                if p.pieces == 0 {
+                    let p = self.plain[slot as usize].take().expect("present");
+                    self.plain_free.push(slot);
+                    self.streams[p.stream as usize].not_done -= 1;
+                    let _ = p.read;
+                    self.ready.push_back(Done {
+                        stream: p.stream,
+                        seq: 0,
+                        id: p.id,
+                        result: p.failed.map_or(Ok(()), Err),
+                        buf: p.buf.expect("held"),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A piece of request `req` of group `seq` is durable (or failed): hand back what is now
+    /// durable in order.
+    fn piece_durable(&mut self, s: usize, seq: u64, req: u32, failed: Option<String>) {
+        let st = &mut self.streams[s];
+        let Some(front) = st.groups.front() else { return };
+        let gi = (seq - front.seq) as usize;
+        let r = &mut st.groups[gi].reqs[req as usize];
+        r.durable += 1;
+        if let Some(e) = failed {
+            r.failed.get_or_insert(e);
+        }
+        while let Some(g) = st.groups.front() {
+            if g.reqs.iter().any(|r| r.durable < r.pieces) {
+                break;
+            }
+            let g = st.groups.pop_front().expect("front");
+            st.durable_below = g.seq + 1;
+            for r in g.reqs {
+                st.not_done -= 1;
+                self.ready.push_back(Done {
+                    stream: s as u16,
+                    seq: g.seq,
+                    id: r.id,
+                    result: r.failed.map_or(Ok(()), Err),
+                    buf: r.buf.expect("held until durable"),
+                });
+            }
+        }
+    }
+}
+
+enum Reply {
+    IcResp { dgst: u8 },
+    Resp(Cqe, Vec<u8>),
+}
+
+impl Volume {
+    fn recover_with_retry(&mut self, failed: usize, why: String) -> Result<RecoveryReport, NetError> {
+        let start = Instant::now();
+        let mut last;
+        let _ = why;
+        loop {
+            match self.recover() {
+                Ok(r) => return Ok(r),
+                Err(e) => {
+                    last = e.to_string();
+                    if self.cfg.verbose {
+                        eprintln!("aios initiator: recovery attempt failed: {last}");
+                    }
+                }
+            }
+            if start.elapsed() > self.cfg.reconnect_for {
+                return Err(NetError::Unreachable {
+                    peer: self.targets[failed].addr.to_string(),
+                    secs: start.elapsed().as_secs_f64(),
+                    why: last,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Recovery across the targets (see the module docs). Safe to run at any time; runs by
+    /// itself when a target fails.
+    pub fn recover(&mut self) -> Result<RecoveryReport, NetError> {
+        let started = Instant::now();
+        let nt = self.targets.len();
+        self.stats.recoveries += 1;
+        // 1. Let connections that still work answer what they hold (bounded), then drop them:
+        //    nothing sent before the reset may land after it.
+        let deadline = Instant::now() + self.cfg.io_timeout;
+        while Instant::now() < deadline
+            && self.conns.iter().any(|c| c.conn.is_some() && c.outstanding > 0)
+        {
+            if let Err((t, _)) = self.drive_once(true) {
+                for s in 0..self.cfg.streams as usize {
+                    self.conns[s * nt + t].conn = None;
+                }
+            }
+        }
+        for ic in &mut self.conns {
+            ic.reset();
+        }
+        // Orderless requests in flight are lost with their connections: fail them.
+        for slot in 0..self.plain.len() {
+            if let Some(p) = self.plain[slot].take() {
+                self.plain_free.push(slot as u32);
+                self.streams[p.stream as usize].not_done -= 1;
+                self.ready.push_back(Done {
+                    stream: p.stream,
+                    seq: 0,
+                    id: p.id,
+                    result: Err("the connection failed; recovery ran".into()),
+                    buf: p.buf.expect("held"),
+                });
+            }
+        }
+        // 2. Admin connections and the logs.
+        for t in 0..nt {
+            let alive = self.targets[t].admin.is_some() && {
+                let mut info = Sqe::default();
+                info.set_opcode(op::RIO_INFO);
+                self.admin(t, info, &[], "RIO_INFO").is_ok()
+            };
+            if !alive {
+                self.targets[t].admin = None;
+                self.connect_admin(t)?;
+            }
+        }
+        if self.targets.iter().any(|t| !t.rio) {
+            return Err(NetError::Config("recovery needs Rio targets".into()));
+        }
+        let mut scans = Vec::new();
+        for t in 0..nt {
+            let mut sc = self.fetch_log(t)?;
+            for (_, a) in &mut sc.entries {
+                a.target = t as u16;
+            }
+            scans.push(sc);
+        }
+        let merged = LogScan::merge(&scans)?;
+        let plp: Vec<bool> = self.targets.iter().map(|t| t.plp).collect();
+        let rec = recover(&merged, &|t| plp.get(t as usize).copied().unwrap_or(false));
+        let marks = rec.resume_marks();
+        // Acknowledged writes must be inside the prefix.
+        for (s, st) in self.streams.iter().enumerate() {
+            if marks.get(s).copied().unwrap_or(1) < st.durable_below {
+                return Err(NetError::Config(format!(
+                    "stream {s}: the targets' logs end the durable prefix at group {}, but groups up to {} were acknowledged durable (a target lost its attribute log?)",
+                    marks[s],
+                    st.durable_below - 1
+                )));
+            }
+        }
+        // 3. Zero what lies beyond the prefixes (out-of-place writes), flush.
+        for s in 0..self.cfg.streams {
+            for t in 0..nt {
+                self.connect_io(s, t)?;
+            }
+        }
+        let mut report = RecoveryReport {
+            prefix_end: marks.clone(),
+            ..RecoveryReport::default()
+        };
+        for sr in &rec.streams {
+            for a in &sr.beyond {
+                if a.ipu {
+                    report.in_place.push(*a);
+                } else if a.len > 0 {
+                    self.zero(a.target as usize, a.offset, a.len as u64)?;
+                    report.discarded += 1;
+                }
+            }
+        }
+        for t in 0..nt {
+            let ic = &mut self.conns[t];
+            let cid = ic.alloc(Kind::PlainFlush, (0, 0));
+            let mut sqe = Sqe::default();
+            sqe.set_opcode(op::FLUSH);
+            sqe.set_cid(cid);
+            sqe.set_cdw(1, 1);
+            if let Some(c) = ic.conn.as_mut() {
+                pdu::put_cmd(&mut c.tx, &sqe, &[], c.dg);
+            }
+        }
+        self.settle()?;
+        // 4. Reset every log to the prefixes: a new epoch and generation.
+        for t in 0..nt {
+            let ls = self.targets[t].log_streams as usize;
+            let mut d = Vec::with_capacity(ls * 8);
+            for s in 0..ls {
+                d.extend_from_slice(&marks.get(s).copied().unwrap_or(1).max(1).to_le_bytes());
+            }
+            let mut sqe = Sqe::default();
+            sqe.set_opcode(op::RIO_RESET);
+            sqe.set_sgl(d.len() as u32, true);
+            self.admin(t, sqe, &d, "RIO_RESET")?;
+        }
+        for s in 0..self.cfg.streams {
+            for t in 0..nt {
+                self.connect_io(s, t)?;
+            }
+        }
+        // 5. Streams resume at their prefix; groups held beyond it are sent again.
+        for s in 0..self.cfg.streams as usize {
+            let p = marks.get(s).copied().unwrap_or(1).max(1);
+            let st = &mut self.streams[s];
+            st.prev.iter_mut().for_each(|x| *x = 0);
+            st.mark_told.iter_mut().for_each(|x| *x = p);
+            // Groups now known durable are handed back.
+            while st.groups.front().is_some_and(|g| g.seq < p) {
+                let g = st.groups.pop_front().expect("front");
+                for r in g.reqs {
+                    st.not_done -= 1;
+                    self.ready.push_back(Done {
+                        stream: s as u16,
+                        seq: g.seq,
+                        id: r.id,
+                        result: Ok(()),
+                        buf: r.buf.expect("held"),
+                    });
+                }
+            }
+            st.durable_below = p;
+            if st.groups.is_empty() {
+                // Nothing held beyond the prefix: the stream goes on where it stops.
+                st.next_seq = p;
+            }
+            let seqs: Vec<u64> = st.groups.iter().map(|g| g.seq).collect();
+            for g in st.groups.iter_mut() {
+                for r in &mut g.reqs {
+                    r.durable = 0;
+                    r.failed = None;
+                }
+            }
+            for seq in seqs {
+                self.send_group(s as u16, seq)?;
+                report.replayed += 1;
+                self.stats.replayed += 1;
+            }
+        }
+        report.took = started.elapsed();
+        if self.cfg.verbose {
+            eprintln!(
+                "aios initiator: recovered in {:.1} ms: prefixes {:?}, {} writes zeroed, {} replayed, {} in-place updates reported",
+                report.took.as_secs_f64() * 1e3,
+                report.prefix_end,
+                report.discarded,
+                report.replayed,
+                report.in_place.len()
+            );
+        }
+        Ok(report)
+    }
+
+    /// Wait until every connection has no command out.
+    fn settle(&mut self) -> Result<(), NetError> {
+        let deadline = Instant::now() + self.cfg.io_timeout;
+        while self.conns.iter().any(|c| c.outstanding > 0) {
+            if Instant::now() > deadline {
+                return Err(NetError::Config("recovery: targets did not answer in time".into()));
+            }
+            if let Err((t, why)) = self.drive_once(true) {
+                return Err(NetError::peer(self.targets[t].addr, why));
+            }
+        }
+        Ok(())
+    }
+
+    fn zero(&mut self, t: usize, offset: u64, len: u64) -> Result<(), NetError> {
+        let ic = &mut self.conns[t];
+        let cid = ic.alloc(Kind::PlainFlush, (0, 0));
+        let mut sqe = Sqe::default();
+        sqe.set_opcode(op::WRITE_ZEROES);
+        sqe.set_cid(cid);
+        sqe.set_cdw(1, 1);
+        let slba = offset / LBA as u64;
+        sqe.set_cdw(10, slba as u32);
+        sqe.set_cdw(11, (slba >> 32) as u32);
+        sqe.set_cdw(12, (len / LBA as u64) as u32 - 1);
+        if let Some(c) = ic.conn.as_mut() {
+            pdu::put_cmd(&mut c.tx, &sqe, &[], c.dg);
+        }
+        Ok(())
+    }
+
+    /// Read target `t`'s whole attribute log.
+    fn fetch_log(&mut self, t: usize) -> Result<LogScan, NetError> {
+        let mut image = Vec::new();
+        let mut total = usize::MAX;
+        while image.len() < total {
+            let mut sqe = Sqe::default();
+            sqe.set_opcode(op::RIO_GET_LOG);
+            sqe.set_cdw(10, image.len() as u32);
+            sqe.set_cdw(11, (image.len() as u64 >> 32) as u32);
+            sqe.set_sgl(MAX_DATA, false);
+            let (cqe, data) = self.admin(t, sqe, &[], "RIO_GET_LOG")?;
+            total = cqe.dw0 as usize | (cqe.dw1 as usize) << 32;
+            if data.is_empty() && image.len() < total {
+                return Err(NetError::peer(self.targets[t].addr, "attribute log read returned nothing"));
+            }
+            image.extend_from_slice(&data);
+        }
+        image.truncate(total);
+        let mut pmr = MemPmr::new(total);
+        pmr.bytes_mut().copy_from_slice(&image);
+        Ok(scan(&pmr)?)
+    }
+}

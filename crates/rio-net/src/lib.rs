@@ -1,0 +1,19 @@
+//! Rio over the network (EuroSys'23, §4.3–§4.5): ordered writes to several target servers over
+//! NVMe/TCP, with Rio's ordering attribute in reserved dwords of the commands.
+//!
+//! - [`pdu`]: the NVMe/TCP PDUs and the attribute's wire form.
+//! - [`Target`]: a target server over any lbio device, with its attribute log.
+//! - [`Volume`]: the initiator — a volume striped over targets, one connection per stream and
+//!   target, in-order completion, reconnection, and recovery.
+
+#![forbid(unsafe_code)]
+
+pub mod conn;
+mod error;
+mod initiator;
+pub mod pdu;
+pub mod target;
+
+pub use error::NetError;
+pub use initiator::{Done, RecoveryReport, Volume, VolumeConfig, VolumeStats};
+pub use target::{Target, TargetConfig, TargetLogKind, TargetStats, TargetStatsHandle};

@@ -1,0 +1,1351 @@
+//! The target server: NVMe/TCP over any lbio device, with Rio's attribute log.
+//!
+//! One thread per connection (each with its own engine and lbio array, as everything lbio drives
+//! is per thread). The attribute log and the per-stream submission order are shared by the
+//! target's connections behind one mutex, taken once per ordered command.
+//!
+//! For an ordered write (Rio §4.3): wait until the group named by `prev` has been submitted
+//! (in-order submission per server; with one connection per stream, TCP's in-order delivery
+//! makes this wait rare), append the attribute to the log (persist word clear), submit the data,
+//! and when it completes set the persist word if the device has power-loss protection. An
+//! ordered FLUSH waits for the connection's writes to complete, appends its marker, flushes the
+//! device and sets the marker's persist word: that certifies every earlier write of the stream
+//! here. The durability mark the initiator piggybacks on commands releases log slots.
+//!
+//! A target that starts on an existing log keeps it for recovery and refuses ordered writes
+//! until the initiator has collected the log and reset it (`RIO_RESET`); every reset starts a
+//! new generation, and connections from before it may no longer send ordered writes.
+//! Malformed, oversized or out-of-sequence PDUs close only their connection, with the reason
+//! logged; commands outside the namespace fail with LBA Out of Range.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use aios_core::{CompletionMode, Engine, EngineConfig, FixedBuf, ProbeOptions};
+use lbio::{Device, DeviceConfig, Io, LbioArray, LbioConfig, Tag};
+use rio_ordering::{Attr, AttrLog, FilePmr, MemPmr, NvmePmr, Pmr, RioError, Slot};
+
+use crate::conn::{wait_fds, Conn};
+use crate::error::NetError;
+use crate::pdu::{self, op, Cqe, Digests, Pdu, PduError, Sqe, Status, WireAttr};
+
+/// Largest data transfer of one command (MDTS 5: 32 × 4 KiB).
+pub const MAX_DATA: u32 = 128 << 10;
+/// Largest PDU accepted: a command capsule with `MAX_DATA` in-capsule bytes and both digests.
+pub const MAX_PDU: u32 = MAX_DATA + 128;
+/// In-capsule data accepted on I/O queues (IOCCSZ counts 16-byte units including the SQE).
+const IO_CAPSULE_DATA: u32 = MAX_DATA;
+/// Admin queues take 8 KiB in the capsule.
+const ADMIN_CAPSULE_DATA: u32 = 8192;
+/// LBA size of the namespace.
+pub const LBA: u32 = 4096;
+
+/// Where a target keeps its attribute log.
+#[derive(Clone, Debug)]
+pub enum TargetLogKind {
+    /// Persistent memory emulated in RAM (lost with the process: for benchmarks and tests).
+    Mem(usize),
+    /// Persistent memory emulated in a file (survives the process; `fdatasync` per write).
+    File(PathBuf, usize),
+    /// An NVMe controller's persistent memory region (`/dev/nvmeX`).
+    Nvme(PathBuf),
+}
+
+/// Settings of a target.
+#[derive(Clone, Debug)]
+pub struct TargetConfig {
+    /// The device or file served as namespace 1.
+    pub device: PathBuf,
+    pub log: TargetLogKind,
+    /// Streams the log serves (initiators may use fewer).
+    pub streams: u16,
+    /// Format the log even when it holds one (its entries are lost).
+    pub format: bool,
+    /// Serve only this many bytes of the device.
+    pub ns_bytes: Option<u64>,
+    pub subnqn: String,
+    /// Arena bytes per I/O connection.
+    pub arena_bytes: usize,
+    /// Print one line per connection opened or closed.
+    pub verbose: bool,
+}
+
+impl TargetConfig {
+    pub fn new(device: impl Into<PathBuf>, log: TargetLogKind) -> TargetConfig {
+        TargetConfig {
+            device: device.into(),
+            log,
+            streams: 16,
+            format: false,
+            ns_bytes: None,
+            subnqn: "nqn.2026-11.io.aios:target".into(),
+            arena_bytes: 8 << 20,
+            verbose: false,
+        }
+    }
+}
+
+type BoxPmr = Box<dyn Pmr + Send>;
+
+enum LogSlot {
+    Live(AttrLog<BoxPmr>),
+    /// Found at start: kept for the initiator's recovery; ordered writes wait for a reset.
+    Recovering(BoxPmr),
+    /// Between taking the region out and putting it back.
+    Moving,
+}
+
+impl LogSlot {
+    fn pmr(&self) -> &dyn Pmr {
+        match self {
+            LogSlot::Live(l) => l.pmr(),
+            LogSlot::Recovering(p) => p,
+            LogSlot::Moving => unreachable!("the log is only moving under the lock"),
+        }
+    }
+}
+
+struct LogState {
+    log: LogSlot,
+    /// Bumped by every reset.
+    generation: u64,
+    /// Per stream: the highest group submitted to the device (the in-order gate).
+    submitted: Vec<u64>,
+    streams: u16,
+    slots: u32,
+    log_full: u64,
+}
+
+/// Counters of a target.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TargetStats {
+    pub connections: u64,
+    pub ordered_writes: u64,
+    pub ordered_flushes: u64,
+    pub orderless: u64,
+    pub reads: u64,
+    pub closed_on_error: u64,
+}
+
+struct Shared {
+    cfg: TargetConfig,
+    ns_bytes: u64,
+    plp: bool,
+    state: Mutex<LogState>,
+    next_cntlid: AtomicU16,
+    live_cntlids: Mutex<Vec<u16>>,
+    ordered_writes: AtomicU64,
+    ordered_flushes: AtomicU64,
+    orderless: AtomicU64,
+    reads: AtomicU64,
+    connections: AtomicU64,
+    closed_on_error: AtomicU64,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, LogState> {
+        // A connection thread that panicked leaves the log as it was: keep serving.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A target server, bound and ready to serve.
+pub struct Target {
+    listener: TcpListener,
+    shared: Arc<Shared>,
+}
+
+fn open_pmr(kind: &TargetLogKind) -> Result<BoxPmr, NetError> {
+    Ok(match kind {
+        TargetLogKind::Mem(n) => Box::new(MemPmr::new(*n)),
+        TargetLogKind::File(p, n) => Box::new(FilePmr::open(p, *n)?),
+        TargetLogKind::Nvme(p) => Box::new(NvmePmr::open(p).map_err(RioError::from)?),
+    })
+}
+
+impl Target {
+    /// Open the device and the log and bind `addr`.
+    pub fn bind(addr: SocketAddr, cfg: TargetConfig) -> Result<Target, NetError> {
+        // Probe the device once, on a small engine of its own.
+        let (capacity, plp) = {
+            let engine = Engine::new(EngineConfig {
+                arena_bytes: 1 << 20,
+                huge_pages: false,
+                ring_entries: 64,
+                ..EngineConfig::default()
+            })?;
+            let lbio = LbioArray::new(engine, LbioConfig::default())?;
+            let dev = Device::open(&lbio, &cfg.device, device_config())?;
+            (
+                dev.geometry().capacity_bytes,
+                dev.critical_route().0.power_loss_protected,
+            )
+        };
+        let ns_bytes = cfg.ns_bytes.unwrap_or(capacity).min(capacity) / LBA as u64 * LBA as u64;
+        if ns_bytes == 0 {
+            return Err(NetError::Config(format!(
+                "{}: {capacity} bytes is too small for a namespace of {LBA}-byte blocks",
+                cfg.device.display()
+            )));
+        }
+        let pmr = open_pmr(&cfg.log)?;
+        let existing = (!cfg.format)
+            .then(|| rio_ordering::scan(&pmr).ok())
+            .flatten();
+        let (log, streams, slots) = match existing {
+            Some(sc) => {
+                let streams = sc.header.durable_below.len() as u16;
+                let slots = sc.header.slots;
+                if cfg.verbose {
+                    eprintln!(
+                        "aios target: kept the attribute log found ({} entries of epoch {}, {} streams): ordered writes wait for the initiator's recovery",
+                        sc.entries.len(),
+                        sc.header.epoch,
+                        streams
+                    );
+                }
+                (LogSlot::Recovering(pmr), streams, slots)
+            }
+            None => {
+                let log = AttrLog::format(pmr, cfg.streams)?;
+                let slots = log.slots();
+                (LogSlot::Live(log), cfg.streams, slots)
+            }
+        };
+        let listener =
+            TcpListener::bind(addr).map_err(|e| NetError::io("bind", addr, e))?;
+        Ok(Target {
+            listener,
+            shared: Arc::new(Shared {
+                ns_bytes,
+                plp,
+                state: Mutex::new(LogState {
+                    log,
+                    generation: 1,
+                    submitted: vec![0; streams as usize],
+                    streams,
+                    slots,
+                    log_full: 0,
+                }),
+                next_cntlid: AtomicU16::new(1),
+                live_cntlids: Mutex::new(Vec::new()),
+                ordered_writes: AtomicU64::new(0),
+                ordered_flushes: AtomicU64::new(0),
+                orderless: AtomicU64::new(0),
+                reads: AtomicU64::new(0),
+                connections: AtomicU64::new(0),
+                closed_on_error: AtomicU64::new(0),
+                cfg,
+            }),
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener.local_addr().expect("a bound listener has an address")
+    }
+    /// Bytes of the namespace.
+    pub fn ns_bytes(&self) -> u64 {
+        self.shared.ns_bytes
+    }
+    /// Whether the device keeps completed writes across a power cut.
+    pub fn plp(&self) -> bool {
+        self.shared.plp
+    }
+
+    /// A handle for counters, usable after [`Target::serve`] took the target.
+    pub fn stats_handle(&self) -> TargetStatsHandle {
+        TargetStatsHandle(Arc::clone(&self.shared))
+    }
+
+    /// Accept connections until the listener fails, one thread each.
+    pub fn serve(self) -> Result<(), NetError> {
+        let addr = self.local_addr();
+        loop {
+            let (sock, peer) = match self.listener.accept() {
+                Ok(x) => x,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(NetError::io("accept on", addr, e)),
+            };
+            let shared = Arc::clone(&self.shared);
+            shared.connections.fetch_add(1, Ordering::Relaxed);
+            let spawned = std::thread::Builder::new()
+                .name(format!("aios-target-{peer}"))
+                .spawn(move || serve_conn(shared, sock, peer));
+            if let Err(e) = spawned {
+                eprintln!("aios target: {peer}: no thread for the connection: {e}");
+            }
+        }
+    }
+
+    /// Serve on a background thread (tests, examples).
+    pub fn spawn(self) -> std::thread::JoinHandle<Result<(), NetError>> {
+        std::thread::spawn(move || self.serve())
+    }
+}
+
+/// Reads a running target's counters.
+#[derive(Clone)]
+pub struct TargetStatsHandle(Arc<Shared>);
+
+impl TargetStatsHandle {
+    pub fn stats(&self) -> TargetStats {
+        let s = &self.0;
+        TargetStats {
+            connections: s.connections.load(Ordering::Relaxed),
+            ordered_writes: s.ordered_writes.load(Ordering::Relaxed),
+            ordered_flushes: s.ordered_flushes.load(Ordering::Relaxed),
+            orderless: s.orderless.load(Ordering::Relaxed),
+            reads: s.reads.load(Ordering::Relaxed),
+            closed_on_error: s.closed_on_error.load(Ordering::Relaxed),
+        }
+    }
+}
+
+fn device_config() -> DeviceConfig {
+    DeviceConfig {
+        write: true,
+        probe: ProbeOptions {
+            latency_samples: 20,
+            try_iopoll: false,
+        },
+        ..DeviceConfig::default()
+    }
+}
+
+/// The I/O side of a connection: its engine, lbio array and device.
+struct IoSide {
+    engine: Rc<Engine>,
+    lbio: Rc<LbioArray>,
+    dev: Device,
+}
+
+/// Data of a command: none, an arena buffer (I/O), or plain memory (admin).
+enum Data {
+    None,
+    Fixed(FixedBuf),
+    Vec(Vec<u8>),
+}
+
+impl Data {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Data::None => &mut [],
+            Data::Fixed(b) => &mut b[..],
+            Data::Vec(v) => &mut v[..],
+        }
+    }
+}
+
+/// A command whose data is coming in H2CData PDUs.
+struct Collecting {
+    sqe: Sqe,
+    data: Data,
+    got: u32,
+}
+
+/// What a device request in flight belongs to.
+enum InFlight {
+    Write {
+        cid: u16,
+        ordered: Option<(Slot, u64)>,
+    },
+    Flush {
+        cid: u16,
+        ordered: Option<(Slot, u64)>,
+    },
+    Read {
+        cid: u16,
+    },
+    Zeroes {
+        cid: u16,
+        next: u64,
+        end: u64,
+    },
+}
+
+/// An ordered command waiting for its turn.
+struct Held {
+    sqe: Sqe,
+    data: Data,
+    attr: WireAttr,
+}
+
+enum Queue {
+    /// Before Connect.
+    None,
+    Admin { cntlid: u16 },
+    Io { qid: u16 },
+}
+
+struct TConn {
+    shared: Arc<Shared>,
+    peer: SocketAddr,
+    conn: Conn,
+    icreq_done: bool,
+    queue: Queue,
+    generation: u64,
+    io: Option<IoSide>,
+    collecting: HashMap<u16, Collecting>,
+    held: VecDeque<Held>,
+    inflight: HashMap<u32, InFlight>,
+    /// Ordered writes submitted and not completed (an ordered FLUSH waits for none).
+    ordered_writes_out: u32,
+    /// Controller registers (admin queue).
+    cc: u32,
+    csts: u32,
+    /// Asynchronous event requests held (never answered: no events are raised).
+    aers: Vec<u16>,
+    /// Set when a command could not get a buffer: stop decoding until completions free some.
+    starved: bool,
+}
+
+fn close_reason(shared: &Shared, peer: SocketAddr, why: &str) {
+    shared.closed_on_error.fetch_add(1, Ordering::Relaxed);
+    eprintln!("aios target: {peer}: closing the connection: {why}");
+}
+
+fn serve_conn(shared: Arc<Shared>, sock: TcpStream, peer: SocketAddr) {
+    let verbose = shared.cfg.verbose;
+    let conn = match Conn::new(sock, MAX_PDU) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("aios target: {peer}: socket setup: {e}");
+            return;
+        }
+    };
+    if verbose {
+        eprintln!("aios target: {peer}: connected");
+    }
+    let generation = shared.lock().generation;
+    let mut c = TConn {
+        generation,
+        shared,
+        peer,
+        conn,
+        icreq_done: false,
+        queue: Queue::None,
+        io: None,
+        collecting: HashMap::new(),
+        held: VecDeque::new(),
+        inflight: HashMap::new(),
+        ordered_writes_out: 0,
+        cc: 0,
+        csts: 0,
+        aers: Vec::new(),
+        starved: false,
+    };
+    let end = c.run();
+    // Let the device finish what it holds before the buffers go.
+    if let Some(io) = &c.io {
+        while !c.inflight.is_empty() {
+            if io.lbio.wait_done(1).is_err() {
+                break;
+            }
+            while let Some(done) = io.lbio.take_done() {
+                c.inflight.remove(&done.tag.0);
+            }
+        }
+    }
+    if let Queue::Admin { cntlid } = c.queue {
+        let mut live = c.shared.live_cntlids.lock().unwrap_or_else(|e| e.into_inner());
+        live.retain(|&x| x != cntlid);
+    }
+    match end {
+        Ok(()) => {
+            if verbose {
+                eprintln!("aios target: {peer}: disconnected");
+            }
+        }
+        Err(why) => close_reason(&c.shared, peer, &why),
+    }
+}
+
+impl TConn {
+    fn run(&mut self) -> Result<(), String> {
+        loop {
+            let mut progress = false;
+            if self.io.is_some() {
+                progress |= self.reap()?;
+            }
+            if !self.starved {
+                let n = self
+                    .conn
+                    .fill()
+                    .map_err(|e| format!("receive failed: {e}"))?;
+                progress |= n > 0;
+            }
+            progress |= self.decode()?;
+            progress |= self.advance_held()?;
+            if let Some(io) = &self.io {
+                io.engine.submit().map_err(|e| format!("engine: {e}"))?;
+            }
+            let sent_all = self.conn.flush().map_err(|e| format!("send failed: {e}"))?;
+            if self.conn.eof && self.inflight.is_empty() {
+                return Ok(());
+            }
+            if progress {
+                continue;
+            }
+            let timeout = if !self.held.is_empty() {
+                Some(Duration::from_millis(1))
+            } else {
+                Some(Duration::from_millis(500))
+            };
+            let want_read = !self.starved && !self.conn.eof;
+            match self.io.as_ref().and_then(|io| io.engine.eventfd_fd()) {
+                Some(ev) if !self.inflight.is_empty() => {
+                    let _ = wait_fds(
+                        &[(&self.conn.sock, want_read, !sent_all), (&ev, true, false)],
+                        timeout,
+                    );
+                    if let Some(io) = &self.io {
+                        io.engine.drain_eventfd();
+                    }
+                }
+                _ => {
+                    let _ = wait_fds(&[(&self.conn.sock, want_read, !sent_all)], timeout);
+                }
+            }
+        }
+    }
+}
+
+impl TConn {
+    fn respond(&mut self, cid: u16, st: Status, dw0: u32, dw1: u32) {
+        let qid = match self.queue {
+            Queue::Io { qid } => qid,
+            _ => 0,
+        };
+        let cqe = Cqe {
+            dw0,
+            dw1,
+            sqhd: 0,
+            sqid: qid,
+            cid,
+            status: st.field(),
+        };
+        pdu::put_resp(&mut self.conn.tx, &cqe, self.conn.dg);
+    }
+
+    /// Decode and handle what has arrived. Returns whether anything was handled.
+    fn decode(&mut self) -> Result<bool, String> {
+        let mut any = false;
+        while !self.starved {
+            let dg = self.conn.dg;
+            let got = pdu::decode(self.conn.rx.pending(), dg, self.conn.max_pdu);
+            let (p, n) = match got {
+                Ok(Some(x)) => x,
+                Ok(None) => break,
+                Err(e) => return Err(self.terminate(e)),
+            };
+            // Handling may need the PDU's bytes while writing replies: copy the small part.
+            let consumed = match p {
+                Pdu::ICReq { pfv, dgst, .. } => {
+                    if self.icreq_done {
+                        return Err(self.terminate(PduError::Unexpected(pdu::ICREQ)));
+                    }
+                    if pfv != 0 {
+                        return Err(format!("unsupported protocol version {pfv}"));
+                    }
+                    let want = Digests {
+                        header: dgst & 1 != 0,
+                        data: dgst & 2 != 0,
+                    };
+                    pdu::put_icresp(&mut self.conn.tx, want, MAX_DATA);
+                    self.conn.dg = want;
+                    self.icreq_done = true;
+                    true
+                }
+                _ if !self.icreq_done => {
+                    return Err(self.terminate(PduError::Unexpected(self.conn.rx.pending()[0])))
+                }
+                Pdu::Cmd { sqe, data } => {
+                    let data = data.to_vec();
+                    self.command(sqe, &data)?
+                }
+                Pdu::H2CData {
+                    cccid,
+                    ttag,
+                    datao,
+                    data,
+                    last,
+                } => {
+                    let data = data.to_vec();
+                    self.h2c_data(cccid, ttag, datao, &data, last)?;
+                    true
+                }
+                Pdu::TermReq { fes, .. } => {
+                    return Err(format!("the host terminated the connection (status {fes:#x})"))
+                }
+                Pdu::ICResp { .. } | Pdu::Resp { .. } | Pdu::C2HData { .. } | Pdu::R2T { .. } => {
+                    let ty = self.conn.rx.pending()[0];
+                    return Err(self.terminate(PduError::Unexpected(ty)));
+                }
+            };
+            if !consumed {
+                // No buffer for it now: decode it again once completions free some.
+                self.starved = true;
+                break;
+            }
+            self.conn.rx.consume(n);
+            any = true;
+        }
+        Ok(any)
+    }
+
+    /// Queue a C2HTermReq for `e` and return the reason to log.
+    fn terminate(&mut self, e: PduError) -> String {
+        let pending = self.conn.rx.pending();
+        let head = pending[..pending.len().min(pdu::CMD_HLEN)].to_vec();
+        pdu::put_term(&mut self.conn.tx, false, e.fes(), 0, &head);
+        let _ = self.conn.flush_blocking(Duration::from_millis(200));
+        format!("{e}")
+    }
+
+    fn h2c_data(&mut self, cid: u16, ttag: u16, datao: u32, data: &[u8], last: bool) -> Result<(), String> {
+        let Some(col) = self.collecting.get_mut(&cid) else {
+            return Err(self.terminate_msg(format!("H2CData for command {cid}, which awaits no data")));
+        };
+        if ttag != cid {
+            return Err(self.terminate_msg(format!("H2CData with transfer tag {ttag}, expected {cid}")));
+        }
+        let len = col.data.bytes_mut().len() as u32;
+        if datao != col.got || datao + data.len() as u32 > len {
+            let got = col.got;
+            return Err(self.terminate_msg(format!(
+                "H2CData at offset {datao}+{} for command {cid}: expected offset {got} of {len}",
+                data.len()
+            )));
+        }
+        col.data.bytes_mut()[datao as usize..datao as usize + data.len()].copy_from_slice(data);
+        col.got += data.len() as u32;
+        if col.got == len {
+            if !last {
+                return Err(self.terminate_msg(format!(
+                    "command {cid}: all {len} bytes arrived but the last H2CData lacks LAST_PDU"
+                )));
+            }
+            let col = self.collecting.remove(&cid).expect("present");
+            self.ready(col.sqe, col.data)?;
+        } else if last {
+            let got = col.got;
+            return Err(self.terminate_msg(format!(
+                "command {cid}: LAST_PDU after {got} of {len} bytes"
+            )));
+        }
+        Ok(())
+    }
+
+    fn terminate_msg(&mut self, msg: String) -> String {
+        pdu::put_term(&mut self.conn.tx, false, 0x05, 0, &[]);
+        let _ = self.conn.flush_blocking(Duration::from_millis(200));
+        msg
+    }
+
+    /// A command capsule. Returns `Ok(false)` when it must wait for a buffer.
+    fn command(&mut self, sqe: Sqe, incap: &[u8]) -> Result<bool, String> {
+        let cid = sqe.cid();
+        if self.collecting.contains_key(&cid) {
+            return Err(self.terminate_msg(format!("command id {cid} reused while in use")));
+        }
+        let admin = !matches!(self.queue, Queue::Io { .. });
+        // Data the host sends: in the capsule or after an R2T.
+        let host_to_ctrl = match sqe.opcode() {
+            op::FABRICS => matches!(sqe.fctype(), op::FC_CONNECT),
+            o if admin => o & 3 == 1,
+            o => o == op::WRITE || o & 0x83 == 0x81,
+        };
+        let (_, sgl_len, sgl_id) = sqe.sgl();
+        if !host_to_ctrl {
+            if !incap.is_empty() {
+                return Err(self.terminate_msg(format!(
+                    "command {cid} (opcode {:#04x}) carries {} in-capsule bytes but takes no data",
+                    sqe.opcode(),
+                    incap.len()
+                )));
+            }
+            self.ready(sqe, Data::None)?;
+            return Ok(true);
+        }
+        let limit = if admin { ADMIN_CAPSULE_DATA } else { IO_CAPSULE_DATA };
+        if sgl_len > MAX_DATA || (!incap.is_empty() && incap.len() as u32 > limit) {
+            self.respond(cid, Status::SGL_INVALID, 0, 0);
+            return Ok(true);
+        }
+        let mut data = if admin {
+            Data::Vec(vec![0u8; sgl_len as usize])
+        } else if sgl_len == 0 {
+            Data::None
+        } else {
+            let io = self.io.as_ref().expect("I/O queues have a device");
+            match io.engine.try_alloc(sgl_len as usize) {
+                Some(mut b) => {
+                    b.set_len(sgl_len as usize).map_err(|e| e.to_string())?;
+                    Data::Fixed(b)
+                }
+                None if io.engine.inflight() > 0 || !self.inflight.is_empty() => return Ok(false),
+                None => {
+                    self.respond(cid, Status::INTERNAL, 0, 0);
+                    return Ok(true);
+                }
+            }
+        };
+        if sgl_id == pdu::SGL_IN_CAPSULE || !incap.is_empty() {
+            if incap.len() != sgl_len as usize {
+                return Err(self.terminate_msg(format!(
+                    "command {cid}: {} in-capsule bytes for an SGL of {sgl_len}",
+                    incap.len()
+                )));
+            }
+            data.bytes_mut().copy_from_slice(incap);
+            self.ready(sqe, data)?;
+        } else if sgl_len == 0 {
+            self.ready(sqe, data)?;
+        } else {
+            pdu::put_r2t(&mut self.conn.tx, cid, cid, 0, sgl_len, self.conn.dg);
+            self.collecting.insert(cid, Collecting { sqe, data, got: 0 });
+        }
+        Ok(true)
+    }
+
+    /// A command with all its data.
+    fn ready(&mut self, sqe: Sqe, data: Data) -> Result<(), String> {
+        if sqe.opcode() == op::FABRICS {
+            return self.fabrics(sqe, data);
+        }
+        match self.queue {
+            Queue::None => Err(self.terminate_msg(format!(
+                "command {:#04x} before Connect",
+                sqe.opcode()
+            ))),
+            Queue::Admin { .. } => self.admin(sqe, data),
+            Queue::Io { .. } => self.io_cmd(sqe, data),
+        }
+    }
+
+    fn fabrics(&mut self, sqe: Sqe, data: Data) -> Result<(), String> {
+        let cid = sqe.cid();
+        let b = &sqe.0;
+        match sqe.fctype() {
+            op::FC_CONNECT => {
+                if !matches!(self.queue, Queue::None) {
+                    self.respond(cid, Status::INVALID_FIELD, 0, 0);
+                    return Ok(());
+                }
+                let qid = u16::from_le_bytes([b[42], b[43]]);
+                let Data::Vec(d) = data else {
+                    return Err("Connect without its data".into());
+                };
+                if d.len() < 1024 {
+                    self.respond(cid, Status::CONNECT_INVALID_PARAM, 0, 0);
+                    return Ok(());
+                }
+                let want_cntlid = u16::from_le_bytes([d[16], d[17]]);
+                let subnqn = nqn(&d[256..512]);
+                if subnqn != self.shared.cfg.subnqn && subnqn != "nqn.2014-08.org.nvmexpress.discovery" {
+                    eprintln!(
+                        "aios target: {}: Connect to unknown subsystem {subnqn:?} (this is {:?})",
+                        self.peer, self.shared.cfg.subnqn
+                    );
+                    self.respond(cid, Status::CONNECT_INVALID_PARAM, 0, 0);
+                    return Ok(());
+                }
+                if qid == 0 {
+                    let cntlid = self.shared.next_cntlid.fetch_add(1, Ordering::Relaxed).max(1);
+                    self.shared
+                        .live_cntlids
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(cntlid);
+                    self.queue = Queue::Admin { cntlid };
+                    self.respond(cid, Status::SUCCESS, cntlid as u32, 0);
+                } else {
+                    let known = self
+                        .shared
+                        .live_cntlids
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .contains(&want_cntlid);
+                    if !known {
+                        self.respond(cid, Status::CONNECT_INVALID_PARAM, 0, 0);
+                        return Ok(());
+                    }
+                    self.open_io().map_err(|e| format!("opening the device: {e}"))?;
+                    self.queue = Queue::Io { qid };
+                    self.generation = self.shared.lock().generation;
+                    self.respond(cid, Status::SUCCESS, want_cntlid as u32, 0);
+                }
+            }
+            op::FC_PROPERTY_GET => {
+                let off = u32::from_le_bytes(b[44..48].try_into().expect("4"));
+                let v: u64 = match off {
+                    // CAP: MQES 1023, CQR, timeout 2 s, NVM command set.
+                    0x00 => 1023 | 1 << 16 | 4 << 24 | 1 << 37,
+                    0x08 => 0x0001_0400,
+                    0x14 => self.cc as u64,
+                    0x1c => self.csts as u64,
+                    _ => 0,
+                };
+                self.respond(cid, Status::SUCCESS, v as u32, (v >> 32) as u32);
+            }
+            op::FC_PROPERTY_SET => {
+                let off = u32::from_le_bytes(b[44..48].try_into().expect("4"));
+                let v = u64::from_le_bytes(b[48..56].try_into().expect("8"));
+                if off == 0x14 {
+                    self.cc = v as u32;
+                    let en = self.cc & 1;
+                    let shn = (self.cc >> 14) & 3;
+                    self.csts = en | if shn != 0 { 2 << 2 } else { 0 };
+                }
+                self.respond(cid, Status::SUCCESS, 0, 0);
+            }
+            other => {
+                eprintln!("aios target: {}: fabrics command type {other:#04x} not supported", self.peer);
+                self.respond(cid, Status::INVALID_OPCODE, 0, 0);
+            }
+        }
+        Ok(())
+    }
+
+    fn open_io(&mut self) -> Result<(), NetError> {
+        if self.io.is_some() {
+            return Ok(());
+        }
+        let engine = Engine::new(EngineConfig {
+            arena_bytes: self.shared.cfg.arena_bytes,
+            huge_pages: false,
+            ring_entries: 256,
+            eventfd: true,
+            fast_flags: false,
+            completion: CompletionMode::Wait,
+            ..EngineConfig::default()
+        })?;
+        let lbio = LbioArray::new(
+            Rc::clone(&engine),
+            LbioConfig {
+                slots: 256,
+                ..LbioConfig::default()
+            },
+        )?;
+        let dev = Device::open(&lbio, &self.shared.cfg.device, device_config())?;
+        self.io = Some(IoSide { engine, lbio, dev });
+        Ok(())
+    }
+
+    /// Send `bytes` to the host for command `cid`, then its completion.
+    fn send_data(&mut self, cid: u16, bytes: &[u8]) {
+        let dg = self.conn.dg;
+        let mut at = 0;
+        while at < bytes.len() {
+            let n = (bytes.len() - at).min(MAX_DATA as usize);
+            pdu::put_c2h_data(&mut self.conn.tx, cid, at as u32, &bytes[at..at + n], at + n == bytes.len(), dg);
+            at += n;
+        }
+        self.respond(cid, Status::SUCCESS, 0, 0);
+    }
+
+    fn admin(&mut self, sqe: Sqe, data: Data) -> Result<(), String> {
+        let cid = sqe.cid();
+        let (_, len, _) = sqe.sgl();
+        match sqe.opcode() {
+            op::IDENTIFY => {
+                let mut page = vec![0u8; 4096];
+                let cns = sqe.cdw(10) as u8;
+                match cns {
+                    0 if sqe.nsid() == 1 => self.identify_ns(&mut page),
+                    0 => {}
+                    1 => self.identify_ctrl(&mut page),
+                    2 => page[0..4].copy_from_slice(&1u32.to_le_bytes()),
+                    3 if sqe.nsid() == 1 => {
+                        // One descriptor: the NGUID, derived from the device path.
+                        page[0] = 2;
+                        page[1] = 16;
+                        let h = crc32c::crc32c(self.shared.cfg.device.to_string_lossy().as_bytes());
+                        page[4..8].copy_from_slice(&h.to_le_bytes());
+                        page[8..12].copy_from_slice(b"aios");
+                    }
+                    _ => {
+                        self.respond(cid, Status::INVALID_FIELD, 0, 0);
+                        return Ok(());
+                    }
+                }
+                let n = (len as usize).min(page.len());
+                self.send_data(cid, &page[..n]);
+            }
+            op::GET_LOG_PAGE => {
+                let numd = ((sqe.cdw(10) >> 16) | (sqe.cdw(11) & 0xffff) << 16) as usize + 1;
+                let n = (numd * 4).min(len as usize).min(MAX_DATA as usize);
+                self.send_data(cid, &vec![0u8; n]);
+            }
+            op::SET_FEATURES => {
+                let fid = sqe.cdw(10) as u8;
+                let dw0 = if fid == 0x07 {
+                    // Number of queues: grant what was asked, up to 64 each.
+                    let v = sqe.cdw(11);
+                    (v & 0xffff).min(63) | ((v >> 16).min(63) << 16)
+                } else {
+                    0
+                };
+                self.respond(cid, Status::SUCCESS, dw0, 0);
+            }
+            op::GET_FEATURES => self.respond(cid, Status::SUCCESS, 0, 0),
+            op::KEEP_ALIVE => self.respond(cid, Status::SUCCESS, 0, 0),
+            op::ASYNC_EVENT => self.aers.push(cid),
+            op::RIO_INFO => {
+                let st = self.shared.lock();
+                let recovering = matches!(st.log, LogSlot::Recovering(_));
+                let dw1 = self.shared.plp as u32 | (recovering as u32) << 1 | (st.streams as u32) << 16;
+                let slots = st.slots;
+                drop(st);
+                self.respond(cid, Status::SUCCESS, slots, dw1);
+            }
+            op::RIO_GET_LOG => {
+                let off = sqe.cdw(10) as usize | (sqe.cdw(11) as usize) << 32;
+                let st = self.shared.lock();
+                let pmr = st.log.pmr();
+                let total = pmr.len();
+                let n = (len as usize).min(total.saturating_sub(off));
+                let mut out = vec![0u8; n];
+                let r = pmr.read(off, &mut out);
+                drop(st);
+                match r {
+                    Ok(()) => {
+                        let dg = self.conn.dg;
+                        if n > 0 {
+                            pdu::put_c2h_data(&mut self.conn.tx, cid, 0, &out, true, dg);
+                        }
+                        self.respond(cid, Status::SUCCESS, total as u32, (total as u64 >> 32) as u32);
+                    }
+                    Err(e) => {
+                        eprintln!("aios target: reading the attribute log: {e}");
+                        self.respond(cid, Status::RIO_LOG, 0, 0);
+                    }
+                }
+            }
+            op::RIO_RESET => {
+                let Data::Vec(d) = data else {
+                    return Err("RIO_RESET without its data".into());
+                };
+                let r = self.reset(&d);
+                match r {
+                    Ok(()) => self.respond(cid, Status::SUCCESS, 0, 0),
+                    Err(e) => {
+                        eprintln!("aios target: {}: reset refused: {e}", self.peer);
+                        self.respond(cid, Status::RIO_LOG, 0, 0);
+                    }
+                }
+            }
+            other => {
+                eprintln!("aios target: {}: admin opcode {other:#04x} not supported", self.peer);
+                self.respond(cid, Status::INVALID_OPCODE, 0, 0);
+            }
+        }
+        Ok(())
+    }
+
+    /// Start a new log epoch with the initiator's marks (one u64 per log stream).
+    fn reset(&mut self, d: &[u8]) -> Result<(), String> {
+        let mut st = self.shared.lock();
+        let streams = st.streams as usize;
+        if d.len() != streams * 8 {
+            return Err(format!("{} bytes of marks for a log of {streams} streams", d.len()));
+        }
+        let marks: Vec<u64> = d
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8")).max(1))
+            .collect();
+        let pmr = match std::mem::replace(&mut st.log, LogSlot::Moving) {
+            LogSlot::Live(l) => l.into_pmr(),
+            LogSlot::Recovering(p) => p,
+            LogSlot::Moving => unreachable!("never left moving"),
+        };
+        let reopened = if rio_ordering::scan(&pmr).is_ok() {
+            AttrLog::reopen(pmr, &marks)
+        } else {
+            let r = AttrLog::format(pmr, streams as u16);
+            r.and_then(|l| AttrLog::reopen(l.into_pmr(), &marks))
+        };
+        match reopened {
+            Ok(l) => {
+                st.slots = l.slots();
+                st.log = LogSlot::Live(l);
+                st.generation += 1;
+                st.submitted = marks.iter().map(|m| m - 1).collect();
+                Ok(())
+            }
+            Err(e) => {
+                // The region is gone with the failed reopen: reopen it from its source.
+                match open_pmr(&self.shared.cfg.log) {
+                    Ok(p) => st.log = LogSlot::Recovering(p),
+                    Err(e2) => return Err(format!("{e}; reopening the log region failed too: {e2}")),
+                }
+                Err(e.to_string())
+            }
+        }
+    }
+
+    fn identify_ctrl(&self, p: &mut [u8]) {
+        p[0..2].copy_from_slice(&0x1d1du16.to_le_bytes()); // VID
+        put_str(&mut p[4..24], "aios0001");
+        put_str(&mut p[24..64], "aios rio-net target");
+        put_str(&mut p[64..72], env!("CARGO_PKG_VERSION"));
+        p[76] = 1; // CMIC: none; IEEE OUI left 0
+        p[77] = 5; // MDTS: 2^5 × 4 KiB
+        if let Queue::Admin { cntlid } = self.queue {
+            p[78..80].copy_from_slice(&cntlid.to_le_bytes());
+        }
+        p[80..84].copy_from_slice(&0x0001_0400u32.to_le_bytes()); // VER 1.4
+        p[96..100].copy_from_slice(&(1u32 << 8).to_le_bytes()); // OAES: namespace attribute notices
+        p[111] = 1; // CNTRLTYPE: I/O controller
+        p[258] = 3; // ACL
+        p[259] = 3; // AERL
+        p[261] = 0x04; // LPA: extended data for Get Log Page
+        p[262] = 0; // ELPE
+        p[320..322].copy_from_slice(&100u16.to_le_bytes()); // KAS: 100 ms units
+        p[512] = 0x66; // SQES
+        p[513] = 0x44; // CQES
+        p[514..516].copy_from_slice(&1024u16.to_le_bytes()); // MAXCMD
+        p[516..520].copy_from_slice(&1u32.to_le_bytes()); // NN
+        p[520..522].copy_from_slice(&(1u16 << 3).to_le_bytes()); // ONCS: Write Zeroes
+        p[525] = (!self.shared.plp) as u8; // VWC
+        // SGLS: SGLs supported, keyed data blocks off, offset-based in-capsule data.
+        p[536..540].copy_from_slice(&(1u32 | 1 << 20).to_le_bytes());
+        let nqn = self.shared.cfg.subnqn.as_bytes();
+        let n = nqn.len().min(255);
+        p[768..768 + n].copy_from_slice(&nqn[..n]);
+        let ioccsz = (64 + IO_CAPSULE_DATA) / 16;
+        p[1792..1796].copy_from_slice(&ioccsz.to_le_bytes());
+        p[1796..1800].copy_from_slice(&1u32.to_le_bytes()); // IORCSZ
+        p[1800..1802].copy_from_slice(&0u16.to_le_bytes()); // ICDOFF
+        p[1802] = 0; // FCATT: dynamic controller model
+        p[1803] = 0; // MSDBD
+    }
+
+    fn identify_ns(&self, p: &mut [u8]) {
+        let blocks = self.shared.ns_bytes / LBA as u64;
+        p[0..8].copy_from_slice(&blocks.to_le_bytes());
+        p[8..16].copy_from_slice(&blocks.to_le_bytes());
+        p[16..24].copy_from_slice(&blocks.to_le_bytes());
+        p[25] = 0; // NLBAF: one format
+        p[26] = 0; // FLBAS: format 0
+        p[128 + 2] = LBA.trailing_zeros() as u8; // LBAF0.LBADS
+    }
+
+    fn io_cmd(&mut self, sqe: Sqe, data: Data) -> Result<(), String> {
+        let cid = sqe.cid();
+        let opc = sqe.opcode();
+        if opc == op::RIO_MARK {
+            let stream = sqe.cdw(10) as u16;
+            let mark = sqe.cdw(11) as u64 | (sqe.cdw(12) as u64) << 32;
+            let mut st = self.shared.lock();
+            if let LogSlot::Live(l) = &mut st.log {
+                if stream < l.streams() {
+                    l.durable(stream, mark);
+                }
+            }
+            drop(st);
+            self.respond(cid, Status::SUCCESS, 0, 0);
+            return Ok(());
+        }
+        if sqe.nsid() != 1 && !(opc == op::FLUSH && sqe.nsid() == u32::MAX) {
+            self.respond(cid, Status::INVALID_NS, 0, 0);
+            return Ok(());
+        }
+        if matches!(opc, op::READ | op::WRITE | op::WRITE_ZEROES) {
+            let off = sqe.slba().checked_mul(LBA as u64);
+            let len = sqe.nlb() as u64 * LBA as u64;
+            let inside = off.and_then(|o| o.checked_add(len)).is_some_and(|e| e <= self.shared.ns_bytes);
+            if !inside {
+                self.respond(cid, Status::LBA_OUT_OF_RANGE, 0, 0);
+                return Ok(());
+            }
+            let sgl_len = sqe.sgl().1 as u64;
+            if opc != op::WRITE_ZEROES && sgl_len != len {
+                self.respond(cid, Status::SGL_INVALID, 0, 0);
+                return Ok(());
+            }
+        }
+        let streams = self.shared.lock().streams;
+        let attr = WireAttr::get(&sqe, |s| {
+            let st = self.shared.lock();
+            st.submitted.get(s as usize).copied().unwrap_or(0)
+        });
+        if let Some(a) = attr {
+            if !matches!(opc, op::WRITE | op::FLUSH) || a.stream >= streams {
+                eprintln!(
+                    "aios target: {}: ordered command refused (opcode {opc:#04x}, stream {} of {streams})",
+                    self.peer, a.stream
+                );
+                self.respond(cid, Status::RIO_BAD_ATTR, 0, 0);
+                return Ok(());
+            }
+            if a.mark > 0 {
+                let mut st = self.shared.lock();
+                if let LogSlot::Live(l) = &mut st.log {
+                    l.durable(a.stream, a.mark);
+                }
+            }
+            self.held.push_back(Held { sqe, data, attr: a });
+            return Ok(());
+        }
+        match opc {
+            op::WRITE => {
+                let Data::Fixed(buf) = data else {
+                    self.respond(cid, Status::SGL_INVALID, 0, 0);
+                    return Ok(());
+                };
+                self.shared.orderless.fetch_add(1, Ordering::Relaxed);
+                let io = Io::write(sqe.slba() * LBA as u64, buf).fua(sqe.fua());
+                self.submit(io, InFlight::Write { cid, ordered: None });
+            }
+            op::READ => {
+                let len = sqe.nlb() as usize * LBA as usize;
+                let io = self.io.as_ref().expect("I/O queue");
+                let Some(mut buf) = io.engine.try_alloc(len) else {
+                    self.respond(cid, Status::INTERNAL, 0, 0);
+                    return Ok(());
+                };
+                buf.set_len(len).map_err(|e| e.to_string())?;
+                self.shared.reads.fetch_add(1, Ordering::Relaxed);
+                self.submit(Io::read(sqe.slba() * LBA as u64, buf), InFlight::Read { cid });
+            }
+            op::FLUSH => {
+                self.shared.orderless.fetch_add(1, Ordering::Relaxed);
+                self.submit(Io::flush(), InFlight::Flush { cid, ordered: None });
+            }
+            op::WRITE_ZEROES => {
+                let off = sqe.slba() * LBA as u64;
+                let end = off + sqe.nlb() as u64 * LBA as u64;
+                self.shared.orderless.fetch_add(1, Ordering::Relaxed);
+                self.zeroes(cid, off, end)?;
+            }
+            other => {
+                eprintln!("aios target: {}: I/O opcode {other:#04x} not supported", self.peer);
+                self.respond(cid, Status::INVALID_OPCODE, 0, 0);
+            }
+        }
+        Ok(())
+    }
+
+    /// Write zeroes over `off..end`, one piece at a time.
+    fn zeroes(&mut self, cid: u16, off: u64, end: u64) -> Result<(), String> {
+        if off >= end {
+            self.respond(cid, Status::SUCCESS, 0, 0);
+            return Ok(());
+        }
+        let n = (end - off).min(MAX_DATA as u64) as usize;
+        let io = self.io.as_ref().expect("I/O queue");
+        let Some(mut buf) = io.engine.try_alloc(n) else {
+            self.respond(cid, Status::INTERNAL, 0, 0);
+            return Ok(());
+        };
+        buf.set_len(n).map_err(|e| e.to_string())?;
+        buf.fill(0);
+        self.submit(Io::write(off, buf), InFlight::Zeroes { cid, next: off + n as u64, end });
+        Ok(())
+    }
+
+    fn submit(&mut self, io: Io, what: InFlight) {
+        let side = self.io.as_ref().expect("I/O queue");
+        match side.dev.submit(io) {
+            Ok(tag) => {
+                self.inflight.insert(tag.0, what);
+            }
+            Err((e, _)) => {
+                eprintln!("aios target: {}: device refused a request: {e}", self.peer);
+                let cid = match what {
+                    InFlight::Write { cid, .. }
+                    | InFlight::Flush { cid, .. }
+                    | InFlight::Read { cid }
+                    | InFlight::Zeroes { cid, .. } => cid,
+                };
+                self.respond(cid, Status::INTERNAL, 0, 0);
+            }
+        }
+    }
+
+    /// Submit held ordered commands whose turn has come. Returns whether any went.
+    fn advance_held(&mut self) -> Result<bool, String> {
+        let mut any = false;
+        while let Some(h) = self.held.front() {
+            let a = h.attr;
+            let is_flush = h.sqe.opcode() == op::FLUSH;
+            if is_flush && self.ordered_writes_out > 0 {
+                break; // the FLUSH covers completed writes only
+            }
+            let mut guard = self.shared.lock();
+            let st = &mut *guard;
+            if st.generation != self.generation {
+                return Err("ordered write on a connection from before the last recovery".into());
+            }
+            let LogSlot::Live(log) = &mut st.log else {
+                drop(guard);
+                let h = self.held.pop_front().expect("front");
+                eprintln!(
+                    "aios target: {}: ordered write before recovery reset the log: refused",
+                    self.peer
+                );
+                self.respond(h.sqe.cid(), Status::RIO_BAD_ATTR, 0, 0);
+                any = true;
+                continue;
+            };
+            let s = a.stream as usize;
+            if a.prev > st.submitted[s] {
+                break; // the previous group has not reached this server yet
+            }
+            let (offset, len) = if is_flush {
+                (0, 0)
+            } else {
+                (h.sqe.slba() * LBA as u64, h.sqe.nlb() * LBA)
+            };
+            let entry = Attr {
+                stream: a.stream,
+                target: 0,
+                seq: a.seq,
+                seq_end: a.seq_end,
+                prev: a.prev,
+                offset,
+                len,
+                boundary: a.boundary,
+                ipu: a.ipu,
+                flush: a.flush || is_flush,
+                merged: a.merged,
+                num: a.num,
+                members: if is_flush { 0 } else { a.members },
+                split: a.split,
+                ..Attr::default()
+            };
+            let slot = match log.append(&entry) {
+                Ok(slot) => slot,
+                Err(RioError::LogFull { .. }) => {
+                    st.log_full += 1;
+                    break; // wait for the initiator's marks to free slots
+                }
+                Err(e) => {
+                    drop(guard);
+                    eprintln!("aios target: {}: attribute log: {e}", self.peer);
+                    let h = self.held.pop_front().expect("front");
+                    self.respond(h.sqe.cid(), Status::RIO_LOG, 0, 0);
+                    any = true;
+                    continue;
+                }
+            };
+            st.submitted[s] = st.submitted[s].max(a.seq_end);
+            drop(guard);
+            let h = self.held.pop_front().expect("front");
+            let cid = h.sqe.cid();
+            if is_flush {
+                self.shared.ordered_flushes.fetch_add(1, Ordering::Relaxed);
+                self.submit(Io::flush(), InFlight::Flush { cid, ordered: Some((slot, a.seq)) });
+            } else {
+                let Data::Fixed(buf) = h.data else {
+                    self.respond(cid, Status::SGL_INVALID, 0, 0);
+                    continue;
+                };
+                self.shared.ordered_writes.fetch_add(1, Ordering::Relaxed);
+                self.ordered_writes_out += 1;
+                let io = Io::write(offset, buf).fua(h.sqe.fua());
+                self.submit(io, InFlight::Write { cid, ordered: Some((slot, a.seq)) });
+            }
+            any = true;
+        }
+        Ok(any)
+    }
+
+    /// Take device completions. Returns whether any came.
+    fn reap(&mut self) -> Result<bool, String> {
+        let io = self.io.as_ref().expect("reap with a device");
+        io.engine
+            .poll_completions()
+            .map_err(|e| format!("engine: {e}"))?;
+        let mut any = false;
+        loop {
+            let io = self.io.as_ref().expect("device");
+            let Some(done) = io.lbio.take_done() else {
+                break;
+            };
+            any = true;
+            self.starved = false;
+            let Some(what) = self.inflight.remove(&done.tag.0) else {
+                continue;
+            };
+            self.complete(done.tag, what, done.result.map(|_| ()), done.buf)?;
+        }
+        Ok(any)
+    }
+
+    fn complete(
+        &mut self,
+        _tag: Tag,
+        what: InFlight,
+        result: Result<(), lbio::LbioError>,
+        buf: Option<FixedBuf>,
+    ) -> Result<(), String> {
+        let failed = |peer: SocketAddr, e: &lbio::LbioError| {
+            eprintln!("aios target: {peer}: device request failed: {e}");
+            Status::DATA_TRANSFER_ERROR
+        };
+        match what {
+            InFlight::Write { cid, ordered } | InFlight::Flush { cid, ordered } => {
+                let was_write = buf.is_some();
+                if ordered.is_some() && was_write {
+                    self.ordered_writes_out -= 1;
+                }
+                let st = match &result {
+                    Ok(()) => {
+                        // The data is durable: at once with power-loss protection, and
+                        // always for a completed FLUSH.
+                        if let Some((slot, seq)) = ordered {
+                            if !was_write || self.shared.plp {
+                                let mut g = self.shared.lock();
+                                if let LogSlot::Live(l) = &mut g.log {
+                                    if let Err(e) = l.set_persist(slot, seq) {
+                                        eprintln!("aios target: setting a persist word: {e}");
+                                    }
+                                }
+                            }
+                        }
+                        Status::SUCCESS
+                    }
+                    Err(e) => failed(self.peer, e),
+                };
+                self.respond(cid, st, 0, 0);
+            }
+            InFlight::Read { cid } => match (&result, buf) {
+                (Ok(()), Some(b)) => self.send_data(cid, &b),
+                (Err(e), _) => {
+                    let st = failed(self.peer, e);
+                    self.respond(cid, st, 0, 0);
+                }
+                (Ok(()), None) => self.respond(cid, Status::INTERNAL, 0, 0),
+            },
+            InFlight::Zeroes { cid, next, end } => match result {
+                Ok(()) => {
+                    drop(buf);
+                    self.zeroes(cid, next, end)?;
+                }
+                Err(e) => {
+                    let st = failed(self.peer, &e);
+                    self.respond(cid, st, 0, 0);
+                }
+            },
+        }
+        Ok(())
+    }
+}
+
+fn put_str(out: &mut [u8], s: &str) {
+    out.fill(b' ');
+    let n = s.len().min(out.len());
+    out[..n].copy_from_slice(&s.as_bytes()[..n]);
+}
+
+fn nqn(b: &[u8]) -> String {
+    let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+    String::from_utf8_lossy(&b[..end]).trim().to_string()
+}
