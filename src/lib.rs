@@ -19,7 +19,9 @@ pub use aios_core as core;
 pub use journal;
 pub use lbio;
 pub use pagecache;
+pub use rio_net;
 pub use rio_ordering as rio;
 
 pub mod bench;
+pub mod netlab;
 pub mod target;

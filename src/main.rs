@@ -44,6 +44,42 @@ enum Cmd {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCmd),
+    /// Serve a device over NVMe/TCP as a Rio target (ordered writes with an attribute log).
+    Target(TargetArgs),
+}
+
+#[derive(Args)]
+struct TargetArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "0.0.0.0:4420")]
+    listen: std::net::SocketAddr,
+    /// Block device or file served as namespace 1 (its contents are the volume's: written).
+    #[arg(long)]
+    device: PathBuf,
+    /// Where the attribute log lives: `mem` (emulated persistent memory in RAM: lost with the
+    /// process), `file:PATH` (emulated in a file: survives the process), or `nvme:/dev/nvmeX`
+    /// (the controller's persistent memory region).
+    #[arg(long, default_value = "mem")]
+    attr_log: String,
+    /// Bytes of the attribute log (mem and file; Rio uses 2 MiB per target).
+    #[arg(long, default_value = "2m", value_parser = parse_size)]
+    log_bytes: u64,
+    /// Streams the log serves (initiators may use fewer).
+    #[arg(long, default_value_t = 16)]
+    streams: u16,
+    /// Format the log even when it holds one (its entries are lost; without this a log found at
+    /// start is kept for the initiator's recovery).
+    #[arg(long)]
+    format: bool,
+    /// Serve only this many bytes of the device.
+    #[arg(long, value_parser = parse_size)]
+    ns_bytes: Option<u64>,
+    /// Subsystem NQN.
+    #[arg(long, default_value = "nqn.2026-11.io.aios:target")]
+    subnqn: String,
+    /// One line per connection opened and closed.
+    #[arg(long)]
+    verbose: bool,
 }
 
 #[derive(Subcommand)]
@@ -90,6 +126,11 @@ struct OrderedArgs {
     /// Seconds per run (device paths).
     #[arg(long, default_value_t = 1.0)]
     seconds: f64,
+    /// Run over the network instead: a volume striped over these Rio targets (`ADDR,ADDR…`,
+    /// each an `aios target`), or `netns:N` to start N targets in network namespaces of their
+    /// own on this machine (root; their CPU time is reported too). --device is then unused.
+    #[arg(long)]
+    targets: Option<String>,
     /// Writes per stream per run on `sim`.
     #[arg(long, default_value_t = 20_000)]
     sim_writes: u64,
@@ -389,6 +430,7 @@ fn main() -> ExitCode {
         Cmd::Bench(BenchCmd::Fsync(a)) => cmd_bench_fsync(a),
         Cmd::Bench(BenchCmd::Ordered(a)) => cmd_bench_ordered(a),
         Cmd::Demo(a) => cmd_demo(a),
+        Cmd::Target(a) => cmd_target(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -837,8 +879,96 @@ fn cmd_bench_pagecache(a: PagecacheArgs) -> Result<(), BenchError> {
     Ok(())
 }
 
+fn cmd_target(a: TargetArgs) -> Result<(), BenchError> {
+    use aios::rio_net::{Target, TargetConfig, TargetLogKind};
+    let log = match a.attr_log.split_once(':') {
+        _ if a.attr_log == "mem" => TargetLogKind::Mem(a.log_bytes as usize),
+        Some(("file", p)) => TargetLogKind::File(PathBuf::from(p), a.log_bytes as usize),
+        Some(("nvme", p)) => TargetLogKind::Nvme(PathBuf::from(p)),
+        _ => {
+            return Err(BenchError::Invalid(format!(
+                "--attr-log {:?}: expected mem, file:PATH or nvme:/dev/nvmeX",
+                a.attr_log
+            )))
+        }
+    };
+    let mut cfg = TargetConfig::new(&a.device, log);
+    cfg.streams = a.streams;
+    cfg.format = a.format;
+    cfg.ns_bytes = a.ns_bytes;
+    cfg.subnqn = a.subnqn.clone();
+    cfg.verbose = a.verbose;
+    let t = Target::bind(a.listen, cfg).map_err(|e| BenchError::Setup(e.to_string()))?;
+    eprintln!(
+        "aios target: serving {} ({} bytes, {} power-loss protection) as {} on {}, attribute log {}",
+        a.device.display(),
+        t.ns_bytes(),
+        if t.plp() { "with" } else { "without" },
+        a.subnqn,
+        t.local_addr(),
+        a.attr_log
+    );
+    t.serve().map_err(|e| BenchError::Setup(e.to_string()))
+}
+
+fn cmd_bench_net(a: &OrderedArgs, spec: &str) -> Result<(), BenchError> {
+    use aios::bench::net::{self as nb, NetBench};
+    let mut _lab = None;
+    let (targets, pids) = if let Some(n) = spec.strip_prefix("netns:") {
+        let n: usize = n
+            .parse()
+            .map_err(|_| BenchError::Invalid(format!("--targets {spec}: netns:N wants a number")))?;
+        let exe = std::env::current_exe().map_err(io_err)?;
+        eprintln!("starting {n} targets in network namespaces (veth pairs, files in /dev/shm)");
+        let lab = aios::netlab::NetLab::start(&exe, n, a.size, 16, true)
+            .map_err(BenchError::Setup)?;
+        let addrs = lab.addrs();
+        let pids = (0..n).filter_map(|i| lab.pid(i)).collect();
+        _lab = Some(lab);
+        (addrs, pids)
+    } else {
+        let addrs = spec
+            .split(',')
+            .map(|s| s.trim().parse::<std::net::SocketAddr>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| BenchError::Invalid(format!("--targets {spec}: {e}")))?;
+        (addrs, Vec::new())
+    };
+    let bench = NetBench {
+        targets,
+        target_pids: pids,
+        modes: a.modes.clone(),
+        streams: a.streams.first().copied().unwrap_or(1),
+        qd: a.qd,
+        seconds: a.seconds,
+        rounds: a.rounds.max(1),
+    };
+    if !a.json {
+        nb::print_header(&mut std::io::stdout()).map_err(io_err)?;
+    }
+    let json = a.json;
+    let mut emit = |s: &nb::NetSample| emit_line(json, s, nb::print_row);
+    let meds = bench.run(&mut emit)?;
+    if bench.rounds > 1 {
+        for s in &meds {
+            emit(s);
+        }
+    }
+    if !a.json {
+        eprintln!(
+            "rio: ordered writes, each its own group, handed back when durable; orderless: plain \
+             writes; sync: write, wait, FLUSH every target, wait. init_us/w and tgt_us/w: CPU \
+             microseconds per write in the initiator and in all targets together."
+        );
+    }
+    Ok(())
+}
+
 fn cmd_bench_ordered(a: OrderedArgs) -> Result<(), BenchError> {
     use aios::bench::ordered::{self as ob, OrderedBench, OrderedTarget};
+    if let Some(spec) = a.targets.clone() {
+        return cmd_bench_net(&a, &spec);
+    }
     let progress = Progress::new(false);
     let target = if a.device == "sim" {
         None

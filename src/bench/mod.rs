@@ -7,6 +7,7 @@
 pub mod compare;
 pub mod fio;
 pub mod fsync;
+pub mod net;
 pub mod ordered;
 pub mod pagecache;
 pub mod report;

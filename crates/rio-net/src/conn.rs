@@ -10,32 +10,48 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
 use crate::pdu::Digests;
 
-/// Bytes read per `read` call at most.
-const READ_CHUNK: usize = 256 << 10;
-
-/// Receive buffer: bytes not yet decoded start at `start`.
-#[derive(Default)]
+/// Receive buffer: `buf[start..end]` holds bytes not yet decoded; `buf` is allocated (and
+/// zeroed) once and grows only for a PDU larger than it.
 pub struct Rx {
     buf: Vec<u8>,
     start: usize,
+    end: usize,
+}
+
+impl Default for Rx {
+    fn default() -> Self {
+        Rx {
+            buf: vec![0; 256 << 10],
+            start: 0,
+            end: 0,
+        }
+    }
 }
 
 impl Rx {
     pub fn pending(&self) -> &[u8] {
-        &self.buf[self.start..]
+        &self.buf[self.start..self.end]
     }
     pub fn consume(&mut self, n: usize) {
         self.start += n;
-        if self.start == self.buf.len() {
-            self.buf.clear();
+        if self.start == self.end {
             self.start = 0;
+            self.end = 0;
         }
     }
-    fn compact(&mut self) {
-        if self.start > 0 && self.start >= self.buf.len() / 2 {
-            self.buf.drain(..self.start);
+    /// Room to read into: move pending bytes to the front when the tail is short, grow when
+    /// the buffer is full of one PDU.
+    fn room(&mut self) -> &mut [u8] {
+        if self.buf.len() - self.end < 64 << 10 && self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
             self.start = 0;
         }
+        if self.end == self.buf.len() {
+            let n = self.buf.len() * 2;
+            self.buf.resize(n, 0);
+        }
+        &mut self.buf[self.end..]
     }
 }
 
@@ -73,27 +89,24 @@ impl Conn {
     /// Read what the socket has (without blocking). Returns the bytes read.
     pub fn fill(&mut self) -> io::Result<usize> {
         let mut total = 0;
-        self.rx.compact();
         loop {
-            let len = self.rx.buf.len();
-            self.rx.buf.resize(len + READ_CHUNK, 0);
-            let r = self.sock.read(&mut self.rx.buf[len..]);
+            let room = self.rx.room();
+            let want = room.len();
+            let r = self.sock.read(room);
             match r {
                 Ok(0) => {
-                    self.rx.buf.truncate(len);
                     self.eof = true;
                     return Ok(total);
                 }
                 Ok(n) => {
-                    self.rx.buf.truncate(len + n);
+                    self.rx.end += n;
                     total += n;
                     self.received += n as u64;
-                    if n < READ_CHUNK {
+                    if n < want {
                         return Ok(total);
                     }
                 }
                 Err(e) => {
-                    self.rx.buf.truncate(len);
                     return match e.kind() {
                         io::ErrorKind::WouldBlock => Ok(total),
                         io::ErrorKind::Interrupted => continue,

@@ -149,6 +149,8 @@ struct IoConn {
     sent: u64,
     /// Ordered pieces completed but not yet durable.
     volatile: u32,
+    /// An ordered FLUSH is out.
+    flush_out: bool,
     last_progress: Instant,
 }
 
@@ -162,6 +164,7 @@ impl IoConn {
             outstanding: 0,
             sent: 0,
             volatile: 0,
+            flush_out: false,
             last_progress: Instant::now(),
         }
     }
@@ -194,6 +197,7 @@ impl IoConn {
         self.order.clear();
         self.outstanding = 0;
         self.volatile = 0;
+        self.flush_out = false;
     }
 }
 
@@ -871,28 +875,19 @@ impl Volume {
     fn maybe_flush(&mut self, stream: u16, now: bool) {
         let s = stream as usize;
         let nt = self.targets.len();
-        let busy = (0..nt).any(|t| {
-            let ic = &self.conns[s * nt + t];
-            ic.order.iter().any(|&cid| {
-                ic.cmds[cid as usize]
-                    .as_ref()
-                    .is_some_and(|c| !c.completed)
-            })
-        });
-        if busy {
-            return; // a FLUSH covers completed writes only; try again after completions
-        }
         let _ = now;
         let last = self.streams[s].next_seq - 1;
         for t in 0..nt {
             if self.targets[t].plp || self.conns[s * nt + t].volatile == 0 {
                 continue;
             }
-            let mark = self.take_mark(stream, t);
-            let ic = &mut self.conns[s * nt + t];
-            if ic.cmds.iter().flatten().any(|c| matches!(c.kind, Kind::Flush { .. })) {
+            if self.conns[s * nt + t].flush_out {
                 continue; // one at a time
             }
+
+            let mark = self.take_mark(stream, t);
+            let ic = &mut self.conns[s * nt + t];
+            ic.flush_out = true;
             let covers = ic.sent;
             let cid = ic.alloc(Kind::Flush { covers }, (0, 0));
             let mut sqe = Sqe::default();
@@ -1079,6 +1074,7 @@ impl Volume {
             Kind::Flush { covers } => {
                 let ic = &mut self.conns[i];
                 ic.release(cqe.cid);
+                ic.flush_out = false;
                 if let Some(e) = err {
                     // Nothing became durable; the next flush tries again.
                     eprintln!("aios initiator: ordered FLUSH failed: {e}");

@@ -393,8 +393,11 @@ struct TConn {
     collecting: HashMap<u16, Collecting>,
     held: VecDeque<Held>,
     inflight: HashMap<u32, InFlight>,
-    /// Ordered writes submitted and not completed (an ordered FLUSH waits for none).
-    ordered_writes_out: u32,
+    /// Ordered writes submitted and not completed, by lbio tag.
+    ordered_out: Vec<u32>,
+    /// Ordered FLUSHes waiting for the ordered writes that were out when they arrived (later
+    /// writes go on meanwhile: a FLUSH certifies only groups up to its own).
+    flushes_waiting: VecDeque<(Held, Vec<u32>)>,
     /// Controller registers (admin queue).
     cc: u32,
     csts: u32,
@@ -433,7 +436,8 @@ fn serve_conn(shared: Arc<Shared>, sock: TcpStream, peer: SocketAddr) {
         collecting: HashMap::new(),
         held: VecDeque::new(),
         inflight: HashMap::new(),
-        ordered_writes_out: 0,
+        ordered_out: Vec::new(),
+        flushes_waiting: VecDeque::new(),
         cc: 0,
         csts: 0,
         aers: Vec::new(),
@@ -481,6 +485,7 @@ impl TConn {
             }
             progress |= self.decode()?;
             progress |= self.advance_held()?;
+            progress |= self.start_flushes()?;
             if let Some(io) = &self.io {
                 io.engine.submit().map_err(|e| format!("engine: {e}"))?;
             }
@@ -491,7 +496,7 @@ impl TConn {
             if progress {
                 continue;
             }
-            let timeout = if !self.held.is_empty() {
+            let timeout = if !self.held.is_empty() || !self.flushes_waiting.is_empty() {
                 Some(Duration::from_millis(1))
             } else {
                 Some(Duration::from_millis(500))
@@ -1150,11 +1155,12 @@ impl TConn {
         Ok(())
     }
 
-    fn submit(&mut self, io: Io, what: InFlight) {
+    fn submit(&mut self, io: Io, what: InFlight) -> Option<u32> {
         let side = self.io.as_ref().expect("I/O queue");
         match side.dev.submit(io) {
             Ok(tag) => {
                 self.inflight.insert(tag.0, what);
+                Some(tag.0)
             }
             Err((e, _)) => {
                 eprintln!("aios target: {}: device refused a request: {e}", self.peer);
@@ -1165,6 +1171,7 @@ impl TConn {
                     | InFlight::Zeroes { cid, .. } => cid,
                 };
                 self.respond(cid, Status::INTERNAL, 0, 0);
+                None
             }
         }
     }
@@ -1175,8 +1182,12 @@ impl TConn {
         while let Some(h) = self.held.front() {
             let a = h.attr;
             let is_flush = h.sqe.opcode() == op::FLUSH;
-            if is_flush && self.ordered_writes_out > 0 {
-                break; // the FLUSH covers completed writes only
+            if is_flush {
+                // It waits for the writes out now; later ones need not wait for it.
+                let h = self.held.pop_front().expect("front");
+                self.flushes_waiting.push_back((h, self.ordered_out.clone()));
+                any = true;
+                continue;
             }
             let mut guard = self.shared.lock();
             let st = &mut *guard;
@@ -1248,10 +1259,59 @@ impl TConn {
                     continue;
                 };
                 self.shared.ordered_writes.fetch_add(1, Ordering::Relaxed);
-                self.ordered_writes_out += 1;
                 let io = Io::write(offset, buf).fua(h.sqe.fua());
-                self.submit(io, InFlight::Write { cid, ordered: Some((slot, a.seq)) });
+                if let Some(tag) = self.submit(io, InFlight::Write { cid, ordered: Some((slot, a.seq)) }) {
+                    self.ordered_out.push(tag);
+                }
             }
+            any = true;
+        }
+        Ok(any)
+    }
+
+    /// Start the waiting FLUSHes whose writes have all completed, in order.
+    fn start_flushes(&mut self) -> Result<bool, String> {
+        let mut any = false;
+        while self.flushes_waiting.front().is_some_and(|(_, w)| w.is_empty()) {
+            let (h, _) = self.flushes_waiting.pop_front().expect("front");
+            let a = h.attr;
+            let cid = h.sqe.cid();
+            let mut guard = self.shared.lock();
+            let st = &mut *guard;
+            if st.generation != self.generation {
+                return Err("ordered FLUSH on a connection from before the last recovery".into());
+            }
+            let LogSlot::Live(log) = &mut st.log else {
+                drop(guard);
+                self.respond(cid, Status::RIO_BAD_ATTR, 0, 0);
+                continue;
+            };
+            let entry = Attr {
+                stream: a.stream,
+                seq: a.seq,
+                seq_end: a.seq_end,
+                prev: a.prev,
+                flush: true,
+                ..Attr::default()
+            };
+            let slot = match log.append(&entry) {
+                Ok(slot) => slot,
+                Err(RioError::LogFull { .. }) => {
+                    st.log_full += 1;
+                    drop(guard);
+                    self.flushes_waiting.push_front((h, Vec::new()));
+                    break;
+                }
+                Err(e) => {
+                    drop(guard);
+                    eprintln!("aios target: {}: attribute log: {e}", self.peer);
+                    self.respond(cid, Status::RIO_LOG, 0, 0);
+                    continue;
+                }
+            };
+            drop(guard);
+            self.shared.ordered_flushes.fetch_add(1, Ordering::Relaxed);
+            self.submit(Io::flush(), InFlight::Flush { cid, ordered: Some((slot, a.seq)) });
             any = true;
         }
         Ok(any)
@@ -1281,7 +1341,7 @@ impl TConn {
 
     fn complete(
         &mut self,
-        _tag: Tag,
+        tag: Tag,
         what: InFlight,
         result: Result<(), lbio::LbioError>,
         buf: Option<FixedBuf>,
@@ -1294,7 +1354,10 @@ impl TConn {
             InFlight::Write { cid, ordered } | InFlight::Flush { cid, ordered } => {
                 let was_write = buf.is_some();
                 if ordered.is_some() && was_write {
-                    self.ordered_writes_out -= 1;
+                    self.ordered_out.retain(|&t| t != tag.0);
+                    for (_, w) in self.flushes_waiting.iter_mut() {
+                        w.retain(|&t| t != tag.0);
+                    }
                 }
                 let st = match &result {
                     Ok(()) => {

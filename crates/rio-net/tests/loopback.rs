@@ -11,16 +11,15 @@ fn scratch(name: &str, bytes: u64) -> PathBuf {
     p
 }
 
-fn start_target(name: &str, log: TargetLogKind) -> std::net::SocketAddr {
+fn start_target(name: &str, log: TargetLogKind) -> (std::net::SocketAddr, Remove) {
     let dev = scratch(name, 16 << 20);
-    // The target keeps the file open; its name can go now.
-    let _cleanup = Remove(dev.clone());
+    let cleanup = Remove(dev.clone());
     let mut cfg = TargetConfig::new(dev, log);
     cfg.streams = 4;
     let t = Target::bind("127.0.0.1:0".parse().unwrap(), cfg).unwrap();
     let addr = t.local_addr();
     t.spawn();
-    addr
+    (addr, cleanup)
 }
 
 struct Remove(PathBuf);
@@ -38,8 +37,8 @@ fn pattern(stream: u16, seq: u64, buf: &mut [u8]) {
 
 #[test]
 fn ordered_writes_land_striped_and_read_back() {
-    let a = start_target("a", TargetLogKind::Mem(1 << 20));
-    let b = start_target("b", TargetLogKind::Mem(1 << 20));
+    let (a, _ra) = start_target("a", TargetLogKind::Mem(1 << 20));
+    let (b, _rb) = start_target("b", TargetLogKind::Mem(1 << 20));
     let cfg = VolumeConfig::new(vec![a, b], 2);
     let (mut v, rep) = Volume::open(cfg).unwrap();
     assert_eq!(rep.prefix_end[..2], [1, 1]);
@@ -87,7 +86,7 @@ fn ordered_writes_land_striped_and_read_back() {
 
 #[test]
 fn out_of_range_and_misaligned_io_is_refused() {
-    let a = start_target("c", TargetLogKind::Mem(1 << 20));
+    let (a, _ra) = start_target("c", TargetLogKind::Mem(1 << 20));
     let (mut v, _) = Volume::open(VolumeConfig::new(vec![a], 1)).unwrap();
     let buf = v.alloc(4096).unwrap();
     assert!(v.submit(0, v.bytes(), buf, true).is_err());
