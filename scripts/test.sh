@@ -67,6 +67,12 @@ if [ "$(id -u)" = 0 ]; then
 fi
 ./target/release/aios bench ordered --device sim --streams 1 --rounds 1 --sim-writes 3000 \
     --batch 1,32 --seq
+step "ordered writes over NVMe/TCP: two aios targets in network namespaces (rio-net)"
+if [ "$(id -u)" = 0 ] && command -v ip >/dev/null 2>&1; then
+    ./target/release/aios bench ordered --targets netns:2 --seconds 1 --rounds 3 --qd 32
+else
+    echo "SKIPPED: network namespaces need root and iproute2" >&2
+fi
 step "the QEMU lab: NVMe passthrough, IOPOLL and null_blk in a guest (cargo xtask lab)"
 # Installs qemu and busybox-static if missing, fetches the guest kernel once (cached under
 # target/lab/), builds the guest's binaries, boots, runs tests/nvme_lab.rs and the probes and

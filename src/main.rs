@@ -915,13 +915,13 @@ fn cmd_bench_net(a: &OrderedArgs, spec: &str) -> Result<(), BenchError> {
     use aios::bench::net::{self as nb, NetBench};
     let mut _lab = None;
     let (targets, pids) = if let Some(n) = spec.strip_prefix("netns:") {
-        let n: usize = n
-            .parse()
-            .map_err(|_| BenchError::Invalid(format!("--targets {spec}: netns:N wants a number")))?;
+        let n: usize = n.parse().map_err(|_| {
+            BenchError::Invalid(format!("--targets {spec}: netns:N wants a number"))
+        })?;
         let exe = std::env::current_exe().map_err(io_err)?;
         eprintln!("starting {n} targets in network namespaces (veth pairs, files in /dev/shm)");
-        let lab = aios::netlab::NetLab::start(&exe, n, a.size, 16, true)
-            .map_err(BenchError::Setup)?;
+        let lab =
+            aios::netlab::NetLab::start(&exe, n, a.size, 16, true).map_err(BenchError::Setup)?;
         let addrs = lab.addrs();
         let pids = (0..n).filter_map(|i| lab.pid(i)).collect();
         _lab = Some(lab);

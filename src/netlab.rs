@@ -52,7 +52,13 @@ impl NetLab {
     /// `mem_log`, in the target's memory (`--attr-log mem`: persistent memory emulated in RAM,
     /// as fast as a PMR; lost when the target dies). `streams` log streams. `aios` is the binary
     /// to run (`std::env::current_exe()` from the CLI).
-    pub fn start(aios: &Path, n: usize, device_bytes: u64, streams: u16, mem_log: bool) -> Result<NetLab, String> {
+    pub fn start(
+        aios: &Path,
+        n: usize,
+        device_bytes: u64,
+        streams: u16,
+        mem_log: bool,
+    ) -> Result<NetLab, String> {
         let tag = format!("{}", std::process::id() % 10000);
         let mut lab = NetLab {
             targets: Vec::new(),
@@ -83,15 +89,35 @@ impl NetLab {
                 child: None,
             });
             run(&["ip", "netns", "add", &ns])?;
-            run(&["ip", "link", "add", &host_if, "type", "veth", "peer", "name", &ns_if])?;
+            run(&[
+                "ip", "link", "add", &host_if, "type", "veth", "peer", "name", &ns_if,
+            ])?;
             run(&["ip", "link", "set", &ns_if, "netns", &ns])?;
-            run(&["ip", "addr", "add", &format!("{host_ip}/24"), "dev", &host_if])?;
+            run(&[
+                "ip",
+                "addr",
+                "add",
+                &format!("{host_ip}/24"),
+                "dev",
+                &host_if,
+            ])?;
             run(&["ip", "link", "set", &host_if, "up"])?;
-            run(&["ip", "-n", &ns, "addr", "add", &format!("{ns_ip}/24"), "dev", &ns_if])?;
+            run(&[
+                "ip",
+                "-n",
+                &ns,
+                "addr",
+                "add",
+                &format!("{ns_ip}/24"),
+                "dev",
+                &ns_if,
+            ])?;
             run(&["ip", "-n", &ns, "link", "set", &ns_if, "up"])?;
             run(&["ip", "-n", &ns, "link", "set", "lo", "up"])?;
-            let f = std::fs::File::create(&device).map_err(|e| format!("{}: {e}", device.display()))?;
-            f.set_len(device_bytes).map_err(|e| format!("{}: {e}", device.display()))?;
+            let f =
+                std::fs::File::create(&device).map_err(|e| format!("{}: {e}", device.display()))?;
+            f.set_len(device_bytes)
+                .map_err(|e| format!("{}: {e}", device.display()))?;
             let _ = std::fs::remove_file(&log);
             lab.spawn(i, true)?;
         }
@@ -153,7 +179,13 @@ impl NetLab {
 
     /// Take target `i`'s link down or up.
     pub fn link(&self, i: usize, up: bool) -> Result<(), String> {
-        run(&["ip", "link", "set", &self.targets[i].host_if, if up { "up" } else { "down" }])
+        run(&[
+            "ip",
+            "link",
+            "set",
+            &self.targets[i].host_if,
+            if up { "up" } else { "down" },
+        ])
     }
 
     /// Process id of target `i` (for its CPU time).

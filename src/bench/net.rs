@@ -73,7 +73,12 @@ impl NetBench {
             }
             let mut this = Vec::new();
             for &m in &modes {
-                eprint!("\rround {}/{}: {}        ", round + 1, self.rounds.max(1), m.name());
+                eprint!(
+                    "\rround {}/{}: {}        ",
+                    round + 1,
+                    self.rounds.max(1),
+                    m.name()
+                );
                 let mut s = self.run_mode(m)?;
                 s.round = Some(round + 1);
                 this.push(s);
@@ -88,8 +93,12 @@ impl NetBench {
         let mut meds = Vec::new();
         for &m in &self.modes {
             let xs: Vec<&NetSample> = all.iter().filter(|s| s.mode == m.name()).collect();
-            let med = |f: &dyn Fn(&NetSample) -> f64| median(xs.iter().map(|s| f(s)).collect()).unwrap_or(0.0);
-            let medo = |f: &dyn Fn(&NetSample) -> Option<f64>| median(xs.iter().filter_map(|s| f(s)).collect());
+            let med = |f: &dyn Fn(&NetSample) -> f64| {
+                median(xs.iter().map(|s| f(s)).collect()).unwrap_or(0.0)
+            };
+            let medo = |f: &dyn Fn(&NetSample) -> Option<f64>| {
+                median(xs.iter().filter_map(|s| f(s)).collect())
+            };
             meds.push(NetSample {
                 mode: format!("{} (median)", m.name()),
                 targets: self.targets.len() as u32,
@@ -236,7 +245,16 @@ pub fn print_header(out: &mut impl std::io::Write) -> std::io::Result<()> {
     writeln!(
         out,
         "{:<20} {:>7} {:>7} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9} {:>9}",
-        "mode", "targets", "streams", "IOPS", "lat_us", "p99_us", "init_us/w", "tgt_us/w", "x_orderl", "x_sync"
+        "mode",
+        "targets",
+        "streams",
+        "IOPS",
+        "lat_us",
+        "p99_us",
+        "init_us/w",
+        "tgt_us/w",
+        "x_orderl",
+        "x_sync"
     )
 }
 

@@ -35,7 +35,11 @@ pub enum NetError {
     Peer { peer: String, msg: String },
     /// A target stayed unreachable.
     #[error("target {peer} unreachable for {secs:.1} s: {why}")]
-    Unreachable { peer: String, secs: f64, why: String },
+    Unreachable {
+        peer: String,
+        secs: f64,
+        why: String,
+    },
     #[error(transparent)]
     Rio(#[from] rio_ordering::RioError),
     #[error(transparent)]

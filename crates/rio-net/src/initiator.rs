@@ -121,12 +121,19 @@ struct TargetInfo {
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Kind {
     /// A piece of an ordered write: (group seq, request index in the group).
-    Ordered { seq: u64, req: u32 },
+    Ordered {
+        seq: u64,
+        req: u32,
+    },
     /// An ordered FLUSH covering this connection's commands sent before it.
-    Flush { covers: u64 },
+    Flush {
+        covers: u64,
+    },
     Mark,
     /// A piece of an orderless write or read: index into the orderless table.
-    Plain { slot: u32 },
+    Plain {
+        slot: u32,
+    },
     PlainFlush,
 }
 
@@ -277,7 +284,9 @@ impl Volume {
     /// Connect without recovering (reads and orderless writes only until [`Volume::recover`]).
     pub fn connect(cfg: VolumeConfig) -> Result<Volume, NetError> {
         if cfg.targets.is_empty() || cfg.streams == 0 {
-            return Err(NetError::Config("a volume needs at least one target and one stream".into()));
+            return Err(NetError::Config(
+                "a volume needs at least one target and one stream".into(),
+            ));
         }
         if cfg.stripe == 0 || cfg.stripe % LBA != 0 || cfg.stripe > MAX_DATA {
             return Err(NetError::Config(format!(
@@ -316,7 +325,9 @@ impl Volume {
                     next_cid: 0,
                 })
                 .collect(),
-            conns: (0..cfg.streams as usize * nt).map(|_| IoConn::new()).collect(),
+            conns: (0..cfg.streams as usize * nt)
+                .map(|_| IoConn::new())
+                .collect(),
             streams: (0..cfg.streams)
                 .map(|_| Stream {
                     next_seq: 1,
@@ -384,7 +395,8 @@ impl Volume {
         let addr = self.targets[t].addr;
         let sock = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
             .map_err(|e| NetError::io("connect to", addr, e))?;
-        let mut c = Conn::new(sock, MAX_PDU).map_err(|e| NetError::io("socket setup for", addr, e))?;
+        let mut c =
+            Conn::new(sock, MAX_PDU).map_err(|e| NetError::io("socket setup for", addr, e))?;
         pdu::put_icreq(&mut c.tx, self.cfg.digests, 0);
         let p = self.exchange(&mut c, addr, |p| matches!(p, Pdu::ICResp { .. }))?;
         let Reply::IcResp { dgst } = p else {
@@ -411,10 +423,11 @@ impl Volume {
         loop {
             loop {
                 let dg = c.dg;
-                let got = pdu::decode(c.rx.pending(), dg, c.max_pdu).map_err(|e| NetError::Protocol {
-                    peer: addr.to_string(),
-                    source: e,
-                })?;
+                let got =
+                    pdu::decode(c.rx.pending(), dg, c.max_pdu).map_err(|e| NetError::Protocol {
+                        peer: addr.to_string(),
+                        source: e,
+                    })?;
                 let Some((p, n)) = got else { break };
                 let matched = done(&p);
                 let reply = match p {
@@ -425,7 +438,10 @@ impl Volume {
                         None
                     }
                     Pdu::TermReq { fes, .. } => {
-                        return Err(NetError::peer(addr, format!("terminated the connection (status {fes:#x})")))
+                        return Err(NetError::peer(
+                            addr,
+                            format!("terminated the connection (status {fes:#x})"),
+                        ))
                     }
                     other => {
                         return Err(NetError::peer(addr, format!("unexpected PDU {other:?}")));
@@ -449,13 +465,21 @@ impl Volume {
                     std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer"),
                 ));
             }
-            wait_fds(&[(&c.sock, true, false)], Some(left)).map_err(|e| NetError::io("poll", addr, e))?;
-            c.fill().map_err(|e| NetError::io("receive from", addr, e))?;
+            wait_fds(&[(&c.sock, true, false)], Some(left))
+                .map_err(|e| NetError::io("poll", addr, e))?;
+            c.fill()
+                .map_err(|e| NetError::io("receive from", addr, e))?;
         }
     }
 
     /// A command on `t`'s admin queue, waited for.
-    fn admin(&mut self, t: usize, mut sqe: Sqe, out: &[u8], what: &str) -> Result<(Cqe, Vec<u8>), NetError> {
+    fn admin(
+        &mut self,
+        t: usize,
+        mut sqe: Sqe,
+        out: &[u8],
+        what: &str,
+    ) -> Result<(Cqe, Vec<u8>), NetError> {
         let addr = self.targets[t].addr;
         let cid = self.targets[t].next_cid;
         self.targets[t].next_cid = cid.wrapping_add(1);
@@ -465,7 +489,11 @@ impl Volume {
             .take()
             .ok_or_else(|| NetError::peer(addr, "no admin connection"))?;
         pdu::put_cmd(&mut c.tx, &sqe, out, c.dg);
-        let r = self.exchange(&mut c, addr, |p| matches!(p, Pdu::Resp { cqe } if cqe.cid == cid));
+        let r = self.exchange(
+            &mut c,
+            addr,
+            |p| matches!(p, Pdu::Resp { cqe } if cqe.cid == cid),
+        );
         match r {
             Ok(Reply::Resp(cqe, data)) => {
                 self.targets[t].admin = Some(c);
@@ -526,7 +554,10 @@ impl Volume {
                 break;
             }
             if Instant::now() > deadline {
-                return Err(NetError::peer(self.targets[t].addr, "controller never became ready"));
+                return Err(NetError::peer(
+                    self.targets[t].addr,
+                    "controller never became ready",
+                ));
             }
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -537,7 +568,10 @@ impl Volume {
         id.set_sgl(4096, false);
         let (_, page) = self.admin(t, id, &[], "Identify Namespace")?;
         if page.len() < 4096 {
-            return Err(NetError::peer(self.targets[t].addr, "short Identify Namespace data"));
+            return Err(NetError::peer(
+                self.targets[t].addr,
+                "short Identify Namespace data",
+            ));
         }
         let nsze = u64::from_le_bytes(page[0..8].try_into().expect("8"));
         let flbas = page[26] as usize & 0xf;
@@ -545,7 +579,10 @@ impl Volume {
         if lbads as u32 != LBA.trailing_zeros() {
             return Err(NetError::peer(
                 self.targets[t].addr,
-                format!("namespace 1 has {}-byte blocks; this initiator needs {LBA}", 1u64 << lbads),
+                format!(
+                    "namespace 1 has {}-byte blocks; this initiator needs {LBA}",
+                    1u64 << lbads
+                ),
             ));
         }
         self.targets[t].ns_bytes = nsze * LBA as u64;
@@ -640,12 +677,23 @@ impl Volume {
     /// Queue an ordered write on `stream`; `end_of_group` closes its group (the writes of one
     /// group may become durable in any order among themselves; groups in order). Waits while
     /// the stream has `window` writes not yet handed back.
-    pub fn submit(&mut self, stream: u16, offset: u64, buf: FixedBuf, end_of_group: bool) -> Result<u64, NetError> {
+    pub fn submit(
+        &mut self,
+        stream: u16,
+        offset: u64,
+        buf: FixedBuf,
+        end_of_group: bool,
+    ) -> Result<u64, NetError> {
         if stream >= self.cfg.streams {
-            return Err(NetError::Config(format!("stream {stream} of a volume with {}", self.cfg.streams)));
+            return Err(NetError::Config(format!(
+                "stream {stream} of a volume with {}",
+                self.cfg.streams
+            )));
         }
         if self.targets.iter().any(|t| !t.rio) {
-            return Err(NetError::Config("ordered writes need Rio targets (one of them is a plain NVMe/TCP target)".into()));
+            return Err(NetError::Config(
+                "ordered writes need Rio targets (one of them is a plain NVMe/TCP target)".into(),
+            ));
         }
         self.check_range(offset, buf.len())?;
         while self.streams[stream as usize].not_done >= self.cfg.window {
@@ -679,7 +727,9 @@ impl Volume {
         self.streams[s].next_seq += 1;
         let mut g = Group { seq, reqs };
         for r in &mut g.reqs {
-            r.pieces = self.pieces(r.offset, r.buf.as_ref().map_or(0, |b| b.len() as u32)).len() as u32;
+            r.pieces = self
+                .pieces(r.offset, r.buf.as_ref().map_or(0, |b| b.len() as u32))
+                .len() as u32;
         }
         self.streams[s].groups.push_back(g);
         self.send_group(stream, seq)
@@ -731,7 +781,12 @@ impl Volume {
                 .as_ref()
                 .expect("held until durable");
             if let Some(c) = self.conns[s * nt + t].conn.as_mut() {
-                pdu::put_cmd(&mut c.tx, &sqe, &buf[range.0 as usize..range.1 as usize], c.dg);
+                pdu::put_cmd(
+                    &mut c.tx,
+                    &sqe,
+                    &buf[range.0 as usize..range.1 as usize],
+                    c.dg,
+                );
             }
             self.stats.ordered_cmds += 1;
         }
@@ -753,7 +808,12 @@ impl Volume {
     }
 
     /// Orderless write (no attribute); handed back at completion (not necessarily durable).
-    pub fn write_orderless(&mut self, stream: u16, offset: u64, buf: FixedBuf) -> Result<u64, NetError> {
+    pub fn write_orderless(
+        &mut self,
+        stream: u16,
+        offset: u64,
+        buf: FixedBuf,
+    ) -> Result<u64, NetError> {
         self.plain_io(stream, offset, buf, false)
     }
 
@@ -762,9 +822,18 @@ impl Volume {
         self.plain_io(stream, offset, buf, true)
     }
 
-    fn plain_io(&mut self, stream: u16, offset: u64, buf: FixedBuf, read: bool) -> Result<u64, NetError> {
+    fn plain_io(
+        &mut self,
+        stream: u16,
+        offset: u64,
+        buf: FixedBuf,
+        read: bool,
+    ) -> Result<u64, NetError> {
         if stream >= self.cfg.streams {
-            return Err(NetError::Config(format!("stream {stream} of a volume with {}", self.cfg.streams)));
+            return Err(NetError::Config(format!(
+                "stream {stream} of a volume with {}",
+                self.cfg.streams
+            )));
         }
         self.check_range(offset, buf.len())?;
         while self.streams[stream as usize].not_done >= self.cfg.window {
@@ -796,7 +865,11 @@ impl Volume {
             sqe.set_cdw(12, (range.1 - range.0) / LBA - 1);
             sqe.set_sgl(range.1 - range.0, !read);
             if let Some(c) = ic.conn.as_mut() {
-                let data = if read { &[][..] } else { &buf[range.0 as usize..range.1 as usize] };
+                let data = if read {
+                    &[][..]
+                } else {
+                    &buf[range.0 as usize..range.1 as usize]
+                };
                 pdu::put_cmd(&mut c.tx, &sqe, data, c.dg);
             }
         }
@@ -941,7 +1014,10 @@ impl Volume {
             Ok(()) => Ok(()),
             Err((t, why)) => {
                 if self.cfg.verbose {
-                    eprintln!("aios initiator: target {} failed ({why}); recovering", self.targets[t].addr);
+                    eprintln!(
+                        "aios initiator: target {} failed ({why}); recovering",
+                        self.targets[t].addr
+                    );
                 }
                 self.recover_with_retry(t, why)?;
                 Ok(())
@@ -1003,7 +1079,9 @@ impl Volume {
         let mut any = false;
         loop {
             let ic = &mut self.conns[i];
-            let Some(c) = ic.conn.as_mut() else { return Ok(any) };
+            let Some(c) = ic.conn.as_mut() else {
+                return Ok(any);
+            };
             let dg = c.dg;
             let (p, n) = match pdu::decode(c.rx.pending(), dg, c.max_pdu) {
                 Ok(Some(x)) => x,
@@ -1016,7 +1094,9 @@ impl Volume {
                     c.rx.consume(n);
                     self.on_cqe(s, i, cqe)?;
                 }
-                Pdu::C2HData { cccid, datao, data, .. } => {
+                Pdu::C2HData {
+                    cccid, datao, data, ..
+                } => {
                     let Some(cmd) = ic.cmds.get(cccid as usize).and_then(|c| c.as_ref()) else {
                         return Err(format!("data for unknown command {cccid}"));
                     };
@@ -1025,16 +1105,24 @@ impl Volume {
                     };
                     let (a, b) = cmd.range;
                     if datao as u64 + data.len() as u64 > (b - a) as u64 {
-                        return Err(format!("{} bytes at {datao} for a {}-byte read", data.len(), b - a));
+                        return Err(format!(
+                            "{} bytes at {datao} for a {}-byte read",
+                            data.len(),
+                            b - a
+                        ));
                     }
-                    let p = self.plain[slot as usize].as_mut().ok_or("data for a finished read")?;
+                    let p = self.plain[slot as usize]
+                        .as_mut()
+                        .ok_or("data for a finished read")?;
                     let buf = p.buf.as_mut().expect("held until done");
                     let at = a as usize + datao as usize;
                     buf[at..at + data.len()].copy_from_slice(data);
                     c.rx.consume(n);
                 }
                 Pdu::TermReq { fes, .. } => {
-                    return Err(format!("the target terminated the connection (status {fes:#x})"))
+                    return Err(format!(
+                        "the target terminated the connection (status {fes:#x})"
+                    ))
                 }
                 other => return Err(format!("unexpected PDU {other:?}")),
             }
@@ -1055,7 +1143,10 @@ impl Volume {
         ic.outstanding -= 1;
         let err = (!cqe.ok()).then(|| {
             let (sct, sc) = cqe.sct_sc();
-            format!("target {} failed the command: status type {sct:#x} code {sc:#04x}", self.targets[t].addr)
+            format!(
+                "target {} failed the command: status type {sct:#x} code {sc:#04x}",
+                self.targets[t].addr
+            )
         });
         match cmd.kind {
             Kind::Ordered { seq, req } => {
@@ -1110,7 +1201,9 @@ impl Volume {
             }
             Kind::Plain { slot } => {
                 self.conns[i].release(cqe.cid);
-                let p = self.plain[slot as usize].as_mut().ok_or("completion for a finished request")?;
+                let p = self.plain[slot as usize]
+                    .as_mut()
+                    .ok_or("completion for a finished request")?;
                 p.pieces -= 1;
                 if let Some(e) = err {
                     p.failed.get_or_insert(e);
@@ -1137,7 +1230,9 @@ impl Volume {
     /// durable in order.
     fn piece_durable(&mut self, s: usize, seq: u64, req: u32, failed: Option<String>) {
         let st = &mut self.streams[s];
-        let Some(front) = st.groups.front() else { return };
+        let Some(front) = st.groups.front() else {
+            return;
+        };
         let gi = (seq - front.seq) as usize;
         let r = &mut st.groups[gi].reqs[req as usize];
         r.durable += 1;
@@ -1170,7 +1265,11 @@ enum Reply {
 }
 
 impl Volume {
-    fn recover_with_retry(&mut self, failed: usize, why: String) -> Result<RecoveryReport, NetError> {
+    fn recover_with_retry(
+        &mut self,
+        failed: usize,
+        why: String,
+    ) -> Result<RecoveryReport, NetError> {
         let start = Instant::now();
         let mut last;
         let _ = why;
@@ -1205,7 +1304,10 @@ impl Volume {
         //    nothing sent before the reset may land after it.
         let deadline = Instant::now() + self.cfg.io_timeout;
         while Instant::now() < deadline
-            && self.conns.iter().any(|c| c.conn.is_some() && c.outstanding > 0)
+            && self
+                .conns
+                .iter()
+                .any(|c| c.conn.is_some() && c.outstanding > 0)
         {
             if let Err((t, _)) = self.drive_once(true) {
                 for s in 0..self.cfg.streams as usize {
@@ -1373,7 +1475,9 @@ impl Volume {
         let deadline = Instant::now() + self.cfg.io_timeout;
         while self.conns.iter().any(|c| c.outstanding > 0) {
             if Instant::now() > deadline {
-                return Err(NetError::Config("recovery: targets did not answer in time".into()));
+                return Err(NetError::Config(
+                    "recovery: targets did not answer in time".into(),
+                ));
             }
             if let Err((t, why)) = self.drive_once(true) {
                 return Err(NetError::peer(self.targets[t].addr, why));
@@ -1412,7 +1516,10 @@ impl Volume {
             let (cqe, data) = self.admin(t, sqe, &[], "RIO_GET_LOG")?;
             total = cqe.dw0 as usize | (cqe.dw1 as usize) << 32;
             if data.is_empty() && image.len() < total {
-                return Err(NetError::peer(self.targets[t].addr, "attribute log read returned nothing"));
+                return Err(NetError::peer(
+                    self.targets[t].addr,
+                    "attribute log read returned nothing",
+                ));
             }
             image.extend_from_slice(&data);
         }

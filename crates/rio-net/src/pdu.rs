@@ -112,7 +112,12 @@ impl Default for Sqe {
 
 impl fmt::Debug for Sqe {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Sqe(op {:#04x} cid {} cdw10..16", self.opcode(), self.cid())?;
+        write!(
+            f,
+            "Sqe(op {:#04x} cid {} cdw10..16",
+            self.opcode(),
+            self.cid()
+        )?;
         for i in 10..16 {
             write!(f, " {:#x}", self.cdw(i))?;
         }
@@ -337,11 +342,7 @@ pub fn decode(buf: &[u8], dg: Digests, max_pdu: u32) -> Result<Option<(Pdu<'_>, 
         other => return Err(PduError::UnknownType(other)),
     };
     if hlen as usize != expected {
-        return Err(PduError::BadHeaderLength {
-            ty,
-            hlen,
-            expected,
-        });
+        return Err(PduError::BadHeaderLength { ty, hlen, expected });
     }
     if plen > max_pdu {
         return Err(PduError::Oversized { plen, max: max_pdu });
@@ -481,7 +482,11 @@ fn put(out: &mut Vec<u8>, ty: u8, mut flags: u8, header: &mut [u8], data: &[u8],
     }
     let hlen = header.len();
     let header_end = hlen + if hd { DIGEST } else { 0 };
-    let pdo = if data.is_empty() || ic_or_term { 0 } else { header_end };
+    let pdo = if data.is_empty() || ic_or_term {
+        0
+    } else {
+        header_end
+    };
     let plen = header_end + data.len() + if dd { DIGEST } else { 0 };
     header[0] = ty;
     header[1] = flags;
@@ -554,7 +559,14 @@ pub fn put_h2c_data(
 }
 
 /// Controller-to-host data for command `cccid`.
-pub fn put_c2h_data(out: &mut Vec<u8>, cccid: u16, datao: u32, data: &[u8], last: bool, dg: Digests) {
+pub fn put_c2h_data(
+    out: &mut Vec<u8>,
+    cccid: u16,
+    datao: u32,
+    data: &[u8],
+    last: bool,
+    dg: Digests,
+) {
     let mut h = [0u8; DATA_HLEN];
     h[8..10].copy_from_slice(&cccid.to_le_bytes());
     h[12..16].copy_from_slice(&datao.to_le_bytes());
@@ -672,7 +684,10 @@ impl WireAttr {
             | (self.merged as u32) << 3;
         sqe.set_cdw(12, (sqe.cdw(12) & !(0xf << 16)) | flags << 16);
         let (i, n) = self.split.unwrap_or((0, 0));
-        sqe.set_cdw(13, self.members as u32 | (i as u32) << 16 | (n as u32) << 24);
+        sqe.set_cdw(
+            13,
+            self.members as u32 | (i as u32) << 16 | (n as u32) << 24,
+        );
         sqe.set_cdw(14, self.mark as u32);
     }
 
@@ -765,19 +780,40 @@ mod tests {
             assert_eq!(at, out.len());
             assert_eq!(got.len(), 5);
             let (p, _) = decode(&out, dg, MAX).unwrap().unwrap();
-            assert_eq!(p, Pdu::Cmd { sqe, data: b"hello" });
+            assert_eq!(
+                p,
+                Pdu::Cmd {
+                    sqe,
+                    data: b"hello"
+                }
+            );
         }
         let mut out = Vec::new();
-        put_icreq(&mut out, Digests { header: true, data: false }, 3);
+        put_icreq(
+            &mut out,
+            Digests {
+                header: true,
+                data: false,
+            },
+            3,
+        );
         assert_eq!(
             decode(&out, Digests::default(), MAX).unwrap().unwrap().0,
-            Pdu::ICReq { pfv: 0, hpda: 0, dgst: 1, maxr2t: 3 }
+            Pdu::ICReq {
+                pfv: 0,
+                hpda: 0,
+                dgst: 1,
+                maxr2t: 3
+            }
         );
     }
 
     #[test]
     fn partial_pdus_wait_and_bad_ones_are_named() {
-        let dg = Digests { header: true, data: true };
+        let dg = Digests {
+            header: true,
+            data: true,
+        };
         let mut out = Vec::new();
         put_h2c_data(&mut out, 1, 1, 0, &[5; 64], true, dg);
         for cut in 0..out.len() {
@@ -785,14 +821,23 @@ mod tests {
         }
         let mut bad = out.clone();
         bad[30] ^= 1; // data byte
-        assert!(matches!(decode(&bad, dg, MAX), Err(PduError::DataDigest { .. })));
+        assert!(matches!(
+            decode(&bad, dg, MAX),
+            Err(PduError::DataDigest { .. })
+        ));
         let mut bad = out.clone();
         bad[9] ^= 1; // header byte
-        assert!(matches!(decode(&bad, dg, MAX), Err(PduError::HeaderDigest { .. })));
+        assert!(matches!(
+            decode(&bad, dg, MAX),
+            Err(PduError::HeaderDigest { .. })
+        ));
         let mut bad = out.clone();
         bad[0] = 0x42;
         assert_eq!(decode(&bad, dg, MAX), Err(PduError::UnknownType(0x42)));
-        assert!(matches!(decode(&out, dg, 32), Err(PduError::Oversized { .. })));
+        assert!(matches!(
+            decode(&out, dg, 32),
+            Err(PduError::Oversized { .. })
+        ));
         assert!(matches!(
             decode(&out, Digests::default(), MAX),
             Err(PduError::DigestFlags { .. })

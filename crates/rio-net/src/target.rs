@@ -217,8 +217,7 @@ impl Target {
                 (LogSlot::Live(log), cfg.streams, slots)
             }
         };
-        let listener =
-            TcpListener::bind(addr).map_err(|e| NetError::io("bind", addr, e))?;
+        let listener = TcpListener::bind(addr).map_err(|e| NetError::io("bind", addr, e))?;
         Ok(Target {
             listener,
             shared: Arc::new(Shared {
@@ -246,7 +245,9 @@ impl Target {
     }
 
     pub fn local_addr(&self) -> SocketAddr {
-        self.listener.local_addr().expect("a bound listener has an address")
+        self.listener
+            .local_addr()
+            .expect("a bound listener has an address")
     }
     /// Bytes of the namespace.
     pub fn ns_bytes(&self) -> u64 {
@@ -378,8 +379,12 @@ struct Held {
 enum Queue {
     /// Before Connect.
     None,
-    Admin { cntlid: u16 },
-    Io { qid: u16 },
+    Admin {
+        cntlid: u16,
+    },
+    Io {
+        qid: u16,
+    },
 }
 
 struct TConn {
@@ -456,7 +461,11 @@ fn serve_conn(shared: Arc<Shared>, sock: TcpStream, peer: SocketAddr) {
         }
     }
     if let Queue::Admin { cntlid } = c.queue {
-        let mut live = c.shared.live_cntlids.lock().unwrap_or_else(|e| e.into_inner());
+        let mut live = c
+            .shared
+            .live_cntlids
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         live.retain(|&x| x != cntlid);
     }
     match end {
@@ -585,7 +594,9 @@ impl TConn {
                     true
                 }
                 Pdu::TermReq { fes, .. } => {
-                    return Err(format!("the host terminated the connection (status {fes:#x})"))
+                    return Err(format!(
+                        "the host terminated the connection (status {fes:#x})"
+                    ))
                 }
                 Pdu::ICResp { .. } | Pdu::Resp { .. } | Pdu::C2HData { .. } | Pdu::R2T { .. } => {
                     let ty = self.conn.rx.pending()[0];
@@ -612,12 +623,23 @@ impl TConn {
         format!("{e}")
     }
 
-    fn h2c_data(&mut self, cid: u16, ttag: u16, datao: u32, data: &[u8], last: bool) -> Result<(), String> {
+    fn h2c_data(
+        &mut self,
+        cid: u16,
+        ttag: u16,
+        datao: u32,
+        data: &[u8],
+        last: bool,
+    ) -> Result<(), String> {
         let Some(col) = self.collecting.get_mut(&cid) else {
-            return Err(self.terminate_msg(format!("H2CData for command {cid}, which awaits no data")));
+            return Err(
+                self.terminate_msg(format!("H2CData for command {cid}, which awaits no data"))
+            );
         };
         if ttag != cid {
-            return Err(self.terminate_msg(format!("H2CData with transfer tag {ttag}, expected {cid}")));
+            return Err(
+                self.terminate_msg(format!("H2CData with transfer tag {ttag}, expected {cid}"))
+            );
         }
         let len = col.data.bytes_mut().len() as u32;
         if datao != col.got || datao + data.len() as u32 > len {
@@ -677,7 +699,11 @@ impl TConn {
             self.ready(sqe, Data::None)?;
             return Ok(true);
         }
-        let limit = if admin { ADMIN_CAPSULE_DATA } else { IO_CAPSULE_DATA };
+        let limit = if admin {
+            ADMIN_CAPSULE_DATA
+        } else {
+            IO_CAPSULE_DATA
+        };
         if sgl_len > MAX_DATA || (!incap.is_empty() && incap.len() as u32 > limit) {
             self.respond(cid, Status::SGL_INVALID, 0, 0);
             return Ok(true);
@@ -713,7 +739,8 @@ impl TConn {
             self.ready(sqe, data)?;
         } else {
             pdu::put_r2t(&mut self.conn.tx, cid, cid, 0, sgl_len, self.conn.dg);
-            self.collecting.insert(cid, Collecting { sqe, data, got: 0 });
+            self.collecting
+                .insert(cid, Collecting { sqe, data, got: 0 });
         }
         Ok(true)
     }
@@ -724,10 +751,9 @@ impl TConn {
             return self.fabrics(sqe, data);
         }
         match self.queue {
-            Queue::None => Err(self.terminate_msg(format!(
-                "command {:#04x} before Connect",
-                sqe.opcode()
-            ))),
+            Queue::None => {
+                Err(self.terminate_msg(format!("command {:#04x} before Connect", sqe.opcode())))
+            }
             Queue::Admin { .. } => self.admin(sqe, data),
             Queue::Io { .. } => self.io_cmd(sqe, data),
         }
@@ -752,7 +778,9 @@ impl TConn {
                 }
                 let want_cntlid = u16::from_le_bytes([d[16], d[17]]);
                 let subnqn = nqn(&d[256..512]);
-                if subnqn != self.shared.cfg.subnqn && subnqn != "nqn.2014-08.org.nvmexpress.discovery" {
+                if subnqn != self.shared.cfg.subnqn
+                    && subnqn != "nqn.2014-08.org.nvmexpress.discovery"
+                {
                     eprintln!(
                         "aios target: {}: Connect to unknown subsystem {subnqn:?} (this is {:?})",
                         self.peer, self.shared.cfg.subnqn
@@ -761,7 +789,11 @@ impl TConn {
                     return Ok(());
                 }
                 if qid == 0 {
-                    let cntlid = self.shared.next_cntlid.fetch_add(1, Ordering::Relaxed).max(1);
+                    let cntlid = self
+                        .shared
+                        .next_cntlid
+                        .fetch_add(1, Ordering::Relaxed)
+                        .max(1);
                     self.shared
                         .live_cntlids
                         .lock()
@@ -780,7 +812,8 @@ impl TConn {
                         self.respond(cid, Status::CONNECT_INVALID_PARAM, 0, 0);
                         return Ok(());
                     }
-                    self.open_io().map_err(|e| format!("opening the device: {e}"))?;
+                    self.open_io()
+                        .map_err(|e| format!("opening the device: {e}"))?;
                     self.queue = Queue::Io { qid };
                     self.generation = self.shared.lock().generation;
                     self.respond(cid, Status::SUCCESS, want_cntlid as u32, 0);
@@ -810,7 +843,10 @@ impl TConn {
                 self.respond(cid, Status::SUCCESS, 0, 0);
             }
             other => {
-                eprintln!("aios target: {}: fabrics command type {other:#04x} not supported", self.peer);
+                eprintln!(
+                    "aios target: {}: fabrics command type {other:#04x} not supported",
+                    self.peer
+                );
                 self.respond(cid, Status::INVALID_OPCODE, 0, 0);
             }
         }
@@ -848,7 +884,14 @@ impl TConn {
         let mut at = 0;
         while at < bytes.len() {
             let n = (bytes.len() - at).min(MAX_DATA as usize);
-            pdu::put_c2h_data(&mut self.conn.tx, cid, at as u32, &bytes[at..at + n], at + n == bytes.len(), dg);
+            pdu::put_c2h_data(
+                &mut self.conn.tx,
+                cid,
+                at as u32,
+                &bytes[at..at + n],
+                at + n == bytes.len(),
+                dg,
+            );
             at += n;
         }
         self.respond(cid, Status::SUCCESS, 0, 0);
@@ -904,7 +947,8 @@ impl TConn {
             op::RIO_INFO => {
                 let st = self.shared.lock();
                 let recovering = matches!(st.log, LogSlot::Recovering(_));
-                let dw1 = self.shared.plp as u32 | (recovering as u32) << 1 | (st.streams as u32) << 16;
+                let dw1 =
+                    self.shared.plp as u32 | (recovering as u32) << 1 | (st.streams as u32) << 16;
                 let slots = st.slots;
                 drop(st);
                 self.respond(cid, Status::SUCCESS, slots, dw1);
@@ -924,7 +968,12 @@ impl TConn {
                         if n > 0 {
                             pdu::put_c2h_data(&mut self.conn.tx, cid, 0, &out, true, dg);
                         }
-                        self.respond(cid, Status::SUCCESS, total as u32, (total as u64 >> 32) as u32);
+                        self.respond(
+                            cid,
+                            Status::SUCCESS,
+                            total as u32,
+                            (total as u64 >> 32) as u32,
+                        );
                     }
                     Err(e) => {
                         eprintln!("aios target: reading the attribute log: {e}");
@@ -946,7 +995,10 @@ impl TConn {
                 }
             }
             other => {
-                eprintln!("aios target: {}: admin opcode {other:#04x} not supported", self.peer);
+                eprintln!(
+                    "aios target: {}: admin opcode {other:#04x} not supported",
+                    self.peer
+                );
                 self.respond(cid, Status::INVALID_OPCODE, 0, 0);
             }
         }
@@ -958,7 +1010,10 @@ impl TConn {
         let mut st = self.shared.lock();
         let streams = st.streams as usize;
         if d.len() != streams * 8 {
-            return Err(format!("{} bytes of marks for a log of {streams} streams", d.len()));
+            return Err(format!(
+                "{} bytes of marks for a log of {streams} streams",
+                d.len()
+            ));
         }
         let marks: Vec<u64> = d
             .chunks_exact(8)
@@ -987,7 +1042,9 @@ impl TConn {
                 // The region is gone with the failed reopen: reopen it from its source.
                 match open_pmr(&self.shared.cfg.log) {
                     Ok(p) => st.log = LogSlot::Recovering(p),
-                    Err(e2) => return Err(format!("{e}; reopening the log region failed too: {e2}")),
+                    Err(e2) => {
+                        return Err(format!("{e}; reopening the log region failed too: {e2}"))
+                    }
                 }
                 Err(e.to_string())
             }
@@ -1018,7 +1075,7 @@ impl TConn {
         p[516..520].copy_from_slice(&1u32.to_le_bytes()); // NN
         p[520..522].copy_from_slice(&(1u16 << 3).to_le_bytes()); // ONCS: Write Zeroes
         p[525] = (!self.shared.plp) as u8; // VWC
-        // SGLS: SGLs supported, keyed data blocks off, offset-based in-capsule data.
+                                           // SGLS: SGLs supported, keyed data blocks off, offset-based in-capsule data.
         p[536..540].copy_from_slice(&(1u32 | 1 << 20).to_le_bytes());
         let nqn = self.shared.cfg.subnqn.as_bytes();
         let n = nqn.len().min(255);
@@ -1064,7 +1121,9 @@ impl TConn {
         if matches!(opc, op::READ | op::WRITE | op::WRITE_ZEROES) {
             let off = sqe.slba().checked_mul(LBA as u64);
             let len = sqe.nlb() as u64 * LBA as u64;
-            let inside = off.and_then(|o| o.checked_add(len)).is_some_and(|e| e <= self.shared.ns_bytes);
+            let inside = off
+                .and_then(|o| o.checked_add(len))
+                .is_some_and(|e| e <= self.shared.ns_bytes);
             if !inside {
                 self.respond(cid, Status::LBA_OUT_OF_RANGE, 0, 0);
                 return Ok(());
@@ -1117,7 +1176,10 @@ impl TConn {
                 };
                 buf.set_len(len).map_err(|e| e.to_string())?;
                 self.shared.reads.fetch_add(1, Ordering::Relaxed);
-                self.submit(Io::read(sqe.slba() * LBA as u64, buf), InFlight::Read { cid });
+                self.submit(
+                    Io::read(sqe.slba() * LBA as u64, buf),
+                    InFlight::Read { cid },
+                );
             }
             op::FLUSH => {
                 self.shared.orderless.fetch_add(1, Ordering::Relaxed);
@@ -1130,7 +1192,10 @@ impl TConn {
                 self.zeroes(cid, off, end)?;
             }
             other => {
-                eprintln!("aios target: {}: I/O opcode {other:#04x} not supported", self.peer);
+                eprintln!(
+                    "aios target: {}: I/O opcode {other:#04x} not supported",
+                    self.peer
+                );
                 self.respond(cid, Status::INVALID_OPCODE, 0, 0);
             }
         }
@@ -1151,7 +1216,14 @@ impl TConn {
         };
         buf.set_len(n).map_err(|e| e.to_string())?;
         buf.fill(0);
-        self.submit(Io::write(off, buf), InFlight::Zeroes { cid, next: off + n as u64, end });
+        self.submit(
+            Io::write(off, buf),
+            InFlight::Zeroes {
+                cid,
+                next: off + n as u64,
+                end,
+            },
+        );
         Ok(())
     }
 
@@ -1185,7 +1257,8 @@ impl TConn {
             if is_flush {
                 // It waits for the writes out now; later ones need not wait for it.
                 let h = self.held.pop_front().expect("front");
-                self.flushes_waiting.push_back((h, self.ordered_out.clone()));
+                self.flushes_waiting
+                    .push_back((h, self.ordered_out.clone()));
                 any = true;
                 continue;
             }
@@ -1252,7 +1325,13 @@ impl TConn {
             let cid = h.sqe.cid();
             if is_flush {
                 self.shared.ordered_flushes.fetch_add(1, Ordering::Relaxed);
-                self.submit(Io::flush(), InFlight::Flush { cid, ordered: Some((slot, a.seq)) });
+                self.submit(
+                    Io::flush(),
+                    InFlight::Flush {
+                        cid,
+                        ordered: Some((slot, a.seq)),
+                    },
+                );
             } else {
                 let Data::Fixed(buf) = h.data else {
                     self.respond(cid, Status::SGL_INVALID, 0, 0);
@@ -1260,7 +1339,13 @@ impl TConn {
                 };
                 self.shared.ordered_writes.fetch_add(1, Ordering::Relaxed);
                 let io = Io::write(offset, buf).fua(h.sqe.fua());
-                if let Some(tag) = self.submit(io, InFlight::Write { cid, ordered: Some((slot, a.seq)) }) {
+                if let Some(tag) = self.submit(
+                    io,
+                    InFlight::Write {
+                        cid,
+                        ordered: Some((slot, a.seq)),
+                    },
+                ) {
                     self.ordered_out.push(tag);
                 }
             }
@@ -1272,7 +1357,11 @@ impl TConn {
     /// Start the waiting FLUSHes whose writes have all completed, in order.
     fn start_flushes(&mut self) -> Result<bool, String> {
         let mut any = false;
-        while self.flushes_waiting.front().is_some_and(|(_, w)| w.is_empty()) {
+        while self
+            .flushes_waiting
+            .front()
+            .is_some_and(|(_, w)| w.is_empty())
+        {
             let (h, _) = self.flushes_waiting.pop_front().expect("front");
             let a = h.attr;
             let cid = h.sqe.cid();
@@ -1311,7 +1400,13 @@ impl TConn {
             };
             drop(guard);
             self.shared.ordered_flushes.fetch_add(1, Ordering::Relaxed);
-            self.submit(Io::flush(), InFlight::Flush { cid, ordered: Some((slot, a.seq)) });
+            self.submit(
+                Io::flush(),
+                InFlight::Flush {
+                    cid,
+                    ordered: Some((slot, a.seq)),
+                },
+            );
             any = true;
         }
         Ok(any)

@@ -5,7 +5,10 @@ use std::path::PathBuf;
 use rio_net::{Target, TargetConfig, TargetLogKind, Volume, VolumeConfig};
 
 fn scratch(name: &str, bytes: u64) -> PathBuf {
-    let p = PathBuf::from(format!("/dev/shm/rio-net-test-{}-{name}", std::process::id()));
+    let p = PathBuf::from(format!(
+        "/dev/shm/rio-net-test-{}-{name}",
+        std::process::id()
+    ));
     let f = std::fs::File::create(&p).unwrap();
     f.set_len(bytes).unwrap();
     p
@@ -58,8 +61,16 @@ fn ordered_writes_land_striped_and_read_back() {
     done.extend(v.poll().unwrap());
     assert_eq!(done.len(), 600);
     for s in 0..2u16 {
-        let seqs: Vec<u64> = done.iter().filter(|d| d.stream == s).map(|d| d.seq).collect();
-        assert_eq!(seqs, (1..=300).collect::<Vec<_>>(), "stream {s} handed back in order");
+        let seqs: Vec<u64> = done
+            .iter()
+            .filter(|d| d.stream == s)
+            .map(|d| d.seq)
+            .collect();
+        assert_eq!(
+            seqs,
+            (1..=300).collect::<Vec<_>>(),
+            "stream {s} handed back in order"
+        );
         assert!(done.iter().all(|d| d.result.is_ok()));
     }
     drop(done);
