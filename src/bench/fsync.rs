@@ -21,7 +21,8 @@ use serde::Serialize;
 use crate::bench::compare::Progress;
 use crate::bench::pagecache::{completion_for, device_bytes, thread_stack};
 use crate::bench::{
-    arena_within_memlock, cdf_us, median, new_histogram, quantile_us, run_threads, BenchError,
+    arena_within_memlock, cdf_us, median, new_histogram, quantile_us, run_threads, xorshift,
+    BenchError,
 };
 
 /// Journal blocks per area (4 MiB): a checkpoint every ~340 single-block commits per thread.
@@ -186,13 +187,6 @@ pub struct FsyncBench {
     /// How data and journal blocks are made durable: `None` = what the journal measured at
     /// format time.
     pub durability: Option<journal::Durability>,
-}
-
-fn xorshift(x: &mut u64) -> u64 {
-    *x ^= *x << 13;
-    *x ^= *x >> 7;
-    *x ^= *x << 17;
-    *x
 }
 
 /// What one thread measured.

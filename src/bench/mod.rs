@@ -442,6 +442,19 @@ pub fn arena_within_memlock(wanted: usize, engines: u32) -> usize {
     }
 }
 
+/// The benches' random offsets: xorshift64 (`x` must not be 0).
+pub fn xorshift(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+/// Record the time since `since` (nanoseconds) in a latency histogram.
+pub fn record_since(h: &mut hdrhistogram::Histogram<u64>, since: std::time::Instant) {
+    h.saturating_record(since.elapsed().as_nanos() as u64);
+}
+
 /// Median of a list (NaN-free inputs).
 pub fn median(mut v: Vec<f64>) -> Option<f64> {
     if v.is_empty() {

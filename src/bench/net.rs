@@ -6,12 +6,11 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use hdrhistogram::Histogram;
 use rio_net::{Volume, VolumeConfig};
 use serde::Serialize;
 
 use crate::bench::ordered::OrderedMode;
-use crate::bench::{median, new_histogram, quantile_us, BenchError};
+use crate::bench::{median, new_histogram, quantile_us, record_since, xorshift, BenchError};
 use crate::netlab::proc_cpu_s;
 
 /// One measured run.
@@ -50,17 +49,6 @@ pub struct NetBench {
     pub qd: u32,
     pub seconds: f64,
     pub rounds: u32,
-}
-
-fn xorshift(x: &mut u64) -> u64 {
-    *x ^= *x << 13;
-    *x ^= *x >> 7;
-    *x ^= *x << 17;
-    *x
-}
-
-fn record(h: &mut Histogram<u64>, since: Instant) {
-    let _ = h.record(since.elapsed().as_nanos().max(1) as u64);
 }
 
 impl NetBench {
@@ -158,7 +146,7 @@ impl NetBench {
                     }
                     drop(d);
                     v.flush_all(s).map_err(net)?;
-                    record(&mut lat, since);
+                    record_since(&mut lat, since);
                     writes += 1;
                     s = (s + 1) % streams;
                 }
@@ -192,7 +180,7 @@ impl NetBench {
                             return Err(BenchError::Setup(e));
                         }
                         if let Some(t) = started.remove(&(d.stream, d.id)) {
-                            record(&mut lat, t);
+                            record_since(&mut lat, t);
                         }
                         inflight -= 1;
                         writes += 1;

@@ -23,7 +23,8 @@ use serde::Serialize;
 
 use crate::bench::compare::Progress;
 use crate::bench::{
-    arena_within_memlock, median, new_histogram, quantile_us, run_threads, BenchError,
+    arena_within_memlock, median, new_histogram, quantile_us, record_since, run_threads, xorshift,
+    BenchError,
 };
 
 const BS: usize = 4096;
@@ -159,13 +160,6 @@ struct Run {
     flushes: u64,
     /// Simulated ns (sim) — the longest stream's.
     sim_ns: u64,
-}
-
-fn xorshift(x: &mut u64) -> u64 {
-    *x ^= *x << 13;
-    *x ^= *x >> 7;
-    *x ^= *x << 17;
-    *x
 }
 
 /// Offsets for one stream: its own region of `region` bytes from `base`.
@@ -500,10 +494,6 @@ fn fill(engine: &Engine, n: usize) -> Result<Vec<FixedBuf>, BenchError> {
         .collect()
 }
 
-fn record(h: &mut Histogram<u64>, since: Instant) {
-    h.saturating_record(since.elapsed().as_nanos() as u64);
-}
-
 #[allow(clippy::too_many_arguments)]
 fn run_rio<P: Pmr>(
     engine: &Rc<Engine>,
@@ -566,7 +556,7 @@ fn run_rio<P: Pmr>(
         for d in got.drain(..) {
             d.result
                 .map_err(|e| BenchError::Setup(format!("rio write: {e}")))?;
-            record(
+            record_since(
                 &mut lat,
                 started.pop_front().expect("a submission per completion"),
             );
@@ -603,7 +593,7 @@ fn run_sync(
         let b = dev.write_at_blocking(offs.next(), buf.take().expect("buffer"), false)?;
         buf = Some(b);
         dev.flush_blocking()?;
-        record(&mut lat, t);
+        record_since(&mut lat, t);
         n += 1;
     }
     Ok(Run {
@@ -653,7 +643,7 @@ fn run_orderless(
         while let Some(c) = lbio.take_done() {
             c.result?;
             if let Some(t) = started.get_mut(c.tag.0 as usize).and_then(Option::take) {
-                record(&mut lat, t);
+                record_since(&mut lat, t);
             }
             free.push(c.buf.expect("writes carry a buffer"));
             done += 1;

@@ -31,7 +31,9 @@ use serde::Serialize;
 
 use crate::bench::compare::Progress;
 use crate::bench::report::human_bytes;
-use crate::bench::{aligned_memory_engine, cdf_us, median, new_histogram, quantile_us, BenchError};
+use crate::bench::{
+    aligned_memory_engine, cdf_us, median, new_histogram, quantile_us, xorshift, BenchError,
+};
 
 /// Hits timed together.
 pub const HIT_BATCH: u64 = 64;
@@ -242,13 +244,6 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
         (a, b) = (b, a % b);
     }
     a
-}
-
-fn xorshift(x: &mut u64) -> u64 {
-    *x ^= *x << 13;
-    *x ^= *x >> 7;
-    *x ^= *x << 17;
-    *x
 }
 
 /// How the threads of a run wait for completions: busy-polled (lbio's policy for a critical QD1

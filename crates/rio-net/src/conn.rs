@@ -66,8 +66,6 @@ pub struct Conn {
     pub max_pdu: u32,
     /// The peer closed its side.
     pub eof: bool,
-    /// Bytes received so far (progress, for timeouts).
-    pub received: u64,
 }
 
 impl Conn {
@@ -82,7 +80,6 @@ impl Conn {
             dg: Digests::default(),
             max_pdu,
             eof: false,
-            received: 0,
         })
     }
 
@@ -101,7 +98,6 @@ impl Conn {
                 Ok(n) => {
                     self.rx.end += n;
                     total += n;
-                    self.received += n as u64;
                     if n < want {
                         return Ok(total);
                     }

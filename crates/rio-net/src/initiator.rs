@@ -193,6 +193,12 @@ impl IoConn {
         });
         cid
     }
+    /// Queue a command capsule (dropped when the connection is gone: recovery resends).
+    fn queue(&mut self, sqe: &Sqe, data: &[u8]) {
+        if let Some(c) = self.conn.as_mut() {
+            pdu::put_cmd(&mut c.tx, sqe, data, c.dg);
+        }
+    }
     fn release(&mut self, cid: u16) {
         self.cmds[cid as usize] = None;
         self.free.push(cid);
@@ -206,6 +212,25 @@ impl IoConn {
         self.volatile = 0;
         self.flush_out = false;
     }
+}
+
+/// A command on namespace 1.
+fn ns_cmd(opcode: u8, cid: u16) -> Sqe {
+    let mut sqe = Sqe::default();
+    sqe.set_opcode(opcode);
+    sqe.set_cid(cid);
+    sqe.set_cdw(1, 1);
+    sqe
+}
+
+/// A read, write or write-zeroes command over `len` bytes at byte `off` of the namespace.
+fn lba_cmd(opcode: u8, cid: u16, off: u64, len: u32) -> Sqe {
+    let mut sqe = ns_cmd(opcode, cid);
+    let slba = off / LBA as u64;
+    sqe.set_cdw(10, slba as u32);
+    sqe.set_cdw(11, (slba >> 32) as u32);
+    sqe.set_cdw(12, len / LBA - 1);
+    sqe
 }
 
 struct Req {
@@ -243,7 +268,6 @@ struct Plain {
     buf: Option<FixedBuf>,
     pieces: u32,
     failed: Option<String>,
-    read: bool,
 }
 
 /// A volume striped over target servers.
@@ -659,6 +683,16 @@ impl Volume {
         out
     }
 
+    fn check_stream(&self, stream: u16) -> Result<(), NetError> {
+        if stream >= self.cfg.streams {
+            return Err(NetError::Config(format!(
+                "stream {stream} of a volume with {}",
+                self.cfg.streams
+            )));
+        }
+        Ok(())
+    }
+
     fn check_range(&self, offset: u64, len: usize) -> Result<(), NetError> {
         if len == 0 || offset % LBA as u64 != 0 || len % LBA as usize != 0 {
             return Err(NetError::Config(format!(
@@ -684,12 +718,7 @@ impl Volume {
         buf: FixedBuf,
         end_of_group: bool,
     ) -> Result<u64, NetError> {
-        if stream >= self.cfg.streams {
-            return Err(NetError::Config(format!(
-                "stream {stream} of a volume with {}",
-                self.cfg.streams
-            )));
-        }
+        self.check_stream(stream)?;
         if self.targets.iter().any(|t| !t.rio) {
             return Err(NetError::Config(
                 "ordered writes need Rio targets (one of them is a plain NVMe/TCP target)".into(),
@@ -766,14 +795,7 @@ impl Volume {
             let ic = &mut self.conns[s * nt + t];
             let cid = ic.alloc(Kind::Ordered { seq, req: ri }, range);
             ic.order.push_back(cid);
-            let mut sqe = Sqe::default();
-            sqe.set_opcode(op::WRITE);
-            sqe.set_cid(cid);
-            sqe.set_cdw(1, 1);
-            let slba = toff / LBA as u64;
-            sqe.set_cdw(10, slba as u32);
-            sqe.set_cdw(11, (slba >> 32) as u32);
-            sqe.set_cdw(12, (range.1 - range.0) / LBA - 1);
+            let mut sqe = lba_cmd(op::WRITE, cid, toff, range.1 - range.0);
             attr.put(&mut sqe);
             sqe.set_sgl(range.1 - range.0, true);
             let buf = self.streams[s].groups[gi].reqs[ri as usize]
@@ -829,12 +851,7 @@ impl Volume {
         buf: FixedBuf,
         read: bool,
     ) -> Result<u64, NetError> {
-        if stream >= self.cfg.streams {
-            return Err(NetError::Config(format!(
-                "stream {stream} of a volume with {}",
-                self.cfg.streams
-            )));
-        }
+        self.check_stream(stream)?;
         self.check_range(offset, buf.len())?;
         while self.streams[stream as usize].not_done >= self.cfg.window {
             self.drive(true)?;
@@ -855,14 +872,8 @@ impl Volume {
         for &(t, toff, range) in &pieces {
             let ic = &mut self.conns[s * nt + t];
             let cid = ic.alloc(Kind::Plain { slot }, range);
-            let mut sqe = Sqe::default();
-            sqe.set_opcode(if read { op::READ } else { op::WRITE });
-            sqe.set_cid(cid);
-            sqe.set_cdw(1, 1);
-            let slba = toff / LBA as u64;
-            sqe.set_cdw(10, slba as u32);
-            sqe.set_cdw(11, (slba >> 32) as u32);
-            sqe.set_cdw(12, (range.1 - range.0) / LBA - 1);
+            let opcode = if read { op::READ } else { op::WRITE };
+            let mut sqe = lba_cmd(opcode, cid, toff, range.1 - range.0);
             sqe.set_sgl(range.1 - range.0, !read);
             if let Some(c) = ic.conn.as_mut() {
                 let data = if read {
@@ -879,7 +890,6 @@ impl Volume {
             buf: Some(buf),
             pieces: pieces.len() as u32,
             failed: None,
-            read,
         });
         Ok(id)
     }
@@ -892,13 +902,7 @@ impl Volume {
         for t in 0..nt {
             let ic = &mut self.conns[s * nt + t];
             let cid = ic.alloc(Kind::PlainFlush, (0, 0));
-            let mut sqe = Sqe::default();
-            sqe.set_opcode(op::FLUSH);
-            sqe.set_cid(cid);
-            sqe.set_cdw(1, 1);
-            if let Some(c) = ic.conn.as_mut() {
-                pdu::put_cmd(&mut c.tx, &sqe, &[], c.dg);
-            }
+            ic.queue(&ns_cmd(op::FLUSH, cid), &[]);
             self.stats.flushes += 1;
         }
         while (0..nt).any(|t| self.conns[s * nt + t].outstanding > 0) {
@@ -917,7 +921,6 @@ impl Volume {
             if st.groups.is_empty() && st.open.is_empty() {
                 break;
             }
-            self.maybe_flush(stream, true);
             self.drive(true)?;
         }
         self.tell_marks(stream);
@@ -943,12 +946,11 @@ impl Volume {
         Ok(self.ready.drain(..).collect())
     }
 
-    /// Send ordered FLUSHes for the stream when all its ordered commands have completed and some
-    /// are not durable yet (or `now`).
-    fn maybe_flush(&mut self, stream: u16, now: bool) {
+    /// Send an ordered FLUSH on each of the stream's connections (to targets without power-loss
+    /// protection) that has completed writes not yet durable and no FLUSH out.
+    fn maybe_flush(&mut self, stream: u16) {
         let s = stream as usize;
         let nt = self.targets.len();
-        let _ = now;
         let last = self.streams[s].next_seq - 1;
         for t in 0..nt {
             if self.targets[t].plp || self.conns[s * nt + t].volatile == 0 {
@@ -963,10 +965,7 @@ impl Volume {
             ic.flush_out = true;
             let covers = ic.sent;
             let cid = ic.alloc(Kind::Flush { covers }, (0, 0));
-            let mut sqe = Sqe::default();
-            sqe.set_opcode(op::FLUSH);
-            sqe.set_cid(cid);
-            sqe.set_cdw(1, 1);
+            let mut sqe = ns_cmd(op::FLUSH, cid);
             WireAttr {
                 stream,
                 seq: last,
@@ -976,9 +975,7 @@ impl Volume {
                 ..WireAttr::default()
             }
             .put(&mut sqe);
-            if let Some(c) = ic.conn.as_mut() {
-                pdu::put_cmd(&mut c.tx, &sqe, &[], c.dg);
-            }
+            ic.queue(&sqe, &[]);
             self.stats.flushes += 1;
         }
     }
@@ -1000,9 +997,7 @@ impl Volume {
             sqe.set_cdw(10, stream as u32);
             sqe.set_cdw(11, mark as u32);
             sqe.set_cdw(12, (mark >> 32) as u32);
-            if let Some(c) = ic.conn.as_mut() {
-                pdu::put_cmd(&mut c.tx, &sqe, &[], c.dg);
-            }
+            ic.queue(&sqe, &[]);
             self.stats.marks += 1;
         }
     }
@@ -1019,7 +1014,7 @@ impl Volume {
                         self.targets[t].addr
                     );
                 }
-                self.recover_with_retry(t, why)?;
+                self.recover_with_retry(t)?;
                 Ok(())
             }
         }
@@ -1049,7 +1044,7 @@ impl Volume {
             }
         }
         for s in 0..self.cfg.streams {
-            self.maybe_flush(s, false);
+            self.maybe_flush(s);
             if self.streams[s as usize].not_done == 0 {
                 self.tell_marks(s);
             }
@@ -1212,7 +1207,6 @@ impl Volume {
                     let p = self.plain[slot as usize].take().expect("present");
                     self.plain_free.push(slot);
                     self.streams[p.stream as usize].not_done -= 1;
-                    let _ = p.read;
                     self.ready.push_back(Done {
                         stream: p.stream,
                         seq: 0,
@@ -1265,14 +1259,9 @@ enum Reply {
 }
 
 impl Volume {
-    fn recover_with_retry(
-        &mut self,
-        failed: usize,
-        why: String,
-    ) -> Result<RecoveryReport, NetError> {
+    fn recover_with_retry(&mut self, failed: usize) -> Result<RecoveryReport, NetError> {
         let start = Instant::now();
         let mut last;
-        let _ = why;
         loop {
             match self.recover() {
                 Ok(r) => return Ok(r),
@@ -1384,7 +1373,7 @@ impl Volume {
                 if a.ipu {
                     report.in_place.push(*a);
                 } else if a.len > 0 {
-                    self.zero(a.target as usize, a.offset, a.len as u64)?;
+                    self.zero(a.target as usize, a.offset, a.len);
                     report.discarded += 1;
                 }
             }
@@ -1392,13 +1381,7 @@ impl Volume {
         for t in 0..nt {
             let ic = &mut self.conns[t];
             let cid = ic.alloc(Kind::PlainFlush, (0, 0));
-            let mut sqe = Sqe::default();
-            sqe.set_opcode(op::FLUSH);
-            sqe.set_cid(cid);
-            sqe.set_cdw(1, 1);
-            if let Some(c) = ic.conn.as_mut() {
-                pdu::put_cmd(&mut c.tx, &sqe, &[], c.dg);
-            }
+            ic.queue(&ns_cmd(op::FLUSH, cid), &[]);
         }
         self.settle()?;
         // 4. Reset every log to the prefixes: a new epoch and generation.
@@ -1486,21 +1469,10 @@ impl Volume {
         Ok(())
     }
 
-    fn zero(&mut self, t: usize, offset: u64, len: u64) -> Result<(), NetError> {
+    fn zero(&mut self, t: usize, offset: u64, len: u32) {
         let ic = &mut self.conns[t];
         let cid = ic.alloc(Kind::PlainFlush, (0, 0));
-        let mut sqe = Sqe::default();
-        sqe.set_opcode(op::WRITE_ZEROES);
-        sqe.set_cid(cid);
-        sqe.set_cdw(1, 1);
-        let slba = offset / LBA as u64;
-        sqe.set_cdw(10, slba as u32);
-        sqe.set_cdw(11, (slba >> 32) as u32);
-        sqe.set_cdw(12, (len / LBA as u64) as u32 - 1);
-        if let Some(c) = ic.conn.as_mut() {
-            pdu::put_cmd(&mut c.tx, &sqe, &[], c.dg);
-        }
-        Ok(())
+        ic.queue(&lba_cmd(op::WRITE_ZEROES, cid, offset, len), &[]);
     }
 
     /// Read target `t`'s whole attribute log.

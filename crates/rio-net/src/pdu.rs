@@ -533,9 +533,11 @@ pub fn put_resp(out: &mut Vec<u8>, cqe: &Cqe, dg: Digests) {
     put(out, RSP, 0, &mut h, &[], dg);
 }
 
-/// Host-to-controller data for the R2T `ttag` of command `cccid`.
-pub fn put_h2c_data(
+/// A data PDU (H2CData or C2HData; `ttag` is 0 in the latter).
+#[allow(clippy::too_many_arguments)]
+fn put_data(
     out: &mut Vec<u8>,
+    ty: u8,
     cccid: u16,
     ttag: u16,
     datao: u32,
@@ -548,14 +550,21 @@ pub fn put_h2c_data(
     h[10..12].copy_from_slice(&ttag.to_le_bytes());
     h[12..16].copy_from_slice(&datao.to_le_bytes());
     h[16..20].copy_from_slice(&(data.len() as u32).to_le_bytes());
-    put(
-        out,
-        H2C_DATA,
-        if last { F_DATA_LAST } else { 0 },
-        &mut h,
-        data,
-        dg,
-    );
+    let flags = if last { F_DATA_LAST } else { 0 };
+    put(out, ty, flags, &mut h, data, dg);
+}
+
+/// Host-to-controller data for the R2T `ttag` of command `cccid`.
+pub fn put_h2c_data(
+    out: &mut Vec<u8>,
+    cccid: u16,
+    ttag: u16,
+    datao: u32,
+    data: &[u8],
+    last: bool,
+    dg: Digests,
+) {
+    put_data(out, H2C_DATA, cccid, ttag, datao, data, last, dg);
 }
 
 /// Controller-to-host data for command `cccid`.
@@ -567,18 +576,15 @@ pub fn put_c2h_data(
     last: bool,
     dg: Digests,
 ) {
-    let mut h = [0u8; DATA_HLEN];
-    h[8..10].copy_from_slice(&cccid.to_le_bytes());
-    h[12..16].copy_from_slice(&datao.to_le_bytes());
-    h[16..20].copy_from_slice(&(data.len() as u32).to_le_bytes());
-    put(
-        out,
-        C2H_DATA,
-        if last { F_DATA_LAST } else { 0 },
-        &mut h,
-        data,
-        dg,
-    );
+    put_data(out, C2H_DATA, cccid, 0, datao, data, last, dg);
+}
+
+/// Where `data` (a PDU's data, as [`decode`] returned it) lies in `buf`, the slice it was
+/// decoded from: lets a caller copy it later without holding the borrow.
+pub fn data_range(buf: &[u8], data: &[u8]) -> std::ops::Range<usize> {
+    let at = data.as_ptr() as usize - buf.as_ptr() as usize;
+    debug_assert!(at + data.len() <= buf.len(), "data lies inside buf");
+    at..at + data.len()
 }
 
 /// Ready to transfer: the controller asks for `r2tl` bytes at `r2to` of command `cccid`.

@@ -130,6 +130,8 @@ pub struct TargetStats {
     pub orderless: u64,
     pub reads: u64,
     pub closed_on_error: u64,
+    /// Ordered commands that found the attribute log full and waited for marks.
+    pub log_full_waits: u64,
 }
 
 struct Shared {
@@ -303,6 +305,7 @@ impl TargetStatsHandle {
             orderless: s.orderless.load(Ordering::Relaxed),
             reads: s.reads.load(Ordering::Relaxed),
             closed_on_error: s.closed_on_error.load(Ordering::Relaxed),
+            log_full_waits: s.lock().log_full,
         }
     }
 }
@@ -579,8 +582,9 @@ impl TConn {
                     return Err(self.terminate(PduError::Unexpected(self.conn.rx.pending()[0])))
                 }
                 Pdu::Cmd { sqe, data } => {
-                    let data = data.to_vec();
-                    self.command(sqe, &data)?
+                    // The data is copied once, from the receive buffer into its own buffer.
+                    let range = pdu::data_range(self.conn.rx.pending(), data);
+                    self.command(sqe, range)?
                 }
                 Pdu::H2CData {
                     cccid,
@@ -589,8 +593,8 @@ impl TConn {
                     data,
                     last,
                 } => {
-                    let data = data.to_vec();
-                    self.h2c_data(cccid, ttag, datao, &data, last)?;
+                    let range = pdu::data_range(self.conn.rx.pending(), data);
+                    self.h2c_data(cccid, ttag, datao, range, last)?;
                     true
                 }
                 Pdu::TermReq { fes, .. } => {
@@ -623,14 +627,16 @@ impl TConn {
         format!("{e}")
     }
 
+    /// H2CData whose data is `range` of the pending receive bytes.
     fn h2c_data(
         &mut self,
         cid: u16,
         ttag: u16,
         datao: u32,
-        data: &[u8],
+        range: std::ops::Range<usize>,
         last: bool,
     ) -> Result<(), String> {
+        let data = &self.conn.rx.pending()[range];
         let Some(col) = self.collecting.get_mut(&cid) else {
             return Err(
                 self.terminate_msg(format!("H2CData for command {cid}, which awaits no data"))
@@ -674,8 +680,9 @@ impl TConn {
         msg
     }
 
-    /// A command capsule. Returns `Ok(false)` when it must wait for a buffer.
-    fn command(&mut self, sqe: Sqe, incap: &[u8]) -> Result<bool, String> {
+    /// A command capsule whose in-capsule data is `incap` of the pending receive bytes.
+    /// Returns `Ok(false)` when it must wait for a buffer.
+    fn command(&mut self, sqe: Sqe, incap: std::ops::Range<usize>) -> Result<bool, String> {
         let cid = sqe.cid();
         if self.collecting.contains_key(&cid) {
             return Err(self.terminate_msg(format!("command id {cid} reused while in use")));
@@ -733,7 +740,8 @@ impl TConn {
                     incap.len()
                 )));
             }
-            data.bytes_mut().copy_from_slice(incap);
+            data.bytes_mut()
+                .copy_from_slice(&self.conn.rx.pending()[incap]);
             self.ready(sqe, data)?;
         } else if sgl_len == 0 {
             self.ready(sqe, data)?;
@@ -1134,25 +1142,27 @@ impl TConn {
                 return Ok(());
             }
         }
-        let streams = self.shared.lock().streams;
-        let attr = WireAttr::get(&sqe, |s| {
-            let st = self.shared.lock();
-            st.submitted.get(s as usize).copied().unwrap_or(0)
-        });
-        if let Some(a) = attr {
-            if !matches!(opc, op::WRITE | op::FLUSH) || a.stream >= streams {
+        if sqe.rio_op() == pdu::RIO_ORDERED {
+            // One lock for the attribute: its widening reference and the mark it carries.
+            let mut guard = self.shared.lock();
+            let st = &mut *guard;
+            let streams = st.streams;
+            let a = WireAttr::get(&sqe, |s| st.submitted.get(s as usize).copied().unwrap_or(0))
+                .expect("an ordered command carries an attribute");
+            let ok = matches!(opc, op::WRITE | op::FLUSH) && a.stream < streams;
+            if ok && a.mark > 0 {
+                if let LogSlot::Live(l) = &mut st.log {
+                    l.durable(a.stream, a.mark);
+                }
+            }
+            drop(guard);
+            if !ok {
                 eprintln!(
                     "aios target: {}: ordered command refused (opcode {opc:#04x}, stream {} of {streams})",
                     self.peer, a.stream
                 );
                 self.respond(cid, Status::RIO_BAD_ATTR, 0, 0);
                 return Ok(());
-            }
-            if a.mark > 0 {
-                let mut st = self.shared.lock();
-                if let LogSlot::Live(l) = &mut st.log {
-                    l.durable(a.stream, a.mark);
-                }
             }
             self.held.push_back(Held { sqe, data, attr: a });
             return Ok(());
