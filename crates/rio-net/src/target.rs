@@ -24,7 +24,7 @@ use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use aios_core::{CompletionMode, Engine, EngineConfig, FixedBuf, ProbeOptions};
 use lbio::{Device, DeviceConfig, Io, LbioArray, LbioConfig, Tag};
@@ -125,6 +125,8 @@ struct LogState {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct TargetStats {
     pub connections: u64,
+    /// Connections open now (each is counted until its last device request has completed).
+    pub open_connections: u64,
     pub ordered_writes: u64,
     pub ordered_flushes: u64,
     pub orderless: u64,
@@ -146,7 +148,9 @@ struct Shared {
     orderless: AtomicU64,
     reads: AtomicU64,
     connections: AtomicU64,
+    open_connections: AtomicU64,
     closed_on_error: AtomicU64,
+    close_log: Mutex<CloseLog>,
 }
 
 impl Shared {
@@ -240,7 +244,13 @@ impl Target {
                 orderless: AtomicU64::new(0),
                 reads: AtomicU64::new(0),
                 connections: AtomicU64::new(0),
+                open_connections: AtomicU64::new(0),
                 closed_on_error: AtomicU64::new(0),
+                close_log: Mutex::new(CloseLog {
+                    window: Instant::now(),
+                    printed: 0,
+                    suppressed: 0,
+                }),
                 cfg,
             }),
         })
@@ -276,10 +286,16 @@ impl Target {
             };
             let shared = Arc::clone(&self.shared);
             shared.connections.fetch_add(1, Ordering::Relaxed);
+            shared.open_connections.fetch_add(1, Ordering::Relaxed);
+            let mine = Arc::clone(&shared);
             let spawned = std::thread::Builder::new()
                 .name(format!("aios-target-{peer}"))
-                .spawn(move || serve_conn(shared, sock, peer));
+                .spawn(move || {
+                    serve_conn(Arc::clone(&mine), sock, peer);
+                    mine.open_connections.fetch_sub(1, Ordering::Relaxed);
+                });
             if let Err(e) = spawned {
+                shared.open_connections.fetch_sub(1, Ordering::Relaxed);
                 eprintln!("aios target: {peer}: no thread for the connection: {e}");
             }
         }
@@ -300,6 +316,7 @@ impl TargetStatsHandle {
         let s = &self.0;
         TargetStats {
             connections: s.connections.load(Ordering::Relaxed),
+            open_connections: s.open_connections.load(Ordering::Relaxed),
             ordered_writes: s.ordered_writes.load(Ordering::Relaxed),
             ordered_flushes: s.ordered_flushes.load(Ordering::Relaxed),
             orderless: s.orderless.load(Ordering::Relaxed),
@@ -415,9 +432,39 @@ struct TConn {
     starved: bool,
 }
 
+/// Reasons logged per second at most; the rest are counted and summed up in the next line.
+const CLOSE_LOG_PER_SECOND: u32 = 10;
+
+/// Count a connection closed on an error and log why — at most [`CLOSE_LOG_PER_SECOND`]
+/// lines a second, so a flood of bad clients cannot flood the log (the count stays exact).
 fn close_reason(shared: &Shared, peer: SocketAddr, why: &str) {
     shared.closed_on_error.fetch_add(1, Ordering::Relaxed);
-    eprintln!("aios target: {peer}: closing the connection: {why}");
+    let mut rl = shared.close_log.lock().unwrap_or_else(|e| e.into_inner());
+    if rl.window.elapsed() >= Duration::from_secs(1) {
+        if rl.suppressed > 0 {
+            eprintln!(
+                "aios target: {} more connections closed on errors (not logged one by one)",
+                rl.suppressed
+            );
+        }
+        *rl = CloseLog {
+            window: Instant::now(),
+            printed: 0,
+            suppressed: 0,
+        };
+    }
+    if rl.printed < CLOSE_LOG_PER_SECOND {
+        rl.printed += 1;
+        eprintln!("aios target: {peer}: closing the connection: {why}");
+    } else {
+        rl.suppressed += 1;
+    }
+}
+
+struct CloseLog {
+    window: Instant,
+    printed: u32,
+    suppressed: u64,
 }
 
 fn serve_conn(shared: Arc<Shared>, sock: TcpStream, peer: SocketAddr) {
