@@ -77,6 +77,10 @@ struct TargetArgs {
     /// Subsystem NQN.
     #[arg(long, default_value = "nqn.2026-11.io.aios:target")]
     subnqn: String,
+    /// Write data taken inside the command capsule (larger writes' data follows an R2T);
+    /// 0 makes every write use R2T.
+    #[arg(long, default_value = "128k", value_parser = parse_size)]
+    in_capsule: u64,
     /// One line per connection opened and closed.
     #[arg(long)]
     verbose: bool,
@@ -898,6 +902,13 @@ fn cmd_target(a: TargetArgs) -> Result<(), BenchError> {
     cfg.ns_bytes = a.ns_bytes;
     cfg.subnqn = a.subnqn.clone();
     cfg.verbose = a.verbose;
+    if a.in_capsule > 128 << 10 || a.in_capsule % 16 != 0 {
+        return Err(BenchError::Invalid(format!(
+            "--in-capsule {}: a multiple of 16 bytes up to 128k",
+            a.in_capsule
+        )));
+    }
+    cfg.in_capsule = a.in_capsule as u32;
     let t = Target::bind(a.listen, cfg).map_err(|e| BenchError::Setup(e.to_string()))?;
     eprintln!(
         "aios target: serving {} ({} bytes, {} power-loss protection) as {} on {}, attribute log {}",

@@ -22,6 +22,9 @@ pub const MODULES: &[(&str, &str)] = &[
         "null_blk",
         "queue_mode=2 poll_queues=1 memory_backed=1 gb=1 nr_devices=1",
     ),
+    // NVMe/TCP: the kernel's host and target, for interoperability with rio-net (tcp_lab).
+    ("nvme-tcp", ""),
+    ("nvmet-tcp", ""),
 ];
 
 struct StepDef {
@@ -94,6 +97,22 @@ const DEFAULT_PLAN: &[StepDef] = &[
         command: "lbio_mem --bench device --warm-up-time 1 --measurement-time 2",
         artifacts: &["bench:lbio_mem"],
         env: &[("AIOS_BENCH_DEVICE", "/dev/ng0n1")],
+        cuts_power: false,
+    },
+    // NVMe/TCP interoperability over the guest's loopback (tests/tcp_lab.rs): the kernel's
+    // host against an aios target, then rio-net's initiator against the kernel's nvmet-tcp.
+    StepDef {
+        name: "tcp-linux-host",
+        command: "ip link set lo up && tcp_lab --linux-host",
+        artifacts: &["test:tcp_lab"],
+        env: &[("AIOS_LAB_TCP_DEVICE", "/dev/nullb0")],
+        cuts_power: false,
+    },
+    StepDef {
+        name: "tcp-linux-target",
+        command: "ip link set lo up && tcp_lab --linux-target",
+        artifacts: &["test:tcp_lab"],
+        env: &[("AIOS_LAB_TCP_DEVICE", "/dev/nullb0")],
         cuts_power: false,
     },
     // Rio's attribute log on the controller's PMR across two power cuts (tests/pmr_lab.rs).
@@ -274,13 +293,19 @@ mod tests {
                 "bench-ng",
                 "bench-ng-iopoll",
                 "criterion-ng",
+                "tcp-linux-host",
+                "tcp-linux-target",
                 "pmr-cut-1",
                 "pmr-cut-2",
                 "pmr-recover"
             ]
         );
         let b = boots(&plan);
-        assert_eq!(b, [0..8, 8..9, 9..10], "a boot ends after each power cut");
+        assert_eq!(
+            b,
+            [0..10, 10..11, 11..12],
+            "a boot ends after each power cut"
+        );
         for s in &plan {
             check_name(&s.name).unwrap();
         }
@@ -292,6 +317,7 @@ mod tests {
                 "bin:aios",
                 "test:nvme_lab",
                 "test:pmr_lab",
+                "test:tcp_lab",
                 "bench:lbio_mem"
             ]
         );

@@ -64,6 +64,8 @@ pub struct Conn {
     pub dg: Digests,
     /// Largest PDU accepted from the peer.
     pub max_pdu: u32,
+    /// Largest H2CData the peer takes (its ICResp's MAXH2CDATA; hosts only).
+    pub maxh2cdata: u32,
     /// The peer closed its side.
     pub eof: bool,
 }
@@ -79,6 +81,7 @@ impl Conn {
             tx_at: 0,
             dg: Digests::default(),
             max_pdu,
+            maxh2cdata: 4096,
             eof: false,
         })
     }

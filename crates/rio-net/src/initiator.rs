@@ -116,6 +116,11 @@ struct TargetInfo {
     rio: bool,
     log_streams: u16,
     next_cid: u16,
+    /// The namespace's block size, as a shift (512 to 4096 bytes).
+    lba_shift: u8,
+    /// In-capsule data the I/O queues take (Identify Controller IOCCSZ); larger writes wait
+    /// for the target's R2T.
+    incap: u32,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -196,7 +201,9 @@ impl IoConn {
     /// Queue a command capsule (dropped when the connection is gone: recovery resends).
     fn queue(&mut self, sqe: &Sqe, data: &[u8]) {
         if let Some(c) = self.conn.as_mut() {
-            pdu::put_cmd(&mut c.tx, sqe, data, c.dg);
+            let mut sqe = *sqe;
+            sqe.ensure_sgl();
+            pdu::put_cmd(&mut c.tx, &sqe, data, c.dg);
         }
     }
     fn release(&mut self, cid: u16) {
@@ -220,16 +227,17 @@ fn ns_cmd(opcode: u8, cid: u16) -> Sqe {
     sqe.set_opcode(opcode);
     sqe.set_cid(cid);
     sqe.set_cdw(1, 1);
+    sqe.set_sgl(0, false);
     sqe
 }
 
 /// A read, write or write-zeroes command over `len` bytes at byte `off` of the namespace.
-fn lba_cmd(opcode: u8, cid: u16, off: u64, len: u32) -> Sqe {
+fn lba_cmd(opcode: u8, cid: u16, off: u64, len: u32, lba_shift: u8) -> Sqe {
     let mut sqe = ns_cmd(opcode, cid);
-    let slba = off / LBA as u64;
+    let slba = off >> lba_shift;
     sqe.set_cdw(10, slba as u32);
     sqe.set_cdw(11, (slba >> 32) as u32);
-    sqe.set_cdw(12, len / LBA - 1);
+    sqe.set_cdw(12, (len >> lba_shift) - 1);
     sqe
 }
 
@@ -347,6 +355,8 @@ impl Volume {
                     rio: false,
                     log_streams: 0,
                     next_cid: 0,
+                    lba_shift: 12,
+                    incap: 0,
                 })
                 .collect(),
             conns: (0..cfg.streams as usize * nt)
@@ -410,6 +420,15 @@ impl Volume {
     pub fn plp(&self) -> Vec<bool> {
         self.targets.iter().map(|t| t.plp).collect()
     }
+    /// Per target: the write data its I/O queues take in the command capsule (Identify
+    /// Controller IOCCSZ); larger pieces go after the target's R2T.
+    pub fn in_capsule(&self) -> Vec<u32> {
+        self.targets.iter().map(|t| t.incap).collect()
+    }
+    /// Per target: the namespace's block size in bytes.
+    pub fn block_size(&self) -> Vec<u32> {
+        self.targets.iter().map(|t| 1 << t.lba_shift).collect()
+    }
     /// The group the stream's next write joins.
     pub fn next_seq(&self, stream: u16) -> u64 {
         self.streams[stream as usize].next_seq
@@ -423,9 +442,11 @@ impl Volume {
             Conn::new(sock, MAX_PDU).map_err(|e| NetError::io("socket setup for", addr, e))?;
         pdu::put_icreq(&mut c.tx, self.cfg.digests, 0);
         let p = self.exchange(&mut c, addr, |p| matches!(p, Pdu::ICResp { .. }))?;
-        let Reply::IcResp { dgst } = p else {
+        let Reply::IcResp { dgst, maxh2cdata } = p else {
             return Err(NetError::peer(addr, "no ICResp"));
         };
+        // The specification's floor is 4 KiB; a peer that says less is taken at the floor.
+        c.maxh2cdata = maxh2cdata.max(4096);
         c.dg = Digests {
             header: dgst & 1 != 0,
             data: dgst & 2 != 0,
@@ -455,7 +476,9 @@ impl Volume {
                 let Some((p, n)) = got else { break };
                 let matched = done(&p);
                 let reply = match p {
-                    Pdu::ICResp { dgst, .. } => Some(Reply::IcResp { dgst }),
+                    Pdu::ICResp {
+                        dgst, maxh2cdata, ..
+                    } => Some(Reply::IcResp { dgst, maxh2cdata }),
                     Pdu::Resp { cqe } => Some(Reply::Resp(cqe, std::mem::take(&mut data))),
                     Pdu::C2HData { data: d, .. } => {
                         data.extend_from_slice(d);
@@ -508,6 +531,7 @@ impl Volume {
         let cid = self.targets[t].next_cid;
         self.targets[t].next_cid = cid.wrapping_add(1);
         sqe.set_cid(cid);
+        sqe.ensure_sgl();
         let mut c = self.targets[t]
             .admin
             .take()
@@ -600,16 +624,27 @@ impl Volume {
         let nsze = u64::from_le_bytes(page[0..8].try_into().expect("8"));
         let flbas = page[26] as usize & 0xf;
         let lbads = page[128 + 4 * flbas + 2];
-        if lbads as u32 != LBA.trailing_zeros() {
+        if !(9..=LBA.trailing_zeros() as u8).contains(&lbads) {
             return Err(NetError::peer(
                 self.targets[t].addr,
-                format!(
-                    "namespace 1 has {}-byte blocks; this initiator needs {LBA}",
-                    1u64 << lbads
-                ),
+                format!("namespace 1 has 2^{lbads}-byte blocks; this initiator needs 512 to {LBA}"),
             ));
         }
-        self.targets[t].ns_bytes = nsze * LBA as u64;
+        self.targets[t].lba_shift = lbads;
+        self.targets[t].ns_bytes = nsze << lbads;
+        let mut id = Sqe::default();
+        id.set_opcode(op::IDENTIFY);
+        id.set_cdw(10, 1);
+        id.set_sgl(4096, false);
+        let (_, page) = self.admin(t, id, &[], "Identify Controller")?;
+        if page.len() < 4096 {
+            return Err(NetError::peer(
+                self.targets[t].addr,
+                "short Identify Controller data",
+            ));
+        }
+        let ioccsz = u32::from_le_bytes(page[1792..1796].try_into().expect("4"));
+        self.targets[t].incap = (ioccsz * 16).saturating_sub(64);
         let mut info = Sqe::default();
         info.set_opcode(op::RIO_INFO);
         match self.admin(t, info, &[], "RIO_INFO") {
@@ -795,20 +830,22 @@ impl Volume {
             let ic = &mut self.conns[s * nt + t];
             let cid = ic.alloc(Kind::Ordered { seq, req: ri }, range);
             ic.order.push_back(cid);
-            let mut sqe = lba_cmd(op::WRITE, cid, toff, range.1 - range.0);
+            let len = range.1 - range.0;
+            let mut sqe = lba_cmd(op::WRITE, cid, toff, len, self.targets[t].lba_shift);
             attr.put(&mut sqe);
-            sqe.set_sgl(range.1 - range.0, true);
+            let incap = len <= self.targets[t].incap;
+            sqe.set_sgl(len, incap);
             let buf = self.streams[s].groups[gi].reqs[ri as usize]
                 .buf
                 .as_ref()
                 .expect("held until durable");
             if let Some(c) = self.conns[s * nt + t].conn.as_mut() {
-                pdu::put_cmd(
-                    &mut c.tx,
-                    &sqe,
-                    &buf[range.0 as usize..range.1 as usize],
-                    c.dg,
-                );
+                let data = if incap {
+                    &buf[range.0 as usize..range.1 as usize]
+                } else {
+                    &[][..]
+                };
+                pdu::put_cmd(&mut c.tx, &sqe, data, c.dg);
             }
             self.stats.ordered_cmds += 1;
         }
@@ -873,10 +910,12 @@ impl Volume {
             let ic = &mut self.conns[s * nt + t];
             let cid = ic.alloc(Kind::Plain { slot }, range);
             let opcode = if read { op::READ } else { op::WRITE };
-            let mut sqe = lba_cmd(opcode, cid, toff, range.1 - range.0);
-            sqe.set_sgl(range.1 - range.0, !read);
+            let len = range.1 - range.0;
+            let mut sqe = lba_cmd(opcode, cid, toff, len, self.targets[t].lba_shift);
+            let incap = !read && len <= self.targets[t].incap;
+            sqe.set_sgl(len, incap);
             if let Some(c) = ic.conn.as_mut() {
-                let data = if read {
+                let data = if !incap {
                     &[][..]
                 } else {
                     &buf[range.0 as usize..range.1 as usize]
@@ -1090,7 +1129,11 @@ impl Volume {
                     self.on_cqe(s, i, cqe)?;
                 }
                 Pdu::C2HData {
-                    cccid, datao, data, ..
+                    cccid,
+                    datao,
+                    data,
+                    last,
+                    success,
                 } => {
                     let Some(cmd) = ic.cmds.get(cccid as usize).and_then(|c| c.as_ref()) else {
                         return Err(format!("data for unknown command {cccid}"));
@@ -1113,6 +1156,25 @@ impl Volume {
                     let at = a as usize + datao as usize;
                     buf[at..at + data.len()].copy_from_slice(data);
                     c.rx.consume(n);
+                    if last && success {
+                        // The target skips the CapsuleResp of a read that succeeded.
+                        let qid = (s + 1) as u16;
+                        let cqe = Cqe {
+                            cid: cccid,
+                            sqid: qid,
+                            ..Cqe::default()
+                        };
+                        self.on_cqe(s, i, cqe)?;
+                    }
+                }
+                Pdu::R2T {
+                    cccid,
+                    ttag,
+                    r2to,
+                    r2tl,
+                } => {
+                    c.rx.consume(n);
+                    self.on_r2t(s, i, cccid, ttag, r2to, r2tl)?;
                 }
                 Pdu::TermReq { fes, .. } => {
                     return Err(format!(
@@ -1122,6 +1184,67 @@ impl Volume {
                 other => return Err(format!("unexpected PDU {other:?}")),
             }
         }
+    }
+
+    /// The target is ready for `r2tl` bytes at `r2to` of write `cccid`: send them as H2CData
+    /// PDUs of at most its MAXH2CDATA each.
+    fn on_r2t(
+        &mut self,
+        s: usize,
+        i: usize,
+        cccid: u16,
+        ttag: u16,
+        r2to: u32,
+        r2tl: u32,
+    ) -> Result<(), String> {
+        let ic = &mut self.conns[i];
+        let Some(cmd) = ic.cmds.get(cccid as usize).and_then(|c| c.as_ref()) else {
+            return Err(format!("R2T for unknown command {cccid}"));
+        };
+        let (a, b) = cmd.range;
+        if r2tl == 0 || r2to as u64 + r2tl as u64 > (b - a) as u64 {
+            return Err(format!(
+                "R2T for {r2tl} bytes at {r2to} of a {}-byte write",
+                b - a
+            ));
+        }
+        let buf = match cmd.kind {
+            Kind::Ordered { seq, req } => {
+                let st = &self.streams[s];
+                let gi = seq
+                    .checked_sub(st.groups.front().map_or(u64::MAX, |g| g.seq))
+                    .ok_or("R2T for a write already handed back")?;
+                st.groups
+                    .get(gi as usize)
+                    .and_then(|g| g.reqs.get(req as usize))
+                    .and_then(|r| r.buf.as_ref())
+                    .ok_or("R2T for a write already handed back")?
+            }
+            Kind::Plain { slot } => self.plain[slot as usize]
+                .as_ref()
+                .and_then(|p| p.buf.as_ref())
+                .ok_or("R2T for a finished write")?,
+            _ => return Err(format!("R2T for command {cccid}, which sends no data")),
+        };
+        let c = ic.conn.as_mut().expect("the R2T came on it");
+        let from = a as usize + r2to as usize;
+        let end = from + r2tl as usize;
+        let step = c.maxh2cdata as usize;
+        let mut at = from;
+        while at < end {
+            let m = (end - at).min(step);
+            pdu::put_h2c_data(
+                &mut c.tx,
+                cccid,
+                ttag,
+                (at - a as usize) as u32,
+                &buf[at..at + m],
+                at + m == end,
+                c.dg,
+            );
+            at += m;
+        }
+        Ok(())
     }
 
     fn on_cqe(&mut self, s: usize, i: usize, cqe: Cqe) -> Result<(), String> {
@@ -1254,7 +1377,7 @@ impl Volume {
 }
 
 enum Reply {
-    IcResp { dgst: u8 },
+    IcResp { dgst: u8, maxh2cdata: u32 },
     Resp(Cqe, Vec<u8>),
 }
 
@@ -1472,7 +1595,8 @@ impl Volume {
     fn zero(&mut self, t: usize, offset: u64, len: u32) {
         let ic = &mut self.conns[t];
         let cid = ic.alloc(Kind::PlainFlush, (0, 0));
-        ic.queue(&lba_cmd(op::WRITE_ZEROES, cid, offset, len), &[]);
+        let shift = self.targets[t % self.targets.len()].lba_shift;
+        ic.queue(&lba_cmd(op::WRITE_ZEROES, cid, offset, len, shift), &[]);
     }
 
     /// Read target `t`'s whole attribute log.

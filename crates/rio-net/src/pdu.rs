@@ -176,6 +176,13 @@ impl Sqe {
             SGL_TRANSPORT
         };
     }
+    /// A command without data still says "SGL" in PSDT, with a null transport descriptor
+    /// (fabrics targets such as Linux's nvmet refuse PSDT 0). Leaves a set descriptor alone.
+    pub fn ensure_sgl(&mut self) {
+        if self.0[1] & 0xc0 == 0 {
+            self.set_sgl(0, false);
+        }
+    }
     /// Rio's op code in CDW0 bits 10..13 (reserved in NVMe): 0 for an ordinary command.
     pub fn rio_op(&self) -> u8 {
         (self.0[1] >> 2) & 0x0f

@@ -39,7 +39,6 @@ pub const MAX_DATA: u32 = 128 << 10;
 /// Largest PDU accepted: a command capsule with `MAX_DATA` in-capsule bytes and both digests.
 pub const MAX_PDU: u32 = MAX_DATA + 128;
 /// In-capsule data accepted on I/O queues (IOCCSZ counts 16-byte units including the SQE).
-const IO_CAPSULE_DATA: u32 = MAX_DATA;
 /// Admin queues take 8 KiB in the capsule.
 const ADMIN_CAPSULE_DATA: u32 = 8192;
 /// LBA size of the namespace.
@@ -71,6 +70,10 @@ pub struct TargetConfig {
     pub subnqn: String,
     /// Arena bytes per I/O connection.
     pub arena_bytes: usize,
+    /// Write data the I/O queues take inside the command capsule (Identify Controller
+    /// IOCCSZ); the host sends larger writes' data after an R2T. A multiple of 16, at most
+    /// 128 KiB.
+    pub in_capsule: u32,
     /// Print one line per connection opened or closed.
     pub verbose: bool,
 }
@@ -85,6 +88,7 @@ impl TargetConfig {
             ns_bytes: None,
             subnqn: "nqn.2026-11.io.aios:target".into(),
             arena_bytes: 8 << 20,
+            in_capsule: MAX_DATA,
             verbose: false,
         }
     }
@@ -132,6 +136,8 @@ pub struct TargetStats {
     pub orderless: u64,
     pub reads: u64,
     pub closed_on_error: u64,
+    /// Writes whose data was asked for with an R2T (larger than the in-capsule size).
+    pub r2ts: u64,
     /// Ordered commands that found the attribute log full and waited for marks.
     pub log_full_waits: u64,
 }
@@ -150,6 +156,7 @@ struct Shared {
     connections: AtomicU64,
     open_connections: AtomicU64,
     closed_on_error: AtomicU64,
+    r2ts: AtomicU64,
     close_log: Mutex<CloseLog>,
 }
 
@@ -177,6 +184,12 @@ fn open_pmr(kind: &TargetLogKind) -> Result<BoxPmr, NetError> {
 impl Target {
     /// Open the device and the log and bind `addr`.
     pub fn bind(addr: SocketAddr, cfg: TargetConfig) -> Result<Target, NetError> {
+        if cfg.in_capsule > MAX_DATA || cfg.in_capsule % 16 != 0 {
+            return Err(NetError::Config(format!(
+                "in-capsule data of {} bytes: a multiple of 16 up to {MAX_DATA}",
+                cfg.in_capsule
+            )));
+        }
         // Probe the device once, on a small engine of its own.
         let (capacity, plp) = {
             let engine = Engine::new(EngineConfig {
@@ -246,6 +259,7 @@ impl Target {
                 connections: AtomicU64::new(0),
                 open_connections: AtomicU64::new(0),
                 closed_on_error: AtomicU64::new(0),
+                r2ts: AtomicU64::new(0),
                 close_log: Mutex::new(CloseLog {
                     window: Instant::now(),
                     printed: 0,
@@ -322,6 +336,7 @@ impl TargetStatsHandle {
             orderless: s.orderless.load(Ordering::Relaxed),
             reads: s.reads.load(Ordering::Relaxed),
             closed_on_error: s.closed_on_error.load(Ordering::Relaxed),
+            r2ts: s.r2ts.load(Ordering::Relaxed),
             log_full_waits: s.lock().log_full,
         }
     }
@@ -756,7 +771,7 @@ impl TConn {
         let limit = if admin {
             ADMIN_CAPSULE_DATA
         } else {
-            IO_CAPSULE_DATA
+            self.shared.cfg.in_capsule
         };
         if sgl_len > MAX_DATA || (!incap.is_empty() && incap.len() as u32 > limit) {
             self.respond(cid, Status::SGL_INVALID, 0, 0);
@@ -794,6 +809,7 @@ impl TConn {
             self.ready(sqe, data)?;
         } else {
             pdu::put_r2t(&mut self.conn.tx, cid, cid, 0, sgl_len, self.conn.dg);
+            self.shared.r2ts.fetch_add(1, Ordering::Relaxed);
             self.collecting
                 .insert(cid, Collecting { sqe, data, got: 0 });
         }
@@ -1135,7 +1151,7 @@ impl TConn {
         let nqn = self.shared.cfg.subnqn.as_bytes();
         let n = nqn.len().min(255);
         p[768..768 + n].copy_from_slice(&nqn[..n]);
-        let ioccsz = (64 + IO_CAPSULE_DATA) / 16;
+        let ioccsz = (64 + self.shared.cfg.in_capsule) / 16;
         p[1792..1796].copy_from_slice(&ioccsz.to_le_bytes());
         p[1796..1800].copy_from_slice(&1u32.to_le_bytes()); // IORCSZ
         p[1800..1802].copy_from_slice(&0u16.to_le_bytes()); // ICDOFF
