@@ -550,13 +550,19 @@ impl TConn {
             if self.io.is_some() {
                 progress |= self.reap()?;
             }
-            if !self.starved {
-                let n = self
-                    .conn
-                    .fill()
-                    .map_err(|e| format!("receive failed: {e}"))?;
-                progress |= n > 0;
-            }
+            // Completions and held commands that went to the device may have made room: try
+            // the receive buffer again (it holds what arrived; reading stops when it is full).
+            self.starved = false;
+            let n = match self.conn.fill() {
+                Ok(n) => n,
+                // A host that closes with unread data resets the connection: it left, like EOF.
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                    self.conn.eof = true;
+                    0
+                }
+                Err(e) => return Err(format!("receive failed: {e}")),
+            };
+            progress |= n > 0;
             progress |= self.decode()?;
             progress |= self.advance_held()?;
             progress |= self.start_flushes()?;
@@ -748,6 +754,14 @@ impl TConn {
         let cid = sqe.cid();
         if self.collecting.contains_key(&cid) {
             return Err(self.terminate_msg(format!("command id {cid} reused while in use")));
+        }
+        // Back-pressure: a device command waits in the receive buffer until a request slot is
+        // free for it beyond those the commands accepted before it will take.
+        if let (Some(io), Queue::Io { .. }) = (&self.io, &self.queue) {
+            let reserved = self.held.len() + self.flushes_waiting.len() + self.collecting.len();
+            if sqe.opcode() != op::RIO_MARK && io.lbio.free_slots() as usize <= reserved {
+                return Ok(false);
+            }
         }
         let admin = !matches!(self.queue, Queue::Io { .. });
         // Data the host sends: in the capsule or after an R2T.

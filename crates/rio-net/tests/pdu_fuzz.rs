@@ -604,6 +604,34 @@ fn live_fuzz(rng: &mut Rng, budget: Duration) {
         "the last block of the namespace is writable: {cqe:?}"
     );
 
+    // A burst of more commands than the target has device request slots: back-pressure (the
+    // commands wait in the socket), never an error.
+    let burst = 1000u16;
+    let mut b = Vec::new();
+    for i in 0..burst {
+        let sqe = rw(op::WRITE, 100 + i, (i % 64) as u64, 1, Some(4096));
+        pdu::put_cmd(&mut b, &sqe, &[i as u8; 4096], Digests::default());
+    }
+    let sender = {
+        let mut s = q.s.try_clone().unwrap();
+        std::thread::spawn(move || s.write_all(&b).unwrap())
+    };
+    let mut ok = 0;
+    while ok < burst {
+        let p = q
+            .next_pdu(Duration::from_secs(10))
+            .expect("a completion for every command of the burst");
+        match pdu::decode(&p, Digests::default(), u32::MAX).unwrap() {
+            Some((Pdu::Resp { cqe }, _)) => {
+                assert!(cqe.ok(), "burst write {} failed: {cqe:?}", cqe.cid);
+                ok += 1;
+            }
+            other => panic!("unexpected answer {other:?}"),
+        }
+    }
+    sender.join().unwrap();
+    println!("live: a burst of {burst} writes on one queue: all completed");
+
     // Random mutations of a valid session: ICReq, then commands and data, mutated.
     drop(_admin);
     drop(q);
