@@ -11,6 +11,9 @@
 //! Run by hand against a scratch NVMe drive (its data is overwritten!):
 //! `AIOS_LAB_NVME_CHAR=/dev/ng0n1 AIOS_LAB_NVME_BLOCK=/dev/nvme0n1 cargo test --test nvme_lab -- --ignored`
 
+mod common;
+use common::fill_pattern;
+
 use std::cell::{Cell, RefCell};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -63,17 +66,6 @@ fn open(lbio: &Rc<LbioArray>, path: &Path, iopoll: bool) -> Device {
         },
     )
     .unwrap_or_else(|e| panic!("open {}: {e}", path.display()))
-}
-
-/// Position-dependent content: a misplaced or torn write cannot read back as right.
-fn fill_pattern(buf: &mut [u8], device_offset: u64, seed: u64) {
-    for (i, chunk) in buf.chunks_mut(8).enumerate() {
-        let mut x = (device_offset + 8 * i as u64) ^ seed.rotate_left(40);
-        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        x ^= x >> 31;
-        chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
-    }
 }
 
 fn alloc(engine: &Engine, len: usize) -> FixedBuf {

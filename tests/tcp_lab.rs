@@ -15,6 +15,9 @@
 //!
 //! Both need root, configfs and the modules the lab loads; they are not run on the host.
 
+mod common;
+use common::fill_pattern;
+
 use std::fs::{self, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
@@ -60,17 +63,6 @@ fn main() -> ExitCode {
             }
             ExitCode::FAILURE
         }
-    }
-}
-
-/// Position-dependent content: a misplaced or torn write cannot read back as right.
-fn fill_pattern(buf: &mut [u8], offset: u64, seed: u64) {
-    for (i, chunk) in buf.chunks_mut(8).enumerate() {
-        let mut x = (offset + 8 * i as u64) ^ seed.rotate_left(40);
-        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        x ^= x >> 31;
-        chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
     }
 }
 

@@ -201,9 +201,7 @@ impl IoConn {
     /// Queue a command capsule (dropped when the connection is gone: recovery resends).
     fn queue(&mut self, sqe: &Sqe, data: &[u8]) {
         if let Some(c) = self.conn.as_mut() {
-            let mut sqe = *sqe;
-            sqe.ensure_sgl();
-            pdu::put_cmd(&mut c.tx, &sqe, data, c.dg);
+            pdu::put_cmd(&mut c.tx, sqe, data, c.dg);
         }
     }
     fn release(&mut self, cid: u16) {
@@ -557,32 +555,36 @@ impl Volume {
     }
 
     fn connect_data(&self, cntlid: u16) -> Vec<u8> {
-        let mut d = vec![0u8; 1024];
-        d[0..16].copy_from_slice(&self.hostid);
-        d[16..18].copy_from_slice(&cntlid.to_le_bytes());
-        let s = self.cfg.subnqn.as_bytes();
-        d[256..256 + s.len().min(255)].copy_from_slice(&s[..s.len().min(255)]);
-        let h = self.cfg.hostnqn.as_bytes();
-        d[512..512 + h.len().min(255)].copy_from_slice(&h[..h.len().min(255)]);
-        d
+        pdu::connect_data(&self.hostid, cntlid, &self.cfg.subnqn, &self.cfg.hostnqn)
     }
 
-    fn connect_sqe(qid: u16, sqsize: u16) -> Sqe {
-        let mut sqe = Sqe::default();
-        sqe.set_opcode(op::FABRICS);
-        sqe.0[4] = op::FC_CONNECT;
-        sqe.0[42..44].copy_from_slice(&qid.to_le_bytes());
-        sqe.0[44..46].copy_from_slice(&sqsize.to_le_bytes());
-        sqe.0[48..52].copy_from_slice(&0u32.to_le_bytes()); // KATO: none
-        sqe.set_sgl(1024, true);
-        sqe
+    /// Identify data structure `cns` (for namespace `nsid`), checked to be whole.
+    fn identify(&mut self, t: usize, cns: u32, nsid: u32, what: &str) -> Result<Vec<u8>, NetError> {
+        let mut id = Sqe::default();
+        id.set_opcode(op::IDENTIFY);
+        id.set_cdw(1, nsid);
+        id.set_cdw(10, cns);
+        id.set_sgl(4096, false);
+        let (_, page) = self.admin(t, id, &[], what)?;
+        if page.len() < 4096 {
+            return Err(NetError::peer(
+                self.targets[t].addr,
+                format!("short {what} data"),
+            ));
+        }
+        Ok(page)
     }
 
     fn connect_admin(&mut self, t: usize) -> Result<(), NetError> {
         let c = self.tcp(t)?;
         self.targets[t].admin = Some(c);
         let data = self.connect_data(0xffff);
-        let (cqe, _) = self.admin(t, Self::connect_sqe(0, 31), &data, "Connect (admin queue)")?;
+        let (cqe, _) = self.admin(
+            t,
+            pdu::connect_command(0, 31),
+            &data,
+            "Connect (admin queue)",
+        )?;
         self.targets[t].cntlid = cqe.dw0 as u16;
         // CC: enable, 64-byte SQEs, 16-byte CQEs.
         let mut set = Sqe::default();
@@ -609,18 +611,7 @@ impl Volume {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        let mut id = Sqe::default();
-        id.set_opcode(op::IDENTIFY);
-        id.set_cdw(1, 1);
-        id.set_cdw(10, 0);
-        id.set_sgl(4096, false);
-        let (_, page) = self.admin(t, id, &[], "Identify Namespace")?;
-        if page.len() < 4096 {
-            return Err(NetError::peer(
-                self.targets[t].addr,
-                "short Identify Namespace data",
-            ));
-        }
+        let page = self.identify(t, 0, 1, "Identify Namespace")?;
         let nsze = u64::from_le_bytes(page[0..8].try_into().expect("8"));
         let flbas = page[26] as usize & 0xf;
         let lbads = page[128 + 4 * flbas + 2];
@@ -632,19 +623,9 @@ impl Volume {
         }
         self.targets[t].lba_shift = lbads;
         self.targets[t].ns_bytes = nsze << lbads;
-        let mut id = Sqe::default();
-        id.set_opcode(op::IDENTIFY);
-        id.set_cdw(10, 1);
-        id.set_sgl(4096, false);
-        let (_, page) = self.admin(t, id, &[], "Identify Controller")?;
-        if page.len() < 4096 {
-            return Err(NetError::peer(
-                self.targets[t].addr,
-                "short Identify Controller data",
-            ));
-        }
+        let page = self.identify(t, 1, 0, "Identify Controller")?;
         let ioccsz = u32::from_le_bytes(page[1792..1796].try_into().expect("4"));
-        self.targets[t].incap = (ioccsz * 16).saturating_sub(64);
+        self.targets[t].incap = ioccsz.saturating_mul(16).saturating_sub(64);
         let mut info = Sqe::default();
         info.set_opcode(op::RIO_INFO);
         match self.admin(t, info, &[], "RIO_INFO") {
@@ -680,7 +661,7 @@ impl Volume {
         let addr = self.targets[t].addr;
         let mut c = self.tcp(t)?;
         let data = self.connect_data(self.targets[t].cntlid);
-        let mut sqe = Self::connect_sqe(s + 1, 127);
+        let mut sqe = pdu::connect_command(s + 1, 127);
         sqe.set_cid(0);
         pdu::put_cmd(&mut c.tx, &sqe, &data, c.dg);
         match self.exchange(&mut c, addr, |p| matches!(p, Pdu::Resp { .. }))? {
@@ -1033,6 +1014,7 @@ impl Volume {
             let mut sqe = Sqe::default();
             sqe.set_opcode(op::RIO_MARK);
             sqe.set_cid(cid);
+            sqe.ensure_sgl();
             sqe.set_cdw(10, stream as u32);
             sqe.set_cdw(11, mark as u32);
             sqe.set_cdw(12, (mark >> 32) as u32);

@@ -646,6 +646,32 @@ pub mod op {
     pub const FC_PROPERTY_GET: u8 = 0x04;
 }
 
+/// A Fabrics Connect command for queue `qid` (0: admin) of `sqsize` entries (0-based), no keep
+/// alive, its 1,024 bytes of data in the capsule (see [`connect_data`]).
+pub fn connect_command(qid: u16, sqsize: u16) -> Sqe {
+    let mut sqe = Sqe::default();
+    sqe.set_opcode(op::FABRICS);
+    sqe.0[4] = op::FC_CONNECT;
+    sqe.0[42..44].copy_from_slice(&qid.to_le_bytes());
+    sqe.0[44..46].copy_from_slice(&sqsize.to_le_bytes());
+    sqe.0[48..52].copy_from_slice(&0u32.to_le_bytes()); // KATO: none
+    sqe.set_sgl(1024, true);
+    sqe
+}
+
+/// The Connect command's data: host id, controller id (0xffff: any, for the admin queue),
+/// subsystem and host NQNs (at most 255 bytes each).
+pub fn connect_data(hostid: &[u8; 16], cntlid: u16, subnqn: &str, hostnqn: &str) -> Vec<u8> {
+    let mut d = vec![0u8; 1024];
+    d[0..16].copy_from_slice(hostid);
+    d[16..18].copy_from_slice(&cntlid.to_le_bytes());
+    let s = &subnqn.as_bytes()[..subnqn.len().min(255)];
+    d[256..256 + s.len()].copy_from_slice(s);
+    let h = &hostnqn.as_bytes()[..hostnqn.len().min(255)];
+    d[512..512 + h.len()].copy_from_slice(h);
+    d
+}
+
 /// Rio's op code: an ordered command (the attribute fields below are set).
 pub const RIO_ORDERED: u8 = 1;
 

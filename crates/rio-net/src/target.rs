@@ -443,7 +443,8 @@ struct TConn {
     csts: u32,
     /// Asynchronous event requests held (never answered: no events are raised).
     aers: Vec<u16>,
-    /// Set when a command could not get a buffer: stop decoding until completions free some.
+    /// Set when a command could not get a buffer or a request slot: stop decoding for this
+    /// turn of the loop (cleared at the start of each turn).
     starved: bool,
 }
 
@@ -1512,7 +1513,6 @@ impl TConn {
                 break;
             };
             any = true;
-            self.starved = false;
             let Some(what) = self.inflight.remove(&done.tag.0) else {
                 continue;
             };

@@ -374,24 +374,18 @@ impl Raw {
 }
 
 fn connect_sqe(qid: u16, cid: u16) -> Sqe {
-    let mut sqe = Sqe::default();
-    sqe.set_opcode(op::FABRICS);
+    let mut sqe = pdu::connect_command(qid, 31);
     sqe.set_cid(cid);
-    sqe.0[4] = op::FC_CONNECT;
-    sqe.0[42..44].copy_from_slice(&qid.to_le_bytes());
-    sqe.0[44..46].copy_from_slice(&31u16.to_le_bytes());
-    sqe.set_sgl(1024, true);
     sqe
 }
 
 fn connect_data(cntlid: u16) -> Vec<u8> {
-    let mut d = vec![0u8; 1024];
-    d[16..18].copy_from_slice(&cntlid.to_le_bytes());
-    let s = b"nqn.2026-11.io.aios:target";
-    d[256..256 + s.len()].copy_from_slice(s);
-    let h = b"nqn.2026-11.io.aios:fuzz";
-    d[512..512 + h.len()].copy_from_slice(h);
-    d
+    pdu::connect_data(
+        &[0; 16],
+        cntlid,
+        "nqn.2026-11.io.aios:target",
+        "nqn.2026-11.io.aios:fuzz",
+    )
 }
 
 /// An I/O queue connection, ready for commands.
