@@ -84,6 +84,10 @@ struct TargetArgs {
     /// One line per connection opened and closed.
     #[arg(long)]
     verbose: bool,
+    /// `tcp`, or `rdma` (a build with `--features rdma`; --listen is then the IPv4 address of
+    /// an RDMA-capable interface, such as a Soft-RoCE device's netdev).
+    #[arg(long, default_value = "tcp")]
+    transport: rio_net::Transport,
 }
 
 #[derive(Subcommand)]
@@ -909,14 +913,16 @@ fn cmd_target(a: TargetArgs) -> Result<(), BenchError> {
         )));
     }
     cfg.in_capsule = a.in_capsule as u32;
+    cfg.transport = a.transport;
     let t = Target::bind(a.listen, cfg).map_err(|e| BenchError::Setup(e.to_string()))?;
     eprintln!(
-        "aios target: serving {} ({} bytes, {} power-loss protection) as {} on {}, attribute log {}",
+        "aios target: serving {} ({} bytes, {} power-loss protection) as {} on {} ({:?}), attribute log {}",
         a.device.display(),
         t.ns_bytes(),
         if t.plp() { "with" } else { "without" },
         a.subnqn,
         t.local_addr(),
+        a.transport,
         a.attr_log
     );
     t.serve().map_err(|e| BenchError::Setup(e.to_string()))

@@ -16,7 +16,7 @@
 //! Both need root, configfs and the modules the lab loads; they are not run on the host.
 
 mod common;
-use common::fill_pattern;
+use common::{fill_pattern, same};
 
 use std::fs::{self, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -70,21 +70,6 @@ fn pattern(offset: u64, len: usize, seed: u64) -> Vec<u8> {
     let mut v = vec![0u8; len];
     fill_pattern(&mut v, offset, seed);
     v
-}
-
-fn same(what: &str, got: &[u8], want: &[u8]) -> Result<(), String> {
-    if got == want {
-        return Ok(());
-    }
-    let first = got
-        .iter()
-        .zip(want)
-        .position(|(a, b)| a != b)
-        .unwrap_or(got.len().min(want.len()));
-    Err(format!(
-        "{what}: byte {first} differs ({} bytes compared)",
-        want.len()
-    ))
 }
 
 fn engine() -> Result<Rc<Engine>, String> {

@@ -1,4 +1,4 @@
-//! Helpers shared by the lab test programs (`nvme_lab`, `tcp_lab`).
+//! Helpers shared by the lab test programs (`nvme_lab`, `tcp_lab`, `rdma_lab`).
 
 /// Position-dependent content: a misplaced or torn write cannot read back as right.
 pub fn fill_pattern(buf: &mut [u8], device_offset: u64, seed: u64) {
@@ -9,4 +9,21 @@ pub fn fill_pattern(buf: &mut [u8], device_offset: u64, seed: u64) {
         x ^= x >> 31;
         chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
     }
+}
+
+/// `Ok` when `got` equals `want`; otherwise where they first differ.
+#[allow(dead_code)] // not every lab program compares buffers
+pub fn same(what: &str, got: &[u8], want: &[u8]) -> Result<(), String> {
+    if got == want {
+        return Ok(());
+    }
+    let first = got
+        .iter()
+        .zip(want)
+        .position(|(a, b)| a != b)
+        .unwrap_or(got.len().min(want.len()));
+    Err(format!(
+        "{what}: byte {first} differs ({} bytes compared)",
+        want.len()
+    ))
 }

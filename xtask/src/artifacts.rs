@@ -106,6 +106,9 @@ pub fn build(root: &Path, specs: &[Spec]) -> Result<Vec<(Spec, PathBuf)>, String
         for n in &names {
             cmd.arg(format!("--{}", kind.as_str())).arg(n);
         }
+        // The guest has Soft-RoCE: its binaries carry the RDMA transport (tests/rdma_lab.rs,
+        // `aios target --transport rdma`).
+        cmd.args(["--features", "rdma"]);
         // Diagnostics are rendered on stderr (inherited, with cargo's progress); stdout is JSON.
         cmd.arg("--message-format=json-render-diagnostics")
             .current_dir(root)

@@ -14,6 +14,19 @@ use crate::results::MARK;
 use crate::{ldd, say};
 
 pub const BUSYBOX: &str = "/bin/busybox";
+
+/// Host files copied into the guest at the same path (executables with their libraries), with
+/// the Debian package that brings each: iproute2's `ip` (busybox's has no veth or netns) and
+/// `rdma` (creates Soft-RoCE devices), and the rxe provider libibverbs loads for them.
+pub const HOST_FILES: &[(&str, &str)] = &[
+    ("/usr/bin/ip", "iproute2"),
+    ("/usr/bin/rdma", "iproute2"),
+    (
+        "/usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so",
+        "ibverbs-providers",
+    ),
+    ("/etc/libibverbs.d/rxe.driver", "ibverbs-providers"),
+];
 /// How long `/init` waits for the lab devices, in tenths of a second.
 const DEVICE_WAIT_TENTHS: u32 = 200;
 
@@ -262,6 +275,20 @@ pub fn build(
     a.file("bin/busybox", 0o755, Data::Path(busybox.to_path_buf()))?;
     a.symlink("bin/sh", "busybox")?;
     add_libraries(&mut a, busybox)?;
+
+    for (path, _) in HOST_FILES {
+        let host = Path::new(path);
+        let real = fs::canonicalize(host).map_err(|e| format!("{path}: {e}"))?;
+        let exec = path.ends_with(".so") || path.contains("/bin/");
+        a.file(
+            path.trim_start_matches('/'),
+            if exec { 0o755 } else { 0o644 },
+            Data::Path(real),
+        )?;
+        if exec {
+            add_libraries(&mut a, host)?;
+        }
+    }
 
     for m in modules {
         if let Some((host, rel)) = &m.file {

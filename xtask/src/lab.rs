@@ -145,10 +145,15 @@ fn qemu_runs() -> bool {
 fn ensure_tools() -> Result<(), Failure> {
     let have_qemu = qemu_runs();
     let have_busybox = Path::new(BUSYBOX).is_file();
-    if have_qemu && have_busybox {
+    let mut pkgs = Vec::new();
+    for (path, pkg) in crate::initramfs::HOST_FILES {
+        if !Path::new(path).exists() && !pkgs.contains(pkg) {
+            pkgs.push(*pkg);
+        }
+    }
+    if have_qemu && have_busybox && pkgs.is_empty() {
         return Ok(());
     }
-    let mut pkgs = Vec::new();
     if !have_qemu {
         pkgs.push("qemu-system-x86");
     }

@@ -20,11 +20,17 @@ pub const MODULES: &[(&str, &str)] = &[
     ("nvme", "poll_queues=1"),
     (
         "null_blk",
-        "queue_mode=2 poll_queues=1 memory_backed=1 gb=1 nr_devices=1",
+        "queue_mode=2 poll_queues=1 memory_backed=1 gb=1 nr_devices=2",
     ),
     // NVMe/TCP: the kernel's host and target, for interoperability with rio-net (tcp_lab).
     ("nvme-tcp", ""),
     ("nvmet-tcp", ""),
+    // Soft-RoCE for rio-net's RDMA transport (rdma_lab): rxe needs the crc32 algorithm
+    // registered first; rdma_ucm gives user space /dev/infiniband/rdma_cm; veth for its netdev.
+    ("?crc32_generic", ""),
+    ("veth", ""),
+    ("rdma_ucm", ""),
+    ("rdma_rxe", ""),
 ];
 
 struct StepDef {
@@ -113,6 +119,18 @@ const DEFAULT_PLAN: &[StepDef] = &[
         command: "ip link set lo up && tcp_lab --linux-target",
         artifacts: &["test:tcp_lab"],
         env: &[("AIOS_LAB_TCP_DEVICE", "/dev/nullb0")],
+        cuts_power: false,
+    },
+    // rio-net over RDMA: one Soft-RoCE device on a veth interface; the targets and the
+    // initiator share it (rxe loops packets between its own addresses back in the kernel).
+    StepDef {
+        name: "rdma-rxe",
+        command: "/usr/bin/ip link add va type veth peer name vb && /usr/bin/ip addr add 10.9.0.1/24 dev va && /usr/bin/ip link set va up && /usr/bin/ip link set vb up && ip link set lo up && /usr/bin/rdma link add rxe0 type rxe netdev va && /usr/bin/rdma link show && rdma_lab --integrity",
+        artifacts: &["test:rdma_lab"],
+        env: &[
+            ("AIOS_LAB_RDMA_ADDR", "10.9.0.1"),
+            ("AIOS_LAB_RDMA_DEVICES", "/dev/nullb0,/dev/nullb1"),
+        ],
         cuts_power: false,
     },
     // Rio's attribute log on the controller's PMR across two power cuts (tests/pmr_lab.rs).
@@ -295,6 +313,7 @@ mod tests {
                 "criterion-ng",
                 "tcp-linux-host",
                 "tcp-linux-target",
+                "rdma-rxe",
                 "pmr-cut-1",
                 "pmr-cut-2",
                 "pmr-recover"
@@ -303,7 +322,7 @@ mod tests {
         let b = boots(&plan);
         assert_eq!(
             b,
-            [0..10, 10..11, 11..12],
+            [0..11, 11..12, 12..13],
             "a boot ends after each power cut"
         );
         for s in &plan {
@@ -317,6 +336,7 @@ mod tests {
                 "bin:aios",
                 "test:nvme_lab",
                 "test:pmr_lab",
+                "test:rdma_lab",
                 "test:tcp_lab",
                 "bench:lbio_mem"
             ]

@@ -314,6 +314,12 @@ impl Arena {
         }
     }
 
+    /// Start of the arena's memory, for registering it with another subsystem too (an RDMA
+    /// memory region). It stays mapped as long as the arena.
+    pub fn base_ptr(&self) -> *mut u8 {
+        self.base.as_ptr()
+    }
+
     /// Total bytes in the arena.
     pub fn bytes(&self) -> usize {
         self.bytes

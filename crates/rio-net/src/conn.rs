@@ -1,9 +1,10 @@
-//! A non-blocking TCP connection with a receive buffer PDUs are decoded from and a send buffer
-//! PDUs are encoded into; both sides of the protocol drive it from a `poll(2)` loop.
+//! A non-blocking connection — a TCP socket, or (feature `rdma`) an RDMA queue pair carrying the
+//! same byte stream in SEND messages — with a receive buffer PDUs are decoded from and a send
+//! buffer PDUs are encoded into; both sides of the protocol drive it from a `poll(2)` loop.
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::time::Duration;
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
@@ -39,6 +40,17 @@ impl Rx {
             self.end = 0;
         }
     }
+    /// Append `bytes` (a message from a transport that delivers whole messages).
+    pub fn push(&mut self, bytes: &[u8]) {
+        let mut at = 0;
+        while at < bytes.len() {
+            let room = self.room();
+            let n = room.len().min(bytes.len() - at);
+            room[..n].copy_from_slice(&bytes[at..at + n]);
+            self.end += n;
+            at += n;
+        }
+    }
     /// Room to read into: move pending bytes to the front when the tail is short, grow when
     /// the buffer is full of one PDU.
     fn room(&mut self) -> &mut [u8] {
@@ -55,9 +67,41 @@ impl Rx {
     }
 }
 
+/// The transport a target serves or an initiator connects with.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Transport {
+    #[default]
+    Tcp,
+    /// An RDMA reliable connection (feature `rdma`); addresses are the IPv4 addresses of
+    /// RDMA-capable interfaces (a Soft-RoCE device over any Ethernet interface will do).
+    Rdma,
+}
+
+impl std::str::FromStr for Transport {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Transport, String> {
+        match s {
+            "tcp" => Ok(Transport::Tcp),
+            "rdma" => Ok(Transport::Rdma),
+            _ => Err(format!("transport {s:?}: tcp or rdma")),
+        }
+    }
+}
+
+#[cfg(not(feature = "rdma"))]
+pub(crate) const NO_RDMA: &str =
+    "this build has no RDMA transport (build with `--features rdma`: needs libibverbs-dev, librdmacm-dev and libclang-dev)";
+
+/// What carries a connection's bytes.
+pub enum Link {
+    Tcp(TcpStream),
+    #[cfg(feature = "rdma")]
+    Rdma(Box<crate::rdma::Link>),
+}
+
 /// One connection.
 pub struct Conn {
-    pub sock: TcpStream,
+    pub link: Link,
     pub rx: Rx,
     pub tx: Vec<u8>,
     tx_at: usize,
@@ -75,7 +119,7 @@ impl Conn {
         sock.set_nodelay(true)?;
         sock.set_nonblocking(true)?;
         Ok(Conn {
-            sock,
+            link: Link::Tcp(sock),
             rx: Rx::default(),
             tx: Vec::with_capacity(64 << 10),
             tx_at: 0,
@@ -86,13 +130,65 @@ impl Conn {
         })
     }
 
+    /// A connection over an RDMA queue pair.
+    #[cfg(feature = "rdma")]
+    pub fn rdma(link: crate::rdma::Link, max_pdu: u32) -> Conn {
+        Conn {
+            link: Link::Rdma(Box::new(link)),
+            rx: Rx::default(),
+            tx: Vec::with_capacity(64 << 10),
+            tx_at: 0,
+            dg: Digests::default(),
+            max_pdu,
+            maxh2cdata: 4096,
+            eof: false,
+        }
+    }
+
+    /// The RDMA link, when the connection has one.
+    #[cfg(feature = "rdma")]
+    pub fn rdma_link(&mut self) -> Option<&mut crate::rdma::Link> {
+        match &mut self.link {
+            Link::Rdma(l) => Some(l),
+            Link::Tcp(_) => None,
+        }
+    }
+
+    /// Whether the connection is an RDMA queue pair.
+    pub fn is_rdma(&self) -> bool {
+        !matches!(self.link, Link::Tcp(_))
+    }
+
+    /// Descriptors to wait on: (descriptor, readable wanted, writable wanted). An RDMA link
+    /// reports everything (received messages, freed send buffers, disconnects) as readable.
+    pub fn fds(&self, want_read: bool) -> Vec<(BorrowedFd<'_>, bool, bool)> {
+        match &self.link {
+            Link::Tcp(s) => vec![(s.as_fd(), want_read, self.unsent() > 0)],
+            #[cfg(feature = "rdma")]
+            Link::Rdma(l) => l.fds().into_iter().map(|fd| (fd, true, false)).collect(),
+        }
+    }
+
     /// Read what the socket has (without blocking). Returns the bytes read.
+    #[allow(clippy::infallible_destructuring_match)] // one variant without `rdma`
     pub fn fill(&mut self) -> io::Result<usize> {
+        let sock = match &mut self.link {
+            Link::Tcp(s) => s,
+            #[cfg(feature = "rdma")]
+            Link::Rdma(l) => {
+                let rx = &mut self.rx;
+                let n = l.poll(|m| rx.push(m))?;
+                if l.closed {
+                    self.eof = true;
+                }
+                return Ok(n);
+            }
+        };
         let mut total = 0;
         loop {
             let room = self.rx.room();
             let want = room.len();
-            let r = self.sock.read(room);
+            let r = sock.read(room);
             match r {
                 Ok(0) => {
                     self.eof = true;
@@ -117,9 +213,32 @@ impl Conn {
     }
 
     /// Send what is queued, as far as the socket takes it. Returns whether all of it went.
+    #[allow(clippy::infallible_destructuring_match)] // one variant without `rdma`
     pub fn flush(&mut self) -> io::Result<bool> {
+        let sock = match &mut self.link {
+            Link::Tcp(s) => s,
+            #[cfg(feature = "rdma")]
+            Link::Rdma(l) => {
+                if self.tx_at < self.tx.len() {
+                    let mut n = l.send(&self.tx[self.tx_at..])?;
+                    if n == 0 {
+                        // Every send buffer is out: take completions to free some.
+                        let rx = &mut self.rx;
+                        l.poll(|m| rx.push(m))?;
+                        n = l.send(&self.tx[self.tx_at..])?;
+                    }
+                    self.tx_at += n;
+                }
+                if self.tx_at < self.tx.len() {
+                    return Ok(false);
+                }
+                self.tx.clear();
+                self.tx_at = 0;
+                return Ok(true);
+            }
+        };
         while self.tx_at < self.tx.len() {
-            match self.sock.write(&self.tx[self.tx_at..]) {
+            match sock.write(&self.tx[self.tx_at..]) {
                 Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "socket closed")),
                 Ok(n) => self.tx_at += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
@@ -145,14 +264,14 @@ impl Conn {
             if left.is_zero() {
                 return Err(io::Error::new(io::ErrorKind::TimedOut, "send timed out"));
             }
-            wait_fds(&[(&self.sock, false, true)], Some(left))?;
+            wait_fds(&self.fds(false), Some(left))?;
         }
         Ok(())
     }
 }
 
 /// Wait until one of `fds` is ready: (fd, readable wanted, writable wanted). `None`: no limit.
-pub fn wait_fds(fds: &[(&dyn AsFd, bool, bool)], timeout: Option<Duration>) -> io::Result<()> {
+pub fn wait_fds(fds: &[(BorrowedFd<'_>, bool, bool)], timeout: Option<Duration>) -> io::Result<()> {
     let mut pfds: Vec<PollFd> = fds
         .iter()
         .map(|(fd, r, w)| {
@@ -163,7 +282,7 @@ pub fn wait_fds(fds: &[(&dyn AsFd, bool, bool)], timeout: Option<Duration>) -> i
             if *w {
                 f |= PollFlags::POLLOUT;
             }
-            PollFd::new(fd.as_fd(), f)
+            PollFd::new(*fd, f)
         })
         .collect();
     let t = match timeout {

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use aios_core::{Engine, EngineConfig, FixedBuf};
 use rio_ordering::{recover, scan, Attr, LogScan, MemPmr};
 
-use crate::conn::{wait_fds, Conn};
+use crate::conn::{wait_fds, Conn, Transport};
 use crate::error::NetError;
 use crate::pdu::{self, op, Cqe, Digests, Pdu, Sqe, WireAttr};
 use crate::target::{LBA, MAX_DATA, MAX_PDU};
@@ -52,6 +52,9 @@ pub struct VolumeConfig {
     pub arena_bytes: usize,
     /// Print recovery steps to stderr.
     pub verbose: bool,
+    /// TCP, or RDMA (feature `rdma`): then write data is pulled by the targets with RDMA READ
+    /// from this volume's arena.
+    pub transport: Transport,
 }
 
 impl VolumeConfig {
@@ -68,6 +71,7 @@ impl VolumeConfig {
             hostnqn: "nqn.2026-11.io.aios:initiator".into(),
             arena_bytes: 32 << 20,
             verbose: false,
+            transport: Transport::Tcp,
         }
     }
 }
@@ -152,6 +156,8 @@ struct ICmd {
 
 struct IoConn {
     conn: Option<Conn>,
+    /// The key of the volume's arena on this connection (RDMA): writes carry a keyed SGL.
+    rkey: Option<u32>,
     cmds: Vec<Option<ICmd>>,
     free: Vec<u16>,
     /// Ordered pieces not yet durable, in the order sent.
@@ -170,6 +176,7 @@ impl IoConn {
     fn new() -> IoConn {
         IoConn {
             conn: None,
+            rkey: None,
             cmds: Vec::new(),
             free: Vec::new(),
             order: VecDeque::new(),
@@ -210,6 +217,7 @@ impl IoConn {
     }
     fn reset(&mut self) {
         self.conn = None;
+        self.rkey = None;
         self.cmds.clear();
         self.free.clear();
         self.order.clear();
@@ -290,6 +298,16 @@ pub struct Volume {
     bytes: u64,
     stats: VolumeStats,
     hostid: [u8; 16],
+}
+
+impl Drop for Volume {
+    fn drop(&mut self) {
+        // Links go before the engine: an RDMA link has the engine's arena registered.
+        self.conns.clear();
+        for t in &mut self.targets {
+            t.admin = None;
+        }
+    }
 }
 
 fn status_err(peer: SocketAddr, what: &str, cqe: &Cqe) -> NetError {
@@ -432,12 +450,24 @@ impl Volume {
         self.streams[stream as usize].next_seq
     }
 
-    fn tcp(&self, t: usize) -> Result<Conn, NetError> {
+    /// A new connection to target `t`, past ICReq/ICResp.
+    fn dial(&self, t: usize) -> Result<Conn, NetError> {
         let addr = self.targets[t].addr;
-        let sock = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
-            .map_err(|e| NetError::io("connect to", addr, e))?;
-        let mut c =
-            Conn::new(sock, MAX_PDU).map_err(|e| NetError::io("socket setup for", addr, e))?;
+        let mut c = match self.cfg.transport {
+            Transport::Tcp => {
+                let sock = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+                    .map_err(|e| NetError::io("connect to", addr, e))?;
+                Conn::new(sock, MAX_PDU).map_err(|e| NetError::io("socket setup for", addr, e))?
+            }
+            #[cfg(feature = "rdma")]
+            Transport::Rdma => {
+                let link = crate::rdma::Link::connect(addr, Duration::from_secs(2))
+                    .map_err(|e| NetError::io("RDMA connect to", addr, e))?;
+                Conn::rdma(link, MAX_PDU)
+            }
+            #[cfg(not(feature = "rdma"))]
+            Transport::Rdma => return Err(NetError::Config(crate::conn::NO_RDMA.into())),
+        };
         pdu::put_icreq(&mut c.tx, self.cfg.digests, 0);
         let p = self.exchange(&mut c, addr, |p| matches!(p, Pdu::ICResp { .. }))?;
         let Reply::IcResp { dgst, maxh2cdata } = p else {
@@ -510,7 +540,7 @@ impl Volume {
                     std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer"),
                 ));
             }
-            wait_fds(&[(&c.sock, true, false)], Some(left))
+            wait_fds(&c.fds(true), Some(left))
                 .map_err(|e| NetError::io("poll", addr, e))?;
             c.fill()
                 .map_err(|e| NetError::io("receive from", addr, e))?;
@@ -576,7 +606,7 @@ impl Volume {
     }
 
     fn connect_admin(&mut self, t: usize) -> Result<(), NetError> {
-        let c = self.tcp(t)?;
+        let c = self.dial(t)?;
         self.targets[t].admin = Some(c);
         let data = self.connect_data(0xffff);
         let (cqe, _) = self.admin(
@@ -659,7 +689,8 @@ impl Volume {
 
     fn connect_io(&mut self, s: u16, t: usize) -> Result<(), NetError> {
         let addr = self.targets[t].addr;
-        let mut c = self.tcp(t)?;
+        let mut c = self.dial(t)?;
+        let rkey = self.register_arena(&mut c)?;
         let data = self.connect_data(self.targets[t].cntlid);
         let mut sqe = pdu::connect_command(s + 1, 127);
         sqe.set_cid(0);
@@ -672,8 +703,29 @@ impl Volume {
         let ic = &mut self.conns[s as usize * self.targets.len() + t];
         ic.reset();
         ic.conn = Some(c);
+        ic.rkey = rkey;
         ic.last_progress = Instant::now();
         Ok(())
+    }
+
+    /// On an RDMA connection: register the arena, so the target can pull write data from it.
+    #[cfg(feature = "rdma")]
+    fn register_arena(&self, c: &mut Conn) -> Result<Option<u32>, NetError> {
+        let Some(link) = c.rdma_link() else {
+            return Ok(None);
+        };
+        let a = self.engine.arena();
+        let peer = link.peer();
+        // SAFETY: the arena stays mapped while the engine lives, and `Drop for Volume` drops
+        // every connection (and so every link) before the engine.
+        #[allow(unsafe_code)]
+        let k = unsafe { link.register(a.base_ptr(), a.bytes()) };
+        Ok(Some(k.map_err(|e| NetError::io("registering the arena for", peer, e))?.rkey))
+    }
+
+    #[cfg(not(feature = "rdma"))]
+    fn register_arena(&self, _c: &mut Conn) -> Result<Option<u32>, NetError> {
+        Ok(None)
     }
 
     /// Where volume byte `off` lives: (target, byte offset on it).
@@ -814,13 +866,17 @@ impl Volume {
             let len = range.1 - range.0;
             let mut sqe = lba_cmd(op::WRITE, cid, toff, len, self.targets[t].lba_shift);
             attr.put(&mut sqe);
-            let incap = len <= self.targets[t].incap;
-            sqe.set_sgl(len, incap);
             let buf = self.streams[s].groups[gi].reqs[ri as usize]
                 .buf
                 .as_ref()
                 .expect("held until durable");
-            if let Some(c) = self.conns[s * nt + t].conn.as_mut() {
+            let ic = &mut self.conns[s * nt + t];
+            let incap = ic.rkey.is_none() && len <= self.targets[t].incap;
+            match ic.rkey {
+                Some(key) => sqe.set_keyed_sgl(buf.as_ptr() as u64 + range.0 as u64, len, key),
+                None => sqe.set_sgl(len, incap),
+            }
+            if let Some(c) = ic.conn.as_mut() {
                 let data = if incap {
                     &buf[range.0 as usize..range.1 as usize]
                 } else {
@@ -893,8 +949,13 @@ impl Volume {
             let opcode = if read { op::READ } else { op::WRITE };
             let len = range.1 - range.0;
             let mut sqe = lba_cmd(opcode, cid, toff, len, self.targets[t].lba_shift);
-            let incap = !read && len <= self.targets[t].incap;
-            sqe.set_sgl(len, incap);
+            let incap = !read && ic.rkey.is_none() && len <= self.targets[t].incap;
+            match ic.rkey {
+                Some(key) if !read => {
+                    sqe.set_keyed_sgl(buf.as_ptr() as u64 + range.0 as u64, len, key)
+                }
+                _ => sqe.set_sgl(len, incap),
+            }
             if let Some(c) = ic.conn.as_mut() {
                 let data = if !incap {
                     &[][..]
@@ -1078,11 +1139,11 @@ impl Volume {
         if progress || !block || !self.ready.is_empty() {
             return Ok(());
         }
-        let fds: Vec<(&dyn std::os::fd::AsFd, bool, bool)> = self
+        let fds: Vec<_> = self
             .conns
             .iter()
             .filter_map(|ic| ic.conn.as_ref())
-            .map(|c| (&c.sock as &dyn std::os::fd::AsFd, true, c.unsent() > 0))
+            .flat_map(|c| c.fds(true))
             .collect();
         let _ = wait_fds(&fds, Some(Duration::from_millis(100)));
         Ok(())

@@ -6,14 +6,18 @@
 //! - [`Volume`]: the initiator — a volume striped over targets, one connection per stream and
 //!   target, in-order completion, reconnection, and recovery.
 
-#![forbid(unsafe_code)]
+// Only the RDMA transport (verbs through FFI) needs `unsafe`; it opts in module-wide.
+#![deny(unsafe_code)]
 
 pub mod conn;
 mod error;
 mod initiator;
 pub mod pdu;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod target;
 
+pub use conn::Transport;
 pub use error::NetError;
 pub use initiator::{Done, RecoveryReport, Volume, VolumeConfig, VolumeStats};
 pub use target::{Target, TargetConfig, TargetLogKind, TargetStats, TargetStatsHandle};

@@ -128,6 +128,7 @@ impl fmt::Debug for Sqe {
 /// SGL descriptor identifiers (byte 15 of the descriptor).
 pub const SGL_IN_CAPSULE: u8 = 0x01; // data block, offset subtype
 pub const SGL_TRANSPORT: u8 = 0x5a; // transport data block, transport-specific subtype
+pub const SGL_KEYED: u8 = 0x40; // keyed data block, address subtype (RDMA: address, length, key)
 
 impl Sqe {
     pub fn opcode(&self) -> u8 {
@@ -155,13 +156,38 @@ impl Sqe {
     pub fn fctype(&self) -> u8 {
         self.0[4]
     }
-    /// The data pointer as an SGL descriptor: (address, length, identifier).
+    /// The data pointer as an SGL descriptor: (address, length, identifier). A keyed
+    /// descriptor's length is its 24-bit field.
     pub fn sgl(&self) -> (u64, u32, u8) {
+        let id = self.0[39];
+        let mut len = u32::from_le_bytes(self.0[32..36].try_into().expect("4"));
+        if id >> 4 == SGL_KEYED >> 4 {
+            len &= 0x00ff_ffff;
+        }
         (
             u64::from_le_bytes(self.0[24..32].try_into().expect("8")),
-            u32::from_le_bytes(self.0[32..36].try_into().expect("4")),
-            self.0[39],
+            len,
+            id,
         )
+    }
+    /// Point the command at `len` bytes at `addr` of the host's memory region `key` (the peer
+    /// moves the data with RDMA READ or WRITE).
+    pub fn set_keyed_sgl(&mut self, addr: u64, len: u32, key: u32) {
+        debug_assert!(len < 1 << 24);
+        self.0[1] = (self.0[1] & 0x3f) | 0x40;
+        self.0[24..32].copy_from_slice(&addr.to_le_bytes());
+        self.0[32..35].copy_from_slice(&len.to_le_bytes()[..3]);
+        self.0[35..39].copy_from_slice(&key.to_le_bytes());
+        self.0[39] = SGL_KEYED;
+    }
+    /// A keyed descriptor's (address, length, key).
+    pub fn keyed_sgl(&self) -> Option<(u64, u32, u32)> {
+        if self.0[39] != SGL_KEYED {
+            return None;
+        }
+        let (addr, len, _) = self.sgl();
+        let key = u32::from_le_bytes(self.0[35..39].try_into().expect("4"));
+        Some((addr, len, key))
     }
     /// Point the command at `len` bytes of data: in the capsule or by the transport (R2T or
     /// C2HData). PSDT says "SGL", as fabrics require.
@@ -258,6 +284,7 @@ impl Status {
     pub const INTERNAL: Status = Status { sct: 0, sc: 0x06 };
     pub const INVALID_NS: Status = Status { sct: 0, sc: 0x0b };
     pub const SGL_INVALID: Status = Status { sct: 0, sc: 0x0f };
+    pub const SGL_TYPE_INVALID: Status = Status { sct: 0, sc: 0x11 };
     pub const LBA_OUT_OF_RANGE: Status = Status { sct: 0, sc: 0x80 };
     pub const CONNECT_INVALID_PARAM: Status = Status { sct: 1, sc: 0x82 };
     pub const CONNECT_INVALID_HOST: Status = Status { sct: 1, sc: 0x84 };

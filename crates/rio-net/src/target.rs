@@ -19,7 +19,7 @@
 //! logged; commands outside the namespace fail with LBA Out of Range.
 
 use std::collections::{HashMap, VecDeque};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
@@ -30,7 +30,7 @@ use aios_core::{CompletionMode, Engine, EngineConfig, FixedBuf, ProbeOptions};
 use lbio::{Device, DeviceConfig, Io, LbioArray, LbioConfig, Tag};
 use rio_ordering::{Attr, AttrLog, FilePmr, MemPmr, NvmePmr, Pmr, RioError, Slot};
 
-use crate::conn::{wait_fds, Conn};
+use crate::conn::{wait_fds, Conn, Transport};
 use crate::error::NetError;
 use crate::pdu::{self, op, Cqe, Digests, Pdu, PduError, Sqe, Status, WireAttr};
 
@@ -76,6 +76,8 @@ pub struct TargetConfig {
     pub in_capsule: u32,
     /// Print one line per connection opened or closed.
     pub verbose: bool,
+    /// TCP, or RDMA (feature `rdma`).
+    pub transport: Transport,
 }
 
 impl TargetConfig {
@@ -90,6 +92,7 @@ impl TargetConfig {
             arena_bytes: 8 << 20,
             in_capsule: MAX_DATA,
             verbose: false,
+            transport: Transport::Tcp,
         }
     }
 }
@@ -138,6 +141,8 @@ pub struct TargetStats {
     pub closed_on_error: u64,
     /// Writes whose data was asked for with an R2T (larger than the in-capsule size).
     pub r2ts: u64,
+    /// Writes whose data was pulled with RDMA READ (RDMA connections).
+    pub rdma_reads: u64,
     /// Ordered commands that found the attribute log full and waited for marks.
     pub log_full_waits: u64,
 }
@@ -157,6 +162,7 @@ struct Shared {
     open_connections: AtomicU64,
     closed_on_error: AtomicU64,
     r2ts: AtomicU64,
+    rdma_reads: AtomicU64,
     close_log: Mutex<CloseLog>,
 }
 
@@ -167,9 +173,16 @@ impl Shared {
     }
 }
 
+enum Listener {
+    Tcp(TcpListener),
+    #[cfg(feature = "rdma")]
+    Rdma(crate::rdma::Listener),
+}
+
 /// A target server, bound and ready to serve.
 pub struct Target {
-    listener: TcpListener,
+    listener: Listener,
+    addr: SocketAddr,
     shared: Arc<Shared>,
 }
 
@@ -236,9 +249,25 @@ impl Target {
                 (LogSlot::Live(log), cfg.streams, slots)
             }
         };
-        let listener = TcpListener::bind(addr).map_err(|e| NetError::io("bind", addr, e))?;
+        let (listener, addr) = match cfg.transport {
+            Transport::Tcp => {
+                let l = TcpListener::bind(addr).map_err(|e| NetError::io("bind", addr, e))?;
+                let a = l.local_addr().map_err(|e| NetError::io("bind", addr, e))?;
+                (Listener::Tcp(l), a)
+            }
+            #[cfg(feature = "rdma")]
+            Transport::Rdma => {
+                let l = crate::rdma::Listener::bind(addr)
+                    .map_err(|e| NetError::io("RDMA listen on", addr, e))?;
+                let a = l.local_addr();
+                (Listener::Rdma(l), a)
+            }
+            #[cfg(not(feature = "rdma"))]
+            Transport::Rdma => return Err(NetError::Config(crate::conn::NO_RDMA.into())),
+        };
         Ok(Target {
             listener,
+            addr,
             shared: Arc::new(Shared {
                 ns_bytes,
                 plp,
@@ -260,6 +289,7 @@ impl Target {
                 open_connections: AtomicU64::new(0),
                 closed_on_error: AtomicU64::new(0),
                 r2ts: AtomicU64::new(0),
+                rdma_reads: AtomicU64::new(0),
                 close_log: Mutex::new(CloseLog {
                     window: Instant::now(),
                     printed: 0,
@@ -271,9 +301,7 @@ impl Target {
     }
 
     pub fn local_addr(&self) -> SocketAddr {
-        self.listener
-            .local_addr()
-            .expect("a bound listener has an address")
+        self.addr
     }
     /// Bytes of the namespace.
     pub fn ns_bytes(&self) -> u64 {
@@ -290,11 +318,25 @@ impl Target {
     }
 
     /// Accept connections until the listener fails, one thread each.
-    pub fn serve(self) -> Result<(), NetError> {
+    pub fn serve(mut self) -> Result<(), NetError> {
         let addr = self.local_addr();
         loop {
-            let (sock, peer) = match self.listener.accept() {
-                Ok(x) => x,
+            let accepted = match &mut self.listener {
+                Listener::Tcp(l) => l.accept().map(|(sock, peer)| {
+                    let c = Conn::new(sock, MAX_PDU).inspect_err(|e| {
+                        eprintln!("aios target: {peer}: socket setup: {e}");
+                    });
+                    c.ok().map(|c| (c, peer))
+                }),
+                #[cfg(feature = "rdma")]
+                Listener::Rdma(l) => l.accept().map(|link| {
+                    let peer = link.peer();
+                    Some((Conn::rdma(link, MAX_PDU), peer))
+                }),
+            };
+            let (conn, peer) = match accepted {
+                Ok(Some(x)) => x,
+                Ok(None) => continue,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(NetError::io("accept on", addr, e)),
             };
@@ -305,7 +347,7 @@ impl Target {
             let spawned = std::thread::Builder::new()
                 .name(format!("aios-target-{peer}"))
                 .spawn(move || {
-                    serve_conn(Arc::clone(&mine), sock, peer);
+                    serve_conn(Arc::clone(&mine), conn, peer);
                     mine.open_connections.fetch_sub(1, Ordering::Relaxed);
                 });
             if let Err(e) = spawned {
@@ -337,6 +379,7 @@ impl TargetStatsHandle {
             reads: s.reads.load(Ordering::Relaxed),
             closed_on_error: s.closed_on_error.load(Ordering::Relaxed),
             r2ts: s.r2ts.load(Ordering::Relaxed),
+            rdma_reads: s.rdma_reads.load(Ordering::Relaxed),
             log_full_waits: s.lock().log_full,
         }
     }
@@ -358,6 +401,9 @@ struct IoSide {
     engine: Rc<Engine>,
     lbio: Rc<LbioArray>,
     dev: Device,
+    /// The engine's arena registered on the connection's RDMA link (RDMA connections only).
+    #[cfg(feature = "rdma")]
+    keys: Option<crate::rdma::MemKeys>,
 }
 
 /// Data of a command: none, an arena buffer (I/O), or plain memory (admin).
@@ -431,6 +477,8 @@ struct TConn {
     generation: u64,
     io: Option<IoSide>,
     collecting: HashMap<u16, Collecting>,
+    /// Writes whose data is being pulled by RDMA READ (RDMA connections only).
+    pulling: HashMap<u16, Collecting>,
     held: VecDeque<Held>,
     inflight: HashMap<u32, InFlight>,
     /// Ordered writes submitted and not completed, by lbio tag.
@@ -483,15 +531,8 @@ struct CloseLog {
     suppressed: u64,
 }
 
-fn serve_conn(shared: Arc<Shared>, sock: TcpStream, peer: SocketAddr) {
+fn serve_conn(shared: Arc<Shared>, conn: Conn, peer: SocketAddr) {
     let verbose = shared.cfg.verbose;
-    let conn = match Conn::new(sock, MAX_PDU) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("aios target: {peer}: socket setup: {e}");
-            return;
-        }
-    };
     if verbose {
         eprintln!("aios target: {peer}: connected");
     }
@@ -505,6 +546,7 @@ fn serve_conn(shared: Arc<Shared>, sock: TcpStream, peer: SocketAddr) {
         queue: Queue::None,
         io: None,
         collecting: HashMap::new(),
+        pulling: HashMap::new(),
         held: VecDeque::new(),
         inflight: HashMap::new(),
         ordered_out: Vec::new(),
@@ -564,6 +606,7 @@ impl TConn {
                 Err(e) => return Err(format!("receive failed: {e}")),
             };
             progress |= n > 0;
+            progress |= self.pulled()?;
             progress |= self.decode()?;
             progress |= self.advance_held()?;
             progress |= self.start_flushes()?;
@@ -583,18 +626,18 @@ impl TConn {
                 Some(Duration::from_millis(500))
             };
             let want_read = !self.starved && !self.conn.eof;
+            let _ = sent_all;
+            let mut fds = self.conn.fds(want_read);
             match self.io.as_ref().and_then(|io| io.engine.eventfd_fd()) {
                 Some(ev) if !self.inflight.is_empty() => {
-                    let _ = wait_fds(
-                        &[(&self.conn.sock, want_read, !sent_all), (&ev, true, false)],
-                        timeout,
-                    );
+                    fds.push((ev, true, false));
+                    let _ = wait_fds(&fds, timeout);
                     if let Some(io) = &self.io {
                         io.engine.drain_eventfd();
                     }
                 }
                 _ => {
-                    let _ = wait_fds(&[(&self.conn.sock, want_read, !sent_all)], timeout);
+                    let _ = wait_fds(&fds, timeout);
                 }
             }
         }
@@ -753,13 +796,16 @@ impl TConn {
     /// Returns `Ok(false)` when it must wait for a buffer.
     fn command(&mut self, sqe: Sqe, incap: std::ops::Range<usize>) -> Result<bool, String> {
         let cid = sqe.cid();
-        if self.collecting.contains_key(&cid) {
+        if self.collecting.contains_key(&cid) || self.pulling.contains_key(&cid) {
             return Err(self.terminate_msg(format!("command id {cid} reused while in use")));
         }
         // Back-pressure: a device command waits in the receive buffer until a request slot is
         // free for it beyond those the commands accepted before it will take.
         if let (Some(io), Queue::Io { .. }) = (&self.io, &self.queue) {
-            let reserved = self.held.len() + self.flushes_waiting.len() + self.collecting.len();
+            let reserved = self.held.len()
+                + self.flushes_waiting.len()
+                + self.collecting.len()
+                + self.pulling.len();
             if sqe.opcode() != op::RIO_MARK && io.lbio.free_slots() as usize <= reserved {
                 return Ok(false);
             }
@@ -792,6 +838,17 @@ impl TConn {
             self.respond(cid, Status::SGL_INVALID, 0, 0);
             return Ok(true);
         }
+        // A keyed descriptor: the data waits in the host's memory for an RDMA READ.
+        let keyed = sgl_id == pdu::SGL_KEYED;
+        if keyed {
+            if admin || !self.conn.is_rdma() || !incap.is_empty() {
+                self.respond(cid, Status::SGL_TYPE_INVALID, 0, 0);
+                return Ok(true);
+            }
+            if !self.can_pull() {
+                return Ok(false);
+            }
+        }
         let mut data = if admin {
             Data::Vec(vec![0u8; sgl_len as usize])
         } else if sgl_len == 0 {
@@ -822,6 +879,8 @@ impl TConn {
             self.ready(sqe, data)?;
         } else if sgl_len == 0 {
             self.ready(sqe, data)?;
+        } else if keyed {
+            self.pull(sqe, data)?;
         } else {
             pdu::put_r2t(&mut self.conn.tx, cid, cid, 0, sgl_len, self.conn.dg);
             self.shared.r2ts.fetch_add(1, Ordering::Relaxed);
@@ -829,6 +888,73 @@ impl TConn {
                 .insert(cid, Collecting { sqe, data, got: 0 });
         }
         Ok(true)
+    }
+
+    /// Whether another RDMA READ may go out now.
+    fn can_pull(&mut self) -> bool {
+        #[cfg(feature = "rdma")]
+        if let Some(l) = self.conn.rdma_link() {
+            return l.can_read();
+        }
+        false
+    }
+
+    /// Pull a write's data from the host with RDMA READ; [`TConn::pulled`] goes on.
+    #[cfg(feature = "rdma")]
+    fn pull(&mut self, sqe: Sqe, mut data: Data) -> Result<(), String> {
+        let cid = sqe.cid();
+        let (addr, len, key) = sqe.keyed_sgl().expect("checked by command()");
+        let lkey = self
+            .io
+            .as_ref()
+            .and_then(|io| io.keys)
+            .ok_or("RDMA READ without a registered arena")?
+            .lkey;
+        let Data::Fixed(b) = &mut data else {
+            return Err("RDMA READ into memory outside the arena".into());
+        };
+        let local = b.as_mut_ptr();
+        let link = self.conn.rdma_link().expect("checked by command()");
+        // SAFETY: `local` is a frame of this connection's arena, registered under `lkey`; the
+        // buffer stays in `pulling` until the READ completes, and the link (with its queue
+        // pair) is dropped before `pulling` and the engine (field order of TConn).
+        #[allow(unsafe_code)]
+        let r = unsafe { link.read(cid as u64, local, len, lkey, addr, key) };
+        r.map_err(|e| format!("posting an RDMA READ: {e}"))?;
+        self.pulling.insert(cid, Collecting { sqe, data, got: 0 });
+        self.shared.rdma_reads.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    #[cfg(not(feature = "rdma"))]
+    fn pull(&mut self, _sqe: Sqe, _data: Data) -> Result<(), String> {
+        Err("keyed SGL on a connection without RDMA".into())
+    }
+
+    /// Writes whose RDMA READ finished go on to the device.
+    fn pulled(&mut self) -> Result<bool, String> {
+        #[cfg(feature = "rdma")]
+        if let Some(link) = self.conn.rdma_link() {
+            if link.reads_done.is_empty() {
+                return Ok(false);
+            }
+            let done = std::mem::take(&mut link.reads_done);
+            for (id, err) in done {
+                let cid = id as u16;
+                let Some(col) = self.pulling.remove(&cid) else {
+                    return Err(format!("RDMA READ completion for command {cid}, which pulls nothing"));
+                };
+                match err {
+                    None => self.ready(col.sqe, col.data)?,
+                    Some(e) => {
+                        eprintln!("aios target: {}: RDMA READ for command {cid} failed: {e}", self.peer);
+                        self.respond(cid, Status::DATA_TRANSFER_ERROR, 0, 0);
+                    }
+                }
+            }
+            return Ok(true);
+        }
+        Ok(false)
     }
 
     /// A command with all its data.
@@ -960,7 +1086,25 @@ impl TConn {
             },
         )?;
         let dev = Device::open(&lbio, &self.shared.cfg.device, device_config())?;
-        self.io = Some(IoSide { engine, lbio, dev });
+        #[cfg(feature = "rdma")]
+        let keys = match self.conn.rdma_link() {
+            Some(l) => {
+                let a = engine.arena();
+                // SAFETY: the arena stays mapped while the engine lives, and the engine (in
+                // `io`) outlives the link (in `conn`, dropped first).
+                #[allow(unsafe_code)]
+                let k = unsafe { l.register(a.base_ptr(), a.bytes()) };
+                Some(k.map_err(|e| NetError::io("registering the arena for", self.peer, e))?)
+            }
+            None => None,
+        };
+        self.io = Some(IoSide {
+            engine,
+            lbio,
+            dev,
+            #[cfg(feature = "rdma")]
+            keys,
+        });
         Ok(())
     }
 
