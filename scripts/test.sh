@@ -6,22 +6,31 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n==> %s\n' "$*"; }
 
-if ! command -v fio >/dev/null 2>&1; then
+# fio (the benchmark anchor); the RDMA transport's build needs (libibverbs, librdmacm, clang for
+# rdma-sys' bindings) and what the lab guest gets from the host (iproute2's ip and rdma, the
+# Soft-RoCE provider).
+need=()
+command -v fio >/dev/null 2>&1 || need+=(fio)
+for p in libibverbs-dev librdmacm-dev libclang-dev ibverbs-providers iproute2; do
+    dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
+done
+if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        step "installing fio (the benchmark anchor)"
+        step "installing ${need[*]}"
         apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
     else
-        echo "WARNING: fio is not installed and cannot be installed here (need root + apt-get);" \
-             "the fio comparisons in the tests will be skipped" >&2
+        echo "WARNING: ${need[*]} missing and not installable here (need root + apt-get);" \
+             "the fio comparisons are skipped and the rdma feature will not build" >&2
     fi
 fi
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
-step "cargo clippy --all-targets -D warnings"
+step "cargo clippy --all-targets -D warnings (without and with the rdma feature)"
 cargo clippy --workspace --all-targets -- -D warnings
+cargo clippy --workspace --all-targets --features rdma -- -D warnings
 
 step "cargo test (unit, integration, property, doc tests)"
 log=$(mktemp)

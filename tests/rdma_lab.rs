@@ -43,6 +43,18 @@ fn main() -> ExitCode {
     if args.iter().any(|a| a == "--list") {
         return ExitCode::SUCCESS;
     }
+    let remote = args
+        .iter()
+        .position(|a| a == "--remote")
+        .and_then(|i| args.get(i + 1))
+        .map(|l| {
+            l.split(',')
+                .map(|a| {
+                    a.parse::<SocketAddr>()
+                        .expect("--remote ADDR:PORT,ADDR:PORT")
+                })
+                .collect::<Vec<_>>()
+        });
     if !args.iter().any(|a| a == "--integrity") {
         println!("rdma_lab: runs in the lab guest only (cargo xtask lab): pass --integrity");
         return ExitCode::SUCCESS;
@@ -57,13 +69,30 @@ fn main() -> ExitCode {
         .map(PathBuf::from)
         .collect();
     let mut failed = false;
-    for (transport, ip, seed) in [
-        (Transport::Tcp, "127.0.0.1".parse().unwrap(), 0x7c9),
-        (Transport::Rdma, addr, 0x4d4a),
-    ] {
+    if let Some(targets) = remote {
+        // Targets started elsewhere (another network namespace): RDMA only.
+        println!("=== Rdma to {targets:?}");
+        let t0 = Instant::now();
+        match integrity(Transport::Rdma, Err(targets), &devices, 0x5e5e) {
+            Ok(()) => println!("Rdma: ok in {:.1} s", t0.elapsed().as_secs_f64()),
+            Err(e) => {
+                eprintln!("rdma_lab: Rdma: FAILED: {e}");
+                failed = true;
+            }
+        }
+    }
+    let local = if args.iter().any(|a| a == "--remote") {
+        Vec::new()
+    } else {
+        vec![
+            (Transport::Tcp, "127.0.0.1".parse().unwrap(), 0x7c9),
+            (Transport::Rdma, addr, 0x4d4a),
+        ]
+    };
+    for (transport, ip, seed) in local {
         println!("=== {transport:?} on {ip}");
         let t0 = Instant::now();
-        match integrity(transport, ip, &devices, seed) {
+        match integrity(transport, Ok(ip), &devices, seed) {
             Ok(()) => println!("{transport:?}: ok in {:.1} s", t0.elapsed().as_secs_f64()),
             Err(e) => {
                 eprintln!("rdma_lab: {transport:?}: FAILED: {e}");
@@ -122,7 +151,10 @@ fn volume_cfg(transport: Transport, targets: &[SocketAddr]) -> VolumeConfig {
 /// Where volume byte `off` lives: (target, byte offset on its device).
 fn locate(off: u64, targets: u64) -> (usize, u64) {
     let unit = off / STRIPE;
-    ((unit % targets) as usize, unit / targets * STRIPE + off % STRIPE)
+    (
+        (unit % targets) as usize,
+        unit / targets * STRIPE + off % STRIPE,
+    )
 }
 
 fn alloc(v: &Volume, len: usize) -> Result<FixedBuf, String> {
@@ -130,7 +162,9 @@ fn alloc(v: &Volume, len: usize) -> Result<FixedBuf, String> {
     let t0 = Instant::now();
     while b.is_none() {
         if t0.elapsed() > Duration::from_secs(20) {
-            return Err(format!("no {len}-byte buffer in the volume's arena for 20 s"));
+            return Err(format!(
+                "no {len}-byte buffer in the volume's arena for 20 s"
+            ));
         }
         std::thread::sleep(Duration::from_millis(1));
         b = v.alloc(len);
@@ -144,14 +178,36 @@ fn check_done(d: &Done) -> Result<(), String> {
         .map_err(|e| format!("stream {} write {} failed: {e}", d.stream, d.id))
 }
 
-fn integrity(transport: Transport, ip: IpAddr, devices: &[PathBuf], seed: u64) -> Result<(), String> {
-    let port0 = if transport == Transport::Tcp { 4440 } else { 4450 };
-    let (targets, stats) = start_targets(transport, ip, devices, port0)?;
+/// `at`: the address to start targets on here, or the addresses of targets already running
+/// (their counters are then not seen here).
+fn integrity(
+    transport: Transport,
+    at: Result<IpAddr, Vec<SocketAddr>>,
+    devices: &[PathBuf],
+    seed: u64,
+) -> Result<(), String> {
+    let port0 = if transport == Transport::Tcp {
+        4440
+    } else {
+        4450
+    };
+    let (targets, stats) = match at {
+        Ok(ip) => start_targets(transport, ip, devices, port0)?,
+        Err(addrs) => (addrs, Vec::new()),
+    };
     let nt = targets.len() as u64;
     let (mut v, rep) =
         Volume::open(volume_cfg(transport, &targets)).map_err(|e| format!("open: {e}"))?;
-    if rep.prefix_end.iter().take(STREAMS as usize).any(|&p| p != 1) {
-        return Err(format!("fresh logs, yet recovery found prefixes {:?}", rep.prefix_end));
+    if rep
+        .prefix_end
+        .iter()
+        .take(STREAMS as usize)
+        .any(|&p| p != 1)
+    {
+        return Err(format!(
+            "fresh logs, yet recovery found prefixes {:?}",
+            rep.prefix_end
+        ));
     }
 
     // 1. Ordered writes of 4..128 KiB, one group each; orderless writes between them.
@@ -168,7 +224,8 @@ fn integrity(transport: Transport, ip: IpAddr, devices: &[PathBuf], seed: u64) -
             next[s as usize] += len;
             let mut b = alloc(&v, len as usize)?;
             fill_pattern(&mut b, off, seed);
-            v.submit(s, off, b, true).map_err(|e| format!("submit: {e}"))?;
+            v.submit(s, off, b, true)
+                .map_err(|e| format!("submit: {e}"))?;
             written.push((off, len as usize));
             bytes += len;
             done.extend(v.poll().map_err(|e| format!("poll: {e}"))?);
@@ -177,7 +234,8 @@ fn integrity(transport: Transport, ip: IpAddr, devices: &[PathBuf], seed: u64) -
             let off = 2 * AREA + g as u64 * 16384;
             let mut b = alloc(&v, 16384)?;
             fill_pattern(&mut b, off, seed);
-            v.write_orderless(0, off, b).map_err(|e| format!("orderless: {e}"))?;
+            v.write_orderless(0, off, b)
+                .map_err(|e| format!("orderless: {e}"))?;
             written.push((off, 16384));
             bytes += 16384;
         }
@@ -217,7 +275,11 @@ fn integrity(transport: Transport, ip: IpAddr, devices: &[PathBuf], seed: u64) -
         check_done(&d[0])?;
         let mut want = vec![0u8; len];
         fill_pattern(&mut want, off, seed);
-        same(&format!("volume read at {off} ({len} bytes)"), &d[0].buf, &want)?;
+        same(
+            &format!("volume read at {off} ({len} bytes)"),
+            &d[0].buf,
+            &want,
+        )?;
     }
     println!("read back through the volume: {} ranges", written.len());
 
@@ -232,14 +294,19 @@ fn integrity(transport: Transport, ip: IpAddr, devices: &[PathBuf], seed: u64) -
         .map_err(|e| format!("lbio: {e}"))?;
     let backs: Vec<Device> = devices
         .iter()
-        .map(|d| Device::open(&lbio, d, DeviceConfig::default()).map_err(|e| format!("{}: {e}", d.display())))
+        .map(|d| {
+            Device::open(&lbio, d, DeviceConfig::default())
+                .map_err(|e| format!("{}: {e}", d.display()))
+        })
         .collect::<Result<_, _>>()?;
     let mut units = 0;
     for &(off, len) in &written {
         let mut at = off;
         while at < off + len as u64 {
             let (t, toff) = locate(at, nt);
-            let mut b = engine.alloc_blocking(STRIPE as usize).map_err(|e| e.to_string())?;
+            let mut b = engine
+                .alloc_blocking(STRIPE as usize)
+                .map_err(|e| e.to_string())?;
             b.set_len(STRIPE as usize).map_err(|e| e.to_string())?;
             let b = backs[t]
                 .read_at_blocking(toff, b)
@@ -264,7 +331,8 @@ fn integrity(transport: Transport, ip: IpAddr, devices: &[PathBuf], seed: u64) -
         let off = base + g * 8192;
         let mut b = alloc(&v, 8192)?;
         fill_pattern(&mut b, off, seed ^ 0xdead);
-        v.submit(0, off, b, true).map_err(|e| format!("submit: {e}"))?;
+        v.submit(0, off, b, true)
+            .map_err(|e| format!("submit: {e}"))?;
         for d in v.poll().map_err(|e| format!("poll: {e}"))? {
             check_done(&d)?;
             acked.push(d.seq);
@@ -295,7 +363,11 @@ fn integrity(transport: Transport, ip: IpAddr, devices: &[PathBuf], seed: u64) -
         check_done(&d[0])?;
         let mut want = vec![0u8; 8192];
         fill_pattern(&mut want, off, seed ^ 0xdead);
-        same(&format!("group {seq} below the recovered prefix"), &d[0].buf, &want)?;
+        same(
+            &format!("group {seq} below the recovered prefix"),
+            &d[0].buf,
+            &want,
+        )?;
     }
     drop(v);
     let mut total_reads = 0;
@@ -309,7 +381,7 @@ fn integrity(transport: Transport, ip: IpAddr, devices: &[PathBuf], seed: u64) -
         total_reads += s.rdma_reads;
         total_r2t += s.r2ts;
     }
-    if transport == Transport::Rdma && (total_reads == 0 || total_r2t != 0) {
+    if transport == Transport::Rdma && !stats.is_empty() && (total_reads == 0 || total_r2t != 0) {
         return Err(format!(
             "over RDMA the targets should pull every write with RDMA READ: {total_reads} READs, {total_r2t} R2Ts"
         ));

@@ -461,7 +461,7 @@ impl Volume {
             }
             #[cfg(feature = "rdma")]
             Transport::Rdma => {
-                let link = crate::rdma::Link::connect(addr, Duration::from_secs(2))
+                let link = crate::rdma::Link::connect(addr, Duration::from_secs(5))
                     .map_err(|e| NetError::io("RDMA connect to", addr, e))?;
                 Conn::rdma(link, MAX_PDU)
             }
@@ -540,8 +540,7 @@ impl Volume {
                     std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer"),
                 ));
             }
-            wait_fds(&c.fds(true), Some(left))
-                .map_err(|e| NetError::io("poll", addr, e))?;
+            wait_fds(&c.fds(true), Some(left)).map_err(|e| NetError::io("poll", addr, e))?;
             c.fill()
                 .map_err(|e| NetError::io("receive from", addr, e))?;
         }
@@ -720,7 +719,10 @@ impl Volume {
         // every connection (and so every link) before the engine.
         #[allow(unsafe_code)]
         let k = unsafe { link.register(a.base_ptr(), a.bytes()) };
-        Ok(Some(k.map_err(|e| NetError::io("registering the arena for", peer, e))?.rkey))
+        Ok(Some(
+            k.map_err(|e| NetError::io("registering the arena for", peer, e))?
+                .rkey,
+        ))
     }
 
     #[cfg(not(feature = "rdma"))]

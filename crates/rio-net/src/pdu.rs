@@ -809,6 +809,23 @@ mod tests {
     const MAX: u32 = 1 << 20;
 
     #[test]
+    fn keyed_sgl_carries_address_length_and_key() {
+        let mut sqe = Sqe::default();
+        sqe.set_opcode(op::WRITE);
+        sqe.set_keyed_sgl(0x7f12_3456_7000, 131072, 0xa1b2_c3d4);
+        assert_eq!(
+            sqe.keyed_sgl(),
+            Some((0x7f12_3456_7000, 131072, 0xa1b2_c3d4))
+        );
+        // The length is 24 bits: the key's low byte must not leak into it.
+        assert_eq!(sqe.sgl(), (0x7f12_3456_7000, 131072, SGL_KEYED));
+        assert_eq!(sqe.0[1] & 0xc0, 0x40, "PSDT says SGL");
+        sqe.set_sgl(4096, true);
+        assert_eq!(sqe.keyed_sgl(), None);
+        assert_eq!(sqe.sgl(), (0, 4096, SGL_IN_CAPSULE));
+    }
+
+    #[test]
     fn every_pdu_round_trips_with_and_without_digests() {
         for dg in [
             Digests::default(),

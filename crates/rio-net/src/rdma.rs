@@ -110,7 +110,9 @@ impl Channel {
         // SAFETY: creates a channel; null on failure.
         let ch = unsafe { rdma_create_event_channel() };
         if ch.is_null() {
-            return Err(os_err("rdma_create_event_channel (is an RDMA device configured?)"));
+            return Err(os_err(
+                "rdma_create_event_channel (is an RDMA device configured?)",
+            ));
         }
         Ok(Channel(ch))
     }
@@ -325,7 +327,10 @@ impl Link {
             attr.cap.max_recv_wr = RECVS as u32;
             attr.cap.max_send_sge = 1;
             attr.cap.max_recv_sge = 1;
-            check(rdma_create_qp(self.id, self.pd, &mut attr), "rdma_create_qp")?;
+            check(
+                rdma_create_qp(self.id, self.pd, &mut attr),
+                "rdma_create_qp",
+            )?;
             self.qp_made = true;
         }
         self.recv = Some(Region::new(self.pd, RECVS * MSG)?);
@@ -360,7 +365,10 @@ impl Link {
 
     fn arm(&mut self) -> io::Result<()> {
         // SAFETY: cq is live.
-        check(unsafe { ibv_req_notify_cq(self.cq, 0) }, "ibv_req_notify_cq")
+        check(
+            unsafe { ibv_req_notify_cq(self.cq, 0) },
+            "ibv_req_notify_cq",
+        )
     }
 
     /// Connect to a listening [`Listener`] at `addr`.
@@ -401,7 +409,12 @@ impl Link {
     }
 
     fn expect(&mut self, want: u32, timeout: Duration) -> io::Result<()> {
-        let (_, ev, status) = self.ch.next(timeout)?;
+        let (_, ev, status) = self.ch.next(timeout).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("{}: waiting for {}: {e}", self.peer, event_name(want)),
+            )
+        })?;
         if ev == want {
             return Ok(());
         }

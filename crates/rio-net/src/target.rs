@@ -942,12 +942,17 @@ impl TConn {
             for (id, err) in done {
                 let cid = id as u16;
                 let Some(col) = self.pulling.remove(&cid) else {
-                    return Err(format!("RDMA READ completion for command {cid}, which pulls nothing"));
+                    return Err(format!(
+                        "RDMA READ completion for command {cid}, which pulls nothing"
+                    ));
                 };
                 match err {
                     None => self.ready(col.sqe, col.data)?,
                     Some(e) => {
-                        eprintln!("aios target: {}: RDMA READ for command {cid} failed: {e}", self.peer);
+                        eprintln!(
+                            "aios target: {}: RDMA READ for command {cid} failed: {e}",
+                            self.peer
+                        );
                         self.respond(cid, Status::DATA_TRANSFER_ERROR, 0, 0);
                     }
                 }
