@@ -10,6 +10,9 @@ use crate::{run_checked, say};
 
 pub const META_PACKAGE: &str = "linux-image-amd64";
 pub const PKG_ENV: &str = "AIOS_LAB_KERNEL_PKG";
+/// The Debian suite the kernel comes from (default `<codename>-backports`), e.g.
+/// `trixie-backports` for a newer kernel than bookworm's backports carry.
+pub const SUITE_ENV: &str = "AIOS_LAB_KERNEL_SUITE";
 const COMPLETE: &str = ".aios-lab-complete";
 
 pub struct Kernel {
@@ -42,8 +45,8 @@ pub fn parse_depends(out: &str) -> Option<String> {
 pub enum Source {
     /// The machine's own apt sources (for a package named in `AIOS_LAB_KERNEL_PKG`).
     System,
-    /// `<codename>-backports`, through a private apt configuration under `target/lab/apt/`
-    /// (the machine's sources are not touched).
+    /// `<codename>-backports` (or `AIOS_LAB_KERNEL_SUITE`), through a private apt configuration
+    /// under `target/lab/apt/` (the machine's sources are not touched).
     Backports(PathBuf),
 }
 
@@ -87,11 +90,23 @@ pub fn resolve_package(lab_dir: &Path) -> Result<(String, Source), String> {
             return Ok((pkg, Source::System));
         }
     }
-    let dir = lab_dir.join("apt");
+    let default_suite = format!("{}-backports", codename());
+    let suite = std::env::var(SUITE_ENV)
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or(default_suite.clone());
+    if !suite.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
+        return Err(format!("{SUITE_ENV}={suite:?} is not a suite name"));
+    }
+    // The default suite keeps the directory earlier runs used; others get their own.
+    let dir = if suite == default_suite {
+        lab_dir.join("apt")
+    } else {
+        lab_dir.join(format!("apt-{suite}"))
+    };
     for sub in ["lists/partial", "cache/archives/partial"] {
         fs::create_dir_all(dir.join(sub)).map_err(|e| format!("{}: {e}", dir.display()))?;
     }
-    let suite = format!("{}-backports", codename());
     let list = format!("deb http://deb.debian.org/debian {suite} main\n");
     let sources = dir.join("sources.list");
     let fresh = fs::read_to_string(&sources).ok().as_deref() == Some(list.as_str())
@@ -144,36 +159,75 @@ pub fn fetch(pkg: &str, source: &Source, lab_dir: &Path) -> Result<Kernel, Strin
     } else {
         let cache = lab_dir.join("cache");
         fs::create_dir_all(&cache).map_err(|e| format!("{}: {e}", cache.display()))?;
-        let deb = match find_deb(&cache, pkg) {
-            Some(deb) => deb,
-            None => {
-                say(&format!("lab: fetching kernel {pkg} (apt-get download) …"));
-                let mut cmd = Command::new("apt-get");
-                cmd.args(source.apt_options())
-                    .args(["download", pkg])
-                    .current_dir(&cache);
-                run_checked(&mut cmd, "apt-get download")?;
-                find_deb(&cache, pkg).ok_or_else(|| {
-                    format!(
-                        "apt-get download left no {pkg}_*.deb in {}",
-                        cache.display()
-                    )
-                })?
-            }
-        };
-        say(&format!("lab: unpacking {} …", deb.display()));
         let tmp = lab_dir.join("kernel").join(format!(".{pkg}.unpacking"));
         let _ = fs::remove_dir_all(&tmp);
         fs::create_dir_all(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
-        let mut cmd = Command::new("dpkg");
-        cmd.arg("-x").arg(&deb).arg(&tmp);
-        run_checked(&mut cmd, "dpkg -x")?;
+        unpack(&download(pkg, source, &cache)?, &tmp)?;
+        if find_layout(&tmp).is_none() {
+            // Newer Debian kernels (7.x) split the image: `linux-image-V` only depends on
+            // `linux-binary-V` (vmlinuz), `linux-modules-V` and `linux-base-V` (modules.*).
+            let v = pkg.strip_prefix("linux-image-").unwrap_or(pkg);
+            for part in ["binary", "modules", "base"] {
+                let p = format!("linux-{part}-{v}");
+                unpack(&download(&p, source, &cache)?, &tmp)?;
+            }
+        }
         fs::write(tmp.join(COMPLETE), pkg).map_err(|e| e.to_string())?;
         let _ = fs::remove_dir_all(&root);
         fs::rename(&tmp, &root)
             .map_err(|e| format!("rename {} → {}: {e}", tmp.display(), root.display()))?;
     }
     Kernel::open(pkg, &root)
+}
+
+/// The package's `.deb` in `cache`, downloaded once.
+fn download(pkg: &str, source: &Source, cache: &Path) -> Result<PathBuf, String> {
+    if let Some(deb) = find_deb(cache, pkg) {
+        return Ok(deb);
+    }
+    say(&format!("lab: fetching {pkg} (apt-get download) …"));
+    let mut cmd = Command::new("apt-get");
+    cmd.args(source.apt_options())
+        .args(["download", pkg])
+        .current_dir(cache);
+    run_checked(&mut cmd, "apt-get download")?;
+    find_deb(cache, pkg).ok_or_else(|| {
+        format!(
+            "apt-get download left no {pkg}_*.deb in {}",
+            cache.display()
+        )
+    })
+}
+
+fn unpack(deb: &Path, into: &Path) -> Result<(), String> {
+    say(&format!("lab: unpacking {} …", deb.display()));
+    let mut cmd = Command::new("dpkg");
+    cmd.arg("-x").arg(deb).arg(into);
+    run_checked(&mut cmd, "dpkg -x")
+}
+
+/// Where an unpacked kernel keeps its modules and image: `(lib/modules/V, vmlinuz)` under
+/// `root`, for the classic layout (`lib/modules`, `boot/vmlinuz-V`) and the merged-/usr one
+/// (`usr/lib/modules/V/vmlinuz`). `None` until both are there.
+fn find_layout(root: &Path) -> Option<(PathBuf, PathBuf)> {
+    for mods in ["lib/modules", "usr/lib/modules"] {
+        let Ok(rd) = fs::read_dir(root.join(mods)) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let v = e.file_name().into_string().ok()?;
+            let dir = root.join(mods).join(&v);
+            for img in [
+                root.join("boot").join(format!("vmlinuz-{v}")),
+                dir.join("vmlinuz"),
+            ] {
+                if img.is_file() && dir.join("kernel").is_dir() {
+                    return Some((dir, img));
+                }
+            }
+        }
+    }
+    None
 }
 
 fn find_deb(cache: &Path, pkg: &str) -> Option<PathBuf> {
@@ -204,22 +258,17 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
 
 impl Kernel {
     fn open(pkg: &str, root: &Path) -> Result<Kernel, String> {
-        let mods = root.join("lib/modules");
-        let versions: Vec<String> = fs::read_dir(&mods)
-            .map_err(|e| format!("{}: {e}", mods.display()))?
-            .filter_map(|e| e.ok()?.file_name().into_string().ok())
-            .collect();
-        let [version] = versions.as_slice() else {
-            return Err(format!(
-                "expected one kernel version in {}, found {versions:?}",
-                mods.display()
-            ));
-        };
-        let vmlinuz = root.join("boot").join(format!("vmlinuz-{version}"));
-        if !vmlinuz.is_file() {
-            return Err(format!("{} is missing", vmlinuz.display()));
-        }
-        let modules_dir = mods.join(version);
+        let (modules_dir, vmlinuz) = find_layout(root).ok_or_else(|| {
+            format!(
+                "{}: no kernel image with modules (lib/modules/V and boot/vmlinuz-V, or usr/lib/modules/V/vmlinuz)",
+                root.display()
+            )
+        })?;
+        let version = modules_dir
+            .file_name()
+            .and_then(|v| v.to_str())
+            .ok_or("kernel version directory is not UTF-8")?
+            .to_string();
         let builtin = fs::read_to_string(modules_dir.join("modules.builtin"))
             .unwrap_or_default()
             .lines()
@@ -244,7 +293,7 @@ impl Kernel {
             .collect();
         Ok(Kernel {
             pkg: pkg.to_string(),
-            version: version.clone(),
+            version,
             vmlinuz,
             modules_dir,
             builtin,

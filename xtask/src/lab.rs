@@ -78,6 +78,11 @@ pub fn main(args: Args) -> ExitCode {
             let arts: Vec<String> = s.artifacts.iter().map(|a| a.to_string()).collect();
             println!("{:<14} {env}{}    [{}]", s.name, s.command, arts.join(","));
         }
+        println!("\nonly with --only NAME:");
+        for s in plan::extra_steps() {
+            let arts: Vec<String> = s.artifacts.iter().map(|a| a.to_string()).collect();
+            println!("{:<14} {}    [{}]", s.name, s.command, arts.join(","));
+        }
         return ExitCode::SUCCESS;
     }
     match run(&args) {
@@ -278,6 +283,12 @@ fn run(args: &Args) -> Result<bool, Failure> {
         qemu_log: run_dir.join("qemu.log"),
         memory_mib: 2048,
         smp: 2,
+        single_thread_tcg: kernel
+            .version
+            .split('.')
+            .next()
+            .and_then(|m| m.parse::<u32>().ok())
+            .is_some_and(|major| major >= 7),
         boot: 1,
     };
     say(&format!(

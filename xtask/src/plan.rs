@@ -185,16 +185,44 @@ pub fn boots(steps: &[Step]) -> Vec<std::ops::Range<usize>> {
     out
 }
 
-pub fn default_plan() -> Vec<Step> {
-    DEFAULT_PLAN
-        .iter()
+/// Steps run only when named with `--only`: they need a kernel other than the default one.
+const EXTRA_STEPS: &[StepDef] = &[
+    // rio-net over RDMA between two network namespaces: a veth pair with one end and one
+    // Soft-RoCE device in each; two `aios target --transport rdma` processes in namespace `t`,
+    // rdma_lab's initiator in namespace `i`. Needs a kernel whose rxe routes in the device's
+    // namespace (7.x; 6.12's rxe sends through the initial namespace only):
+    // `AIOS_LAB_KERNEL_SUITE=trixie-backports cargo xtask lab --only rdma-netns`.
+    StepDef {
+        name: "rdma-netns",
+        command: "mount -t tmpfs tmpfs /run && mkdir -p /run/netns \
+            && /usr/bin/ip netns add i && /usr/bin/ip netns add t \
+            && /usr/bin/ip link add va type veth peer name vb \
+            && /usr/bin/ip link set va netns i && /usr/bin/ip link set vb netns t \
+            && /usr/bin/ip -n i addr add 10.9.1.1/24 dev va && /usr/bin/ip -n t addr add 10.9.1.2/24 dev vb \
+            && /usr/bin/ip -n i link set va up && /usr/bin/ip -n t link set vb up \
+            && /usr/bin/ip -n i link set lo up && /usr/bin/ip -n t link set lo up \
+            && /usr/bin/ip netns exec i /usr/bin/rdma link add rxe0 type rxe netdev va \
+            && /usr/bin/ip netns exec t /usr/bin/rdma link add rxe1 type rxe netdev vb \
+            && /usr/bin/ip netns exec i ping -c 1 -W 5 10.9.1.2 >/dev/null || exit 1; \
+            /usr/bin/ip netns exec t aios target --transport rdma --listen 10.9.1.2:4450 --device /dev/nullb0 --ns-bytes 64m --format --streams 4 & p0=$!; \
+            /usr/bin/ip netns exec t aios target --transport rdma --listen 10.9.1.2:4451 --device /dev/nullb1 --ns-bytes 64m --format --streams 4 & p1=$!; \
+            sleep 3; /usr/bin/ip netns exec i rdma_lab --integrity --remote 10.9.1.2:4450,10.9.1.2:4451; rc=$?; \
+            kill $p0 $p1; wait; exit $rc",
+        artifacts: &["bin:aios", "test:rdma_lab"],
+        env: &[("AIOS_LAB_RDMA_DEVICES", "/dev/nullb0,/dev/nullb1")],
+        cuts_power: false,
+    },
+];
+
+fn to_steps(defs: &[StepDef]) -> Vec<Step> {
+    defs.iter()
         .map(|d| Step {
             name: d.name.to_string(),
             command: d.command.to_string(),
             artifacts: d
                 .artifacts
                 .iter()
-                .map(|a| a.parse().expect("valid artifact in DEFAULT_PLAN"))
+                .map(|a| a.parse().expect("valid artifact in the plan"))
                 .collect(),
             env: d
                 .env
@@ -204,6 +232,15 @@ pub fn default_plan() -> Vec<Step> {
             cuts_power: d.cuts_power,
         })
         .collect()
+}
+
+pub fn default_plan() -> Vec<Step> {
+    to_steps(DEFAULT_PLAN)
+}
+
+/// Steps `--only` can name besides the default plan's.
+pub fn extra_steps() -> Vec<Step> {
+    to_steps(EXTRA_STEPS)
 }
 
 fn check_name(name: &str) -> Result<(), String> {
@@ -254,14 +291,12 @@ pub fn select(
     artifacts: Option<&str>,
 ) -> Result<(Vec<Step>, Vec<Spec>), String> {
     let defaults = default_plan();
+    let known: Vec<Step> = defaults.iter().cloned().chain(extra_steps()).collect();
     let mut steps = Vec::new();
     for name in only {
-        let step = defaults.iter().find(|s| &s.name == name).ok_or_else(|| {
-            let names: Vec<&str> = defaults.iter().map(|s| s.name.as_str()).collect();
-            format!(
-                "--only {name}: no such step in the default plan ({})",
-                names.join(", ")
-            )
+        let step = known.iter().find(|s| &s.name == name).ok_or_else(|| {
+            let names: Vec<&str> = known.iter().map(|s| s.name.as_str()).collect();
+            format!("--only {name}: no such step ({})", names.join(", "))
         })?;
         if !steps.contains(step) {
             steps.push(step.clone());

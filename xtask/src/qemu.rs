@@ -24,6 +24,9 @@ pub struct Config {
     pub qemu_log: PathBuf,
     pub memory_mib: u32,
     pub smp: u32,
+    /// One host thread for all vCPUs. Debian's 7.x kernels oops (int3 in boot-time text
+    /// patching) under this QEMU's (7.2) multi-threaded TCG; single-threaded TCG boots them.
+    pub single_thread_tcg: bool,
     /// Which boot of the run (`aios.boot=N` on the kernel command line; 1 for the first).
     pub boot: u32,
 }
@@ -32,7 +35,11 @@ pub fn command(cfg: &Config) -> Command {
     let mut cmd = Command::new("qemu-system-x86_64");
     cmd.args([
         "-accel",
-        "tcg",
+        if cfg.single_thread_tcg {
+            "tcg,thread=single"
+        } else {
+            "tcg"
+        },
         "-cpu",
         "max",
         "-smp",
