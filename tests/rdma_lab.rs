@@ -157,19 +157,25 @@ fn locate(off: u64, targets: u64) -> (usize, u64) {
     )
 }
 
-fn alloc(v: &Volume, len: usize) -> Result<FixedBuf, String> {
-    let mut b = v.alloc(len);
+/// A buffer from the volume's arena; while it is full, drive the volume (finished requests
+/// give their buffers back) and keep what finishes in `done`.
+fn alloc(v: &mut Volume, len: usize, done: &mut Vec<Done>) -> Result<FixedBuf, String> {
     let t0 = Instant::now();
-    while b.is_none() {
+    loop {
+        if let Some(b) = v.alloc(len) {
+            return Ok(b);
+        }
         if t0.elapsed() > Duration::from_secs(20) {
             return Err(format!(
                 "no {len}-byte buffer in the volume's arena for 20 s"
             ));
         }
-        std::thread::sleep(Duration::from_millis(1));
-        b = v.alloc(len);
+        let got = v.poll().map_err(|e| format!("poll: {e}"))?;
+        if got.is_empty() {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        done.extend(got);
     }
-    Ok(b.expect("some"))
 }
 
 fn check_done(d: &Done) -> Result<(), String> {
@@ -222,7 +228,7 @@ fn integrity(
             let len = sizes[(g + s as usize) % sizes.len()];
             let off = s as u64 * AREA + next[s as usize];
             next[s as usize] += len;
-            let mut b = alloc(&v, len as usize)?;
+            let mut b = alloc(&mut v, len as usize, &mut done)?;
             fill_pattern(&mut b, off, seed);
             v.submit(s, off, b, true)
                 .map_err(|e| format!("submit: {e}"))?;
@@ -232,7 +238,7 @@ fn integrity(
         }
         if g % 8 == 0 {
             let off = 2 * AREA + g as u64 * 16384;
-            let mut b = alloc(&v, 16384)?;
+            let mut b = alloc(&mut v, 16384, &mut done)?;
             fill_pattern(&mut b, off, seed);
             v.write_orderless(0, off, b)
                 .map_err(|e| format!("orderless: {e}"))?;
@@ -269,7 +275,7 @@ fn integrity(
         bytes as f64 / secs / 1e6
     );
     for &(off, len) in &written {
-        let b = alloc(&v, len)?;
+        let b = alloc(&mut v, len, &mut Vec::new())?;
         v.read(1, off, b).map_err(|e| format!("read: {e}"))?;
         let d = v.wait_any().map_err(|e| format!("read: {e}"))?;
         check_done(&d[0])?;
@@ -329,7 +335,12 @@ fn integrity(
     let mut acked: Vec<u64> = Vec::new();
     for g in 0..200u64 {
         let off = base + g * 8192;
-        let mut b = alloc(&v, 8192)?;
+        let mut early = Vec::new();
+        let mut b = alloc(&mut v, 8192, &mut early)?;
+        for d in early {
+            check_done(&d)?;
+            acked.push(d.seq);
+        }
         fill_pattern(&mut b, off, seed ^ 0xdead);
         v.submit(0, off, b, true)
             .map_err(|e| format!("submit: {e}"))?;
@@ -357,7 +368,7 @@ fn integrity(
     }
     for seq in first_seq..prefix {
         let off = base + (seq - first_seq) * 8192;
-        let b = alloc(&v, 8192)?;
+        let b = alloc(&mut v, 8192, &mut Vec::new())?;
         v.read(1, off, b).map_err(|e| format!("read: {e}"))?;
         let d = v.wait_any().map_err(|e| format!("read: {e}"))?;
         check_done(&d[0])?;

@@ -125,6 +125,14 @@ impl NetBench {
         let mut writes = 0u64;
         let mut inflight = 0u32;
         let qd_total = self.qd * self.streams;
+        // `qd` is the commands each stream keeps on the wire (the volume's window) in both
+        // modes. A Rio write leaves the window when the targets complete it and is handed back
+        // when a trailing FLUSH makes it durable, so the benchmark may hold more Rio writes
+        // than `qd` (up to the volume's hold limit); `submit` waits while the window is full.
+        let cap = match mode {
+            OrderedMode::Rio => qd_total * rio_net::HELD_PER_WINDOW,
+            _ => qd_total,
+        };
         let mut s = 0u16;
         let alloc = |v: &Volume| -> Result<_, BenchError> {
             let mut b = v
@@ -156,7 +164,7 @@ impl NetBench {
                 loop {
                     let now = Instant::now();
                     if now < deadline {
-                        while inflight < qd_total {
+                        while inflight < cap {
                             let off = xorshift(&mut x) % blocks * 4096;
                             let b = alloc(&v)?;
                             let id = if rio {

@@ -39,7 +39,10 @@ pub struct VolumeConfig {
     pub streams: u16,
     /// Stripe unit in bytes (a multiple of 4 KiB).
     pub stripe: u32,
-    /// Writes per stream not yet handed back; submitting more waits.
+    /// Requests per stream in flight (sent and not yet completed by the targets); submitting
+    /// more waits. Ordered writes that completed but are not yet durable leave the window
+    /// (their FLUSH trails them) and are held, up to [`HELD_PER_WINDOW`] × `window` per
+    /// stream, until they are handed back.
     pub window: u32,
     pub digests: Digests,
     /// A connection with commands out that receives nothing this long counts as failed.
@@ -75,6 +78,9 @@ impl VolumeConfig {
         }
     }
 }
+
+/// Writes a stream may hold (completed, waiting to become durable) per unit of window.
+pub const HELD_PER_WINDOW: u32 = 8;
 
 /// A finished request. Ordered writes: durable, and every earlier write of the stream too.
 #[derive(Debug)]
@@ -252,6 +258,8 @@ struct Req {
     offset: u64,
     buf: Option<FixedBuf>,
     pieces: u32,
+    /// Pieces the targets completed (durable or not).
+    completed: u32,
     durable: u32,
     failed: Option<String>,
 }
@@ -272,7 +280,10 @@ struct Stream {
     mark_told: Vec<u64>,
     durable_below: u64,
     next_id: u64,
+    /// Requests not yet handed back.
     not_done: u32,
+    /// Requests not yet completed by the targets (the window).
+    in_flight: u32,
 }
 
 /// An orderless write or a read in flight.
@@ -388,6 +399,7 @@ impl Volume {
                     durable_below: 1,
                     next_id: 1,
                     not_done: 0,
+                    in_flight: 0,
                 })
                 .collect(),
             plain: Vec::new(),
@@ -795,18 +807,18 @@ impl Volume {
             ));
         }
         self.check_range(offset, buf.len())?;
-        while self.streams[stream as usize].not_done >= self.cfg.window {
-            self.drive(true)?;
-        }
+        self.wait_for_room(stream)?;
         let st = &mut self.streams[stream as usize];
         let id = st.next_id;
         st.next_id += 1;
         st.not_done += 1;
+        st.in_flight += 1;
         st.open.push(Req {
             id,
             offset,
             buf: Some(buf),
             pieces: 0,
+            completed: 0,
             durable: 0,
             failed: None,
         });
@@ -814,6 +826,18 @@ impl Volume {
             self.close_group(stream)?;
         }
         Ok(id)
+    }
+
+    /// Wait until the stream has room in its window and may hold another write.
+    fn wait_for_room(&mut self, stream: u16) -> Result<(), NetError> {
+        let held = self.cfg.window.saturating_mul(HELD_PER_WINDOW);
+        loop {
+            let st = &self.streams[stream as usize];
+            if st.in_flight < self.cfg.window && st.not_done < held {
+                return Ok(());
+            }
+            self.drive(true)?;
+        }
     }
 
     fn close_group(&mut self, stream: u16) -> Result<(), NetError> {
@@ -929,14 +953,13 @@ impl Volume {
     ) -> Result<u64, NetError> {
         self.check_stream(stream)?;
         self.check_range(offset, buf.len())?;
-        while self.streams[stream as usize].not_done >= self.cfg.window {
-            self.drive(true)?;
-        }
+        self.wait_for_room(stream)?;
         let s = stream as usize;
         let nt = self.targets.len();
         let id = self.streams[s].next_id;
         self.streams[s].next_id += 1;
         self.streams[s].not_done += 1;
+        self.streams[s].in_flight += 1;
         let pieces = self.pieces(offset, buf.len() as u32);
         let slot = match self.plain_free.pop() {
             Some(x) => x,
@@ -1313,6 +1336,7 @@ impl Volume {
         });
         match cmd.kind {
             Kind::Ordered { seq, req } => {
+                self.piece_completed(s, seq, req);
                 if let Some(e) = err {
                     self.conns[i].order.retain(|&c| c != cqe.cid);
                     self.conns[i].release(cqe.cid);
@@ -1375,6 +1399,7 @@ impl Volume {
                     let p = self.plain[slot as usize].take().expect("present");
                     self.plain_free.push(slot);
                     self.streams[p.stream as usize].not_done -= 1;
+                    self.streams[p.stream as usize].in_flight -= 1;
                     self.ready.push_back(Done {
                         stream: p.stream,
                         seq: 0,
@@ -1386,6 +1411,26 @@ impl Volume {
             }
         }
         Ok(())
+    }
+
+    /// The targets completed a piece of request `req` of group `seq`: the request leaves the
+    /// window when all its pieces have.
+    fn piece_completed(&mut self, s: usize, seq: u64, req: u32) {
+        let st = &mut self.streams[s];
+        let Some(gi) = st.groups.front().and_then(|f| seq.checked_sub(f.seq)) else {
+            return;
+        };
+        let Some(r) = st
+            .groups
+            .get_mut(gi as usize)
+            .and_then(|g| g.reqs.get_mut(req as usize))
+        else {
+            return;
+        };
+        r.completed += 1;
+        if r.completed == r.pieces {
+            st.in_flight -= 1;
+        }
     }
 
     /// A piece of request `req` of group `seq` is durable (or failed): hand back what is now
@@ -1480,6 +1525,7 @@ impl Volume {
             if let Some(p) = self.plain[slot].take() {
                 self.plain_free.push(slot as u32);
                 self.streams[p.stream as usize].not_done -= 1;
+                self.streams[p.stream as usize].in_flight -= 1;
                 self.ready.push_back(Done {
                     stream: p.stream,
                     seq: 0,
@@ -1597,10 +1643,15 @@ impl Volume {
             let seqs: Vec<u64> = st.groups.iter().map(|g| g.seq).collect();
             for g in st.groups.iter_mut() {
                 for r in &mut g.reqs {
+                    r.completed = 0;
                     r.durable = 0;
                     r.failed = None;
                 }
             }
+            // Everything held is in flight again (the replay below resends it), and so are
+            // the writes of the open group; orderless requests were failed above.
+            st.in_flight =
+                (st.open.len() + st.groups.iter().map(|g| g.reqs.len()).sum::<usize>()) as u32;
             for seq in seqs {
                 self.send_group(s as u16, seq)?;
                 report.replayed += 1;
