@@ -1,7 +1,8 @@
 //! Target servers in network namespaces on this machine: one namespace per target, joined to
 //! the host by a veth pair (`10.77.N.1` on the host, `10.77.N.2` in namespace `aios-tN`), so a
-//! benchmark or fault test can kill a target, take its link down, or add delay with `tc netem`.
-//! Needs root and iproute2. Everything created is removed on drop.
+//! benchmark or fault test can kill a target or take its link down. (Delay and loss with
+//! `tc netem` are exercised in the lab guest instead, step `tcp-netem`: this host's kernel has
+//! no `sch_netem`.) Needs root and iproute2. Everything created is removed on drop.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -14,6 +14,9 @@
 //!    whole on both targets.
 //!
 //! Over RDMA the targets must have pulled write data with RDMA READ (and sent no R2T).
+//!
+//! `rdma_lab --integrity --remote A:P,B:P [--transport tcp|rdma]` runs the test against targets
+//! started elsewhere (in another network namespace: lab steps `rdma-netns` and `tcp-netem`).
 //! Not run on the host (no RDMA device there).
 
 mod common;
@@ -68,15 +71,23 @@ fn main() -> ExitCode {
         .split(',')
         .map(PathBuf::from)
         .collect();
+    let remote_transport: Transport = args
+        .iter()
+        .position(|a| a == "--transport")
+        .and_then(|i| args.get(i + 1))
+        .map_or(Transport::Rdma, |t| {
+            t.parse().expect("--transport tcp|rdma")
+        });
     let mut failed = false;
     if let Some(targets) = remote {
-        // Targets started elsewhere (another network namespace): RDMA only.
-        println!("=== Rdma to {targets:?}");
+        // Targets started elsewhere (another network namespace).
+        let tr = remote_transport;
+        println!("=== {tr:?} to {targets:?}");
         let t0 = Instant::now();
-        match integrity(Transport::Rdma, Err(targets), &devices, 0x5e5e) {
-            Ok(()) => println!("Rdma: ok in {:.1} s", t0.elapsed().as_secs_f64()),
+        match integrity(tr, Err(targets), &devices, 0x5e5e) {
+            Ok(()) => println!("{tr:?}: ok in {:.1} s", t0.elapsed().as_secs_f64()),
             Err(e) => {
-                eprintln!("rdma_lab: Rdma: FAILED: {e}");
+                eprintln!("rdma_lab: {tr:?}: FAILED: {e}");
                 failed = true;
             }
         }

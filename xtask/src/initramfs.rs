@@ -16,11 +16,12 @@ use crate::{ldd, say};
 pub const BUSYBOX: &str = "/bin/busybox";
 
 /// Host files copied into the guest at the same path (executables with their libraries), with
-/// the Debian package that brings each: iproute2's `ip` (busybox's has no veth or netns) and
-/// `rdma` (creates Soft-RoCE devices), and the rxe provider libibverbs loads for them.
+/// the Debian package that brings each: iproute2's `ip` (busybox's has no veth or netns),
+/// `rdma` (creates Soft-RoCE devices) and `tc` (netem), and the rxe provider libibverbs loads.
 pub const HOST_FILES: &[(&str, &str)] = &[
     ("/usr/bin/ip", "iproute2"),
     ("/usr/bin/rdma", "iproute2"),
+    ("/usr/sbin/tc", "iproute2"),
     (
         "/usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so",
         "ibverbs-providers",
@@ -279,7 +280,7 @@ pub fn build(
     for (path, _) in HOST_FILES {
         let host = Path::new(path);
         let real = fs::canonicalize(host).map_err(|e| format!("{path}: {e}"))?;
-        let exec = path.ends_with(".so") || path.contains("/bin/");
+        let exec = path.ends_with(".so") || path.contains("bin/");
         a.file(
             path.trim_start_matches('/'),
             if exec { 0o755 } else { 0o644 },

@@ -31,6 +31,8 @@ pub const MODULES: &[(&str, &str)] = &[
     ("veth", ""),
     ("rdma_ucm", ""),
     ("rdma_rxe", ""),
+    // Delay and loss on a veth link (tcp-netem).
+    ("sch_netem", ""),
 ];
 
 struct StepDef {
@@ -131,6 +133,28 @@ const DEFAULT_PLAN: &[StepDef] = &[
             ("AIOS_LAB_RDMA_ADDR", "10.9.0.1"),
             ("AIOS_LAB_RDMA_DEVICES", "/dev/nullb0,/dev/nullb1"),
         ],
+        cuts_power: false,
+    },
+    // rio-net over TCP through a slow, lossy link: two targets in network namespace `t`, the
+    // initiator in `i`, netem adding 2 ms ± 1 ms of delay and 1 % loss on both veth ends.
+    StepDef {
+        name: "tcp-netem",
+        command: "mount -t tmpfs tmpfs /run && mkdir -p /run/netns \
+            && /usr/bin/ip netns add i && /usr/bin/ip netns add t \
+            && /usr/bin/ip link add va type veth peer name vb \
+            && /usr/bin/ip link set va netns i && /usr/bin/ip link set vb netns t \
+            && /usr/bin/ip -n i addr add 10.9.2.1/24 dev va && /usr/bin/ip -n t addr add 10.9.2.2/24 dev vb \
+            && /usr/bin/ip -n i link set va up && /usr/bin/ip -n t link set vb up \
+            && /usr/bin/ip -n i link set lo up && /usr/bin/ip -n t link set lo up \
+            && /usr/sbin/tc -n i qdisc add dev va root netem delay 2ms 1ms loss 1% \
+            && /usr/sbin/tc -n t qdisc add dev vb root netem delay 2ms 1ms loss 1% \
+            && /usr/sbin/tc -n i qdisc show dev va || exit 1; \
+            /usr/bin/ip netns exec t aios target --listen 10.9.2.2:4460 --device /dev/nullb0 --ns-bytes 64m --format --streams 4 & p0=$!; \
+            /usr/bin/ip netns exec t aios target --listen 10.9.2.2:4461 --device /dev/nullb1 --ns-bytes 64m --format --streams 4 & p1=$!; \
+            sleep 2; /usr/bin/ip netns exec i rdma_lab --integrity --remote 10.9.2.2:4460,10.9.2.2:4461 --transport tcp; rc=$?; \
+            kill $p0 $p1; wait; exit $rc",
+        artifacts: &["bin:aios", "test:rdma_lab"],
+        env: &[("AIOS_LAB_RDMA_DEVICES", "/dev/nullb0,/dev/nullb1")],
         cuts_power: false,
     },
     // Rio's attribute log on the controller's PMR across two power cuts (tests/pmr_lab.rs).
@@ -349,6 +373,7 @@ mod tests {
                 "tcp-linux-host",
                 "tcp-linux-target",
                 "rdma-rxe",
+                "tcp-netem",
                 "pmr-cut-1",
                 "pmr-cut-2",
                 "pmr-recover"
@@ -357,7 +382,7 @@ mod tests {
         let b = boots(&plan);
         assert_eq!(
             b,
-            [0..11, 11..12, 12..13],
+            [0..12, 12..13, 13..14],
             "a boot ends after each power cut"
         );
         for s in &plan {
