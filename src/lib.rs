@@ -16,6 +16,7 @@
 #![forbid(unsafe_code)]
 
 pub use aios_core as core;
+pub use fs_fuse as fs;
 pub use journal;
 pub use lbio;
 pub use pagecache;

@@ -46,6 +46,38 @@ enum Cmd {
     Bench(BenchCmd),
     /// Serve a device over NVMe/TCP as a Rio target (ordered writes with an attribute log).
     Target(TargetArgs),
+    /// Make an empty aiosfs on an image file or block device.
+    Mkfs(MkfsArgs),
+    /// Check an aiosfs image; exit 0 when clean, 4 when damaged, 8 when it is no aiosfs or
+    /// cannot be read.
+    Fsck {
+        /// Image file or block device.
+        image: PathBuf,
+        /// One JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Args)]
+struct MkfsArgs {
+    /// Image file or block device.
+    image: PathBuf,
+    /// Create (or grow) the image file to this size first (e.g. 1g).
+    #[arg(long, value_parser = parse_size)]
+    size: Option<u64>,
+    /// Journal areas, one per core that commits (default: this machine's cores).
+    #[arg(long)]
+    journals: Option<u32>,
+    /// Blocks of 4 KiB per journal area (small images get less: a quarter of the image at most).
+    #[arg(long, default_value_t = 2048)]
+    journal_blocks: u64,
+    /// One inode per this many bytes.
+    #[arg(long, default_value = "16k", value_parser = parse_size)]
+    bytes_per_inode: u64,
+    /// Replace a file system already on the image.
+    #[arg(long)]
+    force: bool,
 }
 
 #[derive(Args)]
@@ -428,6 +460,8 @@ fn parse_size(s: &str) -> Result<u64, String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.cmd {
+        Cmd::Fsck { image, json } => return cmd_fsck(&image, json),
+        Cmd::Mkfs(a) => cmd_mkfs(a),
         Cmd::Probe {
             path,
             json,
@@ -445,6 +479,109 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("aios: {e}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+fn cmd_mkfs(a: MkfsArgs) -> Result<(), BenchError> {
+    if let Some(size) = a.size {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&a.image)
+            .map_err(|e| BenchError::Setup(format!("{}: {e}", a.image.display())))?;
+        let len = f.metadata().map_err(io_err)?.len();
+        if len < size {
+            f.set_len(size)
+                .map_err(|e| BenchError::Setup(format!("{}: {e}", a.image.display())))?;
+        }
+    }
+    let mut opts = fs_fuse::MkfsOptions {
+        journal_blocks: a.journal_blocks,
+        bytes_per_inode: a.bytes_per_inode,
+        force: a.force,
+        ..fs_fuse::MkfsOptions::default()
+    };
+    if let Some(j) = a.journals {
+        opts.journals = j;
+    }
+    let sb = fs_fuse::mkfs(&a.image, &opts).map_err(|e| BenchError::Setup(e.to_string()))?;
+    println!(
+        "aiosfs on {}: {} blocks of 4 KiB ({} MiB), {} inodes, {} journal areas of {} blocks, data from block {}",
+        a.image.display(),
+        sb.blocks,
+        (sb.blocks * 4096) >> 20,
+        sb.inodes,
+        sb.journal_areas,
+        sb.journal_blocks,
+        sb.data.start
+    );
+    Ok(())
+}
+
+fn cmd_fsck(image: &std::path::Path, json: bool) -> ExitCode {
+    match fs_fuse::fsck(image) {
+        Ok(r) => {
+            if json {
+                let v = serde_json::json!({
+                    "image": image.display().to_string(),
+                    "clean": r.clean(),
+                    "problems": r.problems,
+                    "notes": r.notes,
+                    "blocks": r.superblock.blocks,
+                    "used_blocks": r.used_blocks,
+                    "inodes": r.superblock.inodes,
+                    "used_inodes": r.used_inodes,
+                    "files": r.files,
+                    "directories": r.directories,
+                    "symlinks": r.symlinks,
+                    "other": r.other,
+                });
+                println!("{v}");
+            } else {
+                println!(
+                    "{}: aiosfs, {} of {} blocks and {} of {} inodes in use; {} files, {} directories, {} symlinks, {} other",
+                    image.display(),
+                    r.used_blocks,
+                    r.superblock.blocks,
+                    r.used_inodes,
+                    r.superblock.inodes,
+                    r.files,
+                    r.directories,
+                    r.symlinks,
+                    r.other
+                );
+                for n in &r.notes {
+                    println!("note: {n}");
+                }
+                for p in &r.problems {
+                    println!("problem: {p}");
+                }
+                println!(
+                    "{}",
+                    if r.clean() {
+                        "clean".to_string()
+                    } else {
+                        format!("DAMAGED: {} problems", r.problems.len())
+                    }
+                );
+            }
+            if r.clean() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(4)
+            }
+        }
+        Err(e) => {
+            if json {
+                println!(
+                    "{}",
+                    serde_json::json!({"image": image.display().to_string(), "error": e.to_string()})
+                );
+            }
+            eprintln!("aios fsck: {}: {e}", image.display());
+            ExitCode::from(8)
         }
     }
 }

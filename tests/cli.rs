@@ -421,3 +421,59 @@ fn bench_ordered_runs_rio_with_a_pmr_and_a_block_log_and_refuses_a_block_log_on_
         "{e}"
     );
 }
+
+#[test]
+fn mkfs_then_fsck_and_the_exit_codes_of_fsck() {
+    let img = Scratch::new("mkfs", 0);
+    let out = aios()
+        .args([
+            "mkfs",
+            "--size",
+            "32m",
+            "--journals",
+            "1",
+            "--journal-blocks",
+            "64",
+        ])
+        .arg(&img.0)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("8192 blocks of 4 KiB"));
+    // A second mkfs refuses and changes nothing.
+    let again = aios().arg("mkfs").arg(&img.0).output().unwrap();
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("--force"));
+    let ok = aios()
+        .args(["fsck", "--json"])
+        .arg(&img.0)
+        .output()
+        .unwrap();
+    assert_eq!(
+        ok.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&ok.stdout)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&ok.stdout).unwrap();
+    assert_eq!(v["clean"], true);
+    assert_eq!(v["directories"], 1);
+    // Damage (a bit of the root directory's inode) is exit status 4, with the problem named.
+    let sb = aios::fs::read_superblock(&img.0).unwrap();
+    let byte = sb.inode_table.start * 4096 + 256 + 30;
+    let mut bytes = std::fs::read(&img.0).unwrap();
+    bytes[byte as usize] ^= 1;
+    std::fs::write(&img.0, &bytes).unwrap();
+    let bad = aios().arg("fsck").arg(&img.0).output().unwrap();
+    assert_eq!(bad.status.code(), Some(4));
+    assert!(String::from_utf8_lossy(&bad.stdout).contains("inode 1: checksum mismatch"));
+    // Not an aiosfs: exit status 8.
+    let junk = Scratch::new("fsck-junk", 1 << 20);
+    let foreign = aios().arg("fsck").arg(&junk.0).output().unwrap();
+    assert_eq!(foreign.status.code(), Some(8));
+    assert!(String::from_utf8_lossy(&foreign.stderr).contains("not an aiosfs image"));
+}

@@ -1,0 +1,39 @@
+//! Errors, each saying what was found and, where there is one, the way out.
+
+#[derive(Debug, thiserror::Error)]
+pub enum FsError {
+    #[error("{0}")]
+    Config(String),
+    #[error("an image of {bytes} bytes is too small: {why}")]
+    TooSmall { bytes: u64, why: String },
+    /// Not an aiosfs image at all (nothing is changed on it).
+    #[error("not an aiosfs image: {0}")]
+    Foreign(String),
+    /// An aiosfs image of a format or block size this build does not read.
+    #[error("unsupported aiosfs image: {0}")]
+    Unsupported(String),
+    /// An aiosfs image whose structures do not check out.
+    #[error("damaged aiosfs image: {0}")]
+    Damaged(String),
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Lbio(#[from] lbio::LbioError),
+    #[error(transparent)]
+    Core(#[from] aios_core::CoreError),
+    #[error(transparent)]
+    Journal(#[from] journal::JournalError),
+}
+
+impl FsError {
+    pub(crate) fn io(path: &std::path::Path, source: std::io::Error) -> FsError {
+        FsError::Io {
+            path: path.display().to_string(),
+            source,
+        }
+    }
+}

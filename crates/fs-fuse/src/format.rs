@@ -1,0 +1,560 @@
+//! aiosfs on disk, version 1. Every structure is little-endian and carries a crc32c.
+//!
+//! ```text
+//! block 0                 superblock (primary)
+//! inode bitmap            1 bit per inode (inode 0 is never used; 1 is the root directory)
+//! block bitmap            1 bit per block of the image, metadata included
+//! inode table             256-byte inodes, 16 per block
+//! journal areas           one per core, each a `journal` crate area (superblock + circular log)
+//! data                    file and directory blocks
+//! last block              superblock (backup)
+//! ```
+//!
+//! An inode maps its file with up to [`INLINE_EXTENTS`] extents (logical block, physical block,
+//! length) kept in the inode itself, so a file's map is read with its inode (AIOS §3.2.1: reads
+//! never wait on mapping I/O). Directory blocks hold packed entries behind a checksummed
+//! header.
+
+use crate::error::FsError;
+
+pub const BLOCK: usize = 4096;
+pub const MAGIC: [u8; 8] = *b"AIOSFS\0\x01";
+pub const VERSION: u32 = 1;
+pub const INODE_BYTES: usize = 256;
+pub const INODES_PER_BLOCK: usize = BLOCK / INODE_BYTES;
+pub const ROOT_INO: u64 = 1;
+pub const INLINE_EXTENTS: usize = 8;
+pub const NAME_MAX: usize = 255;
+pub const DIR_MAGIC: u32 = 0x4149_4f44; // "DOIA"
+/// Bytes of a directory block's header: magic, crc, entry count, bytes used.
+pub const DIR_HEADER: usize = 16;
+
+/// File types (the `S_IFMT` bits of `mode`).
+pub const S_IFMT: u32 = 0o170000;
+pub const S_IFREG: u32 = 0o100000;
+pub const S_IFDIR: u32 = 0o040000;
+pub const S_IFLNK: u32 = 0o120000;
+
+pub fn crc(bytes: &[u8]) -> u32 {
+    crc32c::crc32c(bytes)
+}
+
+fn u16_at(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes(b[at..at + 2].try_into().expect("2"))
+}
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4"))
+}
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8"))
+}
+fn put16(b: &mut [u8], at: usize, v: u16) {
+    b[at..at + 2].copy_from_slice(&v.to_le_bytes());
+}
+fn put32(b: &mut [u8], at: usize, v: u32) {
+    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+fn put64(b: &mut [u8], at: usize, v: u64) {
+    b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+}
+
+/// A run of blocks: `[start, start + count)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Region {
+    pub start: u64,
+    pub count: u64,
+}
+
+impl Region {
+    pub fn end(&self) -> u64 {
+        self.start.saturating_add(self.count)
+    }
+    pub fn contains(&self, b: u64) -> bool {
+        b >= self.start && b < self.end()
+    }
+}
+
+/// The superblock: where everything is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Superblock {
+    pub version: u32,
+    pub blocks: u64,
+    pub inodes: u64,
+    pub inode_bitmap: Region,
+    pub block_bitmap: Region,
+    pub inode_table: Region,
+    /// First block of the journal areas, and their count and size (blocks each).
+    pub journal_start: u64,
+    pub journal_areas: u32,
+    pub journal_blocks: u64,
+    pub data: Region,
+    pub uuid: [u8; 16],
+    /// Seconds since the epoch at mkfs.
+    pub created: u64,
+    /// Set while mounted; a mount that finds it set runs journal recovery first.
+    pub mounted: bool,
+}
+
+impl Superblock {
+    /// The layout for an image of `bytes`, with `journals` areas of `journal_blocks` each and
+    /// one inode per `bytes_per_inode` bytes.
+    pub fn layout(
+        bytes: u64,
+        journals: u32,
+        journal_blocks: u64,
+        bytes_per_inode: u64,
+    ) -> Result<Superblock, FsError> {
+        let blocks = bytes / BLOCK as u64;
+        let too_small = |why: String| FsError::TooSmall { bytes, why };
+        if journals == 0 || journals > 256 {
+            return Err(FsError::Config(format!(
+                "{journals} journal areas: 1 to 256 (one per core)"
+            )));
+        }
+        if bytes_per_inode < BLOCK as u64 {
+            return Err(FsError::Config(format!(
+                "{bytes_per_inode} bytes per inode: at least {BLOCK}"
+            )));
+        }
+        let inodes = (bytes / bytes_per_inode).max(64);
+        let ibm = inodes.div_ceil(BLOCK as u64 * 8);
+        let bbm = blocks.div_ceil(BLOCK as u64 * 8);
+        let itab = inodes.div_ceil(INODES_PER_BLOCK as u64);
+        let inode_bitmap = Region {
+            start: 1,
+            count: ibm,
+        };
+        let block_bitmap = Region {
+            start: inode_bitmap.end(),
+            count: bbm,
+        };
+        let inode_table = Region {
+            start: block_bitmap.end(),
+            count: itab,
+        };
+        let journal_start = inode_table.end();
+        let data_start = journal_start + journals as u64 * journal_blocks;
+        // The last block holds the backup superblock; the root directory needs one data block.
+        if blocks < data_start + 2 + 16 {
+            return Err(too_small(format!(
+                "{blocks} blocks of {BLOCK} bytes; the metadata and {journals} journal areas of {journal_blocks} blocks need {} before any data",
+                data_start + 2
+            )));
+        }
+        let data = Region {
+            start: data_start,
+            count: blocks - 1 - data_start,
+        };
+        Ok(Superblock {
+            version: VERSION,
+            blocks,
+            inodes,
+            inode_bitmap,
+            block_bitmap,
+            inode_table,
+            journal_start,
+            journal_areas: journals,
+            journal_blocks,
+            data,
+            uuid: [0; 16],
+            created: 0,
+            mounted: false,
+        })
+    }
+
+    pub fn encode(&self, b: &mut [u8]) {
+        b[..BLOCK].fill(0);
+        b[0..8].copy_from_slice(&MAGIC);
+        put32(b, 8, self.version);
+        put32(b, 12, BLOCK as u32);
+        put64(b, 16, self.blocks);
+        put64(b, 24, self.inodes);
+        let mut at = 32;
+        for r in [
+            self.inode_bitmap,
+            self.block_bitmap,
+            self.inode_table,
+            self.data,
+        ] {
+            put64(b, at, r.start);
+            put64(b, at + 8, r.count);
+            at += 16;
+        }
+        put64(b, 96, self.journal_start);
+        put32(b, 104, self.journal_areas);
+        put64(b, 108, self.journal_blocks);
+        b[116..132].copy_from_slice(&self.uuid);
+        put64(b, 132, self.created);
+        b[140] = self.mounted as u8;
+        let c = crc(&b[..BLOCK - 4]);
+        put32(b, BLOCK - 4, c);
+    }
+
+    /// Decode and check a superblock; `image_blocks` is the size of what it was read from.
+    pub fn decode(b: &[u8], image_blocks: u64) -> Result<Superblock, FsError> {
+        if b.len() < BLOCK {
+            return Err(FsError::Foreign("shorter than one block".into()));
+        }
+        if b[0..6] != MAGIC[0..6] {
+            return Err(FsError::Foreign("no aiosfs signature in block 0".into()));
+        }
+        if crc(&b[..BLOCK - 4]) != u32_at(b, BLOCK - 4) {
+            return Err(FsError::Damaged("superblock checksum mismatch".into()));
+        }
+        if b[6..8] != MAGIC[6..8] {
+            return Err(FsError::Unsupported(format!(
+                "aiosfs format byte {:#04x}; this build reads format {VERSION}",
+                b[7]
+            )));
+        }
+        let version = u32_at(b, 8);
+        if version != VERSION {
+            return Err(FsError::Unsupported(format!(
+                "aiosfs version {version}; this build reads version {VERSION}"
+            )));
+        }
+        if u32_at(b, 12) as usize != BLOCK {
+            return Err(FsError::Unsupported(format!(
+                "block size {}; this build uses {BLOCK}",
+                u32_at(b, 12)
+            )));
+        }
+        let mut regions = [Region { start: 0, count: 0 }; 4];
+        for (i, r) in regions.iter_mut().enumerate() {
+            *r = Region {
+                start: u64_at(b, 32 + 16 * i),
+                count: u64_at(b, 40 + 16 * i),
+            };
+        }
+        let mut uuid = [0u8; 16];
+        uuid.copy_from_slice(&b[116..132]);
+        let sb = Superblock {
+            version,
+            blocks: u64_at(b, 16),
+            inodes: u64_at(b, 24),
+            inode_bitmap: regions[0],
+            block_bitmap: regions[1],
+            inode_table: regions[2],
+            data: regions[3],
+            journal_start: u64_at(b, 96),
+            journal_areas: u32_at(b, 104),
+            journal_blocks: u64_at(b, 108),
+            uuid,
+            created: u64_at(b, 132),
+            mounted: b[140] != 0,
+        };
+        sb.check(image_blocks)?;
+        Ok(sb)
+    }
+
+    /// The geometry must describe exactly this layout, inside the image.
+    fn check(&self, image_blocks: u64) -> Result<(), FsError> {
+        let bad = |why: String| Err(FsError::Damaged(format!("superblock: {why}")));
+        if self.blocks > image_blocks {
+            return bad(format!(
+                "{} blocks, but the image has {image_blocks}",
+                self.blocks
+            ));
+        }
+        if self.journal_areas == 0 || self.journal_areas > 256 || self.journal_blocks < 8 {
+            return bad(format!(
+                "{} journal areas of {} blocks",
+                self.journal_areas, self.journal_blocks
+            ));
+        }
+        let inode_bitmap_ok = self.inode_bitmap.start == 1
+            && self.inode_bitmap.count == self.inodes.div_ceil(BLOCK as u64 * 8);
+        let ok = self.inodes >= 64
+            && self.inodes <= self.blocks * INODES_PER_BLOCK as u64
+            && inode_bitmap_ok
+            && self.block_bitmap
+                == Region {
+                    start: self.inode_bitmap.end(),
+                    count: self.blocks.div_ceil(BLOCK as u64 * 8),
+                }
+            && self.inode_table
+                == Region {
+                    start: self.block_bitmap.end(),
+                    count: self.inodes.div_ceil(INODES_PER_BLOCK as u64),
+                }
+            && self.journal_start == self.inode_table.end()
+            && Some(self.data.start)
+                == (self.journal_areas as u64)
+                    .checked_mul(self.journal_blocks)
+                    .and_then(|j| self.journal_start.checked_add(j))
+            && self.data.end() == self.blocks.saturating_sub(1);
+        if !ok {
+            return bad("regions that do not fit together".into());
+        }
+        Ok(())
+    }
+
+    /// Byte offset and length of journal area `i`.
+    pub fn journal_area(&self, i: u32) -> (u64, u64) {
+        (
+            (self.journal_start + i as u64 * self.journal_blocks) * BLOCK as u64,
+            self.journal_blocks,
+        )
+    }
+}
+
+/// A run of a file's blocks: file blocks `[logical, logical + len)` at `[physical, …)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Extent {
+    pub logical: u64,
+    pub physical: u64,
+    pub len: u32,
+}
+
+/// An inode (256 bytes on disk).
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Inode {
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub nlink: u32,
+    pub size: u64,
+    pub atime: (i64, u32),
+    pub mtime: (i64, u32),
+    pub ctime: (i64, u32),
+    pub generation: u32,
+    pub extents: Vec<Extent>,
+}
+
+impl Inode {
+    pub fn is_dir(&self) -> bool {
+        self.mode & S_IFMT == S_IFDIR
+    }
+
+    pub fn encode(&self, b: &mut [u8]) {
+        assert!(
+            self.extents.len() <= INLINE_EXTENTS,
+            "extents fit the inode"
+        );
+        b[..INODE_BYTES].fill(0);
+        put32(b, 0, self.mode);
+        put32(b, 4, self.uid);
+        put32(b, 8, self.gid);
+        put32(b, 12, self.nlink);
+        put64(b, 16, self.size);
+        let mut at = 24;
+        for (s, ns) in [self.atime, self.mtime, self.ctime] {
+            put64(b, at, s as u64);
+            put32(b, at + 8, ns);
+            at += 12;
+        }
+        put32(b, 60, self.generation);
+        put16(b, 64, self.extents.len() as u16);
+        for (i, e) in self.extents.iter().enumerate() {
+            let o = 72 + i * 20;
+            put64(b, o, e.logical);
+            put64(b, o + 8, e.physical);
+            put32(b, o + 16, e.len);
+        }
+        let c = crc(&b[..INODE_BYTES - 4]);
+        put32(b, INODE_BYTES - 4, c);
+    }
+
+    /// Decode an inode slot: `Ok(None)` for an all-zero (free) slot.
+    pub fn decode(b: &[u8]) -> Result<Option<Inode>, String> {
+        let b = &b[..INODE_BYTES];
+        if b.iter().all(|&x| x == 0) {
+            return Ok(None);
+        }
+        if crc(&b[..INODE_BYTES - 4]) != u32_at(b, INODE_BYTES - 4) {
+            return Err("checksum mismatch".into());
+        }
+        let n = u16_at(b, 64) as usize;
+        if n > INLINE_EXTENTS {
+            return Err(format!("{n} extents; an inode holds {INLINE_EXTENTS}"));
+        }
+        let t = |at: usize| (u64_at(b, at) as i64, u32_at(b, at + 8));
+        Ok(Some(Inode {
+            mode: u32_at(b, 0),
+            uid: u32_at(b, 4),
+            gid: u32_at(b, 8),
+            nlink: u32_at(b, 12),
+            size: u64_at(b, 16),
+            atime: t(24),
+            mtime: t(36),
+            ctime: t(48),
+            generation: u32_at(b, 60),
+            extents: (0..n)
+                .map(|i| {
+                    let o = 72 + i * 20;
+                    Extent {
+                        logical: u64_at(b, o),
+                        physical: u64_at(b, o + 8),
+                        len: u32_at(b, o + 16),
+                    }
+                })
+                .collect(),
+        }))
+    }
+}
+
+/// A directory entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DirEntry {
+    pub ino: u64,
+    /// The file type (`S_IFMT` bits >> 12).
+    pub kind: u8,
+    pub name: Vec<u8>,
+}
+
+impl DirEntry {
+    fn bytes(&self) -> usize {
+        8 + 1 + 1 + self.name.len()
+    }
+}
+
+/// Pack `entries` into one directory block. Fails when they do not fit.
+pub fn encode_dir_block(entries: &[DirEntry], b: &mut [u8]) -> Result<(), FsError> {
+    b[..BLOCK].fill(0);
+    let mut at = DIR_HEADER;
+    for e in entries {
+        if e.name.is_empty() || e.name.len() > NAME_MAX {
+            return Err(FsError::Config(format!(
+                "a name of {} bytes (1 to {NAME_MAX})",
+                e.name.len()
+            )));
+        }
+        if at + e.bytes() > BLOCK {
+            return Err(FsError::Config(
+                "directory entries overflow the block".into(),
+            ));
+        }
+        put64(b, at, e.ino);
+        b[at + 8] = e.kind;
+        b[at + 9] = e.name.len() as u8;
+        b[at + 10..at + 10 + e.name.len()].copy_from_slice(&e.name);
+        at += e.bytes();
+    }
+    put32(b, 0, DIR_MAGIC);
+    put32(b, 8, entries.len() as u32);
+    put32(b, 12, at as u32);
+    let c = crc(&b[8..BLOCK]);
+    put32(b, 4, c);
+    Ok(())
+}
+
+/// Unpack a directory block.
+pub fn decode_dir_block(b: &[u8]) -> Result<Vec<DirEntry>, String> {
+    if b.len() < BLOCK {
+        return Err("short block".into());
+    }
+    if u32_at(b, 0) != DIR_MAGIC {
+        return Err("not a directory block (bad magic)".into());
+    }
+    if crc(&b[8..BLOCK]) != u32_at(b, 4) {
+        return Err("checksum mismatch".into());
+    }
+    let n = u32_at(b, 8) as usize;
+    let used = u32_at(b, 12) as usize;
+    if !(DIR_HEADER..=BLOCK).contains(&used) {
+        return Err(format!("{used} bytes used in a {BLOCK}-byte block"));
+    }
+    let mut out = Vec::with_capacity(n.min(BLOCK / 11));
+    let mut at = DIR_HEADER;
+    for i in 0..n {
+        if at + 10 > used {
+            return Err(format!("entry {i} runs past the used bytes"));
+        }
+        let len = b[at + 9] as usize;
+        if len == 0 || at + 10 + len > used {
+            return Err(format!("entry {i} has a bad name length {len}"));
+        }
+        out.push(DirEntry {
+            ino: u64_at(b, at),
+            kind: b[at + 8],
+            name: b[at + 10..at + 10 + len].to_vec(),
+        });
+        at += 10 + len;
+    }
+    if at != used {
+        return Err(format!("{} bytes after the last entry", used - at));
+    }
+    Ok(out)
+}
+
+/// Bit `i` of a bitmap.
+pub fn bit(map: &[u8], i: u64) -> bool {
+    map[(i / 8) as usize] & (1 << (i % 8)) != 0
+}
+
+pub fn set_bit(map: &mut [u8], i: u64) {
+    map[(i / 8) as usize] |= 1 << (i % 8);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn superblock_round_trips_and_refuses_damage() {
+        let mut sb = Superblock::layout(64 << 20, 2, 256, 16384).unwrap();
+        sb.uuid = [7; 16];
+        sb.created = 1_800_000_000;
+        let mut b = vec![0u8; BLOCK];
+        sb.encode(&mut b);
+        assert_eq!(Superblock::decode(&b, sb.blocks).unwrap(), sb);
+        let mut bad = b.clone();
+        bad[20] ^= 1;
+        assert!(matches!(
+            Superblock::decode(&bad, sb.blocks),
+            Err(FsError::Damaged(_))
+        ));
+        assert!(matches!(
+            Superblock::decode(&vec![0u8; BLOCK], sb.blocks),
+            Err(FsError::Foreign(_))
+        ));
+        // An image smaller than the superblock says.
+        assert!(Superblock::decode(&b, sb.blocks - 1).is_err());
+    }
+
+    #[test]
+    fn inode_and_directory_blocks_round_trip() {
+        let ino = Inode {
+            mode: S_IFREG | 0o644,
+            uid: 1000,
+            gid: 1000,
+            nlink: 1,
+            size: 12345,
+            atime: (-5, 7),
+            mtime: (1_800_000_000, 999_999_999),
+            ctime: (3, 0),
+            generation: 9,
+            extents: vec![
+                Extent {
+                    logical: 0,
+                    physical: 900,
+                    len: 3,
+                },
+                Extent {
+                    logical: 10,
+                    physical: 40,
+                    len: 1,
+                },
+            ],
+        };
+        let mut b = vec![0u8; INODE_BYTES];
+        ino.encode(&mut b);
+        assert_eq!(Inode::decode(&b).unwrap(), Some(ino));
+        b[100] ^= 4;
+        assert!(Inode::decode(&b).is_err());
+        assert_eq!(Inode::decode(&[0u8; INODE_BYTES]).unwrap(), None);
+
+        let es: Vec<DirEntry> = (0..50)
+            .map(|i| DirEntry {
+                ino: i + 2,
+                kind: 8,
+                name: format!("file-{i}").into_bytes(),
+            })
+            .collect();
+        let mut d = vec![0u8; BLOCK];
+        encode_dir_block(&es, &mut d).unwrap();
+        assert_eq!(decode_dir_block(&d).unwrap(), es);
+        d[40] ^= 1;
+        assert!(decode_dir_block(&d).is_err());
+    }
+}

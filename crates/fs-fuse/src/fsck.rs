@@ -1,0 +1,404 @@
+//! `fsck`: check every structure of an aiosfs image and report in plain words. It only reads.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use crate::error::FsError;
+use crate::format::{
+    bit, decode_dir_block, Inode, Superblock, BLOCK, INODES_PER_BLOCK, INODE_BYTES, ROOT_INO,
+    S_IFDIR, S_IFLNK, S_IFMT, S_IFREG,
+};
+
+/// What `fsck` found.
+#[derive(Clone, Debug)]
+pub struct Report {
+    pub superblock: Superblock,
+    /// Damage, one sentence each. Empty: the image is clean.
+    pub problems: Vec<String>,
+    /// Facts worth knowing that are not damage (a journal holding transactions to replay).
+    pub notes: Vec<String>,
+    pub files: u64,
+    pub directories: u64,
+    pub symlinks: u64,
+    pub other: u64,
+    pub used_blocks: u64,
+    pub used_inodes: u64,
+}
+
+impl Report {
+    pub fn clean(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+/// Bounded, so a badly damaged image gives a readable report.
+const MAX_PROBLEMS: usize = 200;
+
+struct Img {
+    f: File,
+    bytes: u64,
+    blocks: u64,
+    path: String,
+}
+
+impl Img {
+    fn open(path: &Path) -> Result<Img, FsError> {
+        let f = File::open(path).map_err(|e| FsError::io(path, e))?;
+        let bytes = {
+            use std::io::{Seek, SeekFrom};
+            let mut g = &f;
+            g.seek(SeekFrom::End(0)).map_err(|e| FsError::io(path, e))?
+        };
+        Ok(Img {
+            f,
+            bytes,
+            blocks: bytes / BLOCK as u64,
+            path: path.display().to_string(),
+        })
+    }
+    fn read(&self, block: u64, count: u64) -> Result<Vec<u8>, FsError> {
+        let mut b = vec![0u8; (count as usize) * BLOCK];
+        self.f
+            .read_exact_at(&mut b, block * BLOCK as u64)
+            .map_err(|e| FsError::Io {
+                path: self.path.clone(),
+                source: e,
+            })?;
+        Ok(b)
+    }
+}
+
+/// The primary superblock, checked (what `mount` and `mkfs` look at first).
+pub fn read_superblock(path: &Path) -> Result<Superblock, FsError> {
+    let img = Img::open(path)?;
+    if img.blocks < 2 {
+        return Err(FsError::Foreign(format!(
+            "{} bytes: smaller than any aiosfs",
+            img.bytes
+        )));
+    }
+    Superblock::decode(&img.read(0, 1)?, img.blocks)
+}
+
+/// Check the image at `path`. `Err` when it is not an aiosfs (or unreadable); otherwise the
+/// report lists every problem found.
+pub fn fsck(path: &Path) -> Result<Report, FsError> {
+    let img = Img::open(path)?;
+    if img.blocks < 2 {
+        return Err(FsError::Foreign(format!(
+            "{} bytes: smaller than any aiosfs",
+            img.bytes
+        )));
+    }
+    let mut problems = Vec::new();
+    let mut notes = Vec::new();
+    let primary = Superblock::decode(&img.read(0, 1)?, img.blocks);
+    let sb = match primary {
+        Ok(sb) => {
+            match Superblock::decode(&img.read(sb.blocks - 1, 1)?, img.blocks) {
+                Ok(b) if b.uuid == sb.uuid && b.blocks == sb.blocks => {}
+                Ok(_) => problems.push(format!(
+                    "the backup superblock (block {}) describes another file system",
+                    sb.blocks - 1
+                )),
+                Err(e) => problems.push(format!(
+                    "the backup superblock (block {}) is unreadable: {e}",
+                    sb.blocks - 1
+                )),
+            }
+            sb
+        }
+        Err(e @ (FsError::Damaged(_) | FsError::Foreign(_))) => {
+            // The primary is damaged (or lost its signature): the backup sits in the image's
+            // last block when the image is exactly the file system's size.
+            match Superblock::decode(&img.read(img.blocks - 1, 1)?, img.blocks) {
+                Ok(b) => {
+                    problems.push(format!(
+                        "the primary superblock is damaged ({e}); the backup in block {} is intact",
+                        img.blocks - 1
+                    ));
+                    b
+                }
+                Err(_) if matches!(e, FsError::Foreign(_)) => return Err(e),
+                Err(_) => {
+                    let why = match e {
+                        FsError::Damaged(w) => w,
+                        other => other.to_string(),
+                    };
+                    return Err(FsError::Damaged(format!("{why}, and no intact backup")));
+                }
+            }
+        }
+        Err(e) => return Err(e),
+    };
+    if sb.mounted {
+        notes.push(
+            "marked mounted: it was not unmounted cleanly (mount replays the journal)".into(),
+        );
+    }
+    let ibm = img.read(sb.inode_bitmap.start, sb.inode_bitmap.count)?;
+    let bbm = img.read(sb.block_bitmap.start, sb.block_bitmap.count)?;
+    let itab = img.read(sb.inode_table.start, sb.inode_table.count)?;
+
+    // Inodes.
+    let mut inodes: HashMap<u64, Inode> = HashMap::new();
+    if !bit(&ibm, 0) {
+        problems.push("inode 0 (reserved) is marked free".into());
+    }
+    for ino in 1..sb.inodes {
+        let slot = &itab[ino as usize * INODE_BYTES..(ino as usize + 1) * INODE_BYTES];
+        let used = bit(&ibm, ino);
+        match Inode::decode(slot) {
+            Err(why) => problems.push(format!("inode {ino}: {why}")),
+            Ok(None) if used => problems.push(format!("inode {ino} is marked in use but empty")),
+            Ok(None) => {}
+            Ok(Some(_)) if !used => {
+                problems.push(format!("inode {ino} holds an inode but is marked free"))
+            }
+            Ok(Some(i)) => {
+                inodes.insert(ino, i);
+            }
+        }
+    }
+    for ino in sb.inodes..(sb.inode_bitmap.count * BLOCK as u64 * 8) {
+        if bit(&ibm, ino) {
+            problems.push(format!("inode bitmap bit {ino} is set past the last inode"));
+            break;
+        }
+    }
+    let _ = INODES_PER_BLOCK;
+
+    // Extents: inside the data region, owned once, marked in use.
+    let mut owner: HashMap<u64, u64> = HashMap::new();
+    for (&ino, i) in &inodes {
+        let mut last_end = 0u64;
+        for (k, e) in i.extents.iter().enumerate() {
+            if e.len == 0 {
+                problems.push(format!("inode {ino}: extent {k} is empty"));
+                continue;
+            }
+            if k > 0 && e.logical < last_end {
+                problems.push(format!(
+                    "inode {ino}: extent {k} overlaps or precedes the one before"
+                ));
+            }
+            last_end = e.logical.saturating_add(e.len as u64);
+            let end = e.physical.saturating_add(e.len as u64);
+            if e.physical < sb.data.start || end > sb.data.end() {
+                problems.push(format!(
+                    "inode {ino}: extent {k} (blocks {}..{end}) lies outside the data region {}..{}",
+                    e.physical,
+                    sb.data.start,
+                    sb.data.end()
+                ));
+                continue;
+            }
+            for b in e.physical..end {
+                if let Some(other) = owner.insert(b, ino) {
+                    problems.push(format!(
+                        "block {b} belongs to inode {other} and inode {ino}"
+                    ));
+                }
+                if !bit(&bbm, b) {
+                    problems.push(format!("block {b} of inode {ino} is marked free"));
+                }
+            }
+        }
+    }
+    for b in 0..sb.data.start {
+        if !bit(&bbm, b) {
+            problems.push(format!("metadata block {b} is marked free"));
+            break;
+        }
+    }
+    if !bit(&bbm, sb.blocks - 1) {
+        problems.push("the backup superblock's block is marked free".into());
+    }
+    let mut used_blocks = sb.data.start + 1;
+    for b in sb.data.start..sb.data.end() {
+        if bit(&bbm, b) {
+            used_blocks += 1;
+            if !owner.contains_key(&b) {
+                problems.push(format!("block {b} is marked in use but no file owns it"));
+            }
+        }
+    }
+
+    // Directories: entries, "." and "..", types, names; link counts and reachability.
+    let mut refs: HashMap<u64, u32> = HashMap::new();
+    let mut parent_of: HashMap<u64, u64> = HashMap::new();
+    let mut dotdot: HashMap<u64, u64> = HashMap::new();
+    let mut children: HashMap<u64, Vec<u64>> = HashMap::new();
+    let mut subdirs: HashMap<u64, u32> = HashMap::new();
+    for (&ino, i) in &inodes {
+        if !i.is_dir() {
+            continue;
+        }
+        let mut names = HashSet::new();
+        let (mut dot, mut dd) = (false, false);
+        for e in &i.extents {
+            if e.physical < sb.data.start || e.physical + e.len as u64 > sb.data.end() {
+                continue; // reported above
+            }
+            let blocks = img.read(e.physical, e.len as u64)?;
+            for (k, blk) in blocks.chunks(BLOCK).enumerate() {
+                let at = e.physical + k as u64;
+                let entries = match decode_dir_block(blk) {
+                    Ok(x) => x,
+                    Err(why) => {
+                        problems.push(format!("directory inode {ino}, block {at}: {why}"));
+                        continue;
+                    }
+                };
+                for d in entries {
+                    let name = String::from_utf8_lossy(&d.name).into_owned();
+                    if !names.insert(d.name.clone()) {
+                        problems.push(format!("directory inode {ino} has two entries {name:?}"));
+                    }
+                    if d.name == b"." {
+                        dot = true;
+                        if d.ino != ino {
+                            problems
+                                .push(format!("directory inode {ino}: \".\" points to {}", d.ino));
+                        }
+                        continue;
+                    }
+                    if d.name == b".." {
+                        dd = true;
+                        dotdot.insert(ino, d.ino);
+                        continue;
+                    }
+                    if d.name.contains(&b'/') || d.name.contains(&0) {
+                        problems.push(format!(
+                            "directory inode {ino}: entry {name:?} has a '/' or NUL"
+                        ));
+                    }
+                    let Some(target) = inodes.get(&d.ino) else {
+                        problems.push(format!(
+                            "directory inode {ino}: {name:?} points to inode {}, which is not in use",
+                            d.ino
+                        ));
+                        continue;
+                    };
+                    if (target.mode & S_IFMT) >> 12 != d.kind as u32 {
+                        problems.push(format!(
+                            "directory inode {ino}: {name:?} says type {} but inode {} is type {}",
+                            d.kind,
+                            d.ino,
+                            (target.mode & S_IFMT) >> 12
+                        ));
+                    }
+                    *refs.entry(d.ino).or_default() += 1;
+                    children.entry(ino).or_default().push(d.ino);
+                    if target.is_dir() {
+                        *subdirs.entry(ino).or_default() += 1;
+                        if let Some(p) = parent_of.insert(d.ino, ino) {
+                            problems.push(format!(
+                                "directory inode {} is in two directories ({p} and {ino})",
+                                d.ino
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        if !dot || !dd {
+            problems.push(format!("directory inode {ino} lacks \".\" or \"..\""));
+        }
+    }
+    match inodes.get(&ROOT_INO) {
+        Some(r) if r.is_dir() => {}
+        _ => problems.push("the root directory (inode 1) is missing or not a directory".into()),
+    }
+    for (&d, &p) in &dotdot {
+        let want = if d == ROOT_INO {
+            ROOT_INO
+        } else {
+            parent_of.get(&d).copied().unwrap_or(0)
+        };
+        if want != 0 && p != want {
+            problems.push(format!(
+                "directory inode {d}: \"..\" points to {p}, its parent is {want}"
+            ));
+        }
+    }
+    // Reachability from the root.
+    let mut seen = HashSet::from([ROOT_INO]);
+    let mut q = VecDeque::from([ROOT_INO]);
+    while let Some(d) = q.pop_front() {
+        for &c in children.get(&d).map_or(&[][..], |v| &v[..]) {
+            if seen.insert(c) {
+                q.push_back(c);
+            }
+        }
+    }
+    let (mut files, mut directories, mut symlinks, mut other) = (0, 0, 0, 0);
+    let mut ids: Vec<&u64> = inodes.keys().collect();
+    ids.sort();
+    for &ino in ids {
+        let i = &inodes[&ino];
+        match i.mode & S_IFMT {
+            S_IFREG => files += 1,
+            S_IFDIR => directories += 1,
+            S_IFLNK => symlinks += 1,
+            _ => other += 1,
+        }
+        if !seen.contains(&ino) {
+            problems.push(format!(
+                "inode {ino} is in use but in no directory reachable from the root"
+            ));
+        }
+        let want = if i.is_dir() {
+            2 + subdirs.get(&ino).copied().unwrap_or(0)
+        } else {
+            refs.get(&ino).copied().unwrap_or(0)
+        };
+        if i.nlink != want {
+            problems.push(format!(
+                "inode {ino} has link count {}, found {want}",
+                i.nlink
+            ));
+        }
+    }
+
+    // Journal areas.
+    for a in 0..sb.journal_areas {
+        let (off, blocks) = sb.journal_area(a);
+        let area = img.read(off / BLOCK as u64, blocks)?;
+        match journal::recovery::parse_area(&area, a as usize) {
+            Err(e) => problems.push(format!("journal area {a}: {e}")),
+            Ok(log) => {
+                if let journal::LogEnd::Corrupt { pos, why } = &log.end {
+                    problems.push(format!(
+                        "journal area {a} is damaged at log block {pos}: {why}"
+                    ));
+                }
+                if !log.txs.is_empty() {
+                    notes.push(format!(
+                        "journal area {a} holds {} committed transactions not yet written home (mount replays them)",
+                        log.txs.len()
+                    ));
+                }
+            }
+        }
+    }
+    let used_inodes = inodes.len() as u64;
+    if problems.len() > MAX_PROBLEMS {
+        let more = problems.len() - MAX_PROBLEMS;
+        problems.truncate(MAX_PROBLEMS);
+        problems.push(format!("… and {more} more problems"));
+    }
+    Ok(Report {
+        superblock: sb,
+        problems,
+        notes,
+        files,
+        directories,
+        symlinks,
+        other,
+        used_blocks,
+        used_inodes,
+    })
+}

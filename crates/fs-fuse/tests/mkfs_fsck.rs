@@ -1,0 +1,254 @@
+//! mkfs makes an image fsck finds clean; fsck names damage and never panics on any bytes.
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use fs_fuse::format::{Superblock, BLOCK, INODE_BYTES, ROOT_INO};
+use fs_fuse::{fsck, mkfs, FsError, MkfsOptions};
+
+/// An image file on the root file system (ext4: O_DIRECT works), removed when dropped.
+struct Image(PathBuf);
+
+impl Image {
+    fn new(name: &str, bytes: u64) -> Image {
+        let p = PathBuf::from(format!(
+            "/var/tmp/aiosfs-test-{}-{name}.img",
+            std::process::id()
+        ));
+        let f = std::fs::File::create(&p).unwrap();
+        f.set_len(bytes).unwrap();
+        Image(p)
+    }
+    fn path(&self) -> &Path {
+        &self.0
+    }
+    fn poke(&self, byte: u64, xor: u8) {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&self.0)
+            .unwrap();
+        let mut b = [0u8];
+        f.read_exact_at(&mut b, byte).unwrap();
+        b[0] ^= xor;
+        f.write_all_at(&b, byte).unwrap();
+    }
+}
+
+impl Drop for Image {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn small() -> MkfsOptions {
+    MkfsOptions {
+        journals: 2,
+        journal_blocks: 64,
+        bytes_per_inode: 16384,
+        force: false,
+    }
+}
+
+fn made(name: &str) -> (Image, Superblock) {
+    let img = Image::new(name, 16 << 20);
+    let sb = mkfs(img.path(), &small()).unwrap();
+    (img, sb)
+}
+
+#[test]
+fn a_fresh_image_is_clean() {
+    let (img, sb) = made("fresh");
+    assert_eq!(sb.blocks, 4096);
+    assert_eq!(sb.journal_areas, 2);
+    let r = fsck(img.path()).unwrap();
+    assert!(r.clean(), "{:?}", r.problems);
+    assert_eq!((r.directories, r.files, r.used_inodes), (1, 0, 1));
+    assert_eq!(
+        r.used_blocks,
+        sb.data.start + 2,
+        "metadata, root block, backup"
+    );
+    assert!(r.notes.is_empty(), "{:?}", r.notes);
+}
+
+#[test]
+fn mkfs_refuses_to_replace_a_file_system_unless_forced() {
+    let (img, sb) = made("again");
+    let e = mkfs(img.path(), &small()).unwrap_err();
+    assert!(e.to_string().contains("already holds an aiosfs"), "{e}");
+    assert_eq!(
+        fs_fuse::read_superblock(img.path()).unwrap().uuid,
+        sb.uuid,
+        "unchanged"
+    );
+    let sb2 = mkfs(
+        img.path(),
+        &MkfsOptions {
+            force: true,
+            ..small()
+        },
+    )
+    .unwrap();
+    assert_ne!(sb2.uuid, sb.uuid);
+}
+
+#[test]
+fn too_small_and_foreign_images_are_refused_with_reasons() {
+    let img = Image::new("tiny", 64 << 10);
+    let e = mkfs(img.path(), &small()).unwrap_err();
+    assert!(matches!(e, FsError::TooSmall { .. }), "{e}");
+    let zeros = Image::new("zeros", 1 << 20);
+    assert!(matches!(fsck(zeros.path()), Err(FsError::Foreign(_))));
+    let junk = Image::new("junk", 1 << 20);
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(junk.path())
+        .unwrap();
+    let bytes: Vec<u8> = (0..1u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    f.write_all_at(&bytes, 0).unwrap();
+    assert!(matches!(fsck(junk.path()), Err(FsError::Foreign(_))));
+}
+
+#[test]
+fn damage_is_named() {
+    // The primary superblock: the backup is used, and the damage reported.
+    let (img, sb) = made("sb");
+    img.poke(20, 0x40);
+    let r = fsck(img.path()).unwrap();
+    assert!(
+        r.problems
+            .iter()
+            .any(|p| p.contains("primary superblock is damaged")),
+        "{:?}",
+        r.problems
+    );
+    assert_eq!(r.superblock.uuid, sb.uuid);
+
+    // Both superblocks: nothing to go on.
+    img.poke((sb.blocks - 1) * BLOCK as u64 + 20, 0x40);
+    assert!(matches!(fsck(img.path()), Err(FsError::Damaged(_))));
+
+    // The root inode.
+    let (img, sb) = made("root");
+    img.poke(
+        sb.inode_table.start * BLOCK as u64 + ROOT_INO * INODE_BYTES as u64 + 17,
+        1,
+    );
+    let r = fsck(img.path()).unwrap();
+    assert!(
+        r.problems
+            .iter()
+            .any(|p| p.contains("inode 1: checksum mismatch")),
+        "{:?}",
+        r.problems
+    );
+
+    // The root directory's block.
+    let (img, sb) = made("dir");
+    img.poke(sb.data.start * BLOCK as u64 + 30, 0x10);
+    let r = fsck(img.path()).unwrap();
+    assert!(
+        r.problems.iter().any(|p| p.contains("directory inode 1")),
+        "{:?}",
+        r.problems
+    );
+
+    // A data block marked in use that no file owns.
+    let (img, sb) = made("leak");
+    let b = sb.data.start + 100;
+    img.poke(sb.block_bitmap.start * BLOCK as u64 + b / 8, 1 << (b % 8));
+    let r = fsck(img.path()).unwrap();
+    assert!(
+        r.problems
+            .iter()
+            .any(|p| p.contains(&format!("block {b} is marked in use"))),
+        "{:?}",
+        r.problems
+    );
+
+    // An inode marked in use that holds nothing.
+    let (img, sb) = made("ghost");
+    img.poke(sb.inode_bitmap.start * BLOCK as u64, 1 << 5);
+    let r = fsck(img.path()).unwrap();
+    assert!(
+        r.problems
+            .iter()
+            .any(|p| p.contains("inode 5 is marked in use but empty")),
+        "{:?}",
+        r.problems
+    );
+
+    // A journal area's superblock.
+    let (img, sb) = made("journal");
+    let (off, _) = sb.journal_area(1);
+    img.poke(off + 8, 0xff);
+    let r = fsck(img.path()).unwrap();
+    assert!(
+        r.problems.iter().any(|p| p.contains("journal area 1")),
+        "{:?}",
+        r.problems
+    );
+}
+
+#[test]
+fn fsck_never_panics_on_corrupted_metadata() {
+    let (img, sb) = made("fuzz");
+    let clean = std::fs::read(img.path()).unwrap();
+    let meta_end = (sb.data.start + 1) * BLOCK as u64;
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(img.path())
+        .unwrap();
+    let mut outcomes = [0u32; 3];
+    for round in 0..300 {
+        f.write_all_at(&clean, 0).unwrap();
+        let flips = 1 + next() % 8;
+        for _ in 0..flips {
+            // Mostly the structures that matter: superblocks, bitmaps, the first inode-table
+            // block, the root directory; sometimes anywhere in the metadata.
+            let byte = match next() % 5 {
+                0 => next() % BLOCK as u64,
+                1 => (sb.blocks - 1) * BLOCK as u64 + next() % BLOCK as u64,
+                2 => sb.inode_table.start * BLOCK as u64 + next() % BLOCK as u64,
+                3 => sb.data.start * BLOCK as u64 + next() % BLOCK as u64,
+                _ => next() % meta_end,
+            };
+            let mut b = [0u8];
+            use std::os::unix::fs::FileExt as _;
+            let r = std::fs::File::open(img.path()).unwrap();
+            r.read_exact_at(&mut b, byte).unwrap();
+            b[0] ^= 1 << (next() % 8);
+            f.write_all_at(&b, byte).unwrap();
+        }
+        let got = std::panic::catch_unwind(|| fsck(img.path()));
+        match got {
+            Err(_) => panic!("fsck panicked in round {round}"),
+            Ok(Err(e)) => {
+                if std::env::var_os("AIOS_FSCK_FUZZ_VERBOSE").is_some() {
+                    println!("round {round}: {e}");
+                }
+                outcomes[0] += 1
+            }
+            Ok(Ok(r)) if r.clean() => outcomes[1] += 1,
+            Ok(Ok(_)) => outcomes[2] += 1,
+        }
+    }
+    println!(
+        "refused {}, clean {}, damage reported {}",
+        outcomes[0], outcomes[1], outcomes[2]
+    );
+    assert!(
+        outcomes[2] > 100,
+        "most corruptions are found: {outcomes:?}"
+    );
+}
