@@ -135,23 +135,24 @@ const DEFAULT_PLAN: &[StepDef] = &[
         ],
         cuts_power: false,
     },
-    // rio-net over TCP through a slow, lossy link: two targets in network namespace `t`, the
-    // initiator in `i`, netem adding 2 ms ± 1 ms of delay and 1 % loss on both veth ends.
+    // rio-net over TCP through a slow, lossy link: two targets in network namespace `nt`, the
+    // initiator in `ni`, netem adding 2 ms ± 1 ms of delay and 1 % loss on both veth ends
+    // (`na`/`nb`: rdma-rxe's `va`/`vb` stay in the initial namespace).
     StepDef {
         name: "tcp-netem",
         command: "mount -t tmpfs tmpfs /run && mkdir -p /run/netns \
-            && /usr/bin/ip netns add i && /usr/bin/ip netns add t \
-            && /usr/bin/ip link add va type veth peer name vb \
-            && /usr/bin/ip link set va netns i && /usr/bin/ip link set vb netns t \
-            && /usr/bin/ip -n i addr add 10.9.2.1/24 dev va && /usr/bin/ip -n t addr add 10.9.2.2/24 dev vb \
-            && /usr/bin/ip -n i link set va up && /usr/bin/ip -n t link set vb up \
-            && /usr/bin/ip -n i link set lo up && /usr/bin/ip -n t link set lo up \
-            && /usr/sbin/tc -n i qdisc add dev va root netem delay 2ms 1ms loss 1% \
-            && /usr/sbin/tc -n t qdisc add dev vb root netem delay 2ms 1ms loss 1% \
-            && /usr/sbin/tc -n i qdisc show dev va || exit 1; \
-            /usr/bin/ip netns exec t aios target --listen 10.9.2.2:4460 --device /dev/nullb0 --ns-bytes 64m --format --streams 4 & p0=$!; \
-            /usr/bin/ip netns exec t aios target --listen 10.9.2.2:4461 --device /dev/nullb1 --ns-bytes 64m --format --streams 4 & p1=$!; \
-            sleep 2; /usr/bin/ip netns exec i rdma_lab --integrity --remote 10.9.2.2:4460,10.9.2.2:4461 --transport tcp; rc=$?; \
+            && /usr/bin/ip netns add ni && /usr/bin/ip netns add nt \
+            && /usr/bin/ip link add na type veth peer name nb \
+            && /usr/bin/ip link set na netns ni && /usr/bin/ip link set nb netns nt \
+            && /usr/bin/ip -n ni addr add 10.9.2.1/24 dev na && /usr/bin/ip -n nt addr add 10.9.2.2/24 dev nb \
+            && /usr/bin/ip -n ni link set na up && /usr/bin/ip -n nt link set nb up \
+            && /usr/bin/ip -n ni link set lo up && /usr/bin/ip -n nt link set lo up \
+            && /usr/sbin/tc -n ni qdisc add dev na root netem delay 2ms 1ms loss 1% \
+            && /usr/sbin/tc -n nt qdisc add dev nb root netem delay 2ms 1ms loss 1% \
+            && /usr/sbin/tc -n ni qdisc show dev na || exit 1; \
+            /usr/bin/ip netns exec nt aios target --listen 10.9.2.2:4460 --device /dev/nullb0 --ns-bytes 64m --format --streams 4 & p0=$!; \
+            /usr/bin/ip netns exec nt aios target --listen 10.9.2.2:4461 --device /dev/nullb1 --ns-bytes 64m --format --streams 4 & p1=$!; \
+            sleep 2; /usr/bin/ip netns exec ni rdma_lab --integrity --remote 10.9.2.2:4460,10.9.2.2:4461 --transport tcp; rc=$?; \
             kill $p0 $p1; wait; exit $rc",
         artifacts: &["bin:aios", "test:rdma_lab"],
         env: &[("AIOS_LAB_RDMA_DEVICES", "/dev/nullb0,/dev/nullb1")],
