@@ -7,8 +7,8 @@ use std::path::Path;
 
 use crate::error::FsError;
 use crate::format::{
-    bit, decode_dir_block, Inode, Superblock, BLOCK, INODES_PER_BLOCK, INODE_BYTES, ROOT_INO,
-    S_IFDIR, S_IFLNK, S_IFMT, S_IFREG,
+    bit, decode_dir_block, Inode, Superblock, BLOCK, INODE_BYTES, ROOT_INO, S_IFDIR, S_IFLNK,
+    S_IFMT, S_IFREG,
 };
 
 /// What `fsck` found.
@@ -46,11 +46,7 @@ struct Img {
 impl Img {
     fn open(path: &Path) -> Result<Img, FsError> {
         let f = File::open(path).map_err(|e| FsError::io(path, e))?;
-        let bytes = {
-            use std::io::{Seek, SeekFrom};
-            let mut g = &f;
-            g.seek(SeekFrom::End(0)).map_err(|e| FsError::io(path, e))?
-        };
+        let bytes = size_of(&f).map_err(|e| FsError::io(path, e))?;
         Ok(Img {
             f,
             bytes,
@@ -68,6 +64,13 @@ impl Img {
             })?;
         Ok(b)
     }
+}
+
+/// Bytes of an open image file or block device (a block device's metadata says 0).
+pub(crate) fn size_of(f: &File) -> std::io::Result<u64> {
+    use std::io::{Seek, SeekFrom};
+    let mut g = f;
+    g.seek(SeekFrom::End(0))
 }
 
 /// The primary superblock, checked (what `mount` and `mkfs` look at first).
@@ -168,7 +171,6 @@ pub fn fsck(path: &Path) -> Result<Report, FsError> {
             break;
         }
     }
-    let _ = INODES_PER_BLOCK;
 
     // Extents: inside the data region, owned once, marked in use.
     let mut owner: HashMap<u64, u64> = HashMap::new();

@@ -47,15 +47,9 @@ fn now() -> (u64, u32) {
 /// Make an empty aiosfs on `path` (a file or block device). Refuses, changing nothing, when the
 /// target already holds an aiosfs and `force` is not set.
 pub fn mkfs(path: &Path, opts: &MkfsOptions) -> Result<Superblock, FsError> {
-    let bytes = std::fs::metadata(path)
-        .map_err(|e| FsError::io(path, e))
-        .and_then(|m| {
-            if m.is_file() {
-                Ok(m.len())
-            } else {
-                device_bytes(path)
-            }
-        })?;
+    let bytes = std::fs::File::open(path)
+        .and_then(|f| fsck::size_of(&f))
+        .map_err(|e| FsError::io(path, e))?;
     if !opts.force {
         if let Ok(sb) = fsck::read_superblock(path) {
             return Err(FsError::Config(format!(
@@ -171,11 +165,4 @@ pub fn mkfs(path: &Path, opts: &MkfsOptions) -> Result<Superblock, FsError> {
     write(0, &sbb)?;
     dev.flush_blocking()?;
     Ok(sb)
-}
-
-/// Size of a block device.
-fn device_bytes(path: &Path) -> Result<u64, FsError> {
-    use std::io::{Seek, SeekFrom};
-    let mut f = std::fs::File::open(path).map_err(|e| FsError::io(path, e))?;
-    f.seek(SeekFrom::End(0)).map_err(|e| FsError::io(path, e))
 }

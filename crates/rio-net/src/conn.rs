@@ -118,23 +118,18 @@ impl Conn {
     pub fn new(sock: TcpStream, max_pdu: u32) -> io::Result<Conn> {
         sock.set_nodelay(true)?;
         sock.set_nonblocking(true)?;
-        Ok(Conn {
-            link: Link::Tcp(sock),
-            rx: Rx::default(),
-            tx: Vec::with_capacity(64 << 10),
-            tx_at: 0,
-            dg: Digests::default(),
-            max_pdu,
-            maxh2cdata: 4096,
-            eof: false,
-        })
+        Ok(Conn::with_link(Link::Tcp(sock), max_pdu))
     }
 
     /// A connection over an RDMA queue pair.
     #[cfg(feature = "rdma")]
     pub fn rdma(link: crate::rdma::Link, max_pdu: u32) -> Conn {
+        Conn::with_link(Link::Rdma(Box::new(link)), max_pdu)
+    }
+
+    fn with_link(link: Link, max_pdu: u32) -> Conn {
         Conn {
-            link: Link::Rdma(Box::new(link)),
+            link,
             rx: Rx::default(),
             tx: Vec::with_capacity(64 << 10),
             tx_at: 0,

@@ -613,7 +613,7 @@ impl TConn {
             if let Some(io) = &self.io {
                 io.engine.submit().map_err(|e| format!("engine: {e}"))?;
             }
-            let sent_all = self.conn.flush().map_err(|e| format!("send failed: {e}"))?;
+            self.conn.flush().map_err(|e| format!("send failed: {e}"))?;
             if self.conn.eof && self.inflight.is_empty() {
                 return Ok(());
             }
@@ -626,7 +626,6 @@ impl TConn {
                 Some(Duration::from_millis(500))
             };
             let want_read = !self.starved && !self.conn.eof;
-            let _ = sent_all;
             let mut fds = self.conn.fds(want_read);
             match self.io.as_ref().and_then(|io| io.engine.eventfd_fd()) {
                 Some(ev) if !self.inflight.is_empty() => {
