@@ -48,6 +48,9 @@ enum Cmd {
     Target(TargetArgs),
     /// Make an empty aiosfs on an image file or block device.
     Mkfs(MkfsArgs),
+    /// Mount an aiosfs image or device through FUSE (runs in the background unless
+    /// --foreground; unmount with `umount MOUNTPOINT`, or SIGINT/SIGTERM to the process).
+    Mount(MountArgs),
     /// Check an aiosfs image; exit 0 when clean, 4 when damaged, 8 when it is no aiosfs or
     /// cannot be read.
     Fsck {
@@ -78,6 +81,33 @@ struct MkfsArgs {
     /// Replace a file system already on the image.
     #[arg(long)]
     force: bool,
+}
+
+#[derive(Args)]
+struct MountArgs {
+    /// Image file or block device holding an aiosfs (see `aios mkfs`).
+    image: PathBuf,
+    /// Directory to mount it on.
+    mountpoint: PathBuf,
+    /// Stay in the foreground (logs to stderr); otherwise the file system runs as a background
+    /// process logging to --log.
+    #[arg(long, short = 'f')]
+    foreground: bool,
+    /// Worker threads, each with its own /dev/fuse clone and engine (default: one per core).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Log file of the background process (default: /var/tmp/aios-mount-<image name>.log).
+    #[arg(long)]
+    log: Option<PathBuf>,
+    /// Commit mode of fsync's transactions.
+    #[arg(long, value_enum, default_value = "overlapped")]
+    commit: CommitArg,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum CommitArg {
+    Overlapped,
+    Vanilla,
 }
 
 #[derive(Args)]
@@ -462,6 +492,7 @@ fn main() -> ExitCode {
     let r = match cli.cmd {
         Cmd::Fsck { image, json } => return cmd_fsck(&image, json),
         Cmd::Mkfs(a) => cmd_mkfs(a),
+        Cmd::Mount(a) => cmd_mount(a),
         Cmd::Probe {
             path,
             json,
@@ -518,6 +549,101 @@ fn cmd_mkfs(a: MkfsArgs) -> Result<(), BenchError> {
         sb.data.start
     );
     Ok(())
+}
+
+fn is_mounted(mountpoint: &Path) -> bool {
+    let Ok(canon) = mountpoint.canonicalize() else {
+        return false;
+    };
+    let want = canon.to_string_lossy().replace(' ', "\\040");
+    std::fs::read_to_string("/proc/self/mounts").is_ok_and(|m| {
+        m.lines().any(|l| {
+            let mut f = l.split(' ');
+            let (_, mp, ty) = (f.next(), f.next(), f.next());
+            mp == Some(want.as_str()) && ty.is_some_and(|t| t.starts_with("fuse"))
+        })
+    })
+}
+
+fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
+    if !a.foreground {
+        // The file system runs as a child in its own process group (a Ctrl-C at this terminal
+        // does not reach it); this process waits until the mount is there or the child fails.
+        let log = a.log.clone().unwrap_or_else(|| {
+            let name = a.image.file_name().map_or("image".into(), |n| n.to_string_lossy().into_owned());
+            PathBuf::from(format!("/var/tmp/aios-mount-{name}.log"))
+        });
+        let out = std::fs::File::create(&log)
+            .map_err(|e| BenchError::Setup(format!("log {}: {e}", log.display())))?;
+        let err = out.try_clone().map_err(io_err)?;
+        let exe = std::env::current_exe().map_err(io_err)?;
+        let mut cmd = std::process::Command::new(exe);
+        cmd.arg("mount").arg(&a.image).arg(&a.mountpoint).arg("--foreground");
+        if let Some(t) = a.threads {
+            cmd.arg("--threads").arg(t.to_string());
+        }
+        if matches!(a.commit, CommitArg::Vanilla) {
+            cmd.arg("--commit").arg("vanilla");
+        }
+        use std::os::unix::process::CommandExt;
+        let mut child = cmd
+            .stdin(std::process::Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .process_group(0)
+            .spawn()
+            .map_err(|e| BenchError::Setup(format!("starting the file system process: {e}")))?;
+        let t0 = std::time::Instant::now();
+        loop {
+            if let Some(st) = child.try_wait().map_err(io_err)? {
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                eprint!("{text}");
+                return Err(BenchError::Setup(format!("mount failed ({st}); log: {}", log.display())));
+            }
+            if is_mounted(&a.mountpoint) {
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                if let Some(l) = text.lines().find(|l| l.contains("mounted")) {
+                    println!("{l}");
+                }
+                println!("aiosfs: serving in process {} (log: {})", child.id(), log.display());
+                return Ok(());
+            }
+            if t0.elapsed() > std::time::Duration::from_secs(120) {
+                let _ = child.kill();
+                return Err(BenchError::Setup(format!("no mount after 120 s; log: {}", log.display())));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+    let mut opts = fs_fuse::MountOptions::default();
+    if let Some(t) = a.threads {
+        if t == 0 {
+            return Err(BenchError::Invalid("--threads 0: at least one worker".into()));
+        }
+        opts.threads = t;
+    }
+    opts.fs.commit_mode = match a.commit {
+        CommitArg::Overlapped => aios::journal::CommitMode::Overlapped,
+        CommitArg::Vanilla => aios::journal::CommitMode::Vanilla,
+    };
+    let m = fs_fuse::mount(&a.image, &a.mountpoint, &opts).map_err(|e| BenchError::Setup(format!("{}: {e}", a.image.display())))?;
+    let fs_probe = probe(&a.image, ProbeOptions::default()).ok();
+    let r = &m.report;
+    eprintln!(
+        "aiosfs: mounted {} on {}: {} workers (one per core unless --threads; each its own /dev/fuse clone, engine, lbio array and journal area), device {} ({}), journal: {} commit, durability {}, recovery replayed {} transactions ({} blocks){}{}",
+        a.image.display(),
+        a.mountpoint.display(),
+        m.threads,
+        a.image.display(),
+        fs_probe.map_or("unprobed".into(), |p| format!("{}, O_DIRECT", p.kind)),
+        opts.fs.commit_mode.name(),
+        r.durability,
+        r.replayed_transactions,
+        r.replayed_blocks,
+        if r.was_mounted { ", after an unclean stop" } else { "" },
+        if r.orphans_freed > 0 { format!(", {} orphan inodes freed", r.orphans_freed) } else { String::new() },
+    );
+    m.run().map_err(|e| BenchError::Setup(e.to_string()))
 }
 
 fn cmd_fsck(image: &std::path::Path, json: bool) -> ExitCode {

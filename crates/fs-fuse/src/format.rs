@@ -24,6 +24,16 @@ pub const INODE_BYTES: usize = 256;
 pub const INODES_PER_BLOCK: usize = BLOCK / INODE_BYTES;
 pub const ROOT_INO: u64 = 1;
 pub const INLINE_EXTENTS: usize = 8;
+/// Flag in an inode: its eight extent slots point at extent leaf blocks instead of holding
+/// extents (`logical` = first file block the leaf maps, `physical` = the leaf block, `len` =
+/// extents in it).
+pub const INODE_LEAVES: u16 = 1;
+/// Extents per leaf block (after a 16-byte header: magic, crc, count, owner's low 32 bits).
+pub const LEAF_EXTENTS: usize = (BLOCK - 16) / 20;
+pub const LEAF_MAGIC: u32 = 0x4c54_5845; // "EXTL"
+pub const XATTR_MAGIC: u32 = 0x5454_4158; // "XATT"
+/// Bytes of an xattr block's header: magic, crc, count, bytes used.
+pub const XATTR_HEADER: usize = 16;
 pub const NAME_MAX: usize = 255;
 pub const DIR_MAGIC: u32 = 0x4149_4f44; // "DOIA"
 /// Bytes of a directory block's header: magic, crc, entry count, bytes used.
@@ -318,6 +328,13 @@ pub struct Inode {
     pub mtime: (i64, u32),
     pub ctime: (i64, u32),
     pub generation: u32,
+    /// `INODE_LEAVES` or 0.
+    pub flags: u16,
+    /// Device number of a character or block special file.
+    pub rdev: u32,
+    /// Block holding the extended attributes (0: none).
+    pub xattr: u64,
+    /// Inline extents, or with `INODE_LEAVES` the leaf pointers.
     pub extents: Vec<Extent>,
 }
 
@@ -345,12 +362,15 @@ impl Inode {
         }
         put32(b, 60, self.generation);
         put16(b, 64, self.extents.len() as u16);
+        put16(b, 66, self.flags);
         for (i, e) in self.extents.iter().enumerate() {
             let o = 72 + i * 20;
             put64(b, o, e.logical);
             put64(b, o + 8, e.physical);
             put32(b, o + 16, e.len);
         }
+        put64(b, 232, self.xattr);
+        put32(b, 240, self.rdev);
         let c = crc(&b[..INODE_BYTES - 4]);
         put32(b, INODE_BYTES - 4, c);
     }
@@ -368,6 +388,10 @@ impl Inode {
         if n > INLINE_EXTENTS {
             return Err(format!("{n} extents; an inode holds {INLINE_EXTENTS}"));
         }
+        let flags = u16_at(b, 66);
+        if flags & !INODE_LEAVES != 0 {
+            return Err(format!("unknown flags {flags:#x}"));
+        }
         let t = |at: usize| (u64_at(b, at) as i64, u32_at(b, at + 8));
         Ok(Some(Inode {
             mode: u32_at(b, 0),
@@ -379,6 +403,9 @@ impl Inode {
             mtime: t(36),
             ctime: t(48),
             generation: u32_at(b, 60),
+            flags,
+            rdev: u32_at(b, 240),
+            xattr: u64_at(b, 232),
             extents: (0..n)
                 .map(|i| {
                     let o = 72 + i * 20;
@@ -477,6 +504,111 @@ pub fn decode_dir_block(b: &[u8]) -> Result<Vec<DirEntry>, String> {
     Ok(out)
 }
 
+/// Pack up to [`LEAF_EXTENTS`] extents of file `owner` into a leaf block.
+pub fn encode_leaf(owner: u64, extents: &[Extent], b: &mut [u8]) {
+    assert!(extents.len() <= LEAF_EXTENTS, "a leaf holds {LEAF_EXTENTS}");
+    b[..BLOCK].fill(0);
+    put32(b, 0, LEAF_MAGIC);
+    put32(b, 8, extents.len() as u32);
+    put32(b, 12, owner as u32);
+    for (i, e) in extents.iter().enumerate() {
+        let o = 16 + i * 20;
+        put64(b, o, e.logical);
+        put64(b, o + 8, e.physical);
+        put32(b, o + 16, e.len);
+    }
+    let c = crc(&b[8..BLOCK]);
+    put32(b, 4, c);
+}
+
+/// Unpack a leaf block of file `owner`.
+pub fn decode_leaf(owner: u64, b: &[u8]) -> Result<Vec<Extent>, String> {
+    if b.len() < BLOCK || u32_at(b, 0) != LEAF_MAGIC {
+        return Err("not an extent leaf (bad magic)".into());
+    }
+    if crc(&b[8..BLOCK]) != u32_at(b, 4) {
+        return Err("extent leaf checksum mismatch".into());
+    }
+    let n = u32_at(b, 8) as usize;
+    if n > LEAF_EXTENTS {
+        return Err(format!("extent leaf claims {n} extents (at most {LEAF_EXTENTS})"));
+    }
+    if u32_at(b, 12) != owner as u32 {
+        return Err(format!("extent leaf belongs to inode {} (low bits), not {owner}", u32_at(b, 12)));
+    }
+    Ok((0..n)
+        .map(|i| {
+            let o = 16 + i * 20;
+            Extent {
+                logical: u64_at(b, o),
+                physical: u64_at(b, o + 8),
+                len: u32_at(b, o + 16),
+            }
+        })
+        .collect())
+}
+
+/// Pack extended attributes (name, value) into one block; fails when they do not fit.
+pub fn encode_xattrs(attrs: &[(Vec<u8>, Vec<u8>)], b: &mut [u8]) -> Result<(), FsError> {
+    b[..BLOCK].fill(0);
+    let mut at = XATTR_HEADER;
+    for (name, value) in attrs {
+        let need = 3 + name.len() + value.len();
+        if name.is_empty() || name.len() > 255 || at + need > BLOCK {
+            return Err(FsError::Config("extended attributes overflow their block".into()));
+        }
+        b[at] = name.len() as u8;
+        put16(b, at + 1, value.len() as u16);
+        b[at + 3..at + 3 + name.len()].copy_from_slice(name);
+        b[at + 3 + name.len()..at + need].copy_from_slice(value);
+        at += need;
+    }
+    put32(b, 0, XATTR_MAGIC);
+    put32(b, 8, attrs.len() as u32);
+    put32(b, 12, at as u32);
+    let c = crc(&b[8..BLOCK]);
+    put32(b, 4, c);
+    Ok(())
+}
+
+/// Bytes the attributes take in their block (header included).
+pub fn xattr_bytes<'a>(attrs: impl IntoIterator<Item = (&'a [u8], &'a [u8])>) -> usize {
+    XATTR_HEADER + attrs.into_iter().map(|(n, v)| 3 + n.len() + v.len()).sum::<usize>()
+}
+
+/// Unpack an xattr block.
+pub fn decode_xattrs(b: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, String> {
+    if b.len() < BLOCK || u32_at(b, 0) != XATTR_MAGIC {
+        return Err("not an xattr block (bad magic)".into());
+    }
+    if crc(&b[8..BLOCK]) != u32_at(b, 4) {
+        return Err("xattr block checksum mismatch".into());
+    }
+    let n = u32_at(b, 8) as usize;
+    let used = u32_at(b, 12) as usize;
+    if !(XATTR_HEADER..=BLOCK).contains(&used) {
+        return Err(format!("xattr block: {used} bytes used"));
+    }
+    let mut out = Vec::new();
+    let mut at = XATTR_HEADER;
+    for i in 0..n {
+        if at + 3 > used {
+            return Err(format!("xattr {i} runs past the used bytes"));
+        }
+        let nl = b[at] as usize;
+        let vl = u16_at(b, at + 1) as usize;
+        if nl == 0 || at + 3 + nl + vl > used {
+            return Err(format!("xattr {i} has bad lengths"));
+        }
+        out.push((b[at + 3..at + 3 + nl].to_vec(), b[at + 3 + nl..at + 3 + nl + vl].to_vec()));
+        at += 3 + nl + vl;
+    }
+    if at != used {
+        return Err("bytes after the last xattr".into());
+    }
+    Ok(out)
+}
+
 /// Bit `i` of a bitmap.
 pub fn bit(map: &[u8], i: u64) -> bool {
     map[(i / 8) as usize] & (1 << (i % 8)) != 0
@@ -484,6 +616,10 @@ pub fn bit(map: &[u8], i: u64) -> bool {
 
 pub fn set_bit(map: &mut [u8], i: u64) {
     map[(i / 8) as usize] |= 1 << (i % 8);
+}
+
+pub fn clear_bit(map: &mut [u8], i: u64) {
+    map[(i / 8) as usize] &= !(1 << (i % 8));
 }
 
 #[cfg(test)]
@@ -524,6 +660,9 @@ mod tests {
             mtime: (1_800_000_000, 999_999_999),
             ctime: (3, 0),
             generation: 9,
+            flags: 0,
+            rdev: 0x0801,
+            xattr: 77,
             extents: vec![
                 Extent {
                     logical: 0,

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use crate::error::FsError;
 use crate::format::{
-    bit, decode_dir_block, Inode, Superblock, BLOCK, INODE_BYTES, ROOT_INO, S_IFDIR, S_IFLNK,
+    bit, decode_dir_block, decode_leaf, decode_xattrs, Inode, INODE_LEAVES, Superblock, BLOCK, INODE_BYTES, ROOT_INO, S_IFDIR, S_IFLNK,
     S_IFMT, S_IFREG,
 };
 
@@ -41,6 +41,8 @@ struct Img {
     bytes: u64,
     blocks: u64,
     path: String,
+    /// Blocks as the journal's replay will leave them (committed, not yet written home).
+    overlay: HashMap<u64, Vec<u8>>,
 }
 
 impl Img {
@@ -52,6 +54,7 @@ impl Img {
             bytes,
             blocks: bytes / BLOCK as u64,
             path: path.display().to_string(),
+            overlay: HashMap::new(),
         })
     }
     fn read(&self, block: u64, count: u64) -> Result<Vec<u8>, FsError> {
@@ -62,6 +65,11 @@ impl Img {
                 path: self.path.clone(),
                 source: e,
             })?;
+        for i in 0..count {
+            if let Some(v) = self.overlay.get(&(block + i)) {
+                b[i as usize * BLOCK..(i as usize + 1) * BLOCK].copy_from_slice(v);
+            }
+        }
         Ok(b)
     }
 }
@@ -141,6 +149,43 @@ pub fn fsck(path: &Path) -> Result<Report, FsError> {
             "marked mounted: it was not unmounted cleanly (mount replays the journal)".into(),
         );
     }
+    // Journal areas first: what they hold committed is what mount's replay writes home, so the
+    // structures are checked as they will be after it (fsck itself writes nothing).
+    let mut img = img;
+    let mut logs = Vec::new();
+    for a in 0..sb.journal_areas {
+        let (off, blocks) = sb.journal_area(a);
+        let area = img.read(off / BLOCK as u64, blocks)?;
+        match journal::recovery::parse_area(&area, a as usize) {
+            Err(e) => problems.push(format!("journal area {a}: {e}")),
+            Ok(log) => {
+                if let journal::LogEnd::Corrupt { pos, why } = &log.end {
+                    problems.push(format!(
+                        "journal area {a} is damaged at log block {pos}: {why}"
+                    ));
+                }
+                logs.push(log);
+            }
+        }
+    }
+    let from = journal::recovery::home_below(&logs);
+    let pending: usize = logs
+        .iter()
+        .map(|l| l.txs.iter().filter(|t| t.tid >= from).count())
+        .sum();
+    if pending > 0 {
+        notes.push(format!(
+            "the journal holds {pending} committed transactions not yet written home (mount replays them; checked as replayed)"
+        ));
+    }
+    let mut overlay = HashMap::new();
+    for (b, data) in journal::recovery::merge(&logs, from) {
+        if b < img.blocks {
+            overlay.insert(b, data.to_vec());
+        }
+    }
+    img.overlay = overlay;
+
     let ibm = img.read(sb.inode_bitmap.start, sb.inode_bitmap.count)?;
     let bbm = img.read(sb.block_bitmap.start, sb.block_bitmap.count)?;
     let itab = img.read(sb.inode_table.start, sb.inode_table.count)?;
@@ -172,8 +217,53 @@ pub fn fsck(path: &Path) -> Result<Report, FsError> {
         }
     }
 
-    // Extents: inside the data region, owned once, marked in use.
+    // Extent leaves and xattr blocks: each one block of the data region owned by its inode.
     let mut owner: HashMap<u64, u64> = HashMap::new();
+    let in_data = |b: u64| b >= sb.data.start && b < sb.data.end();
+    let mut own = |b: u64, ino: u64, problems: &mut Vec<String>| {
+        if let Some(other) = owner.insert(b, ino) {
+            problems.push(format!("block {b} belongs to inode {other} and inode {ino}"));
+        }
+        if !bit(&bbm, b) {
+            problems.push(format!("block {b} of inode {ino} is marked free"));
+        }
+    };
+    let mut orphans = 0u64;
+    for (&ino, i) in inodes.iter_mut() {
+        if i.xattr != 0 {
+            if !in_data(i.xattr) {
+                problems.push(format!("inode {ino}: xattr block {} lies outside the data region", i.xattr));
+            } else {
+                own(i.xattr, ino, &mut problems);
+                if let Err(why) = decode_xattrs(&img.read(i.xattr, 1)?) {
+                    problems.push(format!("inode {ino}: xattr block {}: {why}", i.xattr));
+                }
+            }
+        }
+        if i.flags & INODE_LEAVES != 0 {
+            let mut all = Vec::new();
+            for (k, leaf) in i.extents.iter().enumerate() {
+                if !in_data(leaf.physical) {
+                    problems.push(format!("inode {ino}: extent leaf {k} (block {}) lies outside the data region", leaf.physical));
+                    continue;
+                }
+                own(leaf.physical, ino, &mut problems);
+                match decode_leaf(ino, &img.read(leaf.physical, 1)?) {
+                    Ok(es) if es.len() == leaf.len as usize => all.extend(es),
+                    Ok(es) => problems.push(format!(
+                        "inode {ino}: extent leaf {k} holds {} extents, the inode says {}",
+                        es.len(),
+                        leaf.len
+                    )),
+                    Err(why) => problems.push(format!("inode {ino}: extent leaf {k} (block {}): {why}", leaf.physical)),
+                }
+            }
+            i.extents = all;
+        }
+    }
+    let mut own = own;
+
+    // Extents: inside the data region, owned once, marked in use.
     for (&ino, i) in &inodes {
         let mut last_end = 0u64;
         for (k, e) in i.extents.iter().enumerate() {
@@ -198,17 +288,11 @@ pub fn fsck(path: &Path) -> Result<Report, FsError> {
                 continue;
             }
             for b in e.physical..end {
-                if let Some(other) = owner.insert(b, ino) {
-                    problems.push(format!(
-                        "block {b} belongs to inode {other} and inode {ino}"
-                    ));
-                }
-                if !bit(&bbm, b) {
-                    problems.push(format!("block {b} of inode {ino} is marked free"));
-                }
+                own(b, ino, &mut problems);
             }
         }
     }
+    drop(own);
     for b in 0..sb.data.start {
         if !bit(&bbm, b) {
             problems.push(format!("metadata block {b} is marked free"));
@@ -347,6 +431,11 @@ pub fn fsck(path: &Path) -> Result<Report, FsError> {
             S_IFLNK => symlinks += 1,
             _ => other += 1,
         }
+        if i.nlink == 0 && !i.is_dir() && !refs.contains_key(&ino) {
+            // Unlinked while open when the process stopped: freed by the next mount.
+            orphans += 1;
+            continue;
+        }
         if !seen.contains(&ino) {
             problems.push(format!(
                 "inode {ino} is in use but in no directory reachable from the root"
@@ -365,26 +454,10 @@ pub fn fsck(path: &Path) -> Result<Report, FsError> {
         }
     }
 
-    // Journal areas.
-    for a in 0..sb.journal_areas {
-        let (off, blocks) = sb.journal_area(a);
-        let area = img.read(off / BLOCK as u64, blocks)?;
-        match journal::recovery::parse_area(&area, a as usize) {
-            Err(e) => problems.push(format!("journal area {a}: {e}")),
-            Ok(log) => {
-                if let journal::LogEnd::Corrupt { pos, why } = &log.end {
-                    problems.push(format!(
-                        "journal area {a} is damaged at log block {pos}: {why}"
-                    ));
-                }
-                if !log.txs.is_empty() {
-                    notes.push(format!(
-                        "journal area {a} holds {} committed transactions not yet written home (mount replays them)",
-                        log.txs.len()
-                    ));
-                }
-            }
-        }
+    if orphans > 0 {
+        notes.push(format!(
+            "{orphans} unlinked inodes still allocated (open when the file system stopped; the next mount frees them)"
+        ));
     }
     let used_inodes = inodes.len() as u64;
     if problems.len() > MAX_PROBLEMS {

@@ -22,9 +22,13 @@
 
 mod error;
 pub mod format;
+pub mod fs;
 pub mod fsck;
 pub mod mkfs;
+pub mod mount;
 
 pub use error::FsError;
 pub use fsck::{fsck, read_superblock, Report};
+pub use fs::{Fs, FsOptions};
 pub use mkfs::{mkfs, MkfsOptions};
+pub use mount::{mount, MountOptions, Mounted};

@@ -113,6 +113,9 @@ pub fn mkfs(path: &Path, opts: &MkfsOptions) -> Result<Superblock, FsError> {
         mtime: (secs as i64, nanos),
         ctime: (secs as i64, nanos),
         generation: 1,
+        flags: 0,
+        rdev: 0,
+        xattr: 0,
         extents: vec![crate::format::Extent {
             logical: 0,
             physical: root_block,

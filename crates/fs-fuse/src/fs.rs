@@ -1,0 +1,1932 @@
+//! The mounted file system: aiosfs's in-memory state over its on-disk format, with every change
+//! made durable through the journal. It knows nothing of FUSE (`mount.rs` adapts it), so the
+//! same code runs under SimDisk crash tests.
+//!
+//! - **Metadata** (inodes, bitmaps, directory blocks, extent leaves, xattr blocks, symlink
+//!   targets) is loaded on first use and kept in memory; a change marks what it touched dirty.
+//!   A commit encodes the dirty blocks from memory and hands them to the journal as one
+//!   transaction, so the image only ever moves from one consistent state to the next. Metadata
+//!   never goes home except through the journal's checkpoint.
+//! - **File data** written through the mount waits in per-file dirty blocks. A commit writes them
+//!   in place (`Tx::write_data`) before its commit block, ordered-mode style: `fsync(file)`
+//!   carries that file's dirty blocks and every other file's blocks allocated since the last
+//!   commit, so no committed extent ever points at unwritten blocks.
+//! - **Block reuse**: a freed block is not handed out again until the commit that freed it is
+//!   durable (the journal's commit includes the FLUSH, or FUA writes), and a freed block that was
+//!   ever journaled is revoked in that commit, so no replay can overwrite its next owner's data.
+//! - Each worker thread has its own engine, lbio array, device and journal handle (its own
+//!   journal area); one mutex guards the file system's state, and a commit holds it.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use aios_core::{Engine, EngineConfig};
+use journal::{CommitMode, Journal, JournalSet, Layout, Tx};
+use lbio::{Device, LbioArray, LbioConfig};
+
+use crate::error::FsError;
+use crate::format::{
+    bit, clear_bit, decode_dir_block, decode_leaf, decode_xattrs, encode_dir_block, encode_leaf,
+    encode_xattrs, set_bit, xattr_bytes, DirEntry, Extent, Inode, Superblock, BLOCK, INLINE_EXTENTS,
+    INODES_PER_BLOCK, INODE_BYTES, INODE_LEAVES, LEAF_EXTENTS, NAME_MAX, ROOT_INO, S_IFDIR,
+    S_IFLNK, S_IFMT,
+};
+
+/// An errno value (`libc::ENOENT`, …).
+pub type Errno = i32;
+pub type FsResult<T> = Result<T, Errno>;
+
+const B: u64 = BLOCK as u64;
+/// Extents a file can have: eight leaves of [`LEAF_EXTENTS`].
+pub const MAX_EXTENTS: usize = INLINE_EXTENTS * LEAF_EXTENTS;
+/// Slots of a directory block (the smallest entry takes 11 bytes).
+const DIR_SLOTS: u64 = 512;
+
+/// Opens the file system's device on a worker's lbio array (a file, a block device or a
+/// SimDisk).
+pub type DeviceFactory = Arc<dyn Fn(&Rc<LbioArray>) -> Result<Device, FsError> + Send + Sync>;
+
+/// Settings of a mounted file system.
+#[derive(Clone, Debug)]
+pub struct FsOptions {
+    pub commit_mode: CommitMode,
+    /// Dirty file data (bytes) above which a writer commits everything.
+    pub dirty_limit: usize,
+    /// Registered arena of each worker's engine.
+    pub arena_bytes: usize,
+}
+
+impl Default for FsOptions {
+    fn default() -> Self {
+        FsOptions {
+            commit_mode: CommitMode::Overlapped,
+            dirty_limit: 16 << 20,
+            arena_bytes: 48 << 20,
+        }
+    }
+}
+
+/// Attributes of a file, as `stat` reports them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Attr {
+    pub ino: u64,
+    pub mode: u32,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub rdev: u32,
+    pub size: u64,
+    /// 512-byte sectors allocated.
+    pub blocks: u64,
+    pub atime: (i64, u32),
+    pub mtime: (i64, u32),
+    pub ctime: (i64, u32),
+    pub generation: u32,
+}
+
+/// Who asks (for the owner of what they create).
+#[derive(Clone, Copy, Debug)]
+pub struct Caller {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// Changes of `setattr`; `None` leaves a field alone.
+#[derive(Clone, Debug, Default)]
+pub struct SetAttr {
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub size: Option<u64>,
+    pub atime: Option<Option<(i64, u32)>>,
+    pub mtime: Option<Option<(i64, u32)>>,
+}
+
+/// `statfs` figures.
+#[derive(Clone, Copy, Debug)]
+pub struct StatFs {
+    pub blocks: u64,
+    pub bfree: u64,
+    pub files: u64,
+    pub ffree: u64,
+}
+
+/// Counters of a mounted file system.
+#[derive(Debug, Default)]
+pub struct FsStats {
+    pub commits: AtomicU64,
+    pub fsync_commits: AtomicU64,
+    pub data_blocks_written: AtomicU64,
+    pub meta_blocks_written: AtomicU64,
+    pub reads: AtomicU64,
+}
+
+pub fn now() -> (i64, u32) {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    (d.as_secs() as i64, d.subsec_nanos())
+}
+
+struct Ctx {
+    journal: Journal,
+}
+
+impl Ctx {
+    fn dev(&self) -> &Device {
+        self.journal.device()
+    }
+    fn engine(&self) -> &Rc<Engine> {
+        self.dev().lbio().engine()
+    }
+    fn read_blocks(&self, block: u64, count: u64) -> FsResult<Vec<u8>> {
+        let len = (count * B) as usize;
+        let buf = self.engine().alloc_blocking(len).map_err(io_err)?;
+        let buf = self.dev().read_at_blocking(block * B, buf).map_err(io_err)?;
+        Ok(buf[..len].to_vec())
+    }
+    fn write_block(&self, block: u64, bytes: &[u8]) -> FsResult<()> {
+        let mut buf = self.engine().alloc_blocking(bytes.len()).map_err(io_err)?;
+        buf.set_len(bytes.len()).map_err(io_err)?;
+        buf.copy_from_slice(bytes);
+        self.dev().write_at_blocking(block * B, buf, false).map_err(io_err)?;
+        Ok(())
+    }
+}
+
+fn io_err<E: std::fmt::Display>(e: E) -> Errno {
+    eprintln!("aiosfs: I/O error: {e}");
+    libc::EIO
+}
+
+thread_local! {
+    static CTX: RefCell<HashMap<u64, Rc<Ctx>>> = RefCell::new(HashMap::new());
+}
+
+static NEXT_FS_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A directory's entries, indexed by name; block `b`'s entries sit in `blocks[b]`, in slots
+/// whose positions are stable while it is loaded (they are `readdir`'s cookies).
+#[derive(Default)]
+struct Dir {
+    index: HashMap<Vec<u8>, (u32, u16)>,
+    blocks: Vec<DBlock>,
+    dirty: BTreeSet<u32>,
+}
+
+#[derive(Default, Clone)]
+struct DBlock {
+    slots: Vec<Option<DirEntry>>,
+    used: usize,
+}
+
+fn entry_bytes(name: &[u8]) -> usize {
+    10 + name.len()
+}
+
+impl Dir {
+    fn get(&self, name: &[u8]) -> Option<&DirEntry> {
+        let &(b, s) = self.index.get(name)?;
+        self.blocks[b as usize].slots[s as usize].as_ref()
+    }
+    fn remove(&mut self, name: &[u8]) -> Option<DirEntry> {
+        let (b, s) = self.index.remove(name)?;
+        let blk = &mut self.blocks[b as usize];
+        let e = blk.slots[s as usize].take()?;
+        blk.used -= entry_bytes(&e.name);
+        self.dirty.insert(b);
+        Some(e)
+    }
+    /// Place an entry in the first block with room; `None` when a new block is needed.
+    fn insert(&mut self, e: DirEntry) -> Result<(), DirEntry> {
+        let need = entry_bytes(&e.name);
+        for (bi, blk) in self.blocks.iter_mut().enumerate() {
+            if blk.used + need <= BLOCK {
+                let slot = match blk.slots.iter().position(Option::is_none) {
+                    Some(s) => s,
+                    None if (blk.slots.len() as u64) < DIR_SLOTS => {
+                        blk.slots.push(None);
+                        blk.slots.len() - 1
+                    }
+                    None => continue,
+                };
+                blk.used += need;
+                self.index.insert(e.name.clone(), (bi as u32, slot as u16));
+                blk.slots[slot] = Some(e);
+                self.dirty.insert(bi as u32);
+                return Ok(());
+            }
+        }
+        Err(e)
+    }
+    fn push_block(&mut self, e: DirEntry) {
+        let bi = self.blocks.len() as u32;
+        self.index.insert(e.name.clone(), (bi, 0));
+        self.blocks.push(DBlock {
+            used: crate::format::DIR_HEADER + entry_bytes(&e.name),
+            slots: vec![Some(e)],
+        });
+        self.dirty.insert(bi);
+    }
+    /// Entries other than "." and "..".
+    fn children(&self) -> usize {
+        self.index.len().saturating_sub(2)
+    }
+}
+
+struct Node {
+    attr: Inode,
+    /// logical block -> (physical block, length)
+    map: BTreeMap<u64, (u64, u32)>,
+    leaves: Vec<u64>,
+    dir: Option<Dir>,
+    xattrs: Option<Vec<(Vec<u8>, Vec<u8>)>>,
+    dirty: BTreeMap<u64, Box<[u8]>>,
+    /// Blocks allocated since the last commit (their data must reach the device before any
+    /// commit that maps them).
+    fresh: BTreeSet<u64>,
+    lookups: u64,
+    opens: u32,
+}
+
+impl Node {
+    fn phys(&self, l: u64) -> Option<u64> {
+        let (&start, &(p, len)) = self.map.range(..=l).next_back()?;
+        (l < start + len as u64).then(|| p + (l - start))
+    }
+    /// Would mapping `l` -> `p` create a new extent (rather than grow one)?
+    fn joins(&self, l: u64, p: u64) -> bool {
+        if let Some((&s, &(pp, len))) = self.map.range(..l).next_back() {
+            if s + len as u64 == l && pp + len as u64 == p && len < u32::MAX {
+                return true;
+            }
+        }
+        matches!(self.map.get(&(l + 1)), Some(&(np, _)) if np == p + 1)
+    }
+    fn map_block(&mut self, l: u64, p: u64) {
+        let mut start = l;
+        let mut phys = p;
+        let mut len = 1u32;
+        if let Some((&s, &(pp, plen))) = self.map.range(..l).next_back() {
+            if s + plen as u64 == l && pp + plen as u64 == p {
+                start = s;
+                phys = pp;
+                len = plen + 1;
+            }
+        }
+        if let Some(&(np, nlen)) = self.map.get(&(l + 1)) {
+            if np == p + 1 {
+                self.map.remove(&(l + 1));
+                len += nlen;
+            }
+        }
+        self.map.insert(start, (phys, len));
+    }
+    /// Unmap logical blocks `[a, b)`; returns the physical blocks freed.
+    fn unmap(&mut self, a: u64, b: u64) -> Vec<u64> {
+        let mut freed = Vec::new();
+        let keys: Vec<u64> = self
+            .map
+            .range(..b)
+            .rev()
+            .take_while(|(&s, &(_, len))| s + len as u64 > a)
+            .map(|(&s, _)| s)
+            .collect();
+        for s in keys {
+            let (p, len) = self.map.remove(&s).expect("key");
+            let e = s + len as u64;
+            let (lo, hi) = (a.max(s), b.min(e));
+            freed.extend((lo..hi).map(|l| p + (l - s)));
+            if s < lo {
+                self.map.insert(s, (p, (lo - s) as u32));
+            }
+            if hi < e {
+                self.map.insert(hi, (p + (hi - s), (e - hi) as u32));
+            }
+        }
+        freed
+    }
+    fn mapped_blocks(&self) -> u64 {
+        self.map.values().map(|&(_, l)| l as u64).sum::<u64>()
+            + self.leaves.len() as u64
+            + (self.attr.xattr != 0) as u64
+    }
+    fn attr(&self, ino: u64) -> Attr {
+        let a = &self.attr;
+        Attr {
+            ino,
+            mode: a.mode,
+            nlink: a.nlink,
+            uid: a.uid,
+            gid: a.gid,
+            rdev: a.rdev,
+            size: a.size,
+            blocks: self.mapped_blocks() * (B / 512),
+            atime: a.atime,
+            mtime: a.mtime,
+            ctime: a.ctime,
+            generation: a.generation,
+        }
+    }
+    fn kind(&self) -> u8 {
+        ((self.attr.mode & S_IFMT) >> 12) as u8
+    }
+}
+
+struct State {
+    ibm: Vec<u8>,
+    bbm: Vec<u8>,
+    dirty_ibm: BTreeSet<u64>,
+    dirty_bbm: BTreeSet<u64>,
+    nodes: HashMap<u64, Node>,
+    itab_loaded: HashSet<u64>,
+    dirty_nodes: BTreeSet<u64>,
+    dirty_xattrs: BTreeSet<u64>,
+    /// Metadata blocks whose content is fixed at creation (symlink targets).
+    new_meta: BTreeMap<u64, Vec<u8>>,
+    revokes: BTreeSet<u64>,
+    /// Blocks journaled since mount (freeing one revokes it).
+    journaled: HashSet<u64>,
+    /// Freed since the last commit: not allocatable until it is durable.
+    quarantine: HashSet<u64>,
+    free_blocks: u64,
+    free_inodes: u64,
+    block_cursor: u64,
+    inode_cursor: u64,
+    dirty_bytes: usize,
+    failed: Option<String>,
+    generation: u32,
+}
+
+/// A mounted aiosfs.
+pub struct Fs {
+    id: u64,
+    sb: Superblock,
+    factory: DeviceFactory,
+    set: Arc<JournalSet>,
+    state: Mutex<State>,
+    next_area: AtomicUsize,
+    opts: FsOptions,
+    log_len: u64,
+    pub stats: FsStats,
+}
+
+/// What `Fs::open` did and chose.
+#[derive(Clone, Debug)]
+pub struct OpenReport {
+    pub replayed_transactions: usize,
+    pub replayed_blocks: usize,
+    pub orphans_freed: u64,
+    pub durability: String,
+    pub was_mounted: bool,
+}
+
+impl Fs {
+    /// Open the aiosfs on the device `factory` opens: check the superblock, replay the
+    /// journal, mark it mounted, load the bitmaps and free orphans. The caller checks the image
+    /// (fsck) before, so a damaged one is refused before anything is written.
+    pub fn open(factory: DeviceFactory, opts: FsOptions) -> Result<(Arc<Fs>, OpenReport), FsError> {
+        let engine = Engine::new(EngineConfig {
+            arena_bytes: 8 << 20,
+            huge_pages: false,
+            ..EngineConfig::default()
+        })?;
+        let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default())?;
+        let dev = factory(&lbio)?;
+        let bytes = dev.geometry().capacity_bytes;
+        let read = |block: u64, count: u64| -> Result<Vec<u8>, FsError> {
+            let buf = engine.alloc_blocking((count * B) as usize)?;
+            Ok(dev.read_at_blocking(block * B, buf)?[..(count * B) as usize].to_vec())
+        };
+        let mut sb = Superblock::decode(&read(0, 1)?, bytes / B)?;
+        let was_mounted = sb.mounted;
+        let areas = (0..sb.journal_areas).map(|i| sb.journal_area(i)).collect();
+        let (set, rec) = JournalSet::open(&dev, Layout { areas })?;
+        if !rec.corrupt.is_empty() {
+            return Err(FsError::Damaged(format!(
+                "journal areas {:?} are damaged (replayed up to the damage)",
+                rec.corrupt
+            )));
+        }
+        sb.mounted = true;
+        let mut sbb = vec![0u8; BLOCK];
+        sb.encode(&mut sbb);
+        let mut buf = engine.alloc_blocking(BLOCK)?;
+        buf.set_len(BLOCK)?;
+        buf.copy_from_slice(&sbb);
+        dev.write_at_blocking(0, buf, false)?;
+        dev.flush_blocking()?;
+        let ibm = read(sb.inode_bitmap.start, sb.inode_bitmap.count)?;
+        let bbm = read(sb.block_bitmap.start, sb.block_bitmap.count)?;
+        let mut free_blocks = 0;
+        for b in sb.data.start..sb.data.end() {
+            free_blocks += !bit(&bbm, b) as u64;
+        }
+        let mut free_inodes = 0;
+        for i in 1..sb.inodes {
+            free_inodes += !bit(&ibm, i) as u64;
+        }
+        let probe = set.durability_probe();
+        let durability = format!("{} ({})", probe.chosen.name(), probe.why);
+        let log_len = sb.journal_blocks - 1;
+        let fs = Arc::new(Fs {
+            id: NEXT_FS_ID.fetch_add(1, Ordering::Relaxed),
+            state: Mutex::new(State {
+                ibm,
+                bbm,
+                dirty_ibm: BTreeSet::new(),
+                dirty_bbm: BTreeSet::new(),
+                nodes: HashMap::new(),
+                itab_loaded: HashSet::new(),
+                dirty_nodes: BTreeSet::new(),
+                dirty_xattrs: BTreeSet::new(),
+                new_meta: BTreeMap::new(),
+                revokes: BTreeSet::new(),
+                journaled: HashSet::new(),
+                quarantine: HashSet::new(),
+                free_blocks,
+                free_inodes,
+                block_cursor: sb.data.start,
+                inode_cursor: 2,
+                dirty_bytes: 0,
+                failed: None,
+                generation: now().0 as u32,
+            }),
+            sb,
+            factory,
+            set,
+            next_area: AtomicUsize::new(0),
+            opts,
+            log_len,
+            stats: FsStats::default(),
+        });
+        drop(dev);
+        let orphans = fs.free_orphans().map_err(|e| {
+            FsError::Damaged(format!("freeing orphan inodes failed: errno {e}"))
+        })?;
+        Ok((
+            fs,
+            OpenReport {
+                replayed_transactions: rec.replayed.iter().map(Vec::len).sum(),
+                replayed_blocks: rec.blocks_written,
+                orphans_freed: orphans,
+                durability,
+                was_mounted,
+            },
+        ))
+    }
+
+    pub fn superblock(&self) -> &Superblock {
+        &self.sb
+    }
+
+    pub fn journal_set(&self) -> &Arc<JournalSet> {
+        &self.set
+    }
+
+    pub fn options(&self) -> &FsOptions {
+        &self.opts
+    }
+
+    fn ctx(&self) -> FsResult<Rc<Ctx>> {
+        if let Some(c) = CTX.with(|m| m.borrow().get(&self.id).cloned()) {
+            return Ok(c);
+        }
+        let engine = Engine::new(EngineConfig {
+            arena_bytes: self.opts.arena_bytes,
+            huge_pages: false,
+            ..EngineConfig::default()
+        })
+        .map_err(io_err)?;
+        let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).map_err(io_err)?;
+        let dev = (self.factory)(&lbio).map_err(io_err)?;
+        let area = self.next_area.fetch_add(1, Ordering::Relaxed) % self.sb.journal_areas as usize;
+        let journal =
+            Journal::new(&self.set, area, dev, self.opts.commit_mode).map_err(io_err)?;
+        let c = Rc::new(Ctx { journal });
+        CTX.with(|m| m.borrow_mut().insert(self.id, Rc::clone(&c)));
+        Ok(c)
+    }
+
+    /// Forget this thread's engine for this file system (a worker that is done).
+    pub fn release_thread(&self) {
+        CTX.with(|m| m.borrow_mut().remove(&self.id));
+    }
+
+    fn lock(&self) -> FsResult<MutexGuard<'_, State>> {
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(st)
+    }
+
+    fn writable(&self, st: &State) -> FsResult<()> {
+        match &st.failed {
+            Some(_) => Err(libc::EIO),
+            None => Ok(()),
+        }
+    }
+
+    // ----- loading -------------------------------------------------------------------------
+
+    fn load_itab(&self, st: &mut State, ctx: &Ctx, tb: u64) -> FsResult<()> {
+        if st.itab_loaded.contains(&tb) {
+            return Ok(());
+        }
+        let blk = ctx.read_blocks(self.sb.inode_table.start + tb, 1)?;
+        for s in 0..INODES_PER_BLOCK as u64 {
+            let ino = tb * INODES_PER_BLOCK as u64 + s;
+            if ino == 0 || ino >= self.sb.inodes || !bit(&st.ibm, ino) {
+                continue;
+            }
+            let slot = &blk[s as usize * INODE_BYTES..(s as usize + 1) * INODE_BYTES];
+            let inode = match Inode::decode(slot) {
+                Ok(Some(i)) => i,
+                Ok(None) => {
+                    eprintln!("aiosfs: inode {ino} is marked in use but empty (run aios fsck)");
+                    return Err(libc::EIO);
+                }
+                Err(why) => {
+                    eprintln!("aiosfs: inode {ino}: {why} (run aios fsck)");
+                    return Err(libc::EIO);
+                }
+            };
+            let mut node = Node {
+                map: BTreeMap::new(),
+                leaves: Vec::new(),
+                dir: None,
+                xattrs: None,
+                dirty: BTreeMap::new(),
+                fresh: BTreeSet::new(),
+                lookups: 0,
+                opens: 0,
+                attr: inode,
+            };
+            // `attr.extents` keeps the on-disk form (inline extents or leaf pointers) until the
+            // node is encoded again: every change to the map marks the node dirty.
+            let extents = node.attr.extents.clone();
+            let all = if node.attr.flags & INODE_LEAVES != 0 {
+                let mut all = Vec::new();
+                for leaf in &extents {
+                    self.check_data_block(leaf.physical, ino)?;
+                    let b = ctx.read_blocks(leaf.physical, 1)?;
+                    all.extend(decode_leaf(ino, &b).map_err(|why| {
+                        eprintln!("aiosfs: inode {ino}: {why} (run aios fsck)");
+                        libc::EIO
+                    })?);
+                    node.leaves.push(leaf.physical);
+                }
+                all
+            } else {
+                extents
+            };
+            for e in all {
+                if e.len == 0 {
+                    continue;
+                }
+                self.check_data_block(e.physical, ino)?;
+                self.check_data_block(e.physical + e.len as u64 - 1, ino)?;
+                node.map.insert(e.logical, (e.physical, e.len));
+            }
+            st.nodes.insert(ino, node);
+        }
+        st.itab_loaded.insert(tb);
+        Ok(())
+    }
+
+    fn check_data_block(&self, b: u64, ino: u64) -> FsResult<()> {
+        if self.sb.data.contains(b) {
+            Ok(())
+        } else {
+            eprintln!("aiosfs: inode {ino} points at block {b}, outside the data region (run aios fsck)");
+            Err(libc::EIO)
+        }
+    }
+
+    fn node<'a>(&self, st: &'a mut State, ctx: &Ctx, ino: u64) -> FsResult<&'a mut Node> {
+        if ino == 0 || ino >= self.sb.inodes {
+            return Err(libc::ENOENT);
+        }
+        if !st.nodes.contains_key(&ino) {
+            self.load_itab(st, ctx, ino / INODES_PER_BLOCK as u64)?;
+        }
+        st.nodes.get_mut(&ino).ok_or(libc::ENOENT)
+    }
+
+    fn load_dir(&self, st: &mut State, ctx: &Ctx, ino: u64) -> FsResult<()> {
+        let n = self.node(st, ctx, ino)?;
+        if !n.attr.is_dir() {
+            return Err(libc::ENOTDIR);
+        }
+        if n.dir.is_some() {
+            return Ok(());
+        }
+        let nblocks = n.attr.size / B;
+        let mut dir = Dir::default();
+        for l in 0..nblocks {
+            let Some(p) = n.phys(l) else {
+                eprintln!("aiosfs: directory {ino} has a hole at block {l} (run aios fsck)");
+                return Err(libc::EIO);
+            };
+            let b = ctx.read_blocks(p, 1)?;
+            let entries = decode_dir_block(&b).map_err(|why| {
+                eprintln!("aiosfs: directory {ino}, block {p}: {why} (run aios fsck)");
+                libc::EIO
+            })?;
+            let mut blk = DBlock {
+                slots: Vec::with_capacity(entries.len()),
+                used: crate::format::DIR_HEADER,
+            };
+            for (s, e) in entries.into_iter().enumerate() {
+                blk.used += entry_bytes(&e.name);
+                dir.index.insert(e.name.clone(), (l as u32, s as u16));
+                blk.slots.push(Some(e));
+            }
+            dir.blocks.push(blk);
+        }
+        n.dir = Some(dir);
+        Ok(())
+    }
+
+    fn dir<'a>(&self, st: &'a mut State, ctx: &Ctx, ino: u64) -> FsResult<&'a mut Dir> {
+        self.load_dir(st, ctx, ino)?;
+        Ok(st.nodes.get_mut(&ino).and_then(|n| n.dir.as_mut()).expect("loaded"))
+    }
+
+    fn load_xattrs(&self, st: &mut State, ctx: &Ctx, ino: u64) -> FsResult<()> {
+        let n = self.node(st, ctx, ino)?;
+        if n.xattrs.is_some() {
+            return Ok(());
+        }
+        let x = if n.attr.xattr == 0 {
+            Vec::new()
+        } else {
+            self.check_data_block(n.attr.xattr, ino)?;
+            decode_xattrs(&ctx.read_blocks(n.attr.xattr, 1)?).map_err(|why| {
+                eprintln!("aiosfs: inode {ino}: {why} (run aios fsck)");
+                libc::EIO
+            })?
+        };
+        n.xattrs = Some(x);
+        Ok(())
+    }
+
+    // ----- allocation ----------------------------------------------------------------------
+
+    fn alloc_block(&self, st: &mut State, goal: Option<u64>) -> FsResult<u64> {
+        let data = self.sb.data;
+        let start = goal
+            .filter(|&g| data.contains(g))
+            .unwrap_or(st.block_cursor.max(data.start));
+        let mut b = start;
+        let mut scanned = 0;
+        while scanned < data.count {
+            if b >= data.end() {
+                b = data.start;
+            }
+            if b % 8 == 0 && st.bbm[(b / 8) as usize] == 0xff && b + 8 <= data.end() {
+                b += 8;
+                scanned += 8;
+                continue;
+            }
+            if !bit(&st.bbm, b) && !st.quarantine.contains(&b) {
+                set_bit(&mut st.bbm, b);
+                st.dirty_bbm.insert(b / (B * 8));
+                st.free_blocks -= 1;
+                st.block_cursor = b + 1;
+                return Ok(b);
+            }
+            b += 1;
+            scanned += 1;
+        }
+        Err(libc::ENOSPC)
+    }
+
+    fn free_block(&self, st: &mut State, b: u64) {
+        debug_assert!(bit(&st.bbm, b));
+        clear_bit(&mut st.bbm, b);
+        st.dirty_bbm.insert(b / (B * 8));
+        st.quarantine.insert(b);
+        st.free_blocks += 1;
+        if st.journaled.remove(&b) {
+            st.revokes.insert(b);
+        }
+        st.new_meta.remove(&b);
+    }
+
+    fn alloc_inode(&self, st: &mut State, ctx: &Ctx) -> FsResult<u64> {
+        let n = self.sb.inodes;
+        let mut i = st.inode_cursor.max(2);
+        for _ in 0..n {
+            if i >= n {
+                i = 2;
+            }
+            if !bit(&st.ibm, i) {
+                // Load its table block before the slot is used, so the block's other inodes
+                // are in memory when it is encoded.
+                self.load_itab(st, ctx, i / INODES_PER_BLOCK as u64)?;
+                set_bit(&mut st.ibm, i);
+                st.dirty_ibm.insert(i / (B * 8));
+                st.free_inodes -= 1;
+                st.inode_cursor = i + 1;
+                return Ok(i);
+            }
+            i += 1;
+        }
+        Err(libc::ENOSPC)
+    }
+
+    /// Free an inode with no links and no users: its blocks and its slot.
+    fn destroy(&self, st: &mut State, ino: u64) {
+        let Some(mut n) = st.nodes.remove(&ino) else {
+            return;
+        };
+        let mut blocks: Vec<u64> = n.unmap(0, u64::MAX);
+        blocks.append(&mut n.leaves);
+        if n.attr.xattr != 0 {
+            blocks.push(n.attr.xattr);
+        }
+        for b in blocks {
+            self.free_block(st, b);
+        }
+        st.dirty_bytes -= n.dirty.len() * BLOCK;
+        clear_bit(&mut st.ibm, ino);
+        st.dirty_ibm.insert(ino / (B * 8));
+        st.free_inodes += 1;
+        st.dirty_nodes.insert(ino);
+        st.dirty_xattrs.remove(&ino);
+    }
+
+    fn maybe_destroy(&self, st: &mut State, ino: u64) {
+        if let Some(n) = st.nodes.get(&ino) {
+            let dead = if n.attr.is_dir() {
+                n.attr.nlink < 2
+            } else {
+                n.attr.nlink == 0
+            };
+            if dead && n.lookups == 0 && n.opens == 0 {
+                self.destroy(st, ino);
+            }
+        }
+    }
+
+    fn touch(st: &mut State, ino: u64) {
+        st.dirty_nodes.insert(ino);
+    }
+
+    // ----- commit --------------------------------------------------------------------------
+
+    fn meta_pending(&self, st: &State) -> u64 {
+        let dirs: usize = st
+            .nodes
+            .values()
+            .filter_map(|n| n.dir.as_ref().map(|d| d.dirty.len()))
+            .sum();
+        (st.dirty_nodes.len() * 2 + dirs + st.dirty_ibm.len() + st.dirty_bbm.len() + st.new_meta.len())
+            as u64
+            + st.dirty_xattrs.len() as u64
+    }
+
+    /// After a change: commit when the pending metadata nears a quarter of a journal area, or
+    /// the dirty data passes the limit.
+    fn settle(&self, st: &mut State, ctx: &Ctx) -> FsResult<()> {
+        if self.meta_pending(st) * 4 > self.log_len || st.dirty_bytes > self.opts.dirty_limit {
+            self.commit_locked(st, ctx, None)?;
+        }
+        Ok(())
+    }
+
+    /// Encode every dirty metadata block and commit it, with `file`'s dirty data (all files'
+    /// when `None`) and every file's freshly allocated blocks.
+    fn commit_locked(&self, st: &mut State, ctx: &Ctx, file: Option<u64>) -> FsResult<()> {
+        self.writable(st)?;
+        let mut tx = match file {
+            Some(ino) => Tx::for_file(ino as u32),
+            None => Tx::new(),
+        };
+        // Data first: it is written in place, durable before the commit block.
+        let mut written: Vec<(u64, u64)> = Vec::new();
+        let mut data_blocks = 0u64;
+        for (&ino, n) in st.nodes.iter() {
+            let all = file.is_none_or(|f| f == ino);
+            for (&l, buf) in &n.dirty {
+                if !all && !n.fresh.contains(&l) {
+                    continue;
+                }
+                let p = n.phys(l).expect("dirty blocks are mapped");
+                tx.write_data(p, buf).map_err(io_err)?;
+                written.push((ino, l));
+                data_blocks += 1;
+            }
+        }
+        // Inodes: extent leaves (may allocate or free leaf blocks), xattr blocks.
+        let mut metas: BTreeMap<u64, Vec<u8>> = std::mem::take(&mut st.new_meta);
+        let xattrs: Vec<u64> = std::mem::take(&mut st.dirty_xattrs).into_iter().collect();
+        for ino in xattrs {
+            let Some(n) = st.nodes.get(&ino) else { continue };
+            let list = n.xattrs.clone().unwrap_or_default();
+            let old = n.attr.xattr;
+            if list.is_empty() {
+                if old != 0 {
+                    self.free_block(st, old);
+                    st.nodes.get_mut(&ino).expect("node").attr.xattr = 0;
+                }
+            } else {
+                let b = if old != 0 { old } else { self.alloc_block(st, None)? };
+                let mut blk = vec![0u8; BLOCK];
+                encode_xattrs(&list, &mut blk).map_err(|_| libc::ENOSPC)?;
+                metas.insert(b, blk);
+                st.nodes.get_mut(&ino).expect("node").attr.xattr = b;
+            }
+            st.dirty_nodes.insert(ino);
+        }
+        let dirty: Vec<u64> = st.dirty_nodes.iter().copied().collect();
+        for &ino in &dirty {
+            let Some(n) = st.nodes.get(&ino) else { continue };
+            let extents: Vec<Extent> = n
+                .map
+                .iter()
+                .map(|(&l, &(p, len))| Extent {
+                    logical: l,
+                    physical: p,
+                    len,
+                })
+                .collect();
+            let need_leaves = if extents.len() <= INLINE_EXTENTS {
+                0
+            } else {
+                extents.len().div_ceil(LEAF_EXTENTS)
+            };
+            let mut leaves = n.leaves.clone();
+            while leaves.len() > need_leaves {
+                let b = leaves.pop().expect("leaf");
+                self.free_block(st, b);
+            }
+            while leaves.len() < need_leaves {
+                let goal = leaves.last().map(|b| b + 1);
+                leaves.push(self.alloc_block(st, goal)?);
+            }
+            let n = st.nodes.get_mut(&ino).expect("node");
+            if need_leaves == 0 {
+                n.attr.flags &= !INODE_LEAVES;
+                n.attr.extents = extents;
+            } else {
+                n.attr.flags |= INODE_LEAVES;
+                n.attr.extents = Vec::new();
+                for (chunk, &lb) in extents.chunks(LEAF_EXTENTS).zip(&leaves) {
+                    let mut blk = vec![0u8; BLOCK];
+                    encode_leaf(ino, chunk, &mut blk);
+                    metas.insert(lb, blk);
+                    n.attr.extents.push(Extent {
+                        logical: chunk[0].logical,
+                        physical: lb,
+                        len: chunk.len() as u32,
+                    });
+                }
+            }
+            n.leaves = leaves;
+        }
+        // Directory blocks.
+        for (&ino, n) in st.nodes.iter_mut() {
+            let Some(dirty) = n.dir.as_mut().map(|d| std::mem::take(&mut d.dirty)) else { continue };
+            for bi in dirty {
+                let Some(p) = n.phys(bi as u64) else { continue };
+                let d = n.dir.as_ref().expect("dir");
+                let entries: Vec<DirEntry> = d.blocks[bi as usize].slots.iter().flatten().cloned().collect();
+                let mut blk = vec![0u8; BLOCK];
+                encode_dir_block(&entries, &mut blk).map_err(|e| {
+                    eprintln!("aiosfs: directory {ino}: {e}");
+                    libc::EIO
+                })?;
+                metas.insert(p, blk);
+            }
+        }
+        // Inode table blocks.
+        let tblocks: BTreeSet<u64> = dirty.iter().map(|i| i / INODES_PER_BLOCK as u64).collect();
+        for tb in tblocks {
+            let mut blk = vec![0u8; BLOCK];
+            for s in 0..INODES_PER_BLOCK as u64 {
+                let ino = tb * INODES_PER_BLOCK as u64 + s;
+                if let Some(n) = st.nodes.get(&ino) {
+                    n.attr.encode(&mut blk[s as usize * INODE_BYTES..]);
+                }
+            }
+            metas.insert(self.sb.inode_table.start + tb, blk);
+        }
+        // Bitmaps last: leaf and xattr allocations above changed them.
+        for bi in std::mem::take(&mut st.dirty_ibm) {
+            let at = (bi * B) as usize;
+            metas.insert(self.sb.inode_bitmap.start + bi, st.ibm[at..at + BLOCK].to_vec());
+        }
+        for bi in std::mem::take(&mut st.dirty_bbm) {
+            let at = (bi * B) as usize;
+            metas.insert(self.sb.block_bitmap.start + bi, st.bbm[at..at + BLOCK].to_vec());
+        }
+        for (&b, bytes) in &metas {
+            tx.write_meta(b, bytes).map_err(io_err)?;
+        }
+        for &b in &st.revokes {
+            if !metas.contains_key(&b) {
+                tx.revoke(b);
+            }
+        }
+        if !tx.is_empty() {
+            if let Err(e) = ctx.journal.commit(&tx) {
+                let msg = format!("journal commit failed: {e}; the file system is read-only until remounted");
+                eprintln!("aiosfs: {msg}");
+                st.failed = Some(msg);
+                return Err(libc::EIO);
+            }
+        }
+        self.stats.commits.fetch_add(1, Ordering::Relaxed);
+        if file.is_some() {
+            self.stats.fsync_commits.fetch_add(1, Ordering::Relaxed);
+        }
+        self.stats.data_blocks_written.fetch_add(data_blocks, Ordering::Relaxed);
+        self.stats
+            .meta_blocks_written
+            .fetch_add(metas.len() as u64, Ordering::Relaxed);
+        st.dirty_nodes.clear();
+        st.revokes.clear();
+        st.quarantine.clear();
+        st.journaled.extend(metas.keys().copied());
+        for (ino, l) in written {
+            if let Some(n) = st.nodes.get_mut(&ino) {
+                if n.dirty.remove(&l).is_some() {
+                    st.dirty_bytes -= BLOCK;
+                }
+                n.fresh.remove(&l);
+            }
+        }
+        Ok(())
+    }
+
+    /// Make everything durable (all files' data and all metadata).
+    pub fn sync_all(&self) -> FsResult<()> {
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        if st.failed.is_some() {
+            return Err(libc::EIO);
+        }
+        self.commit_locked(&mut st, &ctx, None)
+    }
+
+    /// `fsync`/`fdatasync`: one file-level transaction with the file's dirty data, the
+    /// metadata changed since the last commit and every file's freshly allocated blocks.
+    pub fn fsync(&self, ino: u64) -> FsResult<()> {
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        self.node(&mut st, &ctx, ino)?;
+        self.commit_locked(&mut st, &ctx, Some(ino))
+    }
+
+    /// Clean unmount: commit, checkpoint every journal area, mark the superblock not mounted.
+    pub fn unmount(&self) -> Result<(), FsError> {
+        let ctx = self.ctx().map_err(|e| FsError::Config(format!("errno {e}")))?;
+        let mut st = self.lock().map_err(|e| FsError::Config(format!("errno {e}")))?;
+        if let Some(f) = &st.failed {
+            return Err(FsError::Config(f.clone()));
+        }
+        self.commit_locked(&mut st, &ctx, None)
+            .map_err(|e| FsError::Config(format!("final commit failed: errno {e}")))?;
+        ctx.journal.checkpoint()?;
+        let mut sb = self.sb.clone();
+        sb.mounted = false;
+        let mut b = vec![0u8; BLOCK];
+        sb.encode(&mut b);
+        ctx.write_block(0, &b)
+            .map_err(|e| FsError::Config(format!("superblock write failed: errno {e}")))?;
+        ctx.dev().flush_blocking()?;
+        st.failed = Some("unmounted".into());
+        Ok(())
+    }
+
+    fn free_orphans(&self) -> FsResult<u64> {
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        let mut orphans = Vec::new();
+        for tb in 0..self.sb.inode_table.count {
+            let any = (0..INODES_PER_BLOCK as u64)
+                .map(|s| tb * INODES_PER_BLOCK as u64 + s)
+                .any(|i| i > 0 && i < self.sb.inodes && bit(&st.ibm, i));
+            if !any {
+                continue;
+            }
+            self.load_itab(&mut st, &ctx, tb)?;
+        }
+        for (&ino, n) in &st.nodes {
+            if !n.attr.is_dir() && n.attr.nlink == 0 {
+                orphans.push(ino);
+            }
+        }
+        for &ino in &orphans {
+            self.destroy(&mut st, ino);
+        }
+        if !orphans.is_empty() {
+            self.commit_locked(&mut st, &ctx, None)?;
+        }
+        Ok(orphans.len() as u64)
+    }
+
+    // ----- operations ----------------------------------------------------------------------
+
+    pub fn getattr(&self, ino: u64) -> FsResult<Attr> {
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        Ok(self.node(&mut st, &ctx, ino)?.attr(ino))
+    }
+
+    /// Look `name` up in `parent`; counts a lookup reference when `count` (FUSE's rule).
+    pub fn lookup(&self, parent: u64, name: &[u8], count: bool) -> FsResult<Attr> {
+        if name.len() > NAME_MAX {
+            return Err(libc::ENAMETOOLONG);
+        }
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        let e = self.dir(&mut st, &ctx, parent)?.get(name).ok_or(libc::ENOENT)?.ino;
+        let n = self.node(&mut st, &ctx, e)?;
+        if count {
+            n.lookups += 1;
+        }
+        Ok(n.attr(e))
+    }
+
+    pub fn forget(&self, ino: u64, n: u64) {
+        let Ok(mut st) = self.lock() else { return };
+        if let Some(node) = st.nodes.get_mut(&ino) {
+            node.lookups = node.lookups.saturating_sub(n);
+            self.maybe_destroy(&mut st, ino);
+        }
+    }
+
+    pub fn open_file(&self, ino: u64) -> FsResult<()> {
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        self.node(&mut st, &ctx, ino)?.opens += 1;
+        Ok(())
+    }
+
+    pub fn release(&self, ino: u64) {
+        let Ok(mut st) = self.lock() else { return };
+        if let Some(node) = st.nodes.get_mut(&ino) {
+            node.opens = node.opens.saturating_sub(1);
+            self.maybe_destroy(&mut st, ino);
+        }
+    }
+
+    fn check_name(name: &[u8]) -> FsResult<()> {
+        if name.len() > NAME_MAX {
+            return Err(libc::ENAMETOOLONG);
+        }
+        if name.is_empty() || name.contains(&b'/') || name.contains(&0) {
+            return Err(libc::EINVAL);
+        }
+        Ok(())
+    }
+
+    /// Add `name` -> `ino` to directory `parent` (growing it by a block when full).
+    fn add_entry(&self, st: &mut State, ctx: &Ctx, parent: u64, name: &[u8], ino: u64, kind: u8) -> FsResult<()> {
+        let e = DirEntry {
+            ino,
+            kind,
+            name: name.to_vec(),
+        };
+        let d = self.dir(st, ctx, parent)?;
+        if let Err(e) = d.insert(e) {
+            let nb = d.blocks.len() as u64;
+            let n = st.nodes.get(&parent).expect("parent");
+            if n.map.len() >= MAX_EXTENTS {
+                return Err(libc::ENOSPC);
+            }
+            let goal = nb.checked_sub(1).and_then(|l| n.phys(l)).map(|p| p + 1);
+            let p = self.alloc_block(st, goal)?;
+            let n = st.nodes.get_mut(&parent).expect("parent");
+            n.map_block(nb, p);
+            n.attr.size = (nb + 1) * B;
+            n.dir.as_mut().expect("dir").push_block(e);
+        }
+        let t = now();
+        let n = st.nodes.get_mut(&parent).expect("parent");
+        n.attr.mtime = t;
+        n.attr.ctime = t;
+        Self::touch(st, parent);
+        Ok(())
+    }
+
+    fn new_node(&self, st: &mut State, mode: u32, caller: Caller, parent_gid_mode: (u32, u32), rdev: u32) -> Node {
+        let t = now();
+        st.generation = st.generation.wrapping_add(1);
+        let (pgid, pmode) = parent_gid_mode;
+        let (gid, mut mode) = if pmode & libc::S_ISGID != 0 {
+            (pgid, mode)
+        } else {
+            (caller.gid, mode)
+        };
+        if pmode & libc::S_ISGID != 0 && mode & S_IFMT == S_IFDIR {
+            mode |= libc::S_ISGID;
+        }
+        Node {
+            attr: Inode {
+                mode,
+                uid: caller.uid,
+                gid,
+                nlink: if mode & S_IFMT == S_IFDIR { 2 } else { 1 },
+                size: 0,
+                atime: t,
+                mtime: t,
+                ctime: t,
+                generation: st.generation,
+                flags: 0,
+                rdev,
+                xattr: 0,
+                extents: Vec::new(),
+            },
+            map: BTreeMap::new(),
+            leaves: Vec::new(),
+            dir: None,
+            xattrs: Some(Vec::new()),
+            dirty: BTreeMap::new(),
+            fresh: BTreeSet::new(),
+            lookups: 1,
+            opens: 0,
+        }
+    }
+
+    /// Create a file, directory, special file or symlink named `name` in `parent`.
+    pub fn mknod(
+        &self,
+        parent: u64,
+        name: &[u8],
+        mode: u32,
+        rdev: u32,
+        caller: Caller,
+        symlink: Option<&[u8]>,
+    ) -> FsResult<Attr> {
+        Self::check_name(name)?;
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        self.writable(&st)?;
+        let pn = self.node(&mut st, &ctx, parent)?;
+        if !pn.attr.is_dir() {
+            return Err(libc::ENOTDIR);
+        }
+        if pn.attr.nlink < 2 {
+            return Err(libc::ENOENT); // removed while open
+        }
+        let pgm = (pn.attr.gid, pn.attr.mode);
+        if self.dir(&mut st, &ctx, parent)?.get(name).is_some() {
+            return Err(libc::EEXIST);
+        }
+        let is_dir = mode & S_IFMT == S_IFDIR;
+        if is_dir && st.nodes[&parent].attr.nlink >= u32::MAX - 1 {
+            return Err(libc::EMLINK);
+        }
+        // Blocks this needs at most: a directory block for the parent, one for a new
+        // directory or symlink target.
+        if st.free_blocks < 2 + self.quarantined_hint(&st) {
+            self.commit_locked(&mut st, &ctx, None)?;
+        }
+        let ino = self.alloc_inode(&mut st, &ctx)?;
+        let mut node = self.new_node(&mut st, mode, caller, pgm, rdev);
+        let undo = |st: &mut State| {
+            clear_bit(&mut st.ibm, ino);
+            st.free_inodes += 1;
+        };
+        if is_dir {
+            let p = match self.alloc_block(&mut st, None) {
+                Ok(p) => p,
+                Err(e) => {
+                    undo(&mut st);
+                    return Err(e);
+                }
+            };
+            node.map_block(0, p);
+            node.attr.size = B;
+            let mut d = Dir::default();
+            let dot = |n: &[u8], i: u64| DirEntry {
+                ino: i,
+                kind: (S_IFDIR >> 12) as u8,
+                name: n.to_vec(),
+            };
+            d.push_block(dot(b".", ino));
+            d.insert(dot(b"..", parent)).expect("room for ..");
+            node.dir = Some(d);
+        }
+        if let Some(target) = symlink {
+            let p = match self.alloc_block(&mut st, None) {
+                Ok(p) => p,
+                Err(e) => {
+                    undo(&mut st);
+                    return Err(e);
+                }
+            };
+            let mut blk = vec![0u8; BLOCK];
+            blk[..target.len()].copy_from_slice(target);
+            st.new_meta.insert(p, blk);
+            node.map_block(0, p);
+            node.attr.size = target.len() as u64;
+        }
+        let kind = node.kind();
+        st.nodes.insert(ino, node);
+        st.dirty_nodes.insert(ino);
+        if let Err(e) = self.add_entry(&mut st, &ctx, parent, name, ino, kind) {
+            // Roll back: nothing about the new inode was committed.
+            self.destroy(&mut st, ino);
+            return Err(e);
+        }
+        if is_dir {
+            st.nodes.get_mut(&parent).expect("parent").attr.nlink += 1;
+        }
+        let attr = st.nodes[&ino].attr(ino);
+        self.settle(&mut st, &ctx)?;
+        Ok(attr)
+    }
+
+    fn quarantined_hint(&self, st: &State) -> u64 {
+        (st.free_blocks < st.quarantine.len() as u64 + 2) as u64 * st.quarantine.len() as u64
+    }
+
+    pub fn readlink(&self, ino: u64) -> FsResult<Vec<u8>> {
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        let n = self.node(&mut st, &ctx, ino)?;
+        if n.attr.mode & S_IFMT != S_IFLNK {
+            return Err(libc::EINVAL);
+        }
+        let len = n.attr.size as usize;
+        let p = n.phys(0).ok_or(libc::EIO)?;
+        if len > BLOCK {
+            return Err(libc::EIO);
+        }
+        if let Some(b) = st.new_meta.get(&p) {
+            return Ok(b[..len].to_vec());
+        }
+        Ok(ctx.read_blocks(p, 1)?[..len].to_vec())
+    }
+
+    pub fn link(&self, ino: u64, parent: u64, name: &[u8]) -> FsResult<Attr> {
+        Self::check_name(name)?;
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        self.writable(&st)?;
+        let n = self.node(&mut st, &ctx, ino)?;
+        if n.attr.is_dir() {
+            return Err(libc::EPERM);
+        }
+        if n.attr.nlink >= 65000 {
+            return Err(libc::EMLINK);
+        }
+        let kind = n.kind();
+        let pn = self.node(&mut st, &ctx, parent)?;
+        if pn.attr.nlink < 2 {
+            return Err(libc::ENOENT);
+        }
+        if self.dir(&mut st, &ctx, parent)?.get(name).is_some() {
+            return Err(libc::EEXIST);
+        }
+        self.add_entry(&mut st, &ctx, parent, name, ino, kind)?;
+        let n = st.nodes.get_mut(&ino).expect("node");
+        n.attr.nlink += 1;
+        n.attr.ctime = now();
+        n.lookups += 1;
+        let a = n.attr(ino);
+        Self::touch(&mut st, ino);
+        self.settle(&mut st, &ctx)?;
+        Ok(a)
+    }
+
+    /// `unlink` (`dir` false) or `rmdir` (`dir` true).
+    pub fn remove(&self, parent: u64, name: &[u8], dir: bool) -> FsResult<()> {
+        if name.len() > NAME_MAX {
+            return Err(libc::ENAMETOOLONG);
+        }
+        if dir && name == b"." {
+            return Err(libc::EINVAL);
+        }
+        if dir && name == b".." {
+            return Err(libc::ENOTEMPTY);
+        }
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        self.writable(&st)?;
+        let e = self.dir(&mut st, &ctx, parent)?.get(name).ok_or(libc::ENOENT)?.clone();
+        let n = self.node(&mut st, &ctx, e.ino)?;
+        let is_dir = n.attr.is_dir();
+        if dir && !is_dir {
+            return Err(libc::ENOTDIR);
+        }
+        if !dir && is_dir {
+            return Err(libc::EISDIR);
+        }
+        if is_dir && self.dir(&mut st, &ctx, e.ino)?.children() > 0 {
+            return Err(libc::ENOTEMPTY);
+        }
+        self.dir(&mut st, &ctx, parent)?.remove(name);
+        let t = now();
+        let p = st.nodes.get_mut(&parent).expect("parent");
+        p.attr.mtime = t;
+        p.attr.ctime = t;
+        if is_dir {
+            p.attr.nlink -= 1;
+        }
+        Self::touch(&mut st, parent);
+        let n = st.nodes.get_mut(&e.ino).expect("node");
+        n.attr.ctime = t;
+        n.attr.nlink = if is_dir { 0 } else { n.attr.nlink - 1 };
+        Self::touch(&mut st, e.ino);
+        self.maybe_destroy(&mut st, e.ino);
+        self.settle(&mut st, &ctx)
+    }
+
+    /// Is `anc` an ancestor of (or equal to) directory `d`?
+    fn is_ancestor(&self, st: &mut State, ctx: &Ctx, anc: u64, mut d: u64) -> FsResult<bool> {
+        for _ in 0..100_000 {
+            if d == anc {
+                return Ok(true);
+            }
+            if d == ROOT_INO {
+                return Ok(false);
+            }
+            d = self.dir(st, ctx, d)?.get(b"..").ok_or(libc::EIO)?.ino;
+        }
+        Err(libc::ELOOP)
+    }
+
+    pub fn rename(&self, parent: u64, name: &[u8], newparent: u64, newname: &[u8], flags: u32) -> FsResult<()> {
+        Self::check_name(newname)?;
+        if name.len() > NAME_MAX {
+            return Err(libc::ENAMETOOLONG);
+        }
+        if flags & !(libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE) != 0 {
+            return Err(libc::EINVAL);
+        }
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        self.writable(&st)?;
+        let src = self.dir(&mut st, &ctx, parent)?.get(name).ok_or(libc::ENOENT)?.clone();
+        if !self.node(&mut st, &ctx, newparent)?.attr.is_dir() {
+            return Err(libc::ENOTDIR);
+        }
+        let dst = self.dir(&mut st, &ctx, newparent)?.get(newname).cloned();
+        let src_dir = self.node(&mut st, &ctx, src.ino)?.attr.is_dir();
+        if flags & libc::RENAME_EXCHANGE != 0 {
+            let dst = dst.ok_or(libc::ENOENT)?;
+            let dst_dir = self.node(&mut st, &ctx, dst.ino)?.attr.is_dir();
+            if (src_dir && self.is_ancestor(&mut st, &ctx, src.ino, newparent)?)
+                || (dst_dir && self.is_ancestor(&mut st, &ctx, dst.ino, parent)?)
+            {
+                return Err(libc::EINVAL);
+            }
+            self.replace_entry(&mut st, &ctx, parent, name, dst.ino, dst.kind)?;
+            self.replace_entry(&mut st, &ctx, newparent, newname, src.ino, src.kind)?;
+            if parent != newparent {
+                if src_dir {
+                    self.set_dotdot(&mut st, &ctx, src.ino, newparent)?;
+                    st.nodes.get_mut(&parent).expect("p").attr.nlink -= 1;
+                    st.nodes.get_mut(&newparent).expect("p").attr.nlink += 1;
+                }
+                if dst_dir {
+                    self.set_dotdot(&mut st, &ctx, dst.ino, parent)?;
+                    st.nodes.get_mut(&newparent).expect("p").attr.nlink -= 1;
+                    st.nodes.get_mut(&parent).expect("p").attr.nlink += 1;
+                }
+            }
+            let t = now();
+            for i in [src.ino, dst.ino, parent, newparent] {
+                st.nodes.get_mut(&i).expect("n").attr.ctime = t;
+                Self::touch(&mut st, i);
+            }
+            return self.settle(&mut st, &ctx);
+        }
+        if let Some(d) = &dst {
+            if flags & libc::RENAME_NOREPLACE != 0 {
+                return Err(libc::EEXIST);
+            }
+            if d.ino == src.ino {
+                return Ok(()); // two links to one file: nothing to do
+            }
+            let dst_dir = self.node(&mut st, &ctx, d.ino)?.attr.is_dir();
+            if src_dir && !dst_dir {
+                return Err(libc::ENOTDIR);
+            }
+            if !src_dir && dst_dir {
+                return Err(libc::EISDIR);
+            }
+            if dst_dir && self.dir(&mut st, &ctx, d.ino)?.children() > 0 {
+                return Err(libc::ENOTEMPTY);
+            }
+        }
+        if src_dir && self.is_ancestor(&mut st, &ctx, src.ino, newparent)? {
+            return Err(libc::EINVAL);
+        }
+        if src_dir && dst.is_none() && parent != newparent && st.nodes[&newparent].attr.nlink >= u32::MAX - 1 {
+            return Err(libc::EMLINK);
+        }
+        let t = now();
+        // Target first (it can fail on a full disk), then the source goes.
+        match &dst {
+            Some(d) => {
+                self.replace_entry(&mut st, &ctx, newparent, newname, src.ino, src.kind)?;
+                let n = st.nodes.get_mut(&d.ino).expect("dst");
+                n.attr.ctime = t;
+                if n.attr.is_dir() {
+                    n.attr.nlink = 0;
+                    st.nodes.get_mut(&newparent).expect("np").attr.nlink -= 1;
+                } else {
+                    n.attr.nlink -= 1;
+                }
+                Self::touch(&mut st, d.ino);
+                self.maybe_destroy(&mut st, d.ino);
+            }
+            None => self.add_entry(&mut st, &ctx, newparent, newname, src.ino, src.kind)?,
+        }
+        self.dir(&mut st, &ctx, parent)?.remove(name);
+        if src_dir && parent != newparent {
+            self.set_dotdot(&mut st, &ctx, src.ino, newparent)?;
+            st.nodes.get_mut(&parent).expect("p").attr.nlink -= 1;
+            if dst.is_none() {
+                st.nodes.get_mut(&newparent).expect("np").attr.nlink += 1;
+            } else {
+                st.nodes.get_mut(&newparent).expect("np").attr.nlink += 1;
+            }
+        }
+        for i in [parent, newparent] {
+            let n = st.nodes.get_mut(&i).expect("p");
+            n.attr.mtime = t;
+            n.attr.ctime = t;
+            Self::touch(&mut st, i);
+        }
+        st.nodes.get_mut(&src.ino).expect("src").attr.ctime = t;
+        Self::touch(&mut st, src.ino);
+        self.settle(&mut st, &ctx)
+    }
+
+    fn replace_entry(&self, st: &mut State, ctx: &Ctx, dir: u64, name: &[u8], ino: u64, kind: u8) -> FsResult<()> {
+        let d = self.dir(st, ctx, dir)?;
+        let &(b, s) = d.index.get(name).ok_or(libc::ENOENT)?;
+        let e = d.blocks[b as usize].slots[s as usize].as_mut().expect("slot");
+        e.ino = ino;
+        e.kind = kind;
+        d.dirty.insert(b);
+        Ok(())
+    }
+
+    fn set_dotdot(&self, st: &mut State, ctx: &Ctx, dir: u64, parent: u64) -> FsResult<()> {
+        self.replace_entry(st, ctx, dir, b"..", parent, (S_IFDIR >> 12) as u8)
+    }
+
+    /// Directory entries from cookie `offset` on: (cookie of the next, ino, kind, name).
+    pub fn readdir(&self, ino: u64, offset: u64, mut add: impl FnMut(u64, u64, u8, &[u8]) -> bool) -> FsResult<()> {
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        let d = self.dir(&mut st, &ctx, ino)?;
+        let (mut b, mut s) = (offset / DIR_SLOTS, offset % DIR_SLOTS);
+        while (b as usize) < d.blocks.len() {
+            let blk = &d.blocks[b as usize];
+            while (s as usize) < blk.slots.len() {
+                if let Some(e) = &blk.slots[s as usize] {
+                    let next = b * DIR_SLOTS + s + 1;
+                    if add(next, e.ino, e.kind, &e.name) {
+                        return Ok(());
+                    }
+                }
+                s += 1;
+            }
+            b += 1;
+            s = 0;
+        }
+        Ok(())
+    }
+
+    pub fn setattr(&self, ino: u64, set: &SetAttr) -> FsResult<Attr> {
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        self.writable(&st)?;
+        let t = now();
+        if let Some(size) = set.size {
+            let n = self.node(&mut st, &ctx, ino)?;
+            if n.attr.is_dir() {
+                return Err(libc::EISDIR);
+            }
+            self.truncate(&mut st, &ctx, ino, size)?;
+            let n = st.nodes.get_mut(&ino).expect("node");
+            n.attr.mtime = t;
+            n.attr.ctime = t;
+        }
+        let n = self.node(&mut st, &ctx, ino)?;
+        if let Some(m) = set.mode {
+            n.attr.mode = (n.attr.mode & S_IFMT) | (m & 0o7777);
+        }
+        if let Some(u) = set.uid {
+            n.attr.uid = u;
+        }
+        if let Some(g) = set.gid {
+            n.attr.gid = g;
+        }
+        if let Some(a) = set.atime {
+            n.attr.atime = a.unwrap_or(t);
+        }
+        if let Some(m) = set.mtime {
+            n.attr.mtime = m.unwrap_or(t);
+        }
+        n.attr.ctime = t;
+        let a = n.attr(ino);
+        Self::touch(&mut st, ino);
+        self.settle(&mut st, &ctx)?;
+        Ok(a)
+    }
+
+    fn truncate(&self, st: &mut State, ctx: &Ctx, ino: u64, size: u64) -> FsResult<()> {
+        let n = st.nodes.get_mut(&ino).expect("node");
+        let old = n.attr.size;
+        if size < old {
+            let keep = size.div_ceil(B);
+            let gone: Vec<u64> = n.dirty.range(keep..).map(|(&l, _)| l).collect();
+            for l in &gone {
+                n.dirty.remove(l);
+            }
+            let fresh: Vec<u64> = n.fresh.range(keep..).copied().collect();
+            for l in &fresh {
+                n.fresh.remove(l);
+            }
+            st.dirty_bytes -= gone.len() * BLOCK;
+            let freed = st.nodes.get_mut(&ino).expect("node").unmap(keep, u64::MAX);
+            for b in freed {
+                self.free_block(st, b);
+            }
+            // Zero the rest of the last block, so growing the file later reads zeros.
+            if size % B != 0 {
+                let l = size / B;
+                self.zero_in_block(st, ctx, ino, l, (size % B) as usize, BLOCK)?;
+            }
+        }
+        st.nodes.get_mut(&ino).expect("node").attr.size = size;
+        Self::touch(st, ino);
+        Ok(())
+    }
+
+    /// Zero bytes `[from, to)` of file block `l` if it is mapped.
+    fn zero_in_block(&self, st: &mut State, ctx: &Ctx, ino: u64, l: u64, from: usize, to: usize) -> FsResult<()> {
+        let n = st.nodes.get_mut(&ino).expect("node");
+        if let Some(buf) = n.dirty.get_mut(&l) {
+            buf[from..to].fill(0);
+            return Ok(());
+        }
+        let Some(p) = n.phys(l) else { return Ok(()) };
+        let mut b = ctx.read_blocks(p, 1)?;
+        b[from..to].fill(0);
+        let n = st.nodes.get_mut(&ino).expect("node");
+        n.dirty.insert(l, b.into_boxed_slice());
+        st.dirty_bytes += BLOCK;
+        Ok(())
+    }
+
+    /// Read up to `size` bytes at `offset`.
+    pub fn read(&self, ino: u64, offset: u64, size: u32) -> FsResult<Vec<u8>> {
+        let ctx = self.ctx()?;
+        self.stats.reads.fetch_add(1, Ordering::Relaxed);
+        // Under the lock: the size, dirty blocks and the physical runs to read.
+        let mut out;
+        let mut runs: Vec<(usize, u64, u64)> = Vec::new(); // (out offset, physical, blocks)
+        let first;
+        {
+            let mut st = self.lock()?;
+            let n = self.node(&mut st, &ctx, ino)?;
+            if n.attr.is_dir() {
+                return Err(libc::EISDIR);
+            }
+            if offset >= n.attr.size {
+                return Ok(Vec::new());
+            }
+            let end = n.attr.size.min(offset + size as u64);
+            first = offset / B;
+            let last = (end - 1) / B;
+            out = vec![0u8; ((last - first + 1) * B) as usize];
+            for l in first..=last {
+                let at = ((l - first) * B) as usize;
+                if let Some(d) = n.dirty.get(&l) {
+                    out[at..at + BLOCK].copy_from_slice(d);
+                } else if let Some(p) = n.phys(l) {
+                    match runs.last_mut() {
+                        Some((o, rp, c)) if *o + (*c * B) as usize == at && *rp + *c == p => *c += 1,
+                        _ => runs.push((at, p, 1)),
+                    }
+                }
+            }
+            out.truncate((end - first * B) as usize);
+        }
+        for (at, p, c) in runs {
+            let b = ctx.read_blocks(p, c)?;
+            let take = (c * B) as usize;
+            let stop = out.len().min(at + take);
+            out[at..stop].copy_from_slice(&b[..stop - at]);
+        }
+        let skip = (offset - first * B) as usize;
+        out.drain(..skip);
+        Ok(out)
+    }
+
+    /// Write `data` at `offset`; returns the bytes written.
+    pub fn write(&self, ino: u64, offset: u64, data: &[u8]) -> FsResult<usize> {
+        if data.is_empty() {
+            return Ok(0);
+        }
+        let end = offset.checked_add(data.len() as u64).ok_or(libc::EFBIG)?;
+        if end > (1u64 << 44) {
+            return Err(libc::EFBIG);
+        }
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        self.writable(&st)?;
+        let n = self.node(&mut st, &ctx, ino)?;
+        if n.attr.is_dir() {
+            return Err(libc::EISDIR);
+        }
+        let first = offset / B;
+        let last = (end - 1) / B;
+        let mut done = 0usize;
+        for l in first..=last {
+            let bstart = l * B;
+            let from = offset.max(bstart) - bstart;
+            let to = end.min(bstart + B) - bstart;
+            let src = &data[done..done + (to - from) as usize];
+            let n = st.nodes.get_mut(&ino).expect("node");
+            if let Some(buf) = n.dirty.get_mut(&l) {
+                buf[from as usize..to as usize].copy_from_slice(src);
+            } else if let Some(p) = n.phys(l) {
+                let mut b = if from == 0 && to == B {
+                    vec![0u8; BLOCK]
+                } else {
+                    ctx.read_blocks(p, 1)?
+                };
+                b[from as usize..to as usize].copy_from_slice(src);
+                n.dirty.insert(l, b.into_boxed_slice());
+                st.dirty_bytes += BLOCK;
+            } else {
+                let goal = l.checked_sub(1).and_then(|pl| n.phys(pl)).map(|p| p + 1);
+                let p = match self.alloc_block(&mut st, goal) {
+                    Ok(p) => p,
+                    Err(libc::ENOSPC) if !st.quarantine.is_empty() => {
+                        // Blocks freed since the last commit come back once it is durable.
+                        self.commit_locked(&mut st, &ctx, None)?;
+                        self.alloc_block(&mut st, goal)?
+                    }
+                    Err(e) => {
+                        if done > 0 {
+                            break;
+                        }
+                        return Err(e);
+                    }
+                };
+                let n = st.nodes.get_mut(&ino).expect("node");
+                if n.map.len() >= MAX_EXTENTS && !n.joins(l, p) {
+                    self.free_block(&mut st, p);
+                    st.quarantine.remove(&p);
+                    if done > 0 {
+                        break;
+                    }
+                    return Err(libc::EFBIG);
+                }
+                n.map_block(l, p);
+                n.fresh.insert(l);
+                let mut b = vec![0u8; BLOCK];
+                b[from as usize..to as usize].copy_from_slice(src);
+                n.dirty.insert(l, b.into_boxed_slice());
+                st.dirty_bytes += BLOCK;
+            }
+            done += (to - from) as usize;
+        }
+        let t = now();
+        let n = st.nodes.get_mut(&ino).expect("node");
+        let wend = offset + done as u64;
+        if wend > n.attr.size {
+            n.attr.size = wend;
+        }
+        n.attr.mtime = t;
+        n.attr.ctime = t;
+        // Writing clears set-user-ID (and set-group-ID when group-executable), as on Linux.
+        if n.attr.mode & libc::S_ISUID != 0 || n.attr.mode & (libc::S_ISGID | 0o010) == (libc::S_ISGID | 0o010) {
+            n.attr.mode &= !(libc::S_ISUID | libc::S_ISGID);
+        }
+        Self::touch(&mut st, ino);
+        if st.dirty_bytes > self.opts.dirty_limit {
+            self.commit_locked(&mut st, &ctx, None)?;
+        } else {
+            self.settle(&mut st, &ctx)?;
+        }
+        Ok(done)
+    }
+
+    /// `fallocate`: mode 0 or `FALLOC_FL_KEEP_SIZE` allocate (zeroed), `FALLOC_FL_PUNCH_HOLE
+    /// | FALLOC_FL_KEEP_SIZE` frees.
+    pub fn fallocate(&self, ino: u64, offset: u64, len: u64, mode: i32) -> FsResult<()> {
+        let end = offset.checked_add(len).ok_or(libc::EFBIG)?;
+        if len == 0 {
+            return Err(libc::EINVAL);
+        }
+        if end > (1u64 << 44) {
+            return Err(libc::EFBIG);
+        }
+        let keep = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
+        let punch = mode & libc::FALLOC_FL_PUNCH_HOLE != 0;
+        if mode & !(libc::FALLOC_FL_KEEP_SIZE | libc::FALLOC_FL_PUNCH_HOLE) != 0 || (punch && !keep) {
+            return Err(libc::EOPNOTSUPP);
+        }
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        self.writable(&st)?;
+        if self.node(&mut st, &ctx, ino)?.attr.is_dir() {
+            return Err(libc::EISDIR);
+        }
+        let t = now();
+        if punch {
+            let size = st.nodes[&ino].attr.size;
+            let end = end.min(size);
+            if offset < end {
+                let (a, b) = (offset.div_ceil(B), end / B);
+                if a < b {
+                    let n = st.nodes.get_mut(&ino).expect("node");
+                    let gone: Vec<u64> = n.dirty.range(a..b).map(|(&l, _)| l).collect();
+                    for l in &gone {
+                        n.dirty.remove(l);
+                        n.fresh.remove(l);
+                    }
+                    st.dirty_bytes -= gone.len() * BLOCK;
+                    let freed = st.nodes.get_mut(&ino).expect("node").unmap(a, b);
+                    for p in freed {
+                        self.free_block(&mut st, p);
+                    }
+                }
+                // Partial blocks at either end are zeroed in place.
+                let (fl, ll) = (offset / B, (end - 1) / B);
+                if offset % B != 0 || fl == ll {
+                    let to = if fl == ll { (end - fl * B) as usize } else { BLOCK };
+                    self.zero_in_block(&mut st, &ctx, ino, fl, (offset % B) as usize, to)?;
+                }
+                if ll != fl && end % B != 0 {
+                    self.zero_in_block(&mut st, &ctx, ino, ll, 0, (end % B) as usize)?;
+                }
+            }
+        } else {
+            let zeros = vec![0u8; BLOCK];
+            for l in offset / B..end.div_ceil(B) {
+                let n = st.nodes.get(&ino).expect("node");
+                if n.phys(l).is_some() || n.dirty.contains_key(&l) {
+                    continue;
+                }
+                let goal = l.checked_sub(1).and_then(|pl| n.phys(pl)).map(|p| p + 1);
+                let p = match self.alloc_block(&mut st, goal) {
+                    Ok(p) => p,
+                    Err(libc::ENOSPC) if !st.quarantine.is_empty() => {
+                        self.commit_locked(&mut st, &ctx, None)?;
+                        self.alloc_block(&mut st, goal)?
+                    }
+                    Err(e) => return Err(e),
+                };
+                let n = st.nodes.get_mut(&ino).expect("node");
+                if n.map.len() >= MAX_EXTENTS && !n.joins(l, p) {
+                    self.free_block(&mut st, p);
+                    st.quarantine.remove(&p);
+                    return Err(libc::EFBIG);
+                }
+                // Zeros reach the block before any commit maps it.
+                ctx.write_block(p, &zeros)?;
+                st.nodes.get_mut(&ino).expect("node").map_block(l, p);
+            }
+            let n = st.nodes.get_mut(&ino).expect("node");
+            if !keep && end > n.attr.size {
+                n.attr.size = end;
+                n.attr.mtime = t;
+            }
+        }
+        st.nodes.get_mut(&ino).expect("node").attr.ctime = t;
+        Self::touch(&mut st, ino);
+        self.settle(&mut st, &ctx)
+    }
+
+    pub fn statfs(&self) -> StatFs {
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        StatFs {
+            blocks: self.sb.data.count,
+            bfree: st.free_blocks,
+            files: self.sb.inodes - 1,
+            ffree: st.free_inodes,
+        }
+    }
+
+    // ----- extended attributes -------------------------------------------------------------
+
+    pub fn getxattr(&self, ino: u64, name: &[u8]) -> FsResult<Vec<u8>> {
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        self.load_xattrs(&mut st, &ctx, ino)?;
+        let x = st.nodes[&ino].xattrs.as_ref().expect("loaded");
+        x.iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.clone())
+            .ok_or(libc::ENODATA)
+    }
+
+    pub fn listxattr(&self, ino: u64) -> FsResult<Vec<u8>> {
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        self.load_xattrs(&mut st, &ctx, ino)?;
+        let mut out = Vec::new();
+        for (n, _) in st.nodes[&ino].xattrs.as_ref().expect("loaded") {
+            out.extend_from_slice(n);
+            out.push(0);
+        }
+        Ok(out)
+    }
+
+    /// `setxattr` with `XATTR_CREATE` / `XATTR_REPLACE` flags.
+    pub fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: i32) -> FsResult<()> {
+        if name.is_empty() || name.len() > 255 {
+            return Err(libc::ERANGE);
+        }
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        self.writable(&st)?;
+        self.load_xattrs(&mut st, &ctx, ino)?;
+        let n = st.nodes.get_mut(&ino).expect("node");
+        let x = n.xattrs.as_mut().expect("loaded");
+        let pos = x.iter().position(|(k, _)| k == name);
+        if pos.is_some() && flags & libc::XATTR_CREATE != 0 {
+            return Err(libc::EEXIST);
+        }
+        if pos.is_none() && flags & libc::XATTR_REPLACE != 0 {
+            return Err(libc::ENODATA);
+        }
+        let others = x
+            .iter()
+            .filter(|(k, _)| k != name)
+            .map(|(k, v)| (&k[..], &v[..]));
+        if xattr_bytes(others.chain([(name, value)])) > BLOCK {
+            return Err(libc::ENOSPC);
+        }
+        match pos {
+            Some(i) => x[i].1 = value.to_vec(),
+            None => x.push((name.to_vec(), value.to_vec())),
+        }
+        n.attr.ctime = now();
+        st.dirty_xattrs.insert(ino);
+        Self::touch(&mut st, ino);
+        self.settle(&mut st, &ctx)
+    }
+
+    pub fn removexattr(&self, ino: u64, name: &[u8]) -> FsResult<()> {
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        self.writable(&st)?;
+        self.load_xattrs(&mut st, &ctx, ino)?;
+        let n = st.nodes.get_mut(&ino).expect("node");
+        let x = n.xattrs.as_mut().expect("loaded");
+        let pos = x.iter().position(|(k, _)| k == name).ok_or(libc::ENODATA)?;
+        x.remove(pos);
+        n.attr.ctime = now();
+        st.dirty_xattrs.insert(ino);
+        Self::touch(&mut st, ino);
+        self.settle(&mut st, &ctx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node() -> Node {
+        Node {
+            attr: Inode::default(),
+            map: BTreeMap::new(),
+            leaves: Vec::new(),
+            dir: None,
+            xattrs: None,
+            dirty: BTreeMap::new(),
+            fresh: BTreeSet::new(),
+            lookups: 0,
+            opens: 0,
+        }
+    }
+
+    #[test]
+    fn extent_map_merges_and_splits() {
+        let mut n = node();
+        for l in 0..4 {
+            n.map_block(l, 100 + l);
+        }
+        assert_eq!(n.map.len(), 1);
+        n.map_block(10, 200);
+        n.map_block(9, 199);
+        assert_eq!(n.map.len(), 2);
+        assert_eq!(n.phys(9), Some(199));
+        assert_eq!(n.phys(5), None);
+        // Filling the gap with blocks that line up joins nothing (physical runs differ).
+        assert_eq!(n.unmap(1, 3), vec![101, 102]);
+        assert_eq!(n.map.len(), 3);
+        assert_eq!(n.phys(0), Some(100));
+        assert_eq!(n.phys(3), Some(103));
+        assert_eq!(n.unmap(0, u64::MAX).len(), 4);
+        assert!(n.map.is_empty());
+    }
+}

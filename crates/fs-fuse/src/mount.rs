@@ -1,0 +1,557 @@
+//! `aios mount`: aiosfs through FUSE (fuser), one worker thread per core, each with its own
+//! `/dev/fuse` clone and, on first use, its own engine, lbio array and journal area.
+
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use fuser::{
+    Config, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
+    KernelConfig, LockOwner, MountOption, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate,
+    ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite,
+    ReplyXattr, Request, SessionACL, TimeOrNow, WriteFlags,
+};
+use lbio::{Device, DeviceConfig, LbioArray};
+
+use crate::error::FsError;
+use crate::format::{BLOCK, NAME_MAX};
+use crate::fs::{Attr, Caller, DeviceFactory, Fs, FsOptions, OpenReport, SetAttr};
+
+/// Settings of `aios mount`.
+#[derive(Clone, Debug)]
+pub struct MountOptions {
+    /// Worker threads (each its own /dev/fuse clone and engine). Default: one per core.
+    pub threads: usize,
+    /// How long the kernel may cache names (lookups).
+    pub entry_timeout: Duration,
+    /// How long the kernel may cache attributes.
+    pub attr_timeout: Duration,
+    pub fs: FsOptions,
+}
+
+impl Default for MountOptions {
+    fn default() -> Self {
+        MountOptions {
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            entry_timeout: Duration::from_secs(1),
+            attr_timeout: Duration::ZERO,
+            fs: FsOptions::default(),
+        }
+    }
+}
+
+/// The image's device factory: each worker opens it on its own lbio array (O_DIRECT).
+pub fn image_factory(path: &Path) -> DeviceFactory {
+    let path = path.to_path_buf();
+    Arc::new(move |lbio: &Rc<LbioArray>| {
+        Device::open(
+            lbio,
+            &path,
+            DeviceConfig {
+                write: true,
+                ..DeviceConfig::default()
+            },
+        )
+        .map_err(FsError::from)
+    })
+}
+
+struct Adapter {
+    fs: Arc<Fs>,
+    entry_ttl: Duration,
+    attr_ttl: Duration,
+}
+
+fn to_time((s, ns): (i64, u32)) -> SystemTime {
+    if s >= 0 {
+        UNIX_EPOCH + Duration::new(s as u64, ns)
+    } else {
+        UNIX_EPOCH - Duration::from_secs(s.unsigned_abs()) + Duration::from_nanos(ns as u64)
+    }
+}
+
+fn from_time(t: SystemTime) -> (i64, u32) {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => (d.as_secs() as i64, d.subsec_nanos()),
+        Err(e) => {
+            let d = e.duration();
+            if d.subsec_nanos() == 0 {
+                (-(d.as_secs() as i64), 0)
+            } else {
+                (-(d.as_secs() as i64) - 1, 1_000_000_000 - d.subsec_nanos())
+            }
+        }
+    }
+}
+
+fn kind_of(mode: u32) -> FileType {
+    match mode & libc::S_IFMT {
+        libc::S_IFDIR => FileType::Directory,
+        libc::S_IFLNK => FileType::Symlink,
+        libc::S_IFIFO => FileType::NamedPipe,
+        libc::S_IFCHR => FileType::CharDevice,
+        libc::S_IFBLK => FileType::BlockDevice,
+        libc::S_IFSOCK => FileType::Socket,
+        _ => FileType::RegularFile,
+    }
+}
+
+fn kind_of_entry(kind: u8) -> FileType {
+    kind_of((kind as u32) << 12)
+}
+
+fn file_attr(a: &Attr) -> FileAttr {
+    FileAttr {
+        ino: INodeNo(a.ino),
+        size: a.size,
+        blocks: a.blocks,
+        atime: to_time(a.atime),
+        mtime: to_time(a.mtime),
+        ctime: to_time(a.ctime),
+        crtime: to_time(a.ctime),
+        kind: kind_of(a.mode),
+        perm: (a.mode & 0o7777) as u16,
+        nlink: a.nlink,
+        uid: a.uid,
+        gid: a.gid,
+        rdev: a.rdev,
+        blksize: BLOCK as u32,
+        flags: 0,
+    }
+}
+
+fn err(e: i32) -> Errno {
+    Errno::from_i32(e)
+}
+
+fn caller(req: &Request) -> Caller {
+    Caller {
+        uid: req.uid(),
+        gid: req.gid(),
+    }
+}
+
+impl Adapter {
+    fn entry(&self, r: Result<Attr, i32>, reply: ReplyEntry) {
+        match r {
+            Ok(a) => reply.entry(&self.entry_ttl, &file_attr(&a), Generation(a.generation as u64)),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+}
+
+impl Filesystem for Adapter {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        let _ = config.set_max_write(1 << 20);
+        let _ = config.set_max_readahead(1 << 20);
+        Ok(())
+    }
+
+    fn destroy(&mut self) {
+        match self.fs.unmount() {
+            Ok(()) => eprintln!("aiosfs: unmounted cleanly (everything committed and checkpointed)"),
+            Err(e) => eprintln!("aiosfs: unmount: {e}; the next mount replays the journal"),
+        }
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        self.entry(self.fs.lookup(parent.0, name.as_bytes(), true), reply)
+    }
+
+    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        self.fs.forget(ino.0, nlookup)
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.fs.getattr(ino.0) {
+            Ok(a) => reply.attr(&self.attr_ttl, &file_attr(&a)),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let t = |x: Option<TimeOrNow>| {
+            x.map(|x| match x {
+                TimeOrNow::Now => None,
+                TimeOrNow::SpecificTime(t) => Some(from_time(t)),
+            })
+        };
+        let set = SetAttr {
+            mode,
+            uid,
+            gid,
+            size,
+            atime: t(atime),
+            mtime: t(mtime),
+        };
+        match self.fs.setattr(ino.0, &set) {
+            Ok(a) => reply.attr(&self.attr_ttl, &file_attr(&a)),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        match self.fs.readlink(ino.0) {
+            Ok(t) => reply.data(&t),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn mknod(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        let m = mode & libc::S_IFMT;
+        let ok = [libc::S_IFREG, libc::S_IFIFO, libc::S_IFCHR, libc::S_IFBLK, libc::S_IFSOCK];
+        if !ok.contains(&m) {
+            return reply.error(err(libc::EINVAL));
+        }
+        let mode = m | (mode & 0o7777 & !umask);
+        self.entry(self.fs.mknod(parent.0, name.as_bytes(), mode, rdev, caller(req), None), reply)
+    }
+
+    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
+        let mode = libc::S_IFDIR | (mode & 0o7777 & !umask);
+        self.entry(self.fs.mknod(parent.0, name.as_bytes(), mode, 0, caller(req), None), reply)
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        match self.fs.remove(parent.0, name.as_bytes(), false) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        match self.fs.remove(parent.0, name.as_bytes(), true) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
+        let t = target.as_os_str().as_bytes();
+        if t.is_empty() {
+            return reply.error(err(libc::ENOENT));
+        }
+        if t.len() >= BLOCK {
+            return reply.error(err(libc::ENAMETOOLONG));
+        }
+        let mode = libc::S_IFLNK | 0o777;
+        self.entry(self.fs.mknod(parent.0, link_name.as_bytes(), mode, 0, caller(req), Some(t)), reply)
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        match self.fs.rename(parent.0, name.as_bytes(), newparent.0, newname.as_bytes(), flags.bits()) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn link(&self, _req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
+        self.entry(self.fs.link(ino.0, newparent.0, newname.as_bytes()), reply)
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        match self.fs.open_file(ino.0) {
+            Ok(()) => reply.opened(FileHandle(0), FopenFlags::empty()),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        match self.fs.read(ino.0, offset, size) {
+            Ok(d) => reply.data(&d),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        match self.fs.write(ino.0, offset, data) {
+            Ok(n) => reply.written(n as u32),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
+        reply.ok()
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        self.fs.release(ino.0);
+        reply.ok()
+    }
+
+    fn fsync(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+        match self.fs.fsync(ino.0) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        match self.fs.getattr(ino.0) {
+            Ok(a) if a.mode & libc::S_IFMT == libc::S_IFDIR => reply.opened(FileHandle(0), FopenFlags::empty()),
+            Ok(_) => reply.error(err(libc::ENOTDIR)),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+        let r = self.fs.readdir(ino.0, offset, |next, ino, kind, name| {
+            reply.add(INodeNo(ino), next, kind_of_entry(kind), OsStr::from_bytes(name))
+        });
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn fsyncdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+        match self.fs.fsync(ino.0) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let s = self.fs.statfs();
+        reply.statfs(s.blocks, s.bfree, s.bfree, s.files, s.ffree, BLOCK as u32, NAME_MAX as u32, BLOCK as u32)
+    }
+
+    fn setxattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        match self.fs.setxattr(ino.0, name.as_bytes(), value, flags) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        match self.fs.getxattr(ino.0, name.as_bytes()) {
+            Ok(v) if size == 0 => reply.size(v.len() as u32),
+            Ok(v) if v.len() > size as usize => reply.error(err(libc::ERANGE)),
+            Ok(v) => reply.data(&v),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        match self.fs.listxattr(ino.0) {
+            Ok(v) if size == 0 => reply.size(v.len() as u32),
+            Ok(v) if v.len() > size as usize => reply.error(err(libc::ERANGE)),
+            Ok(v) => reply.data(&v),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        match self.fs.removexattr(ino.0, name.as_bytes()) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        _flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let mode = libc::S_IFREG | (mode & 0o7777 & !umask);
+        match self.fs.mknod(parent.0, name.as_bytes(), mode, 0, caller(req), None) {
+            Ok(a) => match self.fs.open_file(a.ino) {
+                Ok(()) => reply.created(
+                    &self.entry_ttl,
+                    &file_attr(&a),
+                    Generation(a.generation as u64),
+                    FileHandle(0),
+                    FopenFlags::empty(),
+                ),
+                Err(e) => reply.error(err(e)),
+            },
+            Err(e) => reply.error(err(e)),
+        }
+    }
+
+    fn fallocate(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        match self.fs.fallocate(ino.0, offset, length, mode) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(err(e)),
+        }
+    }
+}
+
+/// A mounted file system: `run` serves it until it is unmounted (`umount`, `fusermount3 -u`,
+/// or SIGINT/SIGTERM, which unmount it).
+pub struct Mounted {
+    session: fuser::Session<Adapter>,
+    pub report: OpenReport,
+    pub mountpoint: PathBuf,
+    pub threads: usize,
+}
+
+/// Check `image` (a damaged or foreign image is refused, nothing written), open it (journal
+/// replay) and mount it at `mountpoint`.
+pub fn mount(image: &Path, mountpoint: &Path, opts: &MountOptions) -> Result<Mounted, FsError> {
+    // Refuses foreign, unsupported and damaged superblocks; then every structure, as the
+    // journal's replay will leave it.
+    crate::fsck::read_superblock(image)?;
+    let report = crate::fsck::fsck(image)?;
+    if !report.clean() {
+        let n = report.problems.len();
+        let first: Vec<&str> = report.problems.iter().take(5).map(String::as_str).collect();
+        return Err(FsError::Damaged(format!(
+            "{n} problems found, the image was not changed (run `aios fsck {}`): {}",
+            image.display(),
+            first.join("; ")
+        )));
+    }
+    let meta = std::fs::metadata(mountpoint).map_err(|e| FsError::io(mountpoint, e))?;
+    if !meta.is_dir() {
+        return Err(FsError::Config(format!("{} is not a directory", mountpoint.display())));
+    }
+    let (fs, report) = Fs::open(image_factory(image), opts.fs.clone())?;
+    let adapter = Adapter {
+        fs: Arc::clone(&fs),
+        entry_ttl: opts.entry_timeout,
+        attr_ttl: opts.attr_timeout,
+    };
+    let mut cfg = Config::default();
+    cfg.mount_options = vec![
+        MountOption::FSName(image.display().to_string()),
+        MountOption::Subtype("aiosfs".into()),
+        MountOption::DefaultPermissions,
+        MountOption::Dev,
+        MountOption::Suid,
+    ];
+    cfg.acl = SessionACL::All;
+    cfg.n_threads = Some(opts.threads.max(1));
+    cfg.clone_fd = true;
+    let session = match fuser::Session::new(adapter, mountpoint, &cfg) {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = fs.unmount();
+            return Err(FsError::io(mountpoint, e));
+        }
+    };
+    Ok(Mounted {
+        session,
+        report,
+        mountpoint: mountpoint.to_path_buf(),
+        threads: opts.threads.max(1),
+    })
+}
+
+impl Mounted {
+    /// Serve requests until unmounted. SIGINT and SIGTERM unmount (cleanly: the final commit
+    /// and checkpoint run when the kernel lets go).
+    pub fn run(self) -> Result<(), FsError> {
+        use nix::sys::signal::{SigSet, Signal};
+        let mut set = SigSet::empty();
+        set.add(Signal::SIGINT);
+        set.add(Signal::SIGTERM);
+        set.thread_block().map_err(|e| FsError::Config(format!("blocking signals: {e}")))?;
+        let mp = self.mountpoint.clone();
+        let mut session = self.session;
+        let mut unmounter = session.unmount_callable();
+        std::thread::Builder::new()
+            .name("aiosfs-signals".into())
+            .spawn(move || {
+                if let Ok(sig) = set.wait() {
+                    eprintln!("aiosfs: {sig:?}: unmounting {}", mp.display());
+                    if let Err(e) = unmounter.unmount() {
+                        eprintln!("aiosfs: unmount of {}: {e}", mp.display());
+                    }
+                }
+            })
+            .map_err(|e| FsError::Config(format!("signal thread: {e}")))?;
+        session.run().map_err(|e| FsError::Config(format!("FUSE session: {e}")))
+    }
+}
