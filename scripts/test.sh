@@ -82,6 +82,12 @@ if [ "$(id -u)" = 0 ] && command -v ip >/dev/null 2>&1; then
 else
     echo "SKIPPED: network namespaces need root and iproute2" >&2
 fi
+step "aiosfs through FUSE: pjdfstest, fsx (100,000 operations), fio --verify=crc32c, fsck"
+if [ "$(id -u)" = 0 ] && [ -e /dev/fuse ]; then
+    scripts/fs_suite.sh target/release/aios
+else
+    echo "SKIPPED: mounting through FUSE needs root and /dev/fuse" >&2
+fi
 step "the QEMU lab: NVMe passthrough, IOPOLL and null_blk in a guest (cargo xtask lab)"
 # Installs qemu and busybox-static if missing, fetches the guest kernel once (cached under
 # target/lab/), builds the guest's binaries, boots, runs tests/nvme_lab.rs and the probes and

@@ -570,7 +570,10 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
         // The file system runs as a child in its own process group (a Ctrl-C at this terminal
         // does not reach it); this process waits until the mount is there or the child fails.
         let log = a.log.clone().unwrap_or_else(|| {
-            let name = a.image.file_name().map_or("image".into(), |n| n.to_string_lossy().into_owned());
+            let name = a
+                .image
+                .file_name()
+                .map_or("image".into(), |n| n.to_string_lossy().into_owned());
             PathBuf::from(format!("/var/tmp/aios-mount-{name}.log"))
         });
         let out = std::fs::File::create(&log)
@@ -578,7 +581,10 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
         let err = out.try_clone().map_err(io_err)?;
         let exe = std::env::current_exe().map_err(io_err)?;
         let mut cmd = std::process::Command::new(exe);
-        cmd.arg("mount").arg(&a.image).arg(&a.mountpoint).arg("--foreground");
+        cmd.arg("mount")
+            .arg(&a.image)
+            .arg(&a.mountpoint)
+            .arg("--foreground");
         if let Some(t) = a.threads {
             cmd.arg("--threads").arg(t.to_string());
         }
@@ -598,19 +604,29 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
             if let Some(st) = child.try_wait().map_err(io_err)? {
                 let text = std::fs::read_to_string(&log).unwrap_or_default();
                 eprint!("{text}");
-                return Err(BenchError::Setup(format!("mount failed ({st}); log: {}", log.display())));
+                return Err(BenchError::Setup(format!(
+                    "mount failed ({st}); log: {}",
+                    log.display()
+                )));
             }
             if is_mounted(&a.mountpoint) {
                 let text = std::fs::read_to_string(&log).unwrap_or_default();
                 if let Some(l) = text.lines().find(|l| l.contains("mounted")) {
                     println!("{l}");
                 }
-                println!("aiosfs: serving in process {} (log: {})", child.id(), log.display());
+                println!(
+                    "aiosfs: serving in process {} (log: {})",
+                    child.id(),
+                    log.display()
+                );
                 return Ok(());
             }
             if t0.elapsed() > std::time::Duration::from_secs(120) {
                 let _ = child.kill();
-                return Err(BenchError::Setup(format!("no mount after 120 s; log: {}", log.display())));
+                return Err(BenchError::Setup(format!(
+                    "no mount after 120 s; log: {}",
+                    log.display()
+                )));
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
@@ -618,7 +634,9 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
     let mut opts = fs_fuse::MountOptions::default();
     if let Some(t) = a.threads {
         if t == 0 {
-            return Err(BenchError::Invalid("--threads 0: at least one worker".into()));
+            return Err(BenchError::Invalid(
+                "--threads 0: at least one worker".into(),
+            ));
         }
         opts.threads = t;
     }
@@ -626,7 +644,8 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
         CommitArg::Overlapped => aios::journal::CommitMode::Overlapped,
         CommitArg::Vanilla => aios::journal::CommitMode::Vanilla,
     };
-    let m = fs_fuse::mount(&a.image, &a.mountpoint, &opts).map_err(|e| BenchError::Setup(format!("{}: {e}", a.image.display())))?;
+    let m = fs_fuse::mount(&a.image, &a.mountpoint, &opts)
+        .map_err(|e| BenchError::Setup(format!("{}: {e}", a.image.display())))?;
     let fs_probe = probe(&a.image, ProbeOptions::default()).ok();
     let r = &m.report;
     eprintln!(

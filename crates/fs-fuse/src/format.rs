@@ -531,10 +531,15 @@ pub fn decode_leaf(owner: u64, b: &[u8]) -> Result<Vec<Extent>, String> {
     }
     let n = u32_at(b, 8) as usize;
     if n > LEAF_EXTENTS {
-        return Err(format!("extent leaf claims {n} extents (at most {LEAF_EXTENTS})"));
+        return Err(format!(
+            "extent leaf claims {n} extents (at most {LEAF_EXTENTS})"
+        ));
     }
     if u32_at(b, 12) != owner as u32 {
-        return Err(format!("extent leaf belongs to inode {} (low bits), not {owner}", u32_at(b, 12)));
+        return Err(format!(
+            "extent leaf belongs to inode {} (low bits), not {owner}",
+            u32_at(b, 12)
+        ));
     }
     Ok((0..n)
         .map(|i| {
@@ -548,6 +553,9 @@ pub fn decode_leaf(owner: u64, b: &[u8]) -> Result<Vec<Extent>, String> {
         .collect())
 }
 
+/// Extended attributes: (name, value) pairs.
+pub type Xattrs = Vec<(Vec<u8>, Vec<u8>)>;
+
 /// Pack extended attributes (name, value) into one block; fails when they do not fit.
 pub fn encode_xattrs(attrs: &[(Vec<u8>, Vec<u8>)], b: &mut [u8]) -> Result<(), FsError> {
     b[..BLOCK].fill(0);
@@ -555,7 +563,9 @@ pub fn encode_xattrs(attrs: &[(Vec<u8>, Vec<u8>)], b: &mut [u8]) -> Result<(), F
     for (name, value) in attrs {
         let need = 3 + name.len() + value.len();
         if name.is_empty() || name.len() > 255 || at + need > BLOCK {
-            return Err(FsError::Config("extended attributes overflow their block".into()));
+            return Err(FsError::Config(
+                "extended attributes overflow their block".into(),
+            ));
         }
         b[at] = name.len() as u8;
         put16(b, at + 1, value.len() as u16);
@@ -573,11 +583,15 @@ pub fn encode_xattrs(attrs: &[(Vec<u8>, Vec<u8>)], b: &mut [u8]) -> Result<(), F
 
 /// Bytes the attributes take in their block (header included).
 pub fn xattr_bytes<'a>(attrs: impl IntoIterator<Item = (&'a [u8], &'a [u8])>) -> usize {
-    XATTR_HEADER + attrs.into_iter().map(|(n, v)| 3 + n.len() + v.len()).sum::<usize>()
+    XATTR_HEADER
+        + attrs
+            .into_iter()
+            .map(|(n, v)| 3 + n.len() + v.len())
+            .sum::<usize>()
 }
 
 /// Unpack an xattr block.
-pub fn decode_xattrs(b: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, String> {
+pub fn decode_xattrs(b: &[u8]) -> Result<Xattrs, String> {
     if b.len() < BLOCK || u32_at(b, 0) != XATTR_MAGIC {
         return Err("not an xattr block (bad magic)".into());
     }
@@ -600,7 +614,10 @@ pub fn decode_xattrs(b: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, String> {
         if nl == 0 || at + 3 + nl + vl > used {
             return Err(format!("xattr {i} has bad lengths"));
         }
-        out.push((b[at + 3..at + 3 + nl].to_vec(), b[at + 3 + nl..at + 3 + nl + vl].to_vec()));
+        out.push((
+            b[at + 3..at + 3 + nl].to_vec(),
+            b[at + 3 + nl..at + 3 + nl + vl].to_vec(),
+        ));
         at += 3 + nl + vl;
     }
     if at != used {

@@ -30,9 +30,9 @@ use lbio::{Device, LbioArray, LbioConfig};
 use crate::error::FsError;
 use crate::format::{
     bit, clear_bit, decode_dir_block, decode_leaf, decode_xattrs, encode_dir_block, encode_leaf,
-    encode_xattrs, set_bit, xattr_bytes, DirEntry, Extent, Inode, Superblock, BLOCK, INLINE_EXTENTS,
-    INODES_PER_BLOCK, INODE_BYTES, INODE_LEAVES, LEAF_EXTENTS, NAME_MAX, ROOT_INO, S_IFDIR,
-    S_IFLNK, S_IFMT,
+    encode_xattrs, set_bit, xattr_bytes, DirEntry, Extent, Inode, Superblock, BLOCK,
+    INLINE_EXTENTS, INODES_PER_BLOCK, INODE_BYTES, INODE_LEAVES, LEAF_EXTENTS, NAME_MAX, ROOT_INO,
+    S_IFDIR, S_IFLNK, S_IFMT,
 };
 
 /// An errno value (`libc::ENOENT`, …).
@@ -42,6 +42,8 @@ pub type FsResult<T> = Result<T, Errno>;
 const B: u64 = BLOCK as u64;
 /// Extents a file can have: eight leaves of [`LEAF_EXTENTS`].
 pub const MAX_EXTENTS: usize = INLINE_EXTENTS * LEAF_EXTENTS;
+/// Changes older than this are committed by the next operation (or the mount's flusher).
+pub const COMMIT_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
 /// Slots of a directory block (the smallest entry takes 11 bytes).
 const DIR_SLOTS: u64 = 512;
 
@@ -145,14 +147,19 @@ impl Ctx {
     fn read_blocks(&self, block: u64, count: u64) -> FsResult<Vec<u8>> {
         let len = (count * B) as usize;
         let buf = self.engine().alloc_blocking(len).map_err(io_err)?;
-        let buf = self.dev().read_at_blocking(block * B, buf).map_err(io_err)?;
+        let buf = self
+            .dev()
+            .read_at_blocking(block * B, buf)
+            .map_err(io_err)?;
         Ok(buf[..len].to_vec())
     }
     fn write_block(&self, block: u64, bytes: &[u8]) -> FsResult<()> {
         let mut buf = self.engine().alloc_blocking(bytes.len()).map_err(io_err)?;
         buf.set_len(bytes.len()).map_err(io_err)?;
         buf.copy_from_slice(bytes);
-        self.dev().write_at_blocking(block * B, buf, false).map_err(io_err)?;
+        self.dev()
+            .write_at_blocking(block * B, buf, false)
+            .map_err(io_err)?;
         Ok(())
     }
 }
@@ -243,7 +250,7 @@ struct Node {
     map: BTreeMap<u64, (u64, u32)>,
     leaves: Vec<u64>,
     dir: Option<Dir>,
-    xattrs: Option<Vec<(Vec<u8>, Vec<u8>)>>,
+    xattrs: Option<crate::format::Xattrs>,
     dirty: BTreeMap<u64, Box<[u8]>>,
     /// Blocks allocated since the last commit (their data must reach the device before any
     /// commit that maps them).
@@ -359,6 +366,7 @@ struct State {
     dirty_bytes: usize,
     failed: Option<String>,
     generation: u32,
+    last_commit: std::time::Instant,
 }
 
 /// A mounted aiosfs.
@@ -454,6 +462,7 @@ impl Fs {
                 dirty_bytes: 0,
                 failed: None,
                 generation: now().0 as u32,
+                last_commit: std::time::Instant::now(),
             }),
             sb,
             factory,
@@ -464,9 +473,9 @@ impl Fs {
             stats: FsStats::default(),
         });
         drop(dev);
-        let orphans = fs.free_orphans().map_err(|e| {
-            FsError::Damaged(format!("freeing orphan inodes failed: errno {e}"))
-        })?;
+        let orphans = fs
+            .free_orphans()
+            .map_err(|e| FsError::Damaged(format!("freeing orphan inodes failed: errno {e}")))?;
         Ok((
             fs,
             OpenReport {
@@ -504,8 +513,7 @@ impl Fs {
         let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).map_err(io_err)?;
         let dev = (self.factory)(&lbio).map_err(io_err)?;
         let area = self.next_area.fetch_add(1, Ordering::Relaxed) % self.sb.journal_areas as usize;
-        let journal =
-            Journal::new(&self.set, area, dev, self.opts.commit_mode).map_err(io_err)?;
+        let journal = Journal::new(&self.set, area, dev, self.opts.commit_mode).map_err(io_err)?;
         let c = Rc::new(Ctx { journal });
         CTX.with(|m| m.borrow_mut().insert(self.id, Rc::clone(&c)));
         Ok(c)
@@ -599,7 +607,9 @@ impl Fs {
         if self.sb.data.contains(b) {
             Ok(())
         } else {
-            eprintln!("aiosfs: inode {ino} points at block {b}, outside the data region (run aios fsck)");
+            eprintln!(
+                "aiosfs: inode {ino} points at block {b}, outside the data region (run aios fsck)"
+            );
             Err(libc::EIO)
         }
     }
@@ -651,7 +661,11 @@ impl Fs {
 
     fn dir<'a>(&self, st: &'a mut State, ctx: &Ctx, ino: u64) -> FsResult<&'a mut Dir> {
         self.load_dir(st, ctx, ino)?;
-        Ok(st.nodes.get_mut(&ino).and_then(|n| n.dir.as_mut()).expect("loaded"))
+        Ok(st
+            .nodes
+            .get_mut(&ino)
+            .and_then(|n| n.dir.as_mut())
+            .expect("loaded"))
     }
 
     fn load_xattrs(&self, st: &mut State, ctx: &Ctx, ino: u64) -> FsResult<()> {
@@ -783,15 +797,22 @@ impl Fs {
             .values()
             .filter_map(|n| n.dir.as_ref().map(|d| d.dirty.len()))
             .sum();
-        (st.dirty_nodes.len() * 2 + dirs + st.dirty_ibm.len() + st.dirty_bbm.len() + st.new_meta.len())
-            as u64
+        (st.dirty_nodes.len() * 2
+            + dirs
+            + st.dirty_ibm.len()
+            + st.dirty_bbm.len()
+            + st.new_meta.len()) as u64
             + st.dirty_xattrs.len() as u64
     }
 
     /// After a change: commit when the pending metadata nears a quarter of a journal area, or
     /// the dirty data passes the limit.
     fn settle(&self, st: &mut State, ctx: &Ctx) -> FsResult<()> {
-        if self.meta_pending(st) * 4 > self.log_len || st.dirty_bytes > self.opts.dirty_limit {
+        if self.meta_pending(st) * 4 > self.log_len
+            || st.dirty_bytes > self.opts.dirty_limit
+            || st.quarantine.len() > 4096
+            || st.last_commit.elapsed() > COMMIT_INTERVAL
+        {
             self.commit_locked(st, ctx, None)?;
         }
         Ok(())
@@ -824,7 +845,9 @@ impl Fs {
         let mut metas: BTreeMap<u64, Vec<u8>> = std::mem::take(&mut st.new_meta);
         let xattrs: Vec<u64> = std::mem::take(&mut st.dirty_xattrs).into_iter().collect();
         for ino in xattrs {
-            let Some(n) = st.nodes.get(&ino) else { continue };
+            let Some(n) = st.nodes.get(&ino) else {
+                continue;
+            };
             let list = n.xattrs.clone().unwrap_or_default();
             let old = n.attr.xattr;
             if list.is_empty() {
@@ -833,7 +856,11 @@ impl Fs {
                     st.nodes.get_mut(&ino).expect("node").attr.xattr = 0;
                 }
             } else {
-                let b = if old != 0 { old } else { self.alloc_block(st, None)? };
+                let b = if old != 0 {
+                    old
+                } else {
+                    self.alloc_block(st, None)?
+                };
                 let mut blk = vec![0u8; BLOCK];
                 encode_xattrs(&list, &mut blk).map_err(|_| libc::ENOSPC)?;
                 metas.insert(b, blk);
@@ -843,7 +870,9 @@ impl Fs {
         }
         let dirty: Vec<u64> = st.dirty_nodes.iter().copied().collect();
         for &ino in &dirty {
-            let Some(n) = st.nodes.get(&ino) else { continue };
+            let Some(n) = st.nodes.get(&ino) else {
+                continue;
+            };
             let extents: Vec<Extent> = n
                 .map
                 .iter()
@@ -889,11 +918,18 @@ impl Fs {
         }
         // Directory blocks.
         for (&ino, n) in st.nodes.iter_mut() {
-            let Some(dirty) = n.dir.as_mut().map(|d| std::mem::take(&mut d.dirty)) else { continue };
+            let Some(dirty) = n.dir.as_mut().map(|d| std::mem::take(&mut d.dirty)) else {
+                continue;
+            };
             for bi in dirty {
                 let Some(p) = n.phys(bi as u64) else { continue };
                 let d = n.dir.as_ref().expect("dir");
-                let entries: Vec<DirEntry> = d.blocks[bi as usize].slots.iter().flatten().cloned().collect();
+                let entries: Vec<DirEntry> = d.blocks[bi as usize]
+                    .slots
+                    .iter()
+                    .flatten()
+                    .cloned()
+                    .collect();
                 let mut blk = vec![0u8; BLOCK];
                 encode_dir_block(&entries, &mut blk).map_err(|e| {
                     eprintln!("aiosfs: directory {ino}: {e}");
@@ -917,11 +953,17 @@ impl Fs {
         // Bitmaps last: leaf and xattr allocations above changed them.
         for bi in std::mem::take(&mut st.dirty_ibm) {
             let at = (bi * B) as usize;
-            metas.insert(self.sb.inode_bitmap.start + bi, st.ibm[at..at + BLOCK].to_vec());
+            metas.insert(
+                self.sb.inode_bitmap.start + bi,
+                st.ibm[at..at + BLOCK].to_vec(),
+            );
         }
         for bi in std::mem::take(&mut st.dirty_bbm) {
             let at = (bi * B) as usize;
-            metas.insert(self.sb.block_bitmap.start + bi, st.bbm[at..at + BLOCK].to_vec());
+            metas.insert(
+                self.sb.block_bitmap.start + bi,
+                st.bbm[at..at + BLOCK].to_vec(),
+            );
         }
         for (&b, bytes) in &metas {
             tx.write_meta(b, bytes).map_err(io_err)?;
@@ -933,7 +975,9 @@ impl Fs {
         }
         if !tx.is_empty() {
             if let Err(e) = ctx.journal.commit(&tx) {
-                let msg = format!("journal commit failed: {e}; the file system is read-only until remounted");
+                let msg = format!(
+                    "journal commit failed: {e}; the file system is read-only until remounted"
+                );
                 eprintln!("aiosfs: {msg}");
                 st.failed = Some(msg);
                 return Err(libc::EIO);
@@ -943,10 +987,13 @@ impl Fs {
         if file.is_some() {
             self.stats.fsync_commits.fetch_add(1, Ordering::Relaxed);
         }
-        self.stats.data_blocks_written.fetch_add(data_blocks, Ordering::Relaxed);
+        self.stats
+            .data_blocks_written
+            .fetch_add(data_blocks, Ordering::Relaxed);
         self.stats
             .meta_blocks_written
             .fetch_add(metas.len() as u64, Ordering::Relaxed);
+        st.last_commit = std::time::Instant::now();
         st.dirty_nodes.clear();
         st.revokes.clear();
         st.quarantine.clear();
@@ -972,6 +1019,23 @@ impl Fs {
         self.commit_locked(&mut st, &ctx, None)
     }
 
+    /// Commit when anything changed since the last commit (the mount's periodic flusher).
+    pub fn sync_if_dirty(&self) -> FsResult<bool> {
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        if st.failed.is_some() {
+            return Ok(false);
+        }
+        let dirty = self.meta_pending(&st) > 0
+            || st.dirty_bytes > 0
+            || !st.revokes.is_empty()
+            || !st.quarantine.is_empty();
+        if dirty {
+            self.commit_locked(&mut st, &ctx, None)?;
+        }
+        Ok(dirty)
+    }
+
     /// `fsync`/`fdatasync`: one file-level transaction with the file's dirty data, the
     /// metadata changed since the last commit and every file's freshly allocated blocks.
     pub fn fsync(&self, ino: u64) -> FsResult<()> {
@@ -983,8 +1047,12 @@ impl Fs {
 
     /// Clean unmount: commit, checkpoint every journal area, mark the superblock not mounted.
     pub fn unmount(&self) -> Result<(), FsError> {
-        let ctx = self.ctx().map_err(|e| FsError::Config(format!("errno {e}")))?;
-        let mut st = self.lock().map_err(|e| FsError::Config(format!("errno {e}")))?;
+        let ctx = self
+            .ctx()
+            .map_err(|e| FsError::Config(format!("errno {e}")))?;
+        let mut st = self
+            .lock()
+            .map_err(|e| FsError::Config(format!("errno {e}")))?;
         if let Some(f) = &st.failed {
             return Err(FsError::Config(f.clone()));
         }
@@ -1044,7 +1112,11 @@ impl Fs {
         }
         let ctx = self.ctx()?;
         let mut st = self.lock()?;
-        let e = self.dir(&mut st, &ctx, parent)?.get(name).ok_or(libc::ENOENT)?.ino;
+        let e = self
+            .dir(&mut st, &ctx, parent)?
+            .get(name)
+            .ok_or(libc::ENOENT)?
+            .ino;
         let n = self.node(&mut st, &ctx, e)?;
         if count {
             n.lookups += 1;
@@ -1086,7 +1158,15 @@ impl Fs {
     }
 
     /// Add `name` -> `ino` to directory `parent` (growing it by a block when full).
-    fn add_entry(&self, st: &mut State, ctx: &Ctx, parent: u64, name: &[u8], ino: u64, kind: u8) -> FsResult<()> {
+    fn add_entry(
+        &self,
+        st: &mut State,
+        ctx: &Ctx,
+        parent: u64,
+        name: &[u8],
+        ino: u64,
+        kind: u8,
+    ) -> FsResult<()> {
         let e = DirEntry {
             ino,
             kind,
@@ -1114,7 +1194,14 @@ impl Fs {
         Ok(())
     }
 
-    fn new_node(&self, st: &mut State, mode: u32, caller: Caller, parent_gid_mode: (u32, u32), rdev: u32) -> Node {
+    fn new_node(
+        &self,
+        st: &mut State,
+        mode: u32,
+        caller: Caller,
+        parent_gid_mode: (u32, u32),
+        rdev: u32,
+    ) -> Node {
         let t = now();
         st.generation = st.generation.wrapping_add(1);
         let (pgid, pmode) = parent_gid_mode;
@@ -1310,7 +1397,11 @@ impl Fs {
         let ctx = self.ctx()?;
         let mut st = self.lock()?;
         self.writable(&st)?;
-        let e = self.dir(&mut st, &ctx, parent)?.get(name).ok_or(libc::ENOENT)?.clone();
+        let e = self
+            .dir(&mut st, &ctx, parent)?
+            .get(name)
+            .ok_or(libc::ENOENT)?
+            .clone();
         let n = self.node(&mut st, &ctx, e.ino)?;
         let is_dir = n.attr.is_dir();
         if dir && !is_dir {
@@ -1353,7 +1444,14 @@ impl Fs {
         Err(libc::ELOOP)
     }
 
-    pub fn rename(&self, parent: u64, name: &[u8], newparent: u64, newname: &[u8], flags: u32) -> FsResult<()> {
+    pub fn rename(
+        &self,
+        parent: u64,
+        name: &[u8],
+        newparent: u64,
+        newname: &[u8],
+        flags: u32,
+    ) -> FsResult<()> {
         Self::check_name(newname)?;
         if name.len() > NAME_MAX {
             return Err(libc::ENAMETOOLONG);
@@ -1364,7 +1462,11 @@ impl Fs {
         let ctx = self.ctx()?;
         let mut st = self.lock()?;
         self.writable(&st)?;
-        let src = self.dir(&mut st, &ctx, parent)?.get(name).ok_or(libc::ENOENT)?.clone();
+        let src = self
+            .dir(&mut st, &ctx, parent)?
+            .get(name)
+            .ok_or(libc::ENOENT)?
+            .clone();
         if !self.node(&mut st, &ctx, newparent)?.attr.is_dir() {
             return Err(libc::ENOTDIR);
         }
@@ -1420,7 +1522,11 @@ impl Fs {
         if src_dir && self.is_ancestor(&mut st, &ctx, src.ino, newparent)? {
             return Err(libc::EINVAL);
         }
-        if src_dir && dst.is_none() && parent != newparent && st.nodes[&newparent].attr.nlink >= u32::MAX - 1 {
+        if src_dir
+            && dst.is_none()
+            && parent != newparent
+            && st.nodes[&newparent].attr.nlink >= u32::MAX - 1
+        {
             return Err(libc::EMLINK);
         }
         let t = now();
@@ -1445,11 +1551,7 @@ impl Fs {
         if src_dir && parent != newparent {
             self.set_dotdot(&mut st, &ctx, src.ino, newparent)?;
             st.nodes.get_mut(&parent).expect("p").attr.nlink -= 1;
-            if dst.is_none() {
-                st.nodes.get_mut(&newparent).expect("np").attr.nlink += 1;
-            } else {
-                st.nodes.get_mut(&newparent).expect("np").attr.nlink += 1;
-            }
+            st.nodes.get_mut(&newparent).expect("np").attr.nlink += 1;
         }
         for i in [parent, newparent] {
             let n = st.nodes.get_mut(&i).expect("p");
@@ -1462,10 +1564,20 @@ impl Fs {
         self.settle(&mut st, &ctx)
     }
 
-    fn replace_entry(&self, st: &mut State, ctx: &Ctx, dir: u64, name: &[u8], ino: u64, kind: u8) -> FsResult<()> {
+    fn replace_entry(
+        &self,
+        st: &mut State,
+        ctx: &Ctx,
+        dir: u64,
+        name: &[u8],
+        ino: u64,
+        kind: u8,
+    ) -> FsResult<()> {
         let d = self.dir(st, ctx, dir)?;
         let &(b, s) = d.index.get(name).ok_or(libc::ENOENT)?;
-        let e = d.blocks[b as usize].slots[s as usize].as_mut().expect("slot");
+        let e = d.blocks[b as usize].slots[s as usize]
+            .as_mut()
+            .expect("slot");
         e.ino = ino;
         e.kind = kind;
         d.dirty.insert(b);
@@ -1477,7 +1589,12 @@ impl Fs {
     }
 
     /// Directory entries from cookie `offset` on: (cookie of the next, ino, kind, name).
-    pub fn readdir(&self, ino: u64, offset: u64, mut add: impl FnMut(u64, u64, u8, &[u8]) -> bool) -> FsResult<()> {
+    pub fn readdir(
+        &self,
+        ino: u64,
+        offset: u64,
+        mut add: impl FnMut(u64, u64, u8, &[u8]) -> bool,
+    ) -> FsResult<()> {
         let ctx = self.ctx()?;
         let mut st = self.lock()?;
         let d = self.dir(&mut st, &ctx, ino)?;
@@ -1567,7 +1684,15 @@ impl Fs {
     }
 
     /// Zero bytes `[from, to)` of file block `l` if it is mapped.
-    fn zero_in_block(&self, st: &mut State, ctx: &Ctx, ino: u64, l: u64, from: usize, to: usize) -> FsResult<()> {
+    fn zero_in_block(
+        &self,
+        st: &mut State,
+        ctx: &Ctx,
+        ino: u64,
+        l: u64,
+        from: usize,
+        to: usize,
+    ) -> FsResult<()> {
         let n = st.nodes.get_mut(&ino).expect("node");
         if let Some(buf) = n.dirty.get_mut(&l) {
             buf[from..to].fill(0);
@@ -1609,7 +1734,9 @@ impl Fs {
                     out[at..at + BLOCK].copy_from_slice(d);
                 } else if let Some(p) = n.phys(l) {
                     match runs.last_mut() {
-                        Some((o, rp, c)) if *o + (*c * B) as usize == at && *rp + *c == p => *c += 1,
+                        Some((o, rp, c)) if *o + (*c * B) as usize == at && *rp + *c == p => {
+                            *c += 1
+                        }
                         _ => runs.push((at, p, 1)),
                     }
                 }
@@ -1706,7 +1833,9 @@ impl Fs {
         n.attr.mtime = t;
         n.attr.ctime = t;
         // Writing clears set-user-ID (and set-group-ID when group-executable), as on Linux.
-        if n.attr.mode & libc::S_ISUID != 0 || n.attr.mode & (libc::S_ISGID | 0o010) == (libc::S_ISGID | 0o010) {
+        if n.attr.mode & libc::S_ISUID != 0
+            || n.attr.mode & (libc::S_ISGID | 0o010) == (libc::S_ISGID | 0o010)
+        {
             n.attr.mode &= !(libc::S_ISUID | libc::S_ISGID);
         }
         Self::touch(&mut st, ino);
@@ -1730,7 +1859,8 @@ impl Fs {
         }
         let keep = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
         let punch = mode & libc::FALLOC_FL_PUNCH_HOLE != 0;
-        if mode & !(libc::FALLOC_FL_KEEP_SIZE | libc::FALLOC_FL_PUNCH_HOLE) != 0 || (punch && !keep) {
+        if mode & !(libc::FALLOC_FL_KEEP_SIZE | libc::FALLOC_FL_PUNCH_HOLE) != 0 || (punch && !keep)
+        {
             return Err(libc::EOPNOTSUPP);
         }
         let ctx = self.ctx()?;
@@ -1761,7 +1891,11 @@ impl Fs {
                 // Partial blocks at either end are zeroed in place.
                 let (fl, ll) = (offset / B, (end - 1) / B);
                 if offset % B != 0 || fl == ll {
-                    let to = if fl == ll { (end - fl * B) as usize } else { BLOCK };
+                    let to = if fl == ll {
+                        (end - fl * B) as usize
+                    } else {
+                        BLOCK
+                    };
                     self.zero_in_block(&mut st, &ctx, ino, fl, (offset % B) as usize, to)?;
                 }
                 if ll != fl && end % B != 0 {

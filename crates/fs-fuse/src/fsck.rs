@@ -7,8 +7,8 @@ use std::path::Path;
 
 use crate::error::FsError;
 use crate::format::{
-    bit, decode_dir_block, decode_leaf, decode_xattrs, Inode, INODE_LEAVES, Superblock, BLOCK, INODE_BYTES, ROOT_INO, S_IFDIR, S_IFLNK,
-    S_IFMT, S_IFREG,
+    bit, decode_dir_block, decode_leaf, decode_xattrs, Inode, Superblock, BLOCK, INODE_BYTES,
+    INODE_LEAVES, ROOT_INO, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG,
 };
 
 /// What `fsck` found.
@@ -222,7 +222,9 @@ pub fn fsck(path: &Path) -> Result<Report, FsError> {
     let in_data = |b: u64| b >= sb.data.start && b < sb.data.end();
     let mut own = |b: u64, ino: u64, problems: &mut Vec<String>| {
         if let Some(other) = owner.insert(b, ino) {
-            problems.push(format!("block {b} belongs to inode {other} and inode {ino}"));
+            problems.push(format!(
+                "block {b} belongs to inode {other} and inode {ino}"
+            ));
         }
         if !bit(&bbm, b) {
             problems.push(format!("block {b} of inode {ino} is marked free"));
@@ -232,7 +234,10 @@ pub fn fsck(path: &Path) -> Result<Report, FsError> {
     for (&ino, i) in inodes.iter_mut() {
         if i.xattr != 0 {
             if !in_data(i.xattr) {
-                problems.push(format!("inode {ino}: xattr block {} lies outside the data region", i.xattr));
+                problems.push(format!(
+                    "inode {ino}: xattr block {} lies outside the data region",
+                    i.xattr
+                ));
             } else {
                 own(i.xattr, ino, &mut problems);
                 if let Err(why) = decode_xattrs(&img.read(i.xattr, 1)?) {
@@ -244,7 +249,10 @@ pub fn fsck(path: &Path) -> Result<Report, FsError> {
             let mut all = Vec::new();
             for (k, leaf) in i.extents.iter().enumerate() {
                 if !in_data(leaf.physical) {
-                    problems.push(format!("inode {ino}: extent leaf {k} (block {}) lies outside the data region", leaf.physical));
+                    problems.push(format!(
+                        "inode {ino}: extent leaf {k} (block {}) lies outside the data region",
+                        leaf.physical
+                    ));
                     continue;
                 }
                 own(leaf.physical, ino, &mut problems);
@@ -255,13 +263,15 @@ pub fn fsck(path: &Path) -> Result<Report, FsError> {
                         es.len(),
                         leaf.len
                     )),
-                    Err(why) => problems.push(format!("inode {ino}: extent leaf {k} (block {}): {why}", leaf.physical)),
+                    Err(why) => problems.push(format!(
+                        "inode {ino}: extent leaf {k} (block {}): {why}",
+                        leaf.physical
+                    )),
                 }
             }
             i.extents = all;
         }
     }
-    let mut own = own;
 
     // Extents: inside the data region, owned once, marked in use.
     for (&ino, i) in &inodes {
@@ -292,7 +302,6 @@ pub fn fsck(path: &Path) -> Result<Report, FsError> {
             }
         }
     }
-    drop(own);
     for b in 0..sb.data.start {
         if !bit(&bbm, b) {
             problems.push(format!("metadata block {b} is marked free"));

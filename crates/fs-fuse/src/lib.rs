@@ -28,7 +28,7 @@ pub mod mkfs;
 pub mod mount;
 
 pub use error::FsError;
-pub use fsck::{fsck, read_superblock, Report};
 pub use fs::{Fs, FsOptions};
+pub use fsck::{fsck, read_superblock, Report};
 pub use mkfs::{mkfs, MkfsOptions};
 pub use mount::{mount, MountOptions, Mounted};

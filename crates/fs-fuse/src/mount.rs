@@ -137,7 +137,11 @@ fn caller(req: &Request) -> Caller {
 impl Adapter {
     fn entry(&self, r: Result<Attr, i32>, reply: ReplyEntry) {
         match r {
-            Ok(a) => reply.entry(&self.entry_ttl, &file_attr(&a), Generation(a.generation as u64)),
+            Ok(a) => reply.entry(
+                &self.entry_ttl,
+                &file_attr(&a),
+                Generation(a.generation as u64),
+            ),
             Err(e) => reply.error(err(e)),
         }
     }
@@ -152,7 +156,9 @@ impl Filesystem for Adapter {
 
     fn destroy(&mut self) {
         match self.fs.unmount() {
-            Ok(()) => eprintln!("aiosfs: unmounted cleanly (everything committed and checkpointed)"),
+            Ok(()) => {
+                eprintln!("aiosfs: unmounted cleanly (everything committed and checkpointed)")
+            }
             Err(e) => eprintln!("aiosfs: unmount: {e}; the next mount replays the journal"),
         }
     }
@@ -228,17 +234,39 @@ impl Filesystem for Adapter {
         reply: ReplyEntry,
     ) {
         let m = mode & libc::S_IFMT;
-        let ok = [libc::S_IFREG, libc::S_IFIFO, libc::S_IFCHR, libc::S_IFBLK, libc::S_IFSOCK];
+        let ok = [
+            libc::S_IFREG,
+            libc::S_IFIFO,
+            libc::S_IFCHR,
+            libc::S_IFBLK,
+            libc::S_IFSOCK,
+        ];
         if !ok.contains(&m) {
             return reply.error(err(libc::EINVAL));
         }
         let mode = m | (mode & 0o7777 & !umask);
-        self.entry(self.fs.mknod(parent.0, name.as_bytes(), mode, rdev, caller(req), None), reply)
+        self.entry(
+            self.fs
+                .mknod(parent.0, name.as_bytes(), mode, rdev, caller(req), None),
+            reply,
+        )
     }
 
-    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
+    fn mkdir(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        reply: ReplyEntry,
+    ) {
         let mode = libc::S_IFDIR | (mode & 0o7777 & !umask);
-        self.entry(self.fs.mknod(parent.0, name.as_bytes(), mode, 0, caller(req), None), reply)
+        self.entry(
+            self.fs
+                .mknod(parent.0, name.as_bytes(), mode, 0, caller(req), None),
+            reply,
+        )
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
@@ -255,7 +283,14 @@ impl Filesystem for Adapter {
         }
     }
 
-    fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
+    fn symlink(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        link_name: &OsStr,
+        target: &Path,
+        reply: ReplyEntry,
+    ) {
         let t = target.as_os_str().as_bytes();
         if t.is_empty() {
             return reply.error(err(libc::ENOENT));
@@ -264,7 +299,17 @@ impl Filesystem for Adapter {
             return reply.error(err(libc::ENAMETOOLONG));
         }
         let mode = libc::S_IFLNK | 0o777;
-        self.entry(self.fs.mknod(parent.0, link_name.as_bytes(), mode, 0, caller(req), Some(t)), reply)
+        self.entry(
+            self.fs.mknod(
+                parent.0,
+                link_name.as_bytes(),
+                mode,
+                0,
+                caller(req),
+                Some(t),
+            ),
+            reply,
+        )
     }
 
     fn rename(
@@ -277,13 +322,26 @@ impl Filesystem for Adapter {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        match self.fs.rename(parent.0, name.as_bytes(), newparent.0, newname.as_bytes(), flags.bits()) {
+        match self.fs.rename(
+            parent.0,
+            name.as_bytes(),
+            newparent.0,
+            newname.as_bytes(),
+            flags.bits(),
+        ) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
         }
     }
 
-    fn link(&self, _req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
+    fn link(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        newparent: INodeNo,
+        newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
         self.entry(self.fs.link(ino.0, newparent.0, newname.as_bytes()), reply)
     }
 
@@ -329,7 +387,14 @@ impl Filesystem for Adapter {
         }
     }
 
-    fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
         reply.ok()
     }
 
@@ -347,7 +412,14 @@ impl Filesystem for Adapter {
         reply.ok()
     }
 
-    fn fsync(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+    fn fsync(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
         match self.fs.fsync(ino.0) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
@@ -356,15 +428,29 @@ impl Filesystem for Adapter {
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         match self.fs.getattr(ino.0) {
-            Ok(a) if a.mode & libc::S_IFMT == libc::S_IFDIR => reply.opened(FileHandle(0), FopenFlags::empty()),
+            Ok(a) if a.mode & libc::S_IFMT == libc::S_IFDIR => {
+                reply.opened(FileHandle(0), FopenFlags::empty())
+            }
             Ok(_) => reply.error(err(libc::ENOTDIR)),
             Err(e) => reply.error(err(e)),
         }
     }
 
-    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
         let r = self.fs.readdir(ino.0, offset, |next, ino, kind, name| {
-            reply.add(INodeNo(ino), next, kind_of_entry(kind), OsStr::from_bytes(name))
+            reply.add(
+                INodeNo(ino),
+                next,
+                kind_of_entry(kind),
+                OsStr::from_bytes(name),
+            )
         });
         match r {
             Ok(()) => reply.ok(),
@@ -372,7 +458,14 @@ impl Filesystem for Adapter {
         }
     }
 
-    fn fsyncdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
         match self.fs.fsync(ino.0) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
@@ -381,7 +474,16 @@ impl Filesystem for Adapter {
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
         let s = self.fs.statfs();
-        reply.statfs(s.blocks, s.bfree, s.bfree, s.files, s.ffree, BLOCK as u32, NAME_MAX as u32, BLOCK as u32)
+        reply.statfs(
+            s.blocks,
+            s.bfree,
+            s.bfree,
+            s.files,
+            s.ffree,
+            BLOCK as u32,
+            NAME_MAX as u32,
+            BLOCK as u32,
+        )
     }
 
     fn setxattr(
@@ -436,7 +538,10 @@ impl Filesystem for Adapter {
         reply: ReplyCreate,
     ) {
         let mode = libc::S_IFREG | (mode & 0o7777 & !umask);
-        match self.fs.mknod(parent.0, name.as_bytes(), mode, 0, caller(req), None) {
+        match self
+            .fs
+            .mknod(parent.0, name.as_bytes(), mode, 0, caller(req), None)
+        {
             Ok(a) => match self.fs.open_file(a.ino) {
                 Ok(()) => reply.created(
                     &self.entry_ttl,
@@ -472,6 +577,7 @@ impl Filesystem for Adapter {
 /// or SIGINT/SIGTERM, which unmount it).
 pub struct Mounted {
     session: fuser::Session<Adapter>,
+    fs: Arc<Fs>,
     pub report: OpenReport,
     pub mountpoint: PathBuf,
     pub threads: usize,
@@ -480,6 +586,11 @@ pub struct Mounted {
 /// Check `image` (a damaged or foreign image is refused, nothing written), open it (journal
 /// replay) and mount it at `mountpoint`.
 pub fn mount(image: &Path, mountpoint: &Path, opts: &MountOptions) -> Result<Mounted, FsError> {
+    // SIGINT/SIGTERM stay pending from here until `run`'s signal thread takes them, so a
+    // signal that arrives while mounting still unmounts cleanly.
+    signals()
+        .thread_block()
+        .map_err(|e| FsError::Config(format!("blocking signals: {e}")))?;
     // Refuses foreign, unsupported and damaged superblocks; then every structure, as the
     // journal's replay will leave it.
     crate::fsck::read_superblock(image)?;
@@ -495,7 +606,10 @@ pub fn mount(image: &Path, mountpoint: &Path, opts: &MountOptions) -> Result<Mou
     }
     let meta = std::fs::metadata(mountpoint).map_err(|e| FsError::io(mountpoint, e))?;
     if !meta.is_dir() {
-        return Err(FsError::Config(format!("{} is not a directory", mountpoint.display())));
+        return Err(FsError::Config(format!(
+            "{} is not a directory",
+            mountpoint.display()
+        )));
     }
     let (fs, report) = Fs::open(image_factory(image), opts.fs.clone())?;
     let adapter = Adapter {
@@ -523,22 +637,42 @@ pub fn mount(image: &Path, mountpoint: &Path, opts: &MountOptions) -> Result<Mou
     };
     Ok(Mounted {
         session,
+        fs,
         report,
         mountpoint: mountpoint.to_path_buf(),
         threads: opts.threads.max(1),
     })
 }
 
+fn signals() -> nix::sys::signal::SigSet {
+    use nix::sys::signal::{SigSet, Signal};
+    let mut set = SigSet::empty();
+    set.add(Signal::SIGINT);
+    set.add(Signal::SIGTERM);
+    set
+}
+
 impl Mounted {
     /// Serve requests until unmounted. SIGINT and SIGTERM unmount (cleanly: the final commit
     /// and checkpoint run when the kernel lets go).
     pub fn run(self) -> Result<(), FsError> {
-        use nix::sys::signal::{SigSet, Signal};
-        let mut set = SigSet::empty();
-        set.add(Signal::SIGINT);
-        set.add(Signal::SIGTERM);
-        set.thread_block().map_err(|e| FsError::Config(format!("blocking signals: {e}")))?;
+        let set = signals();
         let mp = self.mountpoint.clone();
+        // Changes nobody fsyncs are committed every COMMIT_INTERVAL, as ext4 does every 5 s.
+        let fs = Arc::clone(&self.fs);
+        std::thread::Builder::new()
+            .name("aiosfs-flusher".into())
+            .spawn(move || loop {
+                std::thread::sleep(crate::fs::COMMIT_INTERVAL);
+                if Arc::strong_count(&fs) == 1 {
+                    return;
+                }
+                if let Err(e) = fs.sync_if_dirty() {
+                    eprintln!("aiosfs: periodic commit failed: errno {e}");
+                    return;
+                }
+            })
+            .map_err(|e| FsError::Config(format!("flusher thread: {e}")))?;
         let mut session = self.session;
         let mut unmounter = session.unmount_callable();
         std::thread::Builder::new()
@@ -552,6 +686,8 @@ impl Mounted {
                 }
             })
             .map_err(|e| FsError::Config(format!("signal thread: {e}")))?;
-        session.run().map_err(|e| FsError::Config(format!("FUSE session: {e}")))
+        session
+            .run()
+            .map_err(|e| FsError::Config(format!("FUSE session: {e}")))
     }
 }
