@@ -39,6 +39,10 @@ pub const DIR_MAGIC: u32 = 0x4149_4f44; // "DOIA"
 /// Bytes of a directory block's header: magic, crc, entry count, bytes used.
 pub const DIR_HEADER: usize = 16;
 
+/// Where the superblock's crc32c sits: every field and the checksum are in the first 512-byte
+/// sector, so a write torn at a sector boundary leaves the old or the new superblock whole.
+pub const SB_CRC_AT: usize = 508;
+
 /// File types (the `S_IFMT` bits of `mode`).
 pub const S_IFMT: u32 = 0o170000;
 pub const S_IFREG: u32 = 0o100000;
@@ -196,8 +200,8 @@ impl Superblock {
         b[116..132].copy_from_slice(&self.uuid);
         put64(b, 132, self.created);
         b[140] = self.mounted as u8;
-        let c = crc(&b[..BLOCK - 4]);
-        put32(b, BLOCK - 4, c);
+        let c = crc(&b[..SB_CRC_AT]);
+        put32(b, SB_CRC_AT, c);
     }
 
     /// Decode and check a superblock; `image_blocks` is the size of what it was read from.
@@ -208,7 +212,7 @@ impl Superblock {
         if b[0..6] != MAGIC[0..6] {
             return Err(FsError::Foreign("no aiosfs signature in block 0".into()));
         }
-        if crc(&b[..BLOCK - 4]) != u32_at(b, BLOCK - 4) {
+        if crc(&b[..SB_CRC_AT]) != u32_at(b, SB_CRC_AT) {
             return Err(FsError::Damaged("superblock checksum mismatch".into()));
         }
         if b[6..8] != MAGIC[6..8] {

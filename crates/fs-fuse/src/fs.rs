@@ -382,6 +382,13 @@ pub struct Fs {
     pub stats: FsStats,
 }
 
+impl Drop for Fs {
+    fn drop(&mut self) {
+        // This thread's engine for this file system (other threads' go with the threads).
+        let _ = CTX.try_with(|m| m.borrow_mut().remove(&self.id));
+    }
+}
+
 /// What `Fs::open` did and chose.
 #[derive(Clone, Debug)]
 pub struct OpenReport {
@@ -398,7 +405,7 @@ impl Fs {
     /// (fsck) before, so a damaged one is refused before anything is written.
     pub fn open(factory: DeviceFactory, opts: FsOptions) -> Result<(Arc<Fs>, OpenReport), FsError> {
         let engine = Engine::new(EngineConfig {
-            arena_bytes: 8 << 20,
+            arena_bytes: opts.arena_bytes.min(8 << 20),
             huge_pages: false,
             ..EngineConfig::default()
         })?;
@@ -1084,7 +1091,7 @@ impl Fs {
             self.load_itab(&mut st, &ctx, tb)?;
         }
         for (&ino, n) in &st.nodes {
-            if !n.attr.is_dir() && n.attr.nlink == 0 {
+            if n.attr.nlink == 0 {
                 orphans.push(ino);
             }
         }

@@ -36,8 +36,13 @@ impl Report {
 /// Bounded, so a badly damaged image gives a readable report.
 const MAX_PROBLEMS: usize = 200;
 
-struct Img {
-    f: File,
+enum Src<'a> {
+    File(File),
+    Mem(&'a [u8]),
+}
+
+struct Img<'a> {
+    f: Src<'a>,
     bytes: u64,
     blocks: u64,
     path: String,
@@ -45,12 +50,21 @@ struct Img {
     overlay: HashMap<u64, Vec<u8>>,
 }
 
-impl Img {
-    fn open(path: &Path) -> Result<Img, FsError> {
+impl<'a> Img<'a> {
+    fn mem(image: &'a [u8]) -> Img<'a> {
+        Img {
+            f: Src::Mem(image),
+            bytes: image.len() as u64,
+            blocks: image.len() as u64 / BLOCK as u64,
+            path: "(image in memory)".into(),
+            overlay: HashMap::new(),
+        }
+    }
+    fn open(path: &Path) -> Result<Img<'static>, FsError> {
         let f = File::open(path).map_err(|e| FsError::io(path, e))?;
         let bytes = size_of(&f).map_err(|e| FsError::io(path, e))?;
         Ok(Img {
-            f,
+            f: Src::File(f),
             bytes,
             blocks: bytes / BLOCK as u64,
             path: path.display().to_string(),
@@ -59,12 +73,23 @@ impl Img {
     }
     fn read(&self, block: u64, count: u64) -> Result<Vec<u8>, FsError> {
         let mut b = vec![0u8; (count as usize) * BLOCK];
-        self.f
-            .read_exact_at(&mut b, block * BLOCK as u64)
-            .map_err(|e| FsError::Io {
+        let at = block * BLOCK as u64;
+        match &self.f {
+            Src::File(f) => f.read_exact_at(&mut b, at).map_err(|e| FsError::Io {
                 path: self.path.clone(),
                 source: e,
-            })?;
+            })?,
+            Src::Mem(m) => {
+                let end = at.saturating_add(b.len() as u64);
+                if end > m.len() as u64 {
+                    return Err(FsError::Io {
+                        path: self.path.clone(),
+                        source: std::io::Error::from(std::io::ErrorKind::UnexpectedEof),
+                    });
+                }
+                b.copy_from_slice(&m[at as usize..end as usize]);
+            }
+        }
         for i in 0..count {
             if let Some(v) = self.overlay.get(&(block + i)) {
                 b[i as usize * BLOCK..(i as usize + 1) * BLOCK].copy_from_slice(v);
@@ -96,7 +121,15 @@ pub fn read_superblock(path: &Path) -> Result<Superblock, FsError> {
 /// Check the image at `path`. `Err` when it is not an aiosfs (or unreadable); otherwise the
 /// report lists every problem found.
 pub fn fsck(path: &Path) -> Result<Report, FsError> {
-    let img = Img::open(path)?;
+    check(Img::open(path)?)
+}
+
+/// [`fsck`] of an image held in memory (crash tests check thousands of them).
+pub fn fsck_image(image: &[u8]) -> Result<Report, FsError> {
+    check(Img::mem(image))
+}
+
+fn check(img: Img<'_>) -> Result<Report, FsError> {
     if img.blocks < 2 {
         return Err(FsError::Foreign(format!(
             "{} bytes: smaller than any aiosfs",
@@ -440,7 +473,7 @@ pub fn fsck(path: &Path) -> Result<Report, FsError> {
             S_IFLNK => symlinks += 1,
             _ => other += 1,
         }
-        if i.nlink == 0 && !i.is_dir() && !refs.contains_key(&ino) {
+        if i.nlink == 0 && !refs.contains_key(&ino) && !parent_of.contains_key(&ino) {
             // Unlinked while open when the process stopped: freed by the next mount.
             orphans += 1;
             continue;

@@ -29,6 +29,6 @@ pub mod mount;
 
 pub use error::FsError;
 pub use fs::{Fs, FsOptions};
-pub use fsck::{fsck, read_superblock, Report};
+pub use fsck::{fsck, fsck_image, read_superblock, Report};
 pub use mkfs::{mkfs, MkfsOptions};
 pub use mount::{mount, MountOptions, Mounted};
