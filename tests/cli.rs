@@ -471,9 +471,40 @@ fn mkfs_then_fsck_and_the_exit_codes_of_fsck() {
     let bad = aios().arg("fsck").arg(&img.0).output().unwrap();
     assert_eq!(bad.status.code(), Some(4));
     assert!(String::from_utf8_lossy(&bad.stdout).contains("inode 1: checksum mismatch"));
-    // Not an aiosfs: exit status 8.
+    // Mounting it refuses with the problem named, and changes nothing (no FUSE needed: the
+    // check comes first).
+    let mp = std::env::temp_dir().join(format!("aios-cli-mnt-{}", std::process::id()));
+    std::fs::create_dir_all(&mp).unwrap();
+    let m = aios()
+        .args(["mount", "--foreground"])
+        .arg(&img.0)
+        .arg(&mp)
+        .output()
+        .unwrap();
+    assert!(!m.status.success());
+    let e = String::from_utf8_lossy(&m.stderr);
+    assert!(
+        e.contains("inode 1: checksum mismatch") && e.contains("was not changed"),
+        "{e}"
+    );
+    assert!(
+        std::fs::read(&img.0).unwrap() == bytes,
+        "a refused mount wrote to the image"
+    );
+    // Not an aiosfs: exit status 8, and mount refuses it the same way.
     let junk = Scratch::new("fsck-junk", 1 << 20);
     let foreign = aios().arg("fsck").arg(&junk.0).output().unwrap();
     assert_eq!(foreign.status.code(), Some(8));
     assert!(String::from_utf8_lossy(&foreign.stderr).contains("not an aiosfs image"));
+    let before = std::fs::read(&junk.0).unwrap();
+    let m = aios()
+        .args(["mount", "--foreground"])
+        .arg(&junk.0)
+        .arg(&mp)
+        .output()
+        .unwrap();
+    assert!(!m.status.success());
+    assert!(String::from_utf8_lossy(&m.stderr).contains("not an aiosfs image"));
+    assert!(std::fs::read(&junk.0).unwrap() == before);
+    let _ = std::fs::remove_dir(&mp);
 }

@@ -126,6 +126,10 @@ pub struct FsStats {
     pub reads: AtomicU64,
 }
 
+fn dec(n: &mut u32) {
+    *n = n.saturating_sub(1);
+}
+
 pub fn now() -> (i64, u32) {
     let d = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -495,6 +499,12 @@ impl Fs {
         ))
     }
 
+    /// Dirty data that triggers a commit: the option, but at most a quarter of a worker's arena
+    /// (a commit's buffers all come from it).
+    fn dirty_limit(&self) -> usize {
+        self.opts.dirty_limit.min(self.opts.arena_bytes / 4)
+    }
+
     pub fn superblock(&self) -> &Superblock {
         &self.sb
     }
@@ -714,7 +724,7 @@ impl Fs {
             if !bit(&st.bbm, b) && !st.quarantine.contains(&b) {
                 set_bit(&mut st.bbm, b);
                 st.dirty_bbm.insert(b / (B * 8));
-                st.free_blocks -= 1;
+                st.free_blocks = st.free_blocks.saturating_sub(1);
                 st.block_cursor = b + 1;
                 return Ok(b);
             }
@@ -725,7 +735,13 @@ impl Fs {
     }
 
     fn free_block(&self, st: &mut State, b: u64) {
-        debug_assert!(bit(&st.bbm, b));
+        if !self.sb.data.contains(b) || !bit(&st.bbm, b) {
+            // Only a damaged image maps a block twice or one marked free: leave the bitmap.
+            eprintln!(
+                "aiosfs: freeing block {b}, which is not an allocated data block (run aios fsck)"
+            );
+            return;
+        }
         clear_bit(&mut st.bbm, b);
         st.dirty_bbm.insert(b / (B * 8));
         st.quarantine.insert(b);
@@ -749,7 +765,7 @@ impl Fs {
                 self.load_itab(st, ctx, i / INODES_PER_BLOCK as u64)?;
                 set_bit(&mut st.ibm, i);
                 st.dirty_ibm.insert(i / (B * 8));
-                st.free_inodes -= 1;
+                st.free_inodes = st.free_inodes.saturating_sub(1);
                 st.inode_cursor = i + 1;
                 return Ok(i);
             }
@@ -816,7 +832,7 @@ impl Fs {
     /// the dirty data passes the limit.
     fn settle(&self, st: &mut State, ctx: &Ctx) -> FsResult<()> {
         if self.meta_pending(st) * 4 > self.log_len
-            || st.dirty_bytes > self.opts.dirty_limit
+            || st.dirty_bytes > self.dirty_limit()
             || st.quarantine.len() > 4096
             || st.last_commit.elapsed() > COMMIT_INTERVAL
         {
@@ -1426,12 +1442,16 @@ impl Fs {
         p.attr.mtime = t;
         p.attr.ctime = t;
         if is_dir {
-            p.attr.nlink -= 1;
+            dec(&mut p.attr.nlink);
         }
         Self::touch(&mut st, parent);
         let n = st.nodes.get_mut(&e.ino).expect("node");
         n.attr.ctime = t;
-        n.attr.nlink = if is_dir { 0 } else { n.attr.nlink - 1 };
+        n.attr.nlink = if is_dir {
+            0
+        } else {
+            n.attr.nlink.saturating_sub(1)
+        };
         Self::touch(&mut st, e.ino);
         self.maybe_destroy(&mut st, e.ino);
         self.settle(&mut st, &ctx)
@@ -1492,12 +1512,12 @@ impl Fs {
             if parent != newparent {
                 if src_dir {
                     self.set_dotdot(&mut st, &ctx, src.ino, newparent)?;
-                    st.nodes.get_mut(&parent).expect("p").attr.nlink -= 1;
+                    dec(&mut st.nodes.get_mut(&parent).expect("p").attr.nlink);
                     st.nodes.get_mut(&newparent).expect("p").attr.nlink += 1;
                 }
                 if dst_dir {
                     self.set_dotdot(&mut st, &ctx, dst.ino, parent)?;
-                    st.nodes.get_mut(&newparent).expect("p").attr.nlink -= 1;
+                    dec(&mut st.nodes.get_mut(&newparent).expect("p").attr.nlink);
                     st.nodes.get_mut(&parent).expect("p").attr.nlink += 1;
                 }
             }
@@ -1545,9 +1565,9 @@ impl Fs {
                 n.attr.ctime = t;
                 if n.attr.is_dir() {
                     n.attr.nlink = 0;
-                    st.nodes.get_mut(&newparent).expect("np").attr.nlink -= 1;
+                    dec(&mut st.nodes.get_mut(&newparent).expect("np").attr.nlink);
                 } else {
-                    n.attr.nlink -= 1;
+                    dec(&mut n.attr.nlink);
                 }
                 Self::touch(&mut st, d.ino);
                 self.maybe_destroy(&mut st, d.ino);
@@ -1557,7 +1577,7 @@ impl Fs {
         self.dir(&mut st, &ctx, parent)?.remove(name);
         if src_dir && parent != newparent {
             self.set_dotdot(&mut st, &ctx, src.ino, newparent)?;
-            st.nodes.get_mut(&parent).expect("p").attr.nlink -= 1;
+            dec(&mut st.nodes.get_mut(&parent).expect("p").attr.nlink);
             st.nodes.get_mut(&newparent).expect("np").attr.nlink += 1;
         }
         for i in [parent, newparent] {
@@ -1846,7 +1866,7 @@ impl Fs {
             n.attr.mode &= !(libc::S_ISUID | libc::S_ISGID);
         }
         Self::touch(&mut st, ino);
-        if st.dirty_bytes > self.opts.dirty_limit {
+        if st.dirty_bytes > self.dirty_limit() {
             self.commit_locked(&mut st, &ctx, None)?;
         } else {
             self.settle(&mut st, &ctx)?;
