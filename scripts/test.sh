@@ -11,7 +11,7 @@ step() { printf '\n==> %s\n' "$*"; }
 # Soft-RoCE provider).
 need=()
 command -v fio >/dev/null 2>&1 || need+=(fio)
-for p in libibverbs-dev librdmacm-dev libclang-dev ibverbs-providers iproute2; do
+for p in libibverbs-dev librdmacm-dev libclang-dev ibverbs-providers iproute2 postmark; do
     dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then
@@ -89,6 +89,12 @@ if [ "$(id -u)" = 0 ] && [ -e /dev/fuse ]; then
     scripts/fs_suite.sh target/release/aios
 else
     echo "SKIPPED: mounting through FUSE needs root and /dev/fuse" >&2
+fi
+step "aiosfs beside ext4 on ull devices (aios bench fs: random read QD1, write + fsync, create + fsync, postmark)"
+if [ "$(id -u)" = 0 ] && [ -e /dev/fuse ] && command -v mkfs.ext4 >/dev/null 2>&1; then
+    ./target/release/aios bench fs --seconds 1 --rounds 1 --threads 1,2
+else
+    echo "SKIPPED: aios bench fs needs root (loop devices, mount), /dev/fuse and e2fsprogs" >&2
 fi
 step "the QEMU lab: NVMe passthrough, IOPOLL and null_blk in a guest (cargo xtask lab)"
 # Installs qemu and busybox-static if missing, fetches the guest kernel once (cached under

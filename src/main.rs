@@ -84,6 +84,32 @@ struct MkfsArgs {
 }
 
 #[derive(Args)]
+struct FsBenchArgs {
+    /// Thread counts of the write + fsync workload.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    threads: Vec<u32>,
+    /// Seconds per measurement.
+    #[arg(long, default_value_t = 2.0)]
+    seconds: f64,
+    /// Rounds (the order of the two file systems alternates; medians are reported).
+    #[arg(long, default_value_t = 3)]
+    rounds: u32,
+    /// Workloads: randread, fsync, createsync, postmark (postmark only when installed).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "randread,fsync,createsync,postmark"
+    )]
+    workloads: Vec<String>,
+    /// How the mount's workers wait for I/O (see `aios mount --completion`).
+    #[arg(long, value_enum, default_value = "poll")]
+    completion: MountCompletion,
+    /// One JSON object per median instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
 struct MountArgs {
     /// Image file or block device holding an aiosfs (see `aios mkfs`).
     image: PathBuf,
@@ -102,6 +128,16 @@ struct MountArgs {
     /// Commit mode of fsync's transactions.
     #[arg(long, value_enum, default_value = "overlapped")]
     commit: CommitArg,
+    /// How workers wait for I/O: `wait` sleeps in io_uring_enter, `poll` spins on the
+    /// completion queue (lower latency, a busy core per waiting worker).
+    #[arg(long, value_enum, default_value = "wait")]
+    completion: MountCompletion,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum MountCompletion {
+    Wait,
+    Poll,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -162,6 +198,9 @@ enum BenchCmd {
     /// A 4 KiB write made durable: the journal's vanilla and overlapped commit beside ext4's
     /// pwrite + fsync on the same kind of device.
     Fsync(FsyncArgs),
+    /// aiosfs through FUSE beside ext4, each on its own ull device: 4 KiB random reads at QD1
+    /// (O_DIRECT), 4 KiB write + fsync at 1..N threads, file create + fsync, postmark.
+    Fs(FsBenchArgs),
     /// Ordered 4 KiB writes: Rio's ordered device against synchronous ordering (write, wait,
     /// FLUSH) and orderless writes.
     Ordered(OrderedArgs),
@@ -501,6 +540,7 @@ fn main() -> ExitCode {
         Cmd::Bench(BenchCmd::Lbio(a)) => cmd_bench_lbio(a),
         Cmd::Bench(BenchCmd::Pagecache(a)) => cmd_bench_pagecache(a),
         Cmd::Bench(BenchCmd::Fsync(a)) => cmd_bench_fsync(a),
+        Cmd::Bench(BenchCmd::Fs(a)) => cmd_bench_fs(a),
         Cmd::Bench(BenchCmd::Ordered(a)) => cmd_bench_ordered(a),
         Cmd::Demo(a) => cmd_demo(a),
         Cmd::Target(a) => cmd_target(a),
@@ -551,6 +591,87 @@ fn cmd_mkfs(a: MkfsArgs) -> Result<(), BenchError> {
     Ok(())
 }
 
+fn cmd_bench_fs(a: FsBenchArgs) -> Result<(), BenchError> {
+    use aios::bench::fsbench::{medians, FsBench, FsBenchSetup};
+    if fio_version().is_none() {
+        return Err(BenchError::Setup(
+            "aios bench fs runs fio: install it (apt-get install fio)".into(),
+        ));
+    }
+    let mut workloads = a.workloads.clone();
+    if workloads.iter().any(|w| w == "postmark")
+        && !std::process::Command::new("sh")
+            .args(["-c", "command -v postmark"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    {
+        eprintln!("postmark is not installed (apt-get install postmark): skipping it");
+        workloads.retain(|w| w != "postmark");
+    }
+    let exe = std::env::current_exe().map_err(io_err)?;
+    let completion = match a.completion {
+        MountCompletion::Poll => "poll",
+        MountCompletion::Wait => "wait",
+    };
+    let setup = FsBenchSetup::ull(&exe, &["--completion", completion])?;
+    eprintln!("{}", setup.aios.log_line);
+    eprintln!(
+        "ext4 on the other ull device: mkfs.ext4 defaults (ordered data, barriers), mounted at {}",
+        setup.ext4.dir().display()
+    );
+    let bench = FsBench {
+        threads: a.threads.clone(),
+        seconds: a.seconds,
+        rounds: a.rounds,
+        workloads,
+    };
+    let mut progress = |s: &aios::bench::fsbench::FsSample| {
+        if !a.json {
+            eprintln!(
+                "  {:<10} {:>2} thr {:<6} {:>10.0} ops/s  mean {:>8.1} us",
+                s.workload, s.threads, s.fs, s.ops_per_sec, s.mean_us
+            );
+        }
+    };
+    let samples = bench.run(setup.aios.dir(), setup.ext4.dir(), &mut progress)?;
+    let meds = medians(&samples);
+    if a.json {
+        for m in &meds {
+            println!(
+                "{}",
+                serde_json::to_string(m).map_err(|e| BenchError::Parse(e.to_string()))?
+            );
+        }
+        return Ok(());
+    }
+    println!(
+        "\nmedians over {} rounds of {} s; ratio = aiosfs / ext4",
+        a.rounds, a.seconds
+    );
+    println!(
+        "{:<11} {:>7} {:>12} {:>12} {:>10} {:>10} {:>8}",
+        "workload", "threads", "aiosfs op/s", "ext4 op/s", "aiosfs us", "ext4 us", "ratio"
+    );
+    for m in meds.iter().filter(|m| m.fs == "aiosfs") {
+        let Some(e) = meds
+            .iter()
+            .find(|e| e.fs == "ext4" && e.workload == m.workload && e.threads == m.threads)
+        else {
+            continue;
+        };
+        let (ratio, what) = if m.workload == "randread" {
+            (m.mean_us / e.mean_us, "latency")
+        } else {
+            (m.ops_per_sec / e.ops_per_sec, "op/s")
+        };
+        println!(
+            "{:<11} {:>7} {:>12.0} {:>12.0} {:>10.1} {:>10.1} {:>6.2}x {}",
+            m.workload, m.threads, m.ops_per_sec, e.ops_per_sec, m.mean_us, e.mean_us, ratio, what
+        );
+    }
+    Ok(())
+}
+
 fn is_mounted(mountpoint: &Path) -> bool {
     let Ok(canon) = mountpoint.canonicalize() else {
         return false;
@@ -590,6 +711,9 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
         }
         if matches!(a.commit, CommitArg::Vanilla) {
             cmd.arg("--commit").arg("vanilla");
+        }
+        if matches!(a.completion, MountCompletion::Poll) {
+            cmd.arg("--completion").arg("poll");
         }
         use std::os::unix::process::CommandExt;
         let mut child = cmd
@@ -644,17 +768,22 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
         CommitArg::Overlapped => aios::journal::CommitMode::Overlapped,
         CommitArg::Vanilla => aios::journal::CommitMode::Vanilla,
     };
+    opts.fs.completion = match a.completion {
+        MountCompletion::Wait => CompletionMode::Wait,
+        MountCompletion::Poll => CompletionMode::BusyPoll,
+    };
     let m = fs_fuse::mount(&a.image, &a.mountpoint, &opts)
         .map_err(|e| BenchError::Setup(format!("{}: {e}", a.image.display())))?;
     let fs_probe = probe(&a.image, ProbeOptions::default()).ok();
     let r = &m.report;
     eprintln!(
-        "aiosfs: mounted {} on {}: {} workers (one per core unless --threads; each its own /dev/fuse clone, engine, lbio array and journal area), device {} ({}), journal: {} commit, durability {}, recovery replayed {} transactions ({} blocks){}{}",
+        "aiosfs: mounted {} on {}: {} workers (one per core unless --threads; each its own /dev/fuse clone, engine, lbio array and journal area), device {} ({}), completion {}, journal: {} commit, durability {}, recovery replayed {} transactions ({} blocks){}{}",
         a.image.display(),
         a.mountpoint.display(),
         m.threads,
         a.image.display(),
         fs_probe.map_or("unprobed".into(), |p| format!("{}, O_DIRECT", p.kind)),
+        if opts.fs.completion == CompletionMode::BusyPoll { "busy-poll" } else { "wait" },
         opts.fs.commit_mode.name(),
         r.durability,
         r.replayed_transactions,

@@ -141,7 +141,11 @@ impl Ext4Mount {
             Ok(())
         };
         run(
-            Command::new("mkfs.ext4").args(["-q", "-F"]).arg(dev),
+            // Inode tables and journal initialised now, not by a background thread during the
+            // measurements.
+            Command::new("mkfs.ext4")
+                .args(["-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0"])
+                .arg(dev),
             "mkfs.ext4 (e2fsprogs)",
         )?;
         let dir = std::env::temp_dir().join(format!("aios-ext4-{}", std::process::id()));

@@ -6,6 +6,7 @@
 
 pub mod compare;
 pub mod fio;
+pub mod fsbench;
 pub mod fsync;
 pub mod net;
 pub mod ordered;

@@ -59,6 +59,9 @@ pub struct FsOptions {
     pub dirty_limit: usize,
     /// Registered arena of each worker's engine.
     pub arena_bytes: usize,
+    /// How a worker waits for its I/O: sleep in `io_uring_enter`, or spin on the completion
+    /// queue (no wake-up latency; the worker's core is busy while it waits).
+    pub completion: aios_core::CompletionMode,
 }
 
 impl Default for FsOptions {
@@ -67,6 +70,7 @@ impl Default for FsOptions {
             commit_mode: CommitMode::Overlapped,
             dirty_limit: 16 << 20,
             arena_bytes: 48 << 20,
+            completion: aios_core::CompletionMode::Wait,
         }
     }
 }
@@ -523,6 +527,7 @@ impl Fs {
         }
         let engine = Engine::new(EngineConfig {
             arena_bytes: self.opts.arena_bytes,
+            completion: self.opts.completion,
             huge_pages: false,
             ..EngineConfig::default()
         })
