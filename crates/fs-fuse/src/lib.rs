@@ -1,10 +1,16 @@
-//! aiosfs: the file system of the aios stack, to be mounted through FUSE.
+//! aiosfs: the file system of the aios stack, mounted through FUSE.
 //!
-//! **Built so far:** the on-disk format ([`format`]: a checksummed, versioned superblock with a
-//! backup, inode and block bitmaps, an inode table whose inodes hold their extent maps,
-//! checksummed directory blocks, per-core journal areas in the `journal` crate's format),
-//! [`mkfs`] and [`fsck`]. **Not built yet:** the mount (`aios mount`, FUSE), everything that
-//! changes a file system after mkfs, and the benchmarks — see the README.
+//! - [`format`]: the on-disk format (a checksummed, versioned superblock with a backup, inode
+//!   and block bitmaps, an inode table whose inodes hold their extent maps or extent leaves,
+//!   checksummed directory, leaf and xattr blocks, per-core journal areas in the `journal`
+//!   crate's format);
+//! - [`mkfs`] and [`fsck`];
+//! - [`fs::Fs`]: the mounted file system (in-memory metadata committed through the journal,
+//!   fsync as one overlapped commit), with no FUSE types, so it also runs on a SimDisk;
+//! - [`mount`]: the FUSE adapter (fuser, one worker per core).
+//!
+//! Not built yet: Rio-ordered journal writes in place of FLUSH, data through the `pagecache`
+//! crate (see the README).
 //!
 //! ```no_run
 //! use fs_fuse::{fsck, mkfs, MkfsOptions};
