@@ -243,7 +243,7 @@ fn verify(mp: &Path, run: u64, m: &Model) -> Result<u64, String> {
     Ok(checked)
 }
 
-fn stop_cleanly(mut child: Child, mp: &Path) {
+fn stop_cleanly(mut child: Child, mp: &Path, log: &Path) {
     let _ = Command::new("kill")
         .arg("-TERM")
         .arg(child.id().to_string())
@@ -251,7 +251,11 @@ fn stop_cleanly(mut child: Child, mp: &Path) {
     let t0 = Instant::now();
     loop {
         if let Ok(Some(st)) = child.try_wait() {
-            assert!(st.success(), "aios mount exited {st} after SIGTERM");
+            assert!(
+                st.success(),
+                "aios mount exited {st} after SIGTERM; its log:\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
             break;
         }
         assert!(
@@ -260,7 +264,11 @@ fn stop_cleanly(mut child: Child, mp: &Path) {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    assert!(!mounted(mp), "still mounted after the process exited");
+    assert!(
+        !mounted(mp),
+        "still mounted after the process exited; its log:\n{}",
+        std::fs::read_to_string(log).unwrap_or_default()
+    );
 }
 
 fn main() {
@@ -341,11 +349,11 @@ fn main() {
         let checked = match checked {
             Ok(n) => n,
             Err(e) => {
-                stop_cleanly(child, &mp);
+                stop_cleanly(child, &mp, &log);
                 panic!("run {run} (killed after {delay} ms, seed {seed}): {e}\nmount log:\n{mounted_log}");
             }
         };
-        stop_cleanly(child, &mp);
+        stop_cleanly(child, &mp, &log);
         fsck(&image, &format!("after the clean unmount of run {run}"));
         println!(
             "run {run:2}: killed after {delay:3} ms, {:4} fsyncs acknowledged, {checked:5} blocks/files checked; {}",

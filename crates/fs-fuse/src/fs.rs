@@ -125,6 +125,8 @@ pub struct StatFs {
 pub struct FsStats {
     pub commits: AtomicU64,
     pub fsync_commits: AtomicU64,
+    /// fsyncs that had only data in blocks the file owned: written in place, no transaction.
+    pub fsync_in_place: AtomicU64,
     pub data_blocks_written: AtomicU64,
     pub meta_blocks_written: AtomicU64,
     pub reads: AtomicU64,
@@ -132,6 +134,16 @@ pub struct FsStats {
 
 fn dec(n: &mut u32) {
     *n = n.saturating_sub(1);
+}
+
+/// The time stamped on writes: the kernel's coarse clock, as Linux file systems stamp changes,
+/// so a burst of writes within one clock tick changes the inode once (and an fsync after the
+/// others has only data to make durable).
+pub fn change_time() -> (i64, u32) {
+    match nix::time::clock_gettime(nix::time::ClockId::CLOCK_REALTIME_COARSE) {
+        Ok(t) => (t.tv_sec(), t.tv_nsec() as u32),
+        Err(_) => now(),
+    }
 }
 
 pub fn now() -> (i64, u32) {
@@ -1066,11 +1078,79 @@ impl Fs {
 
     /// `fsync`/`fdatasync`: one file-level transaction with the file's dirty data, the
     /// metadata changed since the last commit and every file's freshly allocated blocks.
+    ///
+    /// When nothing but the file's data in blocks it already owned changed since the last commit
+    /// (no metadata at all is pending: an overwrite within one timestamp tick), there is nothing
+    /// to journal: the blocks are written in place and made durable (FUA writes, or writes and
+    /// a FLUSH, as the journal chose for the device), with no journal transaction.
     pub fn fsync(&self, ino: u64) -> FsResult<()> {
         let ctx = self.ctx()?;
         let mut st = self.lock()?;
         self.node(&mut st, &ctx, ino)?;
+        self.writable(&st)?;
+        let data_only = self.meta_pending(&st) == 0
+            && st.revokes.is_empty()
+            && st.quarantine.is_empty()
+            && st.nodes[&ino].fresh.is_empty();
+        if data_only {
+            return self.write_in_place(&mut st, &ctx, ino);
+        }
         self.commit_locked(&mut st, &ctx, Some(ino))
+    }
+
+    /// Write `ino`'s dirty blocks home and make them durable (the fsync fast path).
+    fn write_in_place(&self, st: &mut State, ctx: &Ctx, ino: u64) -> FsResult<()> {
+        let n = st.nodes.get(&ino).expect("node");
+        if n.dirty.is_empty() {
+            return Ok(());
+        }
+        // Runs of physically contiguous blocks, at most 256 blocks each.
+        let mut runs: Vec<(u64, Vec<u64>)> = Vec::new();
+        for &l in n.dirty.keys() {
+            let p = n.phys(l).expect("dirty blocks are mapped");
+            match runs.last_mut() {
+                Some((start, ls)) if *start + ls.len() as u64 == p && ls.len() < 256 => ls.push(l),
+                _ => runs.push((p, vec![l])),
+            }
+        }
+        let plp = ctx.dev().critical_route().0.power_loss_protected;
+        let fua = !plp && self.set.durability() == journal::Durability::FuaWrites;
+        let flush = !plp && !fua;
+        let mut result = Ok(());
+        for (p, ls) in &runs {
+            let len = ls.len() * BLOCK;
+            result = (|| {
+                let mut buf = ctx.engine().alloc_blocking(len).map_err(io_err)?;
+                buf.set_len(len).map_err(io_err)?;
+                for (i, l) in ls.iter().enumerate() {
+                    buf[i * BLOCK..(i + 1) * BLOCK].copy_from_slice(&n.dirty[l]);
+                }
+                ctx.dev()
+                    .write_at_blocking(p * B, buf, fua)
+                    .map_err(io_err)?;
+                Ok(())
+            })();
+            if result.is_err() {
+                break;
+            }
+        }
+        if result.is_ok() && flush {
+            result = ctx.dev().flush_blocking().map_err(io_err);
+        }
+        if let Err(e) = result {
+            let msg = "an in-place data write for fsync failed; the file system is read-only until remounted";
+            eprintln!("aiosfs: {msg}");
+            st.failed = Some(msg.into());
+            return Err(e);
+        }
+        let blocks: u64 = runs.iter().map(|(_, ls)| ls.len() as u64).sum();
+        st.nodes.get_mut(&ino).expect("node").dirty.clear();
+        st.dirty_bytes -= blocks as usize * BLOCK;
+        self.stats.fsync_in_place.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .data_blocks_written
+            .fetch_add(blocks, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Clean unmount: commit, checkpoint every journal area, mark the superblock not mounted.
@@ -1805,6 +1885,7 @@ impl Fs {
         let first = offset / B;
         let last = (end - 1) / B;
         let mut done = 0usize;
+        let mut allocated = false;
         for l in first..=last {
             let bstart = l * B;
             let from = offset.max(bstart) - bstart;
@@ -1849,6 +1930,7 @@ impl Fs {
                 }
                 n.map_block(l, p);
                 n.fresh.insert(l);
+                allocated = true;
                 let mut b = vec![0u8; BLOCK];
                 b[from as usize..to as usize].copy_from_slice(src);
                 n.dirty.insert(l, b.into_boxed_slice());
@@ -1856,21 +1938,29 @@ impl Fs {
             }
             done += (to - from) as usize;
         }
-        let t = now();
+        let t = change_time();
         let n = st.nodes.get_mut(&ino).expect("node");
         let wend = offset + done as u64;
+        let mut changed = allocated;
         if wend > n.attr.size {
             n.attr.size = wend;
+            changed = true;
         }
-        n.attr.mtime = t;
-        n.attr.ctime = t;
+        if n.attr.mtime != t || n.attr.ctime != t {
+            n.attr.mtime = t;
+            n.attr.ctime = t;
+            changed = true;
+        }
         // Writing clears set-user-ID (and set-group-ID when group-executable), as on Linux.
         if n.attr.mode & libc::S_ISUID != 0
             || n.attr.mode & (libc::S_ISGID | 0o010) == (libc::S_ISGID | 0o010)
         {
             n.attr.mode &= !(libc::S_ISUID | libc::S_ISGID);
+            changed = true;
         }
-        Self::touch(&mut st, ino);
+        if changed {
+            Self::touch(&mut st, ino);
+        }
         if st.dirty_bytes > self.dirty_limit() {
             self.commit_locked(&mut st, &ctx, None)?;
         } else {

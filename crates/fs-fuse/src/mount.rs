@@ -172,9 +172,10 @@ impl Filesystem for Adapter {
                 let n =
                     |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
                 eprintln!(
-                    "aiosfs: unmounted cleanly (everything committed and checkpointed): {} commits ({} by fsync), {} data and {} metadata blocks written{phases}",
+                    "aiosfs: unmounted cleanly (everything committed and checkpointed): {} commits ({} by fsync), {} fsyncs written in place without a transaction, {} data and {} metadata blocks written{phases}",
                     n(&st.commits),
                     n(&st.fsync_commits),
+                    n(&st.fsync_in_place),
                     n(&st.data_blocks_written),
                     n(&st.meta_blocks_written),
                 )
