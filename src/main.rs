@@ -599,12 +599,7 @@ fn cmd_bench_fs(a: FsBenchArgs) -> Result<(), BenchError> {
         ));
     }
     let mut workloads = a.workloads.clone();
-    if workloads.iter().any(|w| w == "postmark")
-        && !std::process::Command::new("sh")
-            .args(["-c", "command -v postmark"])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    {
+    if workloads.iter().any(|w| w == "postmark") && !aios::bench::fsbench::postmark_installed() {
         eprintln!("postmark is not installed (apt-get install postmark): skipping it");
         workloads.retain(|w| w != "postmark");
     }
@@ -648,27 +643,7 @@ fn cmd_bench_fs(a: FsBenchArgs) -> Result<(), BenchError> {
         "\nmedians over {} rounds of {} s; ratio = aiosfs / ext4",
         a.rounds, a.seconds
     );
-    println!(
-        "{:<11} {:>7} {:>12} {:>12} {:>10} {:>10} {:>8}",
-        "workload", "threads", "aiosfs op/s", "ext4 op/s", "aiosfs us", "ext4 us", "ratio"
-    );
-    for m in meds.iter().filter(|m| m.fs == "aiosfs") {
-        let Some(e) = meds
-            .iter()
-            .find(|e| e.fs == "ext4" && e.workload == m.workload && e.threads == m.threads)
-        else {
-            continue;
-        };
-        let (ratio, what) = if m.workload == "randread" {
-            (m.mean_us / e.mean_us, "latency")
-        } else {
-            (m.ops_per_sec / e.ops_per_sec, "op/s")
-        };
-        println!(
-            "{:<11} {:>7} {:>12.0} {:>12.0} {:>10.1} {:>10.1} {:>6.2}x {}",
-            m.workload, m.threads, m.ops_per_sec, e.ops_per_sec, m.mean_us, e.mean_us, ratio, what
-        );
-    }
+    aios::bench::fsbench::print_table(&mut std::io::stdout(), &meds).map_err(io_err)?;
     Ok(())
 }
 
@@ -1936,6 +1911,34 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
         &ordered_all,
     )?);
     println!("{}", aios::bench::ordered::legend());
+
+    // aiosfs through FUSE beside ext4, each on its own ull device.
+    if root && Path::new("/dev/fuse").exists() && fio.is_some() {
+        println!("\n== aiosfs through FUSE vs ext4 (two ull devices; aios bench fs)");
+        let exe = std::env::current_exe().map_err(io_err)?;
+        let setup = aios::bench::fsbench::FsBenchSetup::ull(&exe, &["--completion", "poll"])?;
+        let mut workloads: Vec<String> =
+            vec!["randread".into(), "fsync".into(), "createsync".into()];
+        if aios::bench::fsbench::postmark_installed() {
+            workloads.push("postmark".into());
+        }
+        let fb = aios::bench::fsbench::FsBench {
+            threads: vec![1],
+            seconds: (a.seconds / 2.0).max(0.3),
+            rounds: a.rounds,
+            workloads,
+        };
+        let samples = fb.run(setup.aios.dir(), setup.ext4.dir(), &mut |_| {})?;
+        let meds = aios::bench::fsbench::medians(&samples);
+        aios::bench::fsbench::print_table(&mut std::io::stdout(), &meds).map_err(io_err)?;
+        written.push(write_jsonl(
+            &a.out.join("demo-fs.jsonl"),
+            samples.iter().chain(meds.iter()),
+        )?);
+        drop(setup);
+    } else {
+        println!("\n(aiosfs vs ext4 skipped: it needs root, /dev/fuse and fio)");
+    }
     println!(
         "\nmedians of {} rounds of {} s each; 'lat/fio' = lbio mean latency ÷ fio io_uring's, \
          'IOPS/fio' = lbio IOPS ÷ fio io_uring's, 'lat/psync' = lbio mean latency ÷ fio psync's \

@@ -381,3 +381,40 @@ impl FsBenchSetup {
         })
     }
 }
+
+/// The medians as a table: one row per workload and thread count, aiosfs beside ext4, and the
+/// ratio (latency for `randread`, operations per second otherwise).
+pub fn print_table(out: &mut impl Write, meds: &[FsSample]) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "{:<11} {:>7} {:>12} {:>12} {:>10} {:>10} {:>8}",
+        "workload", "threads", "aiosfs op/s", "ext4 op/s", "aiosfs us", "ext4 us", "ratio"
+    )?;
+    for m in meds.iter().filter(|m| m.fs == "aiosfs") {
+        let Some(e) = meds
+            .iter()
+            .find(|e| e.fs == "ext4" && e.workload == m.workload && e.threads == m.threads)
+        else {
+            continue;
+        };
+        let (ratio, what) = if m.workload == "randread" {
+            (m.mean_us / e.mean_us, "latency")
+        } else {
+            (m.ops_per_sec / e.ops_per_sec, "op/s")
+        };
+        writeln!(
+            out,
+            "{:<11} {:>7} {:>12.0} {:>12.0} {:>10.1} {:>10.1} {:>6.2}x {}",
+            m.workload, m.threads, m.ops_per_sec, e.ops_per_sec, m.mean_us, e.mean_us, ratio, what
+        )?;
+    }
+    Ok(())
+}
+
+/// Is Debian's postmark on the PATH?
+pub fn postmark_installed() -> bool {
+    Command::new("sh")
+        .args(["-c", "command -v postmark"])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
