@@ -704,7 +704,15 @@ impl Mounted {
                 if let Ok(sig) = set.wait() {
                     eprintln!("aiosfs: {sig:?}: unmounting {}", mp.display());
                     if let Err(e) = unmounter.unmount() {
-                        eprintln!("aiosfs: unmount of {}: {e}", mp.display());
+                        // Busy (a process still has a file open there): detach it now; the
+                        // session ends, and the final commit runs, when the last user lets go.
+                        eprintln!(
+                            "aiosfs: unmount of {}: {e}; detaching it (lazy unmount)",
+                            mp.display()
+                        );
+                        if let Err(e) = nix::mount::umount2(&mp, nix::mount::MntFlags::MNT_DETACH) {
+                            eprintln!("aiosfs: lazy unmount of {}: {e}", mp.display());
+                        }
                     }
                 }
             })
