@@ -371,6 +371,8 @@ struct State {
     nodes: HashMap<u64, Node>,
     itab_loaded: HashSet<u64>,
     dirty_nodes: BTreeSet<u64>,
+    /// Files holding dirty data blocks (a commit looks at these, not at every node).
+    dirty_data: BTreeSet<u64>,
     dirty_xattrs: BTreeSet<u64>,
     /// Metadata blocks whose content is fixed at creation (symlink targets).
     new_meta: BTreeMap<u64, Vec<u8>>,
@@ -477,6 +479,7 @@ impl Fs {
                 nodes: HashMap::new(),
                 itab_loaded: HashSet::new(),
                 dirty_nodes: BTreeSet::new(),
+                dirty_data: BTreeSet::new(),
                 dirty_xattrs: BTreeSet::new(),
                 new_meta: BTreeMap::new(),
                 revokes: BTreeSet::new(),
@@ -810,6 +813,7 @@ impl Fs {
         st.free_inodes += 1;
         st.dirty_nodes.insert(ino);
         st.dirty_xattrs.remove(&ino);
+        st.dirty_data.remove(&ino);
     }
 
     fn maybe_destroy(&self, st: &mut State, ino: u64) {
@@ -831,11 +835,14 @@ impl Fs {
 
     // ----- commit --------------------------------------------------------------------------
 
+    /// Metadata blocks the next commit would write, roughly. A directory whose blocks changed
+    /// is always among the dirty nodes (every change to it touches it), so only those are
+    /// looked at, not every node in memory.
     fn meta_pending(&self, st: &State) -> u64 {
         let dirs: usize = st
-            .nodes
-            .values()
-            .filter_map(|n| n.dir.as_ref().map(|d| d.dirty.len()))
+            .dirty_nodes
+            .iter()
+            .filter_map(|i| st.nodes.get(i)?.dir.as_ref().map(|d| d.dirty.len()))
             .sum();
         (st.dirty_nodes.len() * 2
             + dirs
@@ -869,7 +876,10 @@ impl Fs {
         // Data first: it is written in place, durable before the commit block.
         let mut written: Vec<(u64, u64)> = Vec::new();
         let mut data_blocks = 0u64;
-        for (&ino, n) in st.nodes.iter() {
+        for &ino in &st.dirty_data {
+            let Some(n) = st.nodes.get(&ino) else {
+                continue;
+            };
             let all = file.is_none_or(|f| f == ino);
             for (&l, buf) in &n.dirty {
                 if !all && !n.fresh.contains(&l) {
@@ -956,8 +966,11 @@ impl Fs {
             }
             n.leaves = leaves;
         }
-        // Directory blocks.
-        for (&ino, n) in st.nodes.iter_mut() {
+        // Directory blocks (a directory whose blocks changed is a dirty node).
+        for &ino in &dirty {
+            let Some(n) = st.nodes.get_mut(&ino) else {
+                continue;
+            };
             let Some(dirty) = n.dir.as_mut().map(|d| std::mem::take(&mut d.dirty)) else {
                 continue;
             };
@@ -1046,6 +1059,9 @@ impl Fs {
                 n.fresh.remove(&l);
             }
         }
+        let nodes = &st.nodes;
+        st.dirty_data
+            .retain(|i| nodes.get(i).is_some_and(|n| !n.dirty.is_empty()));
         Ok(())
     }
 
@@ -1145,6 +1161,7 @@ impl Fs {
         }
         let blocks: u64 = runs.iter().map(|(_, ls)| ls.len() as u64).sum();
         st.nodes.get_mut(&ino).expect("node").dirty.clear();
+        st.dirty_data.remove(&ino);
         st.dirty_bytes -= blocks as usize * BLOCK;
         self.stats.fsync_in_place.fetch_add(1, Ordering::Relaxed);
         self.stats
@@ -1379,7 +1396,8 @@ impl Fs {
         }
         // Blocks this needs at most: a directory block for the parent, one for a new
         // directory or symlink target.
-        if st.free_blocks < 2 + self.quarantined_hint(&st) {
+        // Blocks freed since the last commit count as free but come back only after it.
+        if st.free_blocks < st.quarantine.len() as u64 + 2 {
             self.commit_locked(&mut st, &ctx, None)?;
         }
         let ino = self.alloc_inode(&mut st, &ctx)?;
@@ -1436,10 +1454,6 @@ impl Fs {
         let attr = st.nodes[&ino].attr(ino);
         self.settle(&mut st, &ctx)?;
         Ok(attr)
-    }
-
-    fn quarantined_hint(&self, st: &State) -> u64 {
-        (st.free_blocks < st.quarantine.len() as u64 + 2) as u64 * st.quarantine.len() as u64
     }
 
     pub fn readlink(&self, ino: u64) -> FsResult<Vec<u8>> {
@@ -1816,6 +1830,7 @@ impl Fs {
         let n = st.nodes.get_mut(&ino).expect("node");
         n.dirty.insert(l, b.into_boxed_slice());
         st.dirty_bytes += BLOCK;
+        st.dirty_data.insert(ino);
         Ok(())
     }
 
@@ -1903,6 +1918,7 @@ impl Fs {
                 b[from as usize..to as usize].copy_from_slice(src);
                 n.dirty.insert(l, b.into_boxed_slice());
                 st.dirty_bytes += BLOCK;
+                st.dirty_data.insert(ino);
             } else {
                 let goal = l.checked_sub(1).and_then(|pl| n.phys(pl)).map(|p| p + 1);
                 let p = match self.alloc_block(&mut st, goal) {
@@ -1935,6 +1951,7 @@ impl Fs {
                 b[from as usize..to as usize].copy_from_slice(src);
                 n.dirty.insert(l, b.into_boxed_slice());
                 st.dirty_bytes += BLOCK;
+                st.dirty_data.insert(ino);
             }
             done += (to - from) as usize;
         }
@@ -1961,11 +1978,7 @@ impl Fs {
         if changed {
             Self::touch(&mut st, ino);
         }
-        if st.dirty_bytes > self.dirty_limit() {
-            self.commit_locked(&mut st, &ctx, None)?;
-        } else {
-            self.settle(&mut st, &ctx)?;
-        }
+        self.settle(&mut st, &ctx)?;
         Ok(done)
     }
 

@@ -135,6 +135,14 @@ fn caller(req: &Request) -> Caller {
     }
 }
 
+/// Answer a request that returns nothing but success or an errno.
+fn empty(r: Result<(), i32>, reply: ReplyEmpty) {
+    match r {
+        Ok(()) => reply.ok(),
+        Err(e) => reply.error(err(e)),
+    }
+}
+
 impl Adapter {
     fn entry(&self, r: Result<Attr, i32>, reply: ReplyEntry) {
         match r {
@@ -291,17 +299,11 @@ impl Filesystem for Adapter {
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        match self.fs.remove(parent.0, name.as_bytes(), false) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(err(e)),
-        }
+        empty(self.fs.remove(parent.0, name.as_bytes(), false), reply)
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        match self.fs.remove(parent.0, name.as_bytes(), true) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(err(e)),
-        }
+        empty(self.fs.remove(parent.0, name.as_bytes(), true), reply)
     }
 
     fn symlink(
@@ -343,16 +345,16 @@ impl Filesystem for Adapter {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        match self.fs.rename(
-            parent.0,
-            name.as_bytes(),
-            newparent.0,
-            newname.as_bytes(),
-            flags.bits(),
-        ) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(err(e)),
-        }
+        empty(
+            self.fs.rename(
+                parent.0,
+                name.as_bytes(),
+                newparent.0,
+                newname.as_bytes(),
+                flags.bits(),
+            ),
+            reply,
+        )
     }
 
     fn link(
@@ -443,10 +445,7 @@ impl Filesystem for Adapter {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        match self.fs.fsync(ino.0) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(err(e)),
-        }
+        empty(self.fs.fsync(ino.0), reply)
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
@@ -489,10 +488,7 @@ impl Filesystem for Adapter {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        match self.fs.fsync(ino.0) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(err(e)),
-        }
+        empty(self.fs.fsync(ino.0), reply)
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
@@ -519,10 +515,10 @@ impl Filesystem for Adapter {
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        match self.fs.setxattr(ino.0, name.as_bytes(), value, flags) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(err(e)),
-        }
+        empty(
+            self.fs.setxattr(ino.0, name.as_bytes(), value, flags),
+            reply,
+        )
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
@@ -544,10 +540,7 @@ impl Filesystem for Adapter {
     }
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        match self.fs.removexattr(ino.0, name.as_bytes()) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(err(e)),
-        }
+        empty(self.fs.removexattr(ino.0, name.as_bytes()), reply)
     }
 
     fn create(
@@ -589,10 +582,7 @@ impl Filesystem for Adapter {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        match self.fs.fallocate(ino.0, offset, length, mode) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(err(e)),
-        }
+        empty(self.fs.fallocate(ino.0, offset, length, mode), reply)
     }
 }
 
