@@ -21,21 +21,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use aios::lbio::SimRng;
+
 const AIOS: &str = env!("CARGO_BIN_EXE_aios");
 const BLK: usize = 4096;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 /// A block whose every byte depends on (run, thread, kind, index, version).
 fn block(run: u64, t: u64, kind: u64, idx: u64, version: u64) -> Vec<u8> {
@@ -125,7 +114,7 @@ fn workload(
     model: Arc<Mutex<Model>>,
     stop: Arc<AtomicBool>,
 ) {
-    let mut rng = Rng(seed | 1);
+    let mut rng = SimRng::new(seed);
     let open = |name: &str| {
         OpenOptions::new()
             .read(true)
@@ -317,7 +306,7 @@ fn main() {
         "mkfs: {}",
         String::from_utf8_lossy(&st.stderr)
     );
-    let mut rng = Rng(seed | 1);
+    let mut rng = SimRng::new(seed);
     let (mut total_acks, mut total_checked) = (0, 0);
     let t_all = Instant::now();
     for run in 0..runs {
@@ -327,7 +316,7 @@ fn main() {
         let workers: Vec<_> = (0..2)
             .map(|t| {
                 let (mp, model, stop) = (mp.clone(), Arc::clone(&model), Arc::clone(&stop));
-                let s = rng.next();
+                let s = rng.next_u64();
                 std::thread::spawn(move || workload(mp, run, t, s, model, stop))
             })
             .collect();

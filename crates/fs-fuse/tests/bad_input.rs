@@ -2,62 +2,25 @@
 //! must never panic fsck or the mount, and the errors users meet must be the errnos they
 //! expect — names too long, paths through files, a full disk (ENOSPC, nothing lost).
 
+mod common;
+
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::rc::Rc;
-use std::sync::Arc;
+
+use common::fresh_image;
 
 use fs_fuse::format::{
     crc, Superblock, BLOCK, INODE_BYTES, ROOT_INO, SB_CRC_AT, S_IFDIR, S_IFLNK, S_IFREG,
 };
-use fs_fuse::fs::{Caller, DeviceFactory, Fs, FsOptions, SetAttr};
-use fs_fuse::{fsck_image, mkfs, FsError, MkfsOptions};
-use lbio::{LbioArray, SimConfig, SimDisk};
+use fs_fuse::fs::{Caller, Fs, SetAttr};
+use fs_fuse::fsck_image;
+use lbio::SimRng;
 
 const ROOT: Caller = Caller { uid: 0, gid: 0 };
-
-fn opts() -> FsOptions {
-    FsOptions {
-        arena_bytes: 2 << 20,
-        ..FsOptions::default()
-    }
-}
-
-fn factory(disk: &SimDisk) -> DeviceFactory {
-    let d = disk.clone();
-    Arc::new(move |lbio: &Rc<LbioArray>| d.open(lbio).map_err(FsError::from))
-}
-
-fn fresh_image(bytes: u64) -> Vec<u8> {
-    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let dir = std::env::temp_dir().join(format!("aiosfs-bad-{}-{n}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let img = dir.join("base.img");
-    std::fs::File::create(&img).unwrap().set_len(bytes).unwrap();
-    mkfs(
-        &img,
-        &MkfsOptions {
-            journals: 1,
-            journal_blocks: 256,
-            ..MkfsOptions::default()
-        },
-    )
-    .unwrap();
-    let base = std::fs::read(&img).unwrap();
-    std::fs::remove_dir_all(&dir).unwrap();
-    base
-}
-
-fn open(image: Vec<u8>) -> Result<(SimDisk, Arc<Fs>), FsError> {
-    let disk = SimDisk::from_image(SimConfig::new(image.len() as u64, 1), image).unwrap();
-    let (fs, _) = Fs::open(factory(&disk), opts())?;
-    Ok((disk, fs))
-}
 
 /// Populate: directories, files with many extents, a symlink, xattrs; unmount cleanly.
 fn populated() -> Vec<u8> {
     let image = fresh_image(8 << 20);
-    let (disk, fs) = open(image).unwrap();
+    let (disk, fs) = common::open(image, 1).unwrap();
     let d = fs
         .mknod(ROOT_INO, b"dir", S_IFDIR | 0o755, 0, ROOT, None)
         .unwrap();
@@ -140,19 +103,6 @@ fn exercise(fs: &Fs) {
     let _ = fs.sync_all();
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 #[test]
 fn damaged_images_never_panic_fsck_or_the_mount() {
     let base = populated();
@@ -162,7 +112,7 @@ fn damaged_images_never_panic_fsck_or_the_mount() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(300);
-    let mut rng = Rng(0x0bad_5eed);
+    let mut rng = SimRng::new(0x0bad_5eed);
     let (mut refused, mut damaged, mut opened) = (0, 0, 0);
     for round in 0..rounds {
         let mut img = base.clone();
@@ -202,7 +152,7 @@ fn damaged_images_never_panic_fsck_or_the_mount() {
                 Ok(r) if !r.clean() => damaged += 1,
                 Ok(_) => {}
             }
-            if let Ok((_disk, fs)) = open(img.clone()) {
+            if let Ok((_disk, fs)) = common::open(img.clone(), 1) {
                 opened += 1;
                 exercise(&fs);
             }
@@ -220,7 +170,7 @@ fn damaged_images_never_panic_fsck_or_the_mount() {
 
 #[test]
 fn the_errnos_users_expect() {
-    let (_disk, fs) = open(fresh_image(8 << 20)).unwrap();
+    let (_disk, fs) = common::open(fresh_image(8 << 20), 1).unwrap();
     let long = vec![b'x'; 256];
     assert_eq!(
         fs.mknod(ROOT_INO, &long, S_IFREG | 0o644, 0, ROOT, None)
@@ -278,7 +228,7 @@ fn the_errnos_users_expect() {
 
 #[test]
 fn a_full_disk_says_enospc_and_loses_nothing() {
-    let (disk, fs) = open(fresh_image(8 << 20)).unwrap();
+    let (disk, fs) = common::open(fresh_image(8 << 20), 1).unwrap();
     let keep = fs
         .mknod(ROOT_INO, b"keep", S_IFREG | 0o644, 0, ROOT, None)
         .unwrap();
@@ -314,7 +264,7 @@ fn a_full_disk_says_enospc_and_loses_nothing() {
     let image = disk.media();
     let r = fsck_image(&image).unwrap();
     assert!(r.clean(), "{:?}", r.problems);
-    let (_d, fs) = open(image).unwrap();
+    let (_d, fs) = common::open(image, 1).unwrap();
     let a = fs.lookup(ROOT_INO, b"keep", false).unwrap();
     assert_eq!(fs.read(a.ino, 0, 100_000).unwrap(), kept);
     println!(

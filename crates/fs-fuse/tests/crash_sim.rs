@@ -8,26 +8,13 @@
 //! `AIOS_FS_SIM_CUTS` (default 400) × `AIOS_FS_SIM_IMAGES` (default 25) crash states;
 //! `AIOS_FS_SIM_SEED` replays one schedule.
 
-use std::rc::Rc;
-use std::sync::Arc;
+mod common;
 
+use common::{factory, fresh_image, opts};
 use fs_fuse::format::{ROOT_INO, S_IFDIR, S_IFREG};
-use fs_fuse::fs::{Caller, DeviceFactory, Fs, FsOptions, SetAttr};
-use fs_fuse::{fsck_image, mkfs, FsError, MkfsOptions};
-use lbio::{CrashOptions, LbioArray, SimConfig, SimDisk};
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
+use fs_fuse::fs::{Caller, Fs, SetAttr};
+use fs_fuse::fsck_image;
+use lbio::{CrashOptions, SimConfig, SimDisk, SimRng};
 
 const ROOT: Caller = Caller { uid: 0, gid: 0 };
 
@@ -39,22 +26,10 @@ struct File {
     acked: Option<Vec<u8>>,
 }
 
-fn opts() -> FsOptions {
-    FsOptions {
-        arena_bytes: 2 << 20,
-        ..FsOptions::default()
-    }
-}
-
-fn factory(disk: &SimDisk) -> DeviceFactory {
-    let d = disk.clone();
-    Arc::new(move |lbio: &Rc<LbioArray>| d.open(lbio).map_err(FsError::from))
-}
-
 /// Run the workload until it ends or the power goes; the files whose acknowledged content must
 /// survive.
 fn workload(disk: &SimDisk, seed: u64, ops: u32) -> (Vec<File>, u64) {
-    let mut rng = Rng(seed | 1);
+    let mut rng = SimRng::new(seed);
     let mut files: Vec<File> = Vec::new();
     let mut acks = 0;
     let Ok((fs, _)) = Fs::open(factory(disk), opts()) else {
@@ -79,7 +54,7 @@ fn workload(disk: &SimDisk, seed: u64, ops: u32) -> (Vec<File>, u64) {
                     let f = rng.below(files.len() as u64) as usize;
                     let off = rng.below(48 << 10) as usize;
                     let len = 1 + rng.below(12 << 10) as usize;
-                    let byte = rng.next() as u8;
+                    let byte = rng.next_u64() as u8;
                     let data: Vec<u8> = (0..len).map(|i| byte.wrapping_add(i as u8)).collect();
                     let n = fs.write(files[f].ino, off as u64, &data)?;
                     assert_eq!(n, len);
@@ -192,24 +167,7 @@ fn power_cuts_under_fsync_load() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(0x5eed);
     // A fresh 4 MiB aiosfs, made by mkfs on a file and loaded as the SimDisk's media.
-    let dir = std::env::temp_dir().join(format!("aiosfs-sim-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let img = dir.join("base.img");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(4 << 20)
-        .unwrap();
-    mkfs(
-        &img,
-        &MkfsOptions {
-            journals: 1,
-            journal_blocks: 256,
-            ..MkfsOptions::default()
-        },
-    )
-    .unwrap();
-    let base = std::fs::read(&img).unwrap();
-    std::fs::remove_dir_all(&dir).unwrap();
+    let base = fresh_image(4 << 20);
     let bytes = base.len() as u64;
 
     // One uncut run: how many requests the workload makes.
@@ -222,9 +180,9 @@ fn power_cuts_under_fsync_load() {
     );
 
     // Cuts split over two threads (each its own engines); cut i uses seed i of the schedule.
-    let mut rng = Rng(seed0 ^ 0xabcdef);
+    let mut rng = SimRng::new(seed0 ^ 0xabcdef);
     let schedule: Vec<(u64, u64)> = (0..cuts)
-        .map(|_| (rng.next(), 1 + rng.below(total)))
+        .map(|_| (rng.next_u64(), 1 + rng.below(total)))
         .collect();
     let t0 = std::time::Instant::now();
     let threads = 2;
@@ -252,9 +210,7 @@ fn power_cuts_under_fsync_load() {
                             let report = fsck_image(&image)
                                 .unwrap_or_else(|e| panic!("{ctx}: fsck refused: {e}"));
                             assert!(report.clean(), "{ctx}: fsck: {:?}", report.problems);
-                            let d = SimDisk::from_image(SimConfig::new(bytes, seed ^ k), image)
-                                .unwrap();
-                            let (fs, _) = Fs::open(factory(&d), opts())
+                            let (_d, fs) = common::open(image, seed ^ k)
                                 .unwrap_or_else(|e| panic!("{ctx}: mount: {e}"));
                             for f in &files {
                                 let Some(want) = &f.acked else { continue };

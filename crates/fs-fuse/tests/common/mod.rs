@@ -1,0 +1,51 @@
+//! Helpers shared by the SimDisk tests: a fresh image made by mkfs, and the file system opened
+//! on a SimDisk holding it.
+
+use std::rc::Rc;
+use std::sync::Arc;
+
+use fs_fuse::fs::{DeviceFactory, Fs, FsOptions};
+use fs_fuse::{mkfs, FsError, MkfsOptions};
+use lbio::{LbioArray, SimConfig, SimDisk};
+
+/// Small arenas: these tests open thousands of file systems.
+pub fn opts() -> FsOptions {
+    FsOptions {
+        arena_bytes: 2 << 20,
+        ..FsOptions::default()
+    }
+}
+
+pub fn factory(disk: &SimDisk) -> DeviceFactory {
+    let d = disk.clone();
+    Arc::new(move |lbio: &Rc<LbioArray>| d.open(lbio).map_err(FsError::from))
+}
+
+/// An empty aiosfs of `bytes` (one journal area of 256 blocks), made by mkfs on a file.
+pub fn fresh_image(bytes: u64) -> Vec<u8> {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("aiosfs-test-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let img = dir.join("base.img");
+    std::fs::File::create(&img).unwrap().set_len(bytes).unwrap();
+    mkfs(
+        &img,
+        &MkfsOptions {
+            journals: 1,
+            journal_blocks: 256,
+            ..MkfsOptions::default()
+        },
+    )
+    .unwrap();
+    let base = std::fs::read(&img).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    base
+}
+
+/// The file system on a SimDisk holding `image`.
+pub fn open(image: Vec<u8>, seed: u64) -> Result<(SimDisk, Arc<Fs>), FsError> {
+    let disk = SimDisk::from_image(SimConfig::new(image.len() as u64, seed), image).unwrap();
+    let (fs, _) = Fs::open(factory(&disk), opts())?;
+    Ok((disk, fs))
+}
