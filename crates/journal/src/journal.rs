@@ -655,7 +655,11 @@ impl JournalSet {
         self.versions.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Write fresh superblocks for every area of `layout` on `dev` (empty logs) and flush.
+    /// Zero every area's log on `dev`, write fresh superblocks (empty logs) and flush.
+    ///
+    /// The logs are zeroed because recovery reads a committed transaction beyond the log's end
+    /// as damage: the log blocks of a journal formatted here before would otherwise make the
+    /// fresh journal look damaged.
     pub fn format(
         dev: &Device,
         layout: Layout,
@@ -664,6 +668,20 @@ impl JournalSet {
         layout.validate(bytes)?;
         let engine = dev.lbio().engine();
         let n = layout.areas.len();
+        const ZERO_RUN: u64 = 64;
+        let mut zeros = engine.alloc_blocking(ZERO_RUN as usize * BLOCK)?;
+        zeros.set_len(ZERO_RUN as usize * BLOCK)?;
+        zeros.fill(0);
+        for &(off, blocks) in &layout.areas {
+            let mut b = 1;
+            while b < blocks {
+                let run = ZERO_RUN.min(blocks - b);
+                zeros.set_len(run as usize * BLOCK)?;
+                zeros = dev.write_at_blocking(off + b * BLOCK as u64, zeros, false)?;
+                b += run;
+            }
+        }
+        drop(zeros);
         let mut futs = Vec::new();
         for (i, &(off, blocks)) in layout.areas.iter().enumerate() {
             let mut b = alloc(engine)?;
