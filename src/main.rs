@@ -104,6 +104,9 @@ struct FsBenchArgs {
     /// How the mount's workers wait for I/O (see `aios mount --completion`).
     #[arg(long, value_enum, default_value = "poll")]
     completion: MountCompletion,
+    /// How the mount gets FUSE requests (see `aios mount --transport`).
+    #[arg(long, value_enum, default_value = "auto")]
+    transport: TransportArg,
     /// One JSON object per median instead of the table.
     #[arg(long)]
     json: bool,
@@ -132,6 +135,28 @@ struct MountArgs {
     /// completion queue (lower latency, a busy core per waiting worker).
     #[arg(long, value_enum, default_value = "wait")]
     completion: MountCompletion,
+    /// How FUSE requests arrive: `uring` uses the kernel's per-CPU io_uring queues (Linux
+    /// 6.14+ with `fuse.enable_uring`; fewer system calls and cross-CPU wakeups), `classic`
+    /// reads /dev/fuse, `auto` takes io_uring when the kernel offers it and says so.
+    #[arg(long, value_enum, default_value = "auto")]
+    transport: TransportArg,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum TransportArg {
+    Auto,
+    Uring,
+    Classic,
+}
+
+impl TransportArg {
+    fn name(self) -> &'static str {
+        match self {
+            TransportArg::Auto => "auto",
+            TransportArg::Uring => "uring",
+            TransportArg::Classic => "classic",
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -608,7 +633,10 @@ fn cmd_bench_fs(a: FsBenchArgs) -> Result<(), BenchError> {
         MountCompletion::Poll => "poll",
         MountCompletion::Wait => "wait",
     };
-    let setup = FsBenchSetup::ull(&exe, &["--completion", completion])?;
+    let setup = FsBenchSetup::ull(
+        &exe,
+        &["--completion", completion, "--transport", a.transport.name()],
+    )?;
     eprintln!("{}", setup.aios.log_line);
     eprintln!(
         "ext4 on the other ull device: mkfs.ext4 defaults (ordered data, barriers), mounted at {}",
@@ -690,6 +718,7 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
         if matches!(a.completion, MountCompletion::Poll) {
             cmd.arg("--completion").arg("poll");
         }
+        cmd.arg("--transport").arg(a.transport.name());
         use std::os::unix::process::CommandExt;
         let mut child = cmd
             .stdin(std::process::Stdio::null())
@@ -746,6 +775,11 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
     opts.fs.completion = match a.completion {
         MountCompletion::Wait => CompletionMode::Wait,
         MountCompletion::Poll => CompletionMode::BusyPoll,
+    };
+    opts.transport = match a.transport {
+        TransportArg::Auto => fs_fuse::Transport::Auto,
+        TransportArg::Uring => fs_fuse::Transport::Uring,
+        TransportArg::Classic => fs_fuse::Transport::Classic,
     };
     let m = fs_fuse::mount(&a.image, &a.mountpoint, &opts)
         .map_err(|e| BenchError::Setup(format!("{}: {e}", a.image.display())))?;

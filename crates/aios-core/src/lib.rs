@@ -18,6 +18,7 @@
 pub mod arena;
 pub mod engine;
 pub mod error;
+pub mod fuse_ring;
 pub mod nvme;
 pub mod pmr;
 pub mod probe;

@@ -32,9 +32,10 @@ pub mod fs;
 pub mod fsck;
 pub mod mkfs;
 pub mod mount;
+pub mod ring;
 
 pub use error::FsError;
 pub use fs::{Fs, FsOptions};
 pub use fsck::{fsck, fsck_image, read_superblock, Report};
 pub use mkfs::{mkfs, MkfsOptions};
-pub use mount::{mount, MountOptions, Mounted};
+pub use mount::{mount, MountOptions, Mounted, Transport};

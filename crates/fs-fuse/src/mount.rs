@@ -30,7 +30,21 @@ pub struct MountOptions {
     /// How long the kernel may cache attributes (every change goes through this mount, and
     /// the kernel refreshes or drops what a change touches).
     pub attr_timeout: Duration,
+    /// How requests reach the file system.
+    pub transport: Transport,
     pub fs: FsOptions,
+}
+
+/// How the kernel's FUSE requests reach the file system.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// io_uring when the kernel offers it (`fuse.enable_uring`), else `/dev/fuse`; the log
+    /// says which and why.
+    Auto,
+    /// io_uring, or refuse to mount.
+    Uring,
+    /// `/dev/fuse` reads and writes by the worker threads.
+    Classic,
 }
 
 impl Default for MountOptions {
@@ -39,10 +53,14 @@ impl Default for MountOptions {
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             entry_timeout: Duration::from_secs(1),
             attr_timeout: Duration::from_secs(1),
+            transport: Transport::Auto,
             fs: FsOptions::default(),
         }
     }
 }
+
+/// The largest write the kernel sends in one request.
+const MAX_WRITE: u32 = 1 << 20;
 
 /// The image's device factory: each worker opens it on its own lbio array (O_DIRECT).
 pub fn image_factory(path: &Path) -> DeviceFactory {
@@ -64,6 +82,10 @@ struct Adapter {
     fs: Arc<Fs>,
     entry_ttl: Duration,
     attr_ttl: Duration,
+    /// Ask for FUSE over io_uring at INIT.
+    want_uring: bool,
+    /// What INIT settled: `Some(true)` when the kernel will send requests over io_uring.
+    negotiated: Arc<std::sync::Mutex<Option<bool>>>,
 }
 
 fn to_time((s, ns): (i64, u32)) -> SystemTime {
@@ -158,8 +180,13 @@ impl Adapter {
 
 impl Filesystem for Adapter {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        let _ = config.set_max_write(1 << 20);
+        let _ = config.set_max_write(MAX_WRITE);
         let _ = config.set_max_readahead(1 << 20);
+        let uring = self.want_uring
+            && config
+                .add_capabilities(fuser::InitFlags::FUSE_OVER_IO_URING)
+                .is_ok();
+        *self.negotiated.lock().unwrap_or_else(|p| p.into_inner()) = Some(uring);
         Ok(())
     }
 
@@ -591,6 +618,10 @@ impl Filesystem for Adapter {
 pub struct Mounted {
     session: fuser::Session<Adapter>,
     fs: Arc<Fs>,
+    transport: Transport,
+    entry_ttl: Duration,
+    attr_ttl: Duration,
+    negotiated: Arc<std::sync::Mutex<Option<bool>>>,
     pub report: OpenReport,
     pub mountpoint: PathBuf,
     pub threads: usize,
@@ -624,11 +655,18 @@ pub fn mount(image: &Path, mountpoint: &Path, opts: &MountOptions) -> Result<Mou
             mountpoint.display()
         )));
     }
+    if opts.transport == Transport::Uring {
+        crate::ring::available()
+            .map_err(|why| FsError::Config(format!("FUSE over io_uring is not available: {why}")))?;
+    }
     let (fs, report) = Fs::open(image_factory(image), opts.fs.clone())?;
+    let negotiated = Arc::new(std::sync::Mutex::new(None));
     let adapter = Adapter {
         fs: Arc::clone(&fs),
         entry_ttl: opts.entry_timeout,
         attr_ttl: opts.attr_timeout,
+        want_uring: opts.transport != Transport::Classic && crate::ring::available().is_ok(),
+        negotiated: Arc::clone(&negotiated),
     };
     let mut cfg = Config::default();
     cfg.mount_options = vec![
@@ -651,6 +689,10 @@ pub fn mount(image: &Path, mountpoint: &Path, opts: &MountOptions) -> Result<Mou
     Ok(Mounted {
         session,
         fs,
+        transport: opts.transport,
+        entry_ttl: opts.entry_timeout,
+        attr_ttl: opts.attr_timeout,
+        negotiated,
         report,
         mountpoint: mountpoint.to_path_buf(),
         threads: opts.threads.max(1),
@@ -669,6 +711,7 @@ impl Mounted {
     /// Serve requests until unmounted. SIGINT and SIGTERM unmount (cleanly: the final commit
     /// and checkpoint run when the kernel lets go).
     pub fn run(self) -> Result<(), FsError> {
+        let queues = self.start_queues(&self.session)?;
         let set = signals();
         let mp = self.mountpoint.clone();
         // Changes nobody fsyncs are committed every COMMIT_INTERVAL, as ext4 does every 5 s.
@@ -707,8 +750,64 @@ impl Mounted {
                 }
             })
             .map_err(|e| FsError::Config(format!("signal thread: {e}")))?;
-        session
+        let r = session
             .run()
-            .map_err(|e| FsError::Config(format!("FUSE session: {e}")))
+            .map_err(|e| FsError::Config(format!("FUSE session: {e}")));
+        if let Some(q) = queues {
+            let stats = Arc::clone(&q.stats);
+            for e in q.join() {
+                eprintln!("aiosfs: {e}");
+            }
+            let (n, top) = stats.summary(5);
+            if n > 0 {
+                eprintln!("aiosfs: {n} requests served over io_uring; most time in: {top}");
+            }
+        }
+        r
+    }
+
+    /// Start the io_uring queues when the transport allows it and the kernel offers it; log
+    /// which transport serves the mount, and why.
+    fn start_queues(
+        &self,
+        session: &fuser::Session<Adapter>,
+    ) -> Result<Option<crate::ring::Queues>, FsError> {
+        use std::os::fd::AsFd;
+        let classic = |why: String| {
+            eprintln!("aiosfs: requests over /dev/fuse ({why})");
+            Ok(None)
+        };
+        match (self.transport, crate::ring::available()) {
+            (Transport::Classic, _) => return classic("--transport classic".into()),
+            (Transport::Auto, Err(why)) => {
+                return classic(format!("FUSE over io_uring is off: {why}"))
+            }
+            _ => {}
+        }
+        let dev = session
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|e| FsError::Config(format!("duplicating the /dev/fuse descriptor: {e}")))?;
+        let handler = Arc::new(crate::ring::Handler {
+            fs: Arc::clone(&self.fs),
+            entry_ttl: self.entry_ttl,
+            attr_ttl: self.attr_ttl,
+        });
+        let depth = 2;
+        // A write of MAX_WRITE bytes, or a read answer of as much, fits whole.
+        let payload = MAX_WRITE as usize;
+        let q = crate::ring::Queues::start(
+            dev,
+            handler,
+            Arc::clone(&self.negotiated),
+            depth,
+            payload,
+        )
+        .map_err(|e| FsError::Config(format!("FUSE io_uring queue threads: {e}")))?;
+        eprintln!(
+            "aiosfs: requests over io_uring once INIT grants it: {} queues (one per CPU, each served by a thread pinned to it) × {} entries",
+            q.queues, q.depth
+        );
+        Ok(Some(q))
     }
 }

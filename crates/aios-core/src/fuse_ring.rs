@@ -1,0 +1,208 @@
+//! The kernel side of FUSE over io_uring (Linux 6.14+, `fuse.enable_uring`): a queue's ring and
+//! the buffers its entries register. The protocol's decoding lives with the file system
+//! (`fs-fuse`); this module only owns what needs `unsafe`: the 128-byte `URING_CMD`
+//! submissions that hand the kernel the addresses of each entry's header and payload buffers,
+//! and those buffers, which must stay put while the kernel may write them.
+//!
+//! An entry is registered once (`FUSE_IO_URING_CMD_REGISTER`); its command completes when the
+//! kernel has put a request in the entry's buffers, and the answer written back into them goes
+//! with the command that waits for the next request (`FUSE_IO_URING_CMD_COMMIT_AND_FETCH`).
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
+
+use io_uring::{cqueue, opcode, squeue, types, IoUring};
+
+/// `FUSE_IO_URING_CMD_REGISTER`.
+const CMD_REGISTER: u32 = 1;
+/// `FUSE_IO_URING_CMD_COMMIT_AND_FETCH`.
+const CMD_COMMIT_AND_FETCH: u32 = 2;
+
+/// Bytes of an entry's header buffer (`struct fuse_uring_req_header`): the request's or
+/// answer's fixed header (128), the operation's own header (128), and the entry's bookkeeping
+/// (flags, commit id, payload size: 32).
+pub const HEADER_BYTES: usize = 128 + 128 + 32;
+
+struct Entry {
+    header: Box<[u8]>,
+    payload: Box<[u8]>,
+    iov: Box<[libc::iovec; 2]>,
+}
+
+/// One FUSE queue's io_uring and its entries' buffers.
+pub struct FuseQueue {
+    ring: IoUring<squeue::Entry128, cqueue::Entry>,
+    dev: Arc<OwnedFd>,
+    qid: u16,
+    ents: Vec<Entry>,
+    /// Commands the kernel holds (registered or committed, not yet completed).
+    outstanding: usize,
+}
+
+// SAFETY: the iovecs' raw pointers point into the entries' own boxed buffers, which move with
+// the queue and are only touched by the thread that owns it.
+unsafe impl Send for FuseQueue {}
+
+/// A completion: the entry it belongs to and the kernel's result (0 when the entry holds a
+/// request, else a negative errno).
+#[derive(Clone, Copy, Debug)]
+pub struct Completion {
+    pub entry: usize,
+    pub result: i32,
+}
+
+impl FuseQueue {
+    /// A ring with room for `depth` entries, each with a header buffer and a payload buffer of
+    /// `payload` bytes, for queue `qid` of the connection behind `dev` (a `/dev/fuse`
+    /// descriptor).
+    pub fn new(dev: Arc<OwnedFd>, qid: u16, depth: usize, payload: usize) -> io::Result<FuseQueue> {
+        let ring = IoUring::builder().build((depth as u32).next_power_of_two().max(2))?;
+        let ents = (0..depth)
+            .map(|_| {
+                let mut header = vec![0u8; HEADER_BYTES].into_boxed_slice();
+                let mut payload = vec![0u8; payload].into_boxed_slice();
+                let iov = Box::new([
+                    libc::iovec {
+                        iov_base: header.as_mut_ptr().cast(),
+                        iov_len: header.len(),
+                    },
+                    libc::iovec {
+                        iov_base: payload.as_mut_ptr().cast(),
+                        iov_len: payload.len(),
+                    },
+                ]);
+                Entry {
+                    header,
+                    payload,
+                    iov,
+                }
+            })
+            .collect();
+        Ok(FuseQueue {
+            ring,
+            dev,
+            qid,
+            ents,
+            outstanding: 0,
+        })
+    }
+
+    pub fn depth(&self) -> usize {
+        self.ents.len()
+    }
+
+    /// The command for entry `i`: `cmd_op`, the `fuse_uring_cmd_req` (flags 0, commit id,
+    /// queue id) in the command area, and for registration the entry's two iovecs.
+    fn push(&mut self, i: usize, cmd_op: u32, commit_id: u64) -> io::Result<()> {
+        let mut cmd = [0u8; 80];
+        cmd[8..16].copy_from_slice(&commit_id.to_le_bytes());
+        cmd[16..18].copy_from_slice(&self.qid.to_le_bytes());
+        let mut b = opcode::UringCmd80::new(types::Fd(self.dev.as_raw_fd()), cmd_op).cmd(cmd);
+        let register = cmd_op == CMD_REGISTER;
+        if register {
+            b = b.addr(Some(self.ents[i].iov.as_ptr() as u64));
+        }
+        let mut e = b.build().user_data(i as u64);
+        if register {
+            // The iovec count goes in the SQE's `len` field (bytes 24..28), which the opcode
+            // builder does not expose.
+            // SAFETY: `Entry128` is the kernel's 128-byte SQE (`repr(C)`, plain integers);
+            // viewing it as bytes and changing the four bytes of `len` keeps it valid.
+            e = unsafe {
+                let mut raw: [u8; 128] = std::mem::transmute(e);
+                raw[24..28].copy_from_slice(&2u32.to_le_bytes());
+                std::mem::transmute::<[u8; 128], squeue::Entry128>(raw)
+            };
+        }
+        // SAFETY: the command names the entry's buffers (and, for registration, its iovecs),
+        // boxed and owned by `self`; `Drop` leaks them rather than free them while the kernel
+        // holds any command, so they outlive every use the kernel makes of them.
+        unsafe { self.ring.submission().push(&e) }
+            .map_err(|_| io::Error::other("FUSE queue: submission queue full"))?;
+        self.outstanding += 1;
+        Ok(())
+    }
+
+    /// Hand entry `i` to the kernel for its first request.
+    pub fn register(&mut self, i: usize) -> io::Result<()> {
+        self.push(i, CMD_REGISTER, 0)
+    }
+
+    /// Send the answer written in entry `i` (for the request `commit_id`) and wait for the
+    /// next request in it.
+    pub fn commit_and_fetch(&mut self, i: usize, commit_id: u64) -> io::Result<()> {
+        self.push(i, CMD_COMMIT_AND_FETCH, commit_id)
+    }
+
+    /// Submit what was pushed and wait for at least one completion; returns them all.
+    pub fn submit_and_wait(&mut self) -> io::Result<Vec<Completion>> {
+        loop {
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => break,
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        let out: Vec<Completion> = self
+            .ring
+            .completion()
+            .map(|c| Completion {
+                entry: c.user_data() as usize,
+                result: c.result(),
+            })
+            .collect();
+        self.outstanding -= out.len().min(self.outstanding);
+        Ok(out)
+    }
+
+    /// Submit what was pushed without waiting.
+    pub fn submit(&mut self) -> io::Result<()> {
+        self.ring.submit().map(|_| ())
+    }
+
+    pub fn header(&self, i: usize) -> &[u8] {
+        &self.ents[i].header
+    }
+
+    pub fn header_mut(&mut self, i: usize) -> &mut [u8] {
+        &mut self.ents[i].header
+    }
+
+    /// Entry `i`'s header and payload buffers, both writable.
+    pub fn buffers_mut(&mut self, i: usize) -> (&mut [u8], &mut [u8]) {
+        let e = &mut self.ents[i];
+        (&mut e.header, &mut e.payload)
+    }
+}
+
+impl Drop for FuseQueue {
+    fn drop(&mut self) {
+        if self.outstanding > 0 {
+            // The kernel may still write into these buffers until it cancels the commands
+            // (when the ring's teardown gets to them): keep them alive for good.
+            for e in std::mem::take(&mut self.ents) {
+                std::mem::forget(e);
+            }
+        }
+    }
+}
+
+/// Pin the calling thread to `cpu`.
+pub fn pin_current_thread(cpu: usize) -> io::Result<()> {
+    if cpu >= libc::CPU_SETSIZE as usize {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    // SAFETY: a zeroed cpu_set_t is a valid empty set, `cpu` is below CPU_SETSIZE (checked),
+    // and sched_setaffinity only reads the set.
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}

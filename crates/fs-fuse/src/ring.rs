@@ -1,0 +1,718 @@
+//! FUSE over io_uring: the kernel's per-CPU request queues (Linux 6.14+, with the `fuse` module
+//! parameter `enable_uring` set), served by one thread per CPU pinned to that CPU.
+//!
+//! With the classic `/dev/fuse` transport every request is a `read` by whichever worker the
+//! kernel wakes and a `write` of the answer: two system calls and, as often as not, a wakeup of
+//! a thread on another CPU, which on a virtual machine costs an inter-processor interrupt each
+//! way. Over io_uring the kernel puts a request in a buffer of the queue of the CPU the caller
+//! runs on, completes that queue's pending command, and the answer goes back with the command
+//! that fetches the next request (`COMMIT_AND_FETCH`): one `io_uring_enter` per request, on
+//! the caller's CPU.
+//!
+//! The mount still starts on `/dev/fuse` (fuser does the `INIT` handshake, asking for
+//! `FUSE_OVER_IO_URING`), and fuser's workers keep serving what never goes through the
+//! queues: `FORGET`, interrupts and the end of the session. Once every queue has registered
+//! its buffers the kernel sends all other requests here; this module decodes them from the
+//! queue buffers (the fixed header in `in_out`, the operation's first argument in `op_in`,
+//! the rest in the payload) and answers them with the same [`Fs`] calls the fuser adapter
+//! makes.
+
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use aios_core::fuse_ring::{pin_current_thread, FuseQueue, HEADER_BYTES};
+
+use crate::format::{BLOCK, NAME_MAX};
+use crate::fs::{Attr, Caller, Fs, SetAttr};
+
+/// The parts of a queue entry's header buffer: the request's or answer's fixed header, the
+/// operation's own header, and the entry's bookkeeping (flags, commit id, payload size).
+const IN_OUT: usize = 128;
+const OP_IN: usize = 128;
+const _: () = assert!(HEADER_BYTES == IN_OUT + OP_IN + 32);
+const ENT_COMMIT_ID: usize = IN_OUT + OP_IN + 8;
+const ENT_PAYLOAD_SZ: usize = IN_OUT + OP_IN + 16;
+
+/// Opcodes served here (the numbers of `enum fuse_opcode`).
+mod op {
+    pub const LOOKUP: u32 = 1;
+    pub const GETATTR: u32 = 3;
+    pub const SETATTR: u32 = 4;
+    pub const READLINK: u32 = 5;
+    pub const SYMLINK: u32 = 6;
+    pub const MKNOD: u32 = 8;
+    pub const MKDIR: u32 = 9;
+    pub const UNLINK: u32 = 10;
+    pub const RMDIR: u32 = 11;
+    pub const RENAME: u32 = 12;
+    pub const LINK: u32 = 13;
+    pub const OPEN: u32 = 14;
+    pub const READ: u32 = 15;
+    pub const WRITE: u32 = 16;
+    pub const STATFS: u32 = 17;
+    pub const RELEASE: u32 = 18;
+    pub const FSYNC: u32 = 20;
+    pub const SETXATTR: u32 = 21;
+    pub const GETXATTR: u32 = 22;
+    pub const LISTXATTR: u32 = 23;
+    pub const REMOVEXATTR: u32 = 24;
+    pub const FLUSH: u32 = 25;
+    pub const OPENDIR: u32 = 27;
+    pub const READDIR: u32 = 28;
+    pub const RELEASEDIR: u32 = 29;
+    pub const FSYNCDIR: u32 = 30;
+    pub const CREATE: u32 = 35;
+    pub const DESTROY: u32 = 38;
+    pub const FALLOCATE: u32 = 43;
+    pub const RENAME2: u32 = 45;
+}
+
+/// `fuse_setattr_in.valid` bits.
+const FATTR_MODE: u32 = 1 << 0;
+const FATTR_UID: u32 = 1 << 1;
+const FATTR_GID: u32 = 1 << 2;
+const FATTR_SIZE: u32 = 1 << 3;
+const FATTR_ATIME: u32 = 1 << 4;
+const FATTR_MTIME: u32 = 1 << 5;
+const FATTR_ATIME_NOW: u32 = 1 << 7;
+const FATTR_MTIME_NOW: u32 = 1 << 8;
+/// `fuse_open_out.open_flags`: keep the page cache across opens.
+const FOPEN_KEEP_CACHE: u32 = 1 << 1;
+
+/// Whether this kernel sends requests over io_uring: `Err` says why not, in words.
+pub fn available() -> Result<(), String> {
+    let p = "/sys/module/fuse/parameters/enable_uring";
+    match std::fs::read_to_string(p) {
+        Ok(s) if s.trim() == "Y" || s.trim() == "1" => Ok(()),
+        Ok(s) => Err(format!(
+            "{p} is {} (as root: echo 1 > {p})",
+            s.trim()
+        )),
+        Err(e) => Err(format!("{p}: {e} (a kernel before 6.14, or fuse built without CONFIG_FUSE_IO_URING)")),
+    }
+}
+
+/// The CPUs the kernel keeps a queue for (`/sys/devices/system/cpu/possible`, e.g. `0-15`).
+fn possible_cpus() -> usize {
+    std::fs::read_to_string("/sys/devices/system/cpu/possible")
+        .ok()
+        .and_then(|s| {
+            s.trim()
+                .split(',')
+                .filter_map(|r| r.rsplit('-').next()?.parse::<usize>().ok())
+                .max()
+        })
+        .map_or_else(
+            || std::thread::available_parallelism().map_or(1, |n| n.get()),
+            |m| m + 1,
+        )
+}
+
+/// What the queue threads share.
+pub struct Handler {
+    pub fs: Arc<Fs>,
+    pub entry_ttl: Duration,
+    pub attr_ttl: Duration,
+}
+
+/// The queue threads of one mount; they end when the session does.
+pub struct Queues {
+    pub queues: usize,
+    pub depth: usize,
+    /// Requests answered over io_uring (all queues), per opcode.
+    pub stats: Arc<OpStats>,
+    threads: Vec<std::thread::JoinHandle<Result<(), String>>>,
+}
+
+impl Queues {
+    /// Start one thread per possible CPU, each registering `depth` entries with payload
+    /// buffers of `payload` bytes on its CPU's queue of the connection behind `dev` (a
+    /// duplicate of the session's `/dev/fuse` descriptor). Registration is retried while the
+    /// kernel has not finished the `INIT` handshake.
+    pub fn start(
+        dev: OwnedFd,
+        handler: Arc<Handler>,
+        negotiated: Arc<std::sync::Mutex<Option<bool>>>,
+        depth: usize,
+        payload: usize,
+    ) -> std::io::Result<Queues> {
+        let dev = Arc::new(dev);
+        let n = possible_cpus();
+        let stats = Arc::new(OpStats::default());
+        let mut threads = Vec::with_capacity(n);
+        for qid in 0..n {
+            let dev = Arc::clone(&dev);
+            let h = Arc::clone(&handler);
+            let stats = Arc::clone(&stats);
+            let negotiated = Arc::clone(&negotiated);
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("aiosfs-q{qid}"))
+                    .spawn(move || {
+                        // fuser answers INIT once the session runs; register only if it
+                        // granted io_uring.
+                        let t0 = Instant::now();
+                        loop {
+                            let g = *negotiated.lock().unwrap_or_else(|p| p.into_inner());
+                            match g {
+                                Some(true) => break,
+                                Some(false) => {
+                                    if qid == 0 {
+                                        eprintln!("aiosfs: the kernel did not offer FUSE over io_uring at INIT; requests stay on /dev/fuse");
+                                    }
+                                    return Ok(());
+                                }
+                                None if t0.elapsed() > Duration::from_secs(60) => {
+                                    return Err(format!("queue {qid}: no INIT after 60 s"))
+                                }
+                                None => std::thread::sleep(Duration::from_millis(2)),
+                            }
+                        }
+                        serve_queue(dev, qid as u16, depth, payload, &h, &stats)
+                    })?,
+            );
+        }
+        Ok(Queues {
+            queues: n,
+            depth,
+            stats,
+            threads,
+        })
+    }
+
+    /// Wait for the queue threads (after the session has ended); their errors, in words.
+    pub fn join(self) -> Vec<String> {
+        self.threads
+            .into_iter()
+            .filter_map(|t| match t.join() {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(e),
+                Err(_) => Some("a queue thread panicked".into()),
+            })
+            .collect()
+    }
+}
+
+fn serve_queue(
+    dev: Arc<OwnedFd>,
+    qid: u16,
+    depth: usize,
+    payload: usize,
+    h: &Handler,
+    stats: &OpStats,
+) -> Result<(), String> {
+    // An offline CPU cannot be pinned to; its queue is then served from wherever the thread
+    // runs.
+    let _ = pin_current_thread(qid as usize);
+    let mut q = FuseQueue::new(dev, qid, depth, payload)
+        .map_err(|e| format!("queue {qid}: io_uring with 128-byte entries: {e}"))?;
+    let io = |e: std::io::Error| format!("queue {qid}: {e}");
+    for i in 0..q.depth() {
+        q.register(i).map_err(io)?;
+    }
+    let started = Instant::now();
+    loop {
+        for c in q.submit_and_wait().map_err(io)? {
+            let i = c.entry;
+            if c.result < 0 {
+                let errno = -c.result;
+                // Before the kernel has taken the INIT answer it refuses registrations; try
+                // again for a while.
+                if errno == libc::EAGAIN && started.elapsed() < Duration::from_secs(10) {
+                    std::thread::sleep(Duration::from_millis(5));
+                    q.register(i).map_err(io)?;
+                    continue;
+                }
+                // The connection ended (unmount or abort): the queue is done.
+                if [libc::ENOTCONN, libc::ENODEV, libc::ECANCELED, libc::EINTR].contains(&errno) {
+                    return Ok(());
+                }
+                return Err(format!(
+                    "queue {qid}: the kernel answered a FUSE io_uring command with {}",
+                    std::io::Error::from_raw_os_error(errno)
+                ));
+            }
+            let commit_id = get_u64(q.header(i), ENT_COMMIT_ID);
+            let (header, payload) = q.buffers_mut(i);
+            let t0 = Instant::now();
+            let opcode = dispatch(h, header, payload);
+            stats.add(opcode, t0.elapsed());
+            let end = opcode == op::DESTROY;
+            q.commit_and_fetch(i, commit_id).map_err(io)?;
+            if end {
+                // DESTROY answered: nothing more comes on this queue.
+                q.submit().map_err(io)?;
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// Requests served and the time spent in them, per opcode.
+pub struct OpStats {
+    count: [AtomicU64; 64],
+    ns: [AtomicU64; 64],
+}
+
+impl Default for OpStats {
+    fn default() -> Self {
+        OpStats {
+            count: std::array::from_fn(|_| AtomicU64::new(0)),
+            ns: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
+}
+
+impl OpStats {
+    fn add(&self, opcode: u32, t: Duration) {
+        let i = (opcode as usize).min(63);
+        self.count[i].fetch_add(1, Ordering::Relaxed);
+        self.ns[i].fetch_add(t.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// Total requests, and the operations that took the most time: `write 4000 × 12.5 us`.
+    pub fn summary(&self, top: usize) -> (u64, String) {
+        let mut rows: Vec<(u64, u64, usize)> = (0..64)
+            .map(|i| {
+                (
+                    self.ns[i].load(Ordering::Relaxed),
+                    self.count[i].load(Ordering::Relaxed),
+                    i,
+                )
+            })
+            .filter(|r| r.1 > 0)
+            .collect();
+        let total = rows.iter().map(|r| r.1).sum();
+        rows.sort_by(|a, b| b.0.cmp(&a.0));
+        let text = rows
+            .iter()
+            .take(top)
+            .map(|&(ns, n, i)| {
+                format!("{} {n} × {:.1} us", op_name(i as u32), ns as f64 / n as f64 / 1e3)
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        (total, text)
+    }
+}
+
+fn op_name(opcode: u32) -> String {
+    let n = match opcode {
+        op::LOOKUP => "lookup",
+        op::GETATTR => "getattr",
+        op::SETATTR => "setattr",
+        op::READLINK => "readlink",
+        op::SYMLINK => "symlink",
+        op::MKNOD => "mknod",
+        op::MKDIR => "mkdir",
+        op::UNLINK => "unlink",
+        op::RMDIR => "rmdir",
+        op::RENAME => "rename",
+        op::LINK => "link",
+        op::OPEN => "open",
+        op::READ => "read",
+        op::WRITE => "write",
+        op::STATFS => "statfs",
+        op::RELEASE => "release",
+        op::FSYNC => "fsync",
+        op::SETXATTR => "setxattr",
+        op::GETXATTR => "getxattr",
+        op::LISTXATTR => "listxattr",
+        op::REMOVEXATTR => "removexattr",
+        op::FLUSH => "flush",
+        op::OPENDIR => "opendir",
+        op::READDIR => "readdir",
+        op::RELEASEDIR => "releasedir",
+        op::FSYNCDIR => "fsyncdir",
+        op::CREATE => "create",
+        op::DESTROY => "destroy",
+        op::FALLOCATE => "fallocate",
+        op::RENAME2 => "rename2",
+        other => return format!("opcode {other}"),
+    };
+    n.into()
+}
+
+fn get_u16(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes(b[at..at + 2].try_into().expect("2 bytes"))
+}
+fn get_u32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+fn get_u64(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+fn put_u32(b: &mut [u8], at: usize, v: u32) {
+    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+fn put_u64(b: &mut [u8], at: usize, v: u64) {
+    b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+}
+
+/// The NUL-terminated strings at the start of `b`, in order (at most `n`).
+fn names(b: &[u8], n: usize) -> Option<Vec<&[u8]>> {
+    let mut out = Vec::with_capacity(n);
+    let mut rest = b;
+    for _ in 0..n {
+        let z = rest.iter().position(|&c| c == 0)?;
+        out.push(&rest[..z]);
+        rest = &rest[z + 1..];
+    }
+    Some(out)
+}
+
+/// `struct fuse_attr` (88 bytes) for `a`.
+fn put_attr(b: &mut [u8], a: &Attr) {
+    put_u64(b, 0, a.ino);
+    put_u64(b, 8, a.size);
+    put_u64(b, 16, a.blocks);
+    put_u64(b, 24, a.atime.0 as u64);
+    put_u64(b, 32, a.mtime.0 as u64);
+    put_u64(b, 40, a.ctime.0 as u64);
+    put_u32(b, 48, a.atime.1);
+    put_u32(b, 52, a.mtime.1);
+    put_u32(b, 56, a.ctime.1);
+    put_u32(b, 60, a.mode);
+    put_u32(b, 64, a.nlink);
+    put_u32(b, 68, a.uid);
+    put_u32(b, 72, a.gid);
+    put_u32(b, 76, a.rdev);
+    put_u32(b, 80, BLOCK as u32);
+    put_u32(b, 84, 0);
+}
+
+/// An answer: the bytes written at the start of the payload, or an errno.
+type Answer = Result<usize, i32>;
+
+/// Decode the request in an entry's buffers, run it, write the answer's header and payload;
+/// returns the opcode.
+fn dispatch(h: &Handler, header: &mut [u8], payload: &mut [u8]) -> u32 {
+    let hd = &*header;
+    let opcode = get_u32(hd, 4);
+    let unique = get_u64(hd, 8);
+    let nodeid = get_u64(hd, 16);
+    let caller = Caller {
+        uid: get_u32(hd, 24),
+        gid: get_u32(hd, 28),
+    };
+    let _extlen = get_u16(hd, 36);
+    let op_in: [u8; OP_IN] = hd[IN_OUT..IN_OUT + OP_IN].try_into().expect("op_in");
+    let in_sz = (get_u32(hd, ENT_PAYLOAD_SZ) as usize).min(payload.len());
+    // The input is copied out of the payload buffer only where the answer may overwrite it
+    // (names are short; write data is consumed before the answer is written).
+    let answer = run(h, opcode, nodeid, caller, &op_in, in_sz, payload);
+    let hd = header;
+    hd[..IN_OUT].fill(0);
+    let (len, error) = match answer {
+        Ok(n) => (n, 0i32),
+        Err(e) => (0, -e),
+    };
+    put_u32(hd, 0, (16 + len) as u32);
+    put_u32(hd, 4, error as u32);
+    put_u64(hd, 8, unique);
+    put_u32(hd, ENT_PAYLOAD_SZ, len as u32);
+    opcode
+}
+
+fn ttl(d: Duration) -> (u64, u32) {
+    (d.as_secs(), d.subsec_nanos())
+}
+
+fn entry_out(h: &Handler, out: &mut [u8], a: &Attr) -> usize {
+    out[..128].fill(0);
+    let (es, en) = ttl(h.entry_ttl);
+    let (as_, an) = ttl(h.attr_ttl);
+    put_u64(out, 0, a.ino);
+    put_u64(out, 8, a.generation as u64);
+    put_u64(out, 16, es);
+    put_u64(out, 24, as_);
+    put_u32(out, 32, en);
+    put_u32(out, 36, an);
+    put_attr(&mut out[40..128], a);
+    128
+}
+
+fn attr_out(h: &Handler, out: &mut [u8], a: &Attr) -> usize {
+    out[..104].fill(0);
+    let (s, n) = ttl(h.attr_ttl);
+    put_u64(out, 0, s);
+    put_u32(out, 8, n);
+    put_attr(&mut out[16..104], a);
+    104
+}
+
+fn open_out(out: &mut [u8], flags: u32) -> usize {
+    out[..16].fill(0);
+    put_u32(out, 8, flags);
+    16
+}
+
+fn data(out: &mut [u8], d: &[u8]) -> Answer {
+    if d.len() > out.len() {
+        return Err(libc::EIO);
+    }
+    out[..d.len()].copy_from_slice(d);
+    Ok(d.len())
+}
+
+/// An xattr value or list: its size when the caller asked for the size, else the bytes.
+fn xattr_answer(out: &mut [u8], v: Vec<u8>, size: u32) -> Answer {
+    if size == 0 {
+        out[..8].fill(0);
+        put_u32(out, 0, v.len() as u32);
+        return Ok(8);
+    }
+    if v.len() > size as usize {
+        return Err(libc::ERANGE);
+    }
+    data(out, &v)
+}
+
+fn run(
+    h: &Handler,
+    opcode: u32,
+    nodeid: u64,
+    caller: Caller,
+    op_in: &[u8; OP_IN],
+    in_sz: usize,
+    payload: &mut [u8],
+) -> Answer {
+    let fs = &h.fs;
+    // Names and small arguments, copied so the answer can be written over the payload.
+    let small = || payload[..in_sz.min(2 * (NAME_MAX + 1) + BLOCK + 64)].to_vec();
+    match opcode {
+        op::LOOKUP => {
+            let p = small();
+            let n = names(&p, 1).ok_or(libc::EINVAL)?;
+            let a = fs.lookup(nodeid, n[0], true)?;
+            Ok(entry_out(h, payload, &a))
+        }
+        op::GETATTR => {
+            let a = fs.getattr(nodeid)?;
+            Ok(attr_out(h, payload, &a))
+        }
+        op::SETATTR => {
+            let valid = get_u32(op_in, 0);
+            let has = |f: u32| valid & f != 0;
+            let time = |f: u32, now: u32, s: usize, ns: usize| {
+                if has(now) {
+                    Some(None)
+                } else if has(f) {
+                    Some(Some((get_u64(op_in, s) as i64, get_u32(op_in, ns))))
+                } else {
+                    None
+                }
+            };
+            let set = SetAttr {
+                mode: has(FATTR_MODE).then(|| get_u32(op_in, 68)),
+                uid: has(FATTR_UID).then(|| get_u32(op_in, 76)),
+                gid: has(FATTR_GID).then(|| get_u32(op_in, 80)),
+                size: has(FATTR_SIZE).then(|| get_u64(op_in, 16)),
+                atime: time(FATTR_ATIME, FATTR_ATIME_NOW, 32, 56),
+                mtime: time(FATTR_MTIME, FATTR_MTIME_NOW, 40, 60),
+            };
+            let a = fs.setattr(nodeid, &set)?;
+            Ok(attr_out(h, payload, &a))
+        }
+        op::READLINK => {
+            let t = fs.readlink(nodeid)?;
+            data(payload, &t)
+        }
+        op::SYMLINK => {
+            let p = small();
+            let n = names(&p, 2).ok_or(libc::EINVAL)?;
+            let (name, target) = (n[0], n[1]);
+            if target.is_empty() {
+                return Err(libc::ENOENT);
+            }
+            if target.len() >= BLOCK {
+                return Err(libc::ENAMETOOLONG);
+            }
+            let a = fs.mknod(nodeid, name, libc::S_IFLNK | 0o777, 0, caller, Some(target))?;
+            Ok(entry_out(h, payload, &a))
+        }
+        op::MKNOD => {
+            let (mode, rdev, umask) = (get_u32(op_in, 0), get_u32(op_in, 4), get_u32(op_in, 8));
+            let m = mode & libc::S_IFMT;
+            let ok = [
+                libc::S_IFREG,
+                libc::S_IFIFO,
+                libc::S_IFCHR,
+                libc::S_IFBLK,
+                libc::S_IFSOCK,
+            ];
+            if !ok.contains(&m) {
+                return Err(libc::EINVAL);
+            }
+            let p = small();
+            let n = names(&p, 1).ok_or(libc::EINVAL)?;
+            let a = fs.mknod(nodeid, n[0], m | (mode & 0o7777 & !umask), rdev, caller, None)?;
+            Ok(entry_out(h, payload, &a))
+        }
+        op::MKDIR => {
+            let (mode, umask) = (get_u32(op_in, 0), get_u32(op_in, 4));
+            let p = small();
+            let n = names(&p, 1).ok_or(libc::EINVAL)?;
+            let a = fs.mknod(
+                nodeid,
+                n[0],
+                libc::S_IFDIR | (mode & 0o7777 & !umask),
+                0,
+                caller,
+                None,
+            )?;
+            Ok(entry_out(h, payload, &a))
+        }
+        op::UNLINK | op::RMDIR => {
+            let p = small();
+            let n = names(&p, 1).ok_or(libc::EINVAL)?;
+            fs.remove(nodeid, n[0], opcode == op::RMDIR)?;
+            Ok(0)
+        }
+        op::RENAME | op::RENAME2 => {
+            let newdir = get_u64(op_in, 0);
+            let flags = if opcode == op::RENAME2 {
+                get_u32(op_in, 8)
+            } else {
+                0
+            };
+            let p = small();
+            let n = names(&p, 2).ok_or(libc::EINVAL)?;
+            fs.rename(nodeid, n[0], newdir, n[1], flags)?;
+            Ok(0)
+        }
+        op::LINK => {
+            let old = get_u64(op_in, 0);
+            let p = small();
+            let n = names(&p, 1).ok_or(libc::EINVAL)?;
+            let a = fs.link(old, nodeid, n[0])?;
+            Ok(entry_out(h, payload, &a))
+        }
+        op::OPEN => {
+            fs.open_file(nodeid)?;
+            Ok(open_out(payload, FOPEN_KEEP_CACHE))
+        }
+        op::READ => {
+            let (offset, size) = (get_u64(op_in, 8), get_u32(op_in, 16));
+            let d = fs.read(nodeid, offset, size.min(payload.len() as u32))?;
+            data(payload, &d)
+        }
+        op::WRITE => {
+            let (offset, size) = (get_u64(op_in, 8), get_u32(op_in, 16) as usize);
+            if size > in_sz {
+                return Err(libc::EINVAL);
+            }
+            let n = fs.write(nodeid, offset, &payload[..size])?;
+            payload[..8].fill(0);
+            put_u32(payload, 0, n as u32);
+            Ok(8)
+        }
+        op::STATFS => {
+            let s = fs.statfs();
+            payload[..80].fill(0);
+            put_u64(payload, 0, s.blocks);
+            put_u64(payload, 8, s.bfree);
+            put_u64(payload, 16, s.bfree);
+            put_u64(payload, 24, s.files);
+            put_u64(payload, 32, s.ffree);
+            put_u32(payload, 40, BLOCK as u32);
+            put_u32(payload, 44, NAME_MAX as u32);
+            put_u32(payload, 48, BLOCK as u32);
+            Ok(80)
+        }
+        op::RELEASE => {
+            fs.release(nodeid);
+            Ok(0)
+        }
+        op::FSYNC | op::FSYNCDIR => {
+            fs.fsync(nodeid)?;
+            Ok(0)
+        }
+        op::SETXATTR => {
+            let (size, flags) = (get_u32(op_in, 0) as usize, get_u32(op_in, 4) as i32);
+            let p = payload[..in_sz].to_vec();
+            let z = p.iter().position(|&c| c == 0).ok_or(libc::EINVAL)?;
+            let value = p.get(z + 1..z + 1 + size).ok_or(libc::EINVAL)?;
+            fs.setxattr(nodeid, &p[..z], value, flags)?;
+            Ok(0)
+        }
+        op::GETXATTR => {
+            let size = get_u32(op_in, 0);
+            let p = small();
+            let n = names(&p, 1).ok_or(libc::EINVAL)?;
+            let v = fs.getxattr(nodeid, n[0])?;
+            xattr_answer(payload, v, size)
+        }
+        op::LISTXATTR => {
+            let size = get_u32(op_in, 0);
+            let v = fs.listxattr(nodeid)?;
+            xattr_answer(payload, v, size)
+        }
+        op::REMOVEXATTR => {
+            let p = small();
+            let n = names(&p, 1).ok_or(libc::EINVAL)?;
+            fs.removexattr(nodeid, n[0])?;
+            Ok(0)
+        }
+        op::FLUSH | op::RELEASEDIR | op::DESTROY => Ok(0),
+        op::OPENDIR => {
+            let a = fs.getattr(nodeid)?;
+            if a.mode & libc::S_IFMT != libc::S_IFDIR {
+                return Err(libc::ENOTDIR);
+            }
+            Ok(open_out(payload, 0))
+        }
+        op::READDIR => {
+            let (offset, size) = (get_u64(op_in, 8), get_u32(op_in, 16) as usize);
+            let cap = size.min(payload.len());
+            let mut len = 0usize;
+            fs.readdir(nodeid, offset, |next, ino, kind, name| {
+                // struct fuse_dirent: ino, off, namelen, type, then the name, padded to 8.
+                let rec = (24 + name.len() + 7) & !7;
+                if len + rec > cap {
+                    return true;
+                }
+                let b = &mut payload[len..len + rec];
+                b.fill(0);
+                put_u64(b, 0, ino);
+                put_u64(b, 8, next);
+                put_u32(b, 16, name.len() as u32);
+                put_u32(b, 20, kind as u32);
+                b[24..24 + name.len()].copy_from_slice(name);
+                len += rec;
+                false
+            })?;
+            Ok(len)
+        }
+        op::CREATE => {
+            let (mode, umask) = (get_u32(op_in, 4), get_u32(op_in, 8));
+            let p = small();
+            let n = names(&p, 1).ok_or(libc::EINVAL)?;
+            let a = fs.mknod(
+                nodeid,
+                n[0],
+                libc::S_IFREG | (mode & 0o7777 & !umask),
+                0,
+                caller,
+                None,
+            )?;
+            fs.open_file(a.ino)?;
+            let e = entry_out(h, payload, &a);
+            Ok(e + open_out(&mut payload[e..], FOPEN_KEEP_CACHE))
+        }
+        op::FALLOCATE => {
+            let (offset, length, mode) = (
+                get_u64(op_in, 8),
+                get_u64(op_in, 16),
+                get_u32(op_in, 24) as i32,
+            );
+            fs.fallocate(nodeid, offset, length, mode)?;
+            Ok(0)
+        }
+        // What the fuser adapter does not implement either: the kernel falls back (local
+        // locks, generic lseek, copy through the page cache) or reports it unsupported.
+        _ => Err(libc::ENOSYS),
+    }
+}
