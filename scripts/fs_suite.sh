@@ -3,12 +3,14 @@
 # operations by default) and fio with --verify=crc32c, on a fresh image; then aios fsck.
 # Installs pjdfstest and fsx with `cargo install` and creates pjdfstest's dummy user `tests`
 # when missing. Needs root and /dev/fuse.
-# Usage: scripts/fs_suite.sh [AIOS_BINARY]     (FSX_OPS=N to change the fsx length)
+# Usage: scripts/fs_suite.sh [AIOS_BINARY]     (FSX_OPS=N to change the fsx length,
+#        TRANSPORT=uring|classic|auto for how the mount gets FUSE requests, default auto)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 aios=${1:-target/release/aios}
 fsx_ops=${FSX_OPS:-100000}
+transport=${TRANSPORT:-auto}
 
 for tool in pjdfstest fsx; do
     command -v "$tool" >/dev/null 2>&1 || cargo install -q --locked "$tool"
@@ -34,8 +36,9 @@ cleanup() {
 trap cleanup EXIT
 
 "$aios" mkfs "$work/fs.img" --size 1g
-"$aios" mount "$work/fs.img" "$mnt" --log "$work/mount.log"
+"$aios" mount "$work/fs.img" "$mnt" --log "$work/mount.log" --transport "$transport"
 pid=$(pgrep -f -n "aios mount $work/fs.img") || { echo "no file system process" >&2; exit 1; }
+grep -E '^aiosfs: requests over' "$work/mount.log" || true
 
 echo "--- pjdfstest"
 mkdir "$mnt/pjd"
@@ -84,5 +87,8 @@ kill -TERM "$pid"
 for _ in $(seq 600); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
 if kill -0 "$pid" 2>/dev/null; then echo "the file system did not stop" >&2; exit 1; fi
 pid=""
-tail -1 "$work/mount.log"
+grep -E '^aiosfs: ([0-9]+ requests served|unmounted)' "$work/mount.log"
+if [ "$transport" = uring ] && ! grep -q 'requests served over io_uring' "$work/mount.log"; then
+    echo "--transport uring, but no request was served over io_uring" >&2; exit 1
+fi
 "$aios" fsck "$work/fs.img"
