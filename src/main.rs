@@ -635,7 +635,12 @@ fn cmd_bench_fs(a: FsBenchArgs) -> Result<(), BenchError> {
     };
     let setup = FsBenchSetup::ull(
         &exe,
-        &["--completion", completion, "--transport", a.transport.name()],
+        &[
+            "--completion",
+            completion,
+            "--transport",
+            a.transport.name(),
+        ],
     )?;
     eprintln!("{}", setup.aios.log_line);
     eprintln!(

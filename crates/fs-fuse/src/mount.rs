@@ -656,8 +656,9 @@ pub fn mount(image: &Path, mountpoint: &Path, opts: &MountOptions) -> Result<Mou
         )));
     }
     if opts.transport == Transport::Uring {
-        crate::ring::available()
-            .map_err(|why| FsError::Config(format!("FUSE over io_uring is not available: {why}")))?;
+        crate::ring::available().map_err(|why| {
+            FsError::Config(format!("FUSE over io_uring is not available: {why}"))
+        })?;
     }
     let (fs, report) = Fs::open(image_factory(image), opts.fs.clone())?;
     let negotiated = Arc::new(std::sync::Mutex::new(None));
@@ -755,8 +756,9 @@ impl Mounted {
             .map_err(|e| FsError::Config(format!("FUSE session: {e}")));
         if let Some(q) = queues {
             let stats = Arc::clone(&q.stats);
-            for e in q.join() {
-                eprintln!("aiosfs: {e}");
+            let failed = q.join().len();
+            if failed > 0 {
+                eprintln!("aiosfs: {failed} io_uring queues failed (see above)");
             }
             let (n, top) = stats.summary(5);
             if n > 0 {
@@ -796,14 +798,9 @@ impl Mounted {
         let depth = 2;
         // A write of MAX_WRITE bytes, or a read answer of as much, fits whole.
         let payload = MAX_WRITE as usize;
-        let q = crate::ring::Queues::start(
-            dev,
-            handler,
-            Arc::clone(&self.negotiated),
-            depth,
-            payload,
-        )
-        .map_err(|e| FsError::Config(format!("FUSE io_uring queue threads: {e}")))?;
+        let q =
+            crate::ring::Queues::start(dev, handler, Arc::clone(&self.negotiated), depth, payload)
+                .map_err(|e| FsError::Config(format!("FUSE io_uring queue threads: {e}")))?;
         eprintln!(
             "aiosfs: requests over io_uring once INIT grants it: {} queues (one per CPU, each served by a thread pinned to it) × {} entries",
             q.queues, q.depth

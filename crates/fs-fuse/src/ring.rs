@@ -86,11 +86,10 @@ pub fn available() -> Result<(), String> {
     let p = "/sys/module/fuse/parameters/enable_uring";
     match std::fs::read_to_string(p) {
         Ok(s) if s.trim() == "Y" || s.trim() == "1" => Ok(()),
-        Ok(s) => Err(format!(
-            "{p} is {} (as root: echo 1 > {p})",
-            s.trim()
+        Ok(s) => Err(format!("{p} is {} (as root: echo 1 > {p})", s.trim())),
+        Err(e) => Err(format!(
+            "{p}: {e} (a kernel before 6.14, or fuse built without CONFIG_FUSE_IO_URING)"
         )),
-        Err(e) => Err(format!("{p}: {e} (a kernel before 6.14, or fuse built without CONFIG_FUSE_IO_URING)")),
     }
 }
 
@@ -170,7 +169,13 @@ impl Queues {
                                 None => std::thread::sleep(Duration::from_millis(2)),
                             }
                         }
-                        serve_queue(dev, qid as u16, depth, payload, &h, &stats)
+                        let r = serve_queue(dev, qid as u16, depth, payload, &h, &stats);
+                        if let Err(e) = &r {
+                            // The kernel turns io_uring off for the connection when a
+                            // registration fails; fuser's workers then serve everything.
+                            eprintln!("aiosfs: {e}");
+                        }
+                        r
                     })?,
             );
         }
@@ -182,7 +187,8 @@ impl Queues {
         })
     }
 
-    /// Wait for the queue threads (after the session has ended); their errors, in words.
+    /// Wait for the queue threads (after the session has ended); their errors, in words (each
+    /// was logged when it happened).
     pub fn join(self) -> Vec<String> {
         self.threads
             .into_iter()
@@ -285,12 +291,16 @@ impl OpStats {
             .filter(|r| r.1 > 0)
             .collect();
         let total = rows.iter().map(|r| r.1).sum();
-        rows.sort_by(|a, b| b.0.cmp(&a.0));
+        rows.sort_by_key(|r| std::cmp::Reverse(r.0));
         let text = rows
             .iter()
             .take(top)
             .map(|&(ns, n, i)| {
-                format!("{} {n} × {:.1} us", op_name(i as u32), ns as f64 / n as f64 / 1e3)
+                format!(
+                    "{} {n} × {:.1} us",
+                    op_name(i as u32),
+                    ns as f64 / n as f64 / 1e3
+                )
             })
             .collect::<Vec<_>>()
             .join(", ");
@@ -388,7 +398,7 @@ type Answer = Result<usize, i32>;
 
 /// Decode the request in an entry's buffers, run it, write the answer's header and payload;
 /// returns the opcode.
-fn dispatch(h: &Handler, header: &mut [u8], payload: &mut [u8]) -> u32 {
+pub fn dispatch(h: &Handler, header: &mut [u8], payload: &mut [u8]) -> u32 {
     let hd = &*header;
     let opcode = get_u32(hd, 4);
     let unique = get_u64(hd, 8);
@@ -548,7 +558,14 @@ fn run(
             }
             let p = small();
             let n = names(&p, 1).ok_or(libc::EINVAL)?;
-            let a = fs.mknod(nodeid, n[0], m | (mode & 0o7777 & !umask), rdev, caller, None)?;
+            let a = fs.mknod(
+                nodeid,
+                n[0],
+                m | (mode & 0o7777 & !umask),
+                rdev,
+                caller,
+                None,
+            )?;
             Ok(entry_out(h, payload, &a))
         }
         op::MKDIR => {

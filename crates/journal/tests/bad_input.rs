@@ -245,7 +245,10 @@ fn a_journal_formatted_over_a_used_one_starts_empty() {
         let set = JournalSet::format(&disk.open(&lbio).unwrap(), layout.clone()).unwrap();
         drop(set);
         let (_set, report) = JournalSet::open(&disk.open(&lbio).unwrap(), layout).unwrap();
-        assert!(report.corrupt.is_empty(), "{txs} old transactions: {report:?}");
+        assert!(
+            report.corrupt.is_empty(),
+            "{txs} old transactions: {report:?}"
+        );
         assert!(
             report.replayed.iter().all(|r| r.is_empty()),
             "{txs} old transactions replayed: {report:?}"

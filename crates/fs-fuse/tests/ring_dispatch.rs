@@ -1,0 +1,175 @@
+//! The FUSE-over-io_uring dispatcher on a SimDisk file system: requests laid out in a queue
+//! entry's buffers as the kernel lays them out (fixed header in `in_out`, the operation's
+//! header in `op_in`, names and data in the payload), answers checked byte by byte.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use aios_core::fuse_ring::HEADER_BYTES;
+use fs_fuse::ring::{dispatch, Handler};
+
+const PAYLOAD_SZ: usize = 256 + 16;
+
+struct Req {
+    header: Vec<u8>,
+    payload: Vec<u8>,
+}
+
+fn put32(b: &mut [u8], at: usize, v: u32) {
+    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+fn put64(b: &mut [u8], at: usize, v: u64) {
+    b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+}
+fn get32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().unwrap())
+}
+fn get64(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
+}
+
+/// A request as the kernel puts it in an entry: `op_in` bytes, then `payload` bytes.
+fn req(opcode: u32, unique: u64, nodeid: u64, op_in: &[u8], payload: &[u8]) -> Req {
+    let mut header = vec![0xAAu8; HEADER_BYTES];
+    put32(&mut header, 0, (40 + op_in.len() + payload.len()) as u32);
+    put32(&mut header, 4, opcode);
+    put64(&mut header, 8, unique);
+    put64(&mut header, 16, nodeid);
+    put32(&mut header, 24, 0); // uid
+    put32(&mut header, 28, 0); // gid
+    put32(&mut header, 32, 1234); // pid
+    header[36..40].fill(0);
+    header[128..128 + op_in.len()].copy_from_slice(op_in);
+    put32(&mut header, 256 + 16, payload.len() as u32);
+    let mut p = vec![0u8; 1 << 20];
+    p[..payload.len()].copy_from_slice(payload);
+    Req { header, payload: p }
+}
+
+/// Run it; returns (errno or 0, answer payload).
+fn call(h: &Handler, mut r: Req, unique: u64) -> (i32, Vec<u8>) {
+    dispatch(h, &mut r.header, &mut r.payload);
+    let error = get32(&r.header, 4) as i32;
+    assert_eq!(get64(&r.header, 8), unique, "the answer names its request");
+    let n = get32(&r.header, PAYLOAD_SZ) as usize;
+    assert_eq!(get32(&r.header, 0) as usize, 16 + n, "out header length");
+    (error, r.payload[..n].to_vec())
+}
+
+#[test]
+fn requests_in_queue_buffers_are_answered_as_the_kernel_expects() {
+    let (_disk, fs) = common::open(common::fresh_image(16 << 20), 1).unwrap();
+    let h = Handler {
+        fs: Arc::clone(&fs),
+        entry_ttl: Duration::from_secs(1),
+        attr_ttl: Duration::from_millis(1500),
+    };
+    // CREATE "a" in the root: fuse_create_in {flags, mode, umask, open_flags}, then the name.
+    let mut op = vec![0u8; 16];
+    put32(&mut op, 0, libc::O_RDWR as u32);
+    put32(&mut op, 4, libc::S_IFREG | 0o666);
+    put32(&mut op, 8, 0o022);
+    let (e, out) = call(&h, req(35, 7, 1, &op, b"a\0"), 7);
+    assert_eq!(e, 0);
+    assert_eq!(out.len(), 128 + 16, "fuse_entry_out then fuse_open_out");
+    let ino = get64(&out, 0);
+    assert!(ino > 1);
+    assert_eq!(get64(&out, 16), 1, "entry valid 1 s");
+    assert_eq!(get64(&out, 24), 1, "attr valid 1.5 s: seconds");
+    assert_eq!(
+        get32(&out, 36),
+        500_000_000,
+        "attr valid 1.5 s: nanoseconds"
+    );
+    assert_eq!(get64(&out, 40), ino, "attr.ino");
+    assert_eq!(
+        get32(&out, 40 + 60),
+        libc::S_IFREG | 0o644,
+        "mode less umask"
+    );
+    assert_eq!(get32(&out, 40 + 64), 1, "nlink");
+    assert_eq!(get32(&out, 128 + 8) & 2, 2, "FOPEN_KEEP_CACHE");
+
+    // WRITE 5000 bytes at 100: fuse_write_in {fh, offset, size, ...}, then the data.
+    let data: Vec<u8> = (0..5000u32).map(|i| (i * 7) as u8).collect();
+    let mut op = vec![0u8; 40];
+    put64(&mut op, 8, 100);
+    put32(&mut op, 16, data.len() as u32);
+    let (e, out) = call(&h, req(16, 8, ino, &op, &data), 8);
+    assert_eq!((e, out.len(), get32(&out, 0)), (0, 8, 5000));
+
+    // READ it back: fuse_read_in {fh, offset, size, ...}.
+    let mut op = vec![0u8; 40];
+    put64(&mut op, 8, 100);
+    put32(&mut op, 16, 8192);
+    let (e, out) = call(&h, req(15, 9, ino, &op, &[]), 9);
+    assert_eq!(e, 0);
+    assert_eq!(out, data, "short read at end of file, same bytes");
+
+    // GETATTR: fuse_attr_out with the new size.
+    let (e, out) = call(&h, req(3, 10, ino, &[0u8; 16], &[]), 10);
+    assert_eq!((e, out.len()), (0, 104));
+    assert_eq!(get64(&out, 16 + 8), 5100, "size");
+
+    // SETATTR size 10 and mode 0600: fuse_setattr_in.
+    let mut op = vec![0u8; 88];
+    put32(&mut op, 0, 1 | 8);
+    put64(&mut op, 16, 10);
+    put32(&mut op, 68, 0o600);
+    let (e, out) = call(&h, req(4, 11, ino, &op, &[]), 11);
+    assert_eq!(e, 0);
+    assert_eq!(get64(&out, 16 + 8), 10);
+    assert_eq!(get32(&out, 16 + 60), libc::S_IFREG | 0o600);
+
+    // LOOKUP: found, and a missing name is ENOENT with no payload.
+    let (e, out) = call(&h, req(1, 12, 1, &[], b"a\0"), 12);
+    assert_eq!((e, get64(&out, 0)), (0, ino));
+    let (e, out) = call(&h, req(1, 13, 1, &[], b"missing\0"), 13);
+    assert_eq!((e, out.len()), (-libc::ENOENT, 0));
+
+    // MKDIR "d", RENAME2 "a" -> "d/b", READDIR of "d".
+    let mut op = vec![0u8; 8];
+    put32(&mut op, 0, 0o755);
+    let (e, out) = call(&h, req(9, 14, 1, &op, b"d\0"), 14);
+    assert_eq!(e, 0);
+    let dir = get64(&out, 0);
+    let mut op = vec![0u8; 16];
+    put64(&mut op, 0, dir);
+    let (e, _) = call(&h, req(45, 15, 1, &op, b"a\0b\0"), 15);
+    assert_eq!(e, 0);
+    let mut op = vec![0u8; 40];
+    put32(&mut op, 16, 4096);
+    let (e, out) = call(&h, req(28, 16, dir, &op, &[]), 16);
+    assert_eq!(e, 0);
+    let mut names = Vec::new();
+    let mut at = 0;
+    while at < out.len() {
+        let n = get32(&out, at + 16) as usize;
+        names.push(String::from_utf8(out[at + 24..at + 24 + n].to_vec()).unwrap());
+        at += (24 + n + 7) & !7;
+    }
+    assert_eq!(at, out.len(), "dirents padded to 8 bytes");
+    assert!(names.contains(&"b".to_string()), "{names:?}");
+
+    // SETXATTR / GETXATTR (size query, then value) / FSYNC.
+    let mut op = vec![0u8; 16];
+    put32(&mut op, 0, 3);
+    let (e, _) = call(&h, req(21, 17, ino, &op, b"user.k\0xyz"), 17);
+    assert_eq!(e, 0);
+    let (e, out) = call(&h, req(22, 18, ino, &[0u8; 8], b"user.k\0"), 18);
+    assert_eq!((e, out.len(), get32(&out, 0)), (0, 8, 3));
+    let mut op = vec![0u8; 8];
+    put32(&mut op, 0, 64);
+    let (e, out) = call(&h, req(22, 19, ino, &op, b"user.k\0"), 19);
+    assert_eq!((e, out), (0, b"xyz".to_vec()));
+    let (e, _) = call(&h, req(20, 20, ino, &[0u8; 16], &[]), 20);
+    assert_eq!(e, 0);
+
+    // STATFS is a fixed 80 bytes; an opcode nobody serves is ENOSYS.
+    let (e, out) = call(&h, req(17, 21, 1, &[], &[]), 21);
+    assert_eq!((e, out.len(), get32(&out, 40)), (0, 80, 4096));
+    let (e, _) = call(&h, req(46, 22, ino, &[0u8; 24], &[]), 22);
+    assert_eq!(e, -libc::ENOSYS);
+}
