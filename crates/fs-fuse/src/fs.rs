@@ -109,6 +109,10 @@ pub struct SetAttr {
     pub size: Option<u64>,
     pub atime: Option<Option<(i64, u32)>>,
     pub mtime: Option<Option<(i64, u32)>>,
+    /// Clear set-user-ID, set-group-ID (when group-executable) and `security.capability` of a
+    /// regular file, as a chown, or a truncate by a process without `CAP_FSETID`, does
+    /// (`FATTR_KILL_SUIDGID`).
+    pub kill_privs: bool,
 }
 
 /// `statfs` figures.
@@ -1774,10 +1778,42 @@ impl Fs {
             n.attr.mtime = m.unwrap_or(t);
         }
         n.attr.ctime = t;
+        if set.kill_privs && set.mode.is_none() {
+            self.kill_privs(&mut st, &ctx, ino)?;
+        }
+        let n = st.nodes.get_mut(&ino).expect("node");
         let a = n.attr(ino);
         Self::touch(&mut st, ino);
         self.settle(&mut st, &ctx)?;
         Ok(a)
+    }
+
+    /// Clear set-user-ID, set-group-ID when group-executable, and the `security.capability`
+    /// xattr of regular file `ino`, as Linux does on a write, truncate or chown by a process
+    /// without `CAP_FSETID`; `true` when something changed (the caller touches the node).
+    fn kill_privs(&self, st: &mut State, ctx: &Ctx, ino: u64) -> FsResult<bool> {
+        let n = st.nodes.get_mut(&ino).expect("node");
+        if n.attr.mode & S_IFMT != libc::S_IFREG {
+            return Ok(false);
+        }
+        let mut changed = false;
+        if n.attr.mode & libc::S_ISUID != 0
+            || n.attr.mode & (libc::S_ISGID | 0o010) == (libc::S_ISGID | 0o010)
+        {
+            n.attr.mode &= !(libc::S_ISUID | libc::S_ISGID);
+            changed = true;
+        }
+        if n.attr.xattr != 0 || n.xattrs.as_ref().is_some_and(|x| !x.is_empty()) {
+            self.load_xattrs(st, ctx, ino)?;
+            let n = st.nodes.get_mut(&ino).expect("node");
+            let x = n.xattrs.as_mut().expect("loaded");
+            if let Some(pos) = x.iter().position(|(k, _)| k == b"security.capability") {
+                x.remove(pos);
+                st.dirty_xattrs.insert(ino);
+                changed = true;
+            }
+        }
+        Ok(changed)
     }
 
     fn truncate(&self, st: &mut State, ctx: &Ctx, ino: u64, size: u64) -> FsResult<()> {
@@ -1881,8 +1917,22 @@ impl Fs {
         Ok(out)
     }
 
-    /// Write `data` at `offset`; returns the bytes written.
+    /// Write `data` at `offset`, clearing set-user-ID and set-group-ID as a write by an
+    /// unprivileged process does; returns the bytes written.
     pub fn write(&self, ino: u64, offset: u64, data: &[u8]) -> FsResult<usize> {
+        self.write_as(ino, offset, data, true)
+    }
+
+    /// Write `data` at `offset`; `kill_privs` clears set-user-ID, set-group-ID (when
+    /// group-executable) and the `security.capability` xattr, as Linux does for a writer
+    /// without `CAP_FSETID` (the kernel says which in `FUSE_WRITE_KILL_SUIDGID`).
+    pub fn write_as(
+        &self,
+        ino: u64,
+        offset: u64,
+        data: &[u8],
+        kill_privs: bool,
+    ) -> FsResult<usize> {
         if data.is_empty() {
             return Ok(0);
         }
@@ -1968,12 +2018,8 @@ impl Fs {
             n.attr.ctime = t;
             changed = true;
         }
-        // Writing clears set-user-ID (and set-group-ID when group-executable), as on Linux.
-        if n.attr.mode & libc::S_ISUID != 0
-            || n.attr.mode & (libc::S_ISGID | 0o010) == (libc::S_ISGID | 0o010)
-        {
-            n.attr.mode &= !(libc::S_ISUID | libc::S_ISGID);
-            changed = true;
+        if kill_privs {
+            changed |= self.kill_privs(&mut st, &ctx, ino)?;
         }
         if changed {
             Self::touch(&mut st, ino);

@@ -86,6 +86,9 @@ struct Adapter {
     want_uring: bool,
     /// What INIT settled: `Some(true)` when the kernel will send requests over io_uring.
     negotiated: Arc<std::sync::Mutex<Option<bool>>>,
+    /// INIT granted FUSE_HANDLE_KILLPRIV_V2: the file system clears set-user-ID and
+    /// set-group-ID on write, truncate and chown.
+    killpriv_v2: bool,
 }
 
 fn to_time((s, ns): (i64, u32)) -> SystemTime {
@@ -186,6 +189,15 @@ impl Filesystem for Adapter {
             && config
                 .add_capabilities(fuser::InitFlags::FUSE_OVER_IO_URING)
                 .is_ok();
+        // With io_uring, the file system clears set-user-ID and friends itself
+        // (FUSE_HANDLE_KILLPRIV_V2): the kernel then stops asking for `security.capability`
+        // before every write, a round trip per write. The queues see the kernel's
+        // FATTR_KILL_SUIDGID; fuser's setattr does not, so /dev/fuse alone keeps the kernel's
+        // way.
+        self.killpriv_v2 = uring
+            && config
+                .add_capabilities(fuser::InitFlags::FUSE_HANDLE_KILLPRIV_V2)
+                .is_ok();
         *self.negotiated.lock().unwrap_or_else(|p| p.into_inner()) = Some(uring);
         Ok(())
     }
@@ -265,6 +277,9 @@ impl Filesystem for Adapter {
             size,
             atime: t(atime),
             mtime: t(mtime),
+            // fuser does not pass FATTR_KILL_SUIDGID on: with KILLPRIV_V2 (granted only
+            // with io_uring, so only here if the queues failed), a chown or truncate kills.
+            kill_privs: self.killpriv_v2 && (uid.is_some() || gid.is_some() || size.is_some()),
         };
         match self.fs.setattr(ino.0, &set) {
             Ok(a) => reply.attr(&self.attr_ttl, &file_attr(&a)),
@@ -428,12 +443,13 @@ impl Filesystem for Adapter {
         _fh: FileHandle,
         offset: u64,
         data: &[u8],
-        _write_flags: WriteFlags,
+        write_flags: WriteFlags,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        match self.fs.write(ino.0, offset, data) {
+        let kill = !self.killpriv_v2 || write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
+        match self.fs.write_as(ino.0, offset, data, kill) {
             Ok(n) => reply.written(n as u32),
             Err(e) => reply.error(err(e)),
         }
@@ -668,6 +684,7 @@ pub fn mount(image: &Path, mountpoint: &Path, opts: &MountOptions) -> Result<Mou
         attr_ttl: opts.attr_timeout,
         want_uring: opts.transport != Transport::Classic && crate::ring::available().is_ok(),
         negotiated: Arc::clone(&negotiated),
+        killpriv_v2: false,
     };
     let mut cfg = Config::default();
     cfg.mount_options = vec![

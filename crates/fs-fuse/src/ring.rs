@@ -78,6 +78,9 @@ const FATTR_ATIME: u32 = 1 << 4;
 const FATTR_MTIME: u32 = 1 << 5;
 const FATTR_ATIME_NOW: u32 = 1 << 7;
 const FATTR_MTIME_NOW: u32 = 1 << 8;
+const FATTR_KILL_SUIDGID: u32 = 1 << 11;
+/// `fuse_write_in.write_flags`: the writer lacks `CAP_FSETID`; clear set-user-ID and friends.
+const FUSE_WRITE_KILL_SUIDGID: u32 = 1 << 2;
 /// `fuse_open_out.open_flags`: keep the page cache across opens.
 const FOPEN_KEEP_CACHE: u32 = 1 << 1;
 
@@ -522,6 +525,7 @@ fn run(
                 size: has(FATTR_SIZE).then(|| get_u64(op_in, 16)),
                 atime: time(FATTR_ATIME, FATTR_ATIME_NOW, 32, 56),
                 mtime: time(FATTR_MTIME, FATTR_MTIME_NOW, 40, 60),
+                kill_privs: has(FATTR_KILL_SUIDGID),
             };
             let a = fs.setattr(nodeid, &set)?;
             Ok(attr_out(h, payload, &a))
@@ -618,10 +622,11 @@ fn run(
         }
         op::WRITE => {
             let (offset, size) = (get_u64(op_in, 8), get_u32(op_in, 16) as usize);
+            let kill = get_u32(op_in, 20) & FUSE_WRITE_KILL_SUIDGID != 0;
             if size > in_sz {
                 return Err(libc::EINVAL);
             }
-            let n = fs.write(nodeid, offset, &payload[..size])?;
+            let n = fs.write_as(nodeid, offset, &payload[..size], kill)?;
             payload[..8].fill(0);
             put_u32(payload, 0, n as u32);
             Ok(8)

@@ -167,6 +167,44 @@ fn requests_in_queue_buffers_are_answered_as_the_kernel_expects() {
     let (e, _) = call(&h, req(20, 20, ino, &[0u8; 16], &[]), 20);
     assert_eq!(e, 0);
 
+    // Set-user-ID and set-group-ID (group-executable): a write from a process with
+    // CAP_FSETID keeps them, one with FUSE_WRITE_KILL_SUIDGID clears them, and so does a
+    // chown carrying FATTR_KILL_SUIDGID.
+    let mode = |h: &Handler, unique| {
+        let (e, out) = call(h, req(3, unique, ino, &[0u8; 16], &[]), unique);
+        assert_eq!(e, 0);
+        get32(&out, 16 + 60) & 0o7777
+    };
+    let chmod = |h: &Handler, unique, m: u32| {
+        let mut op = vec![0u8; 88];
+        put32(&mut op, 0, 1);
+        put32(&mut op, 68, m);
+        assert_eq!(call(h, req(4, unique, ino, &op, &[]), unique).0, 0);
+    };
+    let write = |h: &Handler, unique, flags: u32| {
+        let mut op = vec![0u8; 40];
+        put32(&mut op, 16, 1);
+        put32(&mut op, 20, flags);
+        assert_eq!(call(h, req(16, unique, ino, &op, b"z"), unique).0, 0);
+    };
+    chmod(&h, 30, 0o6755);
+    write(&h, 31, 0);
+    assert_eq!(mode(&h, 32), 0o6755, "no kill flag: bits kept");
+    write(&h, 33, 1 << 2);
+    assert_eq!(mode(&h, 34), 0o755, "FUSE_WRITE_KILL_SUIDGID");
+    chmod(&h, 35, 0o6755);
+    let mut op = vec![0u8; 88];
+    put32(&mut op, 0, 2 | (1 << 11));
+    put32(&mut op, 76, 1000);
+    let (e, out) = call(&h, req(4, 36, ino, &op, &[]), 36);
+    assert_eq!(e, 0);
+    assert_eq!(
+        get32(&out, 16 + 60) & 0o7777,
+        0o755,
+        "chown with FATTR_KILL_SUIDGID"
+    );
+    assert_eq!(get32(&out, 16 + 68), 1000, "uid");
+
     // STATFS is a fixed 80 bytes; an opcode nobody serves is ENOSYS.
     let (e, out) = call(&h, req(17, 21, 1, &[], &[]), 21);
     assert_eq!((e, out.len(), get32(&out, 40)), (0, 80, 4096));
