@@ -101,8 +101,10 @@ struct FsBenchArgs {
         default_value = "randread,fsync,createsync,postmark"
     )]
     workloads: Vec<String>,
-    /// How the mount's workers wait for I/O (see `aios mount --completion`).
-    #[arg(long, value_enum, default_value = "poll")]
+    /// How the mount's workers wait for I/O (see `aios mount --completion`). `wait` is the
+    /// mount's default; with FUSE over io_uring each queue thread is pinned to a CPU, and a
+    /// spinning one takes that CPU from the caller it serves.
+    #[arg(long, value_enum, default_value = "wait")]
     completion: MountCompletion,
     /// How the mount gets FUSE requests (see `aios mount --transport`).
     #[arg(long, value_enum, default_value = "auto")]
@@ -1955,7 +1957,7 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
     if root && Path::new("/dev/fuse").exists() && fio.is_some() {
         println!("\n== aiosfs through FUSE vs ext4 (two ull devices; aios bench fs)");
         let exe = std::env::current_exe().map_err(io_err)?;
-        let setup = aios::bench::fsbench::FsBenchSetup::ull(&exe, &["--completion", "poll"])?;
+        let setup = aios::bench::fsbench::FsBenchSetup::ull(&exe, &[])?;
         let mut workloads: Vec<String> =
             vec!["randread".into(), "fsync".into(), "createsync".into()];
         if aios::bench::fsbench::postmark_installed() {

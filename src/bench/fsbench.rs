@@ -82,8 +82,11 @@ impl AiosMount {
         let t0 = Instant::now();
         loop {
             let text = std::fs::read_to_string(&log).unwrap_or_default();
-            if let Some(l) = text.lines().find(|l| l.starts_with("aiosfs: mounted")) {
-                m.log_line = l.to_string();
+            // The mount line, then the line naming the FUSE transport.
+            let mounted = text.lines().find(|l| l.starts_with("aiosfs: mounted"));
+            let transport = text.lines().find(|l| l.starts_with("aiosfs: requests over"));
+            if let (Some(l), Some(t)) = (mounted, transport) {
+                m.log_line = format!("{l}\n{t}");
                 return Ok(m);
             }
             if let Some(Ok(Some(st))) = m.child.as_mut().map(|c| c.try_wait()) {
