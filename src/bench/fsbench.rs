@@ -84,7 +84,9 @@ impl AiosMount {
             let text = std::fs::read_to_string(&log).unwrap_or_default();
             // The mount line, then the line naming the FUSE transport.
             let mounted = text.lines().find(|l| l.starts_with("aiosfs: mounted"));
-            let transport = text.lines().find(|l| l.starts_with("aiosfs: requests over"));
+            let transport = text
+                .lines()
+                .find(|l| l.starts_with("aiosfs: requests over"));
             if let (Some(l), Some(t)) = (mounted, transport) {
                 m.log_line = format!("{l}\n{t}");
                 return Ok(m);
