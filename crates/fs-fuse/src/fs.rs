@@ -279,6 +279,9 @@ struct Node {
     /// Blocks allocated since the last commit (their data must reach the device before any
     /// commit that maps them).
     fresh: BTreeSet<u64>,
+    /// Size or block map changed (or the inode is new) since the last commit: what
+    /// `fdatasync` must commit, where a change of times or owner alone need not be.
+    layout_dirty: bool,
     lookups: u64,
     opens: u32,
 }
@@ -608,6 +611,7 @@ impl Fs {
                 xattrs: None,
                 dirty: BTreeMap::new(),
                 fresh: BTreeSet::new(),
+                layout_dirty: false,
                 lookups: 0,
                 opens: 0,
                 attr: inode,
@@ -1051,7 +1055,11 @@ impl Fs {
             .meta_blocks_written
             .fetch_add(metas.len() as u64, Ordering::Relaxed);
         st.last_commit = std::time::Instant::now();
-        st.dirty_nodes.clear();
+        for ino in std::mem::take(&mut st.dirty_nodes) {
+            if let Some(n) = st.nodes.get_mut(&ino) {
+                n.layout_dirty = false;
+            }
+        }
         st.revokes.clear();
         st.quarantine.clear();
         st.journaled.extend(metas.keys().copied());
@@ -1104,14 +1112,36 @@ impl Fs {
     /// to journal: the blocks are written in place and made durable (FUA writes, or writes and
     /// a FLUSH, as the journal chose for the device), with no journal transaction.
     pub fn fsync(&self, ino: u64) -> FsResult<()> {
+        self.fsync_as(ino, false)
+    }
+
+    /// `fsync` (`datasync` false) or `fdatasync` (`datasync` true).
+    ///
+    /// The file's blocks are written in place, with no transaction, when nothing the call
+    /// must make durable is pending beyond the data of blocks the file already owned: for
+    /// fsync, nothing about the regular file's inode or xattrs changed since the last commit;
+    /// for fdatasync, neither its size nor its block map did (new times or a new owner are not
+    /// needed to read the data back, as POSIX says and ext4 does). Other files' pending
+    /// changes do not force a commit: the blocks written belong to this file alone. Anything
+    /// else is one file-level transaction carrying all pending metadata.
+    pub fn fsync_as(&self, ino: u64, datasync: bool) -> FsResult<()> {
         let ctx = self.ctx()?;
         let mut st = self.lock()?;
         self.node(&mut st, &ctx, ino)?;
         self.writable(&st)?;
-        let data_only = self.meta_pending(&st) == 0
-            && st.revokes.is_empty()
-            && st.quarantine.is_empty()
-            && st.nodes[&ino].fresh.is_empty();
+        let n = &st.nodes[&ino];
+        let own = n.attr.mode & S_IFMT == libc::S_IFREG
+            && n.fresh.is_empty()
+            && if datasync {
+                !n.layout_dirty
+            } else {
+                !st.dirty_nodes.contains(&ino) && !st.dirty_xattrs.contains(&ino)
+            };
+        let data_only = own
+            || (self.meta_pending(&st) == 0
+                && st.revokes.is_empty()
+                && st.quarantine.is_empty()
+                && n.fresh.is_empty());
         if data_only {
             return self.write_in_place(&mut st, &ctx, ino);
         }
@@ -1364,6 +1394,7 @@ impl Fs {
             xattrs: Some(Vec::new()),
             dirty: BTreeMap::new(),
             fresh: BTreeSet::new(),
+            layout_dirty: true,
             lookups: 1,
             opens: 0,
         }
@@ -1818,6 +1849,7 @@ impl Fs {
 
     fn truncate(&self, st: &mut State, ctx: &Ctx, ino: u64, size: u64) -> FsResult<()> {
         let n = st.nodes.get_mut(&ino).expect("node");
+        n.layout_dirty = true;
         let old = n.attr.size;
         if size < old {
             let keep = size.div_ceil(B);
@@ -2013,6 +2045,9 @@ impl Fs {
             n.attr.size = wend;
             changed = true;
         }
+        if changed {
+            n.layout_dirty = true;
+        }
         if n.attr.mtime != t || n.attr.ctime != t {
             n.attr.mtime = t;
             n.attr.ctime = t;
@@ -2115,7 +2150,9 @@ impl Fs {
                 n.attr.mtime = t;
             }
         }
-        st.nodes.get_mut(&ino).expect("node").attr.ctime = t;
+        let n = st.nodes.get_mut(&ino).expect("node");
+        n.attr.ctime = t;
+        n.layout_dirty = true;
         Self::touch(&mut st, ino);
         self.settle(&mut st, &ctx)
     }
@@ -2219,6 +2256,7 @@ mod tests {
             xattrs: None,
             dirty: BTreeMap::new(),
             fresh: BTreeSet::new(),
+            layout_dirty: false,
             lookups: 0,
             opens: 0,
         }

@@ -485,10 +485,10 @@ impl Filesystem for Adapter {
         _req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
-        _datasync: bool,
+        datasync: bool,
         reply: ReplyEmpty,
     ) {
-        empty(self.fs.fsync(ino.0), reply)
+        empty(self.fs.fsync_as(ino.0, datasync), reply)
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {

@@ -648,7 +648,12 @@ fn run(
             fs.release(nodeid);
             Ok(0)
         }
-        op::FSYNC | op::FSYNCDIR => {
+        op::FSYNC => {
+            // fuse_fsync_in.fsync_flags bit 0: fdatasync.
+            fs.fsync_as(nodeid, get_u32(op_in, 8) & 1 != 0)?;
+            Ok(0)
+        }
+        op::FSYNCDIR => {
             fs.fsync(nodeid)?;
             Ok(0)
         }
