@@ -160,6 +160,23 @@ fn caller(req: &Request) -> Caller {
     }
 }
 
+/// The mode of a node made by mknod: a regular file, fifo, socket or device (any other type
+/// is EINVAL), with the permission bits of `mode` less `umask`.
+pub(crate) fn mknod_mode(mode: u32, umask: u32) -> Result<u32, i32> {
+    let kind = mode & libc::S_IFMT;
+    let ok = [
+        libc::S_IFREG,
+        libc::S_IFIFO,
+        libc::S_IFCHR,
+        libc::S_IFBLK,
+        libc::S_IFSOCK,
+    ];
+    if !ok.contains(&kind) {
+        return Err(libc::EINVAL);
+    }
+    Ok(kind | (mode & 0o7777 & !umask))
+}
+
 /// Answer a request that returns nothing but success or an errno.
 fn empty(r: Result<(), i32>, reply: ReplyEmpty) {
     match r {
@@ -304,18 +321,10 @@ impl Filesystem for Adapter {
         rdev: u32,
         reply: ReplyEntry,
     ) {
-        let m = mode & libc::S_IFMT;
-        let ok = [
-            libc::S_IFREG,
-            libc::S_IFIFO,
-            libc::S_IFCHR,
-            libc::S_IFBLK,
-            libc::S_IFSOCK,
-        ];
-        if !ok.contains(&m) {
-            return reply.error(err(libc::EINVAL));
-        }
-        let mode = m | (mode & 0o7777 & !umask);
+        let mode = match mknod_mode(mode, umask) {
+            Ok(m) => m,
+            Err(e) => return reply.error(err(e)),
+        };
         self.entry(
             self.fs
                 .mknod(parent.0, name.as_bytes(), mode, rdev, caller(req), None),

@@ -24,8 +24,9 @@ use std::time::{Duration, Instant};
 
 use aios_core::fuse_ring::{pin_current_thread, FuseQueue, HEADER_BYTES};
 
-use crate::format::{BLOCK, NAME_MAX};
+use crate::format::{put32, put64, u32_at, u64_at, BLOCK, NAME_MAX};
 use crate::fs::{Attr, Caller, Fs, SetAttr};
+use crate::mount::mknod_mode;
 
 /// The parts of a queue entry's header buffer: the request's or answer's fixed header, the
 /// operation's own header, and the entry's bookkeeping (flags, commit id, payload size).
@@ -243,7 +244,7 @@ fn serve_queue(
                     std::io::Error::from_raw_os_error(errno)
                 ));
             }
-            let commit_id = get_u64(q.header(i), ENT_COMMIT_ID);
+            let commit_id = u64_at(q.header(i), ENT_COMMIT_ID);
             let (header, payload) = q.buffers_mut(i);
             let t0 = Instant::now();
             let opcode = dispatch(h, header, payload);
@@ -348,22 +349,6 @@ fn op_name(opcode: u32) -> String {
     n.into()
 }
 
-fn get_u16(b: &[u8], at: usize) -> u16 {
-    u16::from_le_bytes(b[at..at + 2].try_into().expect("2 bytes"))
-}
-fn get_u32(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
-}
-fn get_u64(b: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
-}
-fn put_u32(b: &mut [u8], at: usize, v: u32) {
-    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
-}
-fn put_u64(b: &mut [u8], at: usize, v: u64) {
-    b[at..at + 8].copy_from_slice(&v.to_le_bytes());
-}
-
 /// The NUL-terminated strings at the start of `b`, in order (at most `n`).
 fn names(b: &[u8], n: usize) -> Option<Vec<&[u8]>> {
     let mut out = Vec::with_capacity(n);
@@ -378,22 +363,22 @@ fn names(b: &[u8], n: usize) -> Option<Vec<&[u8]>> {
 
 /// `struct fuse_attr` (88 bytes) for `a`.
 fn put_attr(b: &mut [u8], a: &Attr) {
-    put_u64(b, 0, a.ino);
-    put_u64(b, 8, a.size);
-    put_u64(b, 16, a.blocks);
-    put_u64(b, 24, a.atime.0 as u64);
-    put_u64(b, 32, a.mtime.0 as u64);
-    put_u64(b, 40, a.ctime.0 as u64);
-    put_u32(b, 48, a.atime.1);
-    put_u32(b, 52, a.mtime.1);
-    put_u32(b, 56, a.ctime.1);
-    put_u32(b, 60, a.mode);
-    put_u32(b, 64, a.nlink);
-    put_u32(b, 68, a.uid);
-    put_u32(b, 72, a.gid);
-    put_u32(b, 76, a.rdev);
-    put_u32(b, 80, BLOCK as u32);
-    put_u32(b, 84, 0);
+    put64(b, 0, a.ino);
+    put64(b, 8, a.size);
+    put64(b, 16, a.blocks);
+    put64(b, 24, a.atime.0 as u64);
+    put64(b, 32, a.mtime.0 as u64);
+    put64(b, 40, a.ctime.0 as u64);
+    put32(b, 48, a.atime.1);
+    put32(b, 52, a.mtime.1);
+    put32(b, 56, a.ctime.1);
+    put32(b, 60, a.mode);
+    put32(b, 64, a.nlink);
+    put32(b, 68, a.uid);
+    put32(b, 72, a.gid);
+    put32(b, 76, a.rdev);
+    put32(b, 80, BLOCK as u32);
+    put32(b, 84, 0);
 }
 
 /// An answer: the bytes written at the start of the payload, or an errno.
@@ -403,16 +388,15 @@ type Answer = Result<usize, i32>;
 /// returns the opcode.
 pub fn dispatch(h: &Handler, header: &mut [u8], payload: &mut [u8]) -> u32 {
     let hd = &*header;
-    let opcode = get_u32(hd, 4);
-    let unique = get_u64(hd, 8);
-    let nodeid = get_u64(hd, 16);
+    let opcode = u32_at(hd, 4);
+    let unique = u64_at(hd, 8);
+    let nodeid = u64_at(hd, 16);
     let caller = Caller {
-        uid: get_u32(hd, 24),
-        gid: get_u32(hd, 28),
+        uid: u32_at(hd, 24),
+        gid: u32_at(hd, 28),
     };
-    let _extlen = get_u16(hd, 36);
     let op_in: [u8; OP_IN] = hd[IN_OUT..IN_OUT + OP_IN].try_into().expect("op_in");
-    let in_sz = (get_u32(hd, ENT_PAYLOAD_SZ) as usize).min(payload.len());
+    let in_sz = (u32_at(hd, ENT_PAYLOAD_SZ) as usize).min(payload.len());
     // The input is copied out of the payload buffer only where the answer may overwrite it
     // (names are short; write data is consumed before the answer is written).
     let answer = run(h, opcode, nodeid, caller, &op_in, in_sz, payload);
@@ -422,10 +406,10 @@ pub fn dispatch(h: &Handler, header: &mut [u8], payload: &mut [u8]) -> u32 {
         Ok(n) => (n, 0i32),
         Err(e) => (0, -e),
     };
-    put_u32(hd, 0, (16 + len) as u32);
-    put_u32(hd, 4, error as u32);
-    put_u64(hd, 8, unique);
-    put_u32(hd, ENT_PAYLOAD_SZ, len as u32);
+    put32(hd, 0, (16 + len) as u32);
+    put32(hd, 4, error as u32);
+    put64(hd, 8, unique);
+    put32(hd, ENT_PAYLOAD_SZ, len as u32);
     opcode
 }
 
@@ -437,12 +421,12 @@ fn entry_out(h: &Handler, out: &mut [u8], a: &Attr) -> usize {
     out[..128].fill(0);
     let (es, en) = ttl(h.entry_ttl);
     let (as_, an) = ttl(h.attr_ttl);
-    put_u64(out, 0, a.ino);
-    put_u64(out, 8, a.generation as u64);
-    put_u64(out, 16, es);
-    put_u64(out, 24, as_);
-    put_u32(out, 32, en);
-    put_u32(out, 36, an);
+    put64(out, 0, a.ino);
+    put64(out, 8, a.generation as u64);
+    put64(out, 16, es);
+    put64(out, 24, as_);
+    put32(out, 32, en);
+    put32(out, 36, an);
     put_attr(&mut out[40..128], a);
     128
 }
@@ -450,15 +434,15 @@ fn entry_out(h: &Handler, out: &mut [u8], a: &Attr) -> usize {
 fn attr_out(h: &Handler, out: &mut [u8], a: &Attr) -> usize {
     out[..104].fill(0);
     let (s, n) = ttl(h.attr_ttl);
-    put_u64(out, 0, s);
-    put_u32(out, 8, n);
+    put64(out, 0, s);
+    put32(out, 8, n);
     put_attr(&mut out[16..104], a);
     104
 }
 
 fn open_out(out: &mut [u8], flags: u32) -> usize {
     out[..16].fill(0);
-    put_u32(out, 8, flags);
+    put32(out, 8, flags);
     16
 }
 
@@ -474,7 +458,7 @@ fn data(out: &mut [u8], d: &[u8]) -> Answer {
 fn xattr_answer(out: &mut [u8], v: Vec<u8>, size: u32) -> Answer {
     if size == 0 {
         out[..8].fill(0);
-        put_u32(out, 0, v.len() as u32);
+        put32(out, 0, v.len() as u32);
         return Ok(8);
     }
     if v.len() > size as usize {
@@ -495,6 +479,12 @@ fn run(
     let fs = &h.fs;
     // Names and small arguments, copied so the answer can be written over the payload.
     let small = || payload[..in_sz.min(2 * (NAME_MAX + 1) + BLOCK + 64)].to_vec();
+    // mknod, mkdir and create: the name is the payload's first string.
+    let new_node = |mode: u32, rdev: u32| {
+        let p = small();
+        let n = names(&p, 1).ok_or(libc::EINVAL)?;
+        fs.mknod(nodeid, n[0], mode, rdev, caller, None)
+    };
     match opcode {
         op::LOOKUP => {
             let p = small();
@@ -507,22 +497,22 @@ fn run(
             Ok(attr_out(h, payload, &a))
         }
         op::SETATTR => {
-            let valid = get_u32(op_in, 0);
+            let valid = u32_at(op_in, 0);
             let has = |f: u32| valid & f != 0;
             let time = |f: u32, now: u32, s: usize, ns: usize| {
                 if has(now) {
                     Some(None)
                 } else if has(f) {
-                    Some(Some((get_u64(op_in, s) as i64, get_u32(op_in, ns))))
+                    Some(Some((u64_at(op_in, s) as i64, u32_at(op_in, ns))))
                 } else {
                     None
                 }
             };
             let set = SetAttr {
-                mode: has(FATTR_MODE).then(|| get_u32(op_in, 68)),
-                uid: has(FATTR_UID).then(|| get_u32(op_in, 76)),
-                gid: has(FATTR_GID).then(|| get_u32(op_in, 80)),
-                size: has(FATTR_SIZE).then(|| get_u64(op_in, 16)),
+                mode: has(FATTR_MODE).then(|| u32_at(op_in, 68)),
+                uid: has(FATTR_UID).then(|| u32_at(op_in, 76)),
+                gid: has(FATTR_GID).then(|| u32_at(op_in, 80)),
+                size: has(FATTR_SIZE).then(|| u64_at(op_in, 16)),
                 atime: time(FATTR_ATIME, FATTR_ATIME_NOW, 32, 56),
                 mtime: time(FATTR_MTIME, FATTR_MTIME_NOW, 40, 60),
                 kill_privs: has(FATTR_KILL_SUIDGID),
@@ -548,42 +538,13 @@ fn run(
             Ok(entry_out(h, payload, &a))
         }
         op::MKNOD => {
-            let (mode, rdev, umask) = (get_u32(op_in, 0), get_u32(op_in, 4), get_u32(op_in, 8));
-            let m = mode & libc::S_IFMT;
-            let ok = [
-                libc::S_IFREG,
-                libc::S_IFIFO,
-                libc::S_IFCHR,
-                libc::S_IFBLK,
-                libc::S_IFSOCK,
-            ];
-            if !ok.contains(&m) {
-                return Err(libc::EINVAL);
-            }
-            let p = small();
-            let n = names(&p, 1).ok_or(libc::EINVAL)?;
-            let a = fs.mknod(
-                nodeid,
-                n[0],
-                m | (mode & 0o7777 & !umask),
-                rdev,
-                caller,
-                None,
-            )?;
+            let mode = mknod_mode(u32_at(op_in, 0), u32_at(op_in, 8))?;
+            let a = new_node(mode, u32_at(op_in, 4))?;
             Ok(entry_out(h, payload, &a))
         }
         op::MKDIR => {
-            let (mode, umask) = (get_u32(op_in, 0), get_u32(op_in, 4));
-            let p = small();
-            let n = names(&p, 1).ok_or(libc::EINVAL)?;
-            let a = fs.mknod(
-                nodeid,
-                n[0],
-                libc::S_IFDIR | (mode & 0o7777 & !umask),
-                0,
-                caller,
-                None,
-            )?;
+            let (mode, umask) = (u32_at(op_in, 0), u32_at(op_in, 4));
+            let a = new_node(libc::S_IFDIR | (mode & 0o7777 & !umask), 0)?;
             Ok(entry_out(h, payload, &a))
         }
         op::UNLINK | op::RMDIR => {
@@ -593,9 +554,9 @@ fn run(
             Ok(0)
         }
         op::RENAME | op::RENAME2 => {
-            let newdir = get_u64(op_in, 0);
+            let newdir = u64_at(op_in, 0);
             let flags = if opcode == op::RENAME2 {
-                get_u32(op_in, 8)
+                u32_at(op_in, 8)
             } else {
                 0
             };
@@ -605,7 +566,7 @@ fn run(
             Ok(0)
         }
         op::LINK => {
-            let old = get_u64(op_in, 0);
+            let old = u64_at(op_in, 0);
             let p = small();
             let n = names(&p, 1).ok_or(libc::EINVAL)?;
             let a = fs.link(old, nodeid, n[0])?;
@@ -616,32 +577,32 @@ fn run(
             Ok(open_out(payload, FOPEN_KEEP_CACHE))
         }
         op::READ => {
-            let (offset, size) = (get_u64(op_in, 8), get_u32(op_in, 16));
+            let (offset, size) = (u64_at(op_in, 8), u32_at(op_in, 16));
             let d = fs.read(nodeid, offset, size.min(payload.len() as u32))?;
             data(payload, &d)
         }
         op::WRITE => {
-            let (offset, size) = (get_u64(op_in, 8), get_u32(op_in, 16) as usize);
-            let kill = get_u32(op_in, 20) & FUSE_WRITE_KILL_SUIDGID != 0;
+            let (offset, size) = (u64_at(op_in, 8), u32_at(op_in, 16) as usize);
+            let kill = u32_at(op_in, 20) & FUSE_WRITE_KILL_SUIDGID != 0;
             if size > in_sz {
                 return Err(libc::EINVAL);
             }
             let n = fs.write_as(nodeid, offset, &payload[..size], kill)?;
             payload[..8].fill(0);
-            put_u32(payload, 0, n as u32);
+            put32(payload, 0, n as u32);
             Ok(8)
         }
         op::STATFS => {
             let s = fs.statfs();
             payload[..80].fill(0);
-            put_u64(payload, 0, s.blocks);
-            put_u64(payload, 8, s.bfree);
-            put_u64(payload, 16, s.bfree);
-            put_u64(payload, 24, s.files);
-            put_u64(payload, 32, s.ffree);
-            put_u32(payload, 40, BLOCK as u32);
-            put_u32(payload, 44, NAME_MAX as u32);
-            put_u32(payload, 48, BLOCK as u32);
+            put64(payload, 0, s.blocks);
+            put64(payload, 8, s.bfree);
+            put64(payload, 16, s.bfree);
+            put64(payload, 24, s.files);
+            put64(payload, 32, s.ffree);
+            put32(payload, 40, BLOCK as u32);
+            put32(payload, 44, NAME_MAX as u32);
+            put32(payload, 48, BLOCK as u32);
             Ok(80)
         }
         op::RELEASE => {
@@ -650,7 +611,7 @@ fn run(
         }
         op::FSYNC => {
             // fuse_fsync_in.fsync_flags bit 0: fdatasync.
-            fs.fsync_as(nodeid, get_u32(op_in, 8) & 1 != 0)?;
+            fs.fsync_as(nodeid, u32_at(op_in, 8) & 1 != 0)?;
             Ok(0)
         }
         op::FSYNCDIR => {
@@ -658,7 +619,7 @@ fn run(
             Ok(0)
         }
         op::SETXATTR => {
-            let (size, flags) = (get_u32(op_in, 0) as usize, get_u32(op_in, 4) as i32);
+            let (size, flags) = (u32_at(op_in, 0) as usize, u32_at(op_in, 4) as i32);
             let p = payload[..in_sz].to_vec();
             let z = p.iter().position(|&c| c == 0).ok_or(libc::EINVAL)?;
             let value = p.get(z + 1..z + 1 + size).ok_or(libc::EINVAL)?;
@@ -666,14 +627,14 @@ fn run(
             Ok(0)
         }
         op::GETXATTR => {
-            let size = get_u32(op_in, 0);
+            let size = u32_at(op_in, 0);
             let p = small();
             let n = names(&p, 1).ok_or(libc::EINVAL)?;
             let v = fs.getxattr(nodeid, n[0])?;
             xattr_answer(payload, v, size)
         }
         op::LISTXATTR => {
-            let size = get_u32(op_in, 0);
+            let size = u32_at(op_in, 0);
             let v = fs.listxattr(nodeid)?;
             xattr_answer(payload, v, size)
         }
@@ -692,7 +653,7 @@ fn run(
             Ok(open_out(payload, 0))
         }
         op::READDIR => {
-            let (offset, size) = (get_u64(op_in, 8), get_u32(op_in, 16) as usize);
+            let (offset, size) = (u64_at(op_in, 8), u32_at(op_in, 16) as usize);
             let cap = size.min(payload.len());
             let mut len = 0usize;
             fs.readdir(nodeid, offset, |next, ino, kind, name| {
@@ -703,10 +664,10 @@ fn run(
                 }
                 let b = &mut payload[len..len + rec];
                 b.fill(0);
-                put_u64(b, 0, ino);
-                put_u64(b, 8, next);
-                put_u32(b, 16, name.len() as u32);
-                put_u32(b, 20, kind as u32);
+                put64(b, 0, ino);
+                put64(b, 8, next);
+                put32(b, 16, name.len() as u32);
+                put32(b, 20, kind as u32);
                 b[24..24 + name.len()].copy_from_slice(name);
                 len += rec;
                 false
@@ -714,26 +675,17 @@ fn run(
             Ok(len)
         }
         op::CREATE => {
-            let (mode, umask) = (get_u32(op_in, 4), get_u32(op_in, 8));
-            let p = small();
-            let n = names(&p, 1).ok_or(libc::EINVAL)?;
-            let a = fs.mknod(
-                nodeid,
-                n[0],
-                libc::S_IFREG | (mode & 0o7777 & !umask),
-                0,
-                caller,
-                None,
-            )?;
+            let (mode, umask) = (u32_at(op_in, 4), u32_at(op_in, 8));
+            let a = new_node(libc::S_IFREG | (mode & 0o7777 & !umask), 0)?;
             fs.open_file(a.ino)?;
             let e = entry_out(h, payload, &a);
             Ok(e + open_out(&mut payload[e..], FOPEN_KEEP_CACHE))
         }
         op::FALLOCATE => {
             let (offset, length, mode) = (
-                get_u64(op_in, 8),
-                get_u64(op_in, 16),
-                get_u32(op_in, 24) as i32,
+                u64_at(op_in, 8),
+                u64_at(op_in, 16),
+                u32_at(op_in, 24) as i32,
             );
             fs.fallocate(nodeid, offset, length, mode)?;
             Ok(0)
