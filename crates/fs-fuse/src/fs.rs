@@ -1810,7 +1810,7 @@ impl Fs {
         }
         n.attr.ctime = t;
         if set.kill_privs && set.mode.is_none() {
-            self.kill_privs(&mut st, &ctx, ino)?;
+            self.kill_privs(&mut st, &ctx, ino, true)?;
         }
         let n = st.nodes.get_mut(&ino).expect("node");
         let a = n.attr(ino);
@@ -1819,17 +1819,19 @@ impl Fs {
         Ok(a)
     }
 
-    /// Clear set-user-ID, set-group-ID when group-executable, and the `security.capability`
-    /// xattr of regular file `ino`, as Linux does on a write, truncate or chown by a process
-    /// without `CAP_FSETID`; `true` when something changed (the caller touches the node).
-    fn kill_privs(&self, st: &mut State, ctx: &Ctx, ino: u64) -> FsResult<bool> {
+    /// Drop the `security.capability` xattr of regular file `ino`, and with `suidgid` clear
+    /// set-user-ID and set-group-ID when group-executable, as Linux does on a write, truncate
+    /// or chown (the bits only for a process without `CAP_FSETID`; the capability always);
+    /// `true` when something changed (the caller touches the node).
+    fn kill_privs(&self, st: &mut State, ctx: &Ctx, ino: u64, suidgid: bool) -> FsResult<bool> {
         let n = st.nodes.get_mut(&ino).expect("node");
         if n.attr.mode & S_IFMT != libc::S_IFREG {
             return Ok(false);
         }
         let mut changed = false;
-        if n.attr.mode & libc::S_ISUID != 0
-            || n.attr.mode & (libc::S_ISGID | 0o010) == (libc::S_ISGID | 0o010)
+        if suidgid
+            && (n.attr.mode & libc::S_ISUID != 0
+                || n.attr.mode & (libc::S_ISGID | 0o010) == (libc::S_ISGID | 0o010))
         {
             n.attr.mode &= !(libc::S_ISUID | libc::S_ISGID);
             changed = true;
@@ -1955,9 +1957,10 @@ impl Fs {
         self.write_as(ino, offset, data, true)
     }
 
-    /// Write `data` at `offset`; `kill_privs` clears set-user-ID, set-group-ID (when
-    /// group-executable) and the `security.capability` xattr, as Linux does for a writer
-    /// without `CAP_FSETID` (the kernel says which in `FUSE_WRITE_KILL_SUIDGID`).
+    /// Write `data` at `offset`. Any write drops the `security.capability` xattr; with
+    /// `kill_privs` it also clears set-user-ID and set-group-ID (when group-executable), as
+    /// Linux does for a writer without `CAP_FSETID` (the kernel says which in
+    /// `FUSE_WRITE_KILL_SUIDGID`).
     pub fn write_as(
         &self,
         ino: u64,
@@ -2053,9 +2056,7 @@ impl Fs {
             n.attr.ctime = t;
             changed = true;
         }
-        if kill_privs {
-            changed |= self.kill_privs(&mut st, &ctx, ino)?;
-        }
+        changed |= self.kill_privs(&mut st, &ctx, ino, kill_privs)?;
         if changed {
             Self::touch(&mut st, ino);
         }

@@ -192,6 +192,18 @@ fn requests_in_queue_buffers_are_answered_as_the_kernel_expects() {
     assert_eq!(mode(&h, 32), 0o6755, "no kill flag: bits kept");
     write(&h, 33, 1 << 2);
     assert_eq!(mode(&h, 34), 0o755, "FUSE_WRITE_KILL_SUIDGID");
+    // A file capability goes with any write, the writer's CAP_FSETID or not.
+    let mut op = vec![0u8; 16];
+    put32(&mut op, 0, 4);
+    let (e, _) = call(&h, req(21, 40, ino, &op, b"security.capability\0abcd"), 40);
+    assert_eq!(e, 0);
+    write(&h, 41, 0);
+    let (e, _) = call(
+        &h,
+        req(22, 42, ino, &[0u8; 8], b"security.capability\0"),
+        42,
+    );
+    assert_eq!(e, -libc::ENODATA, "security.capability dropped by a write");
     chmod(&h, 35, 0o6755);
     let mut op = vec![0u8; 88];
     put32(&mut op, 0, 2 | (1 << 11));
