@@ -36,6 +36,12 @@ pub enum JournalError {
     /// An earlier commit or checkpoint failed part-way; reopen the journal (recovery) to go on.
     #[error("the journal was aborted by an earlier failed commit or checkpoint: reopen it with JournalSet::open to recover")]
     Aborted,
+    /// Area `area` holds a Rio-ordered commit, which only the attribute logs can vouch for.
+    #[error("journal area {area}: transaction {tid} was committed with Rio ordering; recover it with its attribute logs (JournalSet::open_rio, recover_image_rio)")]
+    RioLogsNeeded { area: usize, tid: u64 },
+    /// The Rio ordered device failed (attribute log, ordered writes, FLUSH).
+    #[error("Rio ordering: {0}")]
+    Rio(#[from] rio_ordering::RioError),
     /// The device failed a request.
     #[error(transparent)]
     Io(#[from] LbioError),

@@ -30,6 +30,11 @@ pub const TAGS_PER_DESC: usize = (CRC_AT - HEADER) / 16;
 pub const REVOKES_PER_BLOCK: usize = (CRC_AT - HEADER) / 8;
 /// Descriptor flag: a file-level transaction (it carries one file's metadata only).
 pub const FLAG_FILE_TX: u32 = 1;
+/// On a commit block: the transaction went out as Rio-ordered writes, without a FLUSH between
+/// its journal blocks and this block; the 8 bytes after the chained checksum hold the Rio group
+/// of this block on the area's stream, and recovery keeps the transaction only when the
+/// attribute log shows that group durable.
+pub const FLAG_RIO: u32 = 2;
 /// The superblock's checksum covers its first sector up to here.
 pub const SB_CRC_AT: usize = 508;
 

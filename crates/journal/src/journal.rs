@@ -1,4 +1,4 @@
-//! Journal areas, transactions, commit (vanilla and overlapped), checkpoint, and recovery on a
+//! Journal areas, transactions, commit (vanilla, overlapped, Rio-ordered), checkpoint, and recovery on a
 //! device.
 
 use std::collections::HashMap;
@@ -12,10 +12,11 @@ use std::time::{Duration, Instant};
 
 use aios_core::{Engine, FixedBuf};
 use lbio::{Device, IoFuture, LbioError};
+use rio_ordering::{AttrLog, LogScan, OrderedConfig, OrderedDevice, Pmr};
 
 use crate::error::JournalError;
 use crate::format::{
-    self, Header, Kind, Superblock, BLOCK, FLAG_FILE_TX, REVOKES_PER_BLOCK, TAGS_PER_DESC,
+    self, Header, Kind, Superblock, BLOCK, FLAG_FILE_TX, FLAG_RIO, REVOKES_PER_BLOCK, TAGS_PER_DESC,
 };
 use crate::recovery::{self, AreaLog, LogEnd};
 
@@ -328,6 +329,8 @@ struct AreaState {
     generation: u64,
     /// A thread is committing into this area (the leader); others queue behind it.
     leader: bool,
+    /// A handle commits into this area with Rio ordering (its stream is this area's).
+    rio_owned: bool,
     /// Commits waiting for the leader, in arrival order.
     queue: std::collections::VecDeque<Arc<Waiter>>,
 }
@@ -339,6 +342,7 @@ impl AreaState {
             tail: head,
             generation,
             leader: false,
+            rio_owned: false,
             queue: Default::default(),
         }
     }
@@ -709,17 +713,42 @@ impl JournalSet {
     /// Recover the journal on `dev`: parse every area, replay the committed transactions (merged
     /// by id, newest version of a block wins, revokes respected), make the result durable, and
     /// start each area's log afresh.
+    ///
+    /// A journal holding Rio-ordered commits ([`Journal::with_rio`]) is refused
+    /// ([`JournalError::RioLogsNeeded`]): open it with [`JournalSet::open_rio`].
     pub fn open(
         dev: &Device,
         layout: Layout,
     ) -> Result<(std::sync::Arc<JournalSet>, RecoveryReport), JournalError> {
+        Self::open_with(dev, layout, None)
+    }
+
+    /// [`JournalSet::open`] for a journal whose commits may be Rio-ordered: `prefix_end[area]`
+    /// is where the area's stream's durable prefix ends, from the areas' attribute logs
+    /// ([`rio_prefix`]). A Rio-ordered commit at or past it is dropped as the torn tail (its
+    /// fsync was never acknowledged). Format fresh attribute logs afterwards.
+    pub fn open_rio(
+        dev: &Device,
+        layout: Layout,
+        prefix_end: &[u64],
+    ) -> Result<(std::sync::Arc<JournalSet>, RecoveryReport), JournalError> {
+        Self::open_with(dev, layout, Some(prefix_end))
+    }
+
+    fn open_with(
+        dev: &Device,
+        layout: Layout,
+        prefix_end: Option<&[u64]>,
+    ) -> Result<(std::sync::Arc<JournalSet>, RecoveryReport), JournalError> {
         let bytes = dev.geometry().capacity_bytes;
         layout.validate(bytes)?;
         let mut logs: Vec<AreaLog> = Vec::new();
+        check_prefix(&layout, prefix_end)?;
         for (i, &(off, blocks)) in layout.areas.iter().enumerate() {
             let img = read_range(dev, off, blocks * BLOCK as u64)?;
-            logs.push(recovery::parse_area(&img, i)?);
+            logs.push(recovery::parse_area_rio(&img, i, prefix_end.map(|p| p[i]))?);
         }
+        recovery::apply_rio_prefix(&mut logs, prefix_end)?;
         let engine = dev.lbio().engine();
         let (writes, report) = plan_recovery(&logs, &layout, bytes)?;
         write_home(dev, writes)?;
@@ -808,6 +837,23 @@ pub struct Journal {
     plp: bool,
     /// Let this handle's commits join (and take in) other threads' commits to the same area.
     group_commit: bool,
+    /// Rio ordering in place of the FLUSH between journal and commit ([`Journal::with_rio`]).
+    rio: Option<RioStream>,
+}
+
+/// A handle's Rio stream: the ordered device (its own lbio array over the journal's device)
+/// and the stream, which is the area's index.
+struct RioStream {
+    dev: std::cell::RefCell<OrderedDevice<Box<dyn Pmr>>>,
+    stream: u16,
+}
+
+impl Drop for Journal {
+    fn drop(&mut self) {
+        if self.rio.is_some() {
+            self.set.lock_area(self.area).rio_owned = false;
+        }
+    }
 }
 
 impl Journal {
@@ -841,7 +887,81 @@ impl Journal {
             mode,
             plp,
             group_commit: true,
+            rio: None,
         })
+    }
+
+    /// A handle whose commits are **Rio-ordered** (Rio §4.7): a commit's data, journal blocks and
+    /// commit block go to the device together as two ordered groups on the area's stream (data
+    /// and journal blocks first, then the commit block), with no wait and no FLUSH between them;
+    /// the commit ends with the stream's `wait`, which FLUSHes once (on a device without
+    /// power-loss protection) and marks the groups durable in the attribute log. The commit
+    /// block records its group, and recovery ([`JournalSet::open_rio`]) keeps the transaction
+    /// only when the attribute log shows that group durable. Every commit still ends durable, so
+    /// a block freed by one is reused only after a real FLUSH.
+    ///
+    /// `target` is the journal's device opened on an lbio array of its own (the ordered device
+    /// takes that array); `log` is a fresh attribute log with one stream per journal area
+    /// (format it after every [`JournalSet::open_rio`]: the logs it recovered from are spent).
+    /// At most one Rio handle per area. Preparation is overlapped-style; group commit still lets
+    /// other handles' commits join this one.
+    pub fn with_rio(
+        set: &std::sync::Arc<JournalSet>,
+        area: usize,
+        dev: Device,
+        target: Device,
+        log: AttrLog<Box<dyn Pmr>>,
+        cfg: OrderedConfig,
+    ) -> Result<Journal, JournalError> {
+        let mut j = Journal::new(set, area, dev, CommitMode::Overlapped)?;
+        if Rc::ptr_eq(target.lbio(), j.dev.lbio()) {
+            return Err(JournalError::Layout(
+                "the Rio target must be opened on an lbio array of its own (the ordered device \
+                 owns the array's completions)"
+                    .into(),
+            ));
+        }
+        if target.geometry().capacity_bytes != set.device_bytes {
+            return Err(JournalError::Layout(format!(
+                "Rio target of {} bytes; the journal's device has {}",
+                target.geometry().capacity_bytes,
+                set.device_bytes
+            )));
+        }
+        let areas = set.layout.areas.len();
+        if log.streams() as usize != areas {
+            return Err(JournalError::Layout(format!(
+                "an attribute log of {} streams; the journal has {areas} areas (one stream each)",
+                log.streams()
+            )));
+        }
+        let start: Vec<u64> = (0..areas).map(|a| (a == area) as u64).collect();
+        let lbio = Rc::clone(target.lbio());
+        let ordered = OrderedDevice::new(lbio, vec![target], log, &start, cfg)?;
+        {
+            let mut a = set.lock_area(area);
+            if a.rio_owned {
+                return Err(JournalError::Layout(format!(
+                    "journal area {area} already has a Rio-ordered handle (one stream per area)"
+                )));
+            }
+            a.rio_owned = true;
+        }
+        j.rio = Some(RioStream {
+            dev: std::cell::RefCell::new(ordered),
+            stream: area as u16,
+        });
+        Ok(j)
+    }
+
+    /// Whether commits go out Rio-ordered ([`Journal::with_rio`]).
+    pub fn rio_ordered(&self) -> bool {
+        self.rio.is_some()
+    }
+
+    /// The Rio ordered device's counters (commands, FLUSHes, log syncs), for a Rio handle.
+    pub fn rio_stats(&self) -> Option<rio_ordering::OrderedStats> {
+        self.rio.as_ref().map(|r| r.dev.borrow().stats())
     }
 
     pub fn set(&self) -> &std::sync::Arc<JournalSet> {
@@ -1139,11 +1259,15 @@ impl Journal {
         tid: u64,
         blocks: usize,
         chain: u32,
+        rio_group: Option<u64>,
     ) -> Result<FixedBuf, JournalError> {
-        let (flags, file) = match tx.file {
+        let (mut flags, file) = match tx.file {
             Some(f) => (FLAG_FILE_TX, f),
             None => (0, 0),
         };
+        if rio_group.is_some() {
+            flags |= FLAG_RIO;
+        }
         let mut c = alloc(&self.engine)?;
         Header {
             kind: Kind::Commit,
@@ -1156,6 +1280,9 @@ impl Journal {
         .write(&mut c);
         format::put_u32(&mut c, format::HEADER, blocks as u32);
         format::put_u32(&mut c, format::HEADER + 4, chain);
+        if let Some(g) = rio_group {
+            format::put_u64(&mut c, format::HEADER + 8, g);
+        }
         format::seal(&mut c);
         Ok(c)
     }
@@ -1213,6 +1340,9 @@ impl Journal {
     }
 
     fn write_tx(&self, tx: &Tx, tid: u64, head: u64) -> Result<(), JournalError> {
+        if let Some(rio) = &self.rio {
+            return self.write_tx_rio(rio, tx, tid, head);
+        }
         let dev = &self.dev;
         // FUA on every data and journal block makes the FLUSH before the commit unneeded.
         let fua = !self.plp && self.set.durability() == Durability::FuaWrites;
@@ -1253,7 +1383,7 @@ impl Journal {
                     self.flush()?;
                 }
                 add(&st.flush_ns, t);
-                let c = timed(&mut prep, || self.prepare_commit(tx, tid, n, chain));
+                let c = timed(&mut prep, || self.prepare_commit(tx, tid, n, chain, None));
                 (c?, n)
             }
             CommitMode::Overlapped => {
@@ -1275,7 +1405,7 @@ impl Journal {
                         w.start(dev.write_at(at, buf, fua));
                     }
                 }
-                let c = timed(&mut prep, || self.prepare_commit(tx, tid, n, chain));
+                let c = timed(&mut prep, || self.prepare_commit(tx, tid, n, chain, None));
                 let c = c?;
                 w.wait(&self.engine)?;
                 add(&st.writes_ns, start);
@@ -1298,6 +1428,67 @@ impl Journal {
             self.engine.block_on(dev.flush())??;
         }
         add(&st.commit_ns, t);
+        Ok(())
+    }
+
+    /// The Rio-ordered commit: one group with the data (in place) and the journal blocks, then
+    /// the commit block as the next group, all sent without waiting; then the stream's `wait`
+    /// (writes done, one FLUSH where the device has a volatile cache, groups marked durable in
+    /// the attribute log).
+    fn write_tx_rio(
+        &self,
+        rio: &RioStream,
+        tx: &Tx,
+        tid: u64,
+        head: u64,
+    ) -> Result<(), JournalError> {
+        let st = &self.set.stats;
+        let start = Instant::now();
+        let t = Instant::now();
+        let data = self.data_bufs(tx)?;
+        let (blocks, chain) = self.prepare_journal(tx, tid)?;
+        let n = blocks.len();
+        let runs = self.log_runs(blocks, head)?;
+        let mut dev = rio.dev.borrow_mut();
+        let s = rio.stream;
+        // The commit block's group follows the data-and-journal group.
+        let group = dev.next_seq(s) + 1;
+        let c = self.prepare_commit(tx, tid, n, chain, Some(group))?;
+        st.prepare_ns
+            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let write = |offset: u64, buf: FixedBuf, ipu: bool| rio_ordering::Write {
+            target: 0,
+            offset,
+            buf,
+            ipu,
+        };
+        for (b, buf) in data {
+            dev.submit(s, write(b * BLOCK as u64, buf, true), false)?;
+        }
+        let k = runs.len();
+        for (i, (at, buf)) in runs.into_iter().enumerate() {
+            dev.submit(s, write(at, buf, false), i + 1 == k)?;
+        }
+        debug_assert_eq!(dev.next_seq(s), group);
+        let at = self.set.log_byte(self.area, head + n as u64);
+        dev.submit(s, write(at, c, false), true)?;
+        let waited = dev.wait(s);
+        // Hand the buffers back whatever happened, then report the first failure.
+        let done = dev.poll();
+        waited?;
+        if let Some(d) = done?.into_iter().find(|d| d.result.is_err()) {
+            return Err(JournalError::Rio(rio_ordering::RioError::Config(format!(
+                "write {} of group {} failed: {}",
+                d.id,
+                d.seq,
+                d.result.err().unwrap_or_default()
+            ))));
+        }
+        st.writes_ns
+            .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        if self.plp {
+            st.flushes_skipped.fetch_add(1, Ordering::Relaxed);
+        }
         Ok(())
     }
 
@@ -1362,12 +1553,63 @@ impl Journal {
 /// Recovery applied to a device image in memory (what [`JournalSet::open`] would write home),
 /// without resetting the logs: for crash simulation at scale and for inspecting images.
 pub fn recover_image(image: &mut [u8], layout: &Layout) -> Result<RecoveryReport, JournalError> {
+    recover_image_with(image, layout, None)
+}
+
+/// [`recover_image`] for Rio-ordered commits, given where each area's durable prefix ends
+/// ([`rio_prefix`]; see [`JournalSet::open_rio`]).
+pub fn recover_image_rio(
+    image: &mut [u8],
+    layout: &Layout,
+    prefix_end: &[u64],
+) -> Result<RecoveryReport, JournalError> {
+    recover_image_with(image, layout, Some(prefix_end))
+}
+
+/// Per journal area, where its Rio stream's durable prefix ends: Rio recovery (Rio §4.4) of the
+/// attribute logs the areas' Rio handles wrote (one per area, in area order, each with one
+/// stream per area; an area without a Rio handle may pass a fresh log). `plp`: the device has
+/// power-loss protection.
+pub fn rio_prefix(scans: &[LogScan], plp: bool) -> Result<Vec<u64>, JournalError> {
+    scans
+        .iter()
+        .enumerate()
+        .map(|(area, scan)| {
+            let r = rio_ordering::recover(scan, &|_| plp);
+            r.streams.get(area).map(|s| s.prefix_end).ok_or_else(|| {
+                JournalError::Layout(format!(
+                    "attribute log {area} has {} streams; it needs one per journal area",
+                    r.streams.len()
+                ))
+            })
+        })
+        .collect()
+}
+
+fn check_prefix(layout: &Layout, prefix_end: Option<&[u64]>) -> Result<(), JournalError> {
+    match prefix_end {
+        Some(p) if p.len() != layout.areas.len() => Err(JournalError::Layout(format!(
+            "{} Rio prefixes for {} journal areas",
+            p.len(),
+            layout.areas.len()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+fn recover_image_with(
+    image: &mut [u8],
+    layout: &Layout,
+    prefix_end: Option<&[u64]>,
+) -> Result<RecoveryReport, JournalError> {
     layout.validate(image.len() as u64)?;
     let mut logs = Vec::new();
+    check_prefix(layout, prefix_end)?;
     for (i, &(off, blocks)) in layout.areas.iter().enumerate() {
         let area = &image[off as usize..(off + blocks * BLOCK as u64) as usize];
-        logs.push(recovery::parse_area(area, i)?);
+        logs.push(recovery::parse_area_rio(area, i, prefix_end.map(|p| p[i]))?);
     }
+    recovery::apply_rio_prefix(&mut logs, prefix_end)?;
     let (writes, report) = plan_recovery(&logs, layout, image.len() as u64)?;
     for (b, d) in writes {
         let at = (b * BLOCK as u64) as usize;

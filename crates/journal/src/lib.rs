@@ -54,7 +54,9 @@ pub mod recovery;
 
 pub use error::JournalError;
 pub use journal::{
-    recover_image, CommitInfo, CommitMode, Durability, DurabilityProbe, Journal, JournalSet,
-    JournalStats, Layout, RecoveryReport, Tx,
+    recover_image, recover_image_rio, rio_prefix, CommitInfo, CommitMode, Durability,
+    DurabilityProbe, Journal, JournalSet, JournalStats, Layout, RecoveryReport, Tx,
 };
 pub use recovery::{AreaLog, LogEnd, RecoveredTx};
+/// The Rio ordering crate a Rio-ordered handle ([`Journal::with_rio`]) is built from.
+pub use rio_ordering;

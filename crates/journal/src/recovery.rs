@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 
 use crate::error::JournalError;
-use crate::format::{self, Header, Kind, Superblock, BLOCK, FLAG_FILE_TX};
+use crate::format::{self, Header, Kind, Superblock, BLOCK, FLAG_FILE_TX, FLAG_RIO};
 
 /// A committed transaction found in a log.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -27,6 +27,8 @@ pub struct RecoveredTx {
     /// Log position of its first block, and how many blocks it takes.
     pub pos: u64,
     pub blocks: u64,
+    /// A Rio-ordered commit: the group its commit block had on the area's stream.
+    pub rio_group: Option<u64>,
 }
 
 /// How an area's log ended.
@@ -59,11 +61,37 @@ struct Broken {
     pos: u64,
     /// Its commit block was found intact but the contents do not match it.
     commit_intact: bool,
+    /// That commit block's Rio group, when it is a Rio-ordered commit.
+    commit_rio: Option<u64>,
     why: String,
 }
 
 /// Parse area `index` from its bytes (superblock first, the whole area).
 pub fn parse_area(area: &[u8], index: usize) -> Result<AreaLog, JournalError> {
+    parse_area_rio(area, index, None)
+}
+
+/// The Rio group of a Rio-ordered commit block.
+fn rio_group(h: &Header, b: &[u8]) -> Option<u64> {
+    (h.kind == Kind::Commit && h.flags & FLAG_RIO != 0)
+        .then(|| format::get_u64(b, format::HEADER + 8))
+}
+
+/// [`parse_area`] knowing where the area's Rio stream's durable prefix ends (`None`: unknown).
+///
+/// A Rio-ordered commit block is written together with its transaction's other blocks, so on
+/// its own it proves nothing about them: an intact commit block past a broken transaction is
+/// evidence of damage only when the attribute log shows its group durable. Without the
+/// attribute log's word every commit block counts as evidence, as for the other modes.
+pub fn parse_area_rio(
+    area: &[u8],
+    index: usize,
+    prefix_end: Option<u64>,
+) -> Result<AreaLog, JournalError> {
+    let evidence = |rio: Option<u64>| match (rio, prefix_end) {
+        (Some(g), Some(p)) => g < p,
+        _ => true,
+    };
     if area.len() < 2 * BLOCK || area.len() % BLOCK != 0 {
         return Err(JournalError::BadSuperblock {
             area: index,
@@ -118,12 +146,12 @@ pub fn parse_area(area: &[u8], index: usize) -> Result<AreaLog, JournalError> {
         }
         max_tid_seen = max_tid_seen.max(h.tid);
         let beyond = broken.as_ref().and_then(|b| b.tid).unwrap_or(last_tid);
-        if h.kind == Kind::Commit && h.tid > beyond {
+        if h.kind == Kind::Commit && h.tid > beyond && evidence(rio_group(&h, b)) {
             newer_commit = Some(p);
         }
     }
     let end = match broken {
-        Some(b) if b.commit_intact => LogEnd::Corrupt {
+        Some(b) if b.commit_intact && evidence(b.commit_rio) => LogEnd::Corrupt {
             pos: b.pos,
             why: format!("{} (its commit block is intact)", b.why),
         },
@@ -172,10 +200,11 @@ fn parse_tx<'a>(
     }
     let tid = h.tid;
     let file = (h.flags & FLAG_FILE_TX != 0).then_some(h.file);
-    let broken = |n: u64, commit_intact: bool, why: String| Broken {
+    let broken = |n: u64, commit: Option<Option<u64>>, why: String| Broken {
         tid: Some(tid),
         pos: pos + n,
-        commit_intact,
+        commit_intact: commit.is_some(),
+        commit_rio: commit.flatten(),
         why: format!("transaction {tid}: {why}"),
     };
     let mut chain = 0u32;
@@ -185,7 +214,7 @@ fn parse_tx<'a>(
     let mut seen_revoke = false;
     loop {
         if n >= room {
-            return Err(broken(n, false, "runs past the end of the log".into()));
+            return Err(broken(n, None, "runs past the end of the log".into()));
         }
         let b = block(pos + n);
         let h = Header::read(b).filter(|h| h.tid == tid && h.area == area);
@@ -196,7 +225,7 @@ fn parse_tx<'a>(
                 n += 1;
                 for i in 0..count {
                     if n >= room {
-                        return Err(broken(n, false, "runs past the end of the log".into()));
+                        return Err(broken(n, None, "runs past the end of the log".into()));
                     }
                     let m = block(pos + n);
                     let (home, crc) = format::tag(b, i as usize);
@@ -225,10 +254,11 @@ fn parse_tx<'a>(
             Some(Kind::Commit) => {
                 let blocks = format::get_u32(b, format::HEADER) as u64;
                 let crc = format::get_u32(b, format::HEADER + 4);
+                let rio_group = h.and_then(|h| rio_group(&h, b));
                 if blocks != n || crc != chain {
                     return Err(broken(
                         n,
-                        true,
+                        Some(rio_group),
                         format!(
                             "commit block says {blocks} blocks with checksum {crc:#x}, the log has {n} with {chain:#x}"
                         ),
@@ -242,6 +272,7 @@ fn parse_tx<'a>(
                     revokes,
                     pos,
                     blocks: n + 1,
+                    rio_group,
                 }));
             }
             _ => {
@@ -259,17 +290,70 @@ fn parse_tx<'a>(
     }
 }
 
-/// Whether an intact commit block of `tid` lies within the next `room` log blocks.
+/// Drop the Rio-ordered commits that the attribute logs do not show durable.
+///
+/// A Rio-ordered transaction's data, journal blocks and commit block go to the device together,
+/// with no FLUSH between them, so an intact commit block alone does not prove the rest landed.
+/// `prefix_end[area]` is where the area's stream's durable prefix ends (Rio recovery of the
+/// area's attribute log): the area keeps its transactions up to the first whose commit group is
+/// at or past it, and that one becomes the log's torn tail. Commits are durable one after the
+/// other in an area, so nothing after it can be either. `None`: no attribute logs were given,
+/// and a Rio-ordered commit is an error rather than replayed on trust. Returns how many
+/// transactions were dropped.
+pub fn apply_rio_prefix(
+    logs: &mut [AreaLog],
+    prefix_end: Option<&[u64]>,
+) -> Result<usize, JournalError> {
+    if let Some(p) = prefix_end {
+        if p.len() != logs.len() {
+            return Err(JournalError::Layout(format!(
+                "{} Rio prefixes for {} journal areas",
+                p.len(),
+                logs.len()
+            )));
+        }
+    }
+    let mut dropped = 0;
+    for (i, l) in logs.iter_mut().enumerate() {
+        let Some(cut) = l.txs.iter().position(|t| {
+            t.rio_group
+                .is_some_and(|g| prefix_end.is_none_or(|p| g >= p[i]))
+        }) else {
+            continue;
+        };
+        let t = &l.txs[cut];
+        if prefix_end.is_none() {
+            return Err(JournalError::RioLogsNeeded {
+                area: i,
+                tid: t.tid,
+            });
+        }
+        if !matches!(l.end, LogEnd::Corrupt { .. }) {
+            l.end = LogEnd::TornTail {
+                tid: t.tid,
+                pos: t.pos,
+            };
+        }
+        l.end_pos = t.pos;
+        dropped += l.txs.len() - cut;
+        l.txs.truncate(cut);
+    }
+    Ok(dropped)
+}
+
+/// An intact commit block of `tid` within the next `room` log blocks: `Some(its Rio group)`.
 fn commit_follows<'a>(
     block: &impl Fn(u64) -> &'a [u8],
     from: u64,
     room: u64,
     tid: u64,
     area: u32,
-) -> bool {
-    (0..room).any(|i| {
-        Header::read(block(from + i))
-            .is_some_and(|h| h.kind == Kind::Commit && h.tid == tid && h.area == area)
+) -> Option<Option<u64>> {
+    (0..room).find_map(|i| {
+        let b = block(from + i);
+        Header::read(b)
+            .filter(|h| h.kind == Kind::Commit && h.tid == tid && h.area == area)
+            .map(|h| rio_group(&h, b))
     })
 }
 

@@ -5,18 +5,26 @@
 //! Checked for every crash state: every acknowledged commit is present; the transaction in
 //! flight at the cut is applied whole or not at all; each area replays exactly its commits since
 //! the last checkpoint, in order (a prefix of its commit order, plus possibly the one in flight);
-//! no torn tail is reported as damage. A separate test flips bits in committed transactions that
+//! no torn tail is reported as damage. About half the areas commit **Rio-ordered**
+//! ([`Journal::with_rio`]: data, journal and commit block sent together, one FLUSH at the end);
+//! their attribute logs live in emulated persistent memory that stops taking writes at the
+//! power cut, and recovery reads them ([`rio_prefix`], [`recover_image_rio`]). A separate test flips bits in committed transactions that
 //! are followed by later ones and checks the damage is reported.
 //!
 //! `AIOS_SIM_SEEDS` sets how many workloads run (default 2000, about 100,000 crash states);
 //! `AIOS_SIM_SEED=N` replays one seed. A failure prints its seed. A proptest draws 200 more
 //! workloads from fresh random seeds each run (`AIOS_SIM_RANDOM_CASES`).
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 
 use aios_core::{Engine, EngineConfig};
-use journal::{recover_image, CommitMode, Durability, Journal, JournalSet, Layout, LogEnd, Tx};
+use journal::rio_ordering::{self, AttrLog, MemPmr, OrderedConfig, Pmr, RioError};
+use journal::{
+    recover_image, recover_image_rio, rio_prefix, CommitMode, Durability, Journal, JournalSet,
+    Layout, LogEnd, Tx,
+};
 use lbio::{CrashOptions, LbioArray, LbioConfig, SimConfig, SimDisk, SimRng};
 
 const AREA_BLOCKS: u64 = 16;
@@ -31,6 +39,32 @@ fn block_of(v: u64) -> Vec<u8> {
     }
     b
 }
+
+/// Persistent memory emulated in RAM for the attribute log of a Rio-ordered area: a write lands
+/// at once, and nothing lands once the SimDisk's power is cut (the crash keeps what is there).
+struct SimPmr {
+    bytes: Rc<RefCell<Vec<u8>>>,
+    disk: SimDisk,
+}
+
+impl Pmr for SimPmr {
+    fn len(&self) -> usize {
+        self.bytes.borrow().len()
+    }
+    fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
+        if !self.disk.powered() {
+            return Err(RioError::Config("power cut".into()));
+        }
+        self.bytes.borrow_mut()[offset..offset + bytes.len()].copy_from_slice(bytes);
+        Ok(())
+    }
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError> {
+        out.copy_from_slice(&self.bytes.borrow()[offset..offset + out.len()]);
+        Ok(())
+    }
+}
+
+const RIO_LOG_BYTES: usize = 16 << 10;
 
 #[derive(Clone, Debug, Default)]
 struct Rec {
@@ -49,6 +83,11 @@ struct Outcome {
     pending_applied: usize,
     torn_tails: usize,
     checkpoints: u64,
+    /// Areas that committed Rio-ordered.
+    rio_areas: usize,
+    /// Cuts in the middle of a Rio-ordered commit, and images where that commit survived.
+    rio_mid_commit: usize,
+    rio_pending_applied: usize,
 }
 
 fn engine() -> (Rc<Engine>, Rc<LbioArray>) {
@@ -80,8 +119,25 @@ fn run_seed(seed: u64, lbio: &Rc<LbioArray>) -> Result<Outcome, String> {
     } else {
         Durability::Flush
     });
+    // Per area: its attribute log's bytes when it commits Rio-ordered.
+    let mut rio_logs: Vec<Option<Rc<RefCell<Vec<u8>>>>> = Vec::new();
     let journals: Vec<Journal> = (0..areas)
         .map(|a| {
+            if rng.chance(1, 2) {
+                let bytes = Rc::new(RefCell::new(vec![0u8; RIO_LOG_BYTES]));
+                let pmr: Box<dyn Pmr> = Box::new(SimPmr {
+                    bytes: Rc::clone(&bytes),
+                    disk: disk.clone(),
+                });
+                let log = AttrLog::format(pmr, areas as u16).unwrap();
+                let own = LbioArray::new(Rc::clone(lbio.engine()), LbioConfig::default()).unwrap();
+                let target = disk.open(&own).unwrap();
+                rio_logs.push(Some(bytes));
+                let cfg = OrderedConfig::default();
+                return Journal::with_rio(&set, a, disk.open(lbio).unwrap(), target, log, cfg)
+                    .unwrap();
+            }
+            rio_logs.push(None);
             let mode = if rng.chance(1, 2) {
                 CommitMode::Overlapped
             } else {
@@ -90,6 +146,7 @@ fn run_seed(seed: u64, lbio: &Rc<LbioArray>) -> Result<Outcome, String> {
             Journal::new(&set, a, disk.open(lbio).unwrap(), mode).unwrap()
         })
         .collect();
+    let rio_areas = rio_logs.iter().filter(|l| l.is_some()).count();
     disk.cut_power_after(1 + rng.below(400));
 
     let mut acked: Vec<Rec> = Vec::new();
@@ -190,9 +247,41 @@ fn run_seed(seed: u64, lbio: &Rc<LbioArray>) -> Result<Outcome, String> {
             .load(std::sync::atomic::Ordering::Relaxed),
         ..Outcome::default()
     };
+    // What the attribute logs say (they are written synchronously, so every crash image of the
+    // disk goes with the same logs).
+    let prefix = if rio_areas > 0 {
+        let scans: Vec<_> = rio_logs
+            .iter()
+            .map(|l| {
+                let mut m = MemPmr::new(RIO_LOG_BYTES);
+                match l {
+                    Some(b) => m.bytes_mut().copy_from_slice(&b.borrow()),
+                    None => {
+                        let fresh = AttrLog::format(MemPmr::new(RIO_LOG_BYTES), areas as u16)
+                            .expect("format");
+                        m = fresh.into_pmr();
+                    }
+                }
+                rio_ordering::scan(&m).expect("scan")
+            })
+            .collect();
+        match rio_prefix(&scans, disk.config().plp) {
+            Ok(p) => Some(p),
+            Err(e) => return Err(format!("seed {seed}: Rio recovery failed: {e}")),
+        }
+    } else {
+        None
+    };
+    out.rio_areas = rio_areas;
+    let pending_rio = pending.as_ref().is_some_and(|p| rio_logs[p.area].is_some());
+    out.rio_mid_commit = pending_rio as usize;
     for k in 0..IMAGES_PER_CUT {
         let mut img = disk.crash_image(CrashOptions::default());
-        let report = match recover_image(&mut img, &layout) {
+        let recovered = match &prefix {
+            Some(p) => recover_image_rio(&mut img, &layout, p),
+            None => recover_image(&mut img, &layout),
+        };
+        let report = match recovered {
             Ok(r) => r,
             Err(e) => return fail(format!("image {k}: recovery failed: {e}")),
         };
@@ -219,6 +308,7 @@ fn run_seed(seed: u64, lbio: &Rc<LbioArray>) -> Result<Outcome, String> {
         }
         let with_pending = !extra.is_empty();
         out.pending_applied += with_pending as usize;
+        out.rio_pending_applied += (with_pending && pending_rio) as usize;
         // Each area: exactly its acknowledged commits since the checkpoint, in order.
         let boundaries: Vec<u64> = std::iter::once(home_below)
             .chain(home_below_maybe)
@@ -280,6 +370,9 @@ fn crashes_at_random_points_recover_every_acknowledged_commit_atomically() {
                 total.pending_applied += o.pending_applied;
                 total.torn_tails += o.torn_tails;
                 total.checkpoints += o.checkpoints;
+                total.rio_areas += o.rio_areas;
+                total.rio_mid_commit += o.rio_mid_commit;
+                total.rio_pending_applied += o.rio_pending_applied;
             }
             Err(e) => panic!(
                 "{e}\nreplay with: AIOS_SIM_SEED={seed} cargo test -p journal --test crash_sim"
@@ -288,18 +381,25 @@ fn crashes_at_random_points_recover_every_acknowledged_commit_atomically() {
     }
     println!(
         "crash simulation: {} workloads, {} crash states recovered and checked in {:.1} s, 0 violations \
-         ({} cuts mid-commit, in-flight commit survived whole in {} images, {} torn tails, {} checkpoints)",
+         ({} cuts mid-commit, in-flight commit survived whole in {} images, {} torn tails, {} checkpoints; \
+         {} Rio-ordered areas, {} cuts mid Rio commit, survived whole in {} images)",
         seeds.len(),
         total.states,
         t0.elapsed().as_secs_f64(),
         total.mid_commit,
         total.pending_applied,
         total.torn_tails,
-        total.checkpoints
+        total.checkpoints,
+        total.rio_areas,
+        total.rio_mid_commit,
+        total.rio_pending_applied
     );
     assert!(
         seeds.len() < 100
-            || (total.mid_commit > 0 && total.pending_applied > 0 && total.torn_tails > 0)
+            || (total.mid_commit > 0
+                && total.pending_applied > 0
+                && total.torn_tails > 0
+                && total.rio_mid_commit > 0)
     );
 }
 
