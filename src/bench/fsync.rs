@@ -15,7 +15,11 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
+use std::rc::Rc;
+
+use journal::rio_ordering::{self, AttrLog, BlockPmr, MemPmr, OrderedConfig, Pmr};
 use journal::{CommitMode, Journal, JournalSet, Layout, Tx};
+use lbio::{LbioArray, LbioConfig};
 use serde::Serialize;
 
 use crate::bench::compare::Progress;
@@ -29,6 +33,9 @@ use crate::bench::{
 pub const AREA_BLOCKS: u64 = 1024;
 /// Blocks of each thread's file (its home region on the journal device; its file on ext4).
 pub const FILE_BLOCKS: u64 = 4096;
+/// Blocks of each area's attribute log in the Rio modes (64 KiB: 1,000 entries; a commit
+/// takes three, freed as soon as it is durable).
+pub const RIO_LOG_BLOCKS: u64 = 16;
 const BLOCK: usize = journal::format::BLOCK;
 
 /// What makes the write durable.
@@ -39,6 +46,17 @@ pub enum FsyncMode {
     Vanilla,
     /// The journal, overlapped commit (AIOS §3.3).
     Overlapped,
+    /// The journal, Rio-ordered commit (Rio §4.7): data, journal and commit block sent together,
+    /// one FLUSH; the attribute log in a **block log** on the journal device (durable, for
+    /// hardware without a PMR: it costs a FUA write before the data and one after the FLUSH).
+    #[value(name = "rio-blocklog")]
+    #[serde(rename = "rio-blocklog")]
+    RioBlocklog,
+    /// The same with the attribute log in persistent memory **emulated in RAM**: not durable,
+    /// a stand-in for an NVMe PMR (a few MMIO writes per commit), to show what one would give.
+    #[value(name = "rio-mempmr")]
+    #[serde(rename = "rio-mempmr")]
+    RioMempmr,
     /// `pwrite` + `fsync` on ext4.
     Ext4,
 }
@@ -48,6 +66,8 @@ impl FsyncMode {
         match self {
             FsyncMode::Vanilla => "vanilla",
             FsyncMode::Overlapped => "overlapped",
+            FsyncMode::RioBlocklog => "rio-blocklog",
+            FsyncMode::RioMempmr => "rio-mempmr",
             FsyncMode::Ext4 => "ext4",
         }
     }
@@ -95,8 +115,22 @@ pub struct FsyncSample {
     /// IOPS ÷ ext4's, same round and thread count.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub iops_vs_ext4: Option<f64>,
+    /// Rio modes: what the ordered devices did (summed over threads).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rio: Option<RioInfo>,
     #[serde(skip)]
     pub cdf: Vec<(f64, f64)>,
+}
+
+/// What the Rio modes' ordered devices did during a run.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct RioInfo {
+    /// Data writes sent to the device (merged commands count once).
+    pub device_cmds: u64,
+    pub flushes: u64,
+    /// Block log syncs in front of the data (`rio-blocklog`), and their mean time.
+    pub log_syncs: u64,
+    pub log_sync_us_mean: f64,
 }
 
 /// Where a commit's time goes (mean µs per commit).
@@ -234,6 +268,17 @@ impl FsyncBench {
         if self.areas == Some(0) {
             return Err(BenchError::Invalid("--areas must be >= 1".into()));
         }
+        let rio = self
+            .modes
+            .iter()
+            .any(|m| matches!(m, FsyncMode::RioBlocklog | FsyncMode::RioMempmr));
+        if rio && self.areas.is_some_and(|a| a < max_t as u32) {
+            return Err(BenchError::Invalid(
+                "the rio modes need one journal area per thread (one Rio stream per area): drop \
+                 --areas"
+                    .into(),
+            ));
+        }
         if self.modes.iter().any(|m| *m != FsyncMode::Ext4) {
             let need = self.journal_bytes(max_t);
             let have = device_bytes(&self.journal_dev)?;
@@ -249,7 +294,7 @@ impl FsyncBench {
     }
 
     fn journal_bytes(&self, threads: u64) -> u64 {
-        threads * (AREA_BLOCKS + FILE_BLOCKS + 1) * BLOCK as u64
+        threads * (AREA_BLOCKS + FILE_BLOCKS + 1 + RIO_LOG_BLOCKS) * BLOCK as u64
     }
 
     /// Run every case for every round; `emit` sees each sample once its round is complete.
@@ -296,8 +341,9 @@ impl FsyncBench {
     fn run_case(&self, mode: FsyncMode, threads: u32) -> Result<FsyncSample, BenchError> {
         match mode {
             FsyncMode::Ext4 => self.run_ext4(threads),
-            FsyncMode::Vanilla => self.run_journal(CommitMode::Vanilla, threads),
-            FsyncMode::Overlapped => self.run_journal(CommitMode::Overlapped, threads),
+            FsyncMode::Vanilla => self.run_journal(mode, threads),
+            FsyncMode::Overlapped => self.run_journal(mode, threads),
+            FsyncMode::RioBlocklog | FsyncMode::RioMempmr => self.run_journal(mode, threads),
         }
     }
 
@@ -305,7 +351,12 @@ impl FsyncBench {
         self.areas.map_or(threads, |a| a.clamp(1, threads))
     }
 
-    fn run_journal(&self, mode: CommitMode, threads: u32) -> Result<FsyncSample, BenchError> {
+    fn run_journal(&self, fmode: FsyncMode, threads: u32) -> Result<FsyncSample, BenchError> {
+        let mode = if fmode == FsyncMode::Vanilla {
+            CommitMode::Vanilla
+        } else {
+            CommitMode::Overlapped
+        };
         let completion = completion_for(threads);
         let areas = self.areas_for(threads);
         let layout = Layout::per_core(0, AREA_BLOCKS, areas as usize);
@@ -323,11 +374,36 @@ impl FsyncBench {
         let path = &self.journal_dev;
         let arena = arena_within_memlock(4 << 20, threads);
         let set = &set;
+        // The Rio modes' attribute logs: per area, after every thread's file.
+        let rio_logs_at = files_at + threads as u64 * (FILE_BLOCKS + 1);
+        let rio_stats = std::sync::Mutex::new(Vec::new());
+        let rio_stats = &rio_stats;
         let (results, elapsed, cpu) = run_threads(threads, |t, barrier| {
             let ready = (|| {
                 let (engine, _lbio, dev) = thread_stack(path, arena, completion, true)?;
-                let mut j =
-                    Journal::new(set, (t % areas) as usize, dev, mode).map_err(journal_err)?;
+                let area = (t % areas) as usize;
+                let mut j = match fmode {
+                    FsyncMode::RioBlocklog | FsyncMode::RioMempmr => {
+                        let own = LbioArray::new(Rc::clone(&engine), LbioConfig::default())?;
+                        let target = dev_on(&own, path)?;
+                        let bytes = (RIO_LOG_BLOCKS as usize) * BLOCK;
+                        let pmr: Box<dyn Pmr> = if fmode == FsyncMode::RioBlocklog {
+                            let at = (rio_logs_at + area as u64 * RIO_LOG_BLOCKS) * BLOCK as u64;
+                            Box::new(BlockPmr::open(&engine, path, at, bytes).map_err(rio_err)?)
+                        } else {
+                            Box::new(MemPmr::new(bytes))
+                        };
+                        let log = AttrLog::format(pmr, areas as u16).map_err(rio_err)?;
+                        // A commit closes two groups: send them together (one block-log sync
+                        // in front of the data instead of two).
+                        let cfg = OrderedConfig {
+                            batch: 2,
+                            ..OrderedConfig::default()
+                        };
+                        Journal::with_rio(set, area, dev, target, log, cfg).map_err(journal_err)?
+                    }
+                    _ => Journal::new(set, area, dev, mode).map_err(journal_err)?,
+                };
                 j.set_group_commit(group);
                 Ok::<_, BenchError>((engine, _lbio, j))
             })();
@@ -361,19 +437,30 @@ impl FsyncBench {
             for n in 0..8 {
                 one(n)?; // warm-up
             }
-            timed_loop(seconds, |n| one(n + 8))
+            let r = timed_loop(seconds, |n| one(n + 8));
+            if let Some(st) = j.rio_stats() {
+                rio_stats.lock().unwrap_or_else(|p| p.into_inner()).push(st);
+            }
+            r
         });
-        let mut s = self.sample(
-            if mode == CommitMode::Vanilla {
-                FsyncMode::Vanilla
-            } else {
-                FsyncMode::Overlapped
-            },
-            threads,
-            results,
-            elapsed,
-            cpu,
-        )?;
+        let mut s = self.sample(fmode, threads, results, elapsed, cpu)?;
+        let rio: Vec<rio_ordering::OrderedStats> =
+            std::mem::take(&mut *rio_stats.lock().unwrap_or_else(|p| p.into_inner()));
+        if !rio.is_empty() {
+            let sum =
+                |f: &dyn Fn(&rio_ordering::OrderedStats) -> u64| rio.iter().map(f).sum::<u64>();
+            let syncs = sum(&|r| r.log_syncs);
+            s.rio = Some(RioInfo {
+                device_cmds: sum(&|r| r.device_cmds),
+                flushes: sum(&|r| r.flushes),
+                log_syncs: syncs,
+                log_sync_us_mean: if syncs > 0 {
+                    sum(&|r| r.log_sync_ns) as f64 / syncs as f64 / 1000.0
+                } else {
+                    0.0
+                },
+            });
+        }
         let st = &set.stats;
         s.checkpoints = Some(st.checkpoints.load(std::sync::atomic::Ordering::Relaxed));
         s.areas = Some(areas);
@@ -507,6 +594,22 @@ fn prepare_ext4_file(path: &Path) -> Result<std::fs::File, BenchError> {
     Ok(f)
 }
 
+fn rio_err(e: rio_ordering::RioError) -> BenchError {
+    BenchError::Setup(format!("Rio attribute log: {e}"))
+}
+
+/// The journal device opened on `lbio` (the Rio modes' ordered device has an array of its own).
+fn dev_on(lbio: &Rc<LbioArray>, path: &Path) -> Result<lbio::Device, BenchError> {
+    Ok(lbio::Device::open(
+        lbio,
+        path,
+        lbio::DeviceConfig {
+            write: true,
+            ..crate::bench::pagecache::device_config()
+        },
+    )?)
+}
+
 fn journal_err(e: journal::JournalError) -> BenchError {
     BenchError::Setup(format!("journal: {e}"))
 }
@@ -596,6 +699,7 @@ fn medians(cases: &[(FsyncMode, u32)], all: &[FsyncSample], device: &str) -> Vec
             device: device.into(),
             lat_vs_vanilla: med_opt(&|s| s.lat_vs_vanilla),
             iops_vs_ext4: med_opt(&|s| s.iops_vs_ext4),
+            rio: mine[0].rio,
             cdf,
         });
     }

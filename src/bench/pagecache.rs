@@ -291,7 +291,7 @@ pub(crate) fn thread_stack(
 }
 
 /// How the bench opens its lbio devices: routes chosen by a short probe, no IOPOLL.
-fn device_config() -> DeviceConfig {
+pub(crate) fn device_config() -> DeviceConfig {
     DeviceConfig {
         route: RouteChoice::Auto,
         probe: ProbeOptions {

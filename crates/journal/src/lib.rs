@@ -11,6 +11,10 @@
 //!   journal and commit blocks while the data is in flight and sends the journal blocks without
 //!   waiting for it. The FLUSH is skipped on devices that declare power-loss protection; the
 //!   commit block is written with FUA (`RWF_DSYNC` on files, the FUA bit on NVMe).
+//! - **Rio-ordered commit** ([`Journal::with_rio`], Rio §4.7): data, journal blocks and commit
+//!   block go out together as two ordered groups on the area's Rio stream, one FLUSH at the end;
+//!   recovery ([`JournalSet::open_rio`]) keeps a Rio commit only when the attribute log shows
+//!   its group durable ([`rio_prefix`]).
 //! - **Per-core journals**: one area per engine ([`Layout::per_core`]), transaction ids global
 //!   across areas; recovery merges areas by id so the newest version of a block wins. File-level
 //!   transactions ([`Tx::for_file`]) carry one file's blocks and are committed by the calling
