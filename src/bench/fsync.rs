@@ -14,9 +14,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use hdrhistogram::Histogram;
 use std::rc::Rc;
 
+use hdrhistogram::Histogram;
 use journal::rio_ordering::{self, AttrLog, BlockPmr, MemPmr, OrderedConfig, Pmr};
 use journal::{CommitMode, Journal, JournalSet, Layout, Tx};
 use lbio::{LbioArray, LbioConfig};
@@ -341,9 +341,7 @@ impl FsyncBench {
     fn run_case(&self, mode: FsyncMode, threads: u32) -> Result<FsyncSample, BenchError> {
         match mode {
             FsyncMode::Ext4 => self.run_ext4(threads),
-            FsyncMode::Vanilla => self.run_journal(mode, threads),
-            FsyncMode::Overlapped => self.run_journal(mode, threads),
-            FsyncMode::RioBlocklog | FsyncMode::RioMempmr => self.run_journal(mode, threads),
+            _ => self.run_journal(mode, threads),
         }
     }
 

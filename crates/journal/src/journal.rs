@@ -1,5 +1,5 @@
-//! Journal areas, transactions, commit (vanilla, overlapped, Rio-ordered), checkpoint, and recovery on a
-//! device.
+//! Journal areas, transactions, commit (vanilla, overlapped, Rio-ordered), checkpoint, and
+//! recovery on a device.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -743,7 +743,7 @@ impl JournalSet {
         let bytes = dev.geometry().capacity_bytes;
         layout.validate(bytes)?;
         let mut logs: Vec<AreaLog> = Vec::new();
-        check_prefix(&layout, prefix_end)?;
+        recovery::check_rio_prefix(layout.areas.len(), prefix_end)?;
         for (i, &(off, blocks)) in layout.areas.iter().enumerate() {
             let img = read_range(dev, off, blocks * BLOCK as u64)?;
             logs.push(recovery::parse_area_rio(&img, i, prefix_end.map(|p| p[i]))?);
@@ -1444,7 +1444,6 @@ impl Journal {
     ) -> Result<(), JournalError> {
         let st = &self.set.stats;
         let start = Instant::now();
-        let t = Instant::now();
         let data = self.data_bufs(tx)?;
         let (blocks, chain) = self.prepare_journal(tx, tid)?;
         let n = blocks.len();
@@ -1455,7 +1454,7 @@ impl Journal {
         let group = dev.next_seq(s) + 1;
         let c = self.prepare_commit(tx, tid, n, chain, Some(group))?;
         st.prepare_ns
-            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
         let write = |offset: u64, buf: FixedBuf, ipu: bool| rio_ordering::Write {
             target: 0,
             offset,
@@ -1586,17 +1585,6 @@ pub fn rio_prefix(scans: &[LogScan], plp: bool) -> Result<Vec<u64>, JournalError
         .collect()
 }
 
-fn check_prefix(layout: &Layout, prefix_end: Option<&[u64]>) -> Result<(), JournalError> {
-    match prefix_end {
-        Some(p) if p.len() != layout.areas.len() => Err(JournalError::Layout(format!(
-            "{} Rio prefixes for {} journal areas",
-            p.len(),
-            layout.areas.len()
-        ))),
-        _ => Ok(()),
-    }
-}
-
 fn recover_image_with(
     image: &mut [u8],
     layout: &Layout,
@@ -1604,7 +1592,7 @@ fn recover_image_with(
 ) -> Result<RecoveryReport, JournalError> {
     layout.validate(image.len() as u64)?;
     let mut logs = Vec::new();
-    check_prefix(layout, prefix_end)?;
+    recovery::check_rio_prefix(layout.areas.len(), prefix_end)?;
     for (i, &(off, blocks)) in layout.areas.iter().enumerate() {
         let area = &image[off as usize..(off + blocks * BLOCK as u64) as usize];
         logs.push(recovery::parse_area_rio(area, i, prefix_end.map(|p| p[i]))?);

@@ -304,15 +304,7 @@ pub fn apply_rio_prefix(
     logs: &mut [AreaLog],
     prefix_end: Option<&[u64]>,
 ) -> Result<usize, JournalError> {
-    if let Some(p) = prefix_end {
-        if p.len() != logs.len() {
-            return Err(JournalError::Layout(format!(
-                "{} Rio prefixes for {} journal areas",
-                p.len(),
-                logs.len()
-            )));
-        }
-    }
+    check_rio_prefix(logs.len(), prefix_end)?;
     let mut dropped = 0;
     for (i, l) in logs.iter_mut().enumerate() {
         let Some(cut) = l.txs.iter().position(|t| {
@@ -339,6 +331,20 @@ pub fn apply_rio_prefix(
         l.txs.truncate(cut);
     }
     Ok(dropped)
+}
+
+/// Refuse Rio prefixes that are not one per journal area.
+pub(crate) fn check_rio_prefix(
+    areas: usize,
+    prefix_end: Option<&[u64]>,
+) -> Result<(), JournalError> {
+    match prefix_end {
+        Some(p) if p.len() != areas => Err(JournalError::Layout(format!(
+            "{} Rio prefixes for {areas} journal areas",
+            p.len()
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// An intact commit block of `tid` within the next `room` log blocks: `Some(its Rio group)`.

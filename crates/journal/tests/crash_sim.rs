@@ -253,15 +253,17 @@ fn run_seed(seed: u64, lbio: &Rc<LbioArray>) -> Result<Outcome, String> {
         let scans: Vec<_> = rio_logs
             .iter()
             .map(|l| {
-                let mut m = MemPmr::new(RIO_LOG_BYTES);
-                match l {
-                    Some(b) => m.bytes_mut().copy_from_slice(&b.borrow()),
-                    None => {
-                        let fresh = AttrLog::format(MemPmr::new(RIO_LOG_BYTES), areas as u16)
-                            .expect("format");
-                        m = fresh.into_pmr();
+                let m = match l {
+                    Some(b) => {
+                        let mut m = MemPmr::new(RIO_LOG_BYTES);
+                        m.bytes_mut().copy_from_slice(&b.borrow());
+                        m
                     }
-                }
+                    // An area without a Rio handle: a fresh log, holding nothing.
+                    None => AttrLog::format(MemPmr::new(RIO_LOG_BYTES), areas as u16)
+                        .expect("format")
+                        .into_pmr(),
+                };
                 rio_ordering::scan(&m).expect("scan")
             })
             .collect();
