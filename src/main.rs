@@ -130,7 +130,9 @@ struct MountArgs {
     /// Log file of the background process (default: /var/tmp/aios-mount-<image name>.log).
     #[arg(long)]
     log: Option<PathBuf>,
-    /// Commit mode of fsync's transactions.
+    /// Commit mode of fsync's transactions. `rio`: Rio-ordered (data, journal and commit block
+    /// sent together, ordered through the journal area's attribute log, one FLUSH at the end);
+    /// each worker that gets a journal area of its own commits so, the others overlapped.
     #[arg(long, value_enum, default_value = "overlapped")]
     commit: CommitArg,
     /// How workers wait for I/O: `wait` sleeps in io_uring_enter, `poll` spins on the
@@ -171,6 +173,7 @@ enum MountCompletion {
 enum CommitArg {
     Overlapped,
     Vanilla,
+    Rio,
 }
 
 #[derive(Args)]
@@ -719,8 +722,14 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
         if let Some(t) = a.threads {
             cmd.arg("--threads").arg(t.to_string());
         }
-        if matches!(a.commit, CommitArg::Vanilla) {
-            cmd.arg("--commit").arg("vanilla");
+        match a.commit {
+            CommitArg::Overlapped => {}
+            CommitArg::Vanilla => {
+                cmd.arg("--commit").arg("vanilla");
+            }
+            CommitArg::Rio => {
+                cmd.arg("--commit").arg("rio");
+            }
         }
         if matches!(a.completion, MountCompletion::Poll) {
             cmd.arg("--completion").arg("poll");
@@ -776,9 +785,10 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
         opts.threads = t;
     }
     opts.fs.commit_mode = match a.commit {
-        CommitArg::Overlapped => aios::journal::CommitMode::Overlapped,
+        CommitArg::Overlapped | CommitArg::Rio => aios::journal::CommitMode::Overlapped,
         CommitArg::Vanilla => aios::journal::CommitMode::Vanilla,
     };
+    opts.fs.rio = matches!(a.commit, CommitArg::Rio);
     opts.fs.completion = match a.completion {
         MountCompletion::Wait => CompletionMode::Wait,
         MountCompletion::Poll => CompletionMode::BusyPoll,
@@ -800,7 +810,11 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
         a.image.display(),
         fs_probe.map_or("unprobed".into(), |p| format!("{}, O_DIRECT", p.kind)),
         if opts.fs.completion == CompletionMode::BusyPoll { "busy-poll" } else { "wait" },
-        opts.fs.commit_mode.name(),
+        if opts.fs.rio {
+            "rio (attribute logs as block logs on the device, FUA-written; workers without an area of their own: overlapped)"
+        } else {
+            opts.fs.commit_mode.name()
+        },
         r.durability,
         r.replayed_transactions,
         r.replayed_blocks,

@@ -8,6 +8,9 @@
 //! every fsync-acknowledged byte must be there; the file system is unmounted with SIGTERM and
 //! `aios fsck` must find it clean once more.
 //!
+//! Runs alternate in pairs between the overlapped commit and `--commit rio` (Rio-ordered
+//! commits through the journal areas' attribute logs), so both transports meet both modes.
+//!
 //! Needs root and /dev/fuse (skips with a message otherwise). `AIOS_FS_CRASH_RUNS` (default
 //! 20) and `AIOS_FS_CRASH_SEED` (to replay a kill schedule).
 
@@ -64,10 +67,17 @@ fn mounted(mp: &Path) -> bool {
     })
 }
 
-fn mount(image: &Path, mp: &Path, log: &Path, transport: &str) -> Child {
+fn mount(image: &Path, mp: &Path, log: &Path, transport: &str, commit: &str) -> Child {
     let out = File::create(log).expect("log");
     let child = Command::new(AIOS)
-        .args(["mount", "--foreground", "--transport", transport])
+        .args([
+            "mount",
+            "--foreground",
+            "--transport",
+            transport,
+            "--commit",
+            commit,
+        ])
         .arg(image)
         .arg(mp)
         .stdin(Stdio::null())
@@ -310,11 +320,13 @@ fn main() {
     let (mut total_acks, mut total_checked) = (0, 0);
     let t_all = Instant::now();
     let mut over_uring = 0;
+    let mut rio_runs = 0;
     for run in 0..runs {
         // Every other run takes FUSE over io_uring when the kernel offers it; the others read
-        // /dev/fuse.
+        // /dev/fuse. Runs 2 and 3 of every four commit Rio-ordered.
         let transport = if run % 2 == 0 { "auto" } else { "classic" };
-        let child = mount(&image, &mp, &log, transport);
+        let commit = if run % 4 >= 2 { "rio" } else { "overlapped" };
+        let child = mount(&image, &mp, &log, transport, commit);
         let model = Arc::new(Mutex::new(Model::default()));
         let stop = Arc::new(AtomicBool::new(false));
         let workers: Vec<_> = (0..2)
@@ -342,7 +354,7 @@ fn main() {
         }
         let m = std::mem::take(&mut *model.lock().unwrap());
         fsck(&image, &format!("after the kill of run {run}"));
-        let child = mount(&image, &mp, &log, transport);
+        let child = mount(&image, &mp, &log, transport, commit);
         let checked = verify(&mp, run, &m);
         let mounted_log = std::fs::read_to_string(&log).unwrap_or_default();
         let checked = match checked {
@@ -353,9 +365,19 @@ fn main() {
             }
         };
         stop_cleanly(child, &mp, &log);
+        let stopped_log = std::fs::read_to_string(&log).unwrap_or_default();
+        if commit == "rio" {
+            // The verifying mount committed Rio-ordered on an area of its own (its unmount
+            // log says how many workers did).
+            assert!(
+                stopped_log.contains("Rio-ordered: ") && !stopped_log.contains("Rio-ordered: 0 workers"),
+                "run {run}: a --commit rio mount with no Rio-ordered worker; its log:\n{stopped_log}"
+            );
+            rio_runs += 1;
+        }
         fsck(&image, &format!("after the clean unmount of run {run}"));
         println!(
-            "run {run:2}: killed after {delay:3} ms, {:4} fsyncs acknowledged, {checked:5} blocks/files checked; {}",
+            "run {run:2} ({commit:10}): killed after {delay:3} ms, {:4} fsyncs acknowledged, {checked:5} blocks/files checked; {}",
             m.acks,
             mounted_log.lines().find(|l| l.contains("mounted")).map_or("", |l| l.split("recovery ").nth(1).unwrap_or(""))
         );
@@ -363,7 +385,7 @@ fn main() {
         total_checked += checked;
     }
     println!(
-        "fs_crash: {runs} SIGKILLs ({over_uring} of them with FUSE over io_uring), {total_acks} acknowledged fsyncs, {total_checked} blocks/files checked, fsck clean every time ({:.1} s)",
+        "fs_crash: {runs} SIGKILLs ({over_uring} of them with FUSE over io_uring, {rio_runs} with Rio-ordered commits), {total_acks} acknowledged fsyncs, {total_checked} blocks/files checked, fsck clean every time ({:.1} s)",
         t_all.elapsed().as_secs_f64()
     );
     let _ = std::fs::remove_dir_all(&dir);

@@ -27,6 +27,8 @@ pub enum FsError {
     Core(#[from] aios_core::CoreError),
     #[error(transparent)]
     Journal(#[from] journal::JournalError),
+    #[error(transparent)]
+    Rio(#[from] journal::rio_ordering::RioError),
 }
 
 impl FsError {

@@ -1,4 +1,5 @@
-//! aiosfs on disk, version 1. Every structure is little-endian and carries a crc32c.
+//! aiosfs on disk, version 2 (version 1, without the attribute logs, is still read). Every
+//! structure is little-endian and carries a crc32c.
 //!
 //! ```text
 //! block 0                 superblock (primary)
@@ -6,6 +7,9 @@
 //! block bitmap            1 bit per block of the image, metadata included
 //! inode table             256-byte inodes, 16 per block
 //! journal areas           one per core, each a `journal` crate area (superblock + circular log)
+//! attribute logs          (version 2) one Rio attribute log per journal area, RIO_LOG_BLOCKS
+//!                         blocks each: what a Rio-ordered commit (`aios mount --commit rio`)
+//!                         records its ordering in, and recovery reads back
 //! data                    file and directory blocks
 //! last block              superblock (backup)
 //! ```
@@ -19,7 +23,11 @@ use crate::error::FsError;
 
 pub const BLOCK: usize = 4096;
 pub const MAGIC: [u8; 8] = *b"AIOSFS\0\x01";
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
+/// The oldest version this build reads (version 1 has no attribute logs).
+pub const OLDEST_VERSION: u32 = 1;
+/// Blocks of each journal area's Rio attribute log (a header block and 960 64-byte slots).
+pub const RIO_LOG_BLOCKS: u64 = 16;
 pub const INODE_BYTES: usize = 256;
 pub const INODES_PER_BLOCK: usize = BLOCK / INODE_BYTES;
 pub const ROOT_INO: u64 = 1;
@@ -72,6 +80,17 @@ pub(crate) fn put64(b: &mut [u8], at: usize, v: u64) {
     b[at..at + 8].copy_from_slice(&v.to_le_bytes());
 }
 
+/// Blocks of the attribute logs of an image of `version` with `journals` areas: none in
+/// version 1, and none where one log cannot serve a stream per area (more areas than
+/// [`MAX_STREAMS`](journal::rio_ordering::MAX_STREAMS)).
+fn rio_log_blocks(version: u32, journals: u32) -> u64 {
+    if version >= 2 && journals <= journal::rio_ordering::MAX_STREAMS as u32 {
+        journals as u64 * RIO_LOG_BLOCKS
+    } else {
+        0
+    }
+}
+
 /// A run of blocks: `[start, start + count)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Region {
@@ -101,6 +120,10 @@ pub struct Superblock {
     pub journal_start: u64,
     pub journal_areas: u32,
     pub journal_blocks: u64,
+    /// The Rio attribute logs, [`RIO_LOG_BLOCKS`] per journal area, between the journal and
+    /// the data (empty in a version-1 image, and with more journal areas than a log has
+    /// streams).
+    pub rio_logs: Region,
     pub data: Region,
     pub uuid: [u8; 16],
     /// Seconds since the epoch at mkfs.
@@ -147,11 +170,15 @@ impl Superblock {
             count: itab,
         };
         let journal_start = inode_table.end();
-        let data_start = journal_start + journals as u64 * journal_blocks;
+        let rio_logs = Region {
+            start: journal_start + journals as u64 * journal_blocks,
+            count: rio_log_blocks(VERSION, journals),
+        };
+        let data_start = rio_logs.end();
         // The last block holds the backup superblock; the root directory needs one data block.
         if blocks < data_start + 2 + 16 {
             return Err(too_small(format!(
-                "{blocks} blocks of {BLOCK} bytes; the metadata and {journals} journal areas of {journal_blocks} blocks need {} before any data",
+                "{blocks} blocks of {BLOCK} bytes; the metadata, {journals} journal areas of {journal_blocks} blocks and their attribute logs need {} before any data",
                 data_start + 2
             )));
         }
@@ -169,6 +196,7 @@ impl Superblock {
             journal_start,
             journal_areas: journals,
             journal_blocks,
+            rio_logs,
             data,
             uuid: [0; 16],
             created: 0,
@@ -200,6 +228,8 @@ impl Superblock {
         b[116..132].copy_from_slice(&self.uuid);
         put64(b, 132, self.created);
         b[140] = self.mounted as u8;
+        put64(b, 144, self.rio_logs.start);
+        put64(b, 152, self.rio_logs.count);
         let c = crc(&b[..SB_CRC_AT]);
         put32(b, SB_CRC_AT, c);
     }
@@ -222,9 +252,9 @@ impl Superblock {
             )));
         }
         let version = u32_at(b, 8);
-        if version != VERSION {
+        if !(OLDEST_VERSION..=VERSION).contains(&version) {
             return Err(FsError::Unsupported(format!(
-                "aiosfs version {version}; this build reads version {VERSION}"
+                "aiosfs version {version}; this build reads versions {OLDEST_VERSION} to {VERSION}"
             )));
         }
         if u32_at(b, 12) as usize != BLOCK {
@@ -253,6 +283,20 @@ impl Superblock {
             journal_start: u64_at(b, 96),
             journal_areas: u32_at(b, 104),
             journal_blocks: u64_at(b, 108),
+            rio_logs: if version >= 2 {
+                Region {
+                    start: u64_at(b, 144),
+                    count: u64_at(b, 152),
+                }
+            } else {
+                // Version 1 has none: an empty region where they would start.
+                Region {
+                    start: (u32_at(b, 104) as u64)
+                        .saturating_mul(u64_at(b, 108))
+                        .saturating_add(u64_at(b, 96)),
+                    count: 0,
+                }
+            },
             uuid,
             created: u64_at(b, 132),
             mounted: b[140] != 0,
@@ -292,15 +336,28 @@ impl Superblock {
                     count: self.inodes.div_ceil(INODES_PER_BLOCK as u64),
                 }
             && self.journal_start == self.inode_table.end()
-            && Some(self.data.start)
+            && Some(self.rio_logs.start)
                 == (self.journal_areas as u64)
                     .checked_mul(self.journal_blocks)
                     .and_then(|j| self.journal_start.checked_add(j))
+            && self.rio_logs.count == rio_log_blocks(self.version, self.journal_areas)
+            && self.data.start == self.rio_logs.end()
             && self.data.end() == self.blocks.saturating_sub(1);
         if !ok {
             return bad("regions that do not fit together".into());
         }
         Ok(())
+    }
+
+    /// Byte offset and length (bytes) of journal area `i`'s Rio attribute log; `None` in a
+    /// version-1 image, which has none.
+    pub fn rio_log(&self, i: u32) -> Option<(u64, usize)> {
+        (self.rio_logs.count > 0).then(|| {
+            (
+                (self.rio_logs.start + i as u64 * RIO_LOG_BLOCKS) * BLOCK as u64,
+                RIO_LOG_BLOCKS as usize * BLOCK,
+            )
+        })
     }
 
     /// Byte offset and length of journal area `i`.

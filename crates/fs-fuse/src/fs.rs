@@ -55,6 +55,12 @@ pub type DeviceFactory = Arc<dyn Fn(&Rc<LbioArray>) -> Result<Device, FsError> +
 #[derive(Clone, Debug)]
 pub struct FsOptions {
     pub commit_mode: CommitMode,
+    /// Rio-ordered commits (`aios mount --commit rio`, Rio §4.7): a worker that takes a journal
+    /// area of its own commits through the area's attribute log, with no FLUSH between journal
+    /// and commit block (one FLUSH at the end makes the commit durable). A worker that finds
+    /// every area already taken by a Rio handle commits with `commit_mode` into a shared area
+    /// (counted in [`FsStats::shared_handles`]). Needs an image with attribute logs.
+    pub rio: bool,
     /// Dirty file data (bytes) above which a writer commits everything.
     pub dirty_limit: usize,
     /// Registered arena of each worker's engine.
@@ -68,6 +74,7 @@ impl Default for FsOptions {
     fn default() -> Self {
         FsOptions {
             commit_mode: CommitMode::Overlapped,
+            rio: false,
             dirty_limit: 16 << 20,
             arena_bytes: 48 << 20,
             completion: aios_core::CompletionMode::Wait,
@@ -134,6 +141,11 @@ pub struct FsStats {
     pub data_blocks_written: AtomicU64,
     pub meta_blocks_written: AtomicU64,
     pub reads: AtomicU64,
+    /// Workers committing Rio-ordered, each on an area of its own (`FsOptions::rio`).
+    pub rio_handles: AtomicU64,
+    /// Workers of a Rio mount that found every area taken and commit with the commit mode into
+    /// a shared area.
+    pub shared_handles: AtomicU64,
 }
 
 fn dec(n: &mut u32) {
@@ -406,6 +418,8 @@ pub struct Fs {
     set: Arc<JournalSet>,
     state: Mutex<State>,
     next_area: AtomicUsize,
+    /// Held while a worker picks its area in a Rio mount (check and take in one step).
+    rio_pick: Mutex<()>,
     opts: FsOptions,
     log_len: u64,
     pub stats: FsStats,
@@ -446,9 +460,18 @@ impl Fs {
             Ok(dev.read_at_blocking(block * B, buf)?[..(count * B) as usize].to_vec())
         };
         let mut sb = Superblock::decode(&read(0, 1)?, bytes / B)?;
+        if opts.rio && sb.rio_log(0).is_none() {
+            return Err(crate::rio::no_logs());
+        }
         let was_mounted = sb.mounted;
         let areas = (0..sb.journal_areas).map(|i| sb.journal_area(i)).collect();
-        let (set, rec) = JournalSet::open(&dev, Layout { areas })?;
+        // A version-2 image's attribute logs say which Rio-ordered commits are durable.
+        let plp = dev.critical_route().0.power_loss_protected;
+        let prefix = crate::rio::prefixes(&sb, plp, &mut |at, len| read(at / B, len as u64 / B))?;
+        let (set, rec) = match &prefix {
+            Some(p) => JournalSet::open_rio(&dev, Layout { areas }, p)?,
+            None => JournalSet::open(&dev, Layout { areas })?,
+        };
         if !rec.corrupt.is_empty() {
             return Err(FsError::Damaged(format!(
                 "journal areas {:?} are damaged (replayed up to the damage)",
@@ -505,6 +528,7 @@ impl Fs {
             factory,
             set,
             next_area: AtomicUsize::new(0),
+            rio_pick: Mutex::new(()),
             opts,
             log_len,
             stats: FsStats::default(),
@@ -556,11 +580,58 @@ impl Fs {
         .map_err(io_err)?;
         let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).map_err(io_err)?;
         let dev = (self.factory)(&lbio).map_err(io_err)?;
-        let area = self.next_area.fetch_add(1, Ordering::Relaxed) % self.sb.journal_areas as usize;
-        let journal = Journal::new(&self.set, area, dev, self.opts.commit_mode).map_err(io_err)?;
+        let journal = if self.opts.rio {
+            self.rio_journal(&engine, &lbio, dev)?
+        } else {
+            let area = self.next_area.fetch_add(1, Ordering::Relaxed) % self.areas();
+            Journal::new(&self.set, area, dev, self.opts.commit_mode).map_err(io_err)?
+        };
         let c = Rc::new(Ctx { journal });
         CTX.with(|m| m.borrow_mut().insert(self.id, Rc::clone(&c)));
         Ok(c)
+    }
+
+    fn areas(&self) -> usize {
+        self.sb.journal_areas as usize
+    }
+
+    /// A worker's journal handle in a Rio mount: Rio-ordered on the first area (from its turn
+    /// on) that has no Rio handle yet, with the area's attribute log formatted afresh (the one
+    /// recovery read is spent); when every area has one, a `commit_mode` handle on its turn's
+    /// area.
+    fn rio_journal(
+        &self,
+        engine: &Rc<Engine>,
+        lbio: &Rc<LbioArray>,
+        dev: Device,
+    ) -> FsResult<Journal> {
+        let _pick = self.rio_pick.lock().unwrap_or_else(|p| p.into_inner());
+        let turn = self.next_area.fetch_add(1, Ordering::Relaxed);
+        let n = self.areas();
+        let Some(area) = (0..n)
+            .map(|i| (turn + i) % n)
+            .find(|&a| !self.set.rio_owned(a))
+        else {
+            self.stats.shared_handles.fetch_add(1, Ordering::Relaxed);
+            return Journal::new(&self.set, turn % n, dev, self.opts.commit_mode).map_err(io_err);
+        };
+        // The ordered device runs on an lbio array of its own (over the same engine).
+        let own = LbioArray::new(Rc::clone(engine), LbioConfig::default()).map_err(io_err)?;
+        let target = (self.factory)(&own).map_err(io_err)?;
+        let log =
+            crate::rio::format_log(&self.sb, area as u32, (self.factory)(lbio).map_err(io_err)?)
+                .map_err(io_err)?;
+        let j = Journal::with_rio(
+            &self.set,
+            area,
+            dev,
+            target,
+            log,
+            crate::rio::ordered_config(),
+        )
+        .map_err(io_err)?;
+        self.stats.rio_handles.fetch_add(1, Ordering::Relaxed);
+        Ok(j)
     }
 
     /// Forget this thread's engine for this file system (a worker that is done).

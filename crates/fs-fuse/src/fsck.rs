@@ -121,15 +121,34 @@ pub fn read_superblock(path: &Path) -> Result<Superblock, FsError> {
 /// Check the image at `path`. `Err` when it is not an aiosfs (or unreadable); otherwise the
 /// report lists every problem found.
 pub fn fsck(path: &Path) -> Result<Report, FsError> {
-    check(Img::open(path)?)
+    let img = Img::open(path)?;
+    check(img, power_loss_protected(path))
 }
 
-/// [`fsck`] of an image held in memory (crash tests check thousands of them).
+/// [`fsck`] of an image held in memory (crash tests check thousands of them), read as from a
+/// device with a volatile write cache (a SimDisk).
 pub fn fsck_image(image: &[u8]) -> Result<Report, FsError> {
-    check(Img::mem(image))
+    check(Img::mem(image), false)
 }
 
-fn check(img: Img<'_>) -> Result<Report, FsError> {
+/// Whether the device at `path` has power-loss protection, as the mount will see it (Rio
+/// recovery reads the attribute logs differently then). Unknown: no.
+fn power_loss_protected(path: &Path) -> bool {
+    let probe = || -> Result<bool, FsError> {
+        let engine = aios_core::Engine::new(aios_core::EngineConfig {
+            arena_bytes: 1 << 20,
+            huge_pages: false,
+            ..aios_core::EngineConfig::default()
+        })?;
+        let lbio = lbio::LbioArray::new(engine, lbio::LbioConfig::default())?;
+        let dev = lbio::Device::open(&lbio, path, lbio::DeviceConfig::default())?;
+        let plp = dev.critical_route().0.power_loss_protected;
+        Ok(plp)
+    };
+    probe().unwrap_or(false)
+}
+
+fn check(img: Img<'_>, plp: bool) -> Result<Report, FsError> {
     if img.blocks < 2 {
         return Err(FsError::Foreign(format!(
             "{} bytes: smaller than any aiosfs",
@@ -185,11 +204,25 @@ fn check(img: Img<'_>) -> Result<Report, FsError> {
     // Journal areas first: what they hold committed is what mount's replay writes home, so the
     // structures are checked as they will be after it (fsck itself writes nothing).
     let mut img = img;
+    // The attribute logs say which Rio-ordered commits are durable (version 2 images).
+    let prefix = if sb.rio_log(0).is_some() {
+        let b = BLOCK as u64;
+        match crate::rio::prefixes(&sb, plp, &mut |at, len| img.read(at / b, len as u64 / b)) {
+            Ok(p) => p,
+            Err(e) => {
+                problems.push(e.to_string());
+                None
+            }
+        }
+    } else {
+        None
+    };
     let mut logs = Vec::new();
     for a in 0..sb.journal_areas {
         let (off, blocks) = sb.journal_area(a);
         let area = img.read(off / BLOCK as u64, blocks)?;
-        match journal::recovery::parse_area(&area, a as usize) {
+        let p = prefix.as_ref().map(|p| p[a as usize]);
+        match journal::recovery::parse_area_rio(&area, a as usize, p) {
             Err(e) => problems.push(format!("journal area {a}: {e}")),
             Ok(log) => {
                 if let journal::LogEnd::Corrupt { pos, why } = &log.end {
@@ -199,6 +232,15 @@ fn check(img: Img<'_>) -> Result<Report, FsError> {
                 }
                 logs.push(log);
             }
+        }
+    }
+    if logs.len() == sb.journal_areas as usize {
+        match journal::recovery::apply_rio_prefix(&mut logs, prefix.as_deref()) {
+            Ok(0) => {}
+            Ok(n) => notes.push(format!(
+                "{n} Rio-ordered commits are past what the attribute logs show durable (never acknowledged; mount drops them)"
+            )),
+            Err(e) => problems.push(format!("journal: {e}")),
         }
     }
     let from = journal::recovery::home_below(&logs);

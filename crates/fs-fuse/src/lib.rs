@@ -33,6 +33,7 @@ pub mod fsck;
 pub mod mkfs;
 pub mod mount;
 pub mod ring;
+pub mod rio;
 
 pub use error::FsError;
 pub use fs::{Fs, FsOptions};

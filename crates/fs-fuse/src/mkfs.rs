@@ -161,6 +161,14 @@ pub fn mkfs(path: &Path, opts: &MkfsOptions) -> Result<Superblock, FsError> {
     // The journal areas (the journal crate's own format), then the superblocks.
     let areas = (0..sb.journal_areas).map(|i| sb.journal_area(i)).collect();
     JournalSet::format(&dev, Layout { areas })?;
+    // Every area's Rio attribute log, empty (each written with FUA as it is formatted).
+    for a in (0..sb.journal_areas).filter(|&a| sb.rio_log(a).is_some()) {
+        let cfg = DeviceConfig {
+            write: true,
+            ..DeviceConfig::default()
+        };
+        crate::rio::format_log(&sb, a, Device::open(&lbio, path, cfg)?)?;
+    }
     let mut sbb = vec![0u8; BLOCK];
     sb.encode(&mut sbb);
     write(sb.blocks - 1, &sbb)?;

@@ -235,8 +235,17 @@ impl Filesystem for Adapter {
                 });
                 let n =
                     |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+                let rio = if self.fs.options().rio {
+                    format!(
+                        "; Rio-ordered: {} workers on areas of their own, {} sharing an area (overlapped)",
+                        n(&st.rio_handles),
+                        n(&st.shared_handles)
+                    )
+                } else {
+                    String::new()
+                };
                 eprintln!(
-                    "aiosfs: unmounted cleanly (everything committed and checkpointed): {} commits ({} by fsync), {} fsyncs written in place without a transaction, {} data and {} metadata blocks written{phases}",
+                    "aiosfs: unmounted cleanly (everything committed and checkpointed): {} commits ({} by fsync), {} fsyncs written in place without a transaction, {} data and {} metadata blocks written{phases}{rio}",
                     n(&st.commits),
                     n(&st.fsync_commits),
                     n(&st.fsync_in_place),

@@ -798,6 +798,11 @@ impl JournalSet {
             .store((d == Durability::FuaWrites) as u8, Ordering::Relaxed);
     }
 
+    /// Whether area `area` has a Rio-ordered handle now ([`Journal::with_rio`]; at most one).
+    pub fn rio_owned(&self, area: usize) -> bool {
+        area < self.areas.len() && self.lock_area(area).rio_owned
+    }
+
     /// What was measured at open, and why the durability was chosen.
     pub fn durability_probe(&self) -> &DurabilityProbe {
         &self.probe

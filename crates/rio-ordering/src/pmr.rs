@@ -115,8 +115,9 @@ pub struct BlockLogStats {
 
 /// The attribute log in device blocks (see the module documentation).
 pub struct BlockPmr {
-    fd: OwnedFd,
-    path: PathBuf,
+    sink: Sink,
+    /// What the log is on, for messages.
+    name: String,
     /// Byte offset of the region on the device.
     start: u64,
     image: FixedBuf,
@@ -126,15 +127,44 @@ pub struct BlockPmr {
     stats: BlockLogStats,
 }
 
+/// Where a [`BlockPmr`] writes: a descriptor of its own (`pwrite` with `RWF_DSYNC`), or an lbio
+/// device (a FUA write through the engine's ring; also a SimDisk, whose crash states then hold
+/// the log).
+enum Sink {
+    Fd(OwnedFd),
+    Device(Box<lbio::Device>),
+}
+
 impl std::fmt::Debug for BlockPmr {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BlockPmr")
-            .field("path", &self.path)
+            .field("on", &self.name)
             .field("start", &self.start)
             .field("len", &self.image.len())
             .field("block", &self.block)
             .finish()
     }
+}
+
+fn check_region(
+    name: &str,
+    start: u64,
+    len: usize,
+    block: usize,
+    capacity: u64,
+) -> Result<(), RioError> {
+    if start % block as u64 != 0 || len % block != 0 || len == 0 {
+        return Err(RioError::Config(format!(
+            "a block log at {start}+{len} on {name}: both must be non-zero multiples of its \
+             {block}-byte logical block"
+        )));
+    }
+    if start + len as u64 > capacity {
+        return Err(RioError::Config(format!(
+            "a block log at {start}+{len} does not fit {name}'s {capacity} bytes"
+        )));
+    }
+    Ok(())
 }
 
 impl BlockPmr {
@@ -147,7 +177,8 @@ impl BlockPmr {
         start: u64,
         len: usize,
     ) -> Result<BlockPmr, RioError> {
-        let io = |e: std::io::Error| RioError::Config(format!("{}: {e}", path.display()));
+        let name = path.display().to_string();
+        let io = |e: std::io::Error| RioError::Config(format!("{name}: {e}"));
         let fd = sys::open_direct(path, true).map_err(io)?;
         let st = sys::statx(fd.as_raw_fd()).map_err(io)?;
         let block = if st.is_block_device() {
@@ -156,42 +187,56 @@ impl BlockPmr {
             st.dio.map_or(4096, |d| d.offset_align as usize)
         }
         .max(512);
-        if start % block as u64 != 0 || len % block != 0 || len == 0 {
-            return Err(RioError::Config(format!(
-                "a block log at {start}+{len} on {}: both must be non-zero multiples of its \
-                 {block}-byte logical block",
-                path.display()
-            )));
-        }
         let capacity = if st.is_block_device() {
             sys::block_device_bytes(fd.as_raw_fd()).map_err(io)?
         } else {
             st.size
         };
-        if start + len as u64 > capacity {
-            return Err(RioError::Config(format!(
-                "a block log at {start}+{len} does not fit {}'s {capacity} bytes",
-                path.display()
-            )));
-        }
+        check_region(&name, start, len, block, capacity)?;
         let mut image = engine.alloc_blocking(len)?;
         let n = sys::pread_into(fd.as_raw_fd(), &mut image[..], start).map_err(io)?;
         if n != len {
             return Err(RioError::Config(format!(
-                "{}: short read of the block log ({n} of {len} bytes)",
-                path.display()
+                "{name}: short read of the block log ({n} of {len} bytes)"
             )));
         }
-        Ok(BlockPmr {
-            fd,
-            path: path.to_path_buf(),
+        Ok(BlockPmr::with(Sink::Fd(fd), name, start, image, block))
+    }
+
+    /// The `len` bytes at byte `start` of an lbio device (opened writable): the log is read
+    /// through the device and synced with FUA writes on its engine's ring, so it works on
+    /// anything lbio opens, SimDisk included. The device must not be shared with an ordered
+    /// device's target array (open it again on any array of the same engine).
+    pub fn on_device(device: lbio::Device, start: u64, len: usize) -> Result<BlockPmr, RioError> {
+        let g = device.geometry();
+        let name = format!("lbio device of {} bytes", g.capacity_bytes);
+        let block = (g.offset_align.max(g.logical_block) as usize).max(512);
+        check_region(&name, start, len, block, g.capacity_bytes)?;
+        let engine = std::rc::Rc::clone(device.lbio().engine());
+        let buf = engine.alloc_blocking(len)?;
+        let image = device
+            .read_at_blocking(start, buf)
+            .map_err(|e| RioError::Config(format!("{name}: reading the block log: {e}")))?;
+        Ok(BlockPmr::with(
+            Sink::Device(Box::new(device)),
+            name,
             start,
-            dirty: vec![false; len / block],
+            image,
+            block,
+        ))
+    }
+
+    fn with(sink: Sink, name: String, start: u64, image: FixedBuf, block: usize) -> BlockPmr {
+        BlockPmr {
+            sink,
+            name,
+            start,
+            dirty: vec![false; image.len() / block],
             any_dirty: false,
             image,
             block,
             stats: BlockLogStats::default(),
-        })
+        }
     }
 
     /// What was written so far.
@@ -203,18 +248,28 @@ impl BlockPmr {
     fn write_blocks(&mut self, from: usize, to: usize) -> Result<(), RioError> {
         let (a, b) = (from * self.block, to * self.block);
         let t = Instant::now();
-        let n = sys::pwrite_from(
-            self.fd.as_raw_fd(),
-            &self.image[a..b],
-            self.start + a as u64,
-            true,
-        )
-        .map_err(|e| RioError::Config(format!("{}: block log write: {e}", self.path.display())))?;
+        let fail = |e: String| RioError::Config(format!("{}: block log write: {e}", self.name));
+        let n = match &self.sink {
+            Sink::Fd(fd) => sys::pwrite_from(
+                fd.as_raw_fd(),
+                &self.image[a..b],
+                self.start + a as u64,
+                true,
+            )
+            .map_err(|e| fail(e.to_string()))?,
+            Sink::Device(dev) => {
+                let mut buf = dev.lbio().engine().alloc_blocking(b - a)?;
+                buf.copy_from_slice(&self.image[a..b]);
+                dev.write_at_blocking(self.start + a as u64, buf, true)
+                    .map_err(|e| fail(e.to_string()))?
+                    .len()
+            }
+        };
         self.stats.write_time += t.elapsed();
         if n != b - a {
             return Err(RioError::Config(format!(
                 "{}: short block log write ({n} of {} bytes)",
-                self.path.display(),
+                self.name,
                 b - a
             )));
         }
@@ -324,24 +379,10 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
-    #[test]
-    fn a_block_log_is_durable_only_after_sync_and_keeps_its_slots_off_the_header_block() {
-        let dir = std::env::temp_dir().join(format!("rio-blockpmr-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("dev");
-        std::fs::File::create(&path)
-            .unwrap()
-            .set_len(1 << 20)
-            .unwrap();
-        let engine = aios_core::Engine::new(aios_core::EngineConfig {
-            arena_bytes: 1 << 20,
-            huge_pages: false,
-            ..aios_core::EngineConfig::default()
-        })
-        .unwrap();
-        let start = 64 << 10;
-        let mut log =
-            AttrLog::format(BlockPmr::open(&engine, &path, start, 64 << 10).unwrap(), 2).unwrap();
+    /// The block log's contract, whatever it writes through: `open` opens the region afresh
+    /// (what recovery would read), `bad` tries a misaligned one.
+    fn block_log_contract(open: &dyn Fn() -> BlockPmr, bad: RioError) {
+        let mut log = AttrLog::format(open(), 2).unwrap();
         assert!(log.deferred());
         let slots_at = scan(log.pmr()).unwrap().header.slots_at;
         assert_eq!(
@@ -360,27 +401,74 @@ mod tests {
         };
         let s = log.append(&a).unwrap();
         // Not synced: a fresh open of the device sees the empty log.
-        let fresh = BlockPmr::open(&engine, &path, start, 64 << 10).unwrap();
-        assert!(scan(&fresh).unwrap().entries.is_empty());
-        drop(fresh);
+        assert!(scan(&open()).unwrap().entries.is_empty());
         log.sync().unwrap();
         log.set_persist(s, 1).unwrap();
-        let fresh = BlockPmr::open(&engine, &path, start, 64 << 10).unwrap();
-        let sc = scan(&fresh).unwrap();
+        let sc = scan(&open()).unwrap();
         assert_eq!(sc.entries.len(), 1);
         assert!(
             !sc.entries[0].1.persist,
             "the persist word waits for the next sync"
         );
-        drop(fresh);
         log.sync().unwrap();
-        let fresh = BlockPmr::open(&engine, &path, start, 64 << 10).unwrap();
-        assert!(scan(&fresh).unwrap().entries[0].1.persist);
+        assert!(scan(&open()).unwrap().entries[0].1.persist);
         let st = log.pmr().stats();
         assert!(st.syncs >= 2 && st.ordered_writes == 2, "{st:?}");
         // Bad geometry is refused with the block size.
-        let e = BlockPmr::open(&engine, &path, 100, 4096).unwrap_err();
-        assert!(e.to_string().contains("logical block"), "{e}");
-        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(bad.to_string().contains("logical block"), "{bad}");
+    }
+
+    fn test_file(name: &str) -> (PathBuf, std::rc::Rc<aios_core::Engine>) {
+        let dir = std::env::temp_dir().join(format!("rio-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("dev");
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        let engine = aios_core::Engine::new(aios_core::EngineConfig {
+            arena_bytes: 1 << 20,
+            huge_pages: false,
+            ..aios_core::EngineConfig::default()
+        })
+        .unwrap();
+        (path, engine)
+    }
+
+    #[test]
+    fn a_block_log_is_durable_only_after_sync_and_keeps_its_slots_off_the_header_block() {
+        let (path, engine) = test_file("blockpmr");
+        let start = 64 << 10;
+        block_log_contract(
+            &|| BlockPmr::open(&engine, &path, start, 64 << 10).unwrap(),
+            BlockPmr::open(&engine, &path, 100, 4096).unwrap_err(),
+        );
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn a_block_log_on_an_lbio_device_keeps_the_same_contract() {
+        let (path, engine) = test_file("devpmr");
+        let lbio =
+            lbio::LbioArray::new(std::rc::Rc::clone(&engine), lbio::LbioConfig::default()).unwrap();
+        let dev = || {
+            let cfg = lbio::DeviceConfig {
+                write: true,
+                ..lbio::DeviceConfig::default()
+            };
+            lbio::Device::open(&lbio, &path, cfg).unwrap()
+        };
+        let start = 64 << 10;
+        block_log_contract(
+            &|| BlockPmr::on_device(dev(), start, 64 << 10).unwrap(),
+            BlockPmr::on_device(dev(), 100, 4096).unwrap_err(),
+        );
+        // Written through the ring with FUA, not by a descriptor of its own.
+        let mut log =
+            AttrLog::format(BlockPmr::on_device(dev(), start, 64 << 10).unwrap(), 1).unwrap();
+        log.sync().unwrap();
+        assert!(log.pmr().stats().writes >= 1);
+        assert!(format!("{:?}", log.pmr()).contains("lbio device"));
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
     }
 }

@@ -16,6 +16,15 @@ pub fn opts() -> FsOptions {
     }
 }
 
+/// [`opts`] with Rio-ordered commits.
+#[allow(dead_code)]
+pub fn opts_rio() -> FsOptions {
+    FsOptions {
+        rio: true,
+        ..opts()
+    }
+}
+
 pub fn factory(disk: &SimDisk) -> DeviceFactory {
     let d = disk.clone();
     Arc::new(move |lbio: &Rc<LbioArray>| d.open(lbio).map_err(FsError::from))
