@@ -109,6 +109,9 @@ struct FsBenchArgs {
     /// How the mount gets FUSE requests (see `aios mount --transport`).
     #[arg(long, value_enum, default_value = "auto")]
     transport: TransportArg,
+    /// The mount's commit mode (see `aios mount --commit`).
+    #[arg(long, value_enum, default_value = "overlapped")]
+    commit: CommitArg,
     /// One JSON object per median instead of the table.
     #[arg(long)]
     json: bool,
@@ -174,6 +177,16 @@ enum CommitArg {
     Overlapped,
     Vanilla,
     Rio,
+}
+
+impl CommitArg {
+    fn name(self) -> &'static str {
+        match self {
+            CommitArg::Overlapped => "overlapped",
+            CommitArg::Vanilla => "vanilla",
+            CommitArg::Rio => "rio",
+        }
+    }
 }
 
 #[derive(Args)]
@@ -645,6 +658,8 @@ fn cmd_bench_fs(a: FsBenchArgs) -> Result<(), BenchError> {
             completion,
             "--transport",
             a.transport.name(),
+            "--commit",
+            a.commit.name(),
         ],
     )?;
     eprintln!("{}", setup.aios.log_line);
@@ -722,15 +737,7 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
         if let Some(t) = a.threads {
             cmd.arg("--threads").arg(t.to_string());
         }
-        match a.commit {
-            CommitArg::Overlapped => {}
-            CommitArg::Vanilla => {
-                cmd.arg("--commit").arg("vanilla");
-            }
-            CommitArg::Rio => {
-                cmd.arg("--commit").arg("rio");
-            }
-        }
+        cmd.arg("--commit").arg(a.commit.name());
         if matches!(a.completion, MountCompletion::Poll) {
             cmd.arg("--completion").arg("poll");
         }

@@ -9,8 +9,10 @@
 //!   fsync as one overlapped commit), with no FUSE types, so it also runs on a SimDisk;
 //! - [`mount`]: the FUSE adapter (fuser, one worker per core).
 //!
-//! Not built yet: Rio-ordered journal writes in place of FLUSH, data through the `pagecache`
-//! crate (see the README).
+//! - [`rio`]: the Rio attribute logs of a version-2 image, for Rio-ordered commits
+//!   (`FsOptions::rio`, `aios mount --commit rio`).
+//!
+//! Not built yet: data through the `pagecache` crate (see the README).
 //!
 //! ```no_run
 //! use fs_fuse::{fsck, mkfs, MkfsOptions};

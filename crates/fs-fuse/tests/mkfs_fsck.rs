@@ -70,6 +70,63 @@ fn a_fresh_image_is_clean() {
         "metadata, root block, backup"
     );
     assert!(r.notes.is_empty(), "{:?}", r.notes);
+    // Version 2: an attribute log of RIO_LOG_BLOCKS per area between journal and data.
+    assert_eq!(sb.version, 2);
+    assert_eq!(sb.rio_logs.start, sb.journal_start + 2 * sb.journal_blocks);
+    assert_eq!(sb.rio_logs.count, 2 * fs_fuse::format::RIO_LOG_BLOCKS);
+    assert_eq!(sb.data.start, sb.rio_logs.end());
+}
+
+#[test]
+fn a_damaged_attribute_log_is_named_and_rio_needs_logs() {
+    let (img, sb) = made("riolog");
+    // Both header copies of area 1's log (the second copy starts 576 bytes in).
+    let (at, _) = sb.rio_log(1).unwrap();
+    img.poke(at + 8, 0x40);
+    img.poke(at + 576 + 8, 0x40);
+    let r = fsck(img.path()).unwrap();
+    assert!(
+        r.problems
+            .iter()
+            .any(|p| p.contains("attribute log of journal area 1")),
+        "{:?}",
+        r.problems
+    );
+
+    // More areas than a log has streams: no logs, and a Rio mount says why.
+    let many = Image::new("riomany", 8 << 20);
+    let sb = mkfs(
+        many.path(),
+        &MkfsOptions {
+            journals: 65,
+            journal_blocks: 8,
+            ..small()
+        },
+    )
+    .unwrap();
+    assert_eq!(sb.rio_logs.count, 0);
+    assert!(sb.rio_log(0).is_none());
+    assert!(fsck(many.path()).unwrap().clean());
+    let path = many.path().to_path_buf();
+    let factory: fs_fuse::fs::DeviceFactory =
+        std::sync::Arc::new(move |lbio: &std::rc::Rc<lbio::LbioArray>| {
+            let cfg = lbio::DeviceConfig {
+                write: true,
+                ..lbio::DeviceConfig::default()
+            };
+            lbio::Device::open(lbio, &path, cfg).map_err(FsError::from)
+        });
+    let opts = fs_fuse::FsOptions {
+        rio: true,
+        arena_bytes: 2 << 20,
+        ..fs_fuse::FsOptions::default()
+    };
+    let e = fs_fuse::Fs::open(factory.clone(), opts.clone())
+        .err()
+        .expect("a Rio mount of an image without logs");
+    assert!(e.to_string().contains("no Rio attribute logs"), "{e}");
+    // The same image opens with the overlapped commit.
+    assert!(fs_fuse::Fs::open(factory, fs_fuse::FsOptions { rio: false, ..opts }).is_ok());
 }
 
 #[test]

@@ -1303,6 +1303,32 @@ impl Journal {
             .collect()
     }
 
+    /// The transaction's data as few writes as possible, in block order: blocks that follow
+    /// each other go out as one write of at most `max` bytes.
+    fn data_runs(&self, tx: &Tx, max: usize) -> Result<Vec<(u64, FixedBuf)>, JournalError> {
+        let mut order: Vec<&(u64, Vec<u8>)> = tx.data.iter().collect();
+        order.sort_unstable_by_key(|(b, _)| *b);
+        let per = (max / BLOCK).max(1) as u64;
+        let mut runs: Vec<(u64, Vec<&[u8]>)> = Vec::new();
+        for (b, d) in order {
+            match runs.last_mut() {
+                Some((start, ds)) if *start + ds.len() as u64 == *b && (ds.len() as u64) < per => {
+                    ds.push(d)
+                }
+                _ => runs.push((*b, vec![d])),
+            }
+        }
+        runs.into_iter()
+            .map(|(start, ds)| {
+                let mut buf = self.engine.alloc_blocking(ds.len() * BLOCK)?;
+                for (k, d) in ds.iter().enumerate() {
+                    buf[k * BLOCK..(k + 1) * BLOCK].copy_from_slice(d);
+                }
+                Ok((start * BLOCK as u64, buf))
+            })
+            .collect()
+    }
+
     /// The transaction's log blocks as few writes as possible: blocks that follow each other in
     /// the log (all of them unless the log wraps) go out as one request.
     fn log_runs(
@@ -1436,10 +1462,15 @@ impl Journal {
         Ok(())
     }
 
-    /// The Rio-ordered commit: one group with the data (in place) and the journal blocks, then
-    /// the commit block as the next group, all sent without waiting; then the stream's `wait`
-    /// (writes done, one FLUSH where the device has a volatile cache, groups marked durable in
-    /// the attribute log).
+    /// The Rio-ordered commit: the data (in place, contiguous blocks merged) and the journal
+    /// blocks as one group, then the commit block as the next group, all sent without waiting;
+    /// then the stream's `wait` (writes done, one FLUSH where the device has a volatile cache,
+    /// groups marked durable in the attribute log).
+    ///
+    /// A transaction with more writes than a quarter of the attribute log's slots is spread
+    /// over as many groups as it needs (in order, the commit block's group after them all): a
+    /// group must fit the log, and the ordered device frees slots of durable groups when the
+    /// log runs full.
     fn write_tx_rio(
         &self,
         rio: &RioStream,
@@ -1449,14 +1480,38 @@ impl Journal {
     ) -> Result<(), JournalError> {
         let st = &self.set.stats;
         let start = Instant::now();
-        let data = self.data_bufs(tx)?;
+        let max = (self.dev.geometry().max_transfer_bytes as usize).clamp(BLOCK, 1 << 20);
+        let data = self.data_runs(tx, max)?;
         let (blocks, chain) = self.prepare_journal(tx, tid)?;
         let n = blocks.len();
         let runs = self.log_runs(blocks, head)?;
         let mut dev = rio.dev.borrow_mut();
         let s = rio.stream;
-        // The commit block's group follows the data-and-journal group.
-        let group = dev.next_seq(s) + 1;
+        let writes: Vec<rio_ordering::Write> = data
+            .into_iter()
+            .map(|w| (w, true))
+            .chain(runs.into_iter().map(|w| (w, false)))
+            .map(|((offset, buf), ipu)| rio_ordering::Write {
+                target: 0,
+                offset,
+                buf,
+                ipu,
+            })
+            .collect();
+        // Entries each write takes in the attribute log (one per piece the device splits it in).
+        let entries: Vec<usize> = writes.iter().map(|w| w.buf.len().div_ceil(max)).collect();
+        let cap = (dev.log().slots() as usize / 4).max(1);
+        let mut in_group = 0;
+        for (i, w) in writes.into_iter().enumerate() {
+            in_group += entries[i];
+            let end = entries.get(i + 1).is_none_or(|&e| in_group + e > cap);
+            dev.submit(s, w, end)?;
+            if end {
+                in_group = 0;
+            }
+        }
+        // The commit block's group follows the data-and-journal groups.
+        let group = dev.next_seq(s);
         let c = self.prepare_commit(tx, tid, n, chain, Some(group))?;
         st.prepare_ns
             .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -1466,14 +1521,6 @@ impl Journal {
             buf,
             ipu,
         };
-        for (b, buf) in data {
-            dev.submit(s, write(b * BLOCK as u64, buf, true), false)?;
-        }
-        let k = runs.len();
-        for (i, (at, buf)) in runs.into_iter().enumerate() {
-            dev.submit(s, write(at, buf, false), i + 1 == k)?;
-        }
-        debug_assert_eq!(dev.next_seq(s), group);
         let at = self.set.log_byte(self.area, head + n as u64);
         dev.submit(s, write(at, c, false), true)?;
         let waited = dev.wait(s);

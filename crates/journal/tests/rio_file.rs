@@ -164,3 +164,78 @@ fn rio_ordered_commits_on_a_file_recover_with_their_block_log() {
     assert_eq!(CommitMode::Overlapped.name(), "overlapped");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A transaction with far more writes than the attribute log has slots (a commit of many
+/// scattered data blocks, as a file system's dirty-data limit produces) goes out over as many
+/// ordered groups as it needs, and recovers whole.
+#[test]
+fn a_transaction_larger_than_the_attribute_log_commits_and_recovers() {
+    let dir = std::env::temp_dir().join(format!("aios-rio-big-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("journal.img");
+    const DATA: u64 = 4096;
+    let home = AREA_BLOCKS;
+    let log_at = (home + DATA) * 4096;
+    std::fs::File::create(&path)
+        .unwrap()
+        .set_len((home + DATA + LOG_BLOCKS) * 4096)
+        .unwrap();
+    let layout = Layout::per_core(0, AREA_BLOCKS, 1);
+    let engine = Engine::new(EngineConfig {
+        ring_entries: 128,
+        arena_bytes: 32 << 20,
+        huge_pages: false,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let plp = open(&lbio, &path).critical_route().0.power_loss_protected;
+    let set = JournalSet::format(&open(&lbio, &path), layout.clone()).unwrap();
+    let log_bytes = (LOG_BLOCKS * 4096) as usize;
+    let slots;
+    {
+        let own = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+        let pmr: Box<dyn Pmr> =
+            Box::new(BlockPmr::open(&engine, &path, log_at, log_bytes).unwrap());
+        let log = AttrLog::format(pmr, 1).unwrap();
+        slots = log.slots() as u64;
+        let j = Journal::with_rio(
+            &set,
+            0,
+            open(&lbio, &path),
+            open(&own, &path),
+            log,
+            OrderedConfig {
+                batch: 2,
+                ..OrderedConfig::default()
+            },
+        )
+        .unwrap();
+        // Every other block: nothing merges, one write per block.
+        let mut tx = Tx::for_file(1);
+        for i in 0..DATA / 2 {
+            tx.write_data(home + 2 * i, &block_of(1000 + i)).unwrap();
+        }
+        tx.write_meta(home + 1, &block_of(7)).unwrap();
+        j.commit(&tx).unwrap();
+        let st = j.rio_stats().unwrap();
+        assert!(
+            st.requests > 3 * slots,
+            "{} writes for a log of {slots} slots",
+            st.requests
+        );
+    }
+    let dev = open(&lbio, &path);
+    let pmr = BlockPmr::open(&engine, &path, log_at, log_bytes).unwrap();
+    let prefix = rio_prefix(&[rio_ordering::scan(&pmr).unwrap()], plp).unwrap();
+    let (_set, report) = JournalSet::open_rio(&dev, layout, &prefix).unwrap();
+    assert_eq!(report.replayed.iter().map(Vec::len).sum::<usize>(), 1);
+    drop(dev);
+    let raw = std::fs::read(&path).unwrap();
+    let at = |b: u64| u64::from_le_bytes(raw[(b * 4096) as usize..][..8].try_into().unwrap());
+    assert_eq!(at(home + 1), 7, "the metadata block, replayed");
+    for i in 0..DATA / 2 {
+        assert_eq!(at(home + 2 * i), 1000 + i, "data block {}", home + 2 * i);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

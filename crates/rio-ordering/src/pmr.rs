@@ -11,7 +11,9 @@
 //!   an in-memory image, and [`Pmr::sync`] writes the changed blocks with FUA (`RWF_DSYNC`) in
 //!   one system call per contiguous run. The ordered device syncs once per batch, before it
 //!   submits the batch's data (attribute blocks written ahead of their data), and once at the end
-//!   of `wait`; header rewrites are written at once, before anything staged after them.
+//!   of `wait`; header rewrites are written at once, before anything staged after them. It
+//!   writes through a descriptor of its own ([`BlockPmr::open`]) or through an lbio device on
+//!   the engine's ring ([`BlockPmr::on_device`], a SimDisk included).
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsRawFd, OwnedFd};
