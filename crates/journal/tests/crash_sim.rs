@@ -65,6 +65,9 @@ impl Pmr for SimPmr {
 }
 
 const RIO_LOG_BYTES: usize = 16 << 10;
+/// A log of 4 slots after its two 576-byte header copies: every write of a commit is a group
+/// of its own, and a commit of more than four writes finds the log full.
+const RIO_SMALL_LOG_BYTES: usize = 2 * 576 + 4 * 64;
 
 #[derive(Clone, Debug, Default)]
 struct Rec {
@@ -83,8 +86,11 @@ struct Outcome {
     pending_applied: usize,
     torn_tails: usize,
     checkpoints: u64,
-    /// Areas that committed Rio-ordered.
+    /// Areas that committed Rio-ordered, those among them with the small log, and how often
+    /// an ordered device found its log full.
     rio_areas: usize,
+    rio_small_logs: usize,
+    rio_log_full_waits: u64,
     /// Cuts in the middle of a Rio-ordered commit, and images where that commit survived.
     rio_mid_commit: usize,
     rio_pending_applied: usize,
@@ -124,7 +130,15 @@ fn run_seed(seed: u64, lbio: &Rc<LbioArray>) -> Result<Outcome, String> {
     let journals: Vec<Journal> = (0..areas)
         .map(|a| {
             if rng.chance(1, 2) {
-                let bytes = Rc::new(RefCell::new(vec![0u8; RIO_LOG_BYTES]));
+                // Half the Rio areas (by seed and index, leaving the random sequence alone)
+                // get the small log.
+                let small = (seed >> 3 ^ a as u64) & 1 == 1;
+                let len = if small {
+                    RIO_SMALL_LOG_BYTES
+                } else {
+                    RIO_LOG_BYTES
+                };
+                let bytes = Rc::new(RefCell::new(vec![0u8; len]));
                 let pmr: Box<dyn Pmr> = Box::new(SimPmr {
                     bytes: Rc::clone(&bytes),
                     disk: disk.clone(),
@@ -255,7 +269,7 @@ fn run_seed(seed: u64, lbio: &Rc<LbioArray>) -> Result<Outcome, String> {
             .map(|l| {
                 let m = match l {
                     Some(b) => {
-                        let mut m = MemPmr::new(RIO_LOG_BYTES);
+                        let mut m = MemPmr::new(b.borrow().len());
                         m.bytes_mut().copy_from_slice(&b.borrow());
                         m
                     }
@@ -275,6 +289,16 @@ fn run_seed(seed: u64, lbio: &Rc<LbioArray>) -> Result<Outcome, String> {
         None
     };
     out.rio_areas = rio_areas;
+    out.rio_small_logs = rio_logs
+        .iter()
+        .flatten()
+        .filter(|b| b.borrow().len() == RIO_SMALL_LOG_BYTES)
+        .count();
+    out.rio_log_full_waits = journals
+        .iter()
+        .filter_map(|j| j.rio_stats())
+        .map(|s| s.log_full_waits)
+        .sum();
     let pending_rio = pending.as_ref().is_some_and(|p| rio_logs[p.area].is_some());
     out.rio_mid_commit = pending_rio as usize;
     for k in 0..IMAGES_PER_CUT {
@@ -373,6 +397,8 @@ fn crashes_at_random_points_recover_every_acknowledged_commit_atomically() {
                 total.torn_tails += o.torn_tails;
                 total.checkpoints += o.checkpoints;
                 total.rio_areas += o.rio_areas;
+                total.rio_small_logs += o.rio_small_logs;
+                total.rio_log_full_waits += o.rio_log_full_waits;
                 total.rio_mid_commit += o.rio_mid_commit;
                 total.rio_pending_applied += o.rio_pending_applied;
             }
@@ -384,7 +410,8 @@ fn crashes_at_random_points_recover_every_acknowledged_commit_atomically() {
     println!(
         "crash simulation: {} workloads, {} crash states recovered and checked in {:.1} s, 0 violations \
          ({} cuts mid-commit, in-flight commit survived whole in {} images, {} torn tails, {} checkpoints; \
-         {} Rio-ordered areas, {} cuts mid Rio commit, survived whole in {} images)",
+         {} Rio-ordered areas ({} with a 4-slot log, {} waits for a full log), {} cuts mid Rio commit, \
+         survived whole in {} images)",
         seeds.len(),
         total.states,
         t0.elapsed().as_secs_f64(),
@@ -393,6 +420,8 @@ fn crashes_at_random_points_recover_every_acknowledged_commit_atomically() {
         total.torn_tails,
         total.checkpoints,
         total.rio_areas,
+        total.rio_small_logs,
+        total.rio_log_full_waits,
         total.rio_mid_commit,
         total.rio_pending_applied
     );
@@ -401,7 +430,8 @@ fn crashes_at_random_points_recover_every_acknowledged_commit_atomically() {
             || (total.mid_commit > 0
                 && total.pending_applied > 0
                 && total.torn_tails > 0
-                && total.rio_mid_commit > 0)
+                && total.rio_mid_commit > 0
+                && total.rio_log_full_waits > 0)
     );
 }
 
