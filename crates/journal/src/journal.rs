@@ -1485,18 +1485,20 @@ impl Journal {
         let (blocks, chain) = self.prepare_journal(tx, tid)?;
         let n = blocks.len();
         let runs = self.log_runs(blocks, head)?;
+        // Buffer preparation only: submitting may wait for the attribute log's sync.
+        let mut prep = start.elapsed();
         let mut dev = rio.dev.borrow_mut();
         let s = rio.stream;
+        let write = |(offset, buf): (u64, FixedBuf), ipu: bool| rio_ordering::Write {
+            target: 0,
+            offset,
+            buf,
+            ipu,
+        };
         let writes: Vec<rio_ordering::Write> = data
             .into_iter()
-            .map(|w| (w, true))
-            .chain(runs.into_iter().map(|w| (w, false)))
-            .map(|((offset, buf), ipu)| rio_ordering::Write {
-                target: 0,
-                offset,
-                buf,
-                ipu,
-            })
+            .map(|w| write(w, true))
+            .chain(runs.into_iter().map(|w| write(w, false)))
             .collect();
         // Entries each write takes in the attribute log (one per piece the device splits it in).
         let entries: Vec<usize> = writes.iter().map(|w| w.buf.len().div_ceil(max)).collect();
@@ -1512,17 +1514,13 @@ impl Journal {
         }
         // The commit block's group follows the data-and-journal groups.
         let group = dev.next_seq(s);
+        let t = Instant::now();
         let c = self.prepare_commit(tx, tid, n, chain, Some(group))?;
+        prep += t.elapsed();
         st.prepare_ns
-            .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        let write = |offset: u64, buf: FixedBuf, ipu: bool| rio_ordering::Write {
-            target: 0,
-            offset,
-            buf,
-            ipu,
-        };
+            .fetch_add(prep.as_nanos() as u64, Ordering::Relaxed);
         let at = self.set.log_byte(self.area, head + n as u64);
-        dev.submit(s, write(at, c, false), true)?;
+        dev.submit(s, write((at, c), false), true)?;
         let waited = dev.wait(s);
         // Hand the buffers back whatever happened, then report the first failure.
         let done = dev.poll();

@@ -3,6 +3,7 @@
 //! read the attribute log back, recover with it, and find every committed block home. Opening
 //! the same journal without the attribute log is refused rather than trusted.
 
+use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
 use aios_core::{Engine, EngineConfig};
@@ -41,24 +42,56 @@ fn block_of(v: u64) -> Vec<u8> {
     b
 }
 
-#[test]
-fn rio_ordered_commits_on_a_file_recover_with_their_block_log() {
-    let dir = std::env::temp_dir().join(format!("aios-rio-file-{}", std::process::id()));
+/// A zeroed file of `blocks` blocks in a directory of its own (`name`), and an engine with an
+/// arena of `arena` bytes and an lbio array to run on it.
+fn setup(name: &str, blocks: u64, arena: usize) -> (PathBuf, PathBuf, Rc<Engine>, Rc<LbioArray>) {
+    let dir = std::env::temp_dir().join(format!("aios-rio-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("journal.img");
     std::fs::File::create(&path)
         .unwrap()
-        .set_len(BLOCKS * 4096)
+        .set_len(blocks * 4096)
         .unwrap();
-    let layout = Layout::per_core(0, AREA_BLOCKS, AREAS as usize);
     let engine = Engine::new(EngineConfig {
         ring_entries: 128,
-        arena_bytes: 4 << 20,
+        arena_bytes: arena,
         huge_pages: false,
         ..EngineConfig::default()
     })
     .unwrap();
     let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    (dir, path, engine, lbio)
+}
+
+/// A Rio handle on `area` (its ordered device on an lbio array of its own), with a fresh
+/// attribute log of `streams` streams in the `LOG_BLOCKS` blocks at byte `log_at`; and the
+/// log's slot count.
+fn rio_handle(
+    set: &std::sync::Arc<JournalSet>,
+    area: usize,
+    lbio: &Rc<LbioArray>,
+    path: &Path,
+    log_at: u64,
+    streams: u16,
+) -> (Journal, u32) {
+    let engine = lbio.engine();
+    let own = LbioArray::new(Rc::clone(engine), LbioConfig::default()).unwrap();
+    let len = (LOG_BLOCKS * 4096) as usize;
+    let pmr: Box<dyn Pmr> = Box::new(BlockPmr::open(engine, path, log_at, len).unwrap());
+    let log = AttrLog::format(pmr, streams).unwrap();
+    let slots = log.slots();
+    let cfg = OrderedConfig {
+        batch: 2,
+        ..OrderedConfig::default()
+    };
+    let j = Journal::with_rio(set, area, open(lbio, path), open(&own, path), log, cfg).unwrap();
+    (j, slots)
+}
+
+#[test]
+fn rio_ordered_commits_on_a_file_recover_with_their_block_log() {
+    let (dir, path, engine, lbio) = setup("file", BLOCKS, 4 << 20);
+    let layout = Layout::per_core(0, AREA_BLOCKS, AREAS as usize);
     let plp = open(&lbio, &path).critical_route().0.power_loss_protected;
     let set = JournalSet::format(&open(&lbio, &path), layout.clone()).unwrap();
     let mut want = std::collections::HashMap::new();
@@ -66,25 +99,9 @@ fn rio_ordered_commits_on_a_file_recover_with_their_block_log() {
         // One Rio handle per area, each with its own lbio array for the ordered device.
         let mut handles = Vec::new();
         for a in 0..AREAS {
-            let own = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
-            let pmr: Box<dyn Pmr> = Box::new(
-                BlockPmr::open(&engine, &path, log_at(a), (LOG_BLOCKS * 4096) as usize).unwrap(),
-            );
-            let log = AttrLog::format(pmr, AREAS as u16).unwrap();
-            let j = Journal::with_rio(
-                &set,
-                a as usize,
-                open(&lbio, &path),
-                open(&own, &path),
-                log,
-                OrderedConfig {
-                    batch: 2,
-                    ..OrderedConfig::default()
-                },
-            )
-            .unwrap();
+            let (j, _) = rio_handle(&set, a as usize, &lbio, &path, log_at(a), AREAS as u16);
             assert!(j.rio_ordered());
-            handles.push((j, own));
+            handles.push(j);
         }
         // A second Rio handle on an area is refused.
         let own = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
@@ -106,7 +123,7 @@ fn rio_ordered_commits_on_a_file_recover_with_their_block_log() {
 
         let mut v = 0;
         for i in 0..40u64 {
-            let (j, _) = &handles[(i % AREAS) as usize];
+            let j = &handles[(i % AREAS) as usize];
             let mut tx = Tx::for_file(i as u32);
             v += 1;
             let meta = HOME + (i % 16);
@@ -118,7 +135,7 @@ fn rio_ordered_commits_on_a_file_recover_with_their_block_log() {
             want.insert(data, v);
             j.commit(&tx).unwrap();
         }
-        let st = handles[0].0.rio_stats().unwrap();
+        let st = handles[0].rio_stats().unwrap();
         assert_eq!(
             st.requests,
             20 * 3,
@@ -170,47 +187,18 @@ fn rio_ordered_commits_on_a_file_recover_with_their_block_log() {
 /// ordered groups as it needs, and recovers whole.
 #[test]
 fn a_transaction_larger_than_the_attribute_log_commits_and_recovers() {
-    let dir = std::env::temp_dir().join(format!("aios-rio-big-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("journal.img");
     const DATA: u64 = 4096;
     let home = AREA_BLOCKS;
     let log_at = (home + DATA) * 4096;
-    std::fs::File::create(&path)
-        .unwrap()
-        .set_len((home + DATA + LOG_BLOCKS) * 4096)
-        .unwrap();
+    let (dir, path, engine, lbio) = setup("big", home + DATA + LOG_BLOCKS, 32 << 20);
     let layout = Layout::per_core(0, AREA_BLOCKS, 1);
-    let engine = Engine::new(EngineConfig {
-        ring_entries: 128,
-        arena_bytes: 32 << 20,
-        huge_pages: false,
-        ..EngineConfig::default()
-    })
-    .unwrap();
-    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
     let plp = open(&lbio, &path).critical_route().0.power_loss_protected;
     let set = JournalSet::format(&open(&lbio, &path), layout.clone()).unwrap();
     let log_bytes = (LOG_BLOCKS * 4096) as usize;
     let slots;
     {
-        let own = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
-        let pmr: Box<dyn Pmr> =
-            Box::new(BlockPmr::open(&engine, &path, log_at, log_bytes).unwrap());
-        let log = AttrLog::format(pmr, 1).unwrap();
-        slots = log.slots() as u64;
-        let j = Journal::with_rio(
-            &set,
-            0,
-            open(&lbio, &path),
-            open(&own, &path),
-            log,
-            OrderedConfig {
-                batch: 2,
-                ..OrderedConfig::default()
-            },
-        )
-        .unwrap();
+        let (j, n) = rio_handle(&set, 0, &lbio, &path, log_at, 1);
+        slots = n as u64;
         // Every other block: nothing merges, one write per block.
         let mut tx = Tx::for_file(1);
         for i in 0..DATA / 2 {
