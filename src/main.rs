@@ -147,6 +147,11 @@ struct MountArgs {
     /// reads /dev/fuse, `auto` takes io_uring when the kernel offers it and says so.
     #[arg(long, value_enum, default_value = "auto")]
     transport: TransportArg,
+    /// Page cache for clean file data, shared by all workers (`0` for none: every read of data
+    /// not written since the last commit goes to the device). Reads of files opened
+    /// `O_DIRECT` bypass it.
+    #[arg(long, default_value = "64m", value_parser = parse_size_or_zero)]
+    cache_size: u64,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -569,6 +574,14 @@ fn parse_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("'{s}' is not a size like 256m or 1g"))
 }
 
+/// [`parse_size`], or `0` (turns the thing off).
+fn parse_size_or_zero(s: &str) -> Result<u64, String> {
+    if s.trim() == "0" {
+        return Ok(0);
+    }
+    parse_size(s)
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.cmd {
@@ -742,6 +755,7 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
             cmd.arg("--completion").arg("poll");
         }
         cmd.arg("--transport").arg(a.transport.name());
+        cmd.arg("--cache-size").arg(a.cache_size.to_string());
         use std::os::unix::process::CommandExt;
         let mut child = cmd
             .stdin(std::process::Stdio::null())
@@ -796,6 +810,8 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
         CommitArg::Vanilla => aios::journal::CommitMode::Vanilla,
     };
     opts.fs.rio = matches!(a.commit, CommitArg::Rio);
+    opts.fs.cache_bytes = usize::try_from(a.cache_size)
+        .map_err(|_| BenchError::Invalid(format!("--cache-size {}: too large", a.cache_size)))?;
     opts.fs.completion = match a.completion {
         MountCompletion::Wait => CompletionMode::Wait,
         MountCompletion::Poll => CompletionMode::BusyPoll,
@@ -810,7 +826,7 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
     let fs_probe = probe(&a.image, ProbeOptions::default()).ok();
     let r = &m.report;
     eprintln!(
-        "aiosfs: mounted {} on {}: {} workers (one per core unless --threads; each its own /dev/fuse clone, engine, lbio array and journal area), device {} ({}), completion {}, journal: {} commit, durability {}, recovery replayed {} transactions ({} blocks){}{}",
+        "aiosfs: mounted {} on {}: {} workers (one per core unless --threads; each its own /dev/fuse clone, engine, lbio array and journal area), device {} ({}), completion {}, journal: {} commit, durability {}, {}, recovery replayed {} transactions ({} blocks){}{}",
         a.image.display(),
         a.mountpoint.display(),
         m.threads,
@@ -823,6 +839,14 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
             opts.fs.commit_mode.name()
         },
         r.durability,
+        if opts.fs.cache_bytes > 0 {
+            format!(
+                "page cache {} for clean data (AIOS read path; O_DIRECT reads bypass it)",
+                aios::bench::report::human_bytes(opts.fs.cache_bytes as u64)
+            )
+        } else {
+            "no page cache (--cache-size 0)".into()
+        },
         r.replayed_transactions,
         r.replayed_blocks,
         if r.was_mounted { ", after an unclean stop" } else { "" },

@@ -26,6 +26,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use aios_core::{Engine, EngineConfig};
 use journal::{CommitMode, Journal, JournalSet, Layout, Tx};
 use lbio::{Device, LbioArray, LbioConfig};
+use pagecache::{CacheConfig, CacheHandle, CacheMetrics, FileId, Mode, PageCache};
 
 use crate::error::FsError;
 use crate::format::{
@@ -68,6 +69,9 @@ pub struct FsOptions {
     /// How a worker waits for its I/O: sleep in `io_uring_enter`, or spin on the completion
     /// queue (no wake-up latency; the worker's core is busy while it waits).
     pub completion: aios_core::CompletionMode,
+    /// Bytes of the page cache that holds clean file data for all workers (`pagecache`, AIOS's
+    /// read path), or 0 for none (every read of clean data goes to the device).
+    pub cache_bytes: usize,
 }
 
 impl Default for FsOptions {
@@ -78,6 +82,7 @@ impl Default for FsOptions {
             dirty_limit: 16 << 20,
             arena_bytes: 48 << 20,
             completion: aios_core::CompletionMode::Wait,
+            cache_bytes: 64 << 20,
         }
     }
 }
@@ -170,6 +175,9 @@ pub fn now() -> (i64, u32) {
 }
 
 struct Ctx {
+    /// This worker's handle on the data cache (dropped before the journal: it holds the same
+    /// engine).
+    cache: Option<(CacheHandle, FileId)>,
     journal: Journal,
 }
 
@@ -189,6 +197,36 @@ impl Ctx {
             .map_err(io_err)?;
         Ok(buf[..len].to_vec())
     }
+    /// `count` blocks of file data from `block` on: through the page cache unless `direct` (or
+    /// the mount has none).
+    fn read_data(&self, fs: &Fs, block: u64, count: u64, direct: bool) -> FsResult<Vec<u8>> {
+        match &self.cache {
+            Some((h, file)) if !direct && !fs.cache_off.load(Ordering::Acquire) => {
+                let mut out = vec![0u8; (count * B) as usize];
+                h.read(*file, block * B, &mut out).map_err(io_err)?;
+                Ok(out)
+            }
+            _ => self.read_blocks(block, count),
+        }
+    }
+
+    /// `bytes` of file data are now on the device at `block`: the page cache keeps them, and
+    /// drops whatever copy it had. If it cannot, no worker reads through the cache again (a
+    /// stale copy could stay in it).
+    fn stored(&self, fs: &Fs, block: u64, bytes: &[u8]) {
+        let Some((h, file)) = &self.cache else { return };
+        if fs.cache_off.load(Ordering::Acquire) {
+            return;
+        }
+        if let Err(e) = h.store(*file, block * B, bytes) {
+            eprintln!(
+                "aiosfs: the page cache could not take the new bytes of block {block} ({e}); \
+                 reads go to the device from now on"
+            );
+            fs.cache_off.store(true, Ordering::Release);
+        }
+    }
+
     fn write_block(&self, block: u64, bytes: &[u8]) -> FsResult<()> {
         let mut buf = self.engine().alloc_blocking(bytes.len()).map_err(io_err)?;
         buf.set_len(bytes.len()).map_err(io_err)?;
@@ -422,6 +460,10 @@ pub struct Fs {
     rio_pick: Mutex<()>,
     opts: FsOptions,
     log_len: u64,
+    /// The page cache for clean file data (keyed by physical block: file 0 is the device).
+    cache: Option<(Arc<PageCache>, FileId)>,
+    /// Set when a store into the cache failed: reads go to the device from then on.
+    cache_off: std::sync::atomic::AtomicBool,
     pub stats: FsStats,
 }
 
@@ -496,6 +538,27 @@ impl Fs {
         for i in 1..sb.inodes {
             free_inodes += !bit(&ibm, i) as u64;
         }
+        let cache = if opts.cache_bytes > 0 {
+            let frames = (opts.cache_bytes / pagecache::PAGE_BYTES) as u32;
+            let cfg = CacheConfig {
+                capacity_bytes: opts.cache_bytes,
+                pool_batch: (frames / 16).clamp(1, 32),
+                // The kernel already reads ahead of a sequential reader (FUSE sends reads of
+                // up to 128 KiB); and a read still in flight when a request returns would be
+                // completed only by that worker's next request.
+                readahead_pages: 0,
+                huge_pages: true,
+            };
+            let pc = PageCache::new(cfg).map_err(|e| {
+                FsError::Config(format!("page cache of {} bytes: {e}", opts.cache_bytes))
+            })?;
+            let file = pc
+                .add_file(bytes)
+                .map_err(|e| FsError::Config(format!("page cache: {e}")))?;
+            Some((pc, file))
+        } else {
+            None
+        };
         let probe = set.durability_probe();
         let durability = format!("{} ({})", probe.chosen.name(), probe.why);
         let log_len = sb.journal_blocks - 1;
@@ -531,6 +594,8 @@ impl Fs {
             rio_pick: Mutex::new(()),
             opts,
             log_len,
+            cache,
+            cache_off: std::sync::atomic::AtomicBool::new(false),
             stats: FsStats::default(),
         });
         drop(dev);
@@ -567,6 +632,18 @@ impl Fs {
         &self.opts
     }
 
+    /// The data cache's counters (`None` without one), with every worker's hits so far on
+    /// this thread published first.
+    pub fn cache_metrics(&self) -> Option<CacheMetrics> {
+        let (pc, _) = self.cache.as_ref()?;
+        if let Some(c) = CTX.with(|m| m.borrow().get(&self.id).cloned()) {
+            if let Some((h, _)) = &c.cache {
+                h.publish_metrics();
+            }
+        }
+        Some(pc.metrics())
+    }
+
     fn ctx(&self) -> FsResult<Rc<Ctx>> {
         if let Some(c) = CTX.with(|m| m.borrow().get(&self.id).cloned()) {
             return Ok(c);
@@ -586,7 +663,16 @@ impl Fs {
             let area = self.next_area.fetch_add(1, Ordering::Relaxed) % self.areas();
             Journal::new(&self.set, area, dev, self.opts.commit_mode).map_err(io_err)?
         };
-        let c = Rc::new(Ctx { journal });
+        let cache = match &self.cache {
+            Some((pc, file)) => {
+                let h = CacheHandle::new(pc, &engine, &lbio, Mode::AIOS).map_err(io_err)?;
+                h.attach(*file, (self.factory)(&lbio).map_err(io_err)?)
+                    .map_err(io_err)?;
+                Some((h, *file))
+            }
+            None => None,
+        };
+        let c = Rc::new(Ctx { cache, journal });
         CTX.with(|m| m.borrow_mut().insert(self.id, Rc::clone(&c)));
         Ok(c)
     }
@@ -1136,8 +1222,9 @@ impl Fs {
         st.journaled.extend(metas.keys().copied());
         for (ino, l) in written {
             if let Some(n) = st.nodes.get_mut(&ino) {
-                if n.dirty.remove(&l).is_some() {
+                if let Some(buf) = n.dirty.remove(&l) {
                     st.dirty_bytes -= BLOCK;
+                    ctx.stored(self, n.phys(l).expect("dirty blocks are mapped"), &buf);
                 }
                 n.fresh.remove(&l);
             }
@@ -1265,6 +1352,9 @@ impl Fs {
             return Err(e);
         }
         let blocks: u64 = runs.iter().map(|(_, ls)| ls.len() as u64).sum();
+        for (&l, buf) in &n.dirty {
+            ctx.stored(self, n.phys(l).expect("dirty blocks are mapped"), buf);
+        }
         st.nodes.get_mut(&ino).expect("node").dirty.clear();
         st.dirty_data.remove(&ino);
         st.dirty_bytes -= blocks as usize * BLOCK;
@@ -1966,7 +2056,7 @@ impl Fs {
             return Ok(());
         }
         let Some(p) = n.phys(l) else { return Ok(()) };
-        let mut b = ctx.read_blocks(p, 1)?;
+        let mut b = ctx.read_data(self, p, 1, false)?;
         b[from..to].fill(0);
         let n = st.nodes.get_mut(&ino).expect("node");
         n.dirty.insert(l, b.into_boxed_slice());
@@ -1975,8 +2065,15 @@ impl Fs {
         Ok(())
     }
 
-    /// Read up to `size` bytes at `offset`.
+    /// Read up to `size` bytes at `offset`, clean data through the page cache.
     pub fn read(&self, ino: u64, offset: u64, size: u32) -> FsResult<Vec<u8>> {
+        self.read_with(ino, offset, size, false)
+    }
+
+    /// Read up to `size` bytes at `offset`; `direct` (a file opened `O_DIRECT`) reads clean
+    /// data from the device and leaves the page cache alone, as `O_DIRECT` does on a kernel
+    /// file system. Dirty data comes from memory either way.
+    pub fn read_with(&self, ino: u64, offset: u64, size: u32, direct: bool) -> FsResult<Vec<u8>> {
         let ctx = self.ctx()?;
         self.stats.reads.fetch_add(1, Ordering::Relaxed);
         // Under the lock: the size, dirty blocks and the physical runs to read.
@@ -2012,7 +2109,7 @@ impl Fs {
             out.truncate((end - first * B) as usize);
         }
         for (at, p, c) in runs {
-            let b = ctx.read_blocks(p, c)?;
+            let b = ctx.read_data(self, p, c, direct)?;
             let take = (c * B) as usize;
             let stop = out.len().min(at + take);
             out[at..stop].copy_from_slice(&b[..stop - at]);
@@ -2069,7 +2166,7 @@ impl Fs {
                 let mut b = if from == 0 && to == B {
                     vec![0u8; BLOCK]
                 } else {
-                    ctx.read_blocks(p, 1)?
+                    ctx.read_data(self, p, 1, false)?
                 };
                 b[from as usize..to as usize].copy_from_slice(src);
                 n.dirty.insert(l, b.into_boxed_slice());
@@ -2214,6 +2311,7 @@ impl Fs {
                 }
                 // Zeros reach the block before any commit maps it.
                 ctx.write_block(p, &zeros)?;
+                ctx.stored(self, p, &zeros);
                 st.nodes.get_mut(&ino).expect("node").map_block(l, p);
             }
             let n = st.nodes.get_mut(&ino).expect("node");

@@ -244,8 +244,14 @@ impl Filesystem for Adapter {
                 } else {
                     String::new()
                 };
+                let cache = self.fs.cache_metrics().map_or(String::new(), |m| {
+                    format!(
+                        "; page cache: {} hits, {} misses, {} evictions",
+                        m.hits, m.misses, m.evictions
+                    )
+                });
                 eprintln!(
-                    "aiosfs: unmounted cleanly (everything committed and checkpointed): {} commits ({} by fsync), {} fsyncs written in place without a transaction, {} data and {} metadata blocks written{phases}{rio}",
+                    "aiosfs: unmounted cleanly (everything committed and checkpointed): {} commits ({} by fsync), {} fsyncs written in place without a transaction, {} data and {} metadata blocks written{phases}{rio}{cache}",
                     n(&st.commits),
                     n(&st.fsync_commits),
                     n(&st.fsync_in_place),
@@ -444,11 +450,12 @@ impl Filesystem for Adapter {
         _fh: FileHandle,
         offset: u64,
         size: u32,
-        _flags: OpenFlags,
+        flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        match self.fs.read(ino.0, offset, size) {
+        let direct = flags.0 & libc::O_DIRECT != 0;
+        match self.fs.read_with(ino.0, offset, size, direct) {
             Ok(d) => reply.data(&d),
             Err(e) => reply.error(err(e)),
         }

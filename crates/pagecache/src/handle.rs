@@ -1000,6 +1000,33 @@ impl CacheHandle {
     /// Write `data` into `file` at `offset` through the cache (pages become dirty; [`Self::sync`]
     /// makes them durable).
     pub fn write(&self, file: FileId, offset: u64, data: &[u8]) -> Result<(), CacheError> {
+        self.put(file, offset, data, true)
+    }
+
+    /// Record that the device now holds `data` at `offset` of `file`, written there by the
+    /// caller without the cache (a journal's in-place data write, say): the pages are cached
+    /// clean, replacing any copy the cache had, so later reads hit and none returns the bytes
+    /// the device held before. Whole pages only (`offset` and the length multiples of
+    /// [`PAGE_BYTES`]); a page that is dirty in the cache is replaced and becomes clean.
+    ///
+    /// Call it after the device write completed. A read that missed on one of these pages
+    /// before then may have read the old bytes; its frame is either not indexed yet (this call
+    /// indexes the new bytes first and the read's frame is abandoned) or indexed and in flight
+    /// (this call waits for the read and then overwrites the frame), so the old bytes never
+    /// stay in the cache.
+    pub fn store(&self, file: FileId, offset: u64, data: &[u8]) -> Result<(), CacheError> {
+        let page = PAGE_BYTES as u64;
+        if offset % page != 0 || data.len() % PAGE_BYTES != 0 {
+            return Err(CacheError::Config(format!(
+                "store of {} bytes at offset {offset}: offset and length must be multiples of {PAGE_BYTES}",
+                data.len()
+            )));
+        }
+        self.put(file, offset, data, false)
+    }
+
+    /// [`Self::write`] (`dirty`) or [`Self::store`].
+    fn put(&self, file: FileId, offset: u64, data: &[u8], dirty: bool) -> Result<(), CacheError> {
         self.check_range(file, offset, data.len())?;
         let frames = &self.cache.frames;
         let mut done = 0usize;
@@ -1027,7 +1054,7 @@ impl CacheHandle {
                         continue;
                     }
                     frames.mark(f, frames::INDEXED);
-                    self.fill(f, in_page, &data[done..done + n]);
+                    self.fill(f, in_page, &data[done..done + n], dirty);
                     done += n;
                     continue;
                 }
@@ -1072,14 +1099,15 @@ impl CacheHandle {
                 std::thread::yield_now();
                 continue;
             }
-            self.fill(frame, in_page, &data[done..done + n]);
+            self.fill(frame, in_page, &data[done..done + n], dirty);
             done += n;
         }
         Ok(())
     }
 
-    /// Copy `bytes` into a frame this handle holds BUSY, then publish it as valid and dirty.
-    fn fill(&self, frame: u32, in_page: usize, bytes: &[u8]) {
+    /// Copy `bytes` into a frame this handle holds BUSY, then publish it as valid, and dirty or
+    /// clean.
+    fn fill(&self, frame: u32, in_page: usize, bytes: &[u8], dirty: bool) {
         // SAFETY: the frame is flagged BUSY by us: optimistic readers retry, pinners and other
         // writers wait, eviction skips it.
         unsafe {
@@ -1089,11 +1117,18 @@ impl CacheHandle {
                 bytes.len(),
             );
         }
+        let set = if dirty {
+            frames::DIRTY | frames::VALID
+        } else {
+            frames::VALID
+        };
+        let clear = if dirty {
+            frames::BUSY
+        } else {
+            frames::BUSY | frames::DIRTY
+        };
         self.cache.frames.update(frame, |s| {
-            Some(
-                s.with_flags((s.flags() & !frames::BUSY) | frames::DIRTY | frames::VALID)
-                    .bumped(),
-            )
+            Some(s.with_flags((s.flags() & !clear) | set).bumped())
         });
     }
 

@@ -30,6 +30,9 @@ struct Faulty {
     fail_reads: Cell<Option<(u64, u64)>>,
     /// Reads take this long (the backend is synchronous: the submitting thread sleeps).
     read_delay: Cell<Option<std::time::Duration>>,
+    /// Run once, right after the next read has copied its bytes (before the reader sees it
+    /// complete): something the device does while a read is in flight.
+    after_read: std::cell::RefCell<Option<Box<dyn FnOnce()>>>,
 }
 
 impl Backend for Faulty {
@@ -55,7 +58,14 @@ impl Backend for Faulty {
             std::thread::sleep(d);
         }
         // SAFETY: forwarded contract.
-        unsafe { self.mem.start(engine, sink, tag, piece) }
+        let started = unsafe { self.mem.start(engine, sink, tag, piece) };
+        if piece.op == Op::Read {
+            let hook = self.after_read.borrow_mut().take();
+            if let Some(hook) = hook {
+                hook();
+            }
+        }
+        started
     }
 }
 
@@ -87,6 +97,7 @@ fn faulty_device(lbio: &Rc<LbioArray>, bytes: usize) -> (Device, Rc<Faulty>) {
         mem: MemBackend::new(bytes),
         fail_reads: Cell::new(None),
         read_delay: Cell::new(None),
+        after_read: std::cell::RefCell::new(None),
     });
     (device_over(lbio, &f), f)
 }
@@ -640,4 +651,108 @@ fn two_readers_missing_one_page_both_read_it_and_the_loser_is_abandoned() {
         }
         assert_eq!(accounted, cache.frames.len(), "{m:?}");
     }
+}
+
+#[test]
+fn store_caches_clean_pages_and_replaces_old_copies_without_writing() {
+    let Setup {
+        cache,
+        engine,
+        lbio,
+        file,
+        h,
+    } = setup(16, 4, 0, 8 * 4096, Mode::AIOS);
+    let (dev, backend) = faulty_device(&lbio, 8 * 4096);
+    h.attach(file, dev).unwrap();
+    let raw = device_over(&lbio, &backend);
+    let put_raw = |offset: u64, byte: u8, len: usize| {
+        let mut b = engine.try_alloc(len).unwrap();
+        b.fill(byte);
+        raw.write_at_blocking(offset, b, false).unwrap();
+    };
+    let read = |offset: u64| {
+        let mut buf = vec![0u8; 4096];
+        h.read(file, offset, &mut buf).unwrap();
+        buf
+    };
+    // Page 0 is cached with the device's bytes; the device then gets new ones around the cache.
+    assert!(read(0).iter().all(|&b| b == 0));
+    put_raw(0, 0x11, 4096);
+    assert!(
+        read(0).iter().all(|&b| b == 0),
+        "a plain hit still sees the old copy"
+    );
+    h.store(file, 0, &[0x11; 4096]).unwrap();
+    // Pages 1 and 2 were never read: store caches them.
+    put_raw(4096, 0x22, 2 * 4096);
+    h.store(file, 4096, &[0x22; 2 * 4096]).unwrap();
+    let misses = cache.metrics().misses;
+    assert!(read(0).iter().all(|&b| b == 0x11));
+    assert!(read(4096).iter().all(|&b| b == 0x22));
+    assert!(read(2 * 4096).iter().all(|&b| b == 0x22));
+    assert_eq!(cache.metrics().misses, misses, "stored pages are hits");
+    // A page dirty in the cache that the device overtook is clean afterwards: sync writes
+    // nothing over the device's bytes.
+    h.write(file, 3 * 4096, &[0x33; 4096]).unwrap();
+    put_raw(3 * 4096, 0x44, 4096);
+    h.store(file, 3 * 4096, &[0x44; 4096]).unwrap();
+    h.sync(file).unwrap();
+    assert_eq!(cache.metrics().writebacks, 0, "{:?}", cache.metrics());
+    let b = raw
+        .read_at_blocking(3 * 4096, engine.try_alloc(4096).unwrap())
+        .unwrap();
+    assert!(b.iter().all(|&x| x == 0x44));
+    // Only whole pages.
+    for (off, len) in [(100u64, 4096usize), (0, 100), (4096, 4097)] {
+        let e = h.store(file, off, &vec![0u8; len]).unwrap_err();
+        assert!(matches!(e, CacheError::Config(_)), "{e}");
+    }
+    assert!(matches!(
+        h.store(file, 8 * 4096, &[0u8; 4096]),
+        Err(CacheError::PastEnd { .. })
+    ));
+}
+
+#[test]
+fn a_store_racing_a_miss_that_read_the_old_bytes_leaves_the_new_bytes_cached() {
+    // A reader misses page 3 and its read copies the device's old bytes; before the reader
+    // indexes the page (lazy indexing), a writer puts new bytes on the device and stores them
+    // through another handle. The reader's bytes are the old ones (it read first), but the
+    // cache must end up holding the new ones, or every later read would return stale data.
+    let Setup {
+        cache,
+        lbio,
+        file,
+        h,
+        ..
+    } = setup(16, 4, 0, 8 * 4096, Mode::AIOS);
+    let (dev, backend) = faulty_device(&lbio, 8 * 4096);
+    h.attach(file, dev).unwrap();
+    let engine2 = engine();
+    let lbio2 = LbioArray::new(Rc::clone(&engine2), LbioConfig::default()).unwrap();
+    let h2 = CacheHandle::new(&cache, &engine2, &lbio2, Mode::AIOS).unwrap();
+    h2.attach(file, device_over(&lbio2, &backend)).unwrap();
+    let writer = device_over(&lbio2, &backend);
+    let stored = Rc::new(Cell::new(false));
+    let done = Rc::clone(&stored);
+    *backend.after_read.borrow_mut() = Some(Box::new(move || {
+        let mut b = engine2.try_alloc(4096).unwrap();
+        b.fill(0xab);
+        writer.write_at_blocking(3 * 4096, b, false).unwrap();
+        h2.store(file, 3 * 4096, &[0xab; 4096]).unwrap();
+        done.set(true);
+    }));
+    let mut buf = vec![0u8; 4096];
+    h.read(file, 3 * 4096, &mut buf).unwrap();
+    assert!(stored.get(), "the writer ran inside the read");
+    assert!(
+        buf.iter().all(|&b| b == 0),
+        "the read copied before the write"
+    );
+    assert_eq!(cache.metrics().duplicates, 1, "{:?}", cache.metrics());
+    h.read(file, 3 * 4096, &mut buf).unwrap();
+    assert!(
+        buf.iter().all(|&b| b == 0xab),
+        "the cache kept the bytes read before the write"
+    );
 }

@@ -8,10 +8,12 @@ use fs_fuse::fs::{DeviceFactory, Fs, FsOptions};
 use fs_fuse::{mkfs, FsError, MkfsOptions};
 use lbio::{LbioArray, SimConfig, SimDisk};
 
-/// Small arenas: these tests open thousands of file systems.
+/// Small arenas and a small page cache (64 frames): these tests open thousands of file
+/// systems.
 pub fn opts() -> FsOptions {
     FsOptions {
         arena_bytes: 2 << 20,
+        cache_bytes: 256 << 10,
         ..FsOptions::default()
     }
 }
@@ -53,6 +55,7 @@ pub fn fresh_image(bytes: u64) -> Vec<u8> {
 }
 
 /// The file system on a SimDisk holding `image`.
+#[allow(dead_code)]
 pub fn open(image: Vec<u8>, seed: u64) -> Result<(SimDisk, Arc<Fs>), FsError> {
     let disk = SimDisk::from_image(SimConfig::new(image.len() as u64, seed), image).unwrap();
     let (fs, _) = Fs::open(factory(&disk), opts())?;
