@@ -94,7 +94,8 @@ struct FsBenchArgs {
     /// Rounds (the order of the two file systems alternates; medians are reported).
     #[arg(long, default_value_t = 3)]
     rounds: u32,
-    /// Workloads: randread, fsync, createsync, postmark (postmark only when installed).
+    /// Workloads: randread, fsync, createsync, postmark (postmark only when installed),
+    /// append (512-byte appends + fdatasync).
     #[arg(
         long,
         value_delimiter = ',',
@@ -112,6 +113,9 @@ struct FsBenchArgs {
     /// The mount's commit mode (see `aios mount --commit`).
     #[arg(long, value_enum, default_value = "overlapped")]
     commit: CommitArg,
+    /// The mount's page cache (see `aios mount --cache-size`; 0 for none).
+    #[arg(long, default_value = "64m", value_parser = parse_size_or_zero)]
+    cache_size: u64,
     /// One JSON object per median instead of the table.
     #[arg(long)]
     json: bool,
@@ -664,6 +668,7 @@ fn cmd_bench_fs(a: FsBenchArgs) -> Result<(), BenchError> {
         MountCompletion::Poll => "poll",
         MountCompletion::Wait => "wait",
     };
+    let cache = a.cache_size.to_string();
     let setup = FsBenchSetup::ull(
         &exe,
         &[
@@ -673,6 +678,8 @@ fn cmd_bench_fs(a: FsBenchArgs) -> Result<(), BenchError> {
             a.transport.name(),
             "--commit",
             a.commit.name(),
+            "--cache-size",
+            &cache,
         ],
     )?;
     eprintln!("{}", setup.aios.log_line);

@@ -6,7 +6,11 @@
 //!   workload; IOPS);
 //! - `createsync`: files created, written (8 KiB), fsynced and closed, one in four older ones
 //!   unlinked, from one thread (varmail-like; files per second);
-//! - `postmark`: Debian's postmark (a mail server's small-file workload), when installed.
+//! - `postmark`: Debian's postmark (a mail server's small-file workload), when installed;
+//! - `append`: fio, 512-byte appends each followed by fdatasync, from one thread (a write-ahead
+//!   log's pattern; IOPS). Each append rewrites part of the block the previous one made
+//!   durable: a file system reads that block back unless its page cache still holds it
+//!   (`aios bench fs --cache-size 0` shows aiosfs without one).
 //!
 //! Rounds alternate the order of the two file systems; figures are medians over rounds.
 
@@ -315,6 +319,19 @@ impl FsBench {
                             )?,
                             "createsync" => createsync(dir, self.seconds)?,
                             "postmark" => postmark(dir)?,
+                            "append" => fio(
+                                dir,
+                                &[
+                                    "--name=ap".into(),
+                                    "--rw=write".into(),
+                                    "--bs=512".into(),
+                                    "--size=64m".into(),
+                                    "--fdatasync=1".into(),
+                                    "--ioengine=psync".into(),
+                                ],
+                                "write",
+                                self.seconds,
+                            )?,
                             other => {
                                 return Err(BenchError::Invalid(format!(
                                     "unknown workload {other}"
