@@ -197,16 +197,18 @@ impl Ctx {
             .map_err(io_err)?;
         Ok(buf[..len].to_vec())
     }
-    /// `count` blocks of file data from `block` on: through the page cache unless `direct` (or
-    /// the mount has none).
-    fn read_data(&self, fs: &Fs, block: u64, count: u64, direct: bool) -> FsResult<Vec<u8>> {
+    /// File data from `block` on into `dst`: through the page cache (straight into `dst`)
+    /// unless `direct` (or the mount has none).
+    fn read_data(&self, fs: &Fs, block: u64, dst: &mut [u8], direct: bool) -> FsResult<()> {
         match &self.cache {
             Some((h, file)) if !direct && !fs.cache_off.load(Ordering::Acquire) => {
-                let mut out = vec![0u8; (count * B) as usize];
-                h.read(*file, block * B, &mut out).map_err(io_err)?;
-                Ok(out)
+                h.read(*file, block * B, dst).map_err(io_err)
             }
-            _ => self.read_blocks(block, count),
+            _ => {
+                let b = self.read_blocks(block, dst.len().div_ceil(BLOCK) as u64)?;
+                dst.copy_from_slice(&b[..dst.len()]);
+                Ok(())
+            }
         }
     }
 
@@ -2056,7 +2058,8 @@ impl Fs {
             return Ok(());
         }
         let Some(p) = n.phys(l) else { return Ok(()) };
-        let mut b = ctx.read_data(self, p, 1, false)?;
+        let mut b = vec![0u8; BLOCK];
+        ctx.read_data(self, p, &mut b, false)?;
         b[from..to].fill(0);
         let n = st.nodes.get_mut(&ino).expect("node");
         n.dirty.insert(l, b.into_boxed_slice());
@@ -2109,10 +2112,8 @@ impl Fs {
             out.truncate((end - first * B) as usize);
         }
         for (at, p, c) in runs {
-            let b = ctx.read_data(self, p, c, direct)?;
-            let take = (c * B) as usize;
-            let stop = out.len().min(at + take);
-            out[at..stop].copy_from_slice(&b[..stop - at]);
+            let stop = out.len().min(at + (c * B) as usize);
+            ctx.read_data(self, p, &mut out[at..stop], direct)?;
         }
         let skip = (offset - first * B) as usize;
         out.drain(..skip);
@@ -2163,11 +2164,10 @@ impl Fs {
             if let Some(buf) = n.dirty.get_mut(&l) {
                 buf[from as usize..to as usize].copy_from_slice(src);
             } else if let Some(p) = n.phys(l) {
-                let mut b = if from == 0 && to == B {
-                    vec![0u8; BLOCK]
-                } else {
-                    ctx.read_data(self, p, 1, false)?
-                };
+                let mut b = vec![0u8; BLOCK];
+                if from != 0 || to != B {
+                    ctx.read_data(self, p, &mut b, false)?;
+                }
                 b[from as usize..to as usize].copy_from_slice(src);
                 n.dirty.insert(l, b.into_boxed_slice());
                 st.dirty_bytes += BLOCK;

@@ -237,12 +237,23 @@ fn file_data_through_a_tiny_page_cache_matches_a_model() {
     assert!(hits > 0 && evictions > 0, "the cache was not exercised");
 }
 
+/// An empty regular file `name` in the root directory.
+fn create(fs: &Fs, name: &[u8]) -> u64 {
+    fs.mknod(ROOT_INO, name, S_IFREG | 0o644, 0, ROOT, None)
+        .unwrap()
+        .ino
+}
+
+/// Unlink and forget `name` (inode `ino`), and commit, so its blocks can be allocated again.
+fn free(fs: &Fs, name: &[u8], ino: u64) {
+    fs.remove(ROOT_INO, name, false).unwrap();
+    fs.forget(ino, 1);
+    fs.sync_all().unwrap();
+}
+
 /// A file taking every free block (so the next allocation gets whatever is freed next).
 fn fill_up(fs: &Fs) {
-    let filler = fs
-        .mknod(ROOT_INO, b"filler", S_IFREG | 0o644, 0, ROOT, None)
-        .unwrap()
-        .ino;
+    let filler = create(fs, b"filler");
     fs.sync_all().unwrap();
     let free = fs.statfs().bfree;
     fs.fallocate(filler, 0, free * 4096, 0).unwrap();
@@ -252,10 +263,7 @@ fn fill_up(fs: &Fs) {
 
 /// Create `name` with one block of `byte`, committed, and read it once (so it is cached).
 fn cached_file(fs: &Fs, name: &[u8], byte: u8) -> u64 {
-    let ino = fs
-        .mknod(ROOT_INO, name, S_IFREG | 0o644, 0, ROOT, None)
-        .unwrap()
-        .ino;
+    let ino = create(fs, name);
     fs.write(ino, 0, &[byte; 4096]).unwrap();
     fs.fsync(ino).unwrap();
     assert!(fs.read(ino, 0, 4096).unwrap() == vec![byte; 4096]);
@@ -271,10 +279,7 @@ fn open_cached() -> Arc<Fs> {
 #[test]
 fn data_written_by_a_commit_is_a_hit_and_a_reused_block_never_shows_its_old_owner() {
     let fs = open_cached();
-    let a = fs
-        .mknod(ROOT_INO, b"a", S_IFREG | 0o644, 0, ROOT, None)
-        .unwrap()
-        .ino;
+    let a = create(&fs, b"a");
     fs.write(a, 0, &[0xaa; 4096]).unwrap();
     fs.fsync(a).unwrap();
     let before = fs.cache_metrics().unwrap();
@@ -287,13 +292,8 @@ fn data_written_by_a_commit_is_a_hit_and_a_reused_block_never_shows_its_old_owne
     );
     fill_up(&fs);
     // a's block is the only one free once its removal is committed: b's write takes it.
-    fs.remove(ROOT_INO, b"a", false).unwrap();
-    fs.forget(a, 1);
-    fs.sync_all().unwrap();
-    let b = fs
-        .mknod(ROOT_INO, b"b", S_IFREG | 0o644, 0, ROOT, None)
-        .unwrap()
-        .ino;
+    free(&fs, b"a", a);
+    let b = create(&fs, b"b");
     fs.write(b, 0, &[0xbb; 100]).unwrap();
     fs.sync_all().unwrap();
     assert_eq!(fs.statfs().bfree, 0, "b took a's block");
@@ -336,13 +336,8 @@ fn a_fallocate_over_a_reused_block_reads_zeros() {
     let fs = open_cached();
     let a = cached_file(&fs, b"a", 0x33);
     fill_up(&fs);
-    fs.remove(ROOT_INO, b"a", false).unwrap();
-    fs.forget(a, 1);
-    fs.sync_all().unwrap();
-    let c = fs
-        .mknod(ROOT_INO, b"c", S_IFREG | 0o644, 0, ROOT, None)
-        .unwrap()
-        .ino;
+    free(&fs, b"a", a);
+    let c = create(&fs, b"c");
     fs.fallocate(c, 0, 4096, 0).unwrap();
     assert_eq!(fs.statfs().bfree, 0, "c took a's block");
     assert!(

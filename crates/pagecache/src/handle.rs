@@ -1117,18 +1117,10 @@ impl CacheHandle {
                 bytes.len(),
             );
         }
-        let set = if dirty {
-            frames::DIRTY | frames::VALID
-        } else {
-            frames::VALID
-        };
-        let clear = if dirty {
-            frames::BUSY
-        } else {
-            frames::BUSY | frames::DIRTY
-        };
+        let dirty = if dirty { frames::DIRTY } else { 0 };
         self.cache.frames.update(frame, |s| {
-            Some(s.with_flags((s.flags() & !clear) | set).bumped())
+            let kept = s.flags() & !(frames::BUSY | frames::DIRTY);
+            Some(s.with_flags(kept | frames::VALID | dirty).bumped())
         });
     }
 
