@@ -4,7 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==> %s\n' "$*"; }
+# Each step is stamped with the time since the start, so a slow step shows in CI's log.
+t_start=$(date +%s)
+stamp() { local s=$(( $(date +%s) - t_start )); printf '%02d:%02d' $(( s / 60 )) $(( s % 60 )); }
+step() { printf '\n==> [%s] %s\n' "$(stamp)" "$*"; }
 
 # fio (the benchmark anchor); the RDMA transport's build needs (libibverbs, librdmacm, clang for
 # rdma-sys' bindings) and what the lab guest gets from the host (iproute2's ip and rdma, the
@@ -124,7 +127,7 @@ step "rio-net over RDMA between two network namespaces (Soft-RoCE; Debian's 7.x 
 # 6.12's rxe routes only through the initial namespace, so this step boots a newer kernel.
 AIOS_LAB_KERNEL_SUITE=trixie-backports cargo xtask lab --only rdma-netns
 echo
-echo "all checks passed"
+echo "all checks passed in $(stamp) (minutes:seconds)"
 echo "tests: $passed passed, $failed failed, $ignored skipped on the host (the NVMe ones run in the lab)"
 echo "lab: $lab_steps guest steps ok in ${lab_s} s, then rdma-netns on the 7.x kernel"
 
