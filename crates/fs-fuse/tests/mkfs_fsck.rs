@@ -107,15 +107,7 @@ fn a_damaged_attribute_log_is_named_and_rio_needs_logs() {
     assert_eq!(sb.rio_logs.count, 0);
     assert!(sb.rio_log(0).is_none());
     assert!(fsck(many.path()).unwrap().clean());
-    let path = many.path().to_path_buf();
-    let factory: fs_fuse::fs::DeviceFactory =
-        std::sync::Arc::new(move |lbio: &std::rc::Rc<lbio::LbioArray>| {
-            let cfg = lbio::DeviceConfig {
-                write: true,
-                ..lbio::DeviceConfig::default()
-            };
-            lbio::Device::open(lbio, &path, cfg).map_err(FsError::from)
-        });
+    let factory = fs_fuse::mount::image_factory(many.path());
     let opts = fs_fuse::FsOptions {
         rio: true,
         arena_bytes: 2 << 20,
