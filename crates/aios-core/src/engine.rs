@@ -297,6 +297,8 @@ pub struct Engine {
     regions: RefCell<Vec<Arc<SharedRegion>>>,
     /// Software devices whose requests count as work (see [`SoftDevice`]).
     soft: RefCell<Vec<Weak<dyn SoftDevice>>>,
+    /// Opcodes the kernel's io_uring supports (`IORING_REGISTER_PROBE`), one bit each.
+    ops: [u64; 4],
 }
 
 const FLAG_NAMES: [&str; 3] = ["SINGLE_ISSUER", "DEFER_TASKRUN", "COOP_TASKRUN"];
@@ -478,6 +480,16 @@ impl Engine {
             None
         };
 
+        let mut probe = io_uring::Probe::new();
+        let mut ops = [0u64; 4];
+        // A kernel without the probe (before 5.6) leaves every bit clear: nothing newer is used.
+        if uring.submitter().register_probe(&mut probe).is_ok() {
+            for code in 0..=255u8 {
+                if probe.is_supported(code) {
+                    ops[code as usize / 64] |= 1 << (code % 64);
+                }
+            }
+        }
         let defer = setup.applied.contains(&"DEFER_TASKRUN");
         let passthrough = cfg.passthrough;
         let make_ring = |u: Uring, iopoll: bool| Ring {
@@ -507,6 +519,7 @@ impl Engine {
             passthrough,
             regions: RefCell::new(Vec::new()),
             soft: RefCell::new(Vec::new()),
+            ops,
         }))
     }
 
@@ -525,6 +538,17 @@ impl Engine {
     /// Whether an IOPOLL ring exists.
     pub fn has_iopoll_ring(&self) -> bool {
         self.iopoll.is_some()
+    }
+    /// Whether the kernel's io_uring supports opcode `code` (asked once, at start, with
+    /// `IORING_REGISTER_PROBE`), e.g. `io_uring::opcode::ReadvFixed::CODE`.
+    pub fn supports_op(&self, code: u8) -> bool {
+        self.ops[code as usize / 64] & (1 << (code % 64)) != 0
+    }
+    /// Whether vectored reads and writes can name a registered buffer
+    /// (`IORING_OP_READV_FIXED` / `WRITEV_FIXED`, Linux 6.15+).
+    pub fn supports_vectored_fixed(&self) -> bool {
+        self.supports_op(io_uring::opcode::ReadvFixed::CODE)
+            && self.supports_op(io_uring::opcode::WritevFixed::CODE)
     }
     /// A snapshot of the engine's counters.
     pub fn metrics(&self) -> EngineMetrics {
@@ -1099,6 +1123,54 @@ pub fn write_sqe(
             .rw_flags(flags)
             .build(),
         None => io_uring::opcode::Write::new(fd, buf, len)
+            .offset(offset)
+            .rw_flags(flags)
+            .build(),
+    }
+}
+
+/// Build a vectored read SQE for a registered file: `ReadvFixed` when every segment lies in
+/// registered buffer `index` (the kernel must support it: [`Engine::supports_vectored_fixed`]),
+/// or a plain `Readv` when `index` is `None`.
+///
+/// The `count` iovecs at `iov` must stay valid until the SQE completes (the kernel may read them
+/// as late as issue time, e.g. from an SQPOLL thread).
+pub fn readv_sqe(
+    file: FixedFile,
+    iov: *const libc::iovec,
+    count: u32,
+    offset: u64,
+    index: Option<u16>,
+) -> squeue::Entry {
+    let fd = types::Fixed(file.0);
+    match index {
+        Some(i) => io_uring::opcode::ReadvFixed::new(fd, iov, count, i)
+            .offset(offset)
+            .build(),
+        None => io_uring::opcode::Readv::new(fd, iov, count)
+            .offset(offset)
+            .build(),
+    }
+}
+
+/// Build a vectored write SQE (`WritevFixed` from registered buffer `index`, or a plain
+/// `Writev`); `dsync` makes it a FUA write. The iovecs follow [`readv_sqe`]'s rule.
+pub fn writev_sqe(
+    file: FixedFile,
+    iov: *const libc::iovec,
+    count: u32,
+    offset: u64,
+    index: Option<u16>,
+    dsync: bool,
+) -> squeue::Entry {
+    let fd = types::Fixed(file.0);
+    let flags = if dsync { libc::RWF_DSYNC } else { 0 };
+    match index {
+        Some(i) => io_uring::opcode::WritevFixed::new(fd, iov, count, i)
+            .offset(offset)
+            .rw_flags(flags)
+            .build(),
+        None => io_uring::opcode::Writev::new(fd, iov, count)
             .offset(offset)
             .rw_flags(flags)
             .build(),

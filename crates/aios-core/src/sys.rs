@@ -175,6 +175,44 @@ pub unsafe fn pwrite_raw(
     Ok(rc as usize)
 }
 
+/// `preadv` into `count` iovecs.
+///
+/// # Safety
+/// Every iovec must describe memory writable for its length for the duration of the call.
+pub unsafe fn preadv_raw(
+    fd: RawFd,
+    iov: *const libc::iovec,
+    count: usize,
+    offset: u64,
+) -> io::Result<usize> {
+    // SAFETY: the caller guarantees the iovecs; `count` is the array's length.
+    let rc = unsafe { libc::preadv(fd, iov, count as libc::c_int, offset as libc::off_t) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(rc as usize)
+}
+
+/// `pwritev2` from `count` iovecs, with `RWF_DSYNC` when `dsync` is set (a FUA write).
+///
+/// # Safety
+/// Every iovec must describe memory readable for its length for the duration of the call.
+pub unsafe fn pwritev_raw(
+    fd: RawFd,
+    iov: *const libc::iovec,
+    count: usize,
+    offset: u64,
+    dsync: bool,
+) -> io::Result<usize> {
+    let flags = if dsync { libc::RWF_DSYNC } else { 0 };
+    // SAFETY: the caller guarantees the iovecs; `count` is the array's length.
+    let rc = unsafe { libc::pwritev2(fd, iov, count as libc::c_int, offset as libc::off_t, flags) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(rc as usize)
+}
+
 /// `pread` into a slice (for direct I/O the slice must meet the device's alignment).
 pub fn pread_into(fd: RawFd, buf: &mut [u8], offset: u64) -> io::Result<usize> {
     // SAFETY: the slice is valid and writable for its whole length during the call.

@@ -108,6 +108,8 @@ pub struct LbioMetrics {
     /// Submissions refused because every slot was busy.
     pub slot_exhausted: u64,
     pub errors: u64,
+    /// Pieces that carried several memory segments as one device command.
+    pub vectored_pieces: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -152,6 +154,10 @@ struct Lbio {
     error: Option<PieceError>,
     buf: Option<FixedBuf>,
     raw: Option<RawBuf>,
+    iov: Option<RawIov>,
+    /// Scattered requests: the segment the next piece starts in, and how far into it.
+    seg: u16,
+    seg_off: u32,
     waker: Option<Waker>,
 }
 
@@ -172,6 +178,9 @@ impl Lbio {
         error: None,
         buf: None,
         raw: None,
+        iov: None,
+        seg: 0,
+        seg_off: 0,
         waker: None,
     };
 }
@@ -181,6 +190,8 @@ struct DevState {
     critical: Box<dyn Backend>,
     background: Box<dyn Backend>,
     max_transfer: u32,
+    /// Whether the critical and the background backend take vectored pieces.
+    vectored: [bool; 2],
     tokens: u32,
     bg_queue: VecDeque<u32>,
     active: u32,
@@ -237,6 +248,60 @@ impl RawBuf {
     }
 }
 
+/// The most segments one vectored device command carries (Linux's `UIO_MAXIOV`).
+pub const MAX_PIECE_SEGMENTS: usize = 1024;
+
+/// Scattered memory for one request: an array of iovecs, each segment outside the arena (e.g.
+/// page-cache frames in a registered shared region), moved to or from consecutive device
+/// offsets. Backends that declare [`Caps::vectored`](crate::Caps::vectored) get them as one
+/// command (`READV_FIXED`/`WRITEV_FIXED`, `preadv`), up to the device's max transfer; others
+/// get one piece per segment. Either way the request completes once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawIov {
+    iov: std::ptr::NonNull<libc::iovec>,
+    count: u16,
+    bytes: u64,
+    index: Option<u16>,
+}
+
+impl RawIov {
+    /// The `count` iovecs at `iov`; `index` is the engine's registered-buffer index that holds
+    /// every segment (`None`: unregistered memory).
+    ///
+    /// # Safety
+    /// The iovec array must be readable now, and from submission until the request completes
+    /// both it and every segment it describes must stay valid and be used by nobody else
+    /// (segments writable for reads). With `Some(index)` every segment must lie inside that
+    /// registered buffer of the engine the request goes through.
+    pub unsafe fn new(
+        iov: std::ptr::NonNull<libc::iovec>,
+        count: u16,
+        index: Option<u16>,
+    ) -> RawIov {
+        // SAFETY: the caller guarantees `count` readable iovecs.
+        let segs = unsafe { std::slice::from_raw_parts(iov.as_ptr(), count as usize) };
+        RawIov {
+            iov,
+            count,
+            bytes: segs.iter().map(|s| s.iov_len as u64).sum(),
+            index,
+        }
+    }
+    /// The segments.
+    pub fn segments(&self) -> &[libc::iovec] {
+        // SAFETY: `new`'s contract keeps the array readable while the value is in use.
+        unsafe { std::slice::from_raw_parts(self.iov.as_ptr(), self.count as usize) }
+    }
+    /// Bytes in all segments.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+    /// The registered buffer holding the segments, if any.
+    pub fn index(&self) -> Option<u16> {
+        self.index
+    }
+}
+
 /// A validated request ready for a slot.
 pub(crate) struct Request {
     pub(crate) op: Op,
@@ -246,6 +311,7 @@ pub(crate) struct Request {
     pub(crate) len: u32,
     pub(crate) buf: Option<FixedBuf>,
     pub(crate) raw: Option<RawBuf>,
+    pub(crate) iov: Option<RawIov>,
 }
 
 /// A request's fields without its buffer, to rebuild it when a submission is refused.
@@ -257,6 +323,7 @@ pub(crate) struct Shape {
     offset: u64,
     len: u32,
     raw: Option<RawBuf>,
+    iov: Option<RawIov>,
 }
 
 impl Request {
@@ -268,6 +335,7 @@ impl Request {
             offset: self.offset,
             len: self.len,
             raw: self.raw,
+            iov: self.iov,
         }
     }
 }
@@ -282,6 +350,7 @@ impl Shape {
             len: self.len,
             buf,
             raw: self.raw,
+            iov: self.iov,
         }
     }
 }
@@ -378,10 +447,12 @@ impl LbioArray {
             .ok_or(LbioError::TooManyDevices {
                 max: self.cfg.max_devices,
             })?;
+        let vectored = [critical.caps().vectored, background.caps().vectored];
         inner.devs[idx] = Some(DevState {
             critical,
             background,
             max_transfer,
+            vectored,
             tokens: self.cfg.max_inflight_background,
             bg_queue: VecDeque::with_capacity(self.cfg.slots as usize),
             active: 0,
@@ -448,6 +519,9 @@ impl LbioArray {
             error: None,
             buf: req.buf,
             raw: req.raw,
+            iov: req.iov,
+            seg: 0,
+            seg_off: 0,
             waker: None,
         };
         inner.metrics.requests += 1;
@@ -487,26 +561,42 @@ impl LbioArray {
     /// Issue the next piece of slot `tag` (at most `max` bytes). Returns whether every piece has
     /// now been issued.
     fn issue_piece(&self, inner: &mut Inner, tag: u32, max: u32, critical: bool) -> bool {
+        let dev = inner.slots[tag as usize].dev as usize;
+        let vectored =
+            inner.devs[dev].as_ref().expect("device is open").vectored[!critical as usize];
         let slot = &mut inner.slots[tag as usize];
-        let piece_len = (slot.len - slot.issued).min(max);
-        let (ptr, buf_index) = match (slot.buf.as_mut(), slot.raw) {
-            // SAFETY: `issued + piece_len <= len <= buf.len()` (checked at submission).
-            (Some(b), _) => (
-                unsafe { b.as_mut_ptr().add(slot.issued as usize) },
-                Some(b.buf_index()),
-            ),
-            // SAFETY: as above, `len <= raw.len()`.
-            (None, Some(r)) => (unsafe { r.as_ptr().add(slot.issued as usize) }, r.index()),
-            (None, None) => (std::ptr::null_mut(), None),
-        };
-        let piece = Piece {
+        let mut piece = Piece {
             op: slot.op,
             offset: slot.offset + slot.issued as u64,
-            ptr,
-            len: piece_len,
+            ptr: std::ptr::null_mut(),
+            len: (slot.len - slot.issued).min(max),
             fua: slot.fua,
-            buf_index,
+            buf_index: None,
+            iov: std::ptr::null(),
+            iov_count: 0,
         };
+        match (slot.buf.as_mut(), slot.raw, slot.iov) {
+            (Some(b), _, _) => {
+                // SAFETY: `issued + len <= len <= buf.len()` (checked at submission).
+                piece.ptr = unsafe { b.as_mut_ptr().add(slot.issued as usize) };
+                piece.buf_index = Some(b.buf_index());
+            }
+            (None, Some(r), _) => {
+                // SAFETY: as above, `len <= raw.len()`.
+                piece.ptr = unsafe { r.as_ptr().add(slot.issued as usize) };
+                piece.buf_index = r.index();
+            }
+            (None, None, Some(v)) => {
+                piece.buf_index = v.index();
+                Self::next_segments(slot, &v, &mut piece, max, vectored);
+                if piece.iov_count > 0 {
+                    inner.metrics.vectored_pieces += 1;
+                }
+            }
+            (None, None, None) => {}
+        }
+        let slot = &mut inner.slots[tag as usize];
+        let piece_len = piece.len;
         slot.issued += piece_len;
         slot.issued_all = slot.issued == slot.len;
         if slot.issued_all && slot.issued != piece_len {
@@ -544,6 +634,45 @@ impl LbioArray {
             }
         }
         issued_all
+    }
+
+    /// The memory of a scattered request's next piece (at most `max` bytes): as many whole
+    /// segments as fit, as one vectored piece, when the backend takes them and there are two or
+    /// more; else the next part of the current segment. Advances the slot's segment cursor.
+    fn next_segments(slot: &mut Lbio, v: &RawIov, piece: &mut Piece, max: u32, vectored: bool) {
+        let segs = v.segments();
+        let at = slot.seg as usize;
+        if vectored && slot.seg_off == 0 {
+            let mut n = 0;
+            let mut bytes = 0u64;
+            while at + n < segs.len()
+                && n < MAX_PIECE_SEGMENTS
+                && bytes + segs[at + n].iov_len as u64 <= max as u64
+            {
+                bytes += segs[at + n].iov_len as u64;
+                n += 1;
+            }
+            if n >= 2 {
+                piece.ptr = segs[at].iov_base.cast();
+                piece.len = bytes as u32;
+                piece.iov = segs[at..].as_ptr();
+                piece.iov_count = n as u16;
+                slot.seg += n as u16;
+                return;
+            }
+        }
+        let s = segs[at];
+        let left = s.iov_len as u64 - slot.seg_off as u64;
+        let len = left.min(max as u64) as u32;
+        // SAFETY: `seg_off < iov_len`: the cursor moves past a segment once it is used up.
+        piece.ptr = unsafe { s.iov_base.cast::<u8>().add(slot.seg_off as usize) };
+        piece.len = len;
+        if len as u64 == left {
+            slot.seg += 1;
+            slot.seg_off = 0;
+        } else {
+            slot.seg_off += len;
+        }
     }
 
     /// Issue queued background pieces while the device has tokens. `after_wait` marks a pump
@@ -623,6 +752,7 @@ impl LbioArray {
         slot.state = State::Free;
         slot.buf = None;
         slot.raw = None;
+        slot.iov = None;
         slot.waker = None;
         inner.free.push(tag);
         for w in inner.slot_waiters.drain(..) {

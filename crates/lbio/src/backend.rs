@@ -43,6 +43,9 @@ pub struct Caps {
     /// Completed writes survive a power cut (no volatile write cache, or a protected one): a
     /// FLUSH buys no durability and callers may skip it.
     pub power_loss_protected: bool,
+    /// Takes a piece made of several memory segments ([`Piece::iov`]) as one device command.
+    /// Without it, lbio sends a scattered request one segment at a time.
+    pub vectored: bool,
 }
 
 /// One device command: a whole request, or one piece of a split one.
@@ -55,6 +58,28 @@ pub struct Piece {
     pub fua: bool,
     /// The registered buffer `ptr` lies in (`None`: unregistered memory, pinned per I/O).
     pub buf_index: Option<u16>,
+    /// A vectored piece: `iov_count` iovecs at `iov` (all in `buf_index` when it is set),
+    /// `len` bytes in all, `ptr` the first segment's start. Only backends that declare
+    /// [`Caps::vectored`] receive one; `iov_count` is 0 otherwise.
+    pub iov: *const libc::iovec,
+    pub iov_count: u16,
+}
+
+impl Piece {
+    /// The piece's memory as iovecs: its own segments, or `one` set to `ptr..ptr+len`.
+    pub fn iovecs<'a>(&'a self, one: &'a mut libc::iovec) -> &'a [libc::iovec] {
+        if self.iov_count == 0 {
+            *one = libc::iovec {
+                iov_base: self.ptr.cast(),
+                iov_len: self.len as usize,
+            };
+            std::slice::from_ref(one)
+        } else {
+            // SAFETY: lbio builds vectored pieces from a request's iovec array, which its
+            // submitter keeps valid until the request completes.
+            unsafe { std::slice::from_raw_parts(self.iov, self.iov_count as usize) }
+        }
+    }
 }
 
 /// How a piece was started.
@@ -151,6 +176,8 @@ impl Drop for RegisteredFile {
 pub struct FileBackend {
     file: Rc<RegisteredFile>,
     ring: RingKind,
+    /// The kernel has `READV_FIXED`/`WRITEV_FIXED`: scattered pieces go out as one command.
+    vectored: bool,
 }
 
 impl FileBackend {
@@ -172,6 +199,7 @@ impl FileBackend {
             } else {
                 RingKind::Main
             },
+            vectored: engine.supports_vectored_fixed(),
         })
     }
 
@@ -194,6 +222,7 @@ impl Backend for FileBackend {
             flush: true,
             iopoll: self.ring == RingKind::Iopoll,
             power_loss_protected: false,
+            vectored: self.vectored,
         }
     }
 
@@ -205,7 +234,16 @@ impl Backend for FileBackend {
         piece: &Piece,
     ) -> Result<Started, CoreError> {
         let f = self.file.fixed;
+        let n = piece.iov_count as u32;
         let (ring, sqe) = match piece.op {
+            Op::Read if n > 0 => (
+                self.ring,
+                engine::readv_sqe(f, piece.iov, n, piece.offset, piece.buf_index),
+            ),
+            Op::Write if n > 0 => (
+                self.ring,
+                engine::writev_sqe(f, piece.iov, n, piece.offset, piece.buf_index, piece.fua),
+            ),
             Op::Read => (
                 self.ring,
                 engine::read_sqe(f, piece.ptr, piece.len, piece.offset, piece.buf_index),
@@ -258,6 +296,7 @@ impl Backend for SyncBackend {
             flush: true,
             iopoll: false,
             power_loss_protected: false,
+            vectored: true,
         }
     }
 
@@ -270,7 +309,14 @@ impl Backend for SyncBackend {
     ) -> Result<Started, CoreError> {
         let fd = self.fd.as_raw_fd();
         let len = piece.len as usize;
+        let (iov, n) = (piece.iov, piece.iov_count as usize);
         let r = match piece.op {
+            // SAFETY: the caller guarantees every segment for the duration of this call.
+            Op::Read if n > 0 => unsafe { aios_core::sys::preadv_raw(fd, iov, n, piece.offset) },
+            // SAFETY: as above, read-only use.
+            Op::Write if n > 0 => unsafe {
+                aios_core::sys::pwritev_raw(fd, iov, n, piece.offset, piece.fua)
+            },
             // SAFETY: the caller guarantees `ptr..ptr+len` for the duration of this call.
             Op::Read => unsafe { aios_core::sys::pread_raw(fd, piece.ptr, len, piece.offset) },
             // SAFETY: as above, read-only use.
@@ -321,6 +367,7 @@ impl Backend for MemBackend {
             flush: true,
             iopoll: false,
             power_loss_protected: false,
+            vectored: true,
         }
     }
 
@@ -339,17 +386,24 @@ impl Backend for MemBackend {
         if off.checked_add(len).is_none_or(|end| end > mem.len()) {
             return Ok(Started::Done(-libc::EINVAL));
         }
-        match piece.op {
-            // SAFETY: the caller guarantees `ptr..ptr+len` is ours; it cannot overlap `mem`, a
-            // separate heap allocation.
-            Op::Read => unsafe {
-                std::ptr::copy_nonoverlapping(mem.as_ptr().add(off), piece.ptr, len)
-            },
-            // SAFETY: as above, in the other direction.
-            Op::Write => unsafe {
-                std::ptr::copy_nonoverlapping(piece.ptr, mem.as_mut_ptr().add(off), len)
-            },
-            Op::Flush => {}
+        let mut one = libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        };
+        let mut at = off;
+        for seg in piece.iovecs(&mut one) {
+            let (p, n) = (seg.iov_base.cast::<u8>(), seg.iov_len);
+            match piece.op {
+                // SAFETY: the caller guarantees every segment is ours; none can overlap `mem`, a
+                // separate heap allocation; the segments add up to `len`, checked above.
+                Op::Read => unsafe { std::ptr::copy_nonoverlapping(mem.as_ptr().add(at), p, n) },
+                // SAFETY: as above, in the other direction.
+                Op::Write => unsafe {
+                    std::ptr::copy_nonoverlapping(p, mem.as_mut_ptr().add(at), n)
+                },
+                Op::Flush => {}
+            }
+            at += n;
         }
         Ok(Started::Done(len as i32))
     }
@@ -437,6 +491,9 @@ impl Backend for NvmeBackend {
             flush: true,
             iopoll: self.ring == RingKind::Iopoll,
             power_loss_protected: false,
+            // NVMe's vectored passthrough (`NVME_URING_CMD_IO_VEC`) is not used: a scattered
+            // request goes out one segment per command.
+            vectored: false,
         }
     }
 

@@ -9,7 +9,7 @@ use std::task::{Context, Poll};
 
 use aios_core::{probe, DeviceKind, DeviceProbe, FixedBuf, ProbeOptions, Route};
 
-use crate::array::{Class, LbioArray, Owner, RawBuf, Request, Tag};
+use crate::array::{Class, LbioArray, Owner, RawBuf, RawIov, Request, Tag};
 use crate::backend::{Backend, Caps, FileBackend, MemBackend, NvmeBackend, Op, SyncBackend};
 use crate::error::LbioError;
 
@@ -368,11 +368,49 @@ impl Device {
         Ok(len as u32)
     }
 
+    /// Every segment of a scattered request must meet the alignment rules on its own (direct
+    /// I/O moves whole blocks to each); the whole is then checked like one buffer.
+    fn validate_segments(&self, op: Op, v: &RawIov) -> Result<(usize, usize), LbioError> {
+        let g = &self.geometry;
+        let segs = v.segments();
+        if segs.is_empty() {
+            return Err(LbioError::Empty(op));
+        }
+        for s in segs {
+            let (addr, len) = (s.iov_base as usize, s.iov_len);
+            if len == 0 || len % g.offset_align as usize != 0 {
+                return Err(LbioError::Unaligned {
+                    what: "segment length",
+                    value: len as u64,
+                    align: g.offset_align,
+                });
+            }
+            if addr % g.mem_align as usize != 0 {
+                return Err(LbioError::Unaligned {
+                    what: "segment address",
+                    value: addr as u64,
+                    align: g.mem_align,
+                });
+            }
+        }
+        if v.bytes() > MAX_REQUEST_BYTES as u64 {
+            return Err(LbioError::TooLong {
+                len: v.bytes() as usize,
+                max: MAX_REQUEST_BYTES,
+            });
+        }
+        Ok((segs[0].iov_base as usize, v.bytes() as usize))
+    }
+
     fn request(&self, io: Io) -> Result<Request, (LbioError, Option<FixedBuf>)> {
-        let mem = match (&io.buf, &io.raw) {
-            (Some(b), _) => Some((b.as_ptr() as usize, b.len())),
-            (None, Some(r)) => Some((r.as_ptr() as usize, r.len() as usize)),
-            (None, None) => None,
+        let mem = match (&io.buf, &io.raw, &io.iov) {
+            (Some(b), _, _) => Some((b.as_ptr() as usize, b.len())),
+            (None, Some(r), _) => Some((r.as_ptr() as usize, r.len() as usize)),
+            (None, None, Some(v)) => match self.validate_segments(io.op, v) {
+                Ok(m) => Some(m),
+                Err(e) => return Err((e, io.buf)),
+            },
+            (None, None, None) => None,
         };
         match self.validate(io.op, io.offset, mem) {
             Ok(len) => Ok(Request {
@@ -383,6 +421,7 @@ impl Device {
                 len,
                 buf: io.buf,
                 raw: io.raw,
+                iov: io.iov,
             }),
             Err(e) => Err((e, io.buf)),
         }
@@ -502,6 +541,7 @@ pub struct Io {
     offset: u64,
     buf: Option<FixedBuf>,
     raw: Option<RawBuf>,
+    iov: Option<RawIov>,
     class: Class,
     fua: bool,
 }
@@ -514,6 +554,7 @@ impl Io {
             offset,
             buf: Some(buf),
             raw: None,
+            iov: None,
             class: Class::Critical,
             fua: false,
         }
@@ -525,6 +566,7 @@ impl Io {
             offset,
             buf: Some(buf),
             raw: None,
+            iov: None,
             class: Class::Critical,
             fua: false,
         }
@@ -536,6 +578,7 @@ impl Io {
             offset: 0,
             buf: None,
             raw: None,
+            iov: None,
             class: Class::Critical,
             fua: false,
         }
@@ -552,6 +595,7 @@ impl Io {
             offset,
             buf: None,
             raw: Some(raw),
+            iov: None,
             class: Class::Critical,
             fua: false,
         }
@@ -566,6 +610,41 @@ impl Io {
             offset,
             buf: None,
             raw: Some(raw),
+            iov: None,
+            class: Class::Critical,
+            fua: false,
+        }
+    }
+    /// Read `iov.bytes()` bytes at `offset` into scattered memory outside the arena: one device
+    /// command where the backend takes vectored pieces ([`Caps::vectored`]), one per segment
+    /// otherwise; one completion either way, carrying no buffer.
+    ///
+    /// # Safety
+    /// `iov`'s contract ([`RawIov::new`]) holds until the request completes — also when its
+    /// future is dropped early.
+    pub unsafe fn readv_raw(offset: u64, iov: RawIov) -> Io {
+        Io {
+            op: Op::Read,
+            offset,
+            buf: None,
+            raw: None,
+            iov: Some(iov),
+            class: Class::Critical,
+            fua: false,
+        }
+    }
+    /// Write scattered memory outside the arena to `offset` onwards ([`Io::readv_raw`]'s
+    /// counterpart).
+    ///
+    /// # Safety
+    /// As [`Io::readv_raw`] (the bytes must not change until the write completes).
+    pub unsafe fn writev_raw(offset: u64, iov: RawIov) -> Io {
+        Io {
+            op: Op::Write,
+            offset,
+            buf: None,
+            raw: None,
+            iov: Some(iov),
             class: Class::Critical,
             fua: false,
         }

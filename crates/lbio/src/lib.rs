@@ -29,7 +29,10 @@ mod device;
 mod error;
 mod simdisk;
 
-pub use array::{Class, Completion, LbioArray, LbioConfig, LbioMetrics, RawBuf, Tag, MAX_SLOTS};
+pub use array::{
+    Class, Completion, LbioArray, LbioConfig, LbioMetrics, RawBuf, RawIov, Tag, MAX_PIECE_SEGMENTS,
+    MAX_SLOTS,
+};
 pub use backend::{
     Backend, Caps, FileBackend, MemBackend, NvmeBackend, Op, Outcome, Piece, PieceError, Started,
     SyncBackend,

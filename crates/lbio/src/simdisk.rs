@@ -603,6 +603,8 @@ impl Backend for SimBackend {
             flush: true,
             iopoll: false,
             power_loss_protected: self.0.disk.lock().cfg.plp,
+            // One segment per piece: each is a write the crash model may keep or lose alone.
+            vectored: false,
         }
     }
 

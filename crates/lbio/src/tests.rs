@@ -1209,3 +1209,360 @@ fn raw_buffers_in_a_registered_shared_region_and_in_plain_memory_round_trip() {
         .unwrap_err();
     assert!(matches!(e, LbioError::Unaligned { .. }), "{e}");
 }
+
+/// Pieces as a backend saw them: (offset, len, segments).
+type PieceLog = Rc<RefCell<Vec<(u64, u32, u16)>>>;
+
+/// RAM that logs each piece and declares vectored pieces or not.
+struct Scatter {
+    mem: Rc<MemBackend>,
+    vectored: bool,
+    log: PieceLog,
+}
+
+impl Backend for Scatter {
+    fn caps(&self) -> Caps {
+        Caps {
+            vectored: self.vectored,
+            ..self.mem.caps()
+        }
+    }
+
+    unsafe fn start(
+        &self,
+        engine: &Engine,
+        sink: SinkId,
+        tag: u64,
+        piece: &Piece,
+    ) -> Result<Started, CoreError> {
+        assert!(
+            self.vectored || piece.iov_count == 0,
+            "a backend without Caps::vectored got a vectored piece"
+        );
+        self.log
+            .borrow_mut()
+            .push((piece.offset, piece.len, piece.iov_count));
+        // SAFETY: the caller's contract on `piece` is passed on unchanged.
+        unsafe { self.mem.start(engine, sink, tag, piece) }
+    }
+}
+
+fn scatter_device(
+    lbio: &Rc<LbioArray>,
+    capacity: usize,
+    max_transfer: u32,
+    vectored: bool,
+) -> (Device, PieceLog) {
+    let mem = Rc::new(MemBackend::new(capacity));
+    let log = Rc::new(RefCell::new(Vec::new()));
+    let backend = || {
+        Box::new(Scatter {
+            mem: Rc::clone(&mem),
+            vectored,
+            log: Rc::clone(&log),
+        })
+    };
+    let dev = Device::from_backends(
+        lbio,
+        backend(),
+        backend(),
+        geometry(capacity as u64, 512, max_transfer),
+        true,
+    )
+    .expect("device");
+    (dev, log)
+}
+
+/// Memory for scattered segments: one 4 KiB-aligned block of a plain allocation.
+struct SegMem {
+    mem: Vec<u8>,
+    at: usize,
+}
+
+impl SegMem {
+    fn new(bytes: usize) -> SegMem {
+        let mut mem = vec![0u8; bytes + 4096];
+        let at = (mem.as_mut_ptr() as usize).next_multiple_of(4096) - mem.as_ptr() as usize;
+        SegMem { mem, at }
+    }
+    fn ptr(&mut self, off: usize) -> *mut u8 {
+        self.mem[self.at + off..].as_mut_ptr()
+    }
+    fn bytes(&self, off: usize, len: usize) -> &[u8] {
+        &self.mem[self.at + off..self.at + off + len]
+    }
+}
+
+/// Segments of `lens` placed in `mem` with `gap` bytes between them, in order or reversed.
+fn layout(mem: &mut SegMem, lens: &[usize], gap: usize, reversed: bool) -> Vec<libc::iovec> {
+    let mut offs = Vec::new();
+    let mut at = 0;
+    for &l in lens {
+        offs.push(at);
+        at += l + gap;
+    }
+    if reversed {
+        // The memory order no longer follows the device order.
+        let total = at;
+        offs = lens
+            .iter()
+            .zip(&offs)
+            .map(|(&l, &o)| total - gap - o - l)
+            .collect();
+    }
+    offs.iter()
+        .zip(lens)
+        .map(|(&o, &l)| libc::iovec {
+            iov_base: mem.ptr(o).cast(),
+            iov_len: l,
+        })
+        .collect()
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+    /// A scattered request moves exactly its segments' bytes to and from consecutive device
+    /// offsets, in pieces no longer than the max transfer, as one request: vectored pieces only
+    /// where the backend takes them, and never fewer bytes than asked.
+    #[test]
+    fn scattered_requests_round_trip_in_pieces_within_the_max_transfer(
+        sectors in proptest::collection::vec(1usize..=16, 1..=40),
+        max_sectors in 1u32..=64,
+        start_sector in 0u64..64,
+        gap_sectors in 0usize..=2,
+        reversed in proptest::bool::ANY,
+        vectored in proptest::bool::ANY,
+        background in proptest::bool::ANY,
+    ) {
+        let engine = engine();
+        let lbio = array(&engine, LbioConfig { split_bytes: 4096, ..LbioConfig::default() });
+        let capacity = 1 << 20;
+        let max = max_sectors * 512;
+        let (dev, log) = scatter_device(&lbio, capacity, max, vectored);
+        let lens: Vec<usize> = sectors.iter().map(|s| s * 512).collect();
+        let total: usize = lens.iter().sum();
+        let offset = start_sector * 512;
+        let class = if background { Class::Background } else { Class::Critical };
+
+        // Device bytes: a pattern written the ordinary way.
+        let buf = patterned(&engine, total, 7);
+        dev.write_at_blocking(offset, buf, false).unwrap();
+        log.borrow_mut().clear();
+
+        // Scattered read: each segment gets its own part of the pattern.
+        let mut mem = SegMem::new(total + lens.len() * 1024 + 4096);
+        let segs = layout(&mut mem, &lens, gap_sectors * 512, reversed);
+        // SAFETY: `segs` and `mem` outlive the blocking request; nothing else touches them.
+        let iov = unsafe {
+            RawIov::new(std::ptr::NonNull::new(segs.as_ptr().cast_mut()).unwrap(), segs.len() as u16, None)
+        };
+        proptest::prop_assert_eq!(iov.bytes(), total as u64);
+        let before = lbio.metrics();
+        // SAFETY: as above.
+        let done = dev.run_blocking(unsafe { Io::readv_raw(offset, iov) }.class(class)).unwrap();
+        proptest::prop_assert!(done.is_none());
+        let mut expect_at = 0;
+        for s in &segs {
+            let off = s.iov_base as usize - mem.ptr(0) as usize;
+            let got = mem.bytes(off, s.iov_len);
+            for (i, &b) in got.iter().enumerate() {
+                let want = 7u8.wrapping_add(((expect_at + i) / 512) as u8);
+                proptest::prop_assert_eq!(b, want, "segment byte {} of device byte {}", i, expect_at + i);
+            }
+            expect_at += s.iov_len;
+        }
+        let pieces = log.borrow().clone();
+        let limit = if background { max.min(4096) } else { max };
+        let mut next = offset;
+        for &(o, l, n) in &pieces {
+            proptest::prop_assert_eq!(o, next, "pieces cover the range in order");
+            proptest::prop_assert!(l <= limit, "piece of {} over the {}-byte limit", l, limit);
+            proptest::prop_assert!(vectored || n == 0);
+            proptest::prop_assert!(n != 1, "a one-segment piece goes out as a plain one");
+            next += l as u64;
+        }
+        proptest::prop_assert_eq!(next, offset + total as u64);
+        let m = lbio.metrics();
+        proptest::prop_assert_eq!(m.requests - before.requests, 1);
+        proptest::prop_assert_eq!(
+            m.vectored_pieces - before.vectored_pieces,
+            pieces.iter().filter(|p| p.2 > 0).count() as u64
+        );
+        // Segments that fit the limit together are never sent one by one by a vectored backend.
+        if vectored && lens.iter().all(|&l| l <= limit as usize) && total <= limit as usize && lens.len() > 1 {
+            proptest::prop_assert_eq!(pieces.len(), 1);
+        }
+
+        // Scattered write of the same memory to another place, read back contiguous.
+        let dest = offset + 512 * 1024;
+        log.borrow_mut().clear();
+        // SAFETY: as above.
+        let iov = unsafe {
+            RawIov::new(std::ptr::NonNull::new(segs.as_ptr().cast_mut()).unwrap(), segs.len() as u16, None)
+        };
+        // SAFETY: as above.
+        dev.run_blocking(unsafe { Io::writev_raw(dest, iov) }.class(class)).unwrap();
+        let back = dev.read_at_blocking(dest, engine.try_alloc(total).unwrap()).unwrap();
+        proptest::prop_assert!(is_patterned(&back, 7));
+    }
+}
+
+#[test]
+fn scattered_reads_into_registered_frames_are_one_command_on_a_file() {
+    let engine = engine();
+    let lbio = array(&engine, LbioConfig::default());
+    let file = TempFile::new("readv", 1 << 20);
+    let open = |max: Option<u32>| {
+        Device::open(
+            &lbio,
+            file.path(),
+            DeviceConfig {
+                write: true,
+                route: RouteChoice::Ring,
+                max_transfer_bytes: max,
+                ..DeviceConfig::default()
+            },
+        )
+        .unwrap()
+    };
+    let dev = open(None);
+    let fixed = engine.supports_vectored_fixed();
+    assert_eq!(dev.critical_route().0.vectored, fixed);
+    let buf = patterned(&engine, 128 * KIB, 3);
+    dev.write_at_blocking(0, buf, false).unwrap();
+
+    let region = std::sync::Arc::new(aios_core::SharedRegion::map(256 * KIB, false).unwrap());
+    let index = engine.register_region(&region).unwrap();
+    // 32 frames, every other 4 KiB of the region, in reverse: frame k holds device page k.
+    let segs: Vec<libc::iovec> = (0..32)
+        .map(|k| libc::iovec {
+            // SAFETY: inside the 256 KiB region.
+            iov_base: unsafe { region.as_ptr().add((62 - 2 * k) * 4 * KIB) }.cast(),
+            iov_len: 4 * KIB,
+        })
+        .collect();
+    let check = |what: &str| {
+        for (k, s) in segs.iter().enumerate() {
+            // SAFETY: the read completed; nothing else uses the region.
+            let got = unsafe { std::slice::from_raw_parts(s.iov_base.cast::<u8>(), 4 * KIB) };
+            let want: Vec<u8> = (0..4 * KIB)
+                .map(|i| 3u8.wrapping_add(((k * 4 * KIB + i) / 512) as u8))
+                .collect();
+            assert!(got == &want[..], "{what}: frame {k} holds the wrong bytes");
+        }
+    };
+    for (label, idx, max, pieces) in [
+        ("registered", Some(index), None, 1u64),
+        ("unregistered", None, None, 1),
+        (
+            "registered, 16 KiB max transfer",
+            Some(index),
+            Some(16 * KIB as u32),
+            8,
+        ),
+    ] {
+        let d = if max.is_some() { open(max) } else { open(None) };
+        // SAFETY: the region outlives the blocking read.
+        unsafe { std::ptr::write_bytes(region.as_ptr(), 0, 256 * KIB) };
+        let before = lbio.metrics();
+        // SAFETY: `segs` and the region outlive the blocking read; nothing else touches them.
+        let iov = unsafe {
+            RawIov::new(
+                std::ptr::NonNull::new(segs.as_ptr().cast_mut()).unwrap(),
+                32,
+                idx,
+            )
+        };
+        // SAFETY: as above.
+        d.run_blocking(unsafe { Io::readv_raw(0, iov) }).unwrap();
+        check(label);
+        let m = lbio.metrics();
+        let (p, v) = (
+            m.pieces - before.pieces,
+            m.vectored_pieces - before.vectored_pieces,
+        );
+        if fixed {
+            assert_eq!((p, v), (pieces, pieces), "{label}");
+        } else {
+            assert_eq!(
+                (p, v),
+                (32, 0),
+                "{label}: one piece per segment without READV_FIXED"
+            );
+        }
+    }
+
+    // And back: a scattered FUA write from the frames lands in device order.
+    // SAFETY: as above.
+    let iov = unsafe {
+        RawIov::new(
+            std::ptr::NonNull::new(segs.as_ptr().cast_mut()).unwrap(),
+            32,
+            Some(index),
+        )
+    };
+    // SAFETY: as above.
+    dev.run_blocking(unsafe { Io::writev_raw(256 * KIB as u64, iov) }.fua(true))
+        .unwrap();
+    let back = dev
+        .read_at_blocking(256 * KIB as u64, engine.try_alloc(128 * KIB).unwrap())
+        .unwrap();
+    assert!(is_patterned(&back, 3));
+}
+
+#[test]
+fn scattered_requests_are_validated_segment_by_segment() {
+    let engine = engine();
+    let lbio = array(&engine, LbioConfig::default());
+    let (dev, log) = scatter_device(&lbio, 64 * KIB, 64 * KIB as u32, true);
+    let mut mem = SegMem::new(16 * KIB);
+    let seg = |mem: &mut SegMem, off: usize, len: usize| libc::iovec {
+        iov_base: mem.ptr(off).cast(),
+        iov_len: len,
+    };
+    let cases = [
+        (vec![], 0u64, "empty"),
+        (
+            vec![seg(&mut mem, 0, 4096), seg(&mut mem, 4096, 100)],
+            0,
+            "segment length",
+        ),
+        (
+            vec![seg(&mut mem, 0, 4096), seg(&mut mem, 4097, 512)],
+            0,
+            "segment address",
+        ),
+        (
+            vec![seg(&mut mem, 0, 4096), seg(&mut mem, 4096, 0)],
+            0,
+            "segment length",
+        ),
+        (vec![seg(&mut mem, 0, 4096)], 62 * KIB as u64, "past end"),
+        (vec![seg(&mut mem, 0, 4096)], 100, "offset"),
+    ];
+    for (segs, offset, what) in cases {
+        let ptr = if segs.is_empty() {
+            std::ptr::NonNull::dangling()
+        } else {
+            std::ptr::NonNull::new(segs.as_ptr().cast_mut()).unwrap()
+        };
+        // SAFETY: refused before it reaches the device.
+        let iov = unsafe { RawIov::new(ptr, segs.len() as u16, None) };
+        // SAFETY: as above.
+        let e = dev
+            .run_blocking(unsafe { Io::readv_raw(offset, iov) })
+            .unwrap_err();
+        let ok = match what {
+            "empty" => matches!(e, LbioError::Empty(Op::Read)),
+            "past end" => matches!(e, LbioError::PastEnd { .. }),
+            w => matches!(e, LbioError::Unaligned { what, .. } if what.starts_with(w)),
+        };
+        assert!(ok, "{what}: got {e}");
+    }
+    assert!(
+        log.borrow().is_empty(),
+        "nothing refused reached the device"
+    );
+    assert_eq!(lbio.free_slots(), lbio.config().slots);
+}
