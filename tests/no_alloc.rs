@@ -374,14 +374,17 @@ fn page_cache_hits_misses_and_evictions_allocate_nothing() {
         pool_batch: 16,
         readahead_pages: 0,
         huge_pages: false,
+        vectored_reads: true,
     })
     .unwrap();
     let id = cache.add_file(DEVICE_BYTES as u64).unwrap();
     let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
     h.attach(id, dev).unwrap();
     let mut buf = [0u8; BLOCK];
+    let mut wide = [0u8; 6 * BLOCK];
     let mut x: u64 = 0x9e37_79b9;
-    // A quarter of the file fits: about three reads in four miss and evict.
+    // A quarter of the file fits: about three reads in four miss and evict. Every fourth read
+    // spans six pages (runs of misses read with one scattered request).
     let mut run = |n: u32| {
         for i in 0..n {
             x ^= x << 13;
@@ -391,6 +394,11 @@ fn page_cache_hits_misses_and_evictions_allocate_nothing() {
             if i % 4 == 0 {
                 let g = h.get(id, page).expect("guard");
                 assert!(g.iter().all(|&b| b == 0));
+            } else if i % 4 == 1 {
+                let page = page.min(BLOCKS as u64 - 7);
+                h.read(id, page * BLOCK as u64 + 100, &mut wide)
+                    .expect("read");
+                assert!(wide.iter().all(|&b| b == 0));
             } else {
                 h.read(id, page * BLOCK as u64, &mut buf).expect("read");
                 assert!(buf.iter().all(|&b| b == 0));
@@ -404,5 +412,6 @@ fn page_cache_hits_misses_and_evictions_allocate_nothing() {
     assert!(after.misses - before.misses > 1000, "{after:?}");
     assert!(after.hits - before.hits > 1000, "{after:?}");
     assert!(after.evictions - before.evictions > 1000, "{after:?}");
+    assert!(lbio.metrics().vectored_pieces > 100, "{:?}", lbio.metrics());
     assert_eq!(n, 0, "{n} allocations in {} page-cache reads", OPS / 4);
 }

@@ -43,6 +43,9 @@ pub const HIT_BATCH: u64 = 64;
 pub enum Reader {
     /// The page cache under test, in a mode.
     Cache(Mode),
+    /// The page cache in AIOS mode with `vectored_reads` off: a multi-page miss is one request
+    /// per page (cold reads above 4 KiB, to compare with one scattered request per run).
+    CachePerPage,
     /// The page cache's zero-copy guard (hits only).
     CacheZeroCopy,
     /// Buffered `pread`: the kernel's page cache.
@@ -58,6 +61,7 @@ impl Reader {
     pub fn mode(self, hot: bool) -> &'static str {
         match self {
             Reader::Cache(m) => m.name(),
+            Reader::CachePerPage => "aios-per-page",
             Reader::CacheZeroCopy => "aios",
             Reader::Kernel if hot => "kernel-hot",
             Reader::Kernel => "kernel-cold",
@@ -68,7 +72,7 @@ impl Reader {
     /// The `engine` field of a report line.
     pub fn engine(self) -> &'static str {
         match self {
-            Reader::Cache(_) | Reader::CacheZeroCopy => "pagecache",
+            Reader::Cache(_) | Reader::CachePerPage | Reader::CacheZeroCopy => "pagecache",
             Reader::Kernel => "kernel",
             Reader::ODirect => "pread-odirect",
             Reader::Lbio => "lbio",
@@ -314,6 +318,9 @@ impl PagecacheBench {
             for &bs in &self.cold_bs {
                 let mut readers = vec![Reader::Kernel, Reader::ODirect, Reader::Lbio];
                 readers.extend(self.modes.iter().map(|&m| Reader::Cache(m)));
+                if bs > PAGE_BYTES as u32 && self.modes.contains(&Mode::AIOS) {
+                    readers.push(Reader::CachePerPage);
+                }
                 for reader in readers {
                     v.push(Case {
                         reader,
@@ -417,7 +424,7 @@ impl PagecacheBench {
             ));
         }
         let cache = match c.reader {
-            Reader::Cache(_) | Reader::CacheZeroCopy => {
+            Reader::Cache(_) | Reader::CachePerPage | Reader::CacheZeroCopy => {
                 let cap = if c.hot {
                     (span as usize + (c.threads as usize * 4 * 32 * PAGE_BYTES))
                         .max(self.cache_bytes)
@@ -428,6 +435,7 @@ impl PagecacheBench {
                     PageCache::new(CacheConfig {
                         capacity_bytes: cap,
                         readahead_pages: 0,
+                        vectored_reads: c.reader != Reader::CachePerPage,
                         ..CacheConfig::default()
                     })
                     .map_err(|e| BenchError::Setup(format!("page cache: {e}")))?,
@@ -644,7 +652,7 @@ impl ThreadCtx<'_> {
                     dev,
                 }
             }
-            Reader::Cache(_) | Reader::CacheZeroCopy => {
+            Reader::Cache(_) | Reader::CachePerPage | Reader::CacheZeroCopy => {
                 let mode = match self.case.reader {
                     Reader::Cache(m) => m,
                     _ => Mode::AIOS,

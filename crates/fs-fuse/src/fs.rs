@@ -550,6 +550,7 @@ impl Fs {
                 // completed only by that worker's next request.
                 readahead_pages: 0,
                 huge_pages: true,
+                vectored_reads: true,
             };
             let pc = PageCache::new(cfg).map_err(|e| {
                 FsError::Config(format!("page cache of {} bytes: {e}", opts.cache_bytes))

@@ -86,6 +86,10 @@ pub struct CacheConfig {
     pub readahead_pages: u32,
     /// Back the frames with huge pages when available.
     pub huge_pages: bool,
+    /// A read that misses several consecutive pages reads them with one scattered request
+    /// into their frames (one device command per max transfer where the device takes vectored
+    /// commands); otherwise one request per page.
+    pub vectored_reads: bool,
 }
 
 impl Default for CacheConfig {
@@ -95,6 +99,7 @@ impl Default for CacheConfig {
             pool_batch: 32,
             readahead_pages: 16,
             huge_pages: true,
+            vectored_reads: true,
         }
     }
 }

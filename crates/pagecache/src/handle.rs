@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use aios_core::Engine;
-use lbio::{Class, Device, Io, LbioArray, LbioError, RawBuf, Tag};
+use lbio::{Class, Device, Io, LbioArray, LbioError, RawBuf, RawIov, Tag};
 
 use crate::cache::{FileId, Mode, PageCache, PAGE_BYTES};
 use crate::error::CacheError;
@@ -35,7 +35,11 @@ enum Kind {
 
 #[derive(Clone, Copy, Debug)]
 struct Pending {
+    /// The frame read or written; for a run, the first of them.
     frame: u32,
+    /// A run read: its frames are `run_frames[run_at..run_at + run_len]` (0: just `frame`).
+    run_at: u8,
+    run_len: u8,
     kind: Kind,
     /// Set when the completion arrived: `Ok` or the errno-free reason is kept in `error`.
     done: bool,
@@ -79,6 +83,10 @@ pub struct CacheHandle {
     pool: RefCell<Vec<u32>>,
     release: RefCell<Vec<u32>>,
     pending: RefCell<Vec<Option<Pending>>>,
+    /// The frames of the run reads of the one multi-page read in progress, and the iovecs
+    /// their requests carry (boxed: the kernel reads them at a stable address).
+    run_frames: RefCell<[u32; MISS_BATCH]>,
+    run_iov: RefCell<Box<[libc::iovec; MISS_BATCH]>>,
     streams: RefCell<Vec<Stream>>,
     /// Entry of the last miss to its SQE entering the kernel, ns (the submission latency, AIOS
     /// Fig. 14); taken by [`CacheHandle::take_submit_ns`].
@@ -144,6 +152,13 @@ impl CacheHandle {
             pool: RefCell::new(Vec::with_capacity(2 * batch)),
             release: RefCell::new(Vec::with_capacity(2 * batch)),
             pending: RefCell::new(vec![None; slots]),
+            run_frames: RefCell::new([0; MISS_BATCH]),
+            run_iov: RefCell::new(Box::new(
+                [libc::iovec {
+                    iov_base: std::ptr::null_mut(),
+                    iov_len: 0,
+                }; MISS_BATCH],
+            )),
             streams: RefCell::new(Vec::new()),
             last_submit_ns: Cell::new(None),
             timing: Cell::new(false),
@@ -355,58 +370,118 @@ impl CacheHandle {
             });
         }
         let dev = self.device(file)?;
-        // Submit every miss; pages raced by another reader or refused for lack of a frame or a
-        // slot are read one by one afterwards.
+        // Claim a frame for every miss and submit each run of consecutive pages as one
+        // scattered read (one request per page without `vectored_reads`). Pages raced by
+        // another reader or refused for lack of a frame or a slot are read one by one afterwards.
+        let vectored = self.cache.cfg.vectored_reads;
+        // (page, frame, tag, abandoned) per page read; the pages of a run share a tag.
         let mut reads = [(0u64, 0u32, Tag(0), false); MISS_BATCH];
         let mut n_reads = 0;
         let mut retry = [0u64; MISS_BATCH];
         let mut n_retry = 0;
         let mut failure: Option<CacheError> = None;
-        for (i, &page) in missing[..n_missing].iter().enumerate() {
-            match self.start_read(Key::new(file.0, page), &dev) {
-                Ok(Some((frame, tag))) => {
-                    reads[n_reads] = (page, frame, tag, false);
-                    n_reads += 1;
+        // The run being gathered: its first page and its frames in `run_frames[at..at + len]`.
+        let (mut run_page, mut run_at, mut run_len) = (0u64, 0usize, 0usize);
+        let mut used = 0;
+        let mut i = 0;
+        while i <= n_missing {
+            let page = missing.get(i).copied().filter(|_| i < n_missing);
+            let extends = page.is_some_and(|p| vectored && p == run_page + run_len as u64);
+            if run_len > 0 && !extends {
+                let first = Key::new(file.0, run_page);
+                match self.submit_read(first, run_at, run_len, &dev) {
+                    Ok(tag) => {
+                        let run = self.run_frames.borrow();
+                        for k in 0..run_len {
+                            reads[n_reads] = (run_page + k as u64, run[run_at + k], tag, false);
+                            n_reads += 1;
+                        }
+                    }
+                    Err(CacheError::Io(LbioError::NoFreeSlot { .. })) if n_reads > 0 => {
+                        for k in 0..run_len {
+                            retry[n_retry] = run_page + k as u64;
+                            n_retry += 1;
+                        }
+                        retry_rest(&missing[i..n_missing], &mut retry, &mut n_retry);
+                        break;
+                    }
+                    Err(e) => {
+                        failure = Some(e);
+                        break;
+                    }
+                }
+                run_len = 0;
+            }
+            let Some(page) = page else {
+                break;
+            };
+            match self.claim_frame(Key::new(file.0, page)) {
+                Ok(Some(frame)) => {
+                    self.run_frames.borrow_mut()[used] = frame;
+                    if run_len == 0 {
+                        (run_page, run_at) = (page, used);
+                    }
+                    run_len += 1;
+                    used += 1;
                 }
                 Ok(None) => {
                     retry[n_retry] = page;
                     n_retry += 1;
                 }
-                Err(CacheError::Io(LbioError::NoFreeSlot { .. }))
-                | Err(CacheError::NoEvictableFrame { .. })
-                    if n_reads > 0 =>
-                {
-                    for &p in &missing[i..n_missing] {
-                        retry[n_retry] = p;
-                        n_retry += 1;
-                    }
-                    break;
+                Err(CacheError::NoEvictableFrame { .. }) if n_reads + run_len > 0 => {
+                    // Read what has frames; the rest one by one once they come back.
+                    retry_rest(&missing[i..n_missing], &mut retry, &mut n_retry);
+                    i = n_missing;
+                    continue;
                 }
                 Err(e) => {
+                    self.undo_claims(file, run_page, run_at, run_len);
                     failure = Some(e);
                     break;
                 }
             }
+            i += 1;
         }
         if n_reads > 0 {
             self.record_submit(entry);
-            self.engine.submit()?;
+            if let Err(e) = self.engine.submit() {
+                failure.get_or_insert(e.into());
+            }
             self.count_misses(n_reads as u64);
         }
         // While the device works: lazy indexing, pool refill, readahead.
         for r in &mut reads[..n_reads] {
             r.3 = self.index_late(Key::new(file.0, r.0), r.1);
         }
-        self.after_submit(file, first, last, &dev)?;
+        if let Err(e) = self.after_submit(file, first, last, &dev) {
+            failure.get_or_insert(e);
+        }
+        let mut waited: Option<(Tag, bool)> = None;
         for &(page, frame, tag, abandoned) in &reads[..n_reads] {
-            match self.finish_read(frame, tag) {
-                Ok(()) => {
-                    copy_out(buf, page, self.cache.frame_ptr(frame));
-                    self.unpin(frame, abandoned);
+            let failed = match waited {
+                Some((t, failed)) if t == tag => failed,
+                _ => {
+                    let failed = match self.wait_tag(tag) {
+                        Ok(f) => f,
+                        Err(e) => {
+                            // The engine failed: these frames may still be the kernel's.
+                            return Err(e);
+                        }
+                    };
+                    if failed {
+                        let e = self.take_error();
+                        failure.get_or_insert(e);
+                    }
+                    waited = Some((tag, failed));
+                    failed
                 }
-                Err(e) => {
-                    failure.get_or_insert(e);
-                }
+            };
+            if failed {
+                self.cache.frames.unpin(frame);
+                self.free_frame(frame);
+            } else {
+                copy_out(buf, page, self.cache.frame_ptr(frame));
+                self.unpin(frame, abandoned);
             }
         }
         if let Some(e) = failure {
@@ -721,8 +796,12 @@ impl CacheHandle {
         self.count_misses(1);
         // The work the reader does not need before the device answers.
         let abandoned = self.index_late(key, frame);
-        self.after_submit(file, key.page(), key.page(), &dev)?;
+        let after = self.after_submit(file, key.page(), key.page(), &dev);
         self.finish_read(frame, tag)?;
+        if let Err(e) = after {
+            self.unpin(frame, abandoned);
+            return Err(e);
+        }
         Ok(Some((frame, abandoned)))
     }
 
@@ -730,6 +809,17 @@ impl CacheHandle {
     /// next submit): the frame pinned and the request's tag, or `None` when the vanilla order
     /// found the page already indexed by another reader.
     fn start_read(&self, key: Key, dev: &Device) -> Result<Option<(u32, Tag)>, CacheError> {
+        let Some(frame) = self.claim_frame(key)? else {
+            return Ok(None);
+        };
+        self.run_frames.borrow_mut()[0] = frame;
+        let tag = self.submit_read(key, 0, 1, dev)?;
+        Ok(Some((frame, tag)))
+    }
+
+    /// Take a frame for `key`, pinned and flagged in I/O (in the vanilla order also indexed
+    /// now): `None` when the vanilla order found the page already indexed by another reader.
+    fn claim_frame(&self, key: Key) -> Result<Option<u32>, CacheError> {
         let cache = &*self.cache;
         let frames = &cache.frames;
         let frame = self.take_frame()?;
@@ -745,27 +835,80 @@ impl CacheHandle {
             }
             frames.mark(frame, frames::INDEXED);
         }
-        // SAFETY: the frame is ours (taken from the pool or free list, pinned, flagged IO): nobody
-        // reads or writes its bytes until the IO flag clears at completion.
-        let raw = unsafe { self.frame_buf(frame) };
-        // SAFETY: as above, for the request's lifetime.
-        let io = unsafe { Io::read_raw(key.page() * PAGE_BYTES as u64, raw) };
+        Ok(Some(frame))
+    }
+
+    /// Give back claimed frames `run_frames[at..at + len]` (pages `first..`) that will not be
+    /// read.
+    fn undo_claims(&self, file: FileId, first: u64, at: usize, len: usize) {
+        let frames = &self.cache.frames;
+        for k in 0..len {
+            let frame = self.run_frames.borrow()[at + k];
+            if !self.mode.lazy_index {
+                self.cache
+                    .index
+                    .remove(Key::new(file.0, first + k as u64), frame);
+            }
+            frames.unpin(frame);
+            self.free_frame(frame);
+        }
+    }
+
+    /// Queue, held, the read of the `len` pages from `first` into their claimed frames
+    /// `run_frames[at..at + len]`: one request for them all, scattered over the frames. On
+    /// failure the frames are given back.
+    fn submit_read(
+        &self,
+        first: Key,
+        at: usize,
+        len: usize,
+        dev: &Device,
+    ) -> Result<Tag, CacheError> {
+        let offset = first.page() * PAGE_BYTES as u64;
+        let frame = self.run_frames.borrow()[at];
+        let io = if len == 1 {
+            // SAFETY: the frame is ours (taken from the pool or free list, pinned, flagged IO):
+            // nobody reads or writes its bytes until the IO flag clears at completion.
+            let raw = unsafe { self.frame_buf(frame) };
+            // SAFETY: as above, for the request's lifetime.
+            unsafe { Io::read_raw(offset, raw) }
+        } else {
+            let mut iov = self.run_iov.borrow_mut();
+            let run = self.run_frames.borrow();
+            for k in 0..len {
+                iov[at + k] = libc::iovec {
+                    iov_base: self.cache.frame_ptr(run[at + k]).cast(),
+                    iov_len: PAGE_BYTES,
+                };
+            }
+            let ptr = NonNull::new(iov[at..].as_mut_ptr()).expect("a boxed array");
+            // SAFETY: the frames are ours, as above, and lie in the region registered as
+            // `region_index`; the iovecs stay put (boxed, rewritten only by a later multi-page
+            // read, which starts after every read of this one has completed).
+            let v = unsafe {
+                RawIov::new(
+                    ptr,
+                    len as u16,
+                    self.mode.fixed.then_some(self.region_index),
+                )
+            };
+            // SAFETY: as above.
+            unsafe { Io::readv_raw(offset, v) }
+        };
         match self.engine.hold_submissions(|| dev.submit(io)) {
             Ok(tag) => {
                 self.pending.borrow_mut()[tag.0 as usize] = Some(Pending {
                     frame,
+                    run_at: if len > 1 { at as u8 } else { 0 },
+                    run_len: if len > 1 { len as u8 } else { 0 },
                     kind: Kind::Read,
                     done: false,
                     failed: false,
                 });
-                Ok(Some((frame, tag)))
+                Ok(tag)
             }
             Err((e, _)) => {
-                if !self.mode.lazy_index {
-                    cache.index.remove(key, frame);
-                }
-                frames.unpin(frame);
-                self.free_frame(frame);
+                self.undo_claims(FileId(first.file()), first.page(), at, len);
                 Err(e.into())
             }
         }
@@ -873,6 +1016,8 @@ impl CacheHandle {
                 Ok(tag) => {
                     self.pending.borrow_mut()[tag.0 as usize] = Some(Pending {
                         frame,
+                        run_at: 0,
+                        run_len: 0,
                         kind: Kind::Readahead,
                         done: false,
                         failed: false,
@@ -908,44 +1053,54 @@ impl CacheHandle {
             return;
         };
         let frame = p.frame;
-        match (p.kind, &error) {
-            (Kind::Read, None) | (Kind::Readahead, None) => {
-                frames.update(frame, |s| {
-                    Some(
-                        s.with_flags((s.flags() & !frames::IO) | frames::VALID)
-                            .bumped(),
-                    )
-                });
-            }
-            (Kind::Read, Some(_)) | (Kind::Readahead, Some(_)) => {
-                // Leave no poisoned page behind: out of the index before anyone can wait on it.
-                let key = Key(frames.key(frame));
-                self.cache.index.remove(key, frame);
-                frames.update(frame, |s| {
-                    Some(
-                        s.with_flags(
-                            (s.flags() & !(frames::IO | frames::INDEXED)) | frames::FAILED,
+        let run = self.run_frames.borrow();
+        let list = if p.run_len > 0 {
+            &run[p.run_at as usize..(p.run_at + p.run_len) as usize]
+        } else {
+            std::slice::from_ref(&p.frame)
+        };
+        for &frame in list {
+            match (p.kind, &error) {
+                (Kind::Read, None) | (Kind::Readahead, None) => {
+                    frames.update(frame, |s| {
+                        Some(
+                            s.with_flags((s.flags() & !frames::IO) | frames::VALID)
+                                .bumped(),
                         )
-                        .bumped(),
-                    )
-                });
-                self.cache
-                    .counters
-                    .read_errors
-                    .fetch_add(1, Ordering::Relaxed);
-            }
-            (Kind::Writeback, None) => {
-                frames.update(frame, |s| Some(s.with_flags(s.flags() & !frames::DIRTY)));
-                frames.unpin(frame);
-                self.cache
-                    .counters
-                    .writebacks
-                    .fetch_add(1, Ordering::Relaxed);
-            }
-            (Kind::Writeback, Some(_)) => {
-                frames.unpin(frame);
+                    });
+                }
+                (Kind::Read, Some(_)) | (Kind::Readahead, Some(_)) => {
+                    // Leave no poisoned page behind: out of the index before anyone can wait
+                    // on it.
+                    let key = Key(frames.key(frame));
+                    self.cache.index.remove(key, frame);
+                    frames.update(frame, |s| {
+                        Some(
+                            s.with_flags(
+                                (s.flags() & !(frames::IO | frames::INDEXED)) | frames::FAILED,
+                            )
+                            .bumped(),
+                        )
+                    });
+                    self.cache
+                        .counters
+                        .read_errors
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                (Kind::Writeback, None) => {
+                    frames.update(frame, |s| Some(s.with_flags(s.flags() & !frames::DIRTY)));
+                    frames.unpin(frame);
+                    self.cache
+                        .counters
+                        .writebacks
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                (Kind::Writeback, Some(_)) => {
+                    frames.unpin(frame);
+                }
             }
         }
+        drop(run);
         match p.kind {
             Kind::Read => {
                 p.done = true;
@@ -1179,6 +1334,8 @@ impl CacheHandle {
             };
             self.pending.borrow_mut()[tag.0 as usize] = Some(Pending {
                 frame,
+                run_at: 0,
+                run_len: 0,
                 kind: Kind::Writeback,
                 done: false,
                 failed: false,
@@ -1241,4 +1398,12 @@ enum Protect {
     Changed,
     /// No hazard slot free on this handle: pin by count instead.
     NoSlot,
+}
+
+/// Put every page of `rest` on the retry list.
+fn retry_rest(rest: &[u64], retry: &mut [u64; MISS_BATCH], n: &mut usize) {
+    for &p in rest {
+        retry[*n] = p;
+        *n += 1;
+    }
 }

@@ -138,11 +138,23 @@ fn setup(
     file_bytes: u64,
     mode: Mode,
 ) -> Setup {
+    setup_with(frames, pool_batch, readahead_pages, file_bytes, mode, true)
+}
+
+fn setup_with(
+    frames: usize,
+    pool_batch: u32,
+    readahead_pages: u32,
+    file_bytes: u64,
+    mode: Mode,
+    vectored_reads: bool,
+) -> Setup {
     let cache = PageCache::new(CacheConfig {
         capacity_bytes: frames * PAGE_BYTES,
         pool_batch,
         readahead_pages,
         huge_pages: false,
+        vectored_reads,
     })
     .unwrap();
     let engine = engine();
@@ -190,14 +202,14 @@ fn step() -> impl Strategy<Value = Step> {
     ]
 }
 
-fn run_model(mode: Mode, steps: &[Step]) -> Result<(), TestCaseError> {
+fn run_model(mode: Mode, vectored: bool, steps: &[Step]) -> Result<(), TestCaseError> {
     let Setup {
         engine,
         lbio,
         file,
         h,
         ..
-    } = setup(CACHE_FRAMES, 4, 4, FILE_BYTES, mode);
+    } = setup_with(CACHE_FRAMES, 4, 4, FILE_BYTES, mode, vectored);
     let (dev, backend) = faulty_device(&lbio, FILE_BYTES as usize);
     h.attach(file, dev).unwrap();
     let mut model = vec![0u8; FILE_BYTES as usize];
@@ -250,16 +262,18 @@ fn run_model(mode: Mode, steps: &[Step]) -> Result<(), TestCaseError> {
 #[test]
 fn random_reads_writes_syncs_and_pressure_match_a_model_in_every_mode() {
     for mode in [Mode::AIOS, Mode::VANILLA, Mode::FIXED, Mode::FIXED_POOL] {
-        let mut runner = TestRunner::new(Config {
-            cases: 48,
-            failure_persistence: None,
-            ..Config::default()
-        });
-        let r = runner.run(&prop::collection::vec(step(), 1..40), |steps| {
-            run_model(mode, &steps)
-        });
-        if let Err(e) = r {
-            panic!("mode {}: {e}", mode.name());
+        for vectored in [true, false] {
+            let mut runner = TestRunner::new(Config {
+                cases: 48,
+                failure_persistence: None,
+                ..Config::default()
+            });
+            let r = runner.run(&prop::collection::vec(step(), 1..40), |steps| {
+                run_model(mode, vectored, &steps)
+            });
+            if let Err(e) = r {
+                panic!("mode {}, vectored reads {vectored}: {e}", mode.name());
+            }
         }
     }
 }
@@ -289,6 +303,107 @@ fn a_failed_read_is_a_typed_error_and_leaves_no_page_behind() {
     assert!(buf.iter().all(|&b| b == 0));
     h.read(file, 8192, &mut buf).unwrap();
     assert!(buf.iter().all(|&b| b == 7));
+}
+
+#[test]
+fn a_failed_run_read_fails_the_read_and_leaves_none_of_its_pages_behind() {
+    for mode in [Mode::AIOS, Mode::VANILLA] {
+        let Setup {
+            cache,
+            lbio,
+            file,
+            h,
+            ..
+        } = setup(64, 8, 0, 1 << 20, mode);
+        let (dev, backend) = faulty_device(&lbio, 1 << 20);
+        h.attach(file, dev).unwrap();
+        h.write(file, 0, &[3u8; 16 * 4096]).unwrap();
+        h.sync(file).unwrap();
+        h.write(file, 6 * 4096, &[4u8; 4096]).unwrap();
+        // Pages 16..24 are not cached; page 20 fails. Page 6 is cached and dirty.
+        backend.fail_reads.set(Some((20 * 4096, 21 * 4096)));
+        let before = lbio.metrics();
+        let mut buf = vec![0u8; 8 * 4096];
+        let e = h.read(file, 16 * 4096, &mut buf).unwrap_err();
+        assert!(matches!(e, CacheError::Io(LbioError::Io { .. })), "{e}");
+        let m = lbio.metrics();
+        assert_eq!(
+            m.requests - before.requests,
+            1,
+            "{}: one request for the run",
+            mode.name()
+        );
+        assert_eq!(m.vectored_pieces - before.vectored_pieces, 1);
+        assert_eq!(
+            cache.metrics().read_errors,
+            8,
+            "every page of the run failed"
+        );
+        for page in 16..24 {
+            assert!(
+                cache
+                    .index
+                    .get(crate::frames::Key::new(file.0, page), &cache.frames)
+                    .is_none(),
+                "{}: page {page} left in the index",
+                mode.name()
+            );
+        }
+        // Every frame is free or holds a page, none pinned or in flight.
+        for f in 0..cache.frames.len() {
+            let st = cache.frames.state(f);
+            assert_eq!(st.pins(), 0, "frame {f} pinned");
+            assert!(!st.has(crate::frames::IO), "frame {f} in flight");
+        }
+        backend.fail_reads.set(None);
+        h.read(file, 16 * 4096, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 0));
+        let mut buf = vec![0u8; 12 * 4096];
+        h.read(file, 2 * 4096, &mut buf).unwrap();
+        assert!(buf[..4 * 4096].iter().all(|&b| b == 3));
+        assert!(buf[4 * 4096..5 * 4096].iter().all(|&b| b == 4));
+        assert!(buf[5 * 4096..].iter().all(|&b| b == 3));
+    }
+}
+
+#[test]
+fn a_multi_page_miss_is_one_scattered_request_per_run_of_missing_pages() {
+    for vectored in [true, false] {
+        let Setup { lbio, file, h, .. } = setup_with(64, 8, 0, 1 << 20, Mode::AIOS, vectored);
+        let (dev, _backend) = faulty_device(&lbio, 1 << 20);
+        h.attach(file, dev).unwrap();
+        let data: Vec<u8> = (0..32 * 4096)
+            .map(|i| (i / 4096) as u8 ^ (i % 251) as u8)
+            .collect();
+        h.write(file, 0, &data).unwrap();
+        h.sync(file).unwrap();
+        // A fresh handle on a fresh cache reads it cold; pages 5 and 9 are hits first.
+        let Setup {
+            lbio: lbio2,
+            file: file2,
+            h: h2,
+            ..
+        } = setup_with(64, 8, 0, 1 << 20, Mode::AIOS, vectored);
+        h2.attach(file2, device_over(&lbio2, &_backend)).unwrap();
+        let mut one = [0u8; 10];
+        h2.read(file2, 5 * 4096, &mut one).unwrap();
+        h2.read(file2, 9 * 4096, &mut one).unwrap();
+        let before = lbio2.metrics();
+        let mut buf = vec![0u8; 16 * 4096 - 100];
+        h2.read(file2, 50, &mut buf).unwrap();
+        assert!(buf[..] == data[50..50 + buf.len()], "vectored {vectored}");
+        let m = lbio2.metrics();
+        // Missing: 0..5, 6..9, 10..16 — three runs.
+        let (requests, pieces) = if vectored { (3, 3) } else { (14, 0) };
+        assert_eq!(
+            (
+                m.requests - before.requests,
+                m.vectored_pieces - before.vectored_pieces
+            ),
+            (requests, pieces),
+            "vectored {vectored}"
+        );
+    }
 }
 
 #[test]
@@ -434,6 +549,7 @@ fn guards_on_one_thread_never_see_another_threads_writes_or_evictions() {
         pool_batch: 4,
         readahead_pages: 0,
         huge_pages: false,
+        vectored_reads: true,
     })
     .unwrap();
     let file = cache.add_file(1 << 20).unwrap();
@@ -508,6 +624,7 @@ fn threads_missing_the_same_pages_get_correct_data_and_no_frame_leaks() {
         pool_batch: 4,
         readahead_pages: 0,
         huge_pages: false,
+        vectored_reads: true,
     })
     .unwrap();
     let file = cache.add_file(bytes as u64).unwrap();
@@ -595,6 +712,7 @@ fn two_readers_missing_one_page_both_read_it_and_the_loser_is_abandoned() {
             pool_batch: 4,
             readahead_pages: 0,
             huge_pages: false,
+            vectored_reads: true,
         })
         .unwrap();
         let file = cache.add_file(PAGES * 4096).unwrap();
