@@ -180,7 +180,8 @@ struct Stream {
     next_seq: u64,
     open: GroupReqs,
     queued: VecDeque<(u64, GroupReqs)>,
-    prev: HashMap<u16, u64>,
+    /// By target: the last group sent to it (0: none yet).
+    prev: Vec<u64>,
     groups: Groups,
     /// Ids of the stream's writes.
     next_id: u64,
@@ -386,8 +387,13 @@ impl<P: Pmr> OrderedDevice<P> {
             )));
         }
         let done: Vec<Done> = st.ready.drain(..).collect();
-        let mut prev: Vec<(u16, u64)> = st.prev.iter().map(|(&t, &g)| (t, g)).collect();
-        prev.sort_unstable();
+        let prev: Vec<(u16, u64)> = st
+            .prev
+            .iter()
+            .enumerate()
+            .filter(|&(_, &g)| g != 0)
+            .map(|(t, &g)| (t as u16, g))
+            .collect();
         let handoff = StreamHandoff {
             stream,
             next_seq: st.next_seq,
@@ -429,12 +435,16 @@ impl<P: Pmr> OrderedDevice<P> {
                 self.targets.len()
             )));
         }
+        let mut prev = vec![0; self.targets.len()];
+        for (t, g) in h.prev {
+            prev[t as usize] = g;
+        }
         self.streams[s] = Stream {
             next_seq: h.next_seq,
             next_id: h.next_id,
             done_below: h.next_seq,
             durable_below: h.next_seq,
-            prev: h.prev.into_iter().collect(),
+            prev,
             away: false,
             ..Stream::default()
         };
@@ -499,7 +509,7 @@ impl<P: Pmr> OrderedDevice<P> {
             seq_end: seq,
             prev: self.streams[stream as usize]
                 .prev
-                .get(&target)
+                .get(target as usize)
                 .copied()
                 .unwrap_or(0),
             members: 1,
@@ -729,7 +739,11 @@ impl<P: Pmr> OrderedDevice<P> {
             grp.out += 1;
             grp.not_durable += 1;
         }
-        st.prev.insert(a.target, a.seq_end);
+        let t = a.target as usize;
+        if st.prev.len() <= t {
+            st.prev.resize(t + 1, 0);
+        }
+        st.prev[t] = a.seq_end;
         if !st.touched.contains(&a.target) {
             st.touched.push(a.target);
         }
