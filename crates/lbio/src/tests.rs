@@ -1566,3 +1566,67 @@ fn scattered_requests_are_validated_segment_by_segment() {
     );
     assert_eq!(lbio.free_slots(), lbio.config().slots);
 }
+
+#[test]
+fn scattered_requests_on_the_sync_route_use_preadv_and_pwritev() {
+    let engine = engine();
+    let lbio = array(&engine, LbioConfig::default());
+    let file = TempFile::new("preadv", 1 << 20);
+    let dev = Device::open(
+        &lbio,
+        file.path(),
+        DeviceConfig {
+            write: true,
+            route: RouteChoice::Sync,
+            ..DeviceConfig::default()
+        },
+    )
+    .unwrap();
+    assert!(dev.critical_route().0.vectored);
+    let mut mem = SegMem::new(64 * KIB);
+    let lens = [4 * KIB, 8 * KIB, 4 * KIB, 12 * KIB];
+    let segs = layout(&mut mem, &lens, 4 * KIB, true);
+    for (k, s) in segs.iter().enumerate() {
+        // SAFETY: each segment lies in `mem`, which nothing else uses.
+        unsafe { std::ptr::write_bytes(s.iov_base.cast::<u8>(), 0x40 + k as u8, s.iov_len) };
+    }
+    let ptr = std::ptr::NonNull::new(segs.as_ptr().cast_mut()).unwrap();
+    let before = lbio.metrics();
+    // SAFETY: `segs` and `mem` outlive the blocking requests; nothing else touches them.
+    let iov = unsafe { RawIov::new(ptr, 4, None) };
+    // SAFETY: as above.
+    dev.run_blocking(unsafe { Io::writev_raw(8 * KIB as u64, iov) }.fua(true))
+        .unwrap();
+    let back = dev
+        .read_at_blocking(8 * KIB as u64, engine.try_alloc(28 * KIB).unwrap())
+        .unwrap();
+    let mut at = 0;
+    for (k, &l) in lens.iter().enumerate() {
+        assert!(
+            back[at..at + l].iter().all(|&b| b == 0x40 + k as u8),
+            "segment {k}"
+        );
+        at += l;
+    }
+    for s in &segs {
+        // SAFETY: as above.
+        unsafe { std::ptr::write_bytes(s.iov_base.cast::<u8>(), 0, s.iov_len) };
+    }
+    // SAFETY: as above.
+    dev.run_blocking(unsafe { Io::readv_raw(8 * KIB as u64, RawIov::new(ptr, 4, None)) })
+        .unwrap();
+    for (k, s) in segs.iter().enumerate() {
+        // SAFETY: the read completed.
+        let got = unsafe { std::slice::from_raw_parts(s.iov_base.cast::<u8>(), s.iov_len) };
+        assert!(
+            got.iter().all(|&b| b == 0x40 + k as u8),
+            "segment {k} read back"
+        );
+    }
+    let m = lbio.metrics();
+    assert_eq!(
+        m.vectored_pieces - before.vectored_pieces,
+        2,
+        "one preadv, one pwritev"
+    );
+}
