@@ -94,8 +94,8 @@ if [ "$(id -u)" = 0 ] && command -v ip >/dev/null 2>&1; then
 else
     echo "SKIPPED: network namespaces need root and iproute2" >&2
 fi
-step "aiosfs under power cuts on a SimDisk: 10,000 crash states (release build)"
-cargo test --release -q -p fs-fuse --test crash_sim -- --nocapture 2>&1 | grep -E 'crash states|test result|panicked|FAILED'
+step "aiosfs under power cuts on a SimDisk: 10,000 crash states (the test build above, debug assertions on)"
+AIOS_FS_SIM_CUTS=400 cargo test -q -p fs-fuse --test crash_sim -- --nocapture 2>&1 | grep -E 'crash states|test result|panicked|FAILED'
 step "aiosfs through FUSE over io_uring: pjdfstest, fsx (100,000 operations), fio --verify=crc32c, fsck"
 if [ "$(id -u)" = 0 ] && [ -e /dev/fuse ]; then
     if [ -f /sys/module/fuse/parameters/enable_uring ]; then

@@ -162,8 +162,9 @@ fn workload(disk: &SimDisk, seed: u64, ops: u32, rio: bool) -> (Vec<File>, u64) 
 
 #[test]
 fn power_cuts_under_fsync_load() {
-    // 400 cuts × 25 images = 10,000 states in a release build; a debug build (cargo test
-    // --workspace) runs 20 cuts, and the test command runs the full count in release.
+    // 400 cuts × 25 images = 10,000 states in a release build; a test build (cargo test
+    // --workspace) runs 20 cuts, and the test command runs the full count in it with
+    // AIOS_FS_SIM_CUTS=400 (the crates it exercises are optimized there, see Cargo.toml).
     let default_cuts = if cfg!(debug_assertions) { 20 } else { 400 };
     let cuts: u64 = std::env::var("AIOS_FS_SIM_CUTS")
         .ok()
