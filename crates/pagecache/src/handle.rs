@@ -37,13 +37,11 @@ enum Kind {
 struct Pending {
     /// The frame read or written; for a run, the first of them.
     frame: u32,
-    /// A run read: its frames are `run_frames[run_at..run_at + run_len]` (0: just `frame`).
-    run_at: u8,
-    run_len: u8,
+    /// A run: its frames are `run_frames[run_at..run_at + run_len]` for a read,
+    /// `wb.frames[..]` for a writeback (`run_len` 0: just `frame`).
+    run_at: u16,
+    run_len: u16,
     kind: Kind,
-    /// Set when the completion arrived: `Ok` or the errno-free reason is kept in `error`.
-    done: bool,
-    failed: bool,
 }
 
 /// A file served by this handle.
@@ -55,6 +53,17 @@ struct Attached {
 
 /// Most pages whose reads one multi-page read sends before waiting.
 pub const MISS_BATCH: usize = 32;
+
+/// Dirty pages one writeback pass pins, sorts into runs, writes and waits for.
+pub const WRITEBACK_BATCH: usize = 256;
+
+/// A writeback pass's pages: (key, frame) sorted by key, the frames in that order, and the
+/// iovecs of its run writes (boxed: the kernel reads them at a stable address).
+struct WbBuf {
+    keys: [(u64, u32); WRITEBACK_BATCH],
+    frames: [u32; WRITEBACK_BATCH],
+    iov: [libc::iovec; WRITEBACK_BATCH],
+}
 
 /// Hits a handle counts before adding them to the cache's shared counter.
 const HIT_PUBLISH_BATCH: u64 = 256;
@@ -87,6 +96,7 @@ pub struct CacheHandle {
     /// their requests carry (boxed: the kernel reads them at a stable address).
     run_frames: RefCell<[u32; MISS_BATCH]>,
     run_iov: RefCell<Box<[libc::iovec; MISS_BATCH]>>,
+    wb: RefCell<Box<WbBuf>>,
     streams: RefCell<Vec<Stream>>,
     /// Entry of the last miss to its SQE entering the kernel, ns (the submission latency, AIOS
     /// Fig. 14); taken by [`CacheHandle::take_submit_ns`].
@@ -95,6 +105,8 @@ pub struct CacheHandle {
     /// per call is a sizeable part of a hit).
     timing: Cell<bool>,
     last_error: RefCell<Option<LbioError>>,
+    /// Why the last failed read failed (taken by its reader).
+    read_error: RefCell<Option<LbioError>>,
     /// This handle's block of hazard slots (`None` past [`hazard::MAX_BLOCKS`] handles: its guards
     /// pin by count).
     hazard_block: Option<usize>,
@@ -159,10 +171,19 @@ impl CacheHandle {
                     iov_len: 0,
                 }; MISS_BATCH],
             )),
+            wb: RefCell::new(Box::new(WbBuf {
+                keys: [(0, 0); WRITEBACK_BATCH],
+                frames: [0; WRITEBACK_BATCH],
+                iov: [libc::iovec {
+                    iov_base: std::ptr::null_mut(),
+                    iov_len: 0,
+                }; WRITEBACK_BATCH],
+            })),
             streams: RefCell::new(Vec::new()),
             last_submit_ns: Cell::new(None),
             timing: Cell::new(false),
             last_error: RefCell::new(None),
+            read_error: RefCell::new(None),
             hazard_block: cache.hazards.claim(),
             hazard_free: Cell::new(((1u32 << hazard::SLOTS) - 1) as u16),
         };
@@ -461,7 +482,7 @@ impl CacheHandle {
             let failed = match waited {
                 Some((t, failed)) if t == tag => failed,
                 _ => {
-                    let failed = match self.wait_tag(tag) {
+                    let failed = match self.wait_frame(frame) {
                         Ok(f) => f,
                         Err(e) => {
                             // The engine failed: these frames may still be the kernel's.
@@ -787,7 +808,7 @@ impl CacheHandle {
     fn miss(&self, key: Key, entry: Option<Instant>) -> Result<Option<(u32, bool)>, CacheError> {
         let file = FileId(key.file());
         let dev = self.device(file)?;
-        let Some((frame, tag)) = self.start_read(key, &dev)? else {
+        let Some(frame) = self.start_read(key, &dev)? else {
             return Ok(None);
         };
         // The SQE is in the ring: what is timed ends here, as it enters the kernel.
@@ -797,7 +818,7 @@ impl CacheHandle {
         // The work the reader does not need before the device answers.
         let abandoned = self.index_late(key, frame);
         let after = self.after_submit(file, key.page(), key.page(), &dev);
-        self.finish_read(frame, tag)?;
+        self.finish_read(frame)?;
         if let Err(e) = after {
             self.unpin(frame, abandoned);
             return Err(e);
@@ -806,15 +827,15 @@ impl CacheHandle {
     }
 
     /// Take a frame for `key` and queue its read, held (it reaches the kernel with the caller's
-    /// next submit): the frame pinned and the request's tag, or `None` when the vanilla order
-    /// found the page already indexed by another reader.
-    fn start_read(&self, key: Key, dev: &Device) -> Result<Option<(u32, Tag)>, CacheError> {
+    /// next submit): the frame, pinned, or `None` when the vanilla order found the page
+    /// already indexed by another reader.
+    fn start_read(&self, key: Key, dev: &Device) -> Result<Option<u32>, CacheError> {
         let Some(frame) = self.claim_frame(key)? else {
             return Ok(None);
         };
         self.run_frames.borrow_mut()[0] = frame;
-        let tag = self.submit_read(key, 0, 1, dev)?;
-        Ok(Some((frame, tag)))
+        self.submit_read(key, 0, 1, dev)?;
+        Ok(Some(frame))
     }
 
     /// Take a frame for `key`, pinned and flagged in I/O (in the vanilla order also indexed
@@ -899,11 +920,9 @@ impl CacheHandle {
             Ok(tag) => {
                 self.pending.borrow_mut()[tag.0 as usize] = Some(Pending {
                     frame,
-                    run_at: if len > 1 { at as u8 } else { 0 },
-                    run_len: if len > 1 { len as u8 } else { 0 },
+                    run_at: if len > 1 { at as u16 } else { 0 },
+                    run_len: if len > 1 { len as u16 } else { 0 },
                     kind: Kind::Read,
-                    done: false,
-                    failed: false,
                 });
                 Ok(tag)
             }
@@ -950,8 +969,8 @@ impl CacheHandle {
     }
 
     /// Wait for a miss's read; on failure the frame is released and the error returned.
-    fn finish_read(&self, frame: u32, tag: Tag) -> Result<(), CacheError> {
-        if self.wait_tag(tag)? {
+    fn finish_read(&self, frame: u32) -> Result<(), CacheError> {
+        if self.wait_frame(frame)? {
             self.cache.frames.unpin(frame);
             self.free_frame(frame);
             return Err(self.take_error());
@@ -1019,8 +1038,6 @@ impl CacheHandle {
                         run_at: 0,
                         run_len: 0,
                         kind: Kind::Readahead,
-                        done: false,
-                        failed: false,
                     });
                     self.cache
                         .counters
@@ -1054,10 +1071,12 @@ impl CacheHandle {
         };
         let frame = p.frame;
         let run = self.run_frames.borrow();
-        let list = if p.run_len > 0 {
-            &run[p.run_at as usize..(p.run_at + p.run_len) as usize]
-        } else {
-            std::slice::from_ref(&p.frame)
+        let wb = self.wb.borrow();
+        let (at, len) = (p.run_at as usize, p.run_len as usize);
+        let list = match (len, p.kind) {
+            (0, _) => std::slice::from_ref(&p.frame),
+            (_, Kind::Writeback) => &wb.frames[at..at + len],
+            _ => &run[at..at + len],
         };
         for &frame in list {
             match (p.kind, &error) {
@@ -1101,12 +1120,14 @@ impl CacheHandle {
             }
         }
         drop(run);
+        drop(wb);
         match p.kind {
             Kind::Read => {
-                p.done = true;
-                p.failed = error.is_some();
+                // The reader waits on the frames' state, not on the tag: lbio may hand the
+                // tag to another request as soon as this one is taken.
+                pending[tag.0 as usize] = None;
                 if let Some(e) = error {
-                    self.last_error.borrow_mut().replace(e);
+                    self.read_error.borrow_mut().replace(e);
                 }
             }
             Kind::Readahead => {
@@ -1126,25 +1147,21 @@ impl CacheHandle {
         }
     }
 
-    /// Drive I/O until the read with `tag` completes; whether it failed.
-    fn wait_tag(&self, tag: Tag) -> Result<bool, CacheError> {
+    /// Drive I/O until the read into `frame` (pinned by the caller) completes; whether it
+    /// failed.
+    fn wait_frame(&self, frame: u32) -> Result<bool, CacheError> {
         loop {
             self.poll()?;
-            {
-                let mut pending = self.pending.borrow_mut();
-                if let Some(p) = pending[tag.0 as usize] {
-                    if p.done {
-                        pending[tag.0 as usize] = None;
-                        return Ok(p.failed);
-                    }
-                }
+            let s = self.cache.frames.state(frame);
+            if !s.has(frames::IO) {
+                return Ok(s.has(frames::FAILED));
             }
             self.engine.wait(1)?;
         }
     }
 
     fn take_error(&self) -> CacheError {
-        match self.last_error.borrow_mut().take() {
+        match self.read_error.borrow_mut().take() {
             Some(e) => CacheError::Io(e),
             None => CacheError::Config("read failed without an error".into()),
         }
@@ -1293,56 +1310,70 @@ impl CacheHandle {
         self.writeback(None)
     }
 
+    /// Write dirty pages back, in passes of up to [`WRITEBACK_BATCH`] pages: pin them, sort
+    /// them by file and page, and send each run of consecutive pages as one scattered
+    /// background write from its frames (lbio cuts it into `split_bytes` pieces); then wait
+    /// for the pass.
     fn writeback(&self, only: Option<FileId>) -> Result<(), CacheError> {
         let frames = &self.cache.frames;
-        let mut issued = 0u32;
-        for frame in 0..frames.len() {
-            let key = Key(frames.key(frame));
-            if key.0 == NO_KEY || only.is_some_and(|f| f.0 != key.file()) {
-                continue;
-            }
-            let Ok(dev) = self.device(FileId(key.file())) else {
-                continue;
-            };
-            // Pin a dirty, valid, settled frame: writers wait for the pin to go.
-            let pinned = frames.update(frame, |s| {
-                (s.has(frames::DIRTY | frames::VALID)
-                    && s.flags() & (frames::BUSY | frames::IO) == 0
-                    && frames.key(frame) == key.0)
-                    .then(|| s.with_pins(s.pins() + 1))
-            });
-            if pinned.is_none() {
-                continue;
-            }
-            // SAFETY: pinned: no writer or eviction touches the bytes until the write completes.
-            let raw = unsafe { self.frame_buf(frame) };
-            let offset = key.page() * PAGE_BYTES as u64;
-            let tag = loop {
-                // SAFETY: as above.
-                let io = unsafe { Io::write_raw(offset, raw) }.class(Class::Background);
-                match dev.submit(io) {
-                    Ok(t) => break t,
-                    Err((LbioError::NoFreeSlot { .. }, _)) => {
-                        self.engine.wait(1)?;
-                        self.poll()?;
+        let mut scan = 0;
+        let mut failure: Option<CacheError> = None;
+        while scan < frames.len() && failure.is_none() {
+            let mut n = 0;
+            {
+                let mut wb = self.wb.borrow_mut();
+                while scan < frames.len() && n < WRITEBACK_BATCH {
+                    let frame = scan;
+                    scan += 1;
+                    let key = Key(frames.key(frame));
+                    if key.0 == NO_KEY
+                        || only.is_some_and(|f| f.0 != key.file())
+                        || self.attached(FileId(key.file())).is_err()
+                    {
+                        continue;
                     }
-                    Err((e, _)) => {
-                        frames.unpin(frame);
-                        return Err(e.into());
+                    // Pin a dirty, valid, settled frame: writers wait for the pin to go.
+                    let pinned = frames.update(frame, |s| {
+                        (s.has(frames::DIRTY | frames::VALID)
+                            && s.flags() & (frames::BUSY | frames::IO) == 0
+                            && frames.key(frame) == key.0)
+                            .then(|| s.with_pins(s.pins() + 1))
+                    });
+                    if pinned.is_some() {
+                        wb.keys[n] = (key.0, frame);
+                        n += 1;
                     }
                 }
-            };
-            self.pending.borrow_mut()[tag.0 as usize] = Some(Pending {
-                frame,
-                run_at: 0,
-                run_len: 0,
-                kind: Kind::Writeback,
-                done: false,
-                failed: false,
-            });
-            issued += 1;
-        }
-        if issued > 0 {
+                wb.keys[..n].sort_unstable();
+                for i in 0..n {
+                    wb.frames[i] = wb.keys[i].1;
+                }
+            }
+            let mut i = 0;
+            while i < n {
+                let (first, len) = {
+                    let wb = self.wb.borrow();
+                    let k0 = wb.keys[i].0;
+                    let mut len = 1;
+                    while i + len < n && wb.keys[i + len].0 == k0 + len as u64 {
+                        len += 1;
+                    }
+                    (Key(k0), len)
+                };
+                if failure.is_none() {
+                    if let Err(e) = self.submit_writeback(first, i, len) {
+                        failure = Some(e);
+                    }
+                }
+                if failure.is_some() {
+                    // Not sent: let the pages go, still dirty.
+                    for k in i..i + len {
+                        frames.unpin(self.wb.borrow().frames[k]);
+                    }
+                }
+                i += len;
+            }
+            // The pass's iovecs and frame list stay in use until its last write completes.
             while self
                 .pending
                 .borrow()
@@ -1353,10 +1384,70 @@ impl CacheHandle {
                 self.poll()?;
             }
         }
-        match self.last_error.borrow_mut().take() {
-            Some(e) => Err(e.into()),
-            None => Ok(()),
+        let late = self.last_error.borrow_mut().take();
+        match (failure, late) {
+            (Some(e), _) => Err(e),
+            (None, Some(e)) => Err(e.into()),
+            (None, None) => Ok(()),
         }
+    }
+
+    /// The background write of the `len` pinned dirty pages from `first` (frames
+    /// `wb.frames[at..at + len]`): scattered over the frames when there are several.
+    fn writeback_io(&self, first: Key, at: usize, len: usize) -> Io {
+        let offset = first.page() * PAGE_BYTES as u64;
+        let frame = self.wb.borrow().frames[at];
+        let io = if len == 1 {
+            // SAFETY: pinned: no writer or eviction touches the bytes until the write completes.
+            let raw = unsafe { self.frame_buf(frame) };
+            // SAFETY: as above.
+            unsafe { Io::write_raw(offset, raw) }
+        } else {
+            let mut wb = self.wb.borrow_mut();
+            for k in at..at + len {
+                let f = wb.frames[k];
+                wb.iov[k] = libc::iovec {
+                    iov_base: self.cache.frame_ptr(f).cast(),
+                    iov_len: PAGE_BYTES,
+                };
+            }
+            let ptr = NonNull::new(wb.iov[at..].as_mut_ptr()).expect("a boxed array");
+            // SAFETY: the frames are pinned as above and lie in the region registered as
+            // `region_index`; the iovecs stay put until the pass has waited for its writes.
+            let v = unsafe {
+                RawIov::new(
+                    ptr,
+                    len as u16,
+                    self.mode.fixed.then_some(self.region_index),
+                )
+            };
+            // SAFETY: as above.
+            unsafe { Io::writev_raw(offset, v) }
+        };
+        io.class(Class::Background)
+    }
+
+    /// Send [`Self::writeback_io`] (waiting for a slot when all are busy) and track it.
+    fn submit_writeback(&self, first: Key, at: usize, len: usize) -> Result<(), CacheError> {
+        let dev = self.device(FileId(first.file()))?;
+        let frame = self.wb.borrow().frames[at];
+        let tag = loop {
+            match dev.submit(self.writeback_io(first, at, len)) {
+                Ok(t) => break t,
+                Err((LbioError::NoFreeSlot { .. }, _)) => {
+                    self.engine.wait(1)?;
+                    self.poll()?;
+                }
+                Err((e, _)) => return Err(e.into()),
+            }
+        };
+        self.pending.borrow_mut()[tag.0 as usize] = Some(Pending {
+            frame,
+            run_at: if len > 1 { at as u16 } else { 0 },
+            run_len: if len > 1 { len as u16 } else { 0 },
+            kind: Kind::Writeback,
+        });
+        Ok(())
     }
 
     /// Frames held in this handle's pool and release batch (not in the shared free list).

@@ -407,6 +407,55 @@ fn a_multi_page_miss_is_one_scattered_request_per_run_of_missing_pages() {
 }
 
 #[test]
+fn sync_writes_each_run_of_dirty_pages_as_one_scattered_request() {
+    let Setup {
+        cache,
+        engine,
+        lbio,
+        file,
+        h,
+        ..
+    } = setup(128, 8, 0, 1 << 20, Mode::AIOS);
+    let (dev, backend) = faulty_device(&lbio, 1 << 20);
+    h.attach(file, dev).unwrap();
+    // Dirty pages 10..50 (written back to front, so frames are not in page order), 60, and
+    // 70..72: three runs.
+    for page in (10..50u64).rev() {
+        h.write(file, page * 4096, &[page as u8; 4096]).unwrap();
+    }
+    h.write(file, 60 * 4096, &[60; 4096]).unwrap();
+    h.write(file, 70 * 4096, &[70; 8192]).unwrap();
+    let before = lbio.metrics();
+    h.sync(file).unwrap();
+    let m = lbio.metrics();
+    // Three writes and the FLUSH; the 40-page run goes out in 32 KiB background pieces.
+    assert_eq!(m.requests - before.requests, 4);
+    assert_eq!(m.vectored_pieces - before.vectored_pieces, 5 + 1);
+    let raw = device_over(&lbio, &backend)
+        .read_at_blocking(0, engine.try_alloc(1 << 20).unwrap())
+        .unwrap();
+    for page in 0..256usize {
+        let want = match page {
+            10..50 | 60 | 70 | 71 => page as u8,
+            _ => 0,
+        };
+        let want = if page == 71 { 70 } else { want };
+        assert!(
+            raw[page * 4096..(page + 1) * 4096]
+                .iter()
+                .all(|&b| b == want),
+            "page {page}"
+        );
+    }
+    for f in 0..cache.frames.len() {
+        let st = cache.frames.state(f);
+        assert_eq!(st.pins(), 0, "frame {f} pinned");
+        assert!(!st.has(crate::frames::DIRTY), "frame {f} still dirty");
+    }
+    assert_eq!(cache.metrics().writebacks, 40 + 1 + 2);
+}
+
+#[test]
 fn bad_input_is_typed() {
     let e = PageCache::new(CacheConfig {
         capacity_bytes: 4 * PAGE_BYTES,
