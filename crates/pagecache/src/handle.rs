@@ -316,7 +316,9 @@ impl CacheHandle {
     /// Read `buf.len()` bytes of `file` at `offset` into `buf`, through the cache.
     ///
     /// A read spanning several pages sends the reads of all its missing pages (up to
-    /// [`MISS_BATCH`] at a time) before it waits for any of them.
+    /// [`MISS_BATCH`] at a time) before it waits for any of them: each run of consecutive
+    /// missing pages as one scattered request into its frames (with
+    /// [`CacheConfig::vectored_reads`](crate::CacheConfig::vectored_reads)).
     pub fn read(&self, file: FileId, offset: u64, buf: &mut [u8]) -> Result<(), CacheError> {
         let entry = self.entry_clock();
         self.check_range(file, offset, buf.len())?;
