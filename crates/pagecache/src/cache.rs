@@ -120,7 +120,7 @@ pub struct Counters {
     pub read_errors: AtomicU64,
 }
 
-/// A snapshot of [`Counters`].
+/// A snapshot of the cache's shared counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CacheMetrics {
     pub hits: u64,

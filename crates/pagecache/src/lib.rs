@@ -47,7 +47,7 @@ mod index;
 
 pub use cache::{CacheConfig, CacheMetrics, FileId, Mode, PageCache, PAGE_BYTES};
 pub use error::CacheError;
-pub use handle::{CacheHandle, PageGuard};
+pub use handle::{CacheHandle, PageGuard, MISS_BATCH, WRITEBACK_BATCH};
 
 #[cfg(test)]
 mod tests;
