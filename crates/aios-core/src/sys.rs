@@ -166,13 +166,8 @@ pub unsafe fn pwrite_raw(
         iov_base: ptr as *mut libc::c_void,
         iov_len: len,
     };
-    let flags = if dsync { libc::RWF_DSYNC } else { 0 };
     // SAFETY: `iov` describes memory the caller guarantees readable; one iovec is passed.
-    let rc = unsafe { libc::pwritev2(fd, &iov, 1, offset as libc::off_t, flags) };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(rc as usize)
+    unsafe { pwritev_raw(fd, &iov, 1, offset, dsync) }
 }
 
 /// `preadv` into `count` iovecs.

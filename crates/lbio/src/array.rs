@@ -561,9 +561,6 @@ impl LbioArray {
     /// Issue the next piece of slot `tag` (at most `max` bytes). Returns whether every piece has
     /// now been issued.
     fn issue_piece(&self, inner: &mut Inner, tag: u32, max: u32, critical: bool) -> bool {
-        let dev = inner.slots[tag as usize].dev as usize;
-        let vectored =
-            inner.devs[dev].as_ref().expect("device is open").vectored[!critical as usize];
         let slot = &mut inner.slots[tag as usize];
         let mut piece = Piece {
             op: slot.op,
@@ -587,6 +584,11 @@ impl LbioArray {
                 piece.buf_index = r.index();
             }
             (None, None, Some(v)) => {
+                // Only scattered requests ask whether the backend takes vectored pieces.
+                let vectored = inner.devs[slot.dev as usize]
+                    .as_ref()
+                    .expect("device is open")
+                    .vectored[!critical as usize];
                 piece.buf_index = v.index();
                 Self::next_segments(slot, &v, &mut piece, max, vectored);
                 if piece.iov_count > 0 {

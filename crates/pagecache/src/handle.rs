@@ -805,6 +805,31 @@ impl CacheHandle {
         }
     }
 
+    /// `frames` as a scattered request's memory: one page each, described in `iov`
+    /// (registered or plain, by mode, like [`Self::frame_buf`]).
+    ///
+    /// # Safety
+    /// The caller owns the frames' bytes for the request's lifetime and keeps `iov` in place,
+    /// unchanged, until it completes (see [`RawIov::new`]).
+    unsafe fn frames_iov(&self, frames: &[u32], iov: &mut [libc::iovec]) -> RawIov {
+        for (slot, &f) in iov.iter_mut().zip(frames) {
+            *slot = libc::iovec {
+                iov_base: self.cache.frame_ptr(f).cast(),
+                iov_len: PAGE_BYTES,
+            };
+        }
+        let ptr = NonNull::new(iov.as_mut_ptr()).expect("a non-empty slice");
+        // SAFETY: the frames lie in the region registered as `region_index`; the rest is the
+        // caller's contract.
+        unsafe {
+            RawIov::new(
+                ptr,
+                frames.len() as u16,
+                self.mode.fixed.then_some(self.region_index),
+            )
+        }
+    }
+
     /// Serve a miss: `Some((frame, abandoned))` with the frame pinned and valid, or `None` when
     /// another reader's frame for the page turned up (the caller looks again).
     fn miss(&self, key: Key, entry: Option<Instant>) -> Result<Option<(u32, bool)>, CacheError> {
@@ -898,23 +923,10 @@ impl CacheHandle {
         } else {
             let mut iov = self.run_iov.borrow_mut();
             let run = self.run_frames.borrow();
-            for k in 0..len {
-                iov[at + k] = libc::iovec {
-                    iov_base: self.cache.frame_ptr(run[at + k]).cast(),
-                    iov_len: PAGE_BYTES,
-                };
-            }
-            let ptr = NonNull::new(iov[at..].as_mut_ptr()).expect("a boxed array");
-            // SAFETY: the frames are ours, as above, and lie in the region registered as
-            // `region_index`; the iovecs stay put (boxed, rewritten only by a later multi-page
-            // read, which starts after every read of this one has completed).
-            let v = unsafe {
-                RawIov::new(
-                    ptr,
-                    len as u16,
-                    self.mode.fixed.then_some(self.region_index),
-                )
-            };
+            // SAFETY: the frames are ours, as above; the iovecs stay put (boxed, rewritten only
+            // by a later multi-page read, which starts after every read of this one has
+            // completed).
+            let v = unsafe { self.frames_iov(&run[at..at + len], &mut iov[at..at + len]) };
             // SAFETY: as above.
             unsafe { Io::readv_raw(offset, v) }
         };
@@ -1072,13 +1084,19 @@ impl CacheHandle {
             return;
         };
         let frame = p.frame;
-        let run = self.run_frames.borrow();
-        let wb = self.wb.borrow();
+        // A run's frame list is borrowed only for runs (most completions are single pages).
+        let (run, wb);
         let (at, len) = (p.run_at as usize, p.run_len as usize);
         let list = match (len, p.kind) {
             (0, _) => std::slice::from_ref(&p.frame),
-            (_, Kind::Writeback) => &wb.frames[at..at + len],
-            _ => &run[at..at + len],
+            (_, Kind::Writeback) => {
+                wb = self.wb.borrow();
+                &wb.frames[at..at + len]
+            }
+            _ => {
+                run = self.run_frames.borrow();
+                &run[at..at + len]
+            }
         };
         for &frame in list {
             match (p.kind, &error) {
@@ -1121,8 +1139,6 @@ impl CacheHandle {
                 }
             }
         }
-        drop(run);
-        drop(wb);
         match p.kind {
             Kind::Read => {
                 // The reader waits on the frames' state, not on the tag: lbio may hand the
@@ -1406,23 +1422,10 @@ impl CacheHandle {
             unsafe { Io::write_raw(offset, raw) }
         } else {
             let mut wb = self.wb.borrow_mut();
-            for k in at..at + len {
-                let f = wb.frames[k];
-                wb.iov[k] = libc::iovec {
-                    iov_base: self.cache.frame_ptr(f).cast(),
-                    iov_len: PAGE_BYTES,
-                };
-            }
-            let ptr = NonNull::new(wb.iov[at..].as_mut_ptr()).expect("a boxed array");
-            // SAFETY: the frames are pinned as above and lie in the region registered as
-            // `region_index`; the iovecs stay put until the pass has waited for its writes.
-            let v = unsafe {
-                RawIov::new(
-                    ptr,
-                    len as u16,
-                    self.mode.fixed.then_some(self.region_index),
-                )
-            };
+            let wb = &mut **wb;
+            // SAFETY: the frames are pinned as above; the iovecs stay put until the pass has
+            // waited for its writes.
+            let v = unsafe { self.frames_iov(&wb.frames[at..at + len], &mut wb.iov[at..at + len]) };
             // SAFETY: as above.
             unsafe { Io::writev_raw(offset, v) }
         };
