@@ -46,7 +46,8 @@ pub enum Reader {
     /// The page cache in AIOS mode with `vectored_reads` off: a multi-page miss is one request
     /// per page (cold reads above 4 KiB, to compare with one scattered request per run).
     CachePerPage,
-    /// The page cache's zero-copy guard (hits only).
+    /// The page cache in AIOS mode through its zero-copy guard (`get`): hits, and cold 4 KiB
+    /// reads (the guard is taken and dropped; no byte is copied out, as with raw lbio).
     CacheZeroCopy,
     /// Buffered `pread`: the kernel's page cache.
     Kernel,
@@ -54,6 +55,9 @@ pub enum Reader {
     ODirect,
     /// lbio's own blocking read into an arena buffer (cold only).
     Lbio,
+    /// A plain `memcpy` of 4 KiB from a random page of an ordinary buffer as large as the hot
+    /// set (hits only): the floor under any copy-out hit, with no lookup at all.
+    Memcpy,
 }
 
 impl Reader {
@@ -62,11 +66,13 @@ impl Reader {
         match self {
             Reader::Cache(m) => m.name(),
             Reader::CachePerPage => "aios-per-page",
-            Reader::CacheZeroCopy => "aios",
+            Reader::CacheZeroCopy if hot => "aios",
+            Reader::CacheZeroCopy => "aios-zero-copy",
             Reader::Kernel if hot => "kernel-hot",
             Reader::Kernel => "kernel-cold",
             Reader::ODirect => "odirect",
             Reader::Lbio => "lbio",
+            Reader::Memcpy => "memcpy",
         }
     }
     /// The `engine` field of a report line.
@@ -76,6 +82,7 @@ impl Reader {
             Reader::Kernel => "kernel",
             Reader::ODirect => "pread-odirect",
             Reader::Lbio => "lbio",
+            Reader::Memcpy => "memory",
         }
     }
 }
@@ -321,6 +328,9 @@ impl PagecacheBench {
                 if bs > PAGE_BYTES as u32 && self.modes.contains(&Mode::AIOS) {
                     readers.push(Reader::CachePerPage);
                 }
+                if bs == PAGE_BYTES as u32 && self.modes.contains(&Mode::AIOS) {
+                    readers.push(Reader::CacheZeroCopy);
+                }
                 for reader in readers {
                     v.push(Case {
                         reader,
@@ -335,6 +345,7 @@ impl PagecacheBench {
                 for &hot_bytes in &self.hot_sets {
                     for reader in [
                         Reader::Kernel,
+                        Reader::Memcpy,
                         Reader::Cache(Mode::AIOS),
                         Reader::CacheZeroCopy,
                     ] {
@@ -643,6 +654,23 @@ impl ThreadCtx<'_> {
                     engine: Some(engine),
                 }
             }
+            Reader::Memcpy => {
+                // The hot set's bytes, read from the device into ordinary memory.
+                let fd = sys::open_buffered(self.path, false)
+                    .map_err(setup_err(&self.path.display().to_string()))?;
+                let mut src = vec![0u8; self.span as usize];
+                let mut off = 0;
+                while off < src.len() {
+                    let n = (src.len() - off).min(1 << 20);
+                    sys::pread_into(fd.as_raw_fd(), &mut src[off..off + n], off as u64)
+                        .map_err(setup_err("pread"))?;
+                    off += n;
+                }
+                Prepared::Mem {
+                    src,
+                    buf: vec![0u8; bs],
+                }
+            }
             Reader::Lbio => {
                 let (engine, lbio, dev) =
                     thread_stack(self.path, 2 * bs, completion_for(self.case.threads), false)?;
@@ -740,6 +768,11 @@ impl ThreadCtx<'_> {
             let off = perm.at(i) * bs;
             i += threads;
             let lat = match p {
+                Prepared::Mem { .. } => {
+                    return Err(BenchError::Invalid(
+                        "the memcpy floor has no cold workload".into(),
+                    ))
+                }
                 Prepared::Fd { fd, buf, engine } => {
                     let fd = fd.as_raw_fd();
                     if engine.is_none() {
@@ -771,7 +804,11 @@ impl ThreadCtx<'_> {
                     ..
                 } => {
                     let t = Instant::now();
-                    let r = h.read(*file, off, buf);
+                    let r = if self.case.reader == Reader::CacheZeroCopy {
+                        h.get(*file, off / PAGE_BYTES as u64).map(drop)
+                    } else {
+                        h.read(*file, off, buf)
+                    };
                     let ns = t.elapsed();
                     r.map_err(|e| BenchError::Setup(format!("page cache read at {off}: {e}")))?;
                     if let Some(s) = h.take_submit_ns() {
@@ -835,6 +872,11 @@ impl ThreadCtx<'_> {
                             sink ^= buf[0];
                         }
                     }
+                    Prepared::Mem { src, buf } => {
+                        let at = off as usize;
+                        buf.copy_from_slice(&src[at..at + PAGE_BYTES]);
+                        sink ^= buf[0];
+                    }
                     Prepared::Lbio { .. } => {
                         return Err(BenchError::Invalid("lbio has no hit workload".into()))
                     }
@@ -850,6 +892,11 @@ impl ThreadCtx<'_> {
 }
 
 enum Prepared {
+    /// The memcpy floor: the hot set in ordinary memory and a destination page.
+    Mem {
+        src: Vec<u8>,
+        buf: Vec<u8>,
+    },
     Fd {
         fd: std::os::fd::OwnedFd,
         buf: Vec<u8>,
