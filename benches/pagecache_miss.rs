@@ -8,7 +8,7 @@
 //! * `vanilla_copy_out`: `CacheHandle::read` in vanilla mode (no pool, no lazy indexing, no
 //!   fixed buffers), for the ablation.
 //!
-//! The reads walk a permutation of the device's 64 Ki blocks while the cache holds 2,048 frames,
+//! The reads walk a permutation of the device's 64 Ki blocks while the cache holds 256 frames,
 //! so a page is long evicted before the walk comes back to it: every read misses (the bench
 //! checks the cache's miss counter). Everything fits in the CPU's caches, so the differences are
 //! instructions, not memory. The `ull` device figures (`aios bench pagecache`) add a real device
@@ -24,7 +24,7 @@ use aios::pagecache::{CacheConfig, CacheHandle, FileId, Mode, PageCache, PAGE_BY
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 
 const DEVICE_BYTES: usize = 256 << 20;
-const CACHE_FRAMES: usize = 2048;
+const CACHE_FRAMES: usize = 256;
 
 fn engine() -> Rc<Engine> {
     Engine::new(EngineConfig {

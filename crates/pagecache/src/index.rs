@@ -152,9 +152,12 @@ impl Index {
         for _ in 0..=self.mask {
             let cur = self.slots[at].load(Ordering::Acquire);
             if cur == EMPTY || cur == TOMBSTONE {
-                // Raise the bound before the entry can be seen.
-                self.max_probe
-                    .fetch_max(at.wrapping_sub(home) & self.mask, Ordering::AcqRel);
+                // Raise the bound before the entry can be seen (only when it is lower: the
+                // bound never falls, and a read-modify-write is dearer than a load).
+                let dist = at.wrapping_sub(home) & self.mask;
+                if dist > self.max_probe.load(Ordering::Acquire) {
+                    self.max_probe.fetch_max(dist, Ordering::AcqRel);
+                }
                 if self.slots[at]
                     .compare_exchange(cur, mine, Ordering::AcqRel, Ordering::Acquire)
                     .is_ok()
