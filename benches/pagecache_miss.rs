@@ -61,8 +61,11 @@ fn cache_stack(mode: Mode) -> CacheStack {
     let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).expect("lbio array");
     let file = cache.add_file(DEVICE_BYTES as u64).expect("file");
     let h = CacheHandle::new(&cache, &engine, &lbio, mode).expect("cache handle");
-    h.attach(file, Device::memory(&lbio, DEVICE_BYTES).expect("memory device"))
-        .expect("attach");
+    h.attach(
+        file,
+        Device::memory(&lbio, DEVICE_BYTES).expect("memory device"),
+    )
+    .expect("attach");
     CacheStack {
         cache,
         h,

@@ -893,10 +893,7 @@ impl ThreadCtx<'_> {
 
 enum Prepared {
     /// The memcpy floor: the hot set in ordinary memory and a destination page.
-    Mem {
-        src: Vec<u8>,
-        buf: Vec<u8>,
-    },
+    Mem { src: Vec<u8>, buf: Vec<u8> },
     Fd {
         fd: std::os::fd::OwnedFd,
         buf: Vec<u8>,

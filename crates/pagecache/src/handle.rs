@@ -655,9 +655,9 @@ impl CacheHandle {
     #[inline]
     fn lookup(&self, key: Key) -> Option<u32> {
         let cache = &*self.cache;
-        cache
-            .index
-            .get_seeing(key, &cache.frames, |frame| prefetch_lines(cache.frame_ptr(frame)))
+        cache.index.get_seeing(key, &cache.frames, |frame| {
+            prefetch_lines(cache.frame_ptr(frame))
+        })
     }
 
     /// Copy a resident page out with `copy`: `false` when the page is not in the index. A page
