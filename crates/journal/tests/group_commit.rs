@@ -99,6 +99,10 @@ fn hammer(path: &Path, set: &Arc<JournalSet>, file_level: bool) -> Vec<(u64, u64
                         let (m, d) = (meta_block(t), data_block(t, i));
                         tx.write_meta(m, &content(t, i, m)).unwrap();
                         tx.write_data(d, &content(t, i, d)).unwrap();
+                        // All threads commit at once, every round: on a 2-CPU machine with
+                        // commits this fast, threads left to run freely could take turns
+                        // and never overlap.
+                        barrier.wait();
                         let info = j.commit(&tx).unwrap();
                         out.push((t, i, info.tid));
                     }
@@ -130,9 +134,10 @@ fn check_device(path: &Path) {
     }
 }
 
-#[test]
-fn concurrent_commits_share_transactions_and_all_survive() {
-    let file = scratch("join");
+/// One run of the join test on a new journal: every check but "a group formed"; returns how many
+/// groups formed.
+fn join_run(attempt: u32) -> u64 {
+    let file = scratch(&format!("join{attempt}"));
     let layout = Layout::per_core(0, AREA_BLOCKS, 1);
     let set = {
         let (_e, _l, dev) = device(&file.0);
@@ -143,10 +148,6 @@ fn concurrent_commits_share_transactions_and_all_survive() {
     let st = &set.stats;
     let groups = st.groups.load(Ordering::Relaxed);
     let grouped = st.grouped_commits.load(Ordering::Relaxed);
-    assert!(
-        groups > 0,
-        "{THREADS} threads x {COMMITS} commits on one area and no group formed"
-    );
     assert_eq!(st.commits.load(Ordering::Relaxed), THREADS * COMMITS);
     // Grouped commits share a tid; distinct threads' commits in one tid are a group.
     let mut by_tid = std::collections::HashMap::<u64, Vec<u64>>::new();
@@ -174,6 +175,29 @@ fn concurrent_commits_share_transactions_and_all_survive() {
         JournalSet::open(&dev, layout).unwrap();
     }
     check_device(&file.0);
+    groups
+}
+
+#[test]
+fn concurrent_commits_share_transactions_and_all_survive() {
+    // Whether commits overlap at all is up to the scheduler: on a 2-CPU machine, with commits
+    // to /dev/shm taking microseconds, a run can pass with every commit alone (about 1 run in
+    // 10 here). Every run checks the data; a group must form in one of five.
+    const ATTEMPTS: u32 = 5;
+    let groups: Vec<u64> = (0..ATTEMPTS)
+        .scan(false, |formed, attempt| {
+            if *formed {
+                return None;
+            }
+            let g = join_run(attempt);
+            *formed = g > 0;
+            Some(g)
+        })
+        .collect();
+    assert!(
+        groups.iter().any(|&g| g > 0),
+        "{THREADS} threads x {COMMITS} commits on one area, {ATTEMPTS} runs, and no group formed"
+    );
 }
 
 #[test]
