@@ -10,7 +10,7 @@ use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
 
 use aios_core::{Engine, FixedBuf};
-use lbio::{Device, Io, LbioArray};
+use lbio::{Device, Io, LbioArray, Tag};
 use smallvec::SmallVec;
 
 use crate::attr::Attr;
@@ -27,6 +27,12 @@ pub struct OrderedConfig {
     pub merge: bool,
     /// Largest merged command.
     pub max_merge_bytes: u32,
+    /// On a target without power-loss protection, once this many completed commands wait for a
+    /// FLUSH, one is sent in the background (no wait, nothing drained): the groups it covers
+    /// become durable when it completes, and their log slots and bookkeeping are freed. Without
+    /// it (0) they wait for the next `wait` or for the log to fill (which drains the device).
+    /// Capped at half the log's slots.
+    pub flush_ahead: usize,
 }
 
 impl Default for OrderedConfig {
@@ -35,6 +41,7 @@ impl Default for OrderedConfig {
             batch: 1,
             merge: true,
             max_merge_bytes: 128 << 10,
+            flush_ahead: 1024,
         }
     }
 }
@@ -83,6 +90,8 @@ pub struct OrderedStats {
     pub merged_cmds: u64,
     pub split_cmds: u64,
     pub flushes: u64,
+    /// Of those, FLUSHes sent in the background ([`OrderedConfig::flush_ahead`]).
+    pub flushes_ahead: u64,
     /// Appends that found the log full and waited for durability.
     pub log_full_waits: u64,
     /// Log syncs before data went out (block logs only: one per batch).
@@ -202,6 +211,10 @@ struct Target {
     max_transfer: u32,
     /// Completed commands not yet covered by a FLUSH (non-PLP targets): (stream, seqs).
     volatile: Vec<(u16, u64, u64)>,
+    /// A background FLUSH out: its tag and the commands it covers.
+    flushing: Option<(Tag, Vec<(u16, u64, u64)>)>,
+    /// The covered list's allocation, kept for the next background FLUSH.
+    spare: Vec<(u16, u64, u64)>,
 }
 
 /// Rio's ordered block device over lbio targets and an attribute log.
@@ -215,6 +228,10 @@ pub struct OrderedDevice<P: Pmr> {
     /// Commands in flight, by lbio tag.
     inflight: Vec<Option<Cmd>>,
     inflight_n: usize,
+    /// Background FLUSHes out.
+    flushes_out: usize,
+    /// The FLUSH-ahead threshold, capped by the log's size.
+    flush_ahead: usize,
     /// Split requests: pieces still out, keyed by request id.
     pieces_out: HashMap<u64, u32>,
     /// Commands whose entries are appended to a deferred (block) log, waiting for the log sync
@@ -256,6 +273,8 @@ impl<P: Pmr> OrderedDevice<P> {
                 max_transfer: dev.geometry().max_transfer_bytes,
                 dev,
                 volatile: Vec::new(),
+                flushing: None,
+                spare: Vec::new(),
             })
             .collect();
         let streams = start
@@ -269,7 +288,9 @@ impl<P: Pmr> OrderedDevice<P> {
                 ..Stream::default()
             })
             .collect();
+        let flush_ahead = cfg.flush_ahead.min(log.slots() as usize / 2);
         Ok(OrderedDevice {
+            flush_ahead,
             engine: Rc::clone(lbio.engine()),
             lbio,
             targets,
@@ -278,6 +299,7 @@ impl<P: Pmr> OrderedDevice<P> {
             cfg,
             inflight: Vec::new(),
             inflight_n: 0,
+            flushes_out: 0,
             pieces_out: HashMap::new(),
             staged: Vec::new(),
             stats: OrderedStats::default(),
@@ -460,6 +482,12 @@ impl<P: Pmr> OrderedDevice<P> {
 
     fn send_queued(&mut self, stream: u16) -> Result<(), RioError> {
         let s = stream as usize;
+        // One group of one request (every group, at batch 1): nothing to merge it with.
+        if self.streams[s].queued.len() == 1 && self.streams[s].queued[0].1.len() == 1 {
+            let (seq, reqs) = self.streams[s].queued.pop_front().expect("one group");
+            self.send_group(stream, seq, reqs)?;
+            return self.submit_staged();
+        }
         let mut queued = std::mem::take(&mut self.streams[s].queued);
         while let Some(first) = queued.pop_front() {
             // Whole groups, each on one target and following the previous one's bytes, go out
@@ -825,9 +853,9 @@ impl<P: Pmr> OrderedDevice<P> {
         Ok(())
     }
 
-    /// Wait for every command in flight to complete.
+    /// Wait for every command and background FLUSH in flight to complete.
     fn drain_all(&mut self) -> Result<(), RioError> {
-        while self.inflight_n > 0 {
+        while self.inflight_n > 0 || self.flushes_out > 0 {
             self.lbio.wait_done(1)?;
             self.reap()?;
         }
@@ -846,6 +874,9 @@ impl<P: Pmr> OrderedDevice<P> {
     /// One finished command. Taken from lbio, its tag may be reused at once, so it is accounted
     /// for here and now.
     fn account(&mut self, c: lbio::Completion) -> Result<(), RioError> {
+        if self.flushes_out > 0 && self.background_flush_done(&c) {
+            return Ok(());
+        }
         {
             let Some(cmd) = self
                 .inflight
@@ -860,9 +891,14 @@ impl<P: Pmr> OrderedDevice<P> {
             if plp && failed.is_none() {
                 self.log.set_persist(cmd.slot, cmd.seq)?;
             } else if failed.is_none() {
-                self.targets[cmd.target as usize]
-                    .volatile
-                    .push((cmd.stream, cmd.seq, cmd.seq_end));
+                let t = &mut self.targets[cmd.target as usize];
+                t.volatile.push((cmd.stream, cmd.seq, cmd.seq_end));
+                if t.volatile.len() >= self.flush_ahead
+                    && self.flush_ahead > 0
+                    && t.flushing.is_none()
+                {
+                    self.start_flush(cmd.target);
+                }
             }
             let st = &mut self.streams[cmd.stream as usize];
             for g in cmd.seq..=cmd.seq_end {
@@ -981,7 +1017,14 @@ impl<P: Pmr> OrderedDevice<P> {
         if let Some((slot, seq)) = slot {
             self.log.set_persist(slot, seq)?;
         }
-        for (stream, a, b) in covered {
+        self.now_durable(&covered);
+        Ok(())
+    }
+
+    /// Commands `covered` (stream, seqs) are durable: count them off their groups and move the
+    /// streams' marks.
+    fn now_durable(&mut self, covered: &[(u16, u64, u64)]) {
+        for &(stream, a, b) in covered {
             let st = &mut self.streams[stream as usize];
             for g in a..=b {
                 if let Some(grp) = st.groups.get_mut(g) {
@@ -990,7 +1033,54 @@ impl<P: Pmr> OrderedDevice<P> {
             }
             self.advance(stream);
         }
-        Ok(())
+    }
+
+    /// Send a FLUSH to target `t` covering its completed commands, without waiting. A FLUSH that
+    /// cannot be submitted now (no free request slot) is left for later: the commands stay in
+    /// the target's list, and `wait` or a full log flushes them.
+    fn start_flush(&mut self, t: u16) {
+        let target = &mut self.targets[t as usize];
+        if let Ok(tag) = target.dev.submit(Io::flush()) {
+            let spare = std::mem::take(&mut target.spare);
+            let covered = std::mem::replace(&mut target.volatile, spare);
+            target.flushing = Some((tag, covered));
+            self.flushes_out += 1;
+            self.stats.flushes += 1;
+            self.stats.flushes_ahead += 1;
+        }
+    }
+
+    /// If `c` is a background FLUSH's completion, account it: on success its commands are
+    /// durable; on failure they go back to wait for the next FLUSH (which reports the error).
+    fn background_flush_done(&mut self, c: &lbio::Completion) -> bool {
+        let Some(t) = self
+            .targets
+            .iter()
+            .position(|t| t.flushing.as_ref().is_some_and(|f| f.0 == c.tag))
+        else {
+            return false;
+        };
+        let (_, mut covered) = self.targets[t].flushing.take().expect("found");
+        self.flushes_out -= 1;
+        match &c.result {
+            Ok(_) => self.now_durable(&covered),
+            Err(e) => {
+                // As with a FLUSH that `wait` sends: what it covered is not known to be durable,
+                // and the streams' next `wait` reports the failure.
+                let f = format!("FLUSH on target {t}: {e}");
+                for &(stream, a, b) in &covered {
+                    let st = &mut self.streams[stream as usize];
+                    for g in a..=b {
+                        if let Some(grp) = st.groups.get_mut(g) {
+                            grp.failed.get_or_insert_with(|| f.clone());
+                        }
+                    }
+                }
+            }
+        }
+        covered.clear();
+        self.targets[t].spare = covered;
+        true
     }
 
     fn append_marker(&mut self, m: &Attr) -> Result<Slot, RioError> {

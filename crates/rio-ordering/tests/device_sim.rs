@@ -417,7 +417,7 @@ fn check_crash(
 
 /// One crash workload: random streams, groups, sizes (some above the transfer limit: split),
 /// targets with and without power-loss protection, waits; a power cut; images; recovery.
-fn crash_run(seed: u64, images: usize) -> Result<(usize, u64, u64), String> {
+fn crash_run(seed: u64, images: usize) -> Result<(usize, u64, u64, u64), String> {
     let mut rng = SimRng::new(seed);
     let targets = 1 + rng.below(3) as usize;
     let plp: Vec<bool> = (0..targets).map(|_| rng.chance(1, 2)).collect();
@@ -425,6 +425,9 @@ fn crash_run(seed: u64, images: usize) -> Result<(usize, u64, u64), String> {
     let cfg = OrderedConfig {
         batch: 1 + rng.below(4) as usize,
         merge: rng.chance(2, 3),
+        // Background FLUSHes: after every completed write, after a few, or only at `wait` and
+        // on a full log.
+        flush_ahead: [1, 4, 16, 0, 1024][rng.below(5) as usize],
         ..OrderedConfig::default()
     };
     let block_log = rng.chance(1, 2);
@@ -496,8 +499,8 @@ fn crash_run(seed: u64, images: usize) -> Result<(usize, u64, u64), String> {
         &r.disks,
         images,
     )?;
-    let split = r.dev.stats().split_cmds;
-    Ok((images, checked, split))
+    let st = r.dev.stats();
+    Ok((images, checked, st.split_cmds, st.flushes_ahead))
 }
 
 #[test]
@@ -510,13 +513,14 @@ fn crashes_through_the_device_path_keep_a_durable_prefix_with_every_acknowledged
             .unwrap_or(500))
             .collect(),
     };
-    let (mut states, mut writes) = (0usize, 0u64);
+    let (mut states, mut writes, mut ahead) = (0usize, 0u64, 0u64);
     let t0 = std::time::Instant::now();
     for &seed in &seeds {
         match crash_run(seed, 200) {
-            Ok((s, w, _)) => {
+            Ok((s, w, _, a)) => {
                 states += s;
                 writes += w;
+                ahead += a;
             }
             Err(e) => panic!(
                 "{e}\nreplay with: AIOS_RIO_DEV_SEED={seed} cargo test -p rio-ordering --test device_sim"
@@ -524,8 +528,8 @@ fn crashes_through_the_device_path_keep_a_durable_prefix_with_every_acknowledged
         }
     }
     println!(
-        "rio device crashes: {} workloads, {states} crash states, {writes} recovered writes \
-         checked against them in {:.1} s, 0 violations",
+        "rio device crashes: {} workloads ({ahead} background FLUSHes), {states} crash states, \
+         {writes} recovered writes checked against them in {:.1} s, 0 violations",
         seeds.len(),
         t0.elapsed().as_secs_f64()
     );
@@ -722,4 +726,43 @@ fn streams_moving_between_threads_keep_their_order_through_a_crash() {
         });
     }
     println!("stream stealing: 40 workloads, {states} crash states, 0 violations");
+}
+
+#[test]
+fn background_flushes_keep_the_log_from_filling() {
+    // 1,000 single-write groups, 8 in flight, on a target without power-loss protection and a
+    // 64-slot log, never waiting until the end: entries are freed only when a FLUSH makes their
+    // writes durable.
+    let run = |flush_ahead: usize| {
+        let cfg = OrderedConfig {
+            flush_ahead,
+            ..OrderedConfig::default()
+        };
+        let mut r = rig(9, 1, &[false], 1, 64, cfg);
+        let mut got = Vec::new();
+        let mut handed_back = 0;
+        for i in 0..1000u64 {
+            while r.dev.in_flight() >= 8 {
+                r.dev.wait_progress_into(&mut got).unwrap();
+                handed_back += got.drain(..).count();
+            }
+            let w = write(&r.engine, 0, (i % 256) * 4096, i, 4096);
+            r.dev.submit(0, w, true).unwrap();
+        }
+        r.dev.wait(0).unwrap();
+        handed_back += r.dev.poll().unwrap().len();
+        assert_eq!(handed_back, 1000, "every write handed back");
+        r.dev.stats()
+    };
+    let ahead = run(8);
+    let without = run(0);
+    assert_eq!(without.flushes_ahead, 0);
+    assert!(
+        without.log_full_waits > 0,
+        "without background FLUSHes the log fills: {without:?}"
+    );
+    assert!(
+        ahead.flushes_ahead > 0 && ahead.log_full_waits * 10 < without.log_full_waits,
+        "background FLUSHes free the log: {ahead:?} against {without:?}"
+    );
 }
