@@ -205,16 +205,19 @@ struct Stream {
     away: bool,
 }
 
+/// Completed commands not yet known durable: (stream, first seq, last seq).
+type Volatile = Vec<(u16, u64, u64)>;
+
 struct Target {
     dev: Device,
     plp: bool,
     max_transfer: u32,
     /// Completed commands not yet covered by a FLUSH (non-PLP targets): (stream, seqs).
-    volatile: Vec<(u16, u64, u64)>,
+    volatile: Volatile,
     /// A background FLUSH out: its tag and the commands it covers.
-    flushing: Option<(Tag, Vec<(u16, u64, u64)>)>,
+    flushing: Option<(Tag, Volatile)>,
     /// The covered list's allocation, kept for the next background FLUSH.
-    spare: Vec<(u16, u64, u64)>,
+    spare: Volatile,
 }
 
 /// Rio's ordered block device over lbio targets and an attribute log.
