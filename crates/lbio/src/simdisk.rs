@@ -94,6 +94,9 @@ pub struct SimConfig {
     /// Per million writes, how many land at a wrong offset.
     pub misdirect_per_million: u32,
     pub latency: SimLatency,
+    /// The largest request the device takes (an NVMe controller's MDTS); lbio splits larger
+    /// ones, and so does an ordered device.
+    pub max_transfer_bytes: u32,
 }
 
 impl SimConfig {
@@ -107,6 +110,7 @@ impl SimConfig {
             power_cut_after: None,
             misdirect_per_million: 0,
             latency: SimLatency::default(),
+            max_transfer_bytes: 1 << 20,
         }
     }
 }
@@ -286,7 +290,7 @@ impl SimDisk {
             logical_block: cfg.sector_bytes,
             mem_align: 512,
             offset_align: cfg.sector_bytes,
-            max_transfer_bytes: 1 << 20,
+            max_transfer_bytes: cfg.max_transfer_bytes,
         };
         Device::from_backends(
             lbio,

@@ -110,21 +110,33 @@ type Run = SmallVec<[(u64, GroupReqs); 4]>;
 
 /// A group's requests (most groups hold one: no heap allocation for those).
 type GroupReqs = SmallVec<[Req; 1]>;
-/// Requests a command carries: (id, the caller's buffer when the device got a copy).
-type Carried = SmallVec<[(u64, Option<FixedBuf>); 1]>;
+/// The requests a merged command carries: (id, the caller's buffer; the device got a copy).
+type Carried = SmallVec<[(u64, FixedBuf); 4]>;
 
-/// A command on the device: its entry, the groups and requests it carries.
+/// What a command hands back when it completes.
+enum Carry {
+    /// One request, whose buffer is the command's own.
+    Own(u64),
+    /// A piece of split request `id` (its buffer waits in `pieces_out`).
+    Piece(u64),
+    /// Whole requests merged into one command: their buffers.
+    Merged(Carried),
+}
+
+/// A command on the device: its entry, the groups and requests it carries. Kept small: one is
+/// written at submission and read at completion for every write.
 struct Cmd {
-    stream: u16,
-    target: u16,
     seq: u64,
     seq_end: u64,
-    slot: Slot,
-    /// Requests carried: (id, the caller's buffer when the device got a copy; `None`: the
-    /// command's own buffer is the caller's and comes back with the completion).
-    reqs: Carried,
-    /// Pieces of one split request still out (the request's buffer waits in `reqs`).
+    /// `Some(id)`: the command carries request `id` alone, and its buffer is the request's.
+    /// `None`: a merged command (its requests are in `OrderedDevice::merged` under the
+    /// command's tag) or a piece of a split request (`split`).
+    own: Option<u64>,
+    /// A piece of this split request.
     split: Option<u64>,
+    slot: Slot,
+    stream: u16,
+    target: u16,
 }
 
 #[derive(Default)]
@@ -133,15 +145,17 @@ struct Group {
     out: u32,
     /// Commands not yet durable.
     not_durable: u32,
-    /// Every command is sent.
-    sent: bool,
-    failed: Option<String>,
-    /// Finished requests, waiting for their turn.
-    done: SmallVec<[(u64, FixedBuf); 1]>,
     /// The group's requests have ids `first_id..first_id + count` (ids are per stream and
     /// consecutive within a group).
-    first_id: u64,
     count: u32,
+    /// Requests finished (their buffers wait in the stream's `bufs`).
+    finished: u32,
+    first_id: u64,
+    /// Every command is sent.
+    sent: bool,
+    /// A write, or the FLUSH meant to make it durable, failed: the reason is in the stream's
+    /// `failures`.
+    failed: bool,
 }
 
 impl Group {
@@ -179,9 +193,6 @@ impl Groups {
         self.q.pop_front();
         self.base += 1;
     }
-    fn iter(&self) -> impl Iterator<Item = &Group> {
-        self.q.iter()
-    }
 }
 
 #[derive(Default)]
@@ -201,8 +212,43 @@ struct Stream {
     /// Targets written since the last wait.
     touched: Vec<u16>,
     ready: VecDeque<Done>,
+    /// Buffers of finished requests not yet handed back, by id from `bufs_base` (groups hand
+    /// back in order, and their ids follow each other).
+    bufs: VecDeque<Option<FixedBuf>>,
+    bufs_base: u64,
+    /// Why groups failed: (group, reason).
+    failures: Vec<(u64, String)>,
     /// The stream lives on another device: [`OrderedDevice::attach`] brings it here.
     away: bool,
+}
+
+impl Stream {
+    /// Group `g` failed (the first reason stays).
+    fn fail(&mut self, g: u64, why: &str) {
+        if let Some(grp) = self.groups.get_mut(g) {
+            if !grp.failed {
+                grp.failed = true;
+                self.failures.push((g, why.to_string()));
+            }
+        }
+    }
+
+    fn failure(&self, g: u64) -> String {
+        self.failures
+            .iter()
+            .find(|f| f.0 == g)
+            .map_or_else(String::new, |f| f.1.clone())
+    }
+
+    /// Request `id` of group `g` finished: its buffer waits for the group's turn.
+    fn finish(&mut self, g: u64, id: u64, buf: FixedBuf) {
+        let i = (id - self.bufs_base) as usize;
+        if self.bufs.len() <= i {
+            self.bufs.resize_with(i + 1, || None);
+        }
+        self.bufs[i] = Some(buf);
+        self.groups.get_mut(g).expect("group").finished += 1;
+    }
 }
 
 /// Completed commands not yet known durable: (stream, first seq, last seq).
@@ -235,11 +281,14 @@ pub struct OrderedDevice<P: Pmr> {
     flushes_out: usize,
     /// The FLUSH-ahead threshold, capped by the log's size.
     flush_ahead: usize,
-    /// Split requests: pieces still out, keyed by request id.
-    pieces_out: HashMap<u64, u32>,
+    /// Merged commands' requests, by tag.
+    merged: Vec<Carried>,
+    /// Split requests: pieces still out and the caller's buffer, keyed by (stream, request id)
+    /// (ids are per stream).
+    pieces_out: HashMap<(u16, u64), (u32, FixedBuf)>,
     /// Commands whose entries are appended to a deferred (block) log, waiting for the log sync
-    /// that must precede their data: (offset, data, command).
-    staged: Vec<(u64, FixedBuf, Cmd)>,
+    /// that must precede their data: (offset, data, command, merged requests).
+    staged: Vec<(u64, FixedBuf, Cmd, Option<Carried>)>,
     stats: OrderedStats,
 }
 
@@ -285,6 +334,7 @@ impl<P: Pmr> OrderedDevice<P> {
             .map(|&s| Stream {
                 next_seq: s.max(1),
                 next_id: 1,
+                bufs_base: 1,
                 done_below: s.max(1),
                 durable_below: s.max(1),
                 away: s == 0,
@@ -301,6 +351,7 @@ impl<P: Pmr> OrderedDevice<P> {
             streams,
             cfg,
             inflight: Vec::new(),
+            merged: Vec::new(),
             inflight_n: 0,
             flushes_out: 0,
             pieces_out: HashMap::new(),
@@ -363,6 +414,23 @@ impl<P: Pmr> OrderedDevice<P> {
         let st = &mut self.streams[s];
         let id = st.next_id;
         st.next_id += 1;
+        if end_of_group && self.cfg.batch <= 1 && st.open.is_empty() && st.queued.is_empty() {
+            // A group of one request with nothing queued before it (every write, at batch 1):
+            // straight to the device.
+            let seq = st.next_seq;
+            st.next_seq += 1;
+            st.groups.push(
+                seq,
+                Group {
+                    first_id: id,
+                    count: 1,
+                    ..Group::default()
+                },
+            );
+            self.send_req(stream, seq, Req { id, w }, Some(1))?;
+            self.submit_staged()?;
+            return Ok(id);
+        }
         st.open.push(Req { id, w });
         if end_of_group {
             self.close_group(stream)?;
@@ -467,6 +535,7 @@ impl<P: Pmr> OrderedDevice<P> {
         self.streams[s] = Stream {
             next_seq: h.next_seq,
             next_id: h.next_id,
+            bufs_base: h.next_id,
             done_below: h.next_seq,
             durable_below: h.next_seq,
             prev,
@@ -494,8 +563,10 @@ impl<P: Pmr> OrderedDevice<P> {
         let mut queued = std::mem::take(&mut self.streams[s].queued);
         while let Some(first) = queued.pop_front() {
             // Whole groups, each on one target and following the previous one's bytes, go out
-            // as one command while they fit.
-            let max = self.cfg.max_merge_bytes as u64;
+            // as one command while they fit (in a merge and in one device command: a merged
+            // command is never split).
+            let target_max = self.targets[first.1[0].w.target as usize].max_transfer;
+            let max = self.cfg.max_merge_bytes.min(target_max) as u64;
             let mut run: Run = SmallVec::new();
             run.push(first);
             let first_mergeable =
@@ -573,63 +644,65 @@ impl<P: Pmr> OrderedDevice<P> {
                 let n = r.w.buf.len();
                 buf[at..at + n].copy_from_slice(&r.w.buf);
                 at += n;
-                originals.push((r.id, Some(r.w.buf)));
+                originals.push((r.id, r.w.buf));
             }
         }
         self.stats.merged_cmds += 1;
-        self.issue(stream, a, buf, originals, None, &seqs)
+        self.issue(stream, a, buf, Carry::Merged(originals), &seqs)
     }
 
     fn send_group(&mut self, stream: u16, seq: u64, reqs: GroupReqs) -> Result<(), RioError> {
         let n = reqs.len() as u16;
         let last = reqs.len() - 1;
         for (k, r) in reqs.into_iter().enumerate() {
-            let mut a = self.base_attr(stream, r.w.target, seq);
-            a.offset = r.w.offset;
-            a.len = r.w.buf.len() as u32;
-            a.ipu = r.w.ipu;
-            if k == last {
-                a.boundary = true;
-                a.num = n;
-            }
-            let max = (self.targets[r.w.target as usize].max_transfer as usize).max(4096);
-            let len = r.w.buf.len();
-            if len <= max {
-                // The caller's buffer goes to the device and comes back with the completion.
-                let mut carried = Carried::new();
-                carried.push((r.id, None));
-                self.issue(stream, a, r.w.buf, carried, None, &[seq])?;
-                continue;
-            }
-            let pieces = len.div_ceil(max);
-            if pieces > u8::MAX as usize {
-                return Err(RioError::Config(format!(
-                    "a {len}-byte write splits into {pieces} pieces of {max} bytes; at most 255"
-                )));
-            }
-            self.pieces_out.insert(r.id, pieces as u32);
-            let mut original = Some(r.w.buf);
-            for p in 0..pieces {
-                let src = original.as_ref().expect("kept until the last piece");
-                let from = p * max;
-                let to = (from + max).min(len);
-                let mut piece = self.engine.alloc_blocking(to - from)?;
-                piece.copy_from_slice(&src[from..to]);
-                let mut pa = a;
-                pa.offset = r.w.offset + from as u64;
-                pa.len = (to - from) as u32;
-                pa.split = Some((p as u8, pieces as u8));
-                self.stats.split_cmds += 1;
-                // The last piece carries the caller's buffer back.
-                let back = if p + 1 == pieces {
-                    original.take()
-                } else {
-                    None
-                };
-                let mut carried = Carried::new();
-                carried.push((r.id, back));
-                self.issue(stream, pa, piece, carried, Some(r.id), &[seq])?;
-            }
+            self.send_req(stream, seq, r, (k == last).then_some(n))?;
+        }
+        Ok(())
+    }
+
+    /// One request of group `seq`; `last: Some(n)` on the group's last request (of `n`). Above
+    /// the target's transfer limit it goes out in pieces.
+    fn send_req(
+        &mut self,
+        stream: u16,
+        seq: u64,
+        r: Req,
+        last: Option<u16>,
+    ) -> Result<(), RioError> {
+        let mut a = self.base_attr(stream, r.w.target, seq);
+        a.offset = r.w.offset;
+        a.len = r.w.buf.len() as u32;
+        a.ipu = r.w.ipu;
+        if let Some(n) = last {
+            a.boundary = true;
+            a.num = n;
+        }
+        let max = (self.targets[r.w.target as usize].max_transfer as usize).max(4096);
+        let len = r.w.buf.len();
+        if len <= max {
+            // The caller's buffer goes to the device and comes back with the completion.
+            return self.issue(stream, a, r.w.buf, Carry::Own(r.id), &[seq]);
+        }
+        let pieces = len.div_ceil(max);
+        if pieces > u8::MAX as usize {
+            return Err(RioError::Config(format!(
+                "a {len}-byte write splits into {pieces} pieces of {max} bytes; at most 255"
+            )));
+        }
+        // Every piece is a copy; the caller's buffer waits here until the last one completes.
+        let key = (stream, r.id);
+        self.pieces_out.insert(key, (pieces as u32, r.w.buf));
+        for p in 0..pieces {
+            let from = p * max;
+            let to = (from + max).min(len);
+            let mut piece = self.engine.alloc_blocking(to - from)?;
+            piece.copy_from_slice(&self.pieces_out[&key].1[from..to]);
+            let mut pa = a;
+            pa.offset = r.w.offset + from as u64;
+            pa.len = (to - from) as u32;
+            pa.split = Some((p as u8, pieces as u8));
+            self.stats.split_cmds += 1;
+            self.issue(stream, pa, piece, Carry::Piece(r.id), &[seq])?;
         }
         Ok(())
     }
@@ -719,7 +792,7 @@ impl<P: Pmr> OrderedDevice<P> {
         }
         // A deferred log: the persist words (and FLUSH entries) set above become durable now.
         self.log.sync()?;
-        if let Some(f) = self.streams[s].groups.iter().find_map(|g| g.failed.clone()) {
+        if let Some((_, f)) = self.streams[s].failures.first() {
             return Err(RioError::Config(format!(
                 "stream {stream}: a write failed: {f}"
             )));
@@ -750,8 +823,7 @@ impl<P: Pmr> OrderedDevice<P> {
         stream: u16,
         a: Attr,
         buf: FixedBuf,
-        reqs: Carried,
-        split: Option<u64>,
+        carry: Carry,
         seqs: &[u64],
     ) -> Result<(), RioError> {
         let slot = loop {
@@ -785,25 +857,36 @@ impl<P: Pmr> OrderedDevice<P> {
                 st.groups.get_mut(g).expect("group").sent = true;
             }
         }
+        let (own, split, merged) = match carry {
+            Carry::Own(id) => (Some(id), None, None),
+            Carry::Piece(id) => (None, Some(id), None),
+            Carry::Merged(reqs) => (None, None, Some(reqs)),
+        };
         let cmd = Cmd {
-            stream,
-            target: a.target,
             seq: a.seq,
             seq_end: a.seq_end,
-            slot,
-            reqs,
+            own,
             split,
+            slot,
+            stream,
+            target: a.target,
         };
         if self.log.deferred() {
             // The entry is durable only at the next log sync: the data waits for it.
-            self.staged.push((a.offset, buf, cmd));
+            self.staged.push((a.offset, buf, cmd, merged));
             Ok(())
         } else {
-            self.submit_cmd(a.offset, buf, cmd)
+            self.submit_cmd(a.offset, buf, cmd, merged)
         }
     }
 
-    fn submit_cmd(&mut self, offset: u64, buf: FixedBuf, cmd: Cmd) -> Result<(), RioError> {
+    fn submit_cmd(
+        &mut self,
+        offset: u64,
+        buf: FixedBuf,
+        cmd: Cmd,
+        merged: Option<Carried>,
+    ) -> Result<(), RioError> {
         let t = &self.targets[cmd.target as usize];
         let tag = t.dev.submit(Io::write(offset, buf)).map_err(|(e, _)| {
             RioError::Config(format!("submitting to target {}: {e}", cmd.target))
@@ -815,6 +898,12 @@ impl<P: Pmr> OrderedDevice<P> {
         }
         self.inflight_n += 1;
         self.inflight[at] = Some(cmd);
+        if let Some(reqs) = merged {
+            if self.merged.len() <= at {
+                self.merged.resize_with(at + 1, Carried::new);
+            }
+            self.merged[at] = reqs;
+        }
         Ok(())
     }
 
@@ -828,8 +917,8 @@ impl<P: Pmr> OrderedDevice<P> {
         self.stats.log_syncs += 1;
         self.stats.log_sync_ns += t.elapsed().as_nanos() as u64;
         let mut staged = std::mem::take(&mut self.staged);
-        for (offset, buf, cmd) in staged.drain(..) {
-            self.submit_cmd(offset, buf, cmd)?;
+        for (offset, buf, cmd, merged) in staged.drain(..) {
+            self.submit_cmd(offset, buf, cmd, merged)?;
         }
         self.staged = staged;
         Ok(())
@@ -903,6 +992,25 @@ impl<P: Pmr> OrderedDevice<P> {
                     self.start_flush(cmd.target);
                 }
             }
+            // What the command hands back: its requests' buffers.
+            let mut finished = Carried::new();
+            match (cmd.own, cmd.split) {
+                (Some(id), _) => finished.push((id, c.buf.expect("a write returns its buffer"))),
+                // A split request is finished when its last piece is (the piece's own buffer,
+                // a copy, goes back to the arena here).
+                (None, Some(id)) => {
+                    let key = (cmd.stream, id);
+                    let left = &mut self.pieces_out.get_mut(&key).expect("split request").0;
+                    *left -= 1;
+                    if *left == 0 {
+                        let (_, buf) = self.pieces_out.remove(&key).expect("split request");
+                        finished.push((id, buf));
+                    }
+                }
+                (None, None) => {
+                    finished = std::mem::take(&mut self.merged[c.tag.0 as usize]);
+                }
+            }
             let st = &mut self.streams[cmd.stream as usize];
             for g in cmd.seq..=cmd.seq_end {
                 if let Some(grp) = st.groups.get_mut(g) {
@@ -910,34 +1018,20 @@ impl<P: Pmr> OrderedDevice<P> {
                     if plp && failed.is_none() {
                         grp.not_durable -= 1;
                     }
-                    if let Some(f) = &failed {
-                        grp.failed.get_or_insert_with(|| f.clone());
-                    }
+                }
+                if let Some(f) = &failed {
+                    st.fail(g, f);
                 }
             }
-            // A split request is finished when its last piece is.
-            let finished: Carried = match cmd.split {
-                Some(id) => {
-                    let left = self.pieces_out.get_mut(&id).expect("split request");
-                    *left -= 1;
-                    if *left == 0 {
-                        self.pieces_out.remove(&id);
-                        cmd.reqs
-                    } else {
-                        Carried::new()
-                    }
-                }
-                None => cmd.reqs,
-            };
-            let mut device_buf = c.buf;
             for (id, buf) in finished {
-                let g = (cmd.seq..=cmd.seq_end)
-                    .find(|&g| st.groups.get(g).is_some_and(|grp| grp.holds(id)))
-                    .expect("the request's group");
-                let buf = buf
-                    .or_else(|| device_buf.take())
-                    .expect("a write returns its buffer");
-                st.groups.get_mut(g).expect("group").done.push((id, buf));
+                let g = if cmd.seq == cmd.seq_end {
+                    cmd.seq
+                } else {
+                    (cmd.seq..=cmd.seq_end)
+                        .find(|&g| st.groups.get(g).is_some_and(|grp| grp.holds(id)))
+                        .expect("the request's group")
+                };
+                st.finish(g, id, buf);
             }
             self.advance(cmd.stream);
         }
@@ -948,19 +1042,25 @@ impl<P: Pmr> OrderedDevice<P> {
     fn advance(&mut self, stream: u16) {
         let st = &mut self.streams[stream as usize];
         while let Some(grp) = st.groups.get(st.done_below) {
-            if !grp.sent || grp.out > 0 || grp.done.len() < grp.count as usize {
+            if !grp.sent || grp.out > 0 || grp.finished < grp.count {
                 break;
             }
             let seq = st.done_below;
-            let grp = st.groups.get_mut(seq).expect("group");
-            let result = match &grp.failed {
-                Some(f) => Err(f.clone()),
-                None => Ok(()),
+            let result = if grp.failed {
+                Err(st.failure(seq))
+            } else {
+                Ok(())
             };
-            let mut done = std::mem::take(&mut grp.done);
-            // Submission order within the group: ids increase.
-            done.sort_unstable_by_key(|(id, _)| *id);
-            for (id, buf) in done {
+            // Submission order within the group: the ids follow each other, and the buffers
+            // wait by id.
+            for id in grp.first_id..grp.first_id + grp.count as u64 {
+                debug_assert_eq!(id, st.bufs_base, "groups hand back in id order");
+                let buf = st
+                    .bufs
+                    .pop_front()
+                    .flatten()
+                    .expect("a finished request's buffer");
+                st.bufs_base += 1;
                 st.ready.push_back(Done {
                     stream,
                     seq,
@@ -1072,11 +1172,8 @@ impl<P: Pmr> OrderedDevice<P> {
                 // and the streams' next `wait` reports the failure.
                 let f = format!("FLUSH on target {t}: {e}");
                 for &(stream, a, b) in &covered {
-                    let st = &mut self.streams[stream as usize];
                     for g in a..=b {
-                        if let Some(grp) = st.groups.get_mut(g) {
-                            grp.failed.get_or_insert_with(|| f.clone());
-                        }
+                        self.streams[stream as usize].fail(g, &f);
                     }
                 }
             }
