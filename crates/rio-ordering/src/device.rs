@@ -554,6 +554,9 @@ impl<P: Pmr> OrderedDevice<P> {
 
     fn send_queued(&mut self, stream: u16) -> Result<(), RioError> {
         let s = stream as usize;
+        if self.streams[s].queued.is_empty() {
+            return self.submit_staged();
+        }
         // One group of one request (every group, at batch 1): nothing to merge it with.
         if self.streams[s].queued.len() == 1 && self.streams[s].queued[0].1.len() == 1 {
             let (seq, reqs) = self.streams[s].queued.pop_front().expect("one group");
