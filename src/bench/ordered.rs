@@ -523,10 +523,12 @@ fn run_rio<P: Pmr>(
         },
     )
     .map_err(rio)?;
-    // A few buffers beyond the queue depth: commands that finished on the device wait for the
-    // older ones before their buffers come back in order, and the device stays busy meanwhile
-    // (more than a few only spreads the copies over more cache).
-    let mut free = fill(engine, qd as usize + 8)?;
+    // Buffers for the queue depth, for the batch the ORDER queue fills while those are out (so
+    // that a batch of 32 has the next batch to form while one merged command is on the
+    // device), and a few more: commands that finished on the device wait for the older ones
+    // before their buffers come back in order, and the device stays busy meanwhile (more than
+    // a few only spreads the copies over more cache).
+    let mut free = fill(engine, qd as usize + batch as usize + 8)?;
     let mut got: Vec<rio_ordering::Done> = Vec::with_capacity(qd as usize + 8);
     let mut issued = 0u64;
     let mut done = 0u64;

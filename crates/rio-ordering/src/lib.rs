@@ -51,3 +51,8 @@ pub use error::RioError;
 pub use log::{scan, AttrLog, Header, LogScan, MemPmr, Pmr, Slot, MAX_STREAMS};
 pub use pmr::{BlockLogStats, BlockPmr, FilePmr};
 pub use recovery::{recover, Recovery, StreamRecovery};
+
+/// The README's examples, compiled and run by `cargo test --doc`.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeExamples;
