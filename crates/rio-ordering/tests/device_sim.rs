@@ -168,7 +168,25 @@ fn rig(
     slots: usize,
     cfg: OrderedConfig,
 ) -> Rig {
-    rig_with(seed, targets, plp, streams, slots, cfg, false, 1 << 20)
+    rig_with(seed, targets, plp, streams, slots, cfg, RigOpts::default())
+}
+
+/// Less common rig settings.
+#[derive(Clone, Copy)]
+struct RigOpts {
+    /// Keep the log in device blocks (deferred) instead of memory.
+    block_log: bool,
+    /// The largest request a target takes.
+    max_transfer: u32,
+}
+
+impl Default for RigOpts {
+    fn default() -> Self {
+        RigOpts {
+            block_log: false,
+            max_transfer: 1 << 20,
+        }
+    }
 }
 
 fn rig_with(
@@ -178,9 +196,12 @@ fn rig_with(
     streams: u16,
     slots: usize,
     cfg: OrderedConfig,
-    block_log: bool,
-    max_transfer: u32,
+    opts: RigOpts,
 ) -> Rig {
+    let RigOpts {
+        block_log,
+        max_transfer,
+    } = opts;
     let engine = engine();
     let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
     let disks: Vec<SimDisk> = (0..targets)
@@ -442,8 +463,10 @@ fn crash_run(seed: u64, images: usize) -> Result<(usize, u64, u64, u64), String>
         streams,
         64 + rng.below(64) as usize,
         cfg,
-        block_log,
-        max_transfer,
+        RigOpts {
+            block_log,
+            max_transfer,
+        },
     );
     // Every write goes to fresh bytes (out-of-place), so the image shows which landed.
     let mut next_off = vec![0u64; targets];
@@ -791,7 +814,11 @@ fn every_write_gets_its_own_buffer_back() {
             batch: 4,
             ..OrderedConfig::default()
         };
-        let mut r = rig_with(seed, 1, &[false], 1, 256, cfg, false, 8192);
+        let opts = RigOpts {
+            max_transfer: 8192,
+            ..RigOpts::default()
+        };
+        let mut r = rig_with(seed, 1, &[false], 1, 256, cfg, opts);
         let mut rng = SimRng::new(seed);
         let mut sent: HashMap<u64, (u64, usize)> = HashMap::new(); // id -> (offset, len)
         let mut got = Vec::new();
