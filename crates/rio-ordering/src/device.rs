@@ -995,25 +995,6 @@ impl<P: Pmr> OrderedDevice<P> {
                     self.start_flush(cmd.target);
                 }
             }
-            // What the command hands back: its requests' buffers.
-            let mut finished = Carried::new();
-            match (cmd.own, cmd.split) {
-                (Some(id), _) => finished.push((id, c.buf.expect("a write returns its buffer"))),
-                // A split request is finished when its last piece is (the piece's own buffer,
-                // a copy, goes back to the arena here).
-                (None, Some(id)) => {
-                    let key = (cmd.stream, id);
-                    let left = &mut self.pieces_out.get_mut(&key).expect("split request").0;
-                    *left -= 1;
-                    if *left == 0 {
-                        let (_, buf) = self.pieces_out.remove(&key).expect("split request");
-                        finished.push((id, buf));
-                    }
-                }
-                (None, None) => {
-                    finished = std::mem::take(&mut self.merged[c.tag.0 as usize]);
-                }
-            }
             let st = &mut self.streams[cmd.stream as usize];
             for g in cmd.seq..=cmd.seq_end {
                 if let Some(grp) = st.groups.get_mut(g) {
@@ -1026,15 +1007,31 @@ impl<P: Pmr> OrderedDevice<P> {
                     st.fail(g, f);
                 }
             }
-            for (id, buf) in finished {
-                let g = if cmd.seq == cmd.seq_end {
-                    cmd.seq
-                } else {
-                    (cmd.seq..=cmd.seq_end)
-                        .find(|&g| st.groups.get(g).is_some_and(|grp| grp.holds(id)))
-                        .expect("the request's group")
-                };
-                st.finish(g, id, buf);
+            // What the command hands back: its requests' buffers.
+            match (cmd.own, cmd.split) {
+                (Some(id), _) => {
+                    let buf = c.buf.expect("a write returns its buffer");
+                    st.finish(cmd.seq, id, buf);
+                }
+                // A split request is finished when its last piece is (the piece's own buffer,
+                // a copy, goes back to the arena here).
+                (None, Some(id)) => {
+                    let key = (cmd.stream, id);
+                    let left = &mut self.pieces_out.get_mut(&key).expect("split request").0;
+                    *left -= 1;
+                    if *left == 0 {
+                        let (_, buf) = self.pieces_out.remove(&key).expect("split request");
+                        st.finish(cmd.seq, id, buf);
+                    }
+                }
+                (None, None) => {
+                    for (id, buf) in std::mem::take(&mut self.merged[c.tag.0 as usize]) {
+                        let g = (cmd.seq..=cmd.seq_end)
+                            .find(|&g| st.groups.get(g).is_some_and(|grp| grp.holds(id)))
+                            .expect("the request's group");
+                        st.finish(g, id, buf);
+                    }
+                }
             }
             self.advance(cmd.stream);
         }
