@@ -782,7 +782,9 @@ impl<P: Pmr> OrderedDevice<P> {
             self.close_group(stream)?;
         }
         self.send_queued(stream)?;
-        while self.inflight.iter().flatten().any(|c| c.stream == stream) {
+        // The stream's writes, and any background FLUSH (it may cover some of them: once it is
+        // in, every group of the stream is durable after the FLUSH below).
+        while self.flushes_out > 0 || self.inflight.iter().flatten().any(|c| c.stream == stream) {
             self.lbio.wait_done(1)?;
             self.reap()?;
         }

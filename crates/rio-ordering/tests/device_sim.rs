@@ -602,12 +602,17 @@ fn worker(
     start: Vec<u64>,
     rx: std::sync::mpsc::Receiver<Op>,
     tx: std::sync::mpsc::Sender<Reply>,
+    flush_ahead: usize,
 ) {
     let engine = engine();
     let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
     let devs = disks.iter().map(|d| d.open(&lbio).unwrap()).collect();
     let log = AttrLog::format(MemPmr::new(2 * 576 + 256 * 64), start.len() as u16).unwrap();
-    let mut dev = OrderedDevice::new(lbio, devs, log, &start, OrderedConfig::default()).unwrap();
+    let cfg = OrderedConfig {
+        flush_ahead,
+        ..OrderedConfig::default()
+    };
+    let mut dev = OrderedDevice::new(lbio, devs, log, &start, cfg).unwrap();
     for op in rx {
         let reply = match op {
             Op::Write {
@@ -668,15 +673,19 @@ fn streams_moving_between_threads_keep_their_order_through_a_crash() {
                 SimDisk::new(c).unwrap()
             })
             .collect();
-        let mut chans = Vec::new();
         std::thread::scope(|scope| {
+            // Inside the scope, so that a failing check drops the channels and the workers end
+            // (the scope joins them before the panic goes on).
+            let mut chans = Vec::new();
             // Worker 0 starts with stream 0, worker 1 with stream 1.
             for w in 0..2usize {
                 let (otx, orx) = std::sync::mpsc::channel::<Op>();
                 let (rtx, rrx) = std::sync::mpsc::channel::<Reply>();
                 let d = disks.clone();
                 let start = if w == 0 { vec![1, 0] } else { vec![0, 1] };
-                scope.spawn(move || worker(d, start, orx, rtx));
+                // Odd seeds FLUSH in the background every 2 writes: streams leave with one out.
+                let ahead = if seed % 2 == 1 { 2 } else { 1024 };
+                scope.spawn(move || worker(d, start, orx, rtx, ahead));
                 chans.push((otx, rrx));
             }
             let ask = |w: usize, op: Op| -> Reply {
@@ -856,4 +865,39 @@ fn every_write_gets_its_own_buffer_back() {
         merged += r.dev.stats().merged_cmds;
     }
     assert!(split > 0 && merged > 0, "split {split}, merged {merged}");
+}
+
+#[test]
+fn a_stream_leaves_while_a_background_flush_is_out() {
+    // `detach` needs every group of the stream durable; a background FLUSH still out when it is
+    // called covers some of them, and `wait` must account for it first.
+    for seed in 1..=20u64 {
+        let cfg = OrderedConfig {
+            flush_ahead: 2,
+            ..OrderedConfig::default()
+        };
+        let mut r = rig(seed, 1, &[false], 1, 64, cfg);
+        let mut got = Vec::new();
+        for i in 0..12u64 {
+            let w = write(&r.engine, 0, i * 4096, i, 4096);
+            r.dev.submit(0, w, true).unwrap();
+            if i % 3 == 2 {
+                r.dev.wait_progress_into(&mut got).unwrap();
+            }
+        }
+        let (h, rest) = r
+            .dev
+            .detach(0)
+            .unwrap_or_else(|e| panic!("seed {seed}: detach: {e}"));
+        assert_eq!(
+            got.len() + rest.len(),
+            12,
+            "seed {seed}: every write handed back"
+        );
+        assert_eq!(h.next_seq, 13);
+        assert!(
+            r.dev.stats().flushes_ahead > 0,
+            "seed {seed}: no background FLUSH"
+        );
+    }
 }
