@@ -53,6 +53,15 @@ fn offset(i: u64) -> u64 {
     (i.wrapping_mul(0x9e37_79b9_7f4a_7c15) & (blocks - 1)) * BS as u64
 }
 
+/// Wait for a completion, and take every finished write's buffer back.
+fn reap(lbio: &LbioArray, free: &mut Vec<FixedBuf>) {
+    lbio.wait_done(1).expect("wait");
+    while let Some(c) = lbio.take_done() {
+        c.result.expect("write");
+        free.push(c.buf.expect("a write returns its buffer"));
+    }
+}
+
 fn writes(c: &mut Criterion) {
     let mut g = c.benchmark_group("ordered_write_4k");
     g.throughput(Throughput::Elements(1));
@@ -65,11 +74,7 @@ fn writes(c: &mut Criterion) {
                 let t = Instant::now();
                 for _ in 0..iters {
                     if free.is_empty() {
-                        lbio.wait_done(1).expect("wait");
-                        while let Some(c) = lbio.take_done() {
-                            c.result.expect("write");
-                            free.push(c.buf.expect("a write returns its buffer"));
-                        }
+                        reap(&lbio, &mut free);
                     }
                     let buf = free.pop().expect("a free buffer");
                     i += 1;
@@ -81,10 +86,7 @@ fn writes(c: &mut Criterion) {
         });
         // Take the last completions back before the device goes.
         while free.len() < QD {
-            lbio.wait_done(1).expect("wait");
-            while let Some(c) = lbio.take_done() {
-                free.push(c.buf.expect("a write returns its buffer"));
-            }
+            reap(&lbio, &mut free);
         }
     }
 

@@ -114,13 +114,15 @@ type GroupReqs = SmallVec<[Req; 1]>;
 type Carried = SmallVec<[(u64, FixedBuf); 4]>;
 
 /// What a command hands back when it completes.
-enum Carry {
-    /// One request, whose buffer is the command's own.
+#[derive(Clone, Copy)]
+enum Back {
+    /// Request `id` alone, whose buffer is the command's own.
     Own(u64),
     /// A piece of split request `id` (its buffer waits in `pieces_out`).
     Piece(u64),
-    /// Whole requests merged into one command: their buffers.
-    Merged(Carried),
+    /// Whole requests merged into one command (their buffers wait in `OrderedDevice::merged`
+    /// under the command's tag).
+    Merged,
 }
 
 /// A command on the device: its entry, the groups and requests it carries. Kept small: one is
@@ -128,12 +130,7 @@ enum Carry {
 struct Cmd {
     seq: u64,
     seq_end: u64,
-    /// `Some(id)`: the command carries request `id` alone, and its buffer is the request's.
-    /// `None`: a merged command (its requests are in `OrderedDevice::merged` under the
-    /// command's tag) or a piece of a split request (`split`).
-    own: Option<u64>,
-    /// A piece of this split request.
-    split: Option<u64>,
+    back: Back,
     slot: Slot,
     stream: u16,
     target: u16,
@@ -557,12 +554,6 @@ impl<P: Pmr> OrderedDevice<P> {
         if self.streams[s].queued.is_empty() {
             return self.submit_staged();
         }
-        // One group of one request (every group, at batch 1): nothing to merge it with.
-        if self.streams[s].queued.len() == 1 && self.streams[s].queued[0].1.len() == 1 {
-            let (seq, reqs) = self.streams[s].queued.pop_front().expect("one group");
-            self.send_group(stream, seq, reqs)?;
-            return self.submit_staged();
-        }
         let mut queued = std::mem::take(&mut self.streams[s].queued);
         while let Some(first) = queued.pop_front() {
             // Whole groups, each on one target and following the previous one's bytes, go out
@@ -651,7 +642,7 @@ impl<P: Pmr> OrderedDevice<P> {
             }
         }
         self.stats.merged_cmds += 1;
-        self.issue(stream, a, buf, Carry::Merged(originals), &seqs)
+        self.issue(stream, a, buf, Back::Merged, Some(originals), &seqs)
     }
 
     fn send_group(&mut self, stream: u16, seq: u64, reqs: GroupReqs) -> Result<(), RioError> {
@@ -684,7 +675,7 @@ impl<P: Pmr> OrderedDevice<P> {
         let len = r.w.buf.len();
         if len <= max {
             // The caller's buffer goes to the device and comes back with the completion.
-            return self.issue(stream, a, r.w.buf, Carry::Own(r.id), &[seq]);
+            return self.issue(stream, a, r.w.buf, Back::Own(r.id), None, &[seq]);
         }
         let pieces = len.div_ceil(max);
         if pieces > u8::MAX as usize {
@@ -705,7 +696,7 @@ impl<P: Pmr> OrderedDevice<P> {
             pa.len = (to - from) as u32;
             pa.split = Some((p as u8, pieces as u8));
             self.stats.split_cmds += 1;
-            self.issue(stream, pa, piece, Carry::Piece(r.id), &[seq])?;
+            self.issue(stream, pa, piece, Back::Piece(r.id), None, &[seq])?;
         }
         Ok(())
     }
@@ -828,7 +819,8 @@ impl<P: Pmr> OrderedDevice<P> {
         stream: u16,
         a: Attr,
         buf: FixedBuf,
-        carry: Carry,
+        back: Back,
+        merged: Option<Carried>,
         seqs: &[u64],
     ) -> Result<(), RioError> {
         let slot = loop {
@@ -862,16 +854,10 @@ impl<P: Pmr> OrderedDevice<P> {
                 st.groups.get_mut(g).expect("group").sent = true;
             }
         }
-        let (own, split, merged) = match carry {
-            Carry::Own(id) => (Some(id), None, None),
-            Carry::Piece(id) => (None, Some(id), None),
-            Carry::Merged(reqs) => (None, None, Some(reqs)),
-        };
         let cmd = Cmd {
             seq: a.seq,
             seq_end: a.seq_end,
-            own,
-            split,
+            back,
             slot,
             stream,
             target: a.target,
@@ -1010,14 +996,14 @@ impl<P: Pmr> OrderedDevice<P> {
                 }
             }
             // What the command hands back: its requests' buffers.
-            match (cmd.own, cmd.split) {
-                (Some(id), _) => {
+            match cmd.back {
+                Back::Own(id) => {
                     let buf = c.buf.expect("a write returns its buffer");
                     st.finish(cmd.seq, id, buf);
                 }
                 // A split request is finished when its last piece is (the piece's own buffer,
                 // a copy, goes back to the arena here).
-                (None, Some(id)) => {
+                Back::Piece(id) => {
                     let key = (cmd.stream, id);
                     let left = &mut self.pieces_out.get_mut(&key).expect("split request").0;
                     *left -= 1;
@@ -1026,7 +1012,7 @@ impl<P: Pmr> OrderedDevice<P> {
                         st.finish(cmd.seq, id, buf);
                     }
                 }
-                (None, None) => {
+                Back::Merged => {
                     for (id, buf) in std::mem::take(&mut self.merged[c.tag.0 as usize]) {
                         let g = (cmd.seq..=cmd.seq_end)
                             .find(|&g| st.groups.get(g).is_some_and(|grp| grp.holds(id)))
