@@ -469,3 +469,36 @@ pub fn median(mut v: Vec<f64>) -> Option<f64> {
         (v[n / 2 - 1] + v[n / 2]) / 2.0
     })
 }
+
+/// Heap bytes that start on a 4 KiB page boundary, for the buffers a benchmark copies into and
+/// out of. How fast a 4 KiB copy runs depends on how its source and destination are aligned (an
+/// ordinary `Vec<u8>` starts wherever the allocator puts it), so every reader in a comparison
+/// copies between page-aligned buffers and none wins or loses by where the heap happened to be.
+pub struct PageAligned {
+    /// `len` bytes plus up to a page of slack, of which `at..at + len` is used.
+    bytes: Vec<u8>,
+    at: usize,
+    len: usize,
+}
+
+impl PageAligned {
+    /// `len` bytes, each `fill`.
+    pub fn new(len: usize, fill: u8) -> PageAligned {
+        let bytes = vec![fill; len + 4095];
+        let at = bytes.as_ptr().align_offset(4096);
+        PageAligned { bytes, at, len }
+    }
+}
+
+impl std::ops::Deref for PageAligned {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.bytes[self.at..self.at + self.len]
+    }
+}
+
+impl std::ops::DerefMut for PageAligned {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.bytes[self.at..self.at + self.len]
+    }
+}

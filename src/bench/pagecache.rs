@@ -33,6 +33,7 @@ use crate::bench::compare::Progress;
 use crate::bench::report::human_bytes;
 use crate::bench::{
     aligned_memory_engine, cdf_us, median, new_histogram, quantile_us, xorshift, BenchError,
+    PageAligned,
 };
 
 /// Hits timed together.
@@ -640,7 +641,7 @@ impl ThreadCtx<'_> {
                     .map_err(setup_err(&self.path.display().to_string()))?;
                 Prepared::Fd {
                     fd,
-                    buf: vec![0u8; bs],
+                    buf: PageAligned::new(bs, 0),
                     engine: None,
                 }
             }
@@ -650,15 +651,15 @@ impl ThreadCtx<'_> {
                 let engine = aligned_memory_engine(bs)?;
                 Prepared::Fd {
                     fd,
-                    buf: Vec::new(),
+                    buf: PageAligned::new(0, 0),
                     engine: Some(engine),
                 }
             }
             // Ordinary memory of the hot set's size, every page written (so mapped) up front;
             // what it holds does not matter to a copy.
             Reader::Memcpy => Prepared::Mem {
-                src: vec![0x5a; self.span as usize],
-                buf: vec![0u8; bs],
+                src: PageAligned::new(self.span as usize, 0x5a),
+                buf: PageAligned::new(bs, 0),
             },
             Reader::Lbio => {
                 let (engine, lbio, dev) =
@@ -699,7 +700,7 @@ impl ThreadCtx<'_> {
                 Prepared::Cache {
                     h: Box::new(h),
                     file,
-                    buf: vec![0u8; bs],
+                    buf: PageAligned::new(bs, 0),
                     paired,
                     _engine: engine,
                     _lbio: lbio,
@@ -833,7 +834,7 @@ impl ThreadCtx<'_> {
         let mut out = ThreadOut::new();
         let mut x = self.seed ^ (0x1234_5678_9abc_def1 + self.t as u64 * 0x1000_0000_0001);
         let mut sink = 0u8;
-        let mut buf = vec![0u8; PAGE_BYTES];
+        let mut buf = PageAligned::new(PAGE_BYTES, 0);
         loop {
             let t = Instant::now();
             if t >= deadline {
@@ -882,10 +883,10 @@ impl ThreadCtx<'_> {
 
 enum Prepared {
     /// The memcpy floor: the hot set in ordinary memory and a destination page.
-    Mem { src: Vec<u8>, buf: Vec<u8> },
+    Mem { src: PageAligned, buf: PageAligned },
     Fd {
         fd: std::os::fd::OwnedFd,
-        buf: Vec<u8>,
+        buf: PageAligned,
         /// O_DIRECT: the engine whose arena gives aligned memory.
         engine: Option<Rc<Engine>>,
     },
@@ -897,7 +898,7 @@ enum Prepared {
     Cache {
         h: Box<CacheHandle>,
         file: FileId,
-        buf: Vec<u8>,
+        buf: PageAligned,
         /// Cold runs: a second device on the same lbio array and a buffer for the paired raw
         /// lbio reads.
         paired: Option<RefCell<(Device, Option<aios_core::FixedBuf>)>>,

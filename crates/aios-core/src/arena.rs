@@ -149,11 +149,20 @@ fn map_memory(bytes: usize, huge_pages: bool) -> Result<(NonNull<u8>, Backing), 
         }
     }
     if ptr == libc::MAP_FAILED {
+        // Transparent huge pages back only the 2 MiB-aligned parts of a mapping: when asked for
+        // huge pages, map 2 MiB more and trim it so the start is aligned (a mapping that starts
+        // mid-way through a huge page would otherwise be left with 4 KiB pages in each partial
+        // 2 MiB at its ends, and where it lands is up to the kernel).
+        let pad = if huge_pages && bytes >= HUGE_PAGE_BYTES {
+            HUGE_PAGE_BYTES
+        } else {
+            0
+        };
         // SAFETY: anonymous private mapping with no address hint; the result is checked.
         ptr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                bytes,
+                bytes + pad,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                 -1,
@@ -165,6 +174,22 @@ fn map_memory(bytes: usize, huge_pages: bool) -> Result<(NonNull<u8>, Backing), 
                 bytes,
                 source: std::io::Error::last_os_error(),
             });
+        }
+        if pad > 0 {
+            let start = ptr as usize;
+            let head = start.next_multiple_of(HUGE_PAGE_BYTES) - start;
+            // SAFETY: both ranges lie inside the mapping just made (`head <= pad`, and the tail
+            // is what is left of the `bytes + pad` after the aligned `bytes`); unmapping them
+            // leaves exactly `bytes` mapped from the aligned start.
+            unsafe {
+                if head > 0 {
+                    libc::munmap(ptr, head);
+                }
+                if pad - head > 0 {
+                    libc::munmap((start + head + bytes) as *mut libc::c_void, pad - head);
+                }
+            }
+            ptr = (start + head) as *mut libc::c_void;
         }
         if huge_pages {
             // SAFETY: advice on the mapping just created, of exactly its length.
