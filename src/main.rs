@@ -949,6 +949,7 @@ fn probe_json(p: &DeviceProbe) -> serde_json::Value {
         "uring_qd1_us": p.latency.map(|l| l.uring_qd1_ns / 1000.0),
         "pread_qd1_us": p.latency.map(|l| l.pread_ns / 1000.0),
         "punts_to_io_wq": p.latency.map(|l| l.punts()),
+        "io_wq_workers": p.latency.and_then(|l| l.io_wq_workers),
         "critical_route": p.critical.route.to_string(),
         "critical_reason": p.critical.reason,
         "background_route": p.background.route.to_string(),
@@ -1069,10 +1070,14 @@ fn cmd_probe(path: &Path, json: bool, samples: u32) -> Result<(), BenchError> {
             &mut out,
             "QD1 4k read",
             format!(
-                "io_uring {:.1} us, pread {:.1} us (median of {}) → {}",
+                "io_uring {:.1} us, pread {:.1} us (median of {}), {} → {}",
                 l.uring_qd1_ns / 1000.0,
                 l.pread_ns / 1000.0,
                 l.samples,
+                match l.io_wq_workers {
+                    Some(n) => format!("{n} io-wq worker(s) seen"),
+                    None => "io-wq workers not visible".to_string(),
+                },
                 if l.punts() {
                     "io_uring punts to io-wq"
                 } else {

@@ -508,3 +508,40 @@ fn mkfs_then_fsck_and_the_exit_codes_of_fsck() {
     assert!(std::fs::read(&junk.0).unwrap() == before);
     let _ = std::fs::remove_dir(&mp);
 }
+
+/// The route follows from whether io_uring hands the probe's reads to an io-wq worker: it does
+/// for a file in /dev/shm opened O_DIRECT (tmpfs reads cannot be issued without blocking), and
+/// it does not for a loop device, however its latency swings.
+#[test]
+fn probe_sees_io_uring_punt_to_io_wq_on_tmpfs_and_not_on_a_loop_device() {
+    let probe = |path: &str| -> serde_json::Value {
+        let out = aios()
+            .args(["probe", "--json", "--samples", "10", path])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let shm = format!("/dev/shm/aios-cli-punt-{}.img", std::process::id());
+    std::fs::write(&shm, vec![3u8; 4 << 20]).unwrap();
+    let v = probe(&shm);
+    let _ = std::fs::remove_file(&shm);
+    assert!(v["io_wq_workers"].as_u64().unwrap() >= 1, "{v}");
+    assert_eq!(v["punts_to_io_wq"], true, "{v}");
+    assert_eq!(v["critical_route"], "sync pread/pwrite", "{v}");
+    assert!(v["critical_reason"]
+        .as_str()
+        .unwrap()
+        .contains("io-wq worker(s) served its reads"));
+
+    let Some(l) = Loop::new("punt") else { return };
+    for _ in 0..3 {
+        let v = probe(&l.dev);
+        assert_eq!(v["io_wq_workers"], 0, "{v}");
+        assert_eq!(v["critical_route"], "io_uring", "{v}");
+    }
+}

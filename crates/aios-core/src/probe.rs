@@ -75,19 +75,31 @@ pub struct PathChoice {
     pub reason: String,
 }
 
-/// QD1 latency of the two read paths, median of the samples.
+/// QD1 latency of the two read paths, median of the samples, and whether io_uring's worker
+/// threads served the io_uring reads.
 #[derive(Clone, Copy, Debug)]
 pub struct PathLatency {
     pub uring_qd1_ns: f64,
     pub pread_ns: f64,
     pub samples: u32,
+    /// io-wq worker threads (`iou-wrk-<tid>`) the probe's thread had after its io_uring reads:
+    /// io_uring starts one only when a request cannot be issued without blocking and is handed
+    /// to it. `None` when `/proc/self/task` could not be read.
+    pub io_wq_workers: Option<u32>,
 }
 
 impl PathLatency {
-    /// io_uring is taken to punt when its QD1 read is 1.5x slower than a plain `pread`: inline
-    /// completion costs about the same as `pread`, a hop through io-wq costs several times more.
+    /// Whether io_uring punts this device's reads to io-wq. Seen directly when it can be: an
+    /// io-wq worker appeared for the probe's reads. Otherwise from the latencies: io_uring taken
+    /// to punt when its QD1 read is 1.5x slower than a plain `pread` (inline completion costs
+    /// about the same as `pread`, a hop through io-wq several times more). The latencies alone
+    /// mislead on a device whose own latency swings from run to run (a loop device's worker is
+    /// scheduled now on the caller's CPU, now on another): they are reported, not relied on.
     pub fn punts(&self) -> bool {
-        self.uring_qd1_ns > 1.5 * self.pread_ns
+        match self.io_wq_workers {
+            Some(n) => n > 0,
+            None => self.uring_qd1_ns > 1.5 * self.pread_ns,
+        }
     }
 }
 
@@ -316,22 +328,28 @@ pub fn probe(path: &Path, opts: ProbeOptions) -> Result<DeviceProbe, CoreError> 
         let lat = measure(&direct, capacity_bytes, read_len, opts.latency_samples)?;
         probe.latency = Some(lat);
         let (u, p) = (lat.uring_qd1_ns / 1000.0, lat.pread_ns / 1000.0);
+        let seen = match lat.io_wq_workers {
+            Some(0) => "no io-wq worker served its reads".to_string(),
+            Some(n) => format!("{n} io-wq worker(s) served its reads"),
+            None => "io-wq workers not visible (no /proc/self/task)".to_string(),
+        };
         probe.critical = if lat.punts() {
             PathChoice {
                 route: Route::Sync,
                 reason: format!(
-                    "io_uring QD1 read {u:.1} us vs pread {p:.1} us: io_uring punts this device's \
-                     reads to its worker threads, so critical requests use the SyncPath"
+                    "io_uring QD1 read {u:.1} us vs pread {p:.1} us, {seen}: io_uring punts \
+                     this device's reads to its worker threads, so critical requests use the \
+                     SyncPath"
                 ),
             }
         } else {
             PathChoice {
                 route: Route::Ring,
-                // A small difference is noise on a shared machine (both sleep for the device):
-                // only a punting device leaves the ring, which batches and can busy-poll.
+                // Without a punt the ring is the way: it batches and can busy-poll, where a
+                // pread sleeps in the kernel for every request.
                 reason: format!(
-                    "io_uring QD1 read {u:.1} us vs pread {p:.1} us: completes inline, and \
-                     submissions can be batched"
+                    "io_uring QD1 read {u:.1} us vs pread {p:.1} us, {seen}: completes \
+                     inline, and submissions can be batched"
                 ),
             }
         };
@@ -581,6 +599,38 @@ fn measure(
     read_len: u32,
     samples: u32,
 ) -> Result<PathLatency, CoreError> {
+    // On a thread of its own: io-wq workers belong to the thread whose ring handed them work,
+    // so the ones named after this thread were started by these reads and no others.
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| measure_here(direct, capacity, read_len, samples))
+            .join()
+            .unwrap_or_else(|_| Err(CoreError::Config("the probe's thread panicked".into())))
+    })
+}
+
+/// io-wq workers of the calling thread: threads of this process named `iou-wrk-<its tid>`.
+fn io_wq_workers_of_this_thread() -> Option<u32> {
+    let name = format!("iou-wrk-{}", sys::gettid());
+    let tasks = std::fs::read_dir("/proc/self/task").ok()?;
+    let mut n = 0;
+    for task in tasks.flatten() {
+        // A thread that exited since the listing has no comm left: not counted.
+        if let Ok(comm) = std::fs::read_to_string(task.path().join("comm")) {
+            if comm.trim_end() == name {
+                n += 1;
+            }
+        }
+    }
+    Some(n)
+}
+
+fn measure_here(
+    direct: &std::os::fd::OwnedFd,
+    capacity: u64,
+    read_len: u32,
+    samples: u32,
+) -> Result<PathLatency, CoreError> {
     let engine = small_engine(false)?;
     let sink = Rc::new(LastResult(Cell::new(None)));
     let id = engine.register_sink(Rc::downgrade(&sink) as Weak<dyn CompletionSink>)?;
@@ -629,10 +679,13 @@ fn measure(
             pread.push(p);
         }
     }
+    // Workers linger idle for seconds after their last request: still there to be counted.
+    let io_wq_workers = io_wq_workers_of_this_thread();
     engine.unregister_file(file);
     Ok(PathLatency {
         uring_qd1_ns: median(&mut uring),
         pread_ns: median(&mut pread),
         samples,
+        io_wq_workers,
     })
 }

@@ -357,3 +357,9 @@ pub fn fs_type_of(path: &Path) -> Option<String> {
     }
     best.map(|b| b.1)
 }
+
+/// The calling thread's id (what `/proc/self/task` lists it under).
+pub fn gettid() -> i32 {
+    // SAFETY: gettid has no preconditions and cannot fail.
+    unsafe { libc::gettid() }
+}

@@ -101,9 +101,11 @@ pub struct CacheHandle {
     /// Entry of the last miss to its SQE entering the kernel, ns (the submission latency, AIOS
     /// Fig. 14); taken by [`CacheHandle::take_submit_ns`].
     last_submit_ns: Cell<Option<u64>>,
-    /// Whether reads take the clock at entry for `last_submit_ns` (off by default: a clock read
-    /// per call is a sizeable part of a hit).
-    timing: Cell<bool>,
+    /// One read in this many takes the clock at entry for `last_submit_ns` (0, the default:
+    /// none; a clock read per call is a sizeable part of a hit).
+    timing: Cell<u32>,
+    /// Reads since the last timed one.
+    timing_tick: Cell<u32>,
     last_error: RefCell<Option<LbioError>>,
     /// Why the last failed read failed (taken by its reader).
     read_error: RefCell<Option<LbioError>>,
@@ -181,7 +183,8 @@ impl CacheHandle {
             })),
             streams: RefCell::new(Vec::new()),
             last_submit_ns: Cell::new(None),
-            timing: Cell::new(false),
+            timing: Cell::new(0),
+            timing_tick: Cell::new(0),
             last_error: RefCell::new(None),
             read_error: RefCell::new(None),
             hazard_block: cache.hazards.claim(),
@@ -210,13 +213,26 @@ impl CacheHandle {
         self.last_submit_ns.take()
     }
 
-    /// Record the submission latency of misses (a clock read at every read's entry).
-    pub fn time_submissions(&self, on: bool) {
-        self.timing.set(on);
+    /// Record the submission latency of one read in `every` (0: none, the default). A timed
+    /// read takes the clock twice, about 50 ns on a machine whose clock source is the TSC, so a
+    /// benchmark that also times whole reads samples: every read it times pays 1/`every` of it.
+    pub fn time_submissions(&self, every: u32) {
+        self.timing.set(every);
+        self.timing_tick.set(0);
     }
 
     fn entry_clock(&self) -> Option<Instant> {
-        self.timing.get().then(Instant::now)
+        let every = self.timing.get();
+        if every == 0 {
+            return None;
+        }
+        let tick = self.timing_tick.get() + 1;
+        if tick < every {
+            self.timing_tick.set(tick);
+            return None;
+        }
+        self.timing_tick.set(0);
+        Some(Instant::now())
     }
 
     fn record_submit(&self, entry: Option<Instant>) {

@@ -518,6 +518,31 @@ fn sequential_reads_trigger_readahead_and_random_reads_do_not() {
 }
 
 #[test]
+fn submission_timing_samples_one_read_in_n_and_is_off_by_default() {
+    let Setup { lbio, file, h, .. } = setup(64, 8, 0, 1 << 20, Mode::AIOS);
+    h.attach(file, Device::memory(&lbio, 1 << 20).unwrap())
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    let mut page = 0u64;
+    let mut miss = |h: &CacheHandle| {
+        page += 1;
+        h.read(file, page * 4096, &mut buf).unwrap();
+        h.take_submit_ns()
+    };
+    assert_eq!(miss(&h), None, "off by default");
+    h.time_submissions(3);
+    let timed: Vec<bool> = (0..9).map(|_| miss(&h).is_some()).collect();
+    assert_eq!(
+        timed,
+        [false, false, true, false, false, true, false, false, true]
+    );
+    h.time_submissions(1);
+    assert!((0..4).all(|_| miss(&h).is_some()), "every read");
+    h.time_submissions(0);
+    assert_eq!(miss(&h), None, "off again");
+}
+
+#[test]
 fn zero_copy_guards_pin_pages_against_eviction() {
     let Setup {
         cache,
