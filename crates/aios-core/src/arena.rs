@@ -543,6 +543,27 @@ mod tests {
     }
 
     #[test]
+    fn a_region_asking_for_huge_pages_starts_on_a_huge_page_and_is_all_usable() {
+        for bytes in [HUGE_PAGE_BYTES, 3 * HUGE_PAGE_BYTES + 4096, 6 << 20] {
+            let r = SharedRegion::map(bytes, true).unwrap();
+            // Explicit huge pages are aligned by the kernel; the THP mapping by the trim.
+            assert_eq!(
+                r.as_ptr() as usize % HUGE_PAGE_BYTES,
+                0,
+                "{:?}",
+                r.backing()
+            );
+            // SAFETY: the region is `bytes` long and writable, and nothing else uses it.
+            let all = unsafe { std::slice::from_raw_parts_mut(r.as_ptr(), r.bytes()) };
+            all.fill(0x5a);
+            assert!(all.iter().all(|&b| b == 0x5a));
+        }
+        // Smaller than a huge page: mapped as asked, nothing to align.
+        let r = SharedRegion::map(8192, true).unwrap();
+        assert_eq!(r.bytes(), 8192);
+    }
+
+    #[test]
     fn single_frames_run_out_and_come_back() {
         let a = arena(70);
         let bufs: Vec<_> = (0..70).map(|_| a.try_alloc(4096).unwrap()).collect();
