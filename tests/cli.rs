@@ -25,12 +25,11 @@ impl Drop for Scratch {
     }
 }
 
-#[test]
-fn probe_reports_alignment_and_a_route_with_its_reason() {
-    let f = Scratch::new("probe", 8 << 20);
+/// `aios probe --json --samples N PATH`, which must succeed: its JSON.
+fn probe_json(path: impl AsRef<std::ffi::OsStr>, samples: u32) -> serde_json::Value {
     let out = aios()
-        .args(["probe", "--json", "--samples", "20"])
-        .arg(&f.0)
+        .args(["probe", "--json", "--samples", &samples.to_string()])
+        .arg(path)
         .output()
         .unwrap();
     assert!(
@@ -38,7 +37,13 @@ fn probe_reports_alignment_and_a_route_with_its_reason() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn probe_reports_alignment_and_a_route_with_its_reason() {
+    let f = Scratch::new("probe", 8 << 20);
+    let v = probe_json(&f.0, 20);
     assert_eq!(v["kind"], "regular file");
     assert_eq!(v["capacity_bytes"], 8 << 20);
     assert!(v["dio_offset_align"].as_u64().unwrap() >= 512);
@@ -335,18 +340,7 @@ impl Drop for Loop {
 #[test]
 fn probe_reads_whether_a_block_device_has_a_volatile_write_cache() {
     let Some(l) = Loop::new("vwc") else { return };
-    let probe = || {
-        let out = aios()
-            .args(["probe", "--json", "--samples", "5", &l.dev])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
-    };
+    let probe = || probe_json(&l.dev, 5);
     // A loop device starts as "write back": it has a volatile cache.
     assert_eq!(probe()["volatile_write_cache"], true);
     let name = l.dev.trim_start_matches("/dev/");
@@ -514,21 +508,9 @@ fn mkfs_then_fsck_and_the_exit_codes_of_fsck() {
 /// it does not for a loop device, however its latency swings.
 #[test]
 fn probe_sees_io_uring_punt_to_io_wq_on_tmpfs_and_not_on_a_loop_device() {
-    let probe = |path: &str| -> serde_json::Value {
-        let out = aios()
-            .args(["probe", "--json", "--samples", "10", path])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
-    };
     let shm = format!("/dev/shm/aios-cli-punt-{}.img", std::process::id());
     std::fs::write(&shm, vec![3u8; 4 << 20]).unwrap();
-    let v = probe(&shm);
+    let v = probe_json(&shm, 10);
     let _ = std::fs::remove_file(&shm);
     assert!(v["io_wq_workers"].as_u64().unwrap() >= 1, "{v}");
     assert_eq!(v["punts_to_io_wq"], true, "{v}");
@@ -540,7 +522,7 @@ fn probe_sees_io_uring_punt_to_io_wq_on_tmpfs_and_not_on_a_loop_device() {
 
     let Some(l) = Loop::new("punt") else { return };
     for _ in 0..3 {
-        let v = probe(&l.dev);
+        let v = probe_json(&l.dev, 10);
         assert_eq!(v["io_wq_workers"], 0, "{v}");
         assert_eq!(v["critical_route"], "io_uring", "{v}");
     }
