@@ -59,7 +59,9 @@ for ex in blocking async_engine tokio_driver; do
 done
 
 step "release build, and one short lbio vs fio comparison on the ull device"
-cargo build --release -q
+# With the RDMA transport: the lab below builds exactly this binary for its guest, so one
+# release build of the dependency tree serves both (without the feature, the lab rebuilt it).
+cargo build --release -q --bin aios --features rdma
 if [ "$(id -u)" = 0 ] && command -v fio >/dev/null 2>&1; then
     ./target/release/aios bench lbio --device ull --seconds 1 --rounds 1 --vs-fio
 else
