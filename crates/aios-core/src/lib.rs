@@ -16,6 +16,7 @@
 //! ```
 
 pub mod arena;
+pub mod checksum;
 pub mod engine;
 pub mod error;
 pub mod fuse_ring;

@@ -37,7 +37,9 @@ pub use backend::{
     Backend, Caps, FileBackend, MemBackend, NvmeBackend, Op, Outcome, Piece, PieceError, Started,
     SyncBackend,
 };
-pub use device::{Device, DeviceConfig, Geometry, Io, IoFuture, RouteChoice, MAX_REQUEST_BYTES};
+pub use device::{
+    aligned, Device, DeviceConfig, Geometry, Io, IoFuture, RouteChoice, MAX_REQUEST_BYTES,
+};
 pub use error::LbioError;
 pub use simdisk::{CrashOptions, SimConfig, SimDisk, SimLatency, SimRng, SimStats};
 

@@ -81,29 +81,36 @@ impl Attr {
             ATTR_BYTES,
             "an attribute entry is {ATTR_BYTES} bytes"
         );
-        out.fill(0);
-        out[0..4].copy_from_slice(&MAGIC.to_le_bytes());
-        out[8..10].copy_from_slice(&self.stream.to_le_bytes());
-        out[10..12].copy_from_slice(&self.target.to_le_bytes());
-        out[12..16].copy_from_slice(&self.epoch.to_le_bytes());
-        out[16..24].copy_from_slice(&self.seq.to_le_bytes());
-        out[24..32].copy_from_slice(&self.seq_end.to_le_bytes());
-        out[32..40].copy_from_slice(&self.prev.to_le_bytes());
-        out[40..48].copy_from_slice(&self.offset.to_le_bytes());
-        out[48..52].copy_from_slice(&self.len.to_le_bytes());
+        out.copy_from_slice(&self.to_bytes());
+    }
+
+    /// The 64-byte entry (one is written for every ordered write: kept to fixed-size copies).
+    pub fn to_bytes(&self) -> [u8; ATTR_BYTES] {
         let flags = (self.boundary as u16 * BOUNDARY)
             | (self.ipu as u16 * IPU)
             | (self.flush as u16 * FLUSH)
             | (self.merged as u16 * MERGED);
-        out[52..54].copy_from_slice(&flags.to_le_bytes());
-        out[54..56].copy_from_slice(&self.num.to_le_bytes());
-        out[56..58].copy_from_slice(&self.members.to_le_bytes());
         let (i, n) = self.split.unwrap_or((0, 0));
-        out[58] = i;
-        out[59] = n;
-        let crc = crc32c::crc32c(&out[8..60]);
-        out[4..8].copy_from_slice(&crc.to_le_bytes());
+        let mut body = [0u8; CRC_BYTES];
+        body[0..2].copy_from_slice(&self.stream.to_le_bytes());
+        body[2..4].copy_from_slice(&self.target.to_le_bytes());
+        body[4..8].copy_from_slice(&self.epoch.to_le_bytes());
+        body[8..16].copy_from_slice(&self.seq.to_le_bytes());
+        body[16..24].copy_from_slice(&self.seq_end.to_le_bytes());
+        body[24..32].copy_from_slice(&self.prev.to_le_bytes());
+        body[32..40].copy_from_slice(&self.offset.to_le_bytes());
+        body[40..44].copy_from_slice(&self.len.to_le_bytes());
+        body[44..46].copy_from_slice(&flags.to_le_bytes());
+        body[46..48].copy_from_slice(&self.num.to_le_bytes());
+        body[48..50].copy_from_slice(&self.members.to_le_bytes());
+        body[50] = i;
+        body[51] = n;
+        let mut out = [0u8; ATTR_BYTES];
+        out[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        out[4..8].copy_from_slice(&entry_crc(&body).to_le_bytes());
+        out[8..60].copy_from_slice(&body);
         out[60..64].copy_from_slice(&self.persist_word().to_le_bytes());
+        out
     }
 
     /// The persist word this entry carries once its data is durable.
@@ -134,7 +141,7 @@ impl Attr {
         if u32_at(0) != MAGIC {
             return Ok(None);
         }
-        if crc32c::crc32c(&b[8..60]) != u32_at(4) {
+        if entry_crc(b[8..60].try_into().expect("52 bytes")) != u32_at(4) {
             return Err(RioError::Corrupt(
                 "attribute entry checksum mismatch".into(),
             ));
@@ -178,6 +185,14 @@ impl Attr {
     }
 }
 
+/// Bytes of an entry under its checksum (8..60).
+const CRC_BYTES: usize = 52;
+
+/// The checksum of an entry's bytes 8..60 (one per ordered write).
+fn entry_crc(b: &[u8; CRC_BYTES]) -> u32 {
+    aios_core::checksum::crc32c_short(b)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -216,6 +231,25 @@ mod tests {
         a.split = Some((1, 4));
         a.encode(&mut b);
         assert_eq!(Attr::decode(&b).unwrap(), Some(a));
+    }
+
+    #[test]
+    fn the_entry_checksum_is_crc32c() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..1000 {
+            let mut b = [0u8; CRC_BYTES];
+            for byte in &mut b {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                *byte = x as u8;
+            }
+            assert_eq!(entry_crc(&b), crc32c::crc32c(&b));
+        }
+        assert_eq!(
+            entry_crc(&[0u8; CRC_BYTES]),
+            crc32c::crc32c(&[0u8; CRC_BYTES])
+        );
     }
 
     #[test]

@@ -237,6 +237,19 @@ impl Stream {
             .map_or_else(String::new, |f| f.1.clone())
     }
 
+    /// A command carrying groups up to `seq_end` goes to `target`: the next one there links
+    /// to it, and `wait` flushes the target.
+    fn sent_to(&mut self, target: u16, seq_end: u64) {
+        let t = target as usize;
+        if self.prev.len() <= t {
+            self.prev.resize(t + 1, 0);
+        }
+        self.prev[t] = seq_end;
+        if !self.touched.contains(&target) {
+            self.touched.push(target);
+        }
+    }
+
     /// Request `id` of group `g` finished: its buffer waits for the group's turn.
     fn finish(&mut self, g: u64, id: u64, buf: FixedBuf) {
         let i = (id - self.bufs_base) as usize;
@@ -383,8 +396,8 @@ impl<P: Pmr> OrderedDevice<P> {
         let g = t.dev.geometry();
         let len = w.buf.len() as u64;
         if len == 0
-            || w.offset % g.offset_align as u64 != 0
-            || len % g.offset_align as u64 != 0
+            || !lbio::aligned(w.offset, g.offset_align)
+            || !lbio::aligned(len, g.offset_align)
             || w.offset + len > g.capacity_bytes
         {
             return Err(RioError::Config(format!(
@@ -416,6 +429,12 @@ impl<P: Pmr> OrderedDevice<P> {
             // straight to the device.
             let seq = st.next_seq;
             st.next_seq += 1;
+            if len <= (self.targets[w.target as usize].max_transfer as u64).max(4096) {
+                self.send_single(stream, seq, id, w)?;
+                self.submit_staged()?;
+                return Ok(id);
+            }
+            let st = &mut self.streams[s];
             st.groups.push(
                 seq,
                 Group {
@@ -654,6 +673,62 @@ impl<P: Pmr> OrderedDevice<P> {
         Ok(())
     }
 
+    /// The common case, kept lean: group `seq` of one request `id`, within the target's
+    /// transfer limit, sent as one command (what [`OrderedDevice::send_req`] does for it, with
+    /// the group registered here, already sent).
+    fn send_single(&mut self, stream: u16, seq: u64, id: u64, w: Write) -> Result<(), RioError> {
+        let a = Attr {
+            offset: w.offset,
+            len: w.buf.len() as u32,
+            ipu: w.ipu,
+            boundary: true,
+            num: 1,
+            ..self.base_attr(stream, w.target, seq)
+        };
+        let slot = self.append_entry(&a)?;
+        let st = &mut self.streams[stream as usize];
+        st.groups.push(
+            seq,
+            Group {
+                first_id: id,
+                count: 1,
+                out: 1,
+                not_durable: 1,
+                sent: true,
+                ..Group::default()
+            },
+        );
+        st.sent_to(w.target, seq);
+        let cmd = Cmd {
+            seq,
+            seq_end: seq,
+            back: Back::Own(id),
+            slot,
+            stream,
+            target: w.target,
+        };
+        if self.log.deferred() {
+            self.staged.push((w.offset, w.buf, cmd, None));
+            Ok(())
+        } else {
+            self.submit_cmd(w.offset, w.buf, cmd, None)
+        }
+    }
+
+    /// Persist `a` in the log, waiting for room when it is full.
+    fn append_entry(&mut self, a: &Attr) -> Result<Slot, RioError> {
+        loop {
+            match self.log.append(a) {
+                Ok(s) => return Ok(s),
+                Err(RioError::LogFull { .. }) => {
+                    self.stats.log_full_waits += 1;
+                    self.make_room()?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     /// One request of group `seq`; `last: Some(n)` on the group's last request (of `n`). Above
     /// the target's transfer limit it goes out in pieces.
     fn send_req(
@@ -823,30 +898,14 @@ impl<P: Pmr> OrderedDevice<P> {
         merged: Option<Carried>,
         seqs: &[u64],
     ) -> Result<(), RioError> {
-        let slot = loop {
-            match self.log.append(&a) {
-                Ok(s) => break s,
-                Err(RioError::LogFull { .. }) => {
-                    self.stats.log_full_waits += 1;
-                    self.make_room()?;
-                }
-                Err(e) => return Err(e),
-            }
-        };
+        let slot = self.append_entry(&a)?;
         let st = &mut self.streams[stream as usize];
         for &g in seqs {
             let grp = st.groups.get_mut(g).expect("group registered at close");
             grp.out += 1;
             grp.not_durable += 1;
         }
-        let t = a.target as usize;
-        if st.prev.len() <= t {
-            st.prev.resize(t + 1, 0);
-        }
-        st.prev[t] = a.seq_end;
-        if !st.touched.contains(&a.target) {
-            st.touched.push(a.target);
-        }
+        st.sent_to(a.target, a.seq_end);
         // A group is fully sent once its last command is out.
         let last_of_group = a.boundary && a.split.is_none_or(|(i, n)| i + 1 == n);
         if last_of_group {
@@ -999,6 +1058,30 @@ impl<P: Pmr> OrderedDevice<P> {
             match cmd.back {
                 Back::Own(id) => {
                     let buf = c.buf.expect("a write returns its buffer");
+                    let alone_in_order = failed.is_none()
+                        && st.done_below == cmd.seq
+                        && st.bufs.is_empty()
+                        && st.bufs_base == id
+                        && st
+                            .groups
+                            .get(cmd.seq)
+                            .is_some_and(|g| g.count == 1 && g.sent && g.out == 0 && !g.failed);
+                    if alone_in_order {
+                        // The common case: the oldest group, of this one request, and nothing
+                        // after it finished yet: it goes back now, without waiting in `bufs`.
+                        st.groups.get_mut(cmd.seq).expect("checked").finished = 1;
+                        st.bufs_base += 1;
+                        st.done_below += 1;
+                        st.ready.push_back(Done {
+                            stream: cmd.stream,
+                            seq: cmd.seq,
+                            id,
+                            result: Ok(()),
+                            buf,
+                        });
+                        self.advance_durable(cmd.stream);
+                        return Ok(());
+                    }
                     st.finish(cmd.seq, id, buf);
                 }
                 // A split request is finished when its last piece is (the piece's own buffer,
@@ -1059,7 +1142,13 @@ impl<P: Pmr> OrderedDevice<P> {
             }
             st.done_below += 1;
         }
-        // Durable in order; the log may reuse the slots of durable groups.
+        self.advance_durable(stream);
+    }
+
+    /// Move the stream's durability mark over the groups handed back and durable (in order);
+    /// the log may reuse their slots.
+    fn advance_durable(&mut self, stream: u16) {
+        let st = &mut self.streams[stream as usize];
         while let Some(grp) = st.groups.get(st.durable_below) {
             if !grp.sent || grp.not_durable > 0 || st.durable_below >= st.done_below {
                 break;
@@ -1115,6 +1204,9 @@ impl<P: Pmr> OrderedDevice<P> {
     /// Commands `covered` (stream, seqs) are durable: count them off their groups and move the
     /// streams' marks.
     fn now_durable(&mut self, covered: &[(u16, u64, u64)]) {
+        // A FLUSH covers up to `flush_ahead` commands, mostly of one stream: count them all
+        // off, then move each stream's marks once.
+        let mut touched: SmallVec<[u16; 4]> = SmallVec::new();
         for &(stream, a, b) in covered {
             let st = &mut self.streams[stream as usize];
             for g in a..=b {
@@ -1122,6 +1214,11 @@ impl<P: Pmr> OrderedDevice<P> {
                     grp.not_durable -= 1;
                 }
             }
+            if touched.last() != Some(&stream) && !touched.contains(&stream) {
+                touched.push(stream);
+            }
+        }
+        for stream in touched {
             self.advance(stream);
         }
     }

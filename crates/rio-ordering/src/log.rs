@@ -426,10 +426,8 @@ impl<P: Pmr> AttrLog<P> {
         let mut a = *attr;
         a.epoch = self.header.epoch;
         a.persist = false;
-        let mut b = [0u8; ATTR_BYTES];
-        a.encode(&mut b);
         let off = self.slot_offset(s);
-        self.pmr.persist(off, &b)?;
+        self.pmr.persist(off, &a.to_bytes())?;
         self.used[s as usize] = Some((a.stream, a.seq_end));
         self.live += 1;
         self.tail = (s + 1) % self.header.slots;
