@@ -431,7 +431,9 @@ impl<P: Pmr> OrderedDevice<P> {
             st.next_seq += 1;
             if len <= (self.targets[w.target as usize].max_transfer as u64).max(4096) {
                 self.send_single(stream, seq, id, w)?;
-                self.submit_staged()?;
+                if self.log.deferred() {
+                    self.submit_staged()?;
+                }
                 return Ok(id);
             }
             let st = &mut self.streams[s];

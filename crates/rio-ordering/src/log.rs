@@ -430,7 +430,8 @@ impl<P: Pmr> AttrLog<P> {
         self.pmr.persist(off, &a.to_bytes())?;
         self.used[s as usize] = Some((a.stream, a.seq_end));
         self.live += 1;
-        self.tail = (s + 1) % self.header.slots;
+        // (A compare, not a division: one append per ordered write.)
+        self.tail = if s + 1 == self.header.slots { 0 } else { s + 1 };
         Ok(Slot(s))
     }
 
