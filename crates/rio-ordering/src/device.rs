@@ -687,7 +687,18 @@ impl<P: Pmr> OrderedDevice<P> {
             num: 1,
             ..self.base_attr(stream, w.target, seq)
         };
-        let slot = self.append_entry(&a)?;
+        let slot = match self.append_entry(&a) {
+            Ok(slot) => slot,
+            Err(e) => {
+                // Nothing of the write reached the log or the device, and nothing was submitted
+                // since `submit` numbered it: give its group and id back, so that the next
+                // write takes them and the stream's groups stay consecutive.
+                let st = &mut self.streams[stream as usize];
+                st.next_seq -= 1;
+                st.next_id -= 1;
+                return Err(e);
+            }
+        };
         let st = &mut self.streams[stream as usize];
         st.groups.push(
             seq,

@@ -901,3 +901,74 @@ fn a_stream_leaves_while_a_background_flush_is_out() {
         );
     }
 }
+
+/// Persistent memory whose writes fail while `fail` is set (a PMR gone bad for a moment).
+struct Flaky {
+    mem: MemPmr,
+    fail: Rc<std::cell::Cell<bool>>,
+}
+
+impl Pmr for Flaky {
+    fn len(&self) -> usize {
+        self.mem.len()
+    }
+    fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
+        if self.fail.get() {
+            return Err(RioError::Corrupt(
+                "injected: the region refused a write".into(),
+            ));
+        }
+        self.mem.persist(offset, bytes)
+    }
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError> {
+        self.mem.read(offset, out)
+    }
+}
+
+#[test]
+fn a_write_whose_log_entry_fails_leaves_no_hole_in_the_order() {
+    let engine = engine();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let disk = SimDisk::new(SimConfig::new(DISK, 7)).unwrap();
+    let fail = Rc::new(std::cell::Cell::new(false));
+    let region = Flaky {
+        mem: MemPmr::new(64 << 10),
+        fail: Rc::clone(&fail),
+    };
+    let log = AttrLog::format(region, 1).unwrap();
+    let devs = vec![disk.open(&lbio).unwrap()];
+    let mut dev = OrderedDevice::new(lbio, devs, log, &[1], OrderedConfig::default()).unwrap();
+    let first = dev.submit(0, write(&engine, 0, 0, 1, 4096), true).unwrap();
+    fail.set(true);
+    let refused = dev.submit(0, write(&engine, 0, 4096, 2, 4096), true);
+    assert!(
+        matches!(refused, Err(RioError::Corrupt(_))),
+        "the log's error comes back: {refused:?}"
+    );
+    fail.set(false);
+    let ids: Vec<u64> = (3..6)
+        .map(|k| {
+            dev.submit(0, write(&engine, 0, k * 4096, k, 4096), true)
+                .unwrap()
+        })
+        .collect();
+    dev.wait(0).unwrap();
+    let done = dev.poll().unwrap();
+    // The refused write took no group and no id: the next write has the ones it would have had.
+    assert_eq!(ids, vec![first + 1, first + 2, first + 3]);
+    assert_eq!(
+        done.iter().map(|d| (d.seq, d.id)).collect::<Vec<_>>(),
+        vec![(1, first), (2, first + 1), (3, first + 2), (4, first + 3)]
+    );
+    assert!(done.iter().all(|d| d.result.is_ok()));
+    // The log holds exactly those four groups' entries (besides `wait`'s FLUSH marker).
+    let sc = scan(dev.log().pmr()).unwrap();
+    let mut seqs: Vec<u64> = sc
+        .entries
+        .iter()
+        .filter(|(_, a)| !a.flush)
+        .map(|(_, a)| a.seq)
+        .collect();
+    seqs.sort_unstable();
+    assert_eq!(seqs, vec![1, 2, 3, 4]);
+}
