@@ -1071,18 +1071,17 @@ impl<P: Pmr> OrderedDevice<P> {
             match cmd.back {
                 Back::Own(id) => {
                     let buf = c.buf.expect("a write returns its buffer");
-                    let alone_in_order = failed.is_none()
+                    // The common case: the oldest group, of this one request, and nothing after
+                    // it finished yet: it goes back now, without waiting in `bufs`.
+                    let alone_in_order = (failed.is_none()
                         && st.done_below == cmd.seq
                         && st.bufs.is_empty()
-                        && st.bufs_base == id
-                        && st
-                            .groups
-                            .get(cmd.seq)
-                            .is_some_and(|g| g.count == 1 && g.sent && g.out == 0 && !g.failed);
-                    if alone_in_order {
-                        // The common case: the oldest group, of this one request, and nothing
-                        // after it finished yet: it goes back now, without waiting in `bufs`.
-                        st.groups.get_mut(cmd.seq).expect("checked").finished = 1;
+                        && st.bufs_base == id)
+                        .then(|| st.groups.get_mut(cmd.seq))
+                        .flatten()
+                        .filter(|g| g.count == 1 && g.sent && g.out == 0 && !g.failed);
+                    if let Some(grp) = alone_in_order {
+                        grp.finished = 1;
                         st.bufs_base += 1;
                         st.done_below += 1;
                         st.ready.push_back(Done {
@@ -1227,7 +1226,7 @@ impl<P: Pmr> OrderedDevice<P> {
                     grp.not_durable -= 1;
                 }
             }
-            if touched.last() != Some(&stream) && !touched.contains(&stream) {
+            if !touched.contains(&stream) {
                 touched.push(stream);
             }
         }
