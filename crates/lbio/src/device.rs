@@ -328,6 +328,7 @@ impl Device {
         Ok(())
     }
 
+    #[inline]
     fn validate(&self, op: Op, offset: u64, mem: Option<(usize, usize)>) -> Result<u32, LbioError> {
         if op != Op::Read && !self.writable {
             return Err(LbioError::ReadOnly(op));
@@ -413,6 +414,7 @@ impl Device {
         Ok((segs[0].iov_base as usize, v.bytes() as usize))
     }
 
+    #[inline]
     fn request(&self, io: Io) -> Result<Request, (LbioError, Option<FixedBuf>)> {
         let mem = match (&io.buf, &io.raw, &io.iov) {
             (Some(b), _, _) => Some((b.as_ptr() as usize, b.len())),
@@ -444,6 +446,7 @@ impl Device {
     /// This is the lowest-overhead interface: no future, no waker. Inside
     /// [`Engine::hold_submissions`](aios_core::Engine::hold_submissions) or a plug, many submits
     /// reach the kernel in one `io_uring_enter`.
+    #[inline]
     pub fn submit(&self, io: Io) -> Result<Tag, (LbioError, Option<FixedBuf>)> {
         let req = self.request(io)?;
         self.lbio.submit(self.idx, req, Owner::Detached)

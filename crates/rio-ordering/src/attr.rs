@@ -85,6 +85,7 @@ impl Attr {
     }
 
     /// The 64-byte entry (one is written for every ordered write: kept to fixed-size copies).
+    #[inline]
     pub fn to_bytes(&self) -> [u8; ATTR_BYTES] {
         let flags = (self.boundary as u16 * BOUNDARY)
             | (self.ipu as u16 * IPU)
@@ -190,7 +191,7 @@ const CRC_BYTES: usize = 52;
 
 /// The checksum of an entry's bytes 8..60 (one per ordered write).
 fn entry_crc(b: &[u8; CRC_BYTES]) -> u32 {
-    aios_core::checksum::crc32c_short(b)
+    aios_core::checksum::crc32c_array(b)
 }
 
 #[cfg(test)]

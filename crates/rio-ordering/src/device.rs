@@ -208,7 +208,8 @@ struct Stream {
     durable_below: u64,
     /// Targets written since the last wait.
     touched: Vec<u16>,
-    ready: VecDeque<Done>,
+    /// Completions in order, not yet taken (always taken whole).
+    ready: Vec<Done>,
     /// Buffers of finished requests not yet handed back, by id from `bufs_base` (groups hand
     /// back in order, and their ids follow each other).
     bufs: VecDeque<Option<FixedBuf>>,
@@ -497,7 +498,7 @@ impl<P: Pmr> OrderedDevice<P> {
                 st.durable_below, st.next_seq
             )));
         }
-        let done: Vec<Done> = st.ready.drain(..).collect();
+        let done: Vec<Done> = std::mem::take(&mut st.ready);
         let prev: Vec<(u16, u64)> = st
             .prev
             .iter()
@@ -833,10 +834,21 @@ impl<P: Pmr> OrderedDevice<P> {
             self.lbio.wait_done(1)?;
             self.reap()?;
         }
-        for s in &mut self.streams {
-            out.extend(s.ready.drain(..));
-        }
+        self.move_ready(out);
         Ok(())
+    }
+
+    /// Move every stream's in-order completions to `out`.
+    fn move_ready(&mut self, out: &mut Vec<Done>) {
+        for s in &mut self.streams {
+            if out.is_empty() {
+                // The usual case: hand the whole vector over, no copy (the caller's empty
+                // vector, with its room, serves the stream next).
+                std::mem::swap(out, &mut s.ready);
+            } else {
+                out.append(&mut s.ready);
+            }
+        }
     }
 
     /// Device commands in flight.
@@ -845,10 +857,9 @@ impl<P: Pmr> OrderedDevice<P> {
     }
 
     fn take_ready(&mut self) -> Vec<Done> {
-        self.streams
-            .iter_mut()
-            .flat_map(|s| s.ready.drain(..))
-            .collect()
+        let mut out = Vec::new();
+        self.move_ready(&mut out);
+        out
     }
 
     /// Make everything submitted on `stream` durable: close its open group, send its queue,
@@ -1084,7 +1095,7 @@ impl<P: Pmr> OrderedDevice<P> {
                         grp.finished = 1;
                         st.bufs_base += 1;
                         st.done_below += 1;
-                        st.ready.push_back(Done {
+                        st.ready.push(Done {
                             stream: cmd.stream,
                             seq: cmd.seq,
                             id,
@@ -1144,7 +1155,7 @@ impl<P: Pmr> OrderedDevice<P> {
                     .flatten()
                     .expect("a finished request's buffer");
                 st.bufs_base += 1;
-                st.ready.push_back(Done {
+                st.ready.push(Done {
                     stream,
                     seq,
                     id,

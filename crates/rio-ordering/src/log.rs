@@ -258,13 +258,39 @@ impl Header {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Slot(pub u32);
 
+/// Who holds a slot, packed in one word: `(seq_end + 1) << 6 | stream`, 0 for a free slot.
+/// Every append reads its slot's word, round the whole log: at 8 bytes a slot instead of 24,
+/// the table a 2 MiB log needs is 256 KiB, and the caches hold more of it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Used(u64);
+
+const STREAM_BITS: u32 = 6;
+const _: () = assert!(MAX_STREAMS as u64 <= 1 << STREAM_BITS);
+
+impl Used {
+    /// `None` past 2^58 − 2 groups (at ten million writes a second, about 900 years).
+    fn new(stream: u16, seq_end: u64) -> Option<Used> {
+        let s = seq_end.checked_add(1)?;
+        (s < 1 << (64 - STREAM_BITS)).then_some(Used(s << STREAM_BITS | stream as u64))
+    }
+
+    fn get(self) -> Option<(u16, u64)> {
+        (self.0 != 0).then(|| {
+            (
+                (self.0 & ((1 << STREAM_BITS) - 1)) as u16,
+                (self.0 >> STREAM_BITS) - 1,
+            )
+        })
+    }
+}
+
 /// The attribute log on a persistent region.
 pub struct AttrLog<P: Pmr> {
     pmr: P,
     header: Header,
     /// Per slot: the (stream, last group) of the entry written there, while it may still matter
     /// to recovery (until the header's mark passes it).
-    used: Vec<Option<(u16, u64)>>,
+    used: Vec<Used>,
     tail: u32,
     /// Per stream, in memory: every group below is durable.
     durable_below: Vec<u64>,
@@ -316,7 +342,7 @@ impl<P: Pmr> AttrLog<P> {
     fn with_header(pmr: P, header: Header) -> AttrLog<P> {
         let durable_below = header.durable_below.clone();
         AttrLog {
-            used: vec![None; header.slots as usize],
+            used: vec![Used::default(); header.slots as usize],
             pmr,
             tail: 0,
             live: 0,
@@ -406,8 +432,14 @@ impl<P: Pmr> AttrLog<P> {
                 self.streams()
             )));
         }
+        let used = Used::new(attr.stream, attr.seq_end).ok_or_else(|| {
+            RioError::Config(format!(
+                "group {} of stream {}: past the log's 2^58 groups",
+                attr.seq_end, attr.stream
+            ))
+        })?;
         let s = self.tail;
-        if let Some((stream, seq)) = self.used[s as usize] {
+        if let Some((stream, seq)) = self.used[s as usize].get() {
             if seq >= self.durable_below[stream as usize] {
                 return Err(RioError::LogFull {
                     slots: self.header.slots,
@@ -428,7 +460,7 @@ impl<P: Pmr> AttrLog<P> {
         a.persist = false;
         let off = self.slot_offset(s);
         self.pmr.persist(off, &a.to_bytes())?;
-        self.used[s as usize] = Some((a.stream, a.seq_end));
+        self.used[s as usize] = used;
         self.live += 1;
         // (A compare, not a division: one append per ordered write.)
         self.tail = if s + 1 == self.header.slots { 0 } else { s + 1 };
@@ -452,14 +484,14 @@ impl<P: Pmr> AttrLog<P> {
     pub fn debug_tail(&self) -> (u32, Option<(u16, u64)>, Vec<u64>) {
         (
             self.tail,
-            self.used[self.tail as usize],
+            self.used[self.tail as usize].get(),
             self.durable_below.clone(),
         )
     }
 
     /// Whether the next append would find a free slot.
     pub fn has_room(&self) -> bool {
-        match self.used[self.tail as usize] {
+        match self.used[self.tail as usize].get() {
             Some((stream, seq)) => seq < self.durable_below[stream as usize],
             None => true,
         }
@@ -545,6 +577,25 @@ pub fn scan(pmr: &dyn Pmr) -> Result<LogScan, RioError> {
 mod tests {
     use super::*;
     use crate::recover;
+
+    #[test]
+    fn a_slot_word_gives_back_what_was_packed_and_refuses_what_does_not_fit() {
+        assert_eq!(Used::default().get(), None);
+        for (stream, seq) in [
+            (0, 0),
+            (0, 1),
+            (63, 1),
+            (5, 123_456_789),
+            (63, (1 << 58) - 2),
+        ] {
+            assert_eq!(
+                Used::new(stream, seq).and_then(Used::get),
+                Some((stream, seq))
+            );
+        }
+        assert_eq!(Used::new(0, (1 << 58) - 1), None);
+        assert_eq!(Used::new(3, u64::MAX), None);
+    }
 
     fn attr(stream: u16, seq: u64) -> Attr {
         Attr {
