@@ -27,6 +27,21 @@ const KERNEL_TROUBLE: &[&str] = &[
     "Call Trace:",
 ];
 
+/// How many times one boot is tried when its guest kernel crashes before /init reports.
+const BOOT_TRIES: usize = 3;
+
+/// The first kernel-trouble console line of a boot that exited before /init reported and before
+/// any step began: a crash of the guest kernel's own start-up, which no step caused.
+fn early_kernel_crash(outcome: &Outcome, log: &Log, console: &Path) -> Option<String> {
+    if !matches!(outcome, Outcome::Exited(_)) || log.init_t.is_some() || !log.steps.is_empty() {
+        return None;
+    }
+    qemu::read_lossy(console)
+        .lines()
+        .find(|l| KERNEL_TROUBLE.iter().any(|t| l.contains(t)))
+        .map(|l| l.trim().to_string())
+}
+
 #[derive(clap::Args)]
 pub struct Args {
     /// An ad-hoc step, NAME=COMMAND (repeatable); run instead of the default plan. COMMAND runs
@@ -319,6 +334,7 @@ fn run(args: &Args) -> Result<bool, Failure> {
     let mut guest_run = Duration::ZERO;
     let mut timed_out = false;
     let mut boot_json = Vec::new();
+    let mut retried_boots = 0;
     for (b, range) in boots.iter().enumerate() {
         let n = b as u32 + 1;
         cfg.boot = n;
@@ -351,12 +367,46 @@ fn run(args: &Args) -> Result<bool, Failure> {
             start: Some(Instant::now()),
             ..Live::default()
         };
-        let (outcome, boot_log, boot_timings) = phase(
-            "boot",
-            qemu::run(&cfg, Duration::from_secs(args.timeout), |log| {
-                live.update(log, false)
-            }),
-        )?;
+        // A boot whose guest kernel crashed before /init reported ran none of our code: no step
+        // began, and nothing but the kernel's own probes touched the disk or the PMR. That is
+        // QEMU's multi-threaded TCG racing the kernel's boot-time text patching (see
+        // `qemu::Config::single_thread_tcg`), rare on the 6.x kernels, so such a boot is tried
+        // again, at most `BOOT_TRIES` times in all, and each crash is kept and reported.
+        let mut early_crashes = Vec::new();
+        let (outcome, boot_log, boot_timings) = loop {
+            let (outcome, boot_log, boot_timings) = phase(
+                "boot",
+                qemu::run(&cfg, Duration::from_secs(args.timeout), |log| {
+                    live.update(log, false)
+                }),
+            )?;
+            let crash = early_kernel_crash(&outcome, &boot_log, &cfg.console_log);
+            match crash {
+                Some(line) if early_crashes.len() + 1 < BOOT_TRIES => {
+                    let tag = format!("try{}", early_crashes.len() + 1);
+                    for f in [&cfg.console_log, &cfg.results_log, &cfg.qemu_log] {
+                        let _ = fs::rename(f, f.with_extension(format!("{tag}.log")));
+                    }
+                    say(&format!(
+                        "lab: boot {n}: the guest kernel crashed before /init ran ({line}, after {}); no step had begun, booting again (try {} of {BOOT_TRIES}); its console is in {}",
+                        secs(boot_timings.exit),
+                        early_crashes.len() + 2,
+                        cfg.console_log.with_extension(format!("{tag}.log")).display()
+                    ));
+                    guest_run += boot_timings.exit;
+                    early_crashes.push(line);
+                    live = Live {
+                        total: steps.len(),
+                        start: Some(Instant::now()),
+                        ..Live::default()
+                    };
+                }
+                _ => {
+                    retried_boots += early_crashes.len();
+                    break (outcome, boot_log, boot_timings);
+                }
+            }
+        };
         live.update(&boot_log, true);
         guest_run += boot_timings.exit;
         let before = problems.len();
@@ -485,6 +535,7 @@ fn run(args: &Args) -> Result<bool, Failure> {
             "power_cut": cut_step.map(|c| steps[c].name.clone()),
             "guest_run_s": boot_timings.exit.as_secs_f64(),
             "boot_to_init_s": boot_timings.init.map(|d| d.as_secs_f64()),
+            "early_kernel_crashes": early_crashes,
         }));
         if timings.is_none() {
             log.init_t = boot_log.init_t;
@@ -586,8 +637,15 @@ fn run(args: &Args) -> Result<bool, Failure> {
     }
     if ok {
         say(&format!(
-            "lab: PASS: {} step(s) ok; logs in {}",
+            "lab: PASS: {} step(s) ok{}; logs in {}",
             steps.len(),
+            if retried_boots > 0 {
+                format!(
+                    " ({retried_boots} boot(s) tried again after the guest kernel crashed before /init)"
+                )
+            } else {
+                String::new()
+            },
             run_dir.display()
         ));
     } else {
@@ -739,5 +797,45 @@ fn print_output(output: &str) {
     }
     for l in &lines[skip..] {
         say(&format!("    | {l}"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::ExitStatus;
+
+    fn console(name: &str, text: &str) -> PathBuf {
+        let p = std::env::temp_dir().join(format!("aios-lab-{}-{name}.log", std::process::id()));
+        fs::write(&p, text).unwrap();
+        p
+    }
+
+    #[test]
+    fn only_a_kernel_crash_before_init_is_worth_another_boot() {
+        let oops = "[    2.09] Oops: int3: 0000 [#1] PREEMPT SMP NOPTI\n[    2.10] Kernel panic - not syncing\n";
+        let crashed = console("crashed", oops);
+        let quiet = console("quiet", "[    1.00] random: crng init done\n");
+        let exited = Outcome::Exited(ExitStatus::from_raw(0));
+        let none = Log::default();
+        assert_eq!(
+            early_kernel_crash(&exited, &none, &crashed).as_deref(),
+            Some("[    2.09] Oops: int3: 0000 [#1] PREEMPT SMP NOPTI")
+        );
+        // No trouble on the console: the guest stopped for some other reason.
+        assert_eq!(early_kernel_crash(&exited, &none, &quiet), None);
+        // A hang is not retried: it already cost the whole timeout.
+        assert_eq!(
+            early_kernel_crash(&Outcome::TimedOut, &none, &crashed),
+            None
+        );
+        // Once /init has reported, the guest's own code ran: a crash then is a result.
+        let after_init = results::parse("@@AIOS-LAB init t=1.50\n");
+        assert_eq!(early_kernel_crash(&exited, &after_init, &crashed), None);
+        let step_begun = results::parse("@@AIOS-LAB step 1 begin x t=1\n");
+        assert_eq!(early_kernel_crash(&exited, &step_begun, &crashed), None);
+        let _ = fs::remove_file(crashed);
+        let _ = fs::remove_file(quiet);
     }
 }
