@@ -70,9 +70,21 @@ pub struct Args {
     /// Exit 0 after "LAB SKIPPED" when this machine cannot run QEMU (otherwise exit 3).
     #[arg(long)]
     skip_if_unavailable: bool,
+    /// QEMU's TCG threading: `multi` (a host thread per vCPU), `single` (one host thread for
+    /// all vCPUs: slower, immune to the boot-time text-patching oops), or `auto` (single for
+    /// 7.x kernels, which oops under multi-threaded TCG every time; multi otherwise).
+    #[arg(long, value_enum, default_value_t = Tcg::Auto)]
+    tcg: Tcg,
     /// Print the default plan and exit.
     #[arg(long)]
     list: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Tcg {
+    Auto,
+    Single,
+    Multi,
 }
 
 enum Failure {
@@ -298,16 +310,25 @@ fn run(args: &Args) -> Result<bool, Failure> {
         qemu_log: run_dir.join("qemu.log"),
         memory_mib: 2048,
         smp: 2,
-        single_thread_tcg: kernel
-            .version
-            .split('.')
-            .next()
-            .and_then(|m| m.parse::<u32>().ok())
-            .is_some_and(|major| major >= 7),
+        single_thread_tcg: match args.tcg {
+            Tcg::Single => true,
+            Tcg::Multi => false,
+            Tcg::Auto => kernel
+                .version
+                .split('.')
+                .next()
+                .and_then(|m| m.parse::<u32>().ok())
+                .is_some_and(|major| major >= 7),
+        },
         boot: 1,
     };
     say(&format!(
-        "lab: booting (TCG, {} MiB NVMe{}, timeout {} s{}) …",
+        "lab: booting ({} TCG, {} MiB NVMe{}, timeout {} s{}) …",
+        if cfg.single_thread_tcg {
+            "single-threaded"
+        } else {
+            "multi-threaded"
+        },
         args.disk_mib,
         if cfg.pmr.is_some() {
             " with 1 MiB PMR"
