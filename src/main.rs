@@ -298,6 +298,10 @@ struct OrderedArgs {
     /// Rounds (alternating order; figures are medians).
     #[arg(long, default_value_t = 3)]
     rounds: u32,
+    /// Rio: send a background FLUSH once this many completed writes wait for one (0: only
+    /// `wait` and a full log FLUSH). Capped at half the attribute log's slots.
+    #[arg(long, default_value_t = aios::rio::OrderedConfig::default().flush_ahead)]
+    flush_ahead: usize,
     /// Size of a file the bench creates (when --device names a path that does not exist).
     #[arg(long, default_value = "256m", value_parser = parse_size)]
     size: u64,
@@ -1496,6 +1500,7 @@ fn cmd_bench_ordered(a: OrderedArgs) -> Result<(), BenchError> {
         seconds: a.seconds,
         sim_writes: a.sim_writes,
         rounds: a.rounds.max(1),
+        flush_ahead: a.flush_ahead,
     };
     if !a.json {
         match &target {
@@ -1996,6 +2001,7 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
             seconds: (a.seconds / 2.0).max(0.2),
             sim_writes: 5_000,
             rounds: a.rounds,
+            flush_ahead: aios::rio::OrderedConfig::default().flush_ahead,
         };
         let (all, meds) = ob.run(&progress, &mut |_| {})?;
         aios::bench::ordered::print_header(&mut std::io::stdout()).map_err(io_err)?;

@@ -147,6 +147,9 @@ pub struct OrderedBench {
     /// Writes per stream per run (sim).
     pub sim_writes: u64,
     pub rounds: u32,
+    /// Rio's background FLUSH after this many completed writes
+    /// ([`OrderedConfig::flush_ahead`]; 0: none).
+    pub flush_ahead: usize,
 }
 
 struct Run {
@@ -394,7 +397,15 @@ impl OrderedBench {
                 )
                 .map_err(|e| BenchError::Setup(format!("block log: {e}")))?;
                 run_rio(
-                    &engine, lbio, dev, region, &mut offs, self.qd, batch, &budget,
+                    &engine,
+                    lbio,
+                    dev,
+                    region,
+                    &mut offs,
+                    self.qd,
+                    batch,
+                    self.flush_ahead,
+                    &budget,
                 )?
             }
             (OrderedMode::Rio, ..) => run_rio(
@@ -405,6 +416,7 @@ impl OrderedBench {
                 &mut offs,
                 self.qd,
                 batch,
+                self.flush_ahead,
                 &budget,
             )?,
             (OrderedMode::Sync, ..) => run_sync(&engine, &dev, &mut offs, &budget)?,
@@ -503,6 +515,7 @@ fn run_rio<P: Pmr>(
     offs: &mut Offsets,
     qd: u32,
     batch: u32,
+    flush_ahead: usize,
     budget: &Budget,
 ) -> Result<Run, BenchError> {
     let rio = |e: rio_ordering::RioError| BenchError::Setup(format!("rio: {e}"));
@@ -519,6 +532,7 @@ fn run_rio<P: Pmr>(
         OrderedConfig {
             batch: batch as usize,
             merge: true,
+            flush_ahead,
             ..OrderedConfig::default()
         },
     )
