@@ -202,6 +202,11 @@ impl IoConn {
             }
         };
         self.sent += 1;
+        // The quiet clock runs from the first command out: a connection left idle for longer
+        // than `io_timeout` is not silent when its next command has only just gone out.
+        if self.outstanding == 0 {
+            self.last_progress = Instant::now();
+        }
         self.outstanding += 1;
         self.cmds[cid as usize] = Some(ICmd {
             kind,

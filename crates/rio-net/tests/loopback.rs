@@ -147,3 +147,40 @@ fn writes_larger_than_the_capsule_go_by_r2t() {
         }
     }
 }
+
+#[test]
+fn a_connection_left_idle_longer_than_the_io_timeout_is_not_taken_for_dead() {
+    let (a, _ra) = start_target("idle", TargetLogKind::Mem(1 << 20));
+    let mut cfg = VolumeConfig::new(vec![a], 2);
+    cfg.io_timeout = std::time::Duration::from_millis(200);
+    let (mut v, _) = Volume::open(cfg).unwrap();
+    for s in 0..2u16 {
+        let mut buf = v.alloc(4096).unwrap();
+        pattern(s, 1, &mut buf);
+        v.submit(s, s as u64 * 4096, buf, true).unwrap();
+        v.wait(s).unwrap();
+    }
+    let _ = v.poll().unwrap();
+    let recoveries = v.stats().recoveries; // opening the volume is one
+                                           // Both streams' connections sit idle for twice the timeout; then each reads.
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    for s in 0..2u16 {
+        let buf = v.alloc(4096).unwrap();
+        v.read(s, s as u64 * 4096, buf).unwrap();
+        let d = v.wait_any().unwrap();
+        assert_eq!(d.len(), 1);
+        assert_eq!(
+            d[0].result,
+            Ok(()),
+            "stream {s}'s read after the idle spell"
+        );
+        let mut want = vec![0u8; 4096];
+        pattern(s, 1, &mut want);
+        assert!(d[0].buf[..] == want[..]);
+    }
+    assert_eq!(
+        v.stats().recoveries,
+        recoveries,
+        "an idle connection was taken for a failed one"
+    );
+}
