@@ -406,9 +406,23 @@ struct PagecacheArgs {
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
+    /// How each reader's thread waits for its completions (raw lbio and the cache alike).
+    #[arg(long, value_enum, default_value_t = PcCompletionArg::Auto)]
+    completion: PcCompletionArg,
     /// Where the CDF plots go (PNG and SVG).
     #[arg(long, default_value = "aios-report")]
     out: PathBuf,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum PcCompletionArg {
+    /// Busy-poll while a CPU is left over for the kernel's side of the I/O (the loop device's
+    /// worker), sleep when there are as many threads as CPUs.
+    Auto,
+    /// Sleep in io_uring_enter until the completion arrives.
+    Wait,
+    /// Spin on the completion queue.
+    Poll,
 }
 
 #[derive(Clone, Copy)]
@@ -1355,6 +1369,11 @@ fn cmd_bench_pagecache(a: PagecacheArgs) -> Result<(), BenchError> {
         rounds: a.rounds.max(1),
         cache_bytes: a.cache as usize,
         hot_sets: a.hot.clone(),
+        completion: match a.completion {
+            PcCompletionArg::Auto => None,
+            PcCompletionArg::Wait => Some(CompletionMode::Wait),
+            PcCompletionArg::Poll => Some(CompletionMode::BusyPoll),
+        },
     };
     if !a.json {
         eprintln!("device: {}", target.describe());
@@ -1897,6 +1916,7 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
         // The cache's frames are pinned: without CAP_IPC_LOCK, what RLIMIT_MEMLOCK allows.
         cache_bytes: aios::bench::arena_within_memlock(64 << 20, 1),
         hot_sets: vec![(1u64 << 20).min(aios::bench::arena_within_memlock(64 << 20, 1) as u64 / 2)],
+        completion: None,
     };
     let (pc_all, pc_meds) = pc.run(&progress, &mut |_| {})?;
     aios::bench::pagecache::print_header(&mut std::io::stdout()).map_err(io_err)?;

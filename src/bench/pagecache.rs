@@ -142,6 +142,9 @@ pub struct PagecacheBench {
     pub cache_bytes: usize,
     /// Hot-set sizes of the hit workloads (each one a run per reader).
     pub hot_sets: Vec<u64>,
+    /// How every reader's thread waits for completions; `None`: [`completion_for`] its thread
+    /// count. Raw lbio and the cache's readers always wait the same way in one run.
+    pub completion: Option<CompletionMode>,
 }
 
 /// One measured run, a table row or a JSON line: the foundation's fields plus `mode`, `bs` as
@@ -496,6 +499,9 @@ impl PagecacheBench {
                             seconds: self.seconds,
                             seed,
                             path: &self.path,
+                            completion: self
+                                .completion
+                                .unwrap_or_else(|| completion_for(c.threads)),
                             cache,
                             file,
                             start: barrier,
@@ -615,6 +621,7 @@ struct ThreadCtx<'a> {
     seconds: f64,
     seed: u64,
     path: &'a std::path::Path,
+    completion: CompletionMode,
     cache: Option<Arc<PageCache>>,
     file: Option<FileId>,
     start: &'a Barrier,
@@ -672,8 +679,7 @@ impl ThreadCtx<'_> {
                 buf: PageAligned::new(bs, 0),
             },
             Reader::Lbio => {
-                let (engine, lbio, dev) =
-                    thread_stack(self.path, 2 * bs, completion_for(self.case.threads), false)?;
+                let (engine, lbio, dev) = thread_stack(self.path, 2 * bs, self.completion, false)?;
                 Prepared::Lbio {
                     engine,
                     _lbio: lbio,
@@ -687,12 +693,8 @@ impl ThreadCtx<'_> {
                 };
                 let cache = self.cache.as_ref().expect("cache cases carry a cache");
                 let file = self.file.expect("cache cases carry a file");
-                let (engine, lbio, dev) = thread_stack(
-                    self.path,
-                    (2 * bs).max(1 << 20),
-                    completion_for(self.case.threads),
-                    false,
-                )?;
+                let (engine, lbio, dev) =
+                    thread_stack(self.path, (2 * bs).max(1 << 20), self.completion, false)?;
                 // Cold runs pair every miss with a raw lbio read of another block on the same
                 // engine, so the two are compared under the same conditions.
                 let paired = if self.case.hot {
