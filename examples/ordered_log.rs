@@ -20,17 +20,15 @@
 //! without a FLUSH. Recovery still keeps only what the log proves durable (on a device with a
 //! volatile write cache: up to the last logged FLUSH), which is what a power cut would leave.
 
-use std::error::Error;
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
 use std::rc::Rc;
-use std::sync::mpsc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use aios::core::{Engine, EngineConfig, FixedBuf};
+use aios::core::{Engine, FixedBuf};
 use aios::lbio::{Device, DeviceConfig, LbioArray, LbioConfig};
 use aios::rio::{recover, scan, AttrLog, FilePmr, OrderedConfig, OrderedDevice, Write};
+
+mod common;
+use common::Res;
 
 const BS: usize = 4096;
 /// Records the writer appends at most (the data file's size in blocks).
@@ -42,27 +40,13 @@ const LOG_BYTES: usize = 256 << 10;
 const MORE: u64 = 256;
 const MAGIC: &[u8; 8] = b"aiosrec1";
 
-type Res<T> = Result<T, Box<dyn Error>>;
-
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some("writer") {
         let dir = args.get(1).ok_or("writer: no directory given")?;
         return writer(Path::new(dir));
     }
-    let (dir, scratch) = match args.first() {
-        Some(d) => (PathBuf::from(d), false),
-        None => (
-            PathBuf::from(format!("/var/tmp/aios-ordered-log-{}", std::process::id())),
-            true,
-        ),
-    };
-    std::fs::create_dir_all(&dir)?;
-    let result = run(&dir);
-    if scratch {
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-    result
+    common::in_workdir("ordered-log", run)
 }
 
 fn run(dir: &Path) -> Res<()> {
@@ -71,46 +55,9 @@ fn run(dir: &Path) -> Res<()> {
     let _ = std::fs::remove_file(dir.join("attr.log"));
     std::fs::File::create(&data)?.set_len(RECORDS * BS as u64)?;
 
-    let mut child = Command::new(std::env::current_exe()?)
-        .arg("writer")
-        .arg(dir)
-        .stdout(Stdio::piped())
-        .spawn()?;
-    let out = child.stdout.take().ok_or("the writer's stdout")?;
-    let (tx, rx) = mpsc::channel();
-    let reader = std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    // Wait for the first acknowledgement, then let the writer go on for 50-450 ms.
-    let first = rx
-        .recv_timeout(Duration::from_secs(30))
-        .map_err(|_| "the writer acknowledged nothing within 30 s")?;
-    let mut acked = acked_count(&first);
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH)?.subsec_nanos();
-    let run_for = Duration::from_millis(50 + (nanos % 400) as u64);
-    std::thread::sleep(run_for);
-    let finished = child.try_wait()?.is_some();
-    if !finished {
-        child.kill()?; // SIGKILL
-    }
-    let status = child.wait()?;
-    reader.join().map_err(|_| "the reader thread panicked")?;
-    for line in rx.try_iter() {
-        acked = acked.max(acked_count(&line));
-    }
-    println!(
-        "writer: {} after {} ms with {acked} records acknowledged",
-        if finished {
-            format!("finished on its own ({status})")
-        } else {
-            "killed with SIGKILL".to_string()
-        },
-        run_for.as_millis()
-    );
+    let writer = common::run_writer_and_kill(dir)?;
+    let acked = writer.acked;
+    println!("writer: {writer} with {acked} records acknowledged");
 
     // Recovery: what the attribute log proves durable.
     let (engine, lbio, dev) = open_data(dir)?;
@@ -162,24 +109,7 @@ fn run(dir: &Path) -> Res<()> {
 
 /// An engine, its lbio array, and `DIR/data.img` open for writing on it.
 fn open_data(dir: &Path) -> Res<(Rc<Engine>, Rc<LbioArray>, Device)> {
-    let engine = Engine::new(EngineConfig {
-        arena_bytes: 4 << 20,
-        ..EngineConfig::default()
-    })?;
-    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default())?;
-    let config = DeviceConfig {
-        write: true,
-        ..DeviceConfig::default()
-    };
-    let dev = Device::open(&lbio, &dir.join("data.img"), config)?;
-    Ok((engine, lbio, dev))
-}
-
-/// `acked N` → N.
-fn acked_count(line: &str) -> u64 {
-    line.strip_prefix("acked ")
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
+    common::open_writable(&dir.join("data.img"))
 }
 
 /// The writer process: append records until killed (or until the file is full).

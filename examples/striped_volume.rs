@@ -21,14 +21,16 @@
 //! checked, and a new initiator opens the volume, as a restarted application would. It finds
 //! each stream's durable prefix ending right after the last record and nothing to discard.
 
-use std::error::Error;
 use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use aios::rio_net::{Target, TargetConfig, TargetLogKind, Volume, VolumeConfig};
+
+mod common;
+use common::Res;
 
 const BS: usize = 4096;
 /// Each target's data file.
@@ -44,8 +46,6 @@ const KILL_AT: u64 = 640;
 /// How long the killed target stays down.
 const DOWN: Duration = Duration::from_millis(300);
 
-type Res<T> = Result<T, Box<dyn Error>>;
-
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some("target") {
@@ -54,22 +54,7 @@ fn main() -> Res<()> {
             _ => Err("usage: striped_volume target DIR INDEX ADDR".into()),
         };
     }
-    let (dir, scratch) = match args.first() {
-        Some(d) => (PathBuf::from(d), false),
-        None => (
-            PathBuf::from(format!(
-                "/var/tmp/aios-striped-volume-{}",
-                std::process::id()
-            )),
-            true,
-        ),
-    };
-    std::fs::create_dir_all(&dir)?;
-    let result = run(&dir);
-    if scratch {
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-    result
+    common::in_workdir("striped-volume", run)
 }
 
 /// A target server process, killed when dropped.

@@ -54,7 +54,7 @@ rm -f "$log"
 read -r passed failed ignored <<<"$totals"
 
 step "examples run"
-for ex in blocking async_engine tokio_driver ordered_log striped_volume; do
+for ex in blocking async_engine tokio_driver ordered_log striped_volume kv_journal; do
     cargo run -q --example "$ex"
 done
 
