@@ -161,8 +161,9 @@ fn a_connection_left_idle_longer_than_the_io_timeout_is_not_taken_for_dead() {
         v.wait(s).unwrap();
     }
     let _ = v.poll().unwrap();
-    let recoveries = v.stats().recoveries; // opening the volume is one
-                                           // Both streams' connections sit idle for twice the timeout; then each reads.
+    // Opening the volume was one recovery; there must be no other.
+    let recoveries = v.stats().recoveries;
+    // Both streams' connections sit idle for twice the timeout; then each reads.
     std::thread::sleep(std::time::Duration::from_millis(400));
     for s in 0..2u16 {
         let buf = v.alloc(4096).unwrap();
