@@ -339,7 +339,11 @@ struct FsyncArgs {
     #[arg(long, default_value = "auto", value_parser = parse_durability)]
     durability: DurabilityArg,
     /// Modes to run.
-    #[arg(long, value_delimiter = ',', default_value = "vanilla,overlapped,ext4")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "vanilla,overlapped,one-write,ext4"
+    )]
     modes: Vec<aios::bench::fsync::FsyncMode>,
     /// Seconds per run.
     #[arg(long, default_value_t = 1.0)]

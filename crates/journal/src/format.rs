@@ -35,6 +35,12 @@ pub const FLAG_FILE_TX: u32 = 1;
 /// of this block on the area's stream, and recovery keeps the transaction only when the
 /// attribute log shows that group durable.
 pub const FLAG_RIO: u32 = 2;
+/// On a commit block: a one-write commit ([`crate::CommitMode::OneWrite`]). The block went to
+/// the device in the same write as the transaction's other log blocks, which hold the data
+/// blocks too, so only the chained checksum tells a whole transaction from a torn one. An intact
+/// one-write commit block over contents that fail the checksum is therefore a torn tail, not
+/// evidence of damage.
+pub const FLAG_ONE_WRITE: u32 = 4;
 /// The superblock's checksum covers its first sector up to here.
 pub const SB_CRC_AT: usize = 508;
 

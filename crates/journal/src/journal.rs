@@ -16,7 +16,8 @@ use rio_ordering::{AttrLog, LogScan, OrderedConfig, OrderedDevice, Pmr};
 
 use crate::error::JournalError;
 use crate::format::{
-    self, Header, Kind, Superblock, BLOCK, FLAG_FILE_TX, FLAG_RIO, REVOKES_PER_BLOCK, TAGS_PER_DESC,
+    self, Header, Kind, Superblock, BLOCK, FLAG_FILE_TX, FLAG_ONE_WRITE, FLAG_RIO,
+    REVOKES_PER_BLOCK, TAGS_PER_DESC,
 };
 use crate::recovery::{self, AreaLog, LogEnd};
 
@@ -88,6 +89,15 @@ pub enum CommitMode {
     /// AIOS §3.3: prepare journal and commit blocks while the data writes are in flight, issue
     /// the journal writes without waiting for the data, wait for all, FLUSH, commit with FUA.
     Overlapped,
+    /// One device round trip per commit: the data blocks are journaled too (as in a data-journaling
+    /// file system), and the commit block goes out in the same write as the other log blocks,
+    /// with the data also written in place alongside; then one wait (FUA writes, or a FLUSH
+    /// after plain ones). Nothing orders the commit block after the rest, so recovery tells a
+    /// whole transaction from a torn one by the commit block's chained checksum alone, which
+    /// now covers the data too. The price: every data block is written twice (log and home),
+    /// the log fills faster, and damage inside an area's last transaction reads as a torn tail
+    /// (dropped) rather than as corruption, which the two-phase modes can tell apart.
+    OneWrite,
 }
 
 impl CommitMode {
@@ -95,6 +105,7 @@ impl CommitMode {
         match self {
             CommitMode::Vanilla => "vanilla",
             CommitMode::Overlapped => "overlapped",
+            CommitMode::OneWrite => "one-write",
         }
     }
 }
@@ -269,7 +280,7 @@ impl Tx {
     /// block both write ends as `later` has it and `later`'s revokes cancel our metadata for
     /// the block. Refused (false, `self` unchanged) when the union would not fit `log_len` log
     /// blocks or when `later` writes in place a block this one journals.
-    fn absorb(&mut self, later: &Tx, log_len: u64) -> bool {
+    fn absorb(&mut self, later: &Tx, log_len: u64, data_logged: bool) -> bool {
         let journals = |b: &u64| self.metas.iter().any(|(m, _)| m == b);
         if later
             .data
@@ -298,15 +309,22 @@ impl Tx {
                 None => m.metas.push((*b, d.clone())),
             }
         }
-        if m.log_blocks() > log_len {
+        if m.log_blocks_with(data_logged) > log_len {
             return false;
         }
         *self = m;
         true
     }
 
+    /// Log blocks the transaction takes in the two-phase modes (a [`CommitMode::OneWrite`]
+    /// commit journals the data blocks too).
     pub fn log_blocks(&self) -> u64 {
-        format::tx_blocks(self.metas.len(), self.revokes.len())
+        self.log_blocks_with(false)
+    }
+
+    fn log_blocks_with(&self, data_logged: bool) -> u64 {
+        let logged = self.metas.len() + if data_logged { self.data.len() } else { 0 };
+        format::tx_blocks(logged, self.revokes.len())
     }
 }
 
@@ -438,7 +456,8 @@ pub struct JournalSet {
     next_tid: AtomicU64,
     /// Commits hold it shared; a checkpoint holds it alone (no commit runs meanwhile).
     gate: RwLock<()>,
-    /// Committed metadata not yet checkpointed: block → (tid, bytes), newest only.
+    /// Committed metadata not yet checkpointed: block → (tid, bytes), newest only. No bytes: a
+    /// one-write commit's data block, written home already (a checkpoint only flushes it).
     versions: Mutex<HashMap<u64, (u64, Vec<u8>)>>,
     /// A commit or checkpoint failed part-way: the on-disk log may hold blocks this process no
     /// longer accounts for, so nothing more is written until the journal is reopened (recovery).
@@ -1004,7 +1023,7 @@ impl Journal {
             return Err(JournalError::EmptyTx);
         }
         let log_len = self.set.log_len(self.area);
-        let needed = tx.log_blocks();
+        let needed = self.log_blocks(tx);
         if needed > log_len {
             return Err(JournalError::TxTooLarge {
                 needed,
@@ -1097,9 +1116,10 @@ impl Journal {
             // A transaction that would be refused for writing in place over journaled blocks
             // commits by itself, so that its error stays its own.
             let fits = |t: &Tx| self.data_conflict(t).is_none();
+            let one_write = self.mode == CommitMode::OneWrite;
             let own_ok = fits(own);
             while let Some(w) = area.queue.pop_front() {
-                if own_ok && w.joinable && fits(&w.tx) && m.absorb(&w.tx, log_len) {
+                if own_ok && w.joinable && fits(&w.tx) && m.absorb(&w.tx, log_len, one_write) {
                     members.push(w);
                 } else {
                     rest.push_back(w);
@@ -1149,10 +1169,11 @@ impl Journal {
     /// Write `tx` into the area (checkpointing first when the log lacks room) and make it
     /// durable; the caller leads the area. `members` commits are in it.
     fn commit_led(&self, tx: &Tx, members: u64) -> Result<CommitInfo, JournalError> {
-        let needed = tx.log_blocks();
         loop {
             {
                 let _shared = self.set.gate.read().unwrap_or_else(|p| p.into_inner());
+                let tx = &*self.with_implied_revokes(tx);
+                let needed = self.log_blocks(tx);
                 let head = {
                     let area = self.set.lock_area(self.area);
                     (self.set.log_len(self.area) - (area.head - area.tail) >= needed)
@@ -1173,6 +1194,12 @@ impl Journal {
                     for b in &tx.revokes {
                         versions.remove(b);
                     }
+                    // One-write data is home already (written before the commit returned): the
+                    // checkpoint's FLUSH is all it needs, so only its id is kept (no bytes).
+                    let home_done = self.mode == CommitMode::OneWrite && self.rio.is_none();
+                    for (b, _) in tx.data.iter().filter(|_| home_done) {
+                        versions.insert(*b, (tid, Vec::new()));
+                    }
                     for (b, d) in &tx.metas {
                         versions.insert(*b, (tid, d.clone()));
                     }
@@ -1192,14 +1219,66 @@ impl Journal {
         }
     }
 
+    /// Log blocks `tx` takes in this handle's mode.
+    fn log_blocks(&self, tx: &Tx) -> u64 {
+        tx.log_blocks_with(self.mode == CommitMode::OneWrite && self.rio.is_none())
+    }
+
+    /// The blocks `tx` journals, in log order: in the one-write mode its data blocks, then its
+    /// metadata (a block in both ends as the metadata has it, on replay as in the two-phase
+    /// modes after a checkpoint).
+    fn logged<'t>(&self, tx: &'t Tx) -> impl Iterator<Item = &'t (u64, Vec<u8>)> + Clone {
+        let data: &[(u64, Vec<u8>)] = if self.mode == CommitMode::OneWrite && self.rio.is_none() {
+            &tx.data
+        } else {
+            &[]
+        };
+        data.iter().chain(&tx.metas)
+    }
+
     /// A block `tx` writes in place that holds journaled metadata not yet checkpointed (and
-    /// that `tx` does not revoke).
+    /// that `tx` does not revoke). None in the one-write mode: its data is journaled too, and
+    /// replay (newest id last) and checkpoints write the newer version.
+    ///
+    /// A one-write commit's data block is no conflict either: [`Self::with_implied_revokes`]
+    /// revokes its journaled copy (the in-place write is the newer version).
     fn data_conflict(&self, tx: &Tx) -> Option<u64> {
+        if self.mode == CommitMode::OneWrite && self.rio.is_none() {
+            return None;
+        }
         let versions = self.set.lock_versions();
         tx.data
             .iter()
-            .find(|(b, _)| versions.contains_key(b) && !tx.revokes.contains(b))
+            .find(|(b, _)| {
+                versions.get(b).is_some_and(|(_, d)| !d.is_empty()) && !tx.revokes.contains(b)
+            })
             .map(|(b, _)| *b)
+    }
+
+    /// `tx`, revoking the blocks it writes in place whose newest journaled version is a
+    /// one-write commit's data (home already): replay must not put that older copy back over
+    /// this write. Unchanged (no copy) in the usual case.
+    fn with_implied_revokes<'t>(&self, tx: &'t Tx) -> std::borrow::Cow<'t, Tx> {
+        use std::borrow::Cow;
+        if (self.mode == CommitMode::OneWrite && self.rio.is_none()) || tx.data.is_empty() {
+            return Cow::Borrowed(tx);
+        }
+        let versions = self.set.lock_versions();
+        let implied: Vec<u64> = tx
+            .data
+            .iter()
+            .map(|(b, _)| *b)
+            .filter(|b| {
+                versions.get(b).is_some_and(|(_, d)| d.is_empty()) && !tx.revokes.contains(b)
+            })
+            .collect();
+        drop(versions);
+        if implied.is_empty() {
+            return Cow::Borrowed(tx);
+        }
+        let mut t = tx.clone();
+        t.revokes.extend(implied);
+        Cow::Owned(t)
     }
 
     fn check_aborted(&self) -> Result<(), JournalError> {
@@ -1216,12 +1295,13 @@ impl Journal {
             Some(f) => (FLAG_FILE_TX, f),
             None => (0, 0),
         };
-        let mut out = Vec::with_capacity(tx.log_blocks() as usize);
+        let mut out = Vec::with_capacity(self.log_blocks(tx) as usize);
         let mut chain = 0u32;
-        let groups: Vec<&[(u64, Vec<u8>)]> = if tx.metas.is_empty() {
+        let logged: Vec<&(u64, Vec<u8>)> = self.logged(tx).collect();
+        let groups: Vec<&[&(u64, Vec<u8>)]> = if logged.is_empty() {
             vec![&[]]
         } else {
-            tx.metas.chunks(TAGS_PER_DESC).collect()
+            logged.chunks(TAGS_PER_DESC).collect()
         };
         for group in groups {
             let mut d = alloc(&self.engine)?;
@@ -1282,6 +1362,8 @@ impl Journal {
         };
         if rio_group.is_some() {
             flags |= FLAG_RIO;
+        } else if self.mode == CommitMode::OneWrite {
+            flags |= FLAG_ONE_WRITE;
         }
         let mut c = alloc(&self.engine)?;
         Header {
@@ -1403,6 +1485,42 @@ impl Journal {
             r
         }
         let c = match self.mode {
+            CommitMode::OneWrite => {
+                // The data in place (plain writes: the log copy is what makes it durable; a
+                // checkpoint's FLUSH makes the home copy durable before the log is reused).
+                let data = timed(&mut prep, || self.data_bufs(tx));
+                let mut w = Inflight::new();
+                {
+                    let _plug = self.engine.plug();
+                    for (b, buf) in data? {
+                        w.start(dev.write_at(b * BLOCK as u64, buf, false));
+                    }
+                }
+                // The log blocks, the data among them, with the commit block last: one write
+                // (two where the log wraps).
+                let (mut blocks, chain) = timed(&mut prep, || self.prepare_journal(tx, tid))?;
+                let n = blocks.len();
+                let c = timed(&mut prep, || self.prepare_commit(tx, tid, n, chain, None));
+                blocks.push(c?);
+                let runs = timed(&mut prep, || self.log_runs(blocks, head));
+                let log_fua = fua && commit_fua;
+                {
+                    let _plug = self.engine.plug();
+                    for (at, buf) in runs? {
+                        w.start(dev.write_at(at, buf, log_fua));
+                    }
+                }
+                w.wait(&self.engine)?;
+                add(&st.writes_ns, start);
+                let t = Instant::now();
+                if !log_fua {
+                    self.flush()?;
+                }
+                add(&st.flush_ns, t);
+                st.prepare_ns
+                    .fetch_add(prep.as_nanos() as u64, Ordering::Relaxed);
+                return Ok(());
+            }
             CommitMode::Vanilla => {
                 let data = timed(&mut prep, || self.data_bufs(tx));
                 let mut w = Inflight::new();
@@ -1569,6 +1687,7 @@ impl Journal {
         let snapshot: Vec<(u64, Vec<u8>)> = set
             .lock_versions()
             .iter()
+            .filter(|(_, (_, d))| !d.is_empty())
             .map(|(b, (_, d))| (*b, d.clone()))
             .collect();
         write_home(&self.dev, snapshot.iter().map(|(b, d)| (*b, d.as_slice())))?;

@@ -7,12 +7,15 @@
 //! is told by what lies beyond: a transaction's commit is only written after every earlier
 //! transaction of the area is durable, so a valid commit block with a larger id anywhere in the
 //! area (or the broken transaction's own commit, intact, over damaged contents) means the log was
-//! damaged after it was written.
+//! damaged after it was written. A one-write commit block goes out with its transaction's other
+//! blocks, so it vouches for the transactions before it, not for its own.
 
 use std::collections::HashMap;
 
 use crate::error::JournalError;
-use crate::format::{self, Header, Kind, Superblock, BLOCK, FLAG_FILE_TX, FLAG_RIO};
+use crate::format::{
+    self, Header, Kind, Superblock, BLOCK, FLAG_FILE_TX, FLAG_ONE_WRITE, FLAG_RIO,
+};
 
 /// A committed transaction found in a log.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,11 +62,27 @@ struct Broken {
     /// Its id, when its first descriptor was readable.
     tid: Option<u64>,
     pos: u64,
-    /// Its commit block was found intact but the contents do not match it.
-    commit_intact: bool,
-    /// That commit block's Rio group, when it is a Rio-ordered commit.
-    commit_rio: Option<u64>,
+    /// Its commit block, when it was found intact but the contents do not match it.
+    commit: Option<CommitSeen>,
     why: String,
+}
+
+/// An intact commit block found past a broken transaction's contents.
+#[derive(Clone, Copy)]
+struct CommitSeen {
+    /// Its Rio group, when it is a Rio-ordered commit.
+    rio: Option<u64>,
+    /// A one-write commit (written with the contents: it proves nothing about them).
+    one_write: bool,
+}
+
+impl CommitSeen {
+    fn of(h: &Header, b: &[u8]) -> CommitSeen {
+        CommitSeen {
+            rio: rio_group(h, b),
+            one_write: h.flags & FLAG_ONE_WRITE != 0,
+        }
+    }
 }
 
 /// Parse area `index` from its bytes (superblock first, the whole area).
@@ -146,12 +165,21 @@ pub fn parse_area_rio(
         }
         max_tid_seen = max_tid_seen.max(h.tid);
         let beyond = broken.as_ref().and_then(|b| b.tid).unwrap_or(last_tid);
-        if h.kind == Kind::Commit && h.tid > beyond && evidence(rio_group(&h, b)) {
+        // A one-write commit block is written with its transaction's other blocks, so it proves
+        // only the transactions before it: the commit of the transaction that should start
+        // where the scan stopped (its descriptor lost, the commit landed) is that torn tail's.
+        let own_torn_commit = h.flags & FLAG_ONE_WRITE != 0
+            && (p + log_len - format::get_u32(b, format::HEADER) as u64 % log_len) % log_len == pos;
+        if h.kind == Kind::Commit
+            && h.tid > beyond
+            && !own_torn_commit
+            && evidence(rio_group(&h, b))
+        {
             newer_commit = Some(p);
         }
     }
     let end = match broken {
-        Some(b) if b.commit_intact && evidence(b.commit_rio) => LogEnd::Corrupt {
+        Some(b) if b.commit.is_some_and(|c| !c.one_write && evidence(c.rio)) => LogEnd::Corrupt {
             pos: b.pos,
             why: format!("{} (its commit block is intact)", b.why),
         },
@@ -200,11 +228,10 @@ fn parse_tx<'a>(
     }
     let tid = h.tid;
     let file = (h.flags & FLAG_FILE_TX != 0).then_some(h.file);
-    let broken = |n: u64, commit: Option<Option<u64>>, why: String| Broken {
+    let broken = |n: u64, commit: Option<CommitSeen>, why: String| Broken {
         tid: Some(tid),
         pos: pos + n,
-        commit_intact: commit.is_some(),
-        commit_rio: commit.flatten(),
+        commit,
         why: format!("transaction {tid}: {why}"),
     };
     let mut chain = 0u32;
@@ -254,11 +281,12 @@ fn parse_tx<'a>(
             Some(Kind::Commit) => {
                 let blocks = format::get_u32(b, format::HEADER) as u64;
                 let crc = format::get_u32(b, format::HEADER + 4);
-                let rio_group = h.and_then(|h| rio_group(&h, b));
+                let seen = h.map(|h| CommitSeen::of(&h, b));
+                let rio_group = seen.and_then(|c| c.rio);
                 if blocks != n || crc != chain {
                     return Err(broken(
                         n,
-                        Some(rio_group),
+                        seen,
                         format!(
                             "commit block says {blocks} blocks with checksum {crc:#x}, the log has {n} with {chain:#x}"
                         ),
@@ -347,19 +375,19 @@ pub(crate) fn check_rio_prefix(
     }
 }
 
-/// An intact commit block of `tid` within the next `room` log blocks: `Some(its Rio group)`.
+/// An intact commit block of `tid` within the next `room` log blocks.
 fn commit_follows<'a>(
     block: &impl Fn(u64) -> &'a [u8],
     from: u64,
     room: u64,
     tid: u64,
     area: u32,
-) -> Option<Option<u64>> {
+) -> Option<CommitSeen> {
     (0..room).find_map(|i| {
         let b = block(from + i);
         Header::read(b)
             .filter(|h| h.kind == Kind::Commit && h.tid == tid && h.area == area)
-            .map(|h| rio_group(&h, b))
+            .map(|h| CommitSeen::of(&h, b))
     })
 }
 

@@ -5,7 +5,9 @@
 //! Checked for every crash state: every acknowledged commit is present; the transaction in
 //! flight at the cut is applied whole or not at all; each area replays exactly its commits since
 //! the last checkpoint, in order (a prefix of its commit order, plus possibly the one in flight);
-//! no torn tail is reported as damage. About half the areas commit **Rio-ordered**
+//! no torn tail is reported as damage. The other areas commit vanilla, overlapped or
+//! **one-write** (log blocks, data among them, and the commit block in one write: only the
+//! chained checksum tells a torn transaction). About half the areas commit **Rio-ordered**
 //! ([`Journal::with_rio`]: data, journal and commit block sent together, one FLUSH at the end);
 //! their attribute logs live in emulated persistent memory that stops taking writes at the
 //! power cut, and recovery reads them ([`rio_prefix`], [`recover_image_rio`]). A separate test flips bits in committed transactions that
@@ -94,6 +96,10 @@ struct Outcome {
     /// Cuts in the middle of a Rio-ordered commit, and images where that commit survived.
     rio_mid_commit: usize,
     rio_pending_applied: usize,
+    /// The same for one-write commits (`CommitMode::OneWrite`).
+    one_write_areas: usize,
+    one_write_mid_commit: usize,
+    one_write_pending_applied: usize,
 }
 
 fn engine() -> (Rc<Engine>, Rc<LbioArray>) {
@@ -127,6 +133,7 @@ fn run_seed(seed: u64, lbio: &Rc<LbioArray>) -> Result<Outcome, String> {
     });
     // Per area: its attribute log's bytes when it commits Rio-ordered.
     let mut rio_logs: Vec<Option<Rc<RefCell<Vec<u8>>>>> = Vec::new();
+    let mut one_write = vec![false; areas];
     let journals: Vec<Journal> = (0..areas)
         .map(|a| {
             if rng.chance(1, 2) {
@@ -152,11 +159,12 @@ fn run_seed(seed: u64, lbio: &Rc<LbioArray>) -> Result<Outcome, String> {
                     .unwrap();
             }
             rio_logs.push(None);
-            let mode = if rng.chance(1, 2) {
-                CommitMode::Overlapped
-            } else {
-                CommitMode::Vanilla
+            let mode = match rng.below(3) {
+                0 => CommitMode::Overlapped,
+                1 => CommitMode::Vanilla,
+                _ => CommitMode::OneWrite,
             };
+            one_write[a] = mode == CommitMode::OneWrite;
             Journal::new(&set, a, disk.open(lbio).unwrap(), mode).unwrap()
         })
         .collect();
@@ -301,6 +309,9 @@ fn run_seed(seed: u64, lbio: &Rc<LbioArray>) -> Result<Outcome, String> {
         .sum();
     let pending_rio = pending.as_ref().is_some_and(|p| rio_logs[p.area].is_some());
     out.rio_mid_commit = pending_rio as usize;
+    let pending_one_write = pending.as_ref().is_some_and(|p| one_write[p.area]);
+    out.one_write_areas = one_write.iter().filter(|&&o| o).count();
+    out.one_write_mid_commit = pending_one_write as usize;
     for k in 0..IMAGES_PER_CUT {
         let mut img = disk.crash_image(CrashOptions::default());
         let recovered = match &prefix {
@@ -335,6 +346,7 @@ fn run_seed(seed: u64, lbio: &Rc<LbioArray>) -> Result<Outcome, String> {
         let with_pending = !extra.is_empty();
         out.pending_applied += with_pending as usize;
         out.rio_pending_applied += (with_pending && pending_rio) as usize;
+        out.one_write_pending_applied += (with_pending && pending_one_write) as usize;
         // Each area: exactly its acknowledged commits since the checkpoint, in order.
         let boundaries: Vec<u64> = std::iter::once(home_below)
             .chain(home_below_maybe)
@@ -401,6 +413,9 @@ fn crashes_at_random_points_recover_every_acknowledged_commit_atomically() {
                 total.rio_log_full_waits += o.rio_log_full_waits;
                 total.rio_mid_commit += o.rio_mid_commit;
                 total.rio_pending_applied += o.rio_pending_applied;
+                total.one_write_areas += o.one_write_areas;
+                total.one_write_mid_commit += o.one_write_mid_commit;
+                total.one_write_pending_applied += o.one_write_pending_applied;
             }
             Err(e) => panic!(
                 "{e}\nreplay with: AIOS_SIM_SEED={seed} cargo test -p journal --test crash_sim"
@@ -411,7 +426,8 @@ fn crashes_at_random_points_recover_every_acknowledged_commit_atomically() {
         "crash simulation: {} workloads, {} crash states recovered and checked in {:.1} s, 0 violations \
          ({} cuts mid-commit, in-flight commit survived whole in {} images, {} torn tails, {} checkpoints; \
          {} Rio-ordered areas ({} with a 4-slot log, {} waits for a full log), {} cuts mid Rio commit, \
-         survived whole in {} images)",
+         survived whole in {} images; {} one-write areas, {} cuts mid one-write commit, survived \
+         whole in {} images)",
         seeds.len(),
         total.states,
         t0.elapsed().as_secs_f64(),
@@ -423,7 +439,10 @@ fn crashes_at_random_points_recover_every_acknowledged_commit_atomically() {
         total.rio_small_logs,
         total.rio_log_full_waits,
         total.rio_mid_commit,
-        total.rio_pending_applied
+        total.rio_pending_applied,
+        total.one_write_areas,
+        total.one_write_mid_commit,
+        total.one_write_pending_applied
     );
     assert!(
         seeds.len() < 100
@@ -431,7 +450,9 @@ fn crashes_at_random_points_recover_every_acknowledged_commit_atomically() {
                 && total.pending_applied > 0
                 && total.torn_tails > 0
                 && total.rio_mid_commit > 0
-                && total.rio_log_full_waits > 0)
+                && total.rio_log_full_waits > 0
+                && total.one_write_mid_commit > 0
+                && total.one_write_pending_applied > 0)
     );
 }
 
@@ -460,7 +481,13 @@ fn a_flipped_bit_in_a_committed_transaction_followed_by_others_is_reported() {
         let layout = Layout::per_core(0, 32, 1);
         let disk = SimDisk::new(SimConfig::new(64 * 4096, seed)).unwrap();
         let set = JournalSet::format(&disk.open(&lbio).unwrap(), layout.clone()).unwrap();
-        let j = Journal::new(&set, 0, disk.open(&lbio).unwrap(), CommitMode::Overlapped).unwrap();
+        // The two-phase commit and the one-write commit (whose later commits prove it whole).
+        let mode = if seed % 2 == 0 {
+            CommitMode::Overlapped
+        } else {
+            CommitMode::OneWrite
+        };
+        let j = Journal::new(&set, 0, disk.open(&lbio).unwrap(), mode).unwrap();
         for i in 0..4u64 {
             let mut tx = Tx::new();
             tx.write_meta(40 + i, &block_of(i + 1)).unwrap();

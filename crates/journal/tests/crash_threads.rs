@@ -110,12 +110,10 @@ fn run(seed: u64, tot: &mut Totals) -> Result<(), String> {
         Durability::Flush
     });
     let modes: Vec<CommitMode> = (0..THREADS)
-        .map(|_| {
-            if rng.chance(1, 2) {
-                CommitMode::Overlapped
-            } else {
-                CommitMode::Vanilla
-            }
+        .map(|_| match rng.below(3) {
+            0 => CommitMode::Overlapped,
+            1 => CommitMode::Vanilla,
+            _ => CommitMode::OneWrite,
         })
         .collect();
     disk.cut_power_after(20 + rng.below(600));

@@ -82,10 +82,10 @@ fn hammer(path: &Path, set: &Arc<JournalSet>, file_level: bool) -> Vec<(u64, u64
                 let (set, barrier) = (Arc::clone(set), Arc::clone(&barrier));
                 s.spawn(move || {
                     let (_e, _l, dev) = device(path);
-                    let mode = if t % 2 == 0 {
-                        CommitMode::Overlapped
-                    } else {
-                        CommitMode::Vanilla
+                    let mode = match t % 3 {
+                        0 => CommitMode::Overlapped,
+                        1 => CommitMode::Vanilla,
+                        _ => CommitMode::OneWrite,
                     };
                     let j = Journal::new(&set, 0, dev, mode).unwrap();
                     barrier.wait();

@@ -288,6 +288,7 @@ fn main() {
     if let Some(path) = std::env::var_os("AIOS_JOURNAL_CHILD") {
         let mode = match std::env::var("AIOS_JOURNAL_MODE").as_deref() {
             Ok("vanilla") => CommitMode::Vanilla,
+            Ok("one-write") => CommitMode::OneWrite,
             _ => CommitMode::Overlapped,
         };
         let mut start = [0u64; THREADS as usize];
@@ -330,10 +331,10 @@ fn main() {
     let mut total_acks = 0usize;
     let mut failures = Vec::new();
     for rep in 0..reps {
-        let mode = if rep % 2 == 0 {
-            CommitMode::Vanilla
-        } else {
-            CommitMode::Overlapped
+        let mode = match rep % 3 {
+            0 => CommitMode::Vanilla,
+            1 => CommitMode::Overlapped,
+            _ => CommitMode::OneWrite,
         };
         // Every other pair of repetitions, both threads share area 0 (group commit).
         let shared = rep % 4 >= 2;
