@@ -1043,6 +1043,7 @@ impl Fs {
         };
         // Data first: it is written in place, durable before the commit block.
         let mut written: Vec<(u64, u64)> = Vec::new();
+        let mut data_phys: Vec<u64> = Vec::new();
         let mut data_blocks = 0u64;
         for &ino in &st.dirty_data {
             let Some(n) = st.nodes.get(&ino) else {
@@ -1056,6 +1057,7 @@ impl Fs {
                 let p = n.phys(l).expect("dirty blocks are mapped");
                 tx.write_data(p, buf).map_err(io_err)?;
                 written.push((ino, l));
+                data_phys.push(p);
                 data_blocks += 1;
             }
         }
@@ -1223,6 +1225,11 @@ impl Fs {
         st.revokes.clear();
         st.quarantine.clear();
         st.journaled.extend(metas.keys().copied());
+        if ctx.journal.mode() == CommitMode::OneWrite && !ctx.journal.rio_ordered() {
+            // A one-write commit journals the data too: freeing such a block must revoke it, and
+            // the in-place fsync path must not write it (replay would put this copy back).
+            st.journaled.extend(data_phys);
+        }
         for (ino, l) in written {
             if let Some(n) = st.nodes.get_mut(&ino) {
                 if let Some(buf) = n.dirty.remove(&l) {
@@ -1303,7 +1310,13 @@ impl Fs {
                 && st.revokes.is_empty()
                 && st.quarantine.is_empty()
                 && n.fresh.is_empty());
-        if data_only {
+        // A block a one-write commit journaled must be written through the journal again: the
+        // journal cannot see an in-place write, and its replay would put the older copy back.
+        let journaled = n
+            .dirty
+            .keys()
+            .any(|&l| n.phys(l).is_some_and(|p| st.journaled.contains(&p)));
+        if data_only && !journaled {
             return self.write_in_place(&mut st, &ctx, ino);
         }
         self.commit_locked(&mut st, &ctx, Some(ino))

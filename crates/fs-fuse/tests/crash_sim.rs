@@ -6,16 +6,18 @@
 //! of them; those files are found by inode, fdatasync not covering the name) left it when
 //! nothing touched it since.
 //!
-//! Every other cut runs the workload with Rio-ordered commits (`FsOptions::rio`: data, journal
-//! and commit block sent together, ordered through the journal area's attribute log, which is
-//! a block log on the same SimDisk and so part of every crash image).
+//! The cuts take the commit modes in turn: overlapped; Rio-ordered (`FsOptions::rio`: data,
+//! journal and commit block sent together, ordered through the journal area's attribute log,
+//! which is a block log on the same SimDisk and so part of every crash image); one-write
+//! (`CommitMode::OneWrite`: data journaled too, everything in one write, a torn commit told by
+//! its checksum).
 //!
 //! `AIOS_FS_SIM_CUTS` (default 400) × `AIOS_FS_SIM_IMAGES` (default 25) crash states;
 //! `AIOS_FS_SIM_SEED` replays one schedule.
 
 mod common;
 
-use common::{factory, fresh_image, opts, opts_rio};
+use common::{factory, fresh_image, opts, opts_one_write, opts_rio};
 use fs_fuse::format::{ROOT_INO, S_IFDIR, S_IFREG};
 use fs_fuse::fs::{Caller, Fs, SetAttr};
 use fs_fuse::fsck_image;
@@ -36,11 +38,19 @@ struct File {
 
 /// Run the workload until it ends or the power goes; the files whose acknowledged content must
 /// survive.
-fn workload(disk: &SimDisk, seed: u64, ops: u32, rio: bool) -> (Vec<File>, u64) {
+/// The commit modes the cuts take in turn.
+const MODES: [&str; 3] = ["overlapped", "Rio-ordered", "one-write"];
+
+fn workload(disk: &SimDisk, seed: u64, ops: u32, mode: usize) -> (Vec<File>, u64) {
     let mut rng = SimRng::new(seed);
     let mut files: Vec<File> = Vec::new();
     let mut acks = 0;
-    let Ok((fs, _)) = Fs::open(factory(disk), if rio { opts_rio() } else { opts() }) else {
+    let o = match mode {
+        0 => opts(),
+        1 => opts_rio(),
+        _ => opts_one_write(),
+    };
+    let Ok((fs, _)) = Fs::open(factory(disk), o) else {
         return (files, 0);
     };
     let mut next_name = 0u32;
@@ -183,26 +193,26 @@ fn power_cuts_under_fsync_load() {
     let bytes = base.len() as u64;
 
     // One uncut run per commit mode: how many requests the workload makes.
-    let totals: Vec<u64> = [false, true]
-        .into_iter()
-        .map(|rio| {
+    let totals: Vec<u64> = (0..MODES.len())
+        .map(|mode| {
             let disk = SimDisk::from_image(SimConfig::new(bytes, seed0), base.clone()).unwrap();
-            let (_, acks_full) = workload(&disk, seed0, 300, rio);
+            let (_, acks_full) = workload(&disk, seed0, 300, mode);
             assert!(
                 acks_full > 20,
-                "the workload acknowledged only {acks_full} fsyncs (rio: {rio})"
+                "the workload acknowledged only {acks_full} fsyncs ({})",
+                MODES[mode]
             );
             disk.started()
         })
         .collect();
 
-    // Cuts split over two threads (each its own engines); cut i uses seed i of the schedule,
-    // Rio-ordered when i is odd.
+    // Cuts split over two threads (each its own engines); cut i uses seed i of the schedule and
+    // commit mode i mod 3.
     let mut rng = SimRng::new(seed0 ^ 0xabcdef);
-    let schedule: Vec<(u64, u64, bool)> = (0..cuts)
+    let schedule: Vec<(u64, u64, usize)> = (0..cuts)
         .map(|i| {
-            let rio = i % 2 == 1;
-            (rng.next_u64(), 1 + rng.below(totals[rio as usize]), rio)
+            let mode = i as usize % MODES.len();
+            (rng.next_u64(), 1 + rng.below(totals[mode]), mode)
         })
         .collect();
     let t0 = std::time::Instant::now();
@@ -213,12 +223,12 @@ fn power_cuts_under_fsync_load() {
                 let (schedule, base, totals) = (&schedule, &base, &totals);
                 s.spawn(move || {
                     let (mut states, mut checked_files, mut acked) = (0u64, 0u64, 0u64);
-                    for (cut, &(seed, at, rio)) in schedule.iter().enumerate().skip(w).step_by(threads) {
+                    for (cut, &(seed, at, mode)) in schedule.iter().enumerate().skip(w).step_by(threads) {
                         let mut cfg = SimConfig::new(bytes, seed);
                         cfg.power_cut_after = Some(at);
                         let disk = SimDisk::from_image(cfg, base.clone()).unwrap();
-                        let (files, acks) = workload(&disk, seed0, 300, rio);
-                        let total = totals[rio as usize];
+                        let (files, acks) = workload(&disk, seed0, 300, mode);
+                        let total = totals[mode];
                         acked += acks;
                         disk.cut_power();
                         for k in 0..per_cut {
@@ -226,7 +236,7 @@ fn power_cuts_under_fsync_load() {
                                 torn: k % 2 == 0,
                                 bit_flips: 0,
                             });
-                            let mode = if rio { "Rio-ordered" } else { "overlapped" };
+                            let mode = MODES[mode];
                             let ctx = format!(
                                 "cut {cut} ({mode}, request {at} of {total}, seed {seed}), image {k}"
                             );
@@ -275,9 +285,10 @@ fn power_cuts_under_fsync_load() {
     let states: u64 = results.iter().map(|r| r.0).sum();
     let checked_files: u64 = results.iter().map(|r| r.1).sum();
     let acked: u64 = results.iter().map(|r| r.2).sum();
-    let rio_cuts = schedule.iter().filter(|c| c.2).count();
+    let rio_cuts = schedule.iter().filter(|c| c.2 == 1).count();
+    let one_write_cuts = schedule.iter().filter(|c| c.2 == 2).count();
     println!(
-        "{states} crash states ({cuts} power cuts × {per_cut} images; {rio_cuts} cuts Rio-ordered) checked in {:.1} s: fsck clean, mounted, {checked_files} fsynced files intact ({acked} fsyncs acknowledged before the cuts); 0 violations",
+        "{states} crash states ({cuts} power cuts × {per_cut} images; {rio_cuts} cuts Rio-ordered, {one_write_cuts} one-write) checked in {:.1} s: fsck clean, mounted, {checked_files} fsynced files intact ({acked} fsyncs acknowledged before the cuts); 0 violations",
         t0.elapsed().as_secs_f64()
     );
 }

@@ -96,7 +96,9 @@ pub enum CommitMode {
     /// whole transaction from a torn one by the commit block's chained checksum alone, which
     /// now covers the data too. The price: every data block is written twice (log and home),
     /// the log fills faster, and damage inside an area's last transaction reads as a torn tail
-    /// (dropped) rather than as corruption, which the two-phase modes can tell apart.
+    /// (dropped) rather than as corruption, which the two-phase modes can tell apart. A
+    /// transaction whose log blocks, data included, would take more than half the area's log
+    /// commits overlapped instead.
     OneWrite,
 }
 
@@ -280,7 +282,7 @@ impl Tx {
     /// block both write ends as `later` has it and `later`'s revokes cancel our metadata for
     /// the block. Refused (false, `self` unchanged) when the union would not fit `log_len` log
     /// blocks or when `later` writes in place a block this one journals.
-    fn absorb(&mut self, later: &Tx, log_len: u64, data_logged: bool) -> bool {
+    fn absorb(&mut self, later: &Tx, log_len: u64) -> bool {
         let journals = |b: &u64| self.metas.iter().any(|(m, _)| m == b);
         if later
             .data
@@ -309,7 +311,7 @@ impl Tx {
                 None => m.metas.push((*b, d.clone())),
             }
         }
-        if m.log_blocks_with(data_logged) > log_len {
+        if m.log_blocks() > log_len {
             return false;
         }
         *self = m;
@@ -1116,10 +1118,9 @@ impl Journal {
             // A transaction that would be refused for writing in place over journaled blocks
             // commits by itself, so that its error stays its own.
             let fits = |t: &Tx| self.data_conflict(t).is_none();
-            let one_write = self.mode == CommitMode::OneWrite;
             let own_ok = fits(own);
             while let Some(w) = area.queue.pop_front() {
-                if own_ok && w.joinable && fits(&w.tx) && m.absorb(&w.tx, log_len, one_write) {
+                if own_ok && w.joinable && fits(&w.tx) && m.absorb(&w.tx, log_len) {
                     members.push(w);
                 } else {
                     rest.push_back(w);
@@ -1196,7 +1197,7 @@ impl Journal {
                     }
                     // One-write data is home already (written before the commit returned): the
                     // checkpoint's FLUSH is all it needs, so only its id is kept (no bytes).
-                    let home_done = self.mode == CommitMode::OneWrite && self.rio.is_none();
+                    let home_done = self.one_write(tx);
                     for (b, _) in tx.data.iter().filter(|_| home_done) {
                         versions.insert(*b, (tid, Vec::new()));
                     }
@@ -1221,18 +1222,24 @@ impl Journal {
 
     /// Log blocks `tx` takes in this handle's mode.
     fn log_blocks(&self, tx: &Tx) -> u64 {
-        tx.log_blocks_with(self.mode == CommitMode::OneWrite && self.rio.is_none())
+        tx.log_blocks_with(self.one_write(tx))
+    }
+
+    /// Whether `tx` commits in one write: a one-write handle (no Rio) and a transaction whose
+    /// log blocks, its data included, fit half the area's log. A larger one commits overlapped
+    /// (its data written once, in place, and not through the log), so a large fsync neither
+    /// fails for want of log room nor empties the log for one transaction.
+    fn one_write(&self, tx: &Tx) -> bool {
+        self.mode == CommitMode::OneWrite
+            && self.rio.is_none()
+            && tx.log_blocks_with(true) <= self.set.log_len(self.area) / 2
     }
 
     /// The blocks `tx` journals, in log order: in the one-write mode its data blocks, then its
     /// metadata (a block in both ends as the metadata has it, on replay as in the two-phase
     /// modes after a checkpoint).
     fn logged<'t>(&self, tx: &'t Tx) -> impl Iterator<Item = &'t (u64, Vec<u8>)> + Clone {
-        let data: &[(u64, Vec<u8>)] = if self.mode == CommitMode::OneWrite && self.rio.is_none() {
-            &tx.data
-        } else {
-            &[]
-        };
+        let data: &[(u64, Vec<u8>)] = if self.one_write(tx) { &tx.data } else { &[] };
         data.iter().chain(&tx.metas)
     }
 
@@ -1243,7 +1250,7 @@ impl Journal {
     /// A one-write commit's data block is no conflict either: [`Self::with_implied_revokes`]
     /// revokes its journaled copy (the in-place write is the newer version).
     fn data_conflict(&self, tx: &Tx) -> Option<u64> {
-        if self.mode == CommitMode::OneWrite && self.rio.is_none() {
+        if self.one_write(tx) {
             return None;
         }
         let versions = self.set.lock_versions();
@@ -1260,7 +1267,7 @@ impl Journal {
     /// this write. Unchanged (no copy) in the usual case.
     fn with_implied_revokes<'t>(&self, tx: &'t Tx) -> std::borrow::Cow<'t, Tx> {
         use std::borrow::Cow;
-        if (self.mode == CommitMode::OneWrite && self.rio.is_none()) || tx.data.is_empty() {
+        if self.one_write(tx) || tx.data.is_empty() {
             return Cow::Borrowed(tx);
         }
         let versions = self.set.lock_versions();
@@ -1362,7 +1369,7 @@ impl Journal {
         };
         if rio_group.is_some() {
             flags |= FLAG_RIO;
-        } else if self.mode == CommitMode::OneWrite {
+        } else if self.one_write(tx) {
             flags |= FLAG_ONE_WRITE;
         }
         let mut c = alloc(&self.engine)?;
@@ -1484,7 +1491,12 @@ impl Journal {
             *prep += t.elapsed();
             r
         }
-        let c = match self.mode {
+        // A one-write handle commits a transaction too large for one write overlapped.
+        let mode = match self.mode {
+            CommitMode::OneWrite if !self.one_write(tx) => CommitMode::Overlapped,
+            m => m,
+        };
+        let c = match mode {
             CommitMode::OneWrite => {
                 // The data in place (plain writes: the log copy is what makes it durable; a
                 // checkpoint's FLUSH makes the home copy durable before the log is reused).

@@ -27,6 +27,15 @@ pub fn opts_rio() -> FsOptions {
     }
 }
 
+/// [`opts`] with one-write commits (`CommitMode::OneWrite`).
+#[allow(dead_code)]
+pub fn opts_one_write() -> FsOptions {
+    FsOptions {
+        commit_mode: journal::CommitMode::OneWrite,
+        ..opts()
+    }
+}
+
 pub fn factory(disk: &SimDisk) -> DeviceFactory {
     let d = disk.clone();
     Arc::new(move |lbio: &Rc<LbioArray>| d.open(lbio).map_err(FsError::from))
