@@ -436,8 +436,11 @@ struct State {
     /// Metadata blocks whose content is fixed at creation (symlink targets).
     new_meta: BTreeMap<u64, Vec<u8>>,
     revokes: BTreeSet<u64>,
-    /// Blocks journaled since mount (freeing one revokes it).
-    journaled: HashSet<u64>,
+    /// Blocks journaled and not yet checkpointed, with the id of the last commit that journaled
+    /// each (freeing one revokes it). Entries below the journal's `home_below` are dropped.
+    journaled: HashMap<u64, u64>,
+    /// The `home_below` the entries were last pruned at.
+    journaled_pruned_at: u64,
     /// Freed since the last commit: not allocatable until it is durable.
     quarantine: HashSet<u64>,
     free_blocks: u64,
@@ -579,7 +582,8 @@ impl Fs {
                 dirty_xattrs: BTreeSet::new(),
                 new_meta: BTreeMap::new(),
                 revokes: BTreeSet::new(),
-                journaled: HashSet::new(),
+                journaled: HashMap::new(),
+                journaled_pruned_at: 0,
                 quarantine: HashSet::new(),
                 free_blocks,
                 free_inodes,
@@ -934,7 +938,7 @@ impl Fs {
         st.dirty_bbm.insert(b / (B * 8));
         st.quarantine.insert(b);
         st.free_blocks += 1;
-        if st.journaled.remove(&b) {
+        if st.journaled.remove(&b).is_some() {
             st.revokes.insert(b);
         }
         st.new_meta.remove(&b);
@@ -1196,14 +1200,18 @@ impl Fs {
                 tx.revoke(b);
             }
         }
+        let mut tid = None;
         if !tx.is_empty() {
-            if let Err(e) = ctx.journal.commit(&tx) {
-                let msg = format!(
-                    "journal commit failed: {e}; the file system is read-only until remounted"
-                );
-                eprintln!("aiosfs: {msg}");
-                st.failed = Some(msg);
-                return Err(libc::EIO);
+            match ctx.journal.commit(&tx) {
+                Ok(info) => tid = Some(info.tid),
+                Err(e) => {
+                    let msg = format!(
+                        "journal commit failed: {e}; the file system is read-only until remounted"
+                    );
+                    eprintln!("aiosfs: {msg}");
+                    st.failed = Some(msg);
+                    return Err(libc::EIO);
+                }
             }
         }
         self.stats.commits.fetch_add(1, Ordering::Relaxed);
@@ -1224,11 +1232,21 @@ impl Fs {
         }
         st.revokes.clear();
         st.quarantine.clear();
-        st.journaled.extend(metas.keys().copied());
-        if ctx.journal.mode() == CommitMode::OneWrite && !ctx.journal.rio_ordered() {
-            // A one-write commit journals the data too: freeing such a block must revoke it, and
-            // the in-place fsync path must not write it (replay would put this copy back).
-            st.journaled.extend(data_phys);
+        if let Some(tid) = tid {
+            st.journaled.extend(metas.keys().map(|&b| (b, tid)));
+            if ctx.journal.mode() == CommitMode::OneWrite && !ctx.journal.rio_ordered() {
+                // A one-write commit journals the data too: freeing such a block must revoke
+                // it, and the in-place fsync path must not write it (replay would put this copy
+                // back).
+                st.journaled.extend(data_phys.into_iter().map(|p| (p, tid)));
+            }
+        }
+        // Blocks whose journaled copies are all home (a checkpoint moved the logs past them):
+        // no replay brings them back, so freeing needs no revoke and in-place writes are safe.
+        let home = self.set.home_below();
+        if home > st.journaled_pruned_at {
+            st.journaled.retain(|_, t| *t >= home);
+            st.journaled_pruned_at = home;
         }
         for (ino, l) in written {
             if let Some(n) = st.nodes.get_mut(&ino) {
@@ -1315,7 +1333,7 @@ impl Fs {
         let journaled = n
             .dirty
             .keys()
-            .any(|&l| n.phys(l).is_some_and(|p| st.journaled.contains(&p)));
+            .any(|&l| n.phys(l).is_some_and(|p| st.journaled.contains_key(&p)));
         if data_only && !journaled {
             return self.write_in_place(&mut st, &ctx, ino);
         }

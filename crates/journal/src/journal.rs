@@ -299,7 +299,13 @@ impl Tx {
             }
         }
         for b in &later.revokes {
+            // A block the later transaction frees: no earlier version of it is kept, data
+            // included (a one-write commit would log that data under the revoke's own id, and
+            // replay would put it into the freed block).
             m.metas.retain(|(x, _)| x != b);
+            if !later.data.iter().any(|(x, _)| x == b) {
+                m.data.retain(|(x, _)| x != b);
+            }
             if !m.revokes.contains(b) {
                 m.revokes.push(*b);
             }
@@ -1795,4 +1801,33 @@ fn recover_image_with(
         image[at..at + BLOCK].copy_from_slice(d);
     }
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block(v: u8) -> Vec<u8> {
+        vec![v; BLOCK]
+    }
+
+    #[test]
+    fn a_group_drops_data_for_a_block_a_later_member_frees() {
+        let mut first = Tx::new();
+        first.write_data(10, &block(1)).unwrap();
+        first.write_data(11, &block(2)).unwrap();
+        first.write_meta(20, &block(3)).unwrap();
+        let mut later = Tx::new();
+        later.revoke(10);
+        later.revoke(11);
+        later.write_data(11, &block(4)).unwrap();
+        assert!(first.absorb(&later, 100));
+        // Block 10 is freed by the later member: the earlier data for it goes (a one-write
+        // commit would log it under the revoke's own id). Block 11 is freed and written again
+        // by the later member: its new data stays.
+        let data: Vec<(u64, u8)> = first.data.iter().map(|(b, d)| (*b, d[0])).collect();
+        assert_eq!(data, vec![(11, 4)]);
+        assert_eq!(first.revokes, vec![10, 11]);
+        assert_eq!(first.metas.len(), 1);
+    }
 }
