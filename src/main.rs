@@ -6,10 +6,12 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::rc::Rc;
 
-use aios::bench::compare::{check_write_allowed, run_comparison, Comparison, Contender, Progress};
+use aios::bench::compare::{
+    check_write_allowed, choose_qd1_completion, run_comparison, Comparison, Contender, Progress,
+};
 use aios::bench::fio::{fio_version, FioEngine};
 use aios::bench::report::{parse_bytes, plot_cdf, print_header, print_json, print_row};
-use aios::bench::{BenchError, Rw, Sample, Workload};
+use aios::bench::{BenchError, LbioRunOptions, Rw, Sample, Workload};
 use aios::core::{probe, CompletionMode, DeviceProbe, Engine, EngineConfig, ProbeOptions};
 use aios::lbio::{Class, Device, DeviceConfig, LbioArray, LbioConfig, RouteChoice};
 use aios::target::Target;
@@ -498,10 +500,15 @@ enum ClassArg {
     Background,
 }
 
+/// `bench lbio --completion auto` at QD1: alternating short runs of each mode before the bench.
+const QD1_CALIBRATION_ROUNDS: u32 = 4;
+const QD1_CALIBRATION_SECONDS: f64 = 0.15;
+
 #[derive(Clone, Copy, ValueEnum)]
 enum CompletionArg {
-    /// Busy-poll critical requests at QD1 (no sleep and wake-up on the path someone waits on);
-    /// sleep otherwise (at QD32 on the ull device polling cost ~30% more CPU for the same IOPS).
+    /// Critical requests at QD1: measure busy-polling and sleeping on the device first (four
+    /// alternating 0.15 s runs of each) and use the faster; sleep otherwise (at QD32 on the ull
+    /// device polling cost ~30% more CPU for the same IOPS).
     Auto,
     /// Sleep in io_uring_enter until completions arrive.
     Wait,
@@ -1295,34 +1302,62 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
         }
     }
     let rounds = a.rounds.unwrap_or(if a.vs_fio { 5 } else { 1 }).max(1);
+    let class = match a.class {
+        ClassArg::Critical => Class::Critical,
+        ClassArg::Background => Class::Background,
+    };
+    let plug = match a.plug {
+        PlugArg::Auto => a.qd == 1,
+        PlugArg::On => true,
+        PlugArg::Off => false,
+    };
+    let workload = Workload {
+        rw: a.rw,
+        bs: a.bs,
+        qd: a.qd,
+        seconds: a.seconds,
+    };
+    let completion = match a.completion {
+        CompletionArg::Auto if a.qd == 1 && matches!(a.class, ClassArg::Critical) => {
+            // Measured on this device, now: busy-poll or sleep, whichever is faster here.
+            let c = choose_qd1_completion(
+                &stack.dev,
+                &workload,
+                LbioRunOptions {
+                    class,
+                    completion: CompletionMode::BusyPoll,
+                    span,
+                    plug,
+                },
+                QD1_CALIBRATION_ROUNDS,
+                QD1_CALIBRATION_SECONDS,
+            )?;
+            eprintln!(
+                "QD1 completion: busy-poll {:.1} us, sleep {:.1} us (mean latency, medians of {} alternating {} s runs): {}",
+                c.poll_us,
+                c.wait_us,
+                QD1_CALIBRATION_ROUNDS,
+                QD1_CALIBRATION_SECONDS,
+                match c.mode {
+                    CompletionMode::BusyPoll => "busy-polling",
+                    CompletionMode::Wait => "sleeping",
+                }
+            );
+            c.mode
+        }
+        CompletionArg::Auto | CompletionArg::Wait => CompletionMode::Wait,
+        CompletionArg::Poll => CompletionMode::BusyPoll,
+    };
     let cmp = Comparison {
         dev: &stack.dev,
         path: target.path().to_path_buf(),
         span,
-        workload: Workload {
-            rw: a.rw,
-            bs: a.bs,
-            qd: a.qd,
-            seconds: a.seconds,
-        },
+        workload,
         contenders,
         rounds,
-        class: match a.class {
-            ClassArg::Critical => Class::Critical,
-            ClassArg::Background => Class::Background,
-        },
-        completion: match a.completion {
-            CompletionArg::Auto if a.qd == 1 && matches!(a.class, ClassArg::Critical) => {
-                CompletionMode::BusyPoll
-            }
-            CompletionArg::Auto | CompletionArg::Wait => CompletionMode::Wait,
-            CompletionArg::Poll => CompletionMode::BusyPoll,
-        },
-        plug: match a.plug {
-            PlugArg::Auto => a.qd == 1,
-            PlugArg::On => true,
-            PlugArg::Off => false,
-        },
+        class,
+        completion,
+        plug,
     };
     let progress = Progress::new(false);
     if !a.json {
@@ -1947,6 +1982,7 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
         vec![
             aios::bench::fsync::FsyncMode::Vanilla,
             aios::bench::fsync::FsyncMode::Overlapped,
+            aios::bench::fsync::FsyncMode::OneWrite,
             aios::bench::fsync::FsyncMode::Ext4,
         ]
     } else {
@@ -1954,6 +1990,7 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
         vec![
             aios::bench::fsync::FsyncMode::Vanilla,
             aios::bench::fsync::FsyncMode::Overlapped,
+            aios::bench::fsync::FsyncMode::OneWrite,
         ]
     };
     let fsync_targets = if root {

@@ -214,3 +214,67 @@ pub fn check_write_allowed(
         path.display()
     )))
 }
+
+/// What [`choose_qd1_completion`] measured.
+#[derive(Clone, Copy, Debug)]
+pub struct Qd1Choice {
+    pub mode: CompletionMode,
+    /// Median over the rounds of each mode's mean latency, µs.
+    pub poll_us: f64,
+    pub wait_us: f64,
+}
+
+/// At QD1, busy-polling the completion queue saves the caller's wake-up, but the device's own
+/// work may need the CPU the caller spins on (a loop device's worker thread; on a VM whose idle
+/// vCPUs halt, which CPU that worker gets decides the latency). Neither mode wins everywhere,
+/// so this measures both on `dev`: `rounds` short runs of each, alternating, and picks the one
+/// with the lower median mean latency (busy-poll on a tie within 3%: it needs no wake-up).
+pub fn choose_qd1_completion(
+    dev: &Device,
+    w: &Workload,
+    opts: LbioRunOptions,
+    rounds: u32,
+    seconds: f64,
+) -> Result<Qd1Choice, BenchError> {
+    let short = Workload {
+        qd: 1,
+        seconds,
+        ..*w
+    };
+    let (mut poll, mut wait) = (Vec::new(), Vec::new());
+    for r in 0..rounds.max(1) {
+        let order = if r % 2 == 0 {
+            [CompletionMode::BusyPoll, CompletionMode::Wait]
+        } else {
+            [CompletionMode::Wait, CompletionMode::BusyPoll]
+        };
+        for mode in order {
+            let s = run_lbio(
+                dev,
+                &short,
+                LbioRunOptions {
+                    completion: mode,
+                    ..opts
+                },
+            )?;
+            match mode {
+                CompletionMode::BusyPoll => poll.push(s.lat_us_mean),
+                CompletionMode::Wait => wait.push(s.lat_us_mean),
+            }
+        }
+    }
+    let (poll_us, wait_us) = (
+        median(poll).unwrap_or(f64::NAN),
+        median(wait).unwrap_or(f64::NAN),
+    );
+    let mode = if wait_us * 1.03 < poll_us {
+        CompletionMode::Wait
+    } else {
+        CompletionMode::BusyPoll
+    };
+    Ok(Qd1Choice {
+        mode,
+        poll_us,
+        wait_us,
+    })
+}
