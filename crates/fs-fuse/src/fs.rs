@@ -1200,10 +1200,10 @@ impl Fs {
                 tx.revoke(b);
             }
         }
-        let mut tid = None;
+        let mut committed = None;
         if !tx.is_empty() {
             match ctx.journal.commit(&tx) {
-                Ok(info) => tid = Some(info.tid),
+                Ok(info) => committed = Some(info),
                 Err(e) => {
                     let msg = format!(
                         "journal commit failed: {e}; the file system is read-only until remounted"
@@ -1232,13 +1232,14 @@ impl Fs {
         }
         st.revokes.clear();
         st.quarantine.clear();
-        if let Some(tid) = tid {
-            st.journaled.extend(metas.keys().map(|&b| (b, tid)));
-            if ctx.journal.mode() == CommitMode::OneWrite && !ctx.journal.rio_ordered() {
+        if let Some(info) = committed {
+            st.journaled.extend(metas.keys().map(|&b| (b, info.tid)));
+            if info.data_journaled {
                 // A one-write commit journals the data too: freeing such a block must revoke
                 // it, and the in-place fsync path must not write it (replay would put this copy
                 // back).
-                st.journaled.extend(data_phys.into_iter().map(|p| (p, tid)));
+                st.journaled
+                    .extend(data_phys.into_iter().map(|p| (p, info.tid)));
             }
         }
         // Blocks whose journaled copies are all home (a checkpoint moved the logs past them):

@@ -342,6 +342,9 @@ pub struct CommitInfo {
     pub tid: u64,
     pub area: usize,
     pub log_blocks: u64,
+    /// The data blocks went through the log (a one-write commit): until a checkpoint, an
+    /// in-place write of one of them that bypasses the journal would be undone by replay.
+    pub data_journaled: bool,
 }
 
 /// What recovery found and did.
@@ -1219,6 +1222,7 @@ impl Journal {
                         tid,
                         area: self.area,
                         log_blocks: needed,
+                        data_journaled: home_done,
                     });
                 }
             }
@@ -1497,6 +1501,17 @@ impl Journal {
             *prep += t.elapsed();
             r
         }
+        // Wait for a commit's data and journal writes, then FLUSH unless they were FUA writes.
+        let settle = |w: Inflight<'_>, durable: bool| -> Result<(), JournalError> {
+            w.wait(&self.engine)?;
+            add(&st.writes_ns, start);
+            let t = Instant::now();
+            if !durable {
+                self.flush()?;
+            }
+            add(&st.flush_ns, t);
+            Ok(())
+        };
         // A one-write handle commits a transaction too large for one write overlapped.
         let mode = match self.mode {
             CommitMode::OneWrite if !self.one_write(tx) => CommitMode::Overlapped,
@@ -1528,16 +1543,9 @@ impl Journal {
                         w.start(dev.write_at(at, buf, log_fua));
                     }
                 }
-                w.wait(&self.engine)?;
-                add(&st.writes_ns, start);
-                let t = Instant::now();
-                if !log_fua {
-                    self.flush()?;
-                }
-                add(&st.flush_ns, t);
-                st.prepare_ns
-                    .fetch_add(prep.as_nanos() as u64, Ordering::Relaxed);
-                return Ok(());
+                settle(w, log_fua)?;
+                // The commit block went out with the rest.
+                None
             }
             CommitMode::Vanilla => {
                 let data = timed(&mut prep, || self.data_bufs(tx));
@@ -1553,15 +1561,9 @@ impl Journal {
                 for (at, buf) in runs? {
                     w.start(dev.write_at(at, buf, fua));
                 }
-                w.wait(&self.engine)?;
-                add(&st.writes_ns, start);
-                let t = Instant::now();
-                if !fua {
-                    self.flush()?;
-                }
-                add(&st.flush_ns, t);
+                settle(w, fua)?;
                 let c = timed(&mut prep, || self.prepare_commit(tx, tid, n, chain, None));
-                (c?, n)
+                Some((c?, n))
             }
             CommitMode::Overlapped => {
                 let data = timed(&mut prep, || self.data_bufs(tx));
@@ -1584,19 +1586,15 @@ impl Journal {
                 }
                 let c = timed(&mut prep, || self.prepare_commit(tx, tid, n, chain, None));
                 let c = c?;
-                w.wait(&self.engine)?;
-                add(&st.writes_ns, start);
-                let t = Instant::now();
-                if !fua {
-                    self.flush()?;
-                }
-                add(&st.flush_ns, t);
-                (c, n)
+                settle(w, fua)?;
+                Some((c, n))
             }
         };
         st.prepare_ns
             .fetch_add(prep.as_nanos() as u64, Ordering::Relaxed);
-        let (c, n) = c;
+        let Some((c, n)) = c else {
+            return Ok(());
+        };
         let t = Instant::now();
         self.engine
             .block_on(dev.write_at(log(n), c, commit_fua))??;
