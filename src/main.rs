@@ -12,7 +12,7 @@ use aios::bench::compare::{
 use aios::bench::fio::{fio_version, FioEngine};
 use aios::bench::report::{parse_bytes, plot_cdf, print_header, print_json, print_row};
 use aios::bench::{BenchError, LbioRunOptions, Rw, Sample, Workload};
-use aios::core::{probe, CompletionMode, DeviceProbe, Engine, EngineConfig, ProbeOptions};
+use aios::core::{probe, sys, CompletionMode, DeviceProbe, Engine, EngineConfig, ProbeOptions};
 use aios::lbio::{Class, Device, DeviceConfig, LbioArray, LbioConfig, RouteChoice};
 use aios::target::Target;
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -121,6 +121,8 @@ struct FsBenchArgs {
     /// One JSON object per median instead of the table.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    qos: QosArgs,
 }
 
 #[derive(Args)]
@@ -318,6 +320,8 @@ struct OrderedArgs {
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    qos: QosArgs,
 }
 
 #[derive(Args)]
@@ -369,12 +373,17 @@ struct FsyncArgs {
     /// skipped by the journal.
     #[arg(long)]
     plp: bool,
+    /// How the journal threads wait for their I/O (ext4's threads sleep in the kernel).
+    #[arg(long, value_enum, default_value_t = PcCompletionArg::Auto)]
+    completion: PcCompletionArg,
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
     /// Where the latency CDF plot goes (PNG and SVG).
     #[arg(long, default_value = "aios-report")]
     out: PathBuf,
+    #[command(flatten)]
+    qos: QosArgs,
 }
 
 #[derive(Args)]
@@ -423,6 +432,8 @@ struct PagecacheArgs {
     /// Where the CDF plots go (PNG and SVG).
     #[arg(long, default_value = "aios-report")]
     out: PathBuf,
+    #[command(flatten)]
+    qos: QosArgs,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -583,6 +594,49 @@ struct LbioArgs {
     /// with nvme.poll_queues=N; the route reports why when it cannot be used).
     #[arg(long)]
     iopoll: bool,
+    #[command(flatten)]
+    qos: QosArgs,
+}
+
+/// The machine's idle policy during a bench.
+#[derive(Args, Clone, Copy, Default)]
+struct QosArgs {
+    /// Hold a PM QoS request on CPU wake-up latency (/dev/cpu_dma_latency) of US microseconds
+    /// for the whole run, every contender's rounds alike: with 0, idle CPUs poll instead of
+    /// halting, so a thread woken on one runs at once (needs root). Default: the machine's own
+    /// idle policy.
+    #[arg(long, value_name = "US")]
+    cpu_latency_us: Option<u32>,
+}
+
+/// Take the PM QoS request `q` asks for (held until the value drops), and say what it does on
+/// this machine.
+fn hold_cpu_latency(q: QosArgs) -> Result<Option<sys::CpuLatencyRequest>, BenchError> {
+    let Some(us) = q.cpu_latency_us else {
+        return Ok(None);
+    };
+    let r = sys::CpuLatencyRequest::new(us)
+        .map_err(|e| BenchError::Setup(format!("--cpu-latency-us {us}: {e}")))?;
+    let in_force = sys::CpuLatencyRequest::effective_us()
+        .map_or_else(|e| format!("unreadable: {e}"), |v| format!("{v} µs"));
+    let states = sys::cpuidle_states();
+    let usable: Vec<String> = states
+        .iter()
+        .filter(|(_, lat)| *lat <= us)
+        .map(|(n, lat)| format!("{n} ({lat} µs)"))
+        .collect();
+    let kept_out: Vec<String> = states
+        .iter()
+        .filter(|(_, lat)| *lat > us)
+        .map(|(n, lat)| format!("{n} ({lat} µs)"))
+        .collect();
+    eprintln!(
+        "cpu latency: PM QoS request of {us} µs held for the whole run, every contender alike (in force: {in_force}); cpuidle driver {}: idle CPUs may use {}, not {}",
+        sys::cpuidle_driver().unwrap_or_else(|| "none".into()),
+        if usable.is_empty() { "no state".to_string() } else { usable.join(", ") },
+        if kept_out.is_empty() { "-".to_string() } else { kept_out.join(", ") },
+    );
+    Ok(Some(r))
 }
 
 #[derive(Args)]
@@ -688,6 +742,7 @@ fn cmd_mkfs(a: MkfsArgs) -> Result<(), BenchError> {
 
 fn cmd_bench_fs(a: FsBenchArgs) -> Result<(), BenchError> {
     use aios::bench::fsbench::{medians, FsBench, FsBenchSetup};
+    let _qos = hold_cpu_latency(a.qos)?;
     if fio_version().is_none() {
         return Err(BenchError::Setup(
             "aios bench fs runs fio: install it (apt-get install fio)".into(),
@@ -966,6 +1021,11 @@ fn cmd_fsck(image: &std::path::Path, json: bool) -> ExitCode {
 
 fn probe_json(p: &DeviceProbe) -> serde_json::Value {
     serde_json::json!({
+        "cpu_idle": {
+            "driver": sys::cpuidle_driver(),
+            "states": sys::cpuidle_states().iter().map(|(n, lat)| serde_json::json!({"name": n, "exit_latency_us": lat})).collect::<Vec<_>>(),
+            "pm_qos_limit_us": sys::CpuLatencyRequest::effective_us().ok(),
+        },
         "path": p.path,
         "kind": p.kind.to_string(),
         "fs_type": p.fs_type,
@@ -1180,7 +1240,24 @@ fn cmd_probe(path: &Path, json: bool, samples: u32) -> Result<(), BenchError> {
         format!("{} — {}", p.background.route, p.background.reason),
     )
     .map_err(io_err)?;
+    w(&mut out, "cpu idle", cpu_idle_line()).map_err(io_err)?;
     Ok(())
+}
+
+/// The machine's CPU idle policy: what a thread woken on an idle CPU waits for (QD1 latency
+/// depends on it when the device's side of the I/O runs in a kernel thread).
+fn cpu_idle_line() -> String {
+    let states: Vec<String> = sys::cpuidle_states()
+        .iter()
+        .map(|(n, lat)| format!("{n} {lat} us"))
+        .collect();
+    format!(
+        "driver {}, states: {}; PM QoS limit in force: {} (aios bench … --cpu-latency-us 0 keeps idle CPUs polling)",
+        sys::cpuidle_driver().unwrap_or_else(|| "none".into()),
+        if states.is_empty() { "none".to_string() } else { states.join(", ") },
+        sys::CpuLatencyRequest::effective_us()
+            .map_or_else(|_| "unreadable (needs root)".to_string(), |v| format!("{v} us")),
+    )
 }
 
 /// Print a sample on stdout: one JSON object, or a table row through `row`.
@@ -1275,6 +1352,7 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
     } else {
         None
     };
+    let _qos = hold_cpu_latency(a.qos)?;
     let target = Target::prepare(&a.device, a.size)?;
     let write = !a.rw.is_read();
     if write {
@@ -1370,7 +1448,12 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
         print_header(&mut std::io::stdout()).map_err(io_err)?;
     }
     let json = a.json;
-    let mut emit = |s: &Sample| emit_line(json, s, print_row);
+    let qos_us = a.qos.cpu_latency_us;
+    let mut emit = |s: &Sample| {
+        let mut s = s.clone();
+        s.cpu_latency_us = qos_us;
+        emit_line(json, &s, print_row)
+    };
     let (_, meds) = run_comparison(&cmp, &progress, "bench", &mut emit)?;
     if rounds > 1 {
         for s in &meds {
@@ -1402,6 +1485,7 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
 
 fn cmd_bench_pagecache(a: PagecacheArgs) -> Result<(), BenchError> {
     use aios::bench::pagecache::{self as pc, PagecacheBench};
+    let _qos = hold_cpu_latency(a.qos)?;
     let target = Target::prepare(&a.device, a.size)?;
     let bench = PagecacheBench {
         path: target.path().to_path_buf(),
@@ -1536,6 +1620,7 @@ fn cmd_bench_net(a: &OrderedArgs, spec: &str) -> Result<(), BenchError> {
 
 fn cmd_bench_ordered(a: OrderedArgs) -> Result<(), BenchError> {
     use aios::bench::ordered::{self as ob, OrderedBench, OrderedTarget};
+    let _qos = hold_cpu_latency(a.qos)?;
     if let Some(spec) = a.targets.clone() {
         return cmd_bench_net(&a, &spec);
     }
@@ -1642,6 +1727,7 @@ fn prepare_fsync_targets(
 
 fn cmd_bench_fsync(a: FsyncArgs) -> Result<(), BenchError> {
     use aios::bench::fsync::{self as fs, FsyncBench, FsyncMode};
+    let _qos = hold_cpu_latency(a.qos)?;
     let progress = Progress::new(false);
     let ext4_wanted = a.modes.contains(&FsyncMode::Ext4);
     if ext4_wanted && a.device != "ull" && a.ext4_dir.is_none() {
@@ -1687,6 +1773,11 @@ fn cmd_bench_fsync(a: FsyncArgs) -> Result<(), BenchError> {
         areas: a.areas,
         group_commit: !a.no_group_commit,
         durability: a.durability.0,
+        completion: match a.completion {
+            PcCompletionArg::Auto => None,
+            PcCompletionArg::Wait => Some(CompletionMode::Wait),
+            PcCompletionArg::Poll => Some(CompletionMode::BusyPoll),
+        },
     };
     if !a.json {
         eprintln!("journal device: {}", targets.journal.describe());
@@ -2017,6 +2108,7 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
         areas: None,
         group_commit: true,
         durability: None,
+        completion: None,
     };
     let (fs_all, fs_meds) = fb.run(&progress, &mut |_| {})?;
     aios::bench::fsync::print_header(&mut std::io::stdout()).map_err(io_err)?;

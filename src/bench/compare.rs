@@ -182,6 +182,7 @@ fn medians(all: &[Sample], c: &Comparison<'_>) -> Vec<Sample> {
                 ratio_vs_fio: mo(&|s| s.ratio_vs_fio),
                 iops_ratio_vs_fio: mo(&|s| s.iops_ratio_vs_fio),
                 ratio_vs_fio_psync: mo(&|s| s.ratio_vs_fio_psync),
+                cpu_latency_us: first.cpu_latency_us,
                 // The plot uses the run whose mean is the median one.
                 cdf: of
                     .iter()

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use std::rc::Rc;
 
+use aios_core::CompletionMode;
 use hdrhistogram::Histogram;
 use journal::rio_ordering::{self, AttrLog, BlockPmr, MemPmr, OrderedConfig, Pmr};
 use journal::{CommitMode, Journal, JournalSet, Layout, Tx};
@@ -232,6 +233,9 @@ pub struct FsyncBench {
     /// How data and journal blocks are made durable: `None` = what the journal measured at
     /// format time.
     pub durability: Option<journal::Durability>,
+    /// How the journal threads wait for their I/O: `None` = busy-poll while a CPU is left over
+    /// for the device's side of the I/O, sleep otherwise ([`completion_for`]).
+    pub completion: Option<CompletionMode>,
 }
 
 /// What one thread measured.
@@ -362,7 +366,7 @@ impl FsyncBench {
             FsyncMode::OneWrite => CommitMode::OneWrite,
             _ => CommitMode::Overlapped,
         };
-        let completion = completion_for(threads);
+        let completion = self.completion.unwrap_or_else(|| completion_for(threads));
         let areas = self.areas_for(threads);
         let layout = Layout::per_core(0, AREA_BLOCKS, areas as usize);
         let group = self.group_commit;

@@ -112,6 +112,9 @@ pub struct Sample {
     /// Ours ÷ fio psync mean latency, same round.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ratio_vs_fio_psync: Option<f64>,
+    /// The PM QoS CPU wake-up latency (µs) held for the whole run (`--cpu-latency-us`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_latency_us: Option<u32>,
     /// Latency CDF points (quantile, µs) for plots.
     #[serde(skip)]
     pub cdf: Vec<(f64, f64)>,

@@ -363,3 +363,122 @@ pub fn gettid() -> i32 {
     // SAFETY: gettid has no preconditions and cannot fail.
     unsafe { libc::gettid() }
 }
+
+/// Where the kernel takes PM QoS requests on CPU wake-up latency.
+pub const CPU_LATENCY_QOS: &str = "/dev/cpu_dma_latency";
+
+/// A PM QoS request on CPU wake-up latency (`/dev/cpu_dma_latency`), held for as long as the
+/// value lives and withdrawn when it drops (the kernel drops it with the file descriptor).
+///
+/// While a request of `us` microseconds is held, the cpuidle governor keeps every CPU out of
+/// idle states whose exit takes longer, system-wide: with 0, an idle CPU polls instead of
+/// halting, so a thread woken on it (the loop device's worker, an interrupt's task work) runs
+/// at once. In a VM whose idle vCPUs halt, waking one goes through the host and takes
+/// microseconds to tens of microseconds. The price is power, and in a VM the host CPU time the
+/// polling vCPUs take; the polling is idle time, not the process's CPU time.
+///
+/// ```no_run
+/// let _qos = aios_core::sys::CpuLatencyRequest::new(0)?; // held until dropped
+/// // ... latency-critical I/O ...
+/// # Ok::<(), std::io::Error>(())
+/// ```
+pub struct CpuLatencyRequest {
+    _file: std::fs::File,
+    us: u32,
+}
+
+impl CpuLatencyRequest {
+    /// Ask for CPU wake-ups within `us` microseconds. Needs write access to
+    /// `/dev/cpu_dma_latency` (root); the error says so.
+    pub fn new(us: u32) -> io::Result<Self> {
+        use std::io::Write;
+        let value = i32::try_from(us).map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "a CPU latency of {us} µs is above the {} µs a request can hold",
+                    i32::MAX
+                ),
+            )
+        })?;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(CPU_LATENCY_QOS)
+            .map_err(|e| {
+                let why = match e.kind() {
+                    io::ErrorKind::PermissionDenied => "needs root (or write access to the file)",
+                    io::ErrorKind::NotFound => "this kernel has no CPU latency PM QoS",
+                    _ => "cannot open it",
+                };
+                io::Error::new(e.kind(), format!("{CPU_LATENCY_QOS}: {e}: {why}"))
+            })?;
+        // The request is the binary 32-bit value; it stands while the file stays open.
+        f.write_all(&value.to_ne_bytes())
+            .map_err(|e| io::Error::new(e.kind(), format!("{CPU_LATENCY_QOS}: writing: {e}")))?;
+        Ok(CpuLatencyRequest { _file: f, us })
+    }
+
+    /// The latency asked for, in microseconds.
+    pub fn us(&self) -> u32 {
+        self.us
+    }
+
+    /// The limit in force now (the lowest of every request held on the system), in
+    /// microseconds.
+    pub fn effective_us() -> io::Result<u32> {
+        use std::io::Read;
+        let mut f = std::fs::File::open(CPU_LATENCY_QOS)?;
+        let mut b = [0u8; 4];
+        f.read_exact(&mut b)?;
+        Ok(i32::from_ne_bytes(b).max(0) as u32)
+    }
+}
+
+/// CPU 0's idle states as the cpuidle driver declares them: (name, exit latency in µs).
+pub fn cpuidle_states() -> Vec<(String, u32)> {
+    let mut out = Vec::new();
+    for i in 0.. {
+        let dir = format!("/sys/devices/system/cpu/cpu0/cpuidle/state{i}");
+        let (Ok(name), Ok(lat)) = (
+            std::fs::read_to_string(format!("{dir}/name")),
+            std::fs::read_to_string(format!("{dir}/latency")),
+        ) else {
+            break;
+        };
+        out.push((name.trim().to_string(), lat.trim().parse().unwrap_or(0)));
+    }
+    out
+}
+
+/// The cpuidle driver in use (`haltpoll`, `intel_idle`, `acpi_idle`, ...), if any.
+pub fn cpuidle_driver() -> Option<String> {
+    std::fs::read_to_string("/sys/devices/system/cpu/cpuidle/current_driver")
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cpu_latency_request_holds_while_it_lives() {
+        let e = CpuLatencyRequest::new(u32::MAX)
+            .err()
+            .expect("above i32::MAX");
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        assert!(e.to_string().contains("4294967295"), "{e}");
+        if !is_root() || !Path::new(CPU_LATENCY_QOS).exists() {
+            eprintln!("SKIPPED the held part: needs root and {CPU_LATENCY_QOS}");
+            return;
+        }
+        let before = CpuLatencyRequest::effective_us().expect("readable");
+        {
+            let r = CpuLatencyRequest::new(0).expect("request");
+            assert_eq!(r.us(), 0);
+            assert_eq!(CpuLatencyRequest::effective_us().expect("readable"), 0);
+        }
+        // Dropped: the system's limit is what it was (no other request came meanwhile).
+        assert_eq!(CpuLatencyRequest::effective_us().expect("readable"), before);
+    }
+}
