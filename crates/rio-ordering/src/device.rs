@@ -240,13 +240,18 @@ impl Stream {
 
     /// A command carrying groups up to `seq_end` goes to `target`: the next one there links
     /// to it, and `wait` flushes the target.
+    #[inline]
     fn sent_to(&mut self, target: u16, seq_end: u64) {
         let t = target as usize;
-        if self.prev.len() <= t {
-            self.prev.resize(t + 1, 0);
+        match self.prev.get_mut(t) {
+            Some(p) => *p = seq_end,
+            None => {
+                self.prev.resize(t + 1, 0);
+                self.prev[t] = seq_end;
+            }
         }
-        self.prev[t] = seq_end;
-        if !self.touched.contains(&target) {
+        // Most streams write one target: the last one touched is the one.
+        if self.touched.last() != Some(&target) && !self.touched.contains(&target) {
             self.touched.push(target);
         }
     }
@@ -679,6 +684,7 @@ impl<P: Pmr> OrderedDevice<P> {
     /// The common case, kept lean: group `seq` of one request `id`, within the target's
     /// transfer limit, sent as one command (what [`OrderedDevice::send_req`] does for it, with
     /// the group registered here, already sent).
+    #[inline]
     fn send_single(&mut self, stream: u16, seq: u64, id: u64, w: Write) -> Result<(), RioError> {
         let a = Attr {
             offset: w.offset,
@@ -730,15 +736,24 @@ impl<P: Pmr> OrderedDevice<P> {
     }
 
     /// Persist `a` in the log, waiting for room when it is full.
+    #[inline]
     fn append_entry(&mut self, a: &Attr) -> Result<Slot, RioError> {
+        match self.log.append(a) {
+            Err(RioError::LogFull { .. }) => self.append_entry_after_room(a),
+            r => r,
+        }
+    }
+
+    /// [`OrderedDevice::append_entry`] on a full log.
+    #[cold]
+    #[inline(never)]
+    fn append_entry_after_room(&mut self, a: &Attr) -> Result<Slot, RioError> {
         loop {
+            self.stats.log_full_waits += 1;
+            self.make_room()?;
             match self.log.append(a) {
-                Ok(s) => return Ok(s),
-                Err(RioError::LogFull { .. }) => {
-                    self.stats.log_full_waits += 1;
-                    self.make_room()?;
-                }
-                Err(e) => return Err(e),
+                Err(RioError::LogFull { .. }) => continue,
+                r => return r,
             }
         }
     }
@@ -954,6 +969,7 @@ impl<P: Pmr> OrderedDevice<P> {
         }
     }
 
+    #[inline]
     fn submit_cmd(
         &mut self,
         offset: u64,
@@ -1067,15 +1083,23 @@ impl<P: Pmr> OrderedDevice<P> {
                 }
             }
             let st = &mut self.streams[cmd.stream as usize];
-            for g in cmd.seq..=cmd.seq_end {
-                if let Some(grp) = st.groups.get_mut(g) {
+            if cmd.seq == cmd.seq_end && failed.is_none() {
+                // One group (every unmerged command): no range to walk.
+                if let Some(grp) = st.groups.get_mut(cmd.seq) {
                     grp.out -= 1;
-                    if plp && failed.is_none() {
-                        grp.not_durable -= 1;
-                    }
+                    grp.not_durable -= plp as u32;
                 }
-                if let Some(f) = &failed {
-                    st.fail(g, f);
+            } else {
+                for g in cmd.seq..=cmd.seq_end {
+                    if let Some(grp) = st.groups.get_mut(g) {
+                        grp.out -= 1;
+                        if plp && failed.is_none() {
+                            grp.not_durable -= 1;
+                        }
+                    }
+                    if let Some(f) = &failed {
+                        st.fail(g, f);
+                    }
                 }
             }
             // What the command hands back: its requests' buffers.
@@ -1102,7 +1126,12 @@ impl<P: Pmr> OrderedDevice<P> {
                             result: Ok(()),
                             buf,
                         });
-                        self.advance_durable(cmd.stream);
+                        // On a target without power-loss protection the group is not durable
+                        // before a FLUSH covers it, and every group before it that is durable
+                        // was counted off when it became so: the marks cannot move here.
+                        if plp {
+                            self.advance_durable(cmd.stream);
+                        }
                         return Ok(());
                     }
                     st.finish(cmd.seq, id, buf);
