@@ -154,6 +154,8 @@ pub fn parse_area_rio(
     // Evidence of a newer transaction anywhere in the area, and the largest id written.
     let mut max_tid_seen = last_tid;
     let mut newer_commit: Option<u64> = None;
+    // The id of a one-write commit block that landed for the transaction the scan stopped at.
+    let mut own_torn: Option<u64> = None;
     for p in 0..log_len {
         let b = block(p);
         if format::get_u32(b, 0) != format::LOG_MAGIC {
@@ -177,6 +179,9 @@ pub fn parse_area_rio(
         {
             newer_commit = Some(p);
         }
+        if h.kind == Kind::Commit && h.tid > beyond && own_torn_commit {
+            own_torn = Some(own_torn.map_or(h.tid, |t: u64| t.max(h.tid)));
+        }
     }
     let end = match broken {
         Some(b) if b.commit.is_some_and(|c| !c.one_write && evidence(c.rio)) => LogEnd::Corrupt {
@@ -199,6 +204,12 @@ pub fn parse_area_rio(
             ),
         },
         Some(Broken { tid: Some(tid), .. }) => LogEnd::TornTail { tid, pos },
+        // Nothing of the transaction's first block, but its one-write commit block landed: the
+        // crash came while it was being written.
+        _ if own_torn.is_some() => LogEnd::TornTail {
+            tid: own_torn.unwrap_or_default(),
+            pos,
+        },
         _ => LogEnd::Clean,
     };
     Ok(AreaLog {

@@ -145,6 +145,41 @@ fn a_corrupted_superblock_or_descriptor_is_reported() {
     }
 }
 
+#[test]
+fn a_one_write_commit_whose_descriptor_was_lost_is_a_torn_tail() {
+    let lbio = lbio();
+    let layout = Layout::per_core(0, 32, 1);
+    let disk = SimDisk::new(SimConfig::new(128 * 4096, 5)).unwrap();
+    let set = JournalSet::format(&disk.open(&lbio).unwrap(), layout.clone()).unwrap();
+    let j = Journal::new(&set, 0, disk.open(&lbio).unwrap(), CommitMode::OneWrite).unwrap();
+    for i in 0..2u64 {
+        let mut tx = Tx::new();
+        tx.write_data(60 + i, &[i as u8 + 1; 4096]).unwrap();
+        tx.write_meta(50, &[i as u8 + 7; 4096]).unwrap();
+        j.commit(&tx).unwrap();
+    }
+    let image = disk.media();
+    let area = &image[..32 * 4096];
+    let whole = recovery::parse_area(area, 0).unwrap();
+    assert_eq!(whole.txs.len(), 2);
+    assert_eq!(whole.end, recovery::LogEnd::Clean);
+    // The second transaction's first block (its descriptor) never landed; its commit block,
+    // written in the same request, did.
+    let second = &whole.txs[1];
+    let mut lost = area.to_vec();
+    let at = (1 + second.pos as usize) * 4096;
+    lost[at..at + 4096].fill(0);
+    let log = recovery::parse_area(&lost, 0).unwrap();
+    assert_eq!(log.txs.len(), 1);
+    assert_eq!(
+        log.end,
+        recovery::LogEnd::TornTail {
+            tid: second.tid,
+            pos: second.pos
+        }
+    );
+}
+
 /// Recovery on arbitrary bytes returns (an error or a report) and never panics.
 #[test]
 fn recovery_never_panics_on_any_bytes() {

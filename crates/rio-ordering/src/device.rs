@@ -1126,9 +1126,10 @@ impl<P: Pmr> OrderedDevice<P> {
                             result: Ok(()),
                             buf,
                         });
-                        // On a target without power-loss protection the group is not durable
-                        // before a FLUSH covers it, and every group before it that is durable
-                        // was counted off when it became so: the marks cannot move here.
+                        // On a target without power-loss protection the group (one request,
+                        // one command: this one) is not durable before a FLUSH covers it, and
+                        // every group before it that is durable was counted off when it became
+                        // so: the marks cannot move here.
                         if plp {
                             self.advance_durable(cmd.stream);
                         }
