@@ -8,7 +8,7 @@
 //! * `rio`: `OrderedDevice::submit` (each write its own group, ordered after the one before;
 //!   attribute log on an emulated 2 MiB PMR, as `aios bench ordered` runs it) and
 //!   `wait_progress_into` (completions handed back in order), with the default settings
-//!   (background FLUSH every 1,024 completed writes).
+//!   (background FLUSH every 4,096 completed writes).
 //!
 //! The difference is the sequencer, the log entry, the ORDER queue, in-order completion and
 //! durability bookkeeping per write. `aios bench ordered` measures the same against a real
