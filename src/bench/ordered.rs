@@ -40,8 +40,14 @@ pub enum LogKind {
     /// Persistent memory, emulated in RAM (what a device with a PMR offers).
     Pmr,
     /// Blocks on the target device itself (hardware without a PMR): written with FUA ahead of
-    /// each batch's data.
+    /// each batch's data, the thread waiting for each write (`pwrite` with `RWF_DSYNC`).
     Block,
+    /// The same blocks written asynchronously on the ordered device's own ring: a batch's data
+    /// goes out from its log write's completion, and the writes submitted meanwhile share the
+    /// next log write.
+    #[value(name = "block-async")]
+    #[serde(rename = "block-async")]
+    BlockAsync,
 }
 
 impl LogKind {
@@ -49,6 +55,7 @@ impl LogKind {
         match self {
             LogKind::Pmr => "pmr",
             LogKind::Block => "block",
+            LogKind::BlockAsync => "block-async",
         }
     }
 }
@@ -229,7 +236,7 @@ impl OrderedBench {
         }
         if matches!(self.target, OrderedTarget::Sim)
             && self.modes.contains(&OrderedMode::Rio)
-            && self.logs.contains(&LogKind::Block)
+            && (self.logs.contains(&LogKind::Block) || self.logs.contains(&LogKind::BlockAsync))
         {
             return Err(BenchError::Invalid(
                 "--log block keeps the log on the device's blocks: it needs a device path, not sim"
@@ -332,7 +339,8 @@ impl OrderedBench {
             sim_ns = sim_ns.max(r.sim_ns);
         }
         let seconds = if sim { sim_ns as f64 / 1e9 } else { elapsed };
-        let block = log == Some(LogKind::Block) && mode == OrderedMode::Rio;
+        let block =
+            matches!(log, Some(LogKind::Block | LogKind::BlockAsync)) && mode == OrderedMode::Rio;
         Ok(OrderedSample {
             mode: mode.name().into(),
             log: log.map(|l| l.name().into()),
@@ -388,13 +396,20 @@ impl OrderedBench {
             writes: disk.as_ref().map(|_| self.sim_writes),
         };
         let mut run = match (mode, log, &self.target) {
-            (OrderedMode::Rio, LogKind::Block, OrderedTarget::Path(p)) => {
-                let region = BlockPmr::open(
-                    &engine,
-                    p,
-                    logs_at + t as u64 * BLOCK_LOG_BYTES,
-                    BLOCK_LOG_BYTES as usize,
-                )
+            (OrderedMode::Rio, LogKind::Block | LogKind::BlockAsync, OrderedTarget::Path(p)) => {
+                let at = logs_at + t as u64 * BLOCK_LOG_BYTES;
+                let region = if log == LogKind::Block {
+                    BlockPmr::open(&engine, p, at, BLOCK_LOG_BYTES as usize)
+                } else {
+                    // The log's own handle on the ordered device's array: its writes complete
+                    // there, and the ordered device sends each batch's data from them.
+                    let cfg = DeviceConfig {
+                        write: true,
+                        route: RouteChoice::Ring,
+                        ..DeviceConfig::default()
+                    };
+                    BlockPmr::on_device(Device::open(&lbio, p, cfg)?, at, BLOCK_LOG_BYTES as usize)
+                }
                 .map_err(|e| BenchError::Setup(format!("block log: {e}")))?;
                 run_rio(
                     &engine,

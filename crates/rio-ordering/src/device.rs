@@ -307,6 +307,15 @@ pub struct OrderedDevice<P: Pmr> {
     /// Commands whose entries are appended to a deferred (block) log, waiting for the log sync
     /// that must precede their data: (offset, data, command, merged requests).
     staged: Vec<(u64, FixedBuf, Cmd, Option<Carried>)>,
+    /// The log writes asynchronously on this device's own array ([`Pmr::async_array`]).
+    log_async: bool,
+    /// Asynchronous log writes out, the commands whose data waits for them, and when they
+    /// started.
+    log_writes_out: usize,
+    log_batch: Vec<(u64, FixedBuf, Cmd, Option<Carried>)>,
+    log_sync_t0: Option<std::time::Instant>,
+    /// A write of the sync out failed (reported when the last one is in).
+    log_sync_failed: Option<String>,
     stats: OrderedStats,
 }
 
@@ -360,7 +369,13 @@ impl<P: Pmr> OrderedDevice<P> {
             })
             .collect();
         let flush_ahead = cfg.flush_ahead.min(log.slots() as usize / 2);
+        let log_async = log.async_array().is_some_and(|a| Rc::ptr_eq(a, &lbio));
         Ok(OrderedDevice {
+            log_async,
+            log_writes_out: 0,
+            log_batch: Vec::new(),
+            log_sync_t0: None,
+            log_sync_failed: None,
             flush_ahead,
             engine: Rc::clone(lbio.engine()),
             lbio,
@@ -825,7 +840,9 @@ impl<P: Pmr> OrderedDevice<P> {
     pub fn wait_any(&mut self) -> Result<Vec<Done>, RioError> {
         loop {
             self.reap()?;
-            if self.streams.iter().any(|s| !s.ready.is_empty()) || self.inflight_n == 0 {
+            if self.streams.iter().any(|s| !s.ready.is_empty())
+                || (self.inflight_n == 0 && self.log_writes_out == 0)
+            {
                 return Ok(self.take_ready());
             }
             self.lbio.wait_done(1)?;
@@ -845,9 +862,11 @@ impl<P: Pmr> OrderedDevice<P> {
     /// [`OrderedDevice::wait_progress`], appending to `out` (no allocation once `out` has
     /// room).
     pub fn wait_progress_into(&mut self, out: &mut Vec<Done>) -> Result<(), RioError> {
-        let before = self.inflight_n;
+        let before = (self.inflight_n, self.log_writes_out);
         self.reap()?;
-        if self.inflight_n == before && self.inflight_n > 0 {
+        if (self.inflight_n, self.log_writes_out) == before
+            && (self.inflight_n > 0 || self.log_writes_out > 0)
+        {
             self.lbio.wait_done(1)?;
             self.reap()?;
         }
@@ -891,7 +910,15 @@ impl<P: Pmr> OrderedDevice<P> {
         self.send_queued(stream)?;
         // The stream's writes, and any background FLUSH (it may cover some of them: once it is
         // in, every group of the stream is durable after the FLUSH below).
-        while self.flushes_out > 0 || self.inflight.iter().flatten().any(|c| c.stream == stream) {
+        // An asynchronous log: its writes, and the data they hold back.
+        loop {
+            self.submit_staged()?;
+            if self.flushes_out == 0
+                && self.log_writes_out == 0
+                && !self.inflight.iter().flatten().any(|c| c.stream == stream)
+            {
+                break;
+            }
             self.lbio.wait_done(1)?;
             self.reap()?;
         }
@@ -1004,10 +1031,33 @@ impl<P: Pmr> OrderedDevice<P> {
         if self.staged.is_empty() {
             return Ok(());
         }
+        if self.log_async {
+            if self.log_writes_out > 0 {
+                // They go out with the next sync, which the current one's completion starts;
+                // meanwhile more join them (one log write for all).
+                return Ok(());
+            }
+            let t = std::time::Instant::now();
+            let n = self.log.sync_start()?;
+            self.stats.log_syncs += 1;
+            if n > 0 {
+                self.log_writes_out = n;
+                self.log_sync_t0 = Some(t);
+                std::mem::swap(&mut self.log_batch, &mut self.staged);
+                return Ok(());
+            }
+            // Their entries were on the device already.
+            return self.send_staged();
+        }
         let t = std::time::Instant::now();
         self.log.sync()?;
         self.stats.log_syncs += 1;
         self.stats.log_sync_ns += t.elapsed().as_nanos() as u64;
+        self.send_staged()
+    }
+
+    /// Send the staged commands (their entries are durable).
+    fn send_staged(&mut self) -> Result<(), RioError> {
         let mut staged = std::mem::take(&mut self.staged);
         for (offset, buf, cmd, merged) in staged.drain(..) {
             self.submit_cmd(offset, buf, cmd, merged)?;
@@ -1039,11 +1089,14 @@ impl<P: Pmr> OrderedDevice<P> {
 
     /// Wait for every command and background FLUSH in flight to complete.
     fn drain_all(&mut self) -> Result<(), RioError> {
-        while self.inflight_n > 0 || self.flushes_out > 0 {
+        loop {
+            self.submit_staged()?;
+            if self.inflight_n == 0 && self.flushes_out == 0 && self.log_writes_out == 0 {
+                return Ok(());
+            }
             self.lbio.wait_done(1)?;
             self.reap()?;
         }
-        Ok(())
     }
 
     /// Take finished commands: set persist words (power-loss-protected targets), account
@@ -1060,6 +1113,9 @@ impl<P: Pmr> OrderedDevice<P> {
     fn account(&mut self, c: lbio::Completion) -> Result<(), RioError> {
         if self.flushes_out > 0 && self.background_flush_done(&c) {
             return Ok(());
+        }
+        if self.log_writes_out > 0 && self.log.sync_owns(c.tag) {
+            return self.log_write_done(c);
         }
         {
             let Some(cmd) = self
@@ -1162,6 +1218,35 @@ impl<P: Pmr> OrderedDevice<P> {
             self.advance(cmd.stream);
         }
         Ok(())
+    }
+
+    /// An asynchronous log write completed: once all of the sync's are in, its batch's data
+    /// goes to the device and the next sync starts. A failed sync puts its batch back in front
+    /// of the staged commands (its blocks are staged again) and reports the error; the next
+    /// sync tries again.
+    fn log_write_done(&mut self, c: lbio::Completion) -> Result<(), RioError> {
+        self.log_writes_out -= 1;
+        let r = self.log.sync_done(c);
+        if let Err(e) = r {
+            self.log_sync_failed = Some(e.to_string());
+        }
+        if self.log_writes_out > 0 {
+            return Ok(());
+        }
+        if let Some(t0) = self.log_sync_t0.take() {
+            self.stats.log_sync_ns += t0.elapsed().as_nanos() as u64;
+        }
+        if let Some(why) = self.log_sync_failed.take() {
+            let mut batch = std::mem::take(&mut self.log_batch);
+            batch.append(&mut self.staged);
+            self.staged = batch;
+            return Err(RioError::Config(why));
+        }
+        std::mem::swap(&mut self.log_batch, &mut self.staged);
+        // `staged` now holds the batch; what was staged meanwhile waits in `log_batch`.
+        self.send_staged()?;
+        std::mem::swap(&mut self.log_batch, &mut self.staged);
+        self.submit_staged()
     }
 
     /// Hand back groups in order, and move the durability mark.

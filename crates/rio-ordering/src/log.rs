@@ -49,6 +49,28 @@ pub trait Pmr {
     fn persist_ordered(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
         self.persist(offset, bytes)
     }
+    /// A deferred region that can also sync without blocking: the lbio array its writes go to
+    /// as detached requests. An ordered device on the same array then sends each batch's data
+    /// from the completion of the batch's log writes instead of waiting for them.
+    fn async_array(&self) -> Option<&std::rc::Rc<lbio::LbioArray>> {
+        None
+    }
+    /// Start writing everything staged (detached FUA writes on [`Pmr::async_array`]) and say how
+    /// many writes went out; the staged bytes are durable once each has been handed to
+    /// [`Pmr::sync_done`] without error. Nothing else may write the region until then. The
+    /// default writes them at once ([`Pmr::sync`]) and reports none.
+    fn sync_start(&mut self) -> Result<usize, RioError> {
+        self.sync().map(|()| 0)
+    }
+    /// Whether `tag` is one of the writes [`Pmr::sync_start`] sent.
+    fn sync_owns(&self, _tag: lbio::Tag) -> bool {
+        false
+    }
+    /// One of those writes completed (its buffer is released here). A failed write's blocks are
+    /// staged again, and the error returned.
+    fn sync_done(&mut self, _c: lbio::Completion) -> Result<(), RioError> {
+        Ok(())
+    }
 }
 
 /// A boxed region (a target choosing its log kind at run time) is a region.
@@ -73,6 +95,18 @@ impl<P: Pmr + ?Sized> Pmr for Box<P> {
     }
     fn persist_ordered(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
         (**self).persist_ordered(offset, bytes)
+    }
+    fn async_array(&self) -> Option<&std::rc::Rc<lbio::LbioArray>> {
+        (**self).async_array()
+    }
+    fn sync_start(&mut self) -> Result<usize, RioError> {
+        (**self).sync_start()
+    }
+    fn sync_owns(&self, tag: lbio::Tag) -> bool {
+        (**self).sync_owns(tag)
+    }
+    fn sync_done(&mut self, c: lbio::Completion) -> Result<(), RioError> {
+        (**self).sync_done(c)
     }
 }
 
@@ -420,6 +454,26 @@ impl<P: Pmr> AttrLog<P> {
     /// Make every append and persist word so far durable (a no-op on persistent memory).
     pub fn sync(&mut self) -> Result<(), RioError> {
         self.pmr.sync()
+    }
+
+    /// The region's lbio array when it can sync without blocking ([`Pmr::async_array`]).
+    pub fn async_array(&self) -> Option<&std::rc::Rc<lbio::LbioArray>> {
+        self.pmr.async_array()
+    }
+
+    /// [`Pmr::sync_start`].
+    pub fn sync_start(&mut self) -> Result<usize, RioError> {
+        self.pmr.sync_start()
+    }
+
+    /// [`Pmr::sync_owns`].
+    pub fn sync_owns(&self, tag: lbio::Tag) -> bool {
+        self.pmr.sync_owns(tag)
+    }
+
+    /// [`Pmr::sync_done`].
+    pub fn sync_done(&mut self, c: lbio::Completion) -> Result<(), RioError> {
+        self.pmr.sync_done(c)
     }
 
     /// Persist `attr` (stamped with this epoch, persist word clear) in the next slot. A full log

@@ -13,7 +13,9 @@
 //!   submits the batch's data (attribute blocks written ahead of their data), and once at the end
 //!   of `wait`; header rewrites are written at once, before anything staged after them. It
 //!   writes through a descriptor of its own ([`BlockPmr::open`]) or through an lbio device on
-//!   the engine's ring ([`BlockPmr::on_device`], a SimDisk included).
+//!   the engine's ring ([`BlockPmr::on_device`], a SimDisk included). On a device opened on the
+//!   ordered device's own lbio array, the sync is asynchronous ([`Pmr::sync_start`]): the
+//!   batch's data goes out from the log writes' completion instead of the thread waiting.
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -127,6 +129,8 @@ pub struct BlockPmr {
     dirty: Vec<bool>,
     any_dirty: bool,
     stats: BlockLogStats,
+    /// Asynchronous syncs (on an lbio device): writes out, with their block ranges.
+    pending: Vec<(lbio::Tag, usize, usize)>,
 }
 
 /// Where a [`BlockPmr`] writes: a descriptor of its own (`pwrite` with `RWF_DSYNC`), or an lbio
@@ -207,8 +211,10 @@ impl BlockPmr {
 
     /// The `len` bytes at byte `start` of an lbio device (opened writable): the log is read
     /// through the device and synced with FUA writes on its engine's ring, so it works on
-    /// anything lbio opens, SimDisk included. The device must not be shared with an ordered
-    /// device's target array (open it again on any array of the same engine).
+    /// anything lbio opens, SimDisk included. The log needs a `Device` of its own (not one of
+    /// the ordered device's targets: open the path again). Opened on the ordered device's own
+    /// lbio array, its syncs are asynchronous (the ordered device takes their completions and
+    /// sends each batch's data from them); on another array of the same engine they block.
     pub fn on_device(device: lbio::Device, start: u64, len: usize) -> Result<BlockPmr, RioError> {
         let g = device.geometry();
         let name = format!("lbio device of {} bytes", g.capacity_bytes);
@@ -238,6 +244,7 @@ impl BlockPmr {
             image,
             block,
             stats: BlockLogStats::default(),
+            pending: Vec::new(),
         }
     }
 
@@ -284,6 +291,41 @@ impl BlockPmr {
     }
 }
 
+impl BlockPmr {
+    /// The staged blocks, as runs `from..to`.
+    fn dirty_runs(&self) -> Vec<(usize, usize)> {
+        let mut runs = Vec::new();
+        let mut i = 0;
+        while i < self.dirty.len() {
+            if !self.dirty[i] {
+                i += 1;
+                continue;
+            }
+            let mut j = i + 1;
+            while j < self.dirty.len() && self.dirty[j] {
+                j += 1;
+            }
+            runs.push((i, j));
+            i = j;
+        }
+        runs
+    }
+
+    /// Blocking writes must not overtake an asynchronous write of the same blocks.
+    fn check_no_pending(&self, what: &str) -> Result<(), RioError> {
+        if self.pending.is_empty() {
+            Ok(())
+        } else {
+            Err(RioError::Config(format!(
+                "{}: a {what} while {} asynchronous block log write(s) are out: wait for them \
+                 (Pmr::sync_done) first",
+                self.name,
+                self.pending.len()
+            )))
+        }
+    }
+}
+
 impl Pmr for BlockPmr {
     fn len(&self) -> usize {
         self.image.len()
@@ -316,19 +358,10 @@ impl Pmr for BlockPmr {
         if !self.any_dirty {
             return Ok(());
         }
+        self.check_no_pending("blocking sync")?;
         self.stats.syncs += 1;
-        let mut i = 0;
-        while i < self.dirty.len() {
-            if !self.dirty[i] {
-                i += 1;
-                continue;
-            }
-            let mut j = i + 1;
-            while j < self.dirty.len() && self.dirty[j] {
-                j += 1;
-            }
+        for (i, j) in self.dirty_runs() {
             self.write_blocks(i, j)?;
-            i = j;
         }
         self.any_dirty = false;
         Ok(())
@@ -340,10 +373,74 @@ impl Pmr for BlockPmr {
         }
         // Only the blocks of this write; whatever else is staged stays staged.
         let (first, last) = (offset / self.block, (offset + bytes.len() - 1) / self.block);
+        if self.pending.iter().any(|&(_, a, b)| a <= last && first < b) {
+            self.check_no_pending("header write over blocks being written")?;
+        }
         self.stats.ordered_writes += 1;
         self.write_blocks(first, last + 1)?;
         self.any_dirty = self.dirty.iter().any(|&d| d);
         Ok(())
+    }
+    fn async_array(&self) -> Option<&std::rc::Rc<lbio::LbioArray>> {
+        match &self.sink {
+            Sink::Device(dev) => Some(dev.lbio()),
+            Sink::Fd(_) => None,
+        }
+    }
+    fn sync_start(&mut self) -> Result<usize, RioError> {
+        let Sink::Device(dev) = &self.sink else {
+            return self.sync().map(|()| 0);
+        };
+        if !self.any_dirty {
+            return Ok(0);
+        }
+        self.check_no_pending("second asynchronous sync")?;
+        self.stats.syncs += 1;
+        for (i, j) in self.dirty_runs() {
+            let (a, b) = (i * self.block, j * self.block);
+            // A copy: the image keeps changing while the write is out.
+            let mut buf = dev.lbio().engine().alloc_blocking(b - a)?;
+            buf.copy_from_slice(&self.image[a..b]);
+            let tag = dev
+                .submit(lbio::Io::write(self.start + a as u64, buf).fua(true))
+                .map_err(|(e, _)| {
+                    RioError::Config(format!("{}: block log write: {e}", self.name))
+                })?;
+            for d in &mut self.dirty[i..j] {
+                *d = false;
+            }
+            self.pending.push((tag, i, j));
+            self.stats.writes += 1;
+            self.stats.blocks_written += (j - i) as u64;
+        }
+        self.any_dirty = false;
+        Ok(self.pending.len())
+    }
+    fn sync_owns(&self, tag: lbio::Tag) -> bool {
+        self.pending.iter().any(|p| p.0 == tag)
+    }
+    fn sync_done(&mut self, c: lbio::Completion) -> Result<(), RioError> {
+        let Some(k) = self.pending.iter().position(|p| p.0 == c.tag) else {
+            return Err(RioError::Config(format!(
+                "{}: a completion that is not a block log write",
+                self.name
+            )));
+        };
+        let (_, i, j) = self.pending.swap_remove(k);
+        match c.result {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                // Not known to be on the device: write them again at the next sync.
+                for d in &mut self.dirty[i..j] {
+                    *d = true;
+                }
+                self.any_dirty = true;
+                Err(RioError::Config(format!(
+                    "{}: block log write: {e}",
+                    self.name
+                )))
+            }
+        }
     }
 }
 
@@ -351,6 +448,19 @@ impl Pmr for BlockPmr {
 mod tests {
     use super::*;
     use crate::{scan, Attr, AttrLog};
+
+    /// The entry of a one-write group `seq` of 4 KiB.
+    fn entry(seq: u64) -> Attr {
+        Attr {
+            seq,
+            seq_end: seq,
+            len: 4096,
+            boundary: true,
+            num: 1,
+            members: 1,
+            ..Attr::default()
+        }
+    }
 
     #[test]
     fn a_file_log_survives_closing_and_reopening_the_file() {
@@ -360,15 +470,7 @@ mod tests {
         let _ = std::fs::remove_file(&path);
         {
             let mut log = AttrLog::format(FilePmr::open(&path, 16 << 10).unwrap(), 1).unwrap();
-            let a = Attr {
-                seq: 1,
-                seq_end: 1,
-                len: 4096,
-                boundary: true,
-                num: 1,
-                members: 1,
-                ..Attr::default()
-            };
+            let a = entry(1);
             let s = log.append(&a).unwrap();
             log.set_persist(s, 1).unwrap();
         }
@@ -392,15 +494,7 @@ mod tests {
             0,
             "slots start on a block"
         );
-        let a = Attr {
-            seq: 1,
-            seq_end: 1,
-            len: 4096,
-            boundary: true,
-            num: 1,
-            members: 1,
-            ..Attr::default()
-        };
+        let a = entry(1);
         let s = log.append(&a).unwrap();
         // Not synced: a fresh open of the device sees the empty log.
         assert!(scan(&open()).unwrap().entries.is_empty());
@@ -448,18 +542,20 @@ mod tests {
         std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
     }
 
+    fn open_writable(lbio: &std::rc::Rc<lbio::LbioArray>, path: &Path) -> lbio::Device {
+        let cfg = lbio::DeviceConfig {
+            write: true,
+            ..lbio::DeviceConfig::default()
+        };
+        lbio::Device::open(lbio, path, cfg).unwrap()
+    }
+
     #[test]
     fn a_block_log_on_an_lbio_device_keeps_the_same_contract() {
         let (path, engine) = test_file("devpmr");
         let lbio =
             lbio::LbioArray::new(std::rc::Rc::clone(&engine), lbio::LbioConfig::default()).unwrap();
-        let dev = || {
-            let cfg = lbio::DeviceConfig {
-                write: true,
-                ..lbio::DeviceConfig::default()
-            };
-            lbio::Device::open(&lbio, &path, cfg).unwrap()
-        };
+        let dev = || open_writable(&lbio, &path);
         let start = 64 << 10;
         block_log_contract(
             &|| BlockPmr::on_device(dev(), start, 64 << 10).unwrap(),
@@ -471,6 +567,52 @@ mod tests {
         log.sync().unwrap();
         assert!(log.pmr().stats().writes >= 1);
         assert!(format!("{:?}", log.pmr()).contains("lbio device"));
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn an_asynchronous_sync_is_durable_at_its_completion_and_refuses_a_race() {
+        let (path, engine) = test_file("asyncpmr");
+        let lbio =
+            lbio::LbioArray::new(std::rc::Rc::clone(&engine), lbio::LbioConfig::default()).unwrap();
+        let dev = || open_writable(&lbio, &path);
+        let start = 64 << 10;
+        let mut log =
+            AttrLog::format(BlockPmr::on_device(dev(), start, 64 << 10).unwrap(), 1).unwrap();
+        assert!(log
+            .async_array()
+            .is_some_and(|a| std::rc::Rc::ptr_eq(a, &lbio)));
+        let a = entry(1);
+        log.append(&a).unwrap();
+        // Hand every completion to the log until the sync's `left` writes are in.
+        let finish = |log: &mut AttrLog<BlockPmr>, mut left: usize| {
+            while left > 0 {
+                lbio.wait_done(1).unwrap();
+                while let Some(c) = lbio.take_done() {
+                    assert!(log.sync_owns(c.tag));
+                    log.sync_done(c).unwrap();
+                    left -= 1;
+                }
+            }
+        };
+        let out = log.sync_start().unwrap();
+        assert!(out >= 1);
+        // While its writes are out: no second sync, no blocking one.
+        log.append(&entry(2)).unwrap();
+        let e = log.sync_start().unwrap_err();
+        assert!(e.to_string().contains("asynchronous"), "{e}");
+        let e = log.sync().unwrap_err();
+        assert!(e.to_string().contains("asynchronous"), "{e}");
+        finish(&mut log, out);
+        // The first entry is on the device; the second waits for the next sync.
+        let sc = scan(&BlockPmr::on_device(dev(), start, 64 << 10).unwrap()).unwrap();
+        assert_eq!(sc.entries.len(), 1);
+        assert_eq!(sc.entries[0].1.seq, 1);
+        let out = log.sync_start().unwrap();
+        assert!(out >= 1);
+        finish(&mut log, out);
+        let sc = scan(&BlockPmr::on_device(dev(), start, 64 << 10).unwrap()).unwrap();
+        assert_eq!(sc.entries.len(), 2);
         std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
     }
 }

@@ -45,22 +45,40 @@ enum LogRegion {
         durable: Vec<u8>,
         image: Vec<u8>,
         dirty: std::collections::BTreeSet<usize>,
+        /// Asynchronous syncs: each staged block goes out as a detached write to this SimDisk
+        /// (on the ordered device's own array), and reaches `durable` when the write completes.
+        /// A cut loses or keeps each write still out.
+        sink: Option<AsyncSink>,
     },
+}
+
+struct AsyncSink {
+    lbio: Rc<LbioArray>,
+    dev: lbio::Device,
+    /// Writes out: (tag, block, the block's bytes when the write went out).
+    out: Vec<(lbio::Tag, usize, Vec<u8>)>,
 }
 
 const LOG_BLOCK: usize = 512;
 
 impl LogRegion {
-    fn blocks(len: usize) -> LogRegion {
+    fn blocks(len: usize, sink: Option<AsyncSink>) -> LogRegion {
         LogRegion::Blocks {
             durable: vec![0; len],
             image: vec![0; len],
             dirty: Default::default(),
+            sink,
         }
     }
     fn write_back(durable: &mut [u8], image: &[u8], b: usize) {
         let r = b * LOG_BLOCK..((b + 1) * LOG_BLOCK).min(image.len());
         durable[r.clone()].copy_from_slice(&image[r]);
+    }
+    /// Block `b` from a copy of that block alone.
+    fn put_block(durable: &mut [u8], b: usize, bytes: &[u8]) {
+        let r = b * LOG_BLOCK..((b + 1) * LOG_BLOCK).min(durable.len());
+        let n = r.len();
+        durable[r].copy_from_slice(&bytes[..n]);
     }
     /// The region after a power cut: what was synced, plus any subset of the staged blocks (a
     /// sync the cut interrupted).
@@ -71,8 +89,14 @@ impl LogRegion {
                 durable,
                 image,
                 dirty,
+                sink,
             } => {
                 let mut d = durable.clone();
+                for (_, b, bytes) in sink.iter().flat_map(|s| &s.out) {
+                    if rng.chance(1, 2) {
+                        Self::put_block(&mut d, *b, bytes);
+                    }
+                }
                 for &b in dirty {
                     if rng.chance(1, 2) {
                         Self::write_back(&mut d, image, b);
@@ -129,12 +153,69 @@ impl Pmr for LogRegion {
             durable,
             image,
             dirty,
+            sink,
         } = self
         {
+            assert!(
+                sink.as_ref().is_none_or(|s| s.out.is_empty()),
+                "a blocking sync while asynchronous log writes are out"
+            );
             for b in std::mem::take(dirty) {
                 Self::write_back(durable, image, b);
             }
         }
+        Ok(())
+    }
+    fn async_array(&self) -> Option<&Rc<LbioArray>> {
+        match self {
+            LogRegion::Blocks { sink: Some(s), .. } => Some(&s.lbio),
+            _ => None,
+        }
+    }
+    fn sync_start(&mut self) -> Result<usize, RioError> {
+        let LogRegion::Blocks {
+            image,
+            dirty,
+            sink: Some(s),
+            ..
+        } = self
+        else {
+            return self.sync().map(|()| 0);
+        };
+        assert!(
+            s.out.is_empty(),
+            "a second asynchronous sync while one is out"
+        );
+        for b in std::mem::take(dirty) {
+            let r = b * LOG_BLOCK..((b + 1) * LOG_BLOCK).min(image.len());
+            let mut bytes = vec![0; LOG_BLOCK];
+            bytes[..r.len()].copy_from_slice(&image[r]);
+            let buf = s.lbio.engine().alloc_blocking(LOG_BLOCK).unwrap();
+            let tag = s
+                .dev
+                .submit(lbio::Io::write((b * LOG_BLOCK) as u64, buf).fua(true))
+                .map_err(|(e, _)| RioError::Config(format!("log write: {e}")))?;
+            s.out.push((tag, b, bytes));
+        }
+        Ok(s.out.len())
+    }
+    fn sync_owns(&self, tag: lbio::Tag) -> bool {
+        matches!(self, LogRegion::Blocks { sink: Some(s), .. } if s.out.iter().any(|o| o.0 == tag))
+    }
+    fn sync_done(&mut self, c: lbio::Completion) -> Result<(), RioError> {
+        let LogRegion::Blocks {
+            durable,
+            sink: Some(s),
+            ..
+        } = self
+        else {
+            panic!("a log write completion without an asynchronous sink");
+        };
+        let k = s.out.iter().position(|o| o.0 == c.tag).expect("our write");
+        let (_, b, bytes) = s.out.swap_remove(k);
+        c.result
+            .map_err(|e| RioError::Config(format!("log write: {e}")))?;
+        Self::put_block(durable, b, &bytes);
         Ok(())
     }
     fn persist_ordered(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
@@ -143,6 +224,7 @@ impl Pmr for LogRegion {
             durable,
             image,
             dirty,
+            ..
         } = self
         {
             for b in offset / LOG_BLOCK..(offset + bytes.len()).div_ceil(LOG_BLOCK) {
@@ -158,6 +240,8 @@ struct Rig {
     engine: Rc<Engine>,
     disks: Vec<SimDisk>,
     dev: OrderedDevice<LogRegion>,
+    /// The disk an asynchronous block log writes to (its contents are not looked at).
+    log_disk: Option<SimDisk>,
 }
 
 fn rig(
@@ -176,6 +260,8 @@ fn rig(
 struct RigOpts {
     /// Keep the log in device blocks (deferred) instead of memory.
     block_log: bool,
+    /// ...synced with detached writes on the ordered device's array (asynchronous).
+    async_log: bool,
     /// The largest request a target takes.
     max_transfer: u32,
 }
@@ -184,6 +270,7 @@ impl Default for RigOpts {
     fn default() -> Self {
         RigOpts {
             block_log: false,
+            async_log: false,
             max_transfer: 1 << 20,
         }
     }
@@ -200,6 +287,7 @@ fn rig_with(
 ) -> Rig {
     let RigOpts {
         block_log,
+        async_log,
         max_transfer,
     } = opts;
     let engine = engine();
@@ -214,16 +302,32 @@ fn rig_with(
         .collect();
     let devs = disks.iter().map(|d| d.open(&lbio).unwrap()).collect();
     let bytes = 2 * 576 + slots * 64;
+    let mut log_disk = None;
     let region = if block_log {
+        let sink = async_log.then(|| {
+            let disk = SimDisk::new(SimConfig::new(DISK, seed ^ 0x106)).unwrap();
+            let dev = disk.open(&lbio).unwrap();
+            log_disk = Some(disk);
+            AsyncSink {
+                lbio: Rc::clone(&lbio),
+                dev,
+                out: Vec::new(),
+            }
+        });
         // Room for the header block and the same number of slots.
-        LogRegion::blocks(bytes.div_ceil(LOG_BLOCK) * LOG_BLOCK + LOG_BLOCK)
+        LogRegion::blocks(bytes.div_ceil(LOG_BLOCK) * LOG_BLOCK + LOG_BLOCK, sink)
     } else {
         LogRegion::Mem(MemPmr::new(bytes))
     };
     let log = AttrLog::format(region, streams).unwrap();
     let start = vec![1; streams as usize];
     let dev = OrderedDevice::new(lbio, devs, log, &start, cfg).unwrap();
-    Rig { engine, disks, dev }
+    Rig {
+        engine,
+        disks,
+        dev,
+        log_disk,
+    }
 }
 
 fn write(engine: &Engine, target: u16, offset: u64, id: u64, len: usize) -> Write {
@@ -440,7 +544,7 @@ fn check_crash(
 
 /// One crash workload: random streams, groups, sizes (some above the transfer limit: split),
 /// targets with and without power-loss protection, waits; a power cut; images; recovery.
-fn crash_run(seed: u64, images: usize) -> Result<(usize, u64, u64, u64), String> {
+fn crash_run(seed: u64, images: usize) -> Result<(usize, u64, u64, u64, u64), String> {
     let mut rng = SimRng::new(seed);
     let targets = 1 + rng.below(3) as usize;
     let plp: Vec<bool> = (0..targets).map(|_| rng.chance(1, 2)).collect();
@@ -454,6 +558,7 @@ fn crash_run(seed: u64, images: usize) -> Result<(usize, u64, u64, u64), String>
         ..OrderedConfig::default()
     };
     let block_log = rng.chance(1, 2);
+    let async_log = block_log && rng.chance(1, 2);
     // Half the runs on devices taking at most 8 KiB a request: larger writes go out in pieces.
     let max_transfer = if rng.chance(1, 2) { 8192 } else { 1 << 20 };
     let mut r = rig_with(
@@ -465,6 +570,7 @@ fn crash_run(seed: u64, images: usize) -> Result<(usize, u64, u64, u64), String>
         cfg,
         RigOpts {
             block_log,
+            async_log,
             max_transfer,
         },
     );
@@ -513,13 +619,13 @@ fn crash_run(seed: u64, images: usize) -> Result<(usize, u64, u64, u64), String>
         }
     }
     // Power cut on every target at once, with whatever is in flight.
-    for d in &r.disks {
+    for d in r.disks.iter().chain(&r.log_disk) {
         d.cut_power();
     }
     let log_image = r.dev.log().pmr().crash_image(&mut rng);
     let sc = scan(&log_image).map_err(|e| format!("seed {seed}: scan: {e}"))?;
     let checked = check_crash(
-        &format!("seed {seed} (block log: {block_log})"),
+        &format!("seed {seed} (block log: {block_log}, asynchronous: {async_log})"),
         &sc,
         &plp,
         &acked_below,
@@ -528,7 +634,14 @@ fn crash_run(seed: u64, images: usize) -> Result<(usize, u64, u64, u64), String>
         images,
     )?;
     let st = r.dev.stats();
-    Ok((images, checked, st.split_cmds, st.flushes_ahead))
+    let async_syncs = if async_log { st.log_syncs } else { 0 };
+    Ok((
+        images,
+        checked,
+        st.split_cmds,
+        st.flushes_ahead,
+        async_syncs,
+    ))
 }
 
 #[test]
@@ -542,10 +655,12 @@ fn crashes_through_the_device_path_keep_a_durable_prefix_with_every_acknowledged
             .collect(),
     };
     let (mut states, mut writes, mut ahead, mut split) = (0usize, 0u64, 0u64, 0u64);
+    let mut async_syncs = 0u64;
     let t0 = std::time::Instant::now();
     for &seed in &seeds {
         match crash_run(seed, 200) {
-            Ok((s, w, p, a)) => {
+            Ok((s, w, p, a, y)) => {
+                async_syncs += y;
                 states += s;
                 writes += w;
                 split += p;
@@ -558,12 +673,14 @@ fn crashes_through_the_device_path_keep_a_durable_prefix_with_every_acknowledged
     }
     if seeds.len() > 1 {
         assert!(
-            split > 0 && ahead > 0,
-            "the workloads split requests ({split}) and FLUSH in the background ({ahead})"
+            split > 0 && ahead > 0 && async_syncs > 0,
+            "the workloads split requests ({split}), FLUSH in the background ({ahead}) and sync \
+             block logs asynchronously ({async_syncs})"
         );
     }
     println!(
-        "rio device crashes: {} workloads ({split} split pieces, {ahead} background FLUSHes), \
+        "rio device crashes: {} workloads ({split} split pieces, {ahead} background FLUSHes, \
+         {async_syncs} asynchronous block log syncs), \
          {states} crash states, \
          {writes} recovered writes checked against them in {:.1} s, 0 violations",
         seeds.len(),
