@@ -316,6 +316,8 @@ pub struct OrderedDevice<P: Pmr> {
     log_sync_t0: Option<std::time::Instant>,
     /// A write of the sync out failed (reported when the last one is in).
     log_sync_failed: Option<String>,
+    /// Completions taken so far (progress, for `wait_progress_into`).
+    reaped: u64,
     stats: OrderedStats,
 }
 
@@ -376,6 +378,7 @@ impl<P: Pmr> OrderedDevice<P> {
             log_batch: Vec::new(),
             log_sync_t0: None,
             log_sync_failed: None,
+            reaped: 0,
             flush_ahead,
             engine: Rc::clone(lbio.engine()),
             lbio,
@@ -862,11 +865,9 @@ impl<P: Pmr> OrderedDevice<P> {
     /// [`OrderedDevice::wait_progress`], appending to `out` (no allocation once `out` has
     /// room).
     pub fn wait_progress_into(&mut self, out: &mut Vec<Done>) -> Result<(), RioError> {
-        let before = (self.inflight_n, self.log_writes_out);
+        let before = self.reaped;
         self.reap()?;
-        if (self.inflight_n, self.log_writes_out) == before
-            && (self.inflight_n > 0 || self.log_writes_out > 0)
-        {
+        if self.reaped == before && (self.inflight_n > 0 || self.log_writes_out > 0) {
             self.lbio.wait_done(1)?;
             self.reap()?;
         }
@@ -887,9 +888,10 @@ impl<P: Pmr> OrderedDevice<P> {
         }
     }
 
-    /// Device commands in flight.
+    /// Device commands in flight, and (asynchronous block log) those whose data waits for its
+    /// log write.
     pub fn in_flight(&self) -> usize {
-        self.inflight_n
+        self.inflight_n + self.staged.len() + self.log_batch.len()
     }
 
     fn take_ready(&mut self) -> Vec<Done> {
@@ -1006,10 +1008,13 @@ impl<P: Pmr> OrderedDevice<P> {
         cmd: Cmd,
         merged: Option<Carried>,
     ) -> Result<(), RioError> {
-        let t = &self.targets[cmd.target as usize];
-        let tag = t.dev.submit(Io::write(offset, buf)).map_err(|(e, _)| {
-            RioError::Config(format!("submitting to target {}: {e}", cmd.target))
-        })?;
+        let tag = match self.targets[cmd.target as usize]
+            .dev
+            .submit(Io::write(offset, buf))
+        {
+            Ok(tag) => tag,
+            Err((e, buf)) => self.submit_cmd_after(e, buf, offset, cmd.target)?,
+        };
         self.stats.device_cmds += 1;
         let at = tag.0 as usize;
         if self.inflight.len() <= at {
@@ -1026,6 +1031,38 @@ impl<P: Pmr> OrderedDevice<P> {
         Ok(())
     }
 
+    /// [`OrderedDevice::submit_cmd`] when lbio refused the command: on a full slot array, take
+    /// completions until a slot is free and submit again; any other error is the caller's.
+    #[cold]
+    #[inline(never)]
+    fn submit_cmd_after(
+        &mut self,
+        mut e: lbio::LbioError,
+        mut buf: Option<FixedBuf>,
+        offset: u64,
+        target: u16,
+    ) -> Result<lbio::Tag, RioError> {
+        loop {
+            let Some(b) = buf
+                .take()
+                .filter(|_| e.is_would_block() && self.inflight_n > 0)
+            else {
+                return Err(RioError::Config(format!(
+                    "submitting to target {target}: {e}"
+                )));
+            };
+            self.lbio.wait_done(1)?;
+            self.reap()?;
+            match self.targets[target as usize]
+                .dev
+                .submit(Io::write(offset, b))
+            {
+                Ok(tag) => return Ok(tag),
+                Err((e2, b2)) => (e, buf) = (e2, b2),
+            }
+        }
+    }
+
     /// A deferred log: write the staged entries (one sync), then send their data.
     fn submit_staged(&mut self) -> Result<(), RioError> {
         if self.staged.is_empty() {
@@ -1037,8 +1074,30 @@ impl<P: Pmr> OrderedDevice<P> {
                 // meanwhile more join them (one log write for all).
                 return Ok(());
             }
+            // The log's writes take request slots on this array: wait for completions to free
+            // them (back-pressure, as for data).
+            while (self.lbio.free_slots() as usize) < crate::pmr::ASYNC_SYNC_WRITES
+                && self.inflight_n > 0
+            {
+                self.lbio.wait_done(1)?;
+                self.reap()?;
+            }
             let t = std::time::Instant::now();
-            let n = self.log.sync_start()?;
+            let n = match self.log.sync_start() {
+                Ok(n) => n,
+                Err(e) => {
+                    let out = self.log.sync_writes_out();
+                    if out > 0 {
+                        // Part of the sync went out: its completions come back, and then the
+                        // batch goes back to the staged commands with the error.
+                        self.log_writes_out = out;
+                        self.log_sync_t0 = Some(t);
+                        self.log_sync_failed = Some(e.to_string());
+                        std::mem::swap(&mut self.log_batch, &mut self.staged);
+                    }
+                    return Err(e);
+                }
+            };
             self.stats.log_syncs += 1;
             if n > 0 {
                 self.log_writes_out = n;
@@ -1056,14 +1115,20 @@ impl<P: Pmr> OrderedDevice<P> {
         self.send_staged()
     }
 
-    /// Send the staged commands (their entries are durable).
+    /// Send the staged commands (their entries are durable). A command that cannot be sent
+    /// stops it with an error; the ones after it stay staged.
     fn send_staged(&mut self) -> Result<(), RioError> {
-        let mut staged = std::mem::take(&mut self.staged);
-        for (offset, buf, cmd, merged) in staged.drain(..) {
-            self.submit_cmd(offset, buf, cmd, merged)?;
+        let staged = std::mem::take(&mut self.staged);
+        let mut rest = staged.into_iter();
+        let mut r = Ok(());
+        for (offset, buf, cmd, merged) in rest.by_ref() {
+            r = self.submit_cmd(offset, buf, cmd, merged);
+            if r.is_err() {
+                break;
+            }
         }
-        self.staged = staged;
-        Ok(())
+        self.staged.extend(rest);
+        r
     }
 
     /// The log is full: wait for completions and, on targets without power-loss protection,
@@ -1103,6 +1168,7 @@ impl<P: Pmr> OrderedDevice<P> {
     /// groups, hand back what is now in order.
     fn reap(&mut self) -> Result<(), RioError> {
         while let Some(c) = self.lbio.take_done() {
+            self.reaped += 1;
             self.account(c)?;
         }
         Ok(())
@@ -1242,10 +1308,13 @@ impl<P: Pmr> OrderedDevice<P> {
             self.staged = batch;
             return Err(RioError::Config(why));
         }
-        std::mem::swap(&mut self.log_batch, &mut self.staged);
-        // `staged` now holds the batch; what was staged meanwhile waits in `log_batch`.
-        self.send_staged()?;
-        std::mem::swap(&mut self.log_batch, &mut self.staged);
+        // The batch first, in order; then what was staged meanwhile (behind it, even if a send
+        // fails: nothing is dropped, and the order holds).
+        let meanwhile = std::mem::take(&mut self.staged);
+        self.staged = std::mem::take(&mut self.log_batch);
+        let sent = self.send_staged();
+        self.staged.extend(meanwhile);
+        sent?;
         self.submit_staged()
     }
 
@@ -1321,8 +1390,10 @@ impl<P: Pmr> OrderedDevice<P> {
             .submit(Io::flush())
             .map_err(|(e, _)| RioError::Config(format!("FLUSH on target {t}: {e}")))?;
         self.stats.flushes += 1;
-        // Wait for the FLUSH, taking data completions on the way.
+        // Wait for the FLUSH, taking data completions on the way. An error taking one (a failed
+        // log write) is reported after the FLUSH is in and what it covers is counted.
         let mut flushed = None;
+        let mut taking: Result<(), RioError> = Ok(());
         while flushed.is_none() {
             self.lbio.wait_done(1)?;
             while let Some(c) = self.lbio.take_done() {
@@ -1330,7 +1401,11 @@ impl<P: Pmr> OrderedDevice<P> {
                     flushed = Some(c.result);
                     break;
                 }
-                self.account(c)?;
+                self.reaped += 1;
+                let r = self.account(c);
+                if taking.is_ok() {
+                    taking = r;
+                }
             }
         }
         flushed.expect("set")?;
@@ -1338,7 +1413,7 @@ impl<P: Pmr> OrderedDevice<P> {
             self.log.set_persist(slot, seq)?;
         }
         self.now_durable(&covered);
-        Ok(())
+        taking
     }
 
     /// Commands `covered` (stream, seqs) are durable: count them off their groups and move the

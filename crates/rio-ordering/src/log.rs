@@ -55,8 +55,9 @@ pub trait Pmr {
     fn async_array(&self) -> Option<&std::rc::Rc<lbio::LbioArray>> {
         None
     }
-    /// Start writing everything staged (detached FUA writes on [`Pmr::async_array`]) and say how
-    /// many writes went out; the staged bytes are durable once each has been handed to
+    /// Start writing everything staged (detached FUA writes on [`Pmr::async_array`], at most
+    /// [`crate::pmr::ASYNC_SYNC_WRITES`] of them: the caller makes that many request slots free)
+    /// and say how many writes went out; the staged bytes are durable once each has been handed to
     /// [`Pmr::sync_done`] without error. Nothing else may write the region until then. The
     /// default writes them at once ([`Pmr::sync`]) and reports none.
     fn sync_start(&mut self) -> Result<usize, RioError> {
@@ -65,6 +66,11 @@ pub trait Pmr {
     /// Whether `tag` is one of the writes [`Pmr::sync_start`] sent.
     fn sync_owns(&self, _tag: lbio::Tag) -> bool {
         false
+    }
+    /// How many of those writes are out (after a [`Pmr::sync_start`] that failed part way,
+    /// those that went out before the failure).
+    fn sync_writes_out(&self) -> usize {
+        0
     }
     /// One of those writes completed (its buffer is released here). A failed write's blocks are
     /// staged again, and the error returned.
@@ -104,6 +110,9 @@ impl<P: Pmr + ?Sized> Pmr for Box<P> {
     }
     fn sync_owns(&self, tag: lbio::Tag) -> bool {
         (**self).sync_owns(tag)
+    }
+    fn sync_writes_out(&self) -> usize {
+        (**self).sync_writes_out()
     }
     fn sync_done(&mut self, c: lbio::Completion) -> Result<(), RioError> {
         (**self).sync_done(c)
@@ -469,6 +478,11 @@ impl<P: Pmr> AttrLog<P> {
     /// [`Pmr::sync_owns`].
     pub fn sync_owns(&self, tag: lbio::Tag) -> bool {
         self.pmr.sync_owns(tag)
+    }
+
+    /// [`Pmr::sync_writes_out`].
+    pub fn sync_writes_out(&self) -> usize {
+        self.pmr.sync_writes_out()
     }
 
     /// [`Pmr::sync_done`].

@@ -102,6 +102,9 @@ impl Pmr for FilePmr {
     }
 }
 
+/// The most writes an asynchronous [`BlockPmr`] sync sends (request slots it needs).
+pub const ASYNC_SYNC_WRITES: usize = 2;
+
 /// What a [`BlockPmr`] has written so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BlockLogStats {
@@ -396,7 +399,13 @@ impl Pmr for BlockPmr {
         }
         self.check_no_pending("second asynchronous sync")?;
         self.stats.syncs += 1;
-        for (i, j) in self.dirty_runs() {
+        let mut runs = self.dirty_runs();
+        if runs.len() > ASYNC_SYNC_WRITES {
+            // One write over them all: the clean blocks between hold what the device holds (no
+            // write of them is out), and the sync takes one request slot.
+            runs = vec![(runs[0].0, runs[runs.len() - 1].1)];
+        }
+        for (i, j) in runs {
             let (a, b) = (i * self.block, j * self.block);
             // A copy: the image keeps changing while the write is out.
             let mut buf = dev.lbio().engine().alloc_blocking(b - a)?;
@@ -418,6 +427,9 @@ impl Pmr for BlockPmr {
     }
     fn sync_owns(&self, tag: lbio::Tag) -> bool {
         self.pending.iter().any(|p| p.0 == tag)
+    }
+    fn sync_writes_out(&self) -> usize {
+        self.pending.len()
     }
     fn sync_done(&mut self, c: lbio::Completion) -> Result<(), RioError> {
         let Some(k) = self.pending.iter().position(|p| p.0 == c.tag) else {

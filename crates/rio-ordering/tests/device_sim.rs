@@ -45,9 +45,9 @@ enum LogRegion {
         durable: Vec<u8>,
         image: Vec<u8>,
         dirty: std::collections::BTreeSet<usize>,
-        /// Asynchronous syncs: each staged block goes out as a detached write to this SimDisk
-        /// (on the ordered device's own array), and reaches `durable` when the write completes.
-        /// A cut loses or keeps each write still out.
+        /// Asynchronous syncs: the staged blocks go out as one detached write to this SimDisk
+        /// (on the ordered device's own array), and reach `durable` when it completes. A cut
+        /// keeps any subset of the blocks of a write still out.
         sink: Option<AsyncSink>,
     },
 }
@@ -55,8 +55,8 @@ enum LogRegion {
 struct AsyncSink {
     lbio: Rc<LbioArray>,
     dev: lbio::Device,
-    /// Writes out: (tag, block, the block's bytes when the write went out).
-    out: Vec<(lbio::Tag, usize, Vec<u8>)>,
+    /// The write out: its tag, and each block with its bytes when the write went out.
+    out: Option<(lbio::Tag, Vec<(usize, Vec<u8>)>)>,
 }
 
 const LOG_BLOCK: usize = 512;
@@ -92,7 +92,7 @@ impl LogRegion {
                 sink,
             } => {
                 let mut d = durable.clone();
-                for (_, b, bytes) in sink.iter().flat_map(|s| &s.out) {
+                for (b, bytes) in sink.iter().flat_map(|s| &s.out).flat_map(|o| &o.1) {
                     if rng.chance(1, 2) {
                         Self::put_block(&mut d, *b, bytes);
                     }
@@ -157,7 +157,7 @@ impl Pmr for LogRegion {
         } = self
         {
             assert!(
-                sink.as_ref().is_none_or(|s| s.out.is_empty()),
+                sink.as_ref().is_none_or(|s| s.out.is_none()),
                 "a blocking sync while asynchronous log writes are out"
             );
             for b in std::mem::take(dirty) {
@@ -183,24 +183,31 @@ impl Pmr for LogRegion {
             return self.sync().map(|()| 0);
         };
         assert!(
-            s.out.is_empty(),
+            s.out.is_none(),
             "a second asynchronous sync while one is out"
         );
-        for b in std::mem::take(dirty) {
-            let r = b * LOG_BLOCK..((b + 1) * LOG_BLOCK).min(image.len());
-            let mut bytes = vec![0; LOG_BLOCK];
-            bytes[..r.len()].copy_from_slice(&image[r]);
-            let buf = s.lbio.engine().alloc_blocking(LOG_BLOCK).unwrap();
-            let tag = s
-                .dev
-                .submit(lbio::Io::write((b * LOG_BLOCK) as u64, buf).fua(true))
-                .map_err(|(e, _)| RioError::Config(format!("log write: {e}")))?;
-            s.out.push((tag, b, bytes));
+        if dirty.is_empty() {
+            return Ok(0);
         }
-        Ok(s.out.len())
+        let blocks: Vec<(usize, Vec<u8>)> = std::mem::take(dirty)
+            .into_iter()
+            .map(|b| {
+                let r = b * LOG_BLOCK..((b + 1) * LOG_BLOCK).min(image.len());
+                let mut bytes = vec![0; LOG_BLOCK];
+                bytes[..r.len()].copy_from_slice(&image[r]);
+                (b, bytes)
+            })
+            .collect();
+        let buf = s.lbio.engine().alloc_blocking(4096).unwrap();
+        let tag = s
+            .dev
+            .submit(lbio::Io::write(0, buf).fua(true))
+            .map_err(|(e, _)| RioError::Config(format!("log write: {e}")))?;
+        s.out = Some((tag, blocks));
+        Ok(1)
     }
     fn sync_owns(&self, tag: lbio::Tag) -> bool {
-        matches!(self, LogRegion::Blocks { sink: Some(s), .. } if s.out.iter().any(|o| o.0 == tag))
+        matches!(self, LogRegion::Blocks { sink: Some(s), .. } if s.out.as_ref().is_some_and(|o| o.0 == tag))
     }
     fn sync_done(&mut self, c: lbio::Completion) -> Result<(), RioError> {
         let LogRegion::Blocks {
@@ -211,11 +218,13 @@ impl Pmr for LogRegion {
         else {
             panic!("a log write completion without an asynchronous sink");
         };
-        let k = s.out.iter().position(|o| o.0 == c.tag).expect("our write");
-        let (_, b, bytes) = s.out.swap_remove(k);
+        let (tag, blocks) = s.out.take().expect("our write");
+        assert_eq!(tag, c.tag);
         c.result
             .map_err(|e| RioError::Config(format!("log write: {e}")))?;
-        Self::put_block(durable, b, &bytes);
+        for (b, bytes) in blocks {
+            Self::put_block(durable, b, &bytes);
+        }
         Ok(())
     }
     fn persist_ordered(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
@@ -262,6 +271,8 @@ struct RigOpts {
     block_log: bool,
     /// ...synced with detached writes on the ordered device's array (asynchronous).
     async_log: bool,
+    /// Request slots of the lbio array.
+    slots: u32,
     /// The largest request a target takes.
     max_transfer: u32,
 }
@@ -271,6 +282,7 @@ impl Default for RigOpts {
         RigOpts {
             block_log: false,
             async_log: false,
+            slots: LbioConfig::default().slots,
             max_transfer: 1 << 20,
         }
     }
@@ -288,10 +300,18 @@ fn rig_with(
     let RigOpts {
         block_log,
         async_log,
+        slots: lbio_slots,
         max_transfer,
     } = opts;
     let engine = engine();
-    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let lbio = LbioArray::new(
+        Rc::clone(&engine),
+        LbioConfig {
+            slots: lbio_slots,
+            ..LbioConfig::default()
+        },
+    )
+    .unwrap();
     let disks: Vec<SimDisk> = (0..targets)
         .map(|t| {
             let mut c = SimConfig::new(DISK, seed.wrapping_mul(31).wrapping_add(t as u64));
@@ -311,7 +331,7 @@ fn rig_with(
             AsyncSink {
                 lbio: Rc::clone(&lbio),
                 dev,
-                out: Vec::new(),
+                out: None,
             }
         });
         // Room for the header block and the same number of slots.
@@ -572,6 +592,7 @@ fn crash_run(seed: u64, images: usize) -> Result<(usize, u64, u64, u64, u64), St
             block_log,
             async_log,
             max_transfer,
+            ..RigOpts::default()
         },
     );
     // Every write goes to fresh bytes (out-of-place), so the image shows which landed.
@@ -982,6 +1003,44 @@ fn every_write_gets_its_own_buffer_back() {
         merged += r.dev.stats().merged_cmds;
     }
     assert!(split > 0 && merged > 0, "split {split}, merged {merged}");
+}
+
+#[test]
+fn more_writes_than_request_slots_wait_for_slots_with_either_log() {
+    // 100 writes submitted without a wait on an array of 8 request slots: with a PMR the
+    // sends, with an asynchronous block log the batch sent from the log write's completion,
+    // wait for completions to free slots instead of failing.
+    for (block_log, async_log) in [(false, false), (true, true)] {
+        let opts = RigOpts {
+            block_log,
+            async_log,
+            slots: 8,
+            ..RigOpts::default()
+        };
+        let mut r = rig_with(7, 1, &[false], 1, 256, OrderedConfig::default(), opts);
+        let mut want = Vec::new();
+        for k in 0..100u64 {
+            let id = r
+                .dev
+                .submit(0, write(&r.engine, 0, k * 4096, k, 4096), true)
+                .unwrap_or_else(|e| panic!("block log {block_log}: write {k}: {e}"));
+            want.push((id, k));
+        }
+        r.dev.wait(0).unwrap();
+        let got = r.dev.poll().unwrap();
+        assert_eq!(
+            got.len(),
+            100,
+            "block log {block_log}: every write handed back"
+        );
+        for (d, &(id, k)) in got.iter().zip(&want) {
+            assert_eq!(d.id, id, "in order");
+            assert!(d.result.is_ok() && d.buf[..] == pattern(k, 4096)[..]);
+        }
+        let st = r.dev.stats();
+        assert_eq!(st.device_cmds, 100);
+        assert_eq!(st.log_syncs > 0, block_log, "{st:?}");
+    }
 }
 
 #[test]
