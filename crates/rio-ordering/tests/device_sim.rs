@@ -48,21 +48,24 @@ enum LogRegion {
         /// Asynchronous syncs: the staged blocks go out as one detached write to this SimDisk
         /// (on the ordered device's own array), and reach `durable` when it completes. A cut
         /// keeps any subset of the blocks of a write still out.
-        sink: Option<AsyncSink>,
+        sink: Option<Box<AsyncSink>>,
     },
 }
+
+/// An asynchronous log write out: its tag, and each block with its bytes when it went out.
+type LogWriteOut = (lbio::Tag, Vec<(usize, Vec<u8>)>);
 
 struct AsyncSink {
     lbio: Rc<LbioArray>,
     dev: lbio::Device,
     /// The write out: its tag, and each block with its bytes when the write went out.
-    out: Option<(lbio::Tag, Vec<(usize, Vec<u8>)>)>,
+    out: Option<LogWriteOut>,
 }
 
 const LOG_BLOCK: usize = 512;
 
 impl LogRegion {
-    fn blocks(len: usize, sink: Option<AsyncSink>) -> LogRegion {
+    fn blocks(len: usize, sink: Option<Box<AsyncSink>>) -> LogRegion {
         LogRegion::Blocks {
             durable: vec![0; len],
             image: vec![0; len],
@@ -328,11 +331,11 @@ fn rig_with(
             let disk = SimDisk::new(SimConfig::new(DISK, seed ^ 0x106)).unwrap();
             let dev = disk.open(&lbio).unwrap();
             log_disk = Some(disk);
-            AsyncSink {
+            Box::new(AsyncSink {
                 lbio: Rc::clone(&lbio),
                 dev,
                 out: None,
-            }
+            })
         });
         // Room for the header block and the same number of slots.
         LogRegion::blocks(bytes.div_ceil(LOG_BLOCK) * LOG_BLOCK + LOG_BLOCK, sink)
