@@ -447,6 +447,17 @@ enum PcCompletionArg {
     Poll,
 }
 
+impl PcCompletionArg {
+    /// The mode asked for; `None`: the bench's own choice.
+    fn mode(self) -> Option<CompletionMode> {
+        match self {
+            PcCompletionArg::Auto => None,
+            PcCompletionArg::Wait => Some(CompletionMode::Wait),
+            PcCompletionArg::Poll => Some(CompletionMode::BusyPoll),
+        }
+    }
+}
+
 #[derive(Clone, Copy)]
 struct DurabilityArg(Option<aios::journal::Durability>);
 
@@ -619,22 +630,13 @@ fn hold_cpu_latency(q: QosArgs) -> Result<Option<sys::CpuLatencyRequest>, BenchE
         .map_err(|e| BenchError::Setup(format!("--cpu-latency-us {us}: {e}")))?;
     let in_force = sys::CpuLatencyRequest::effective_us()
         .map_or_else(|e| format!("unreadable: {e}"), |v| format!("{v} µs"));
-    let states = sys::cpuidle_states();
-    let usable: Vec<String> = states
-        .iter()
-        .filter(|(_, lat)| *lat <= us)
-        .map(|(n, lat)| format!("{n} ({lat} µs)"))
-        .collect();
-    let kept_out: Vec<String> = states
-        .iter()
-        .filter(|(_, lat)| *lat > us)
-        .map(|(n, lat)| format!("{n} ({lat} µs)"))
-        .collect();
+    let (usable, kept_out): (Vec<_>, Vec<_>) =
+        sys::cpuidle_states().into_iter().partition(|s| s.1 <= us);
     eprintln!(
         "cpu latency: PM QoS request of {us} µs held for the whole run, every contender alike (in force: {in_force}); cpuidle driver {}: idle CPUs may use {}, not {}",
-        sys::cpuidle_driver().unwrap_or_else(|| "none".into()),
-        if usable.is_empty() { "no state".to_string() } else { usable.join(", ") },
-        if kept_out.is_empty() { "-".to_string() } else { kept_out.join(", ") },
+        cpuidle_driver_name(),
+        idle_states_list(&usable),
+        idle_states_list(&kept_out),
     );
     Ok(Some(r))
 }
@@ -1244,17 +1246,29 @@ fn cmd_probe(path: &Path, json: bool, samples: u32) -> Result<(), BenchError> {
     Ok(())
 }
 
+fn cpuidle_driver_name() -> String {
+    sys::cpuidle_driver().unwrap_or_else(|| "none".into())
+}
+
+/// cpuidle states as `name (exit latency µs)`, or `none`.
+fn idle_states_list(states: &[(String, u32)]) -> String {
+    if states.is_empty() {
+        return "none".into();
+    }
+    let named: Vec<String> = states
+        .iter()
+        .map(|(n, lat)| format!("{n} ({lat} µs)"))
+        .collect();
+    named.join(", ")
+}
+
 /// The machine's CPU idle policy: what a thread woken on an idle CPU waits for (QD1 latency
 /// depends on it when the device's side of the I/O runs in a kernel thread).
 fn cpu_idle_line() -> String {
-    let states: Vec<String> = sys::cpuidle_states()
-        .iter()
-        .map(|(n, lat)| format!("{n} {lat} us"))
-        .collect();
     format!(
         "driver {}, states: {}; PM QoS limit in force: {} (aios bench … --cpu-latency-us 0 keeps idle CPUs polling)",
-        sys::cpuidle_driver().unwrap_or_else(|| "none".into()),
-        if states.is_empty() { "none".to_string() } else { states.join(", ") },
+        cpuidle_driver_name(),
+        idle_states_list(&sys::cpuidle_states()),
         sys::CpuLatencyRequest::effective_us()
             .map_or_else(|_| "unreadable (needs root)".to_string(), |v| format!("{v} us")),
     )
@@ -1498,11 +1512,7 @@ fn cmd_bench_pagecache(a: PagecacheArgs) -> Result<(), BenchError> {
         rounds: a.rounds.max(1),
         cache_bytes: a.cache as usize,
         hot_sets: a.hot.clone(),
-        completion: match a.completion {
-            PcCompletionArg::Auto => None,
-            PcCompletionArg::Wait => Some(CompletionMode::Wait),
-            PcCompletionArg::Poll => Some(CompletionMode::BusyPoll),
-        },
+        completion: a.completion.mode(),
     };
     if !a.json {
         eprintln!("device: {}", target.describe());
@@ -1773,11 +1783,7 @@ fn cmd_bench_fsync(a: FsyncArgs) -> Result<(), BenchError> {
         areas: a.areas,
         group_commit: !a.no_group_commit,
         durability: a.durability.0,
-        completion: match a.completion {
-            PcCompletionArg::Auto => None,
-            PcCompletionArg::Wait => Some(CompletionMode::Wait),
-            PcCompletionArg::Poll => Some(CompletionMode::BusyPoll),
-        },
+        completion: a.completion.mode(),
     };
     if !a.json {
         eprintln!("journal device: {}", targets.journal.describe());
