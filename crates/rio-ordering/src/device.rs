@@ -107,6 +107,10 @@ struct Req {
     w: Write,
 }
 
+/// A command whose data waits for its log entry to be written: (offset, data, command, merged
+/// requests).
+type Staged = (u64, FixedBuf, Cmd, Option<Carried>);
+
 /// Whole groups sent as one command.
 type Run = SmallVec<[(u64, GroupReqs); 4]>;
 
@@ -306,13 +310,13 @@ pub struct OrderedDevice<P: Pmr> {
     pieces_out: HashMap<(u16, u64), (u32, FixedBuf)>,
     /// Commands whose entries are appended to a deferred (block) log, waiting for the log sync
     /// that must precede their data: (offset, data, command, merged requests).
-    staged: Vec<(u64, FixedBuf, Cmd, Option<Carried>)>,
+    staged: Vec<Staged>,
     /// The log writes asynchronously on this device's own array ([`Pmr::async_array`]).
     log_async: bool,
     /// Asynchronous log writes out, the commands whose data waits for them, and when they
     /// started.
     log_writes_out: usize,
-    log_batch: Vec<(u64, FixedBuf, Cmd, Option<Carried>)>,
+    log_batch: Vec<Staged>,
     log_sync_t0: Option<std::time::Instant>,
     /// A write of the sync out failed (reported when the last one is in).
     log_sync_failed: Option<String>,
@@ -1083,30 +1087,35 @@ impl<P: Pmr> OrderedDevice<P> {
                 self.reap()?;
             }
             let t = std::time::Instant::now();
-            let n = match self.log.sync_start() {
-                Ok(n) => n,
-                Err(e) => {
-                    let out = self.log.sync_writes_out();
-                    if out > 0 {
-                        // Part of the sync went out: its completions come back, and then the
-                        // batch goes back to the staged commands with the error.
-                        self.log_writes_out = out;
-                        self.log_sync_t0 = Some(t);
-                        self.log_sync_failed = Some(e.to_string());
-                        std::mem::swap(&mut self.log_batch, &mut self.staged);
-                    }
-                    return Err(e);
-                }
+            let started = self.log.sync_start();
+            // On an error, the writes that went out before it still come back.
+            let out = match &started {
+                Ok(n) => *n,
+                Err(_) => self.log.sync_writes_out(),
             };
-            self.stats.log_syncs += 1;
-            if n > 0 {
-                self.log_writes_out = n;
+            if out > 0 {
+                self.log_writes_out = out;
                 self.log_sync_t0 = Some(t);
                 std::mem::swap(&mut self.log_batch, &mut self.staged);
-                return Ok(());
             }
-            // Their entries were on the device already.
-            return self.send_staged();
+            return match started {
+                Err(e) => {
+                    if out > 0 {
+                        // The batch goes back to the staged commands once they are in.
+                        self.log_sync_failed = Some(e.to_string());
+                    }
+                    Err(e)
+                }
+                Ok(_) => {
+                    self.stats.log_syncs += 1;
+                    if out > 0 {
+                        Ok(())
+                    } else {
+                        // Their entries were on the device already.
+                        self.send_staged()
+                    }
+                }
+            };
         }
         let t = std::time::Instant::now();
         self.log.sync()?;

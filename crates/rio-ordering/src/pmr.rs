@@ -594,8 +594,7 @@ mod tests {
         assert!(log
             .async_array()
             .is_some_and(|a| std::rc::Rc::ptr_eq(a, &lbio)));
-        let a = entry(1);
-        log.append(&a).unwrap();
+        log.append(&entry(1)).unwrap();
         // Hand every completion to the log until the sync's `left` writes are in.
         let finish = |log: &mut AttrLog<BlockPmr>, mut left: usize| {
             while left > 0 {
