@@ -191,10 +191,17 @@ impl Groups {
         debug_assert_eq!(g, self.base + self.q.len() as u64, "groups close in order");
         self.q.push_back(grp);
     }
-    /// Drop the oldest group.
-    fn pop(&mut self) {
-        self.q.pop_front();
-        self.base += 1;
+    /// The groups of `a..=b` that are here (in order).
+    fn range_mut(&mut self, a: u64, b: u64) -> std::collections::vec_deque::IterMut<'_, Group> {
+        let len = self.q.len() as u64;
+        let hi = b.saturating_add(1).saturating_sub(self.base).min(len);
+        let lo = a.saturating_sub(self.base).min(hi);
+        self.q.range_mut(lo as usize..hi as usize)
+    }
+    /// Drop the `n` oldest groups.
+    fn pop_n(&mut self, n: usize) {
+        self.q.drain(..n);
+        self.base += n as u64;
     }
 }
 
@@ -273,8 +280,33 @@ impl Stream {
     }
 }
 
-/// Completed commands not yet known durable: (stream, first seq, last seq).
-type Volatile = Vec<(u16, u64, u64)>;
+/// Completed commands not yet known durable, as runs of groups (stream, first seq, last seq):
+/// a command whose groups continue the last run's extends it (one entry for a stream of
+/// single-group writes completing in order), so a group appears once per command of it.
+#[derive(Default)]
+struct Volatile {
+    runs: Vec<(u16, u64, u64)>,
+    /// Commands recorded (what `flush_ahead` counts).
+    cmds: usize,
+}
+
+impl Volatile {
+    #[inline]
+    fn push(&mut self, stream: u16, seq: u64, seq_end: u64) {
+        self.cmds += 1;
+        if let Some(last) = self.runs.last_mut() {
+            if last.0 == stream && last.2.checked_add(1) == Some(seq) {
+                last.2 = seq_end;
+                return;
+            }
+        }
+        self.runs.push((stream, seq, seq_end));
+    }
+    fn clear(&mut self) {
+        self.runs.clear();
+        self.cmds = 0;
+    }
+}
 
 struct Target {
     dev: Device,
@@ -357,9 +389,9 @@ impl<P: Pmr> OrderedDevice<P> {
                 plp: dev.critical_route().0.power_loss_protected,
                 max_transfer: dev.geometry().max_transfer_bytes,
                 dev,
-                volatile: Vec::new(),
+                volatile: Volatile::default(),
                 flushing: None,
-                spare: Vec::new(),
+                spare: Volatile::default(),
             })
             .collect();
         let streams = start
@@ -1207,8 +1239,8 @@ impl<P: Pmr> OrderedDevice<P> {
                 self.log.set_persist(cmd.slot, cmd.seq)?;
             } else if failed.is_none() {
                 let t = &mut self.targets[cmd.target as usize];
-                t.volatile.push((cmd.stream, cmd.seq, cmd.seq_end));
-                if t.volatile.len() >= self.flush_ahead
+                t.volatile.push(cmd.stream, cmd.seq, cmd.seq_end);
+                if t.volatile.cmds >= self.flush_ahead
                     && self.flush_ahead > 0
                     && t.flushing.is_none()
                 {
@@ -1367,13 +1399,27 @@ impl<P: Pmr> OrderedDevice<P> {
     /// the log may reuse their slots.
     fn advance_durable(&mut self, stream: u16) {
         let st = &mut self.streams[stream as usize];
-        while let Some(grp) = st.groups.get(st.durable_below) {
-            if !grp.sent || grp.not_durable > 0 || st.durable_below >= st.done_below {
-                break;
-            }
-            debug_assert_eq!(st.groups.base, st.durable_below);
-            st.groups.pop();
-            st.durable_below += 1;
+        // Groups handed back (below `done_below`) whose commands are all sent and durable, from
+        // the oldest kept (the groups kept start at the durability mark).
+        let handed_back = if st.groups.base == st.durable_below {
+            st.done_below.saturating_sub(st.durable_below) as usize
+        } else {
+            debug_assert!(
+                st.groups.q.is_empty(),
+                "groups are kept from the durability mark"
+            );
+            0
+        };
+        let n = st
+            .groups
+            .q
+            .iter()
+            .take(handed_back)
+            .take_while(|grp| grp.sent && grp.not_durable == 0)
+            .count();
+        if n > 0 {
+            st.groups.pop_n(n);
+            st.durable_below += n as u64;
         }
         self.log.durable(stream, st.durable_below);
     }
@@ -1421,7 +1467,7 @@ impl<P: Pmr> OrderedDevice<P> {
         if let Some((slot, seq)) = slot {
             self.log.set_persist(slot, seq)?;
         }
-        self.now_durable(&covered);
+        self.now_durable(&covered.runs);
         taking
     }
 
@@ -1432,11 +1478,8 @@ impl<P: Pmr> OrderedDevice<P> {
         // off, then move each stream's marks once.
         let mut touched: SmallVec<[u16; 4]> = SmallVec::new();
         for &(stream, a, b) in covered {
-            let st = &mut self.streams[stream as usize];
-            for g in a..=b {
-                if let Some(grp) = st.groups.get_mut(g) {
-                    grp.not_durable -= 1;
-                }
+            for grp in self.streams[stream as usize].groups.range_mut(a, b) {
+                grp.not_durable -= 1;
             }
             if !touched.contains(&stream) {
                 touched.push(stream);
@@ -1475,12 +1518,12 @@ impl<P: Pmr> OrderedDevice<P> {
         let (_, mut covered) = self.targets[t].flushing.take().expect("found");
         self.flushes_out -= 1;
         match &c.result {
-            Ok(_) => self.now_durable(&covered),
+            Ok(_) => self.now_durable(&covered.runs),
             Err(e) => {
                 // As with a FLUSH that `wait` sends: what it covered is not known to be durable,
                 // and the streams' next `wait` reports the failure.
                 let f = format!("FLUSH on target {t}: {e}");
-                for &(stream, a, b) in &covered {
+                for &(stream, a, b) in &covered.runs {
                     for g in a..=b {
                         self.streams[stream as usize].fail(g, &f);
                     }
@@ -1539,4 +1582,37 @@ fn mergeable(rs: &[Req], after: Option<u64>) -> bool {
         at += r.w.buf.len() as u64;
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Volatile;
+
+    #[test]
+    fn volatile_runs_join_consecutive_groups_and_count_every_command() {
+        let mut v = Volatile::default();
+        // Groups 5..=7 in one merged command, then 8 and 9 alone: one run.
+        v.push(0, 5, 7);
+        v.push(0, 8, 8);
+        v.push(0, 9, 9);
+        // A second command of group 9 covers it again: a run of its own.
+        v.push(0, 9, 9);
+        // Another stream, and an out-of-order completion: runs of their own.
+        v.push(1, 10, 10);
+        v.push(0, 4, 4);
+        assert_eq!(v.runs, vec![(0, 5, 9), (0, 9, 9), (1, 10, 10), (0, 4, 4)]);
+        assert_eq!(v.cmds, 6);
+        // Each group appears once per command of it.
+        let mut per_group = std::collections::BTreeMap::new();
+        for &(s, a, b) in &v.runs {
+            for g in a..=b {
+                *per_group.entry((s, g)).or_insert(0) += 1;
+            }
+        }
+        assert_eq!(per_group[&(0, 9)], 2);
+        assert_eq!(per_group[&(0, 5)], 1);
+        assert_eq!(per_group.len(), 7);
+        v.clear();
+        assert!(v.runs.is_empty() && v.cmds == 0);
+    }
 }
