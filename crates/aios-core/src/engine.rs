@@ -80,6 +80,11 @@ pub struct EngineConfig {
     /// Ask for `IORING_SETUP_SINGLE_ISSUER | DEFER_TASKRUN | COOP_TASKRUN`; each is dropped, one at
     /// a time, if the kernel answers EINVAL.
     pub fast_flags: bool,
+    /// Register each ring's descriptor with the thread (`IORING_REGISTER_RING_FDS`), so that
+    /// `io_uring_enter` names the ring by index and skips the descriptor lookup. Dropped, with
+    /// the reason in [`Engine::ring_setup`], where the kernel refuses (before 5.18, or a thread
+    /// already holding 16).
+    pub register_ring_fd: bool,
     /// Register an eventfd that the kernel signals on completions (to drive the engine from
     /// another event loop, e.g. tokio's `AsyncFd`).
     pub eventfd: bool,
@@ -101,6 +106,7 @@ impl Default for EngineConfig {
             sqpoll_idle: None,
             iopoll_ring: false,
             fast_flags: true,
+            register_ring_fd: true,
             eventfd: false,
             passthrough: false,
         }
@@ -219,6 +225,13 @@ impl Uring {
         }
     }
 
+    fn fd(&self) -> RawFd {
+        match self {
+            Uring::Std(u) => u.as_raw_fd(),
+            Uring::Big(u) => u.as_raw_fd(),
+        }
+    }
+
     /// Push one SQE; `false` when the submission queue is full.
     ///
     /// # Safety
@@ -275,6 +288,74 @@ struct Ring {
     inflight: Cell<u32>,
     iopoll: bool,
     defer_taskrun: bool,
+    /// The ring's index among the thread's registered ring descriptors
+    /// (`IORING_REGISTER_RING_FDS`): `io_uring_enter` names it instead of the descriptor, and
+    /// the kernel skips the descriptor lookup on every call. The engine is not `Send`, so every
+    /// enter comes from the thread that registered it.
+    registered: Option<u32>,
+}
+
+impl Drop for Ring {
+    fn drop(&mut self) {
+        if let Some(index) = self.registered {
+            // A failure leaves the registration until the thread exits (the kernel drops it
+            // then); nothing else depends on it.
+            let _ = ring_fd_registration(self.uring.get_mut().fd(), Some(index));
+        }
+    }
+}
+
+const IORING_REGISTER_RING_FDS: libc::c_uint = 20;
+const IORING_UNREGISTER_RING_FDS: libc::c_uint = 21;
+const IORING_ENTER_REGISTERED_RING: u32 = 1 << 4;
+
+/// `struct io_uring_rsrc_update`.
+#[repr(C)]
+struct RsrcUpdate {
+    offset: u32,
+    resv: u32,
+    data: u64,
+}
+
+/// Register ring `fd` with the calling thread (`index: None`; returns the index the kernel
+/// chose), or unregister `index`.
+fn ring_fd_registration(fd: RawFd, index: Option<u32>) -> io::Result<u32> {
+    let (op, mut up) = match index {
+        None => (
+            IORING_REGISTER_RING_FDS,
+            RsrcUpdate {
+                offset: u32::MAX,
+                resv: 0,
+                data: fd as u64,
+            },
+        ),
+        Some(i) => (
+            IORING_UNREGISTER_RING_FDS,
+            RsrcUpdate {
+                offset: i,
+                resv: 0,
+                data: 0,
+            },
+        ),
+    };
+    // SAFETY: one `io_uring_rsrc_update`, valid for the call; the kernel writes the chosen
+    // index back into it.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_io_uring_register,
+            fd,
+            op,
+            &mut up as *mut RsrcUpdate,
+            1u32,
+        )
+    };
+    match r {
+        1 => Ok(up.offset),
+        r if r < 0 => Err(io::Error::last_os_error()),
+        r => Err(io::Error::other(format!(
+            "io_uring_register(ring fds) took {r} entries of 1"
+        ))),
+    }
 }
 
 /// A per-core io_uring engine. Create one per thread with [`Engine::new`].
@@ -492,16 +573,40 @@ impl Engine {
         }
         let defer = setup.applied.contains(&"DEFER_TASKRUN");
         let passthrough = cfg.passthrough;
-        let make_ring = |u: Uring, iopoll: bool| Ring {
-            uring: RefCell::new(u),
-            pending: Cell::new(0),
-            inflight: Cell::new(0),
-            iopoll,
-            defer_taskrun: defer,
+        let mut setup = setup;
+        let mut make_ring = |u: Uring, iopoll: bool| {
+            // Linux 5.18+; a thread holds at most 16 (EBUSY beyond): then the ring is named by
+            // its descriptor, as before, and the setup report says why.
+            let registered = if cfg.register_ring_fd {
+                match ring_fd_registration(u.fd(), None) {
+                    Ok(i) => Some(i),
+                    Err(e) => {
+                        if !setup.dropped.iter().any(|d| d.0 == "REGISTERED_RING_FD") {
+                            setup.dropped.push(("REGISTERED_RING_FD", e.to_string()));
+                        }
+                        None
+                    }
+                }
+            } else {
+                None
+            };
+            if registered.is_some() && !setup.applied.contains(&"REGISTERED_RING_FD") {
+                setup.applied.push("REGISTERED_RING_FD");
+            }
+            Ring {
+                uring: RefCell::new(u),
+                pending: Cell::new(0),
+                inflight: Cell::new(0),
+                iopoll,
+                defer_taskrun: defer,
+                registered,
+            }
         };
+        let main = make_ring(uring, false);
+        let iopoll = iopoll.map(|r| make_ring(r, true));
         Ok(Rc::new(Engine {
-            main: make_ring(uring, false),
-            iopoll: iopoll.map(|r| make_ring(r, true)),
+            main,
+            iopoll,
             setup,
             arena,
             free_files: RefCell::new((0..cfg.max_files).rev().collect()),
@@ -812,10 +917,28 @@ impl Engine {
         } else {
             0
         };
-        // SAFETY: no extra argument is passed; the counts come from our own bookkeeping.
-        let r = unsafe {
-            u.submitter()
-                .enter::<libc::sigset_t>(to_submit, want, flags, None)
+        let r = match ring.registered {
+            // SAFETY: no extra argument is passed; the index names this thread's registration
+            // of this ring (the engine never leaves its thread).
+            Some(index) => match unsafe {
+                libc::syscall(
+                    libc::SYS_io_uring_enter,
+                    index,
+                    to_submit,
+                    want,
+                    flags | IORING_ENTER_REGISTERED_RING,
+                    std::ptr::null::<libc::c_void>(),
+                    0usize,
+                )
+            } {
+                n if n < 0 => Err(io::Error::last_os_error()),
+                n => Ok(n as usize),
+            },
+            // SAFETY: no extra argument is passed; the counts come from our own bookkeeping.
+            None => unsafe {
+                u.submitter()
+                    .enter::<libc::sigset_t>(to_submit, want, flags, None)
+            },
         };
         if let Ok(n) = r {
             ring.pending.set(to_submit - (n as u32).min(to_submit));
@@ -1244,6 +1367,69 @@ mod tests {
         assert_eq!(sink.0.get(), 10);
         assert_eq!(sink.1.get(), 0);
         assert!(!engine.has_work());
+    }
+
+    /// NOPs through `engine`'s main ring, sleeping for them (every enter names the ring).
+    fn nops(engine: &Engine, n: u64) -> u32 {
+        let sink = Rc::new(Count(Cell::new(0), Cell::new(-1)));
+        let weak: Weak<dyn CompletionSink> = Rc::downgrade(&sink) as Weak<dyn CompletionSink>;
+        let id = engine.register_sink(weak).unwrap();
+        for i in 0..n {
+            // SAFETY: a NOP refers to no memory.
+            unsafe { engine.push(RingKind::Main, id, i, io_uring::opcode::Nop::new().build()) }
+                .unwrap();
+        }
+        engine.wait(n as u32).unwrap();
+        sink.0.get()
+    }
+
+    #[test]
+    fn rings_are_entered_by_registered_index_up_to_the_threads_limit_and_released_on_drop() {
+        let small = || {
+            Engine::new(EngineConfig {
+                arena_bytes: 64 << 10,
+                huge_pages: false,
+                ..EngineConfig::default()
+            })
+            .unwrap()
+        };
+        let first = small();
+        if first
+            .ring_setup()
+            .dropped
+            .iter()
+            .any(|d| d.0 == "REGISTERED_RING_FD")
+        {
+            eprintln!("skipped: this kernel refuses registered ring descriptors");
+            return;
+        }
+        assert!(first.main.registered.is_some());
+        assert_eq!(nops(&first, 8), 8);
+        // A thread holds at most 16: beyond that the ring is named by its descriptor, works
+        // the same, and the setup report says why.
+        let many: Vec<Rc<Engine>> = (0..20).map(|_| small()).collect();
+        let unregistered: Vec<&Rc<Engine>> = many
+            .iter()
+            .filter(|e| e.main.registered.is_none())
+            .collect();
+        assert!(!unregistered.is_empty(), "21 engines, 16 registrations");
+        for e in &unregistered {
+            assert!(e
+                .ring_setup()
+                .dropped
+                .iter()
+                .any(|d| d.0 == "REGISTERED_RING_FD" && !d.1.is_empty()));
+        }
+        for e in &many {
+            assert_eq!(nops(e, 3), 3);
+        }
+        // Dropping them gives their registrations back: a new engine registers again.
+        drop(unregistered);
+        drop(many);
+        let again = small();
+        assert!(again.main.registered.is_some());
+        assert_eq!(nops(&again, 4), 4);
+        assert_eq!(nops(&first, 2), 2);
     }
 
     #[test]
