@@ -378,6 +378,10 @@ pub struct Engine {
     regions: RefCell<Vec<Arc<SharedRegion>>>,
     /// Software devices whose requests count as work (see [`SoftDevice`]).
     soft: RefCell<Vec<Weak<dyn SoftDevice>>>,
+    /// The engine stays on the thread that made it (`!Send`, `!Sync`), and not only because of
+    /// its `Rc` fields: the rings are entered by their index among this thread's registered ring
+    /// descriptors, which means another ring (or none) on any other thread.
+    _thread_bound: std::marker::PhantomData<*const ()>,
     /// Opcodes the kernel's io_uring supports (`IORING_REGISTER_PROBE`), one bit each.
     ops: [u64; 4],
 }
@@ -624,6 +628,7 @@ impl Engine {
             passthrough,
             regions: RefCell::new(Vec::new()),
             soft: RefCell::new(Vec::new()),
+            _thread_bound: std::marker::PhantomData,
             ops,
         }))
     }

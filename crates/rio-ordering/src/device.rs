@@ -306,6 +306,11 @@ impl Volatile {
         self.runs.clear();
         self.cmds = 0;
     }
+    /// Take `other`'s commands back (a FLUSH whose outcome is unknown).
+    fn absorb(&mut self, other: Volatile) {
+        self.runs.extend(other.runs);
+        self.cmds += other.cmds;
+    }
 }
 
 struct Target {
@@ -1185,6 +1190,21 @@ impl<P: Pmr> OrderedDevice<P> {
             self.flush_target(t, None)?;
         }
         if !self.log.has_room() {
+            // A failed group never becomes durable, so its entry (and every one after it) stays
+            // live: the log cannot turn over until recovery.
+            if let Some((stream, (g, why))) = self
+                .streams
+                .iter()
+                .enumerate()
+                .find_map(|(i, st)| st.failures.first().map(|f| (i, f)))
+            {
+                return Err(RioError::Config(format!(
+                    "the attribute log ({} slots) is held by writes that can never become \
+                     durable: group {g} of stream {stream} failed ({why}); recover the device \
+                     (reopen it and run recovery) before writing more",
+                    self.log.slots()
+                )));
+            }
             return Err(RioError::Config(format!(
                 "the attribute log ({} slots) cannot hold one group's entries: give it more room",
                 self.log.slots()
@@ -1430,7 +1450,6 @@ impl<P: Pmr> OrderedDevice<P> {
         if self.targets[t as usize].plp {
             return Ok(());
         }
-        let covered = std::mem::take(&mut self.targets[t as usize].volatile);
         let slot = match marker {
             Some((stream, seq)) => {
                 let mut m = self.base_attr(stream, t, seq);
@@ -1445,12 +1464,19 @@ impl<P: Pmr> OrderedDevice<P> {
             .submit(Io::flush())
             .map_err(|(e, _)| RioError::Config(format!("FLUSH on target {t}: {e}")))?;
         self.stats.flushes += 1;
+        // What had completed when the FLUSH went out is what it makes durable. (Taken only now:
+        // an error before this point leaves the commands for the next FLUSH.)
+        let covered = std::mem::take(&mut self.targets[t as usize].volatile);
         // Wait for the FLUSH, taking data completions on the way. An error taking one (a failed
         // log write) is reported after the FLUSH is in and what it covers is counted.
         let mut flushed = None;
         let mut taking: Result<(), RioError> = Ok(());
         while flushed.is_none() {
-            self.lbio.wait_done(1)?;
+            if let Err(e) = self.lbio.wait_done(1) {
+                // The FLUSH's outcome is unknown: its commands wait for the next one.
+                self.targets[t as usize].volatile.absorb(covered);
+                return Err(e.into());
+            }
             while let Some(c) = self.lbio.take_done() {
                 if c.tag == tag {
                     flushed = Some(c.result);
@@ -1463,12 +1489,29 @@ impl<P: Pmr> OrderedDevice<P> {
                 }
             }
         }
-        flushed.expect("set")?;
+        if let Err(e) = flushed.expect("set") {
+            // As with a background FLUSH that fails: what it covered is not known durable, so
+            // its groups never count as durable, and every later `wait` of their streams
+            // reports the failure (a FLUSH that succeeds later does not vouch for writes a
+            // failed one may have dropped).
+            self.fail_covered(t as usize, &covered, &e);
+            return Err(e.into());
+        }
         if let Some((slot, seq)) = slot {
             self.log.set_persist(slot, seq)?;
         }
         self.now_durable(&covered.runs);
         taking
+    }
+
+    /// A FLUSH on target `t` failed with `e`: fail every group it covered.
+    fn fail_covered(&mut self, t: usize, covered: &Volatile, e: &dyn std::fmt::Display) {
+        let f = format!("FLUSH on target {t}: {e}");
+        for &(stream, a, b) in &covered.runs {
+            for g in a..=b {
+                self.streams[stream as usize].fail(g, &f);
+            }
+        }
     }
 
     /// Commands `covered` (stream, seqs) are durable: count them off their groups and move the
@@ -1519,16 +1562,9 @@ impl<P: Pmr> OrderedDevice<P> {
         self.flushes_out -= 1;
         match &c.result {
             Ok(_) => self.now_durable(&covered.runs),
-            Err(e) => {
-                // As with a FLUSH that `wait` sends: what it covered is not known to be durable,
-                // and the streams' next `wait` reports the failure.
-                let f = format!("FLUSH on target {t}: {e}");
-                for &(stream, a, b) in &covered.runs {
-                    for g in a..=b {
-                        self.streams[stream as usize].fail(g, &f);
-                    }
-                }
-            }
+            // As with a FLUSH that `wait` sends: what it covered is not known to be durable,
+            // and the streams' next `wait` reports the failure.
+            Err(e) => self.fail_covered(t, &covered, e),
         }
         covered.clear();
         self.targets[t].spare = covered;

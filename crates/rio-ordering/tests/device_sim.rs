@@ -1151,3 +1151,104 @@ fn a_write_whose_log_entry_fails_leaves_no_hole_in_the_order() {
     seqs.sort_unstable();
     assert_eq!(seqs, vec![1, 2, 3, 4]);
 }
+
+/// EIO (the crate does not depend on libc).
+const EIO: i32 = 5;
+
+/// RAM without power-loss protection whose next `fail_flushes` FLUSHes fail with EIO.
+struct FlakyFlush {
+    mem: lbio::MemBackend,
+    fail_flushes: Rc<std::cell::Cell<u32>>,
+}
+
+impl lbio::Backend for FlakyFlush {
+    fn caps(&self) -> lbio::Caps {
+        lbio::Caps {
+            power_loss_protected: false,
+            ..self.mem.caps()
+        }
+    }
+    unsafe fn start(
+        &self,
+        engine: &Engine,
+        sink: aios_core::SinkId,
+        tag: u64,
+        piece: &lbio::Piece,
+    ) -> Result<lbio::Started, aios_core::CoreError> {
+        if piece.op == lbio::Op::Flush && self.fail_flushes.get() > 0 {
+            self.fail_flushes.set(self.fail_flushes.get() - 1);
+            return Ok(lbio::Started::Done(-EIO));
+        }
+        // SAFETY: the caller's contract on `piece` is passed on unchanged.
+        unsafe { self.mem.start(engine, sink, tag, piece) }
+    }
+}
+
+#[test]
+fn a_failed_flush_fails_its_groups_for_good_and_a_full_log_says_why() {
+    let engine = engine();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let fail_flushes = Rc::new(std::cell::Cell::new(0));
+    let backend = || {
+        Box::new(FlakyFlush {
+            mem: lbio::MemBackend::new(DISK as usize),
+            fail_flushes: Rc::clone(&fail_flushes),
+        })
+    };
+    let geometry = lbio::Geometry {
+        capacity_bytes: DISK,
+        logical_block: 512,
+        mem_align: 512,
+        offset_align: 512,
+        max_transfer_bytes: 128 << 10,
+    };
+    let dev = lbio::Device::from_backends(&lbio, backend(), backend(), geometry, true).unwrap();
+    let log = AttrLog::format(MemPmr::new(16 << 10), 1).unwrap();
+    let slots = log.slots() as u64;
+    let cfg = OrderedConfig {
+        flush_ahead: 0,
+        ..OrderedConfig::default()
+    };
+    let mut od = OrderedDevice::new(Rc::clone(&lbio), vec![dev], log, &[1], cfg).unwrap();
+    let mut got = Vec::new();
+    for i in 0..4u64 {
+        od.submit(0, write(&engine, 0, i * 4096, i, 4096), true)
+            .unwrap();
+    }
+    od.wait(0).unwrap();
+
+    // `wait`'s FLUSH fails: this wait and every later one report it (a later FLUSH that
+    // succeeds does not vouch for the writes the failed one covered).
+    for i in 4..8u64 {
+        od.submit(0, write(&engine, 0, i * 4096, i, 4096), true)
+            .unwrap();
+    }
+    fail_flushes.set(1);
+    let e = od.wait(0).unwrap_err().to_string();
+    assert!(e.contains("Input/output error") || e.contains("EIO"), "{e}");
+    for _ in 0..2 {
+        let e = od.wait(0).unwrap_err().to_string();
+        assert!(e.contains("FLUSH on target 0"), "{e}");
+    }
+    got.extend(od.poll().unwrap());
+    assert_eq!(got.len(), 8, "completed writes are still handed back");
+
+    // The failed groups stay live in the log: writing on fills it, and the error says why
+    // instead of asking for a bigger log.
+    let mut refused = None;
+    for i in 8..8 + 2 * slots {
+        match od.submit(0, write(&engine, 0, (i % 200) * 4096, i, 4096), true) {
+            Ok(_) => got.extend(od.poll().unwrap()),
+            Err(e) => {
+                refused = Some((i, e.to_string()));
+                break;
+            }
+        }
+    }
+    let (i, e) = refused.expect("the log fills");
+    assert!(i <= 8 + slots, "refused at write {i} of a {slots}-slot log");
+    assert!(
+        e.contains("can never become durable") && e.contains("group 5 of stream 0"),
+        "{e}"
+    );
+}
