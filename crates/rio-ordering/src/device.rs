@@ -671,11 +671,24 @@ impl<P: Pmr> OrderedDevice<P> {
                 }
             }
             let requests: usize = run.iter().map(|g| g.1.len()).sum();
-            if first_mergeable && requests > 1 {
-                self.send_merged(stream, run)?;
+            let seqs: SmallVec<[u64; 8]> = run.iter().map(|g| g.0).collect();
+            let sent = if first_mergeable && requests > 1 {
+                self.send_merged(stream, run)
             } else {
                 let (seq, reqs) = run.pop().expect("one group");
-                self.send_group(stream, seq, reqs)?;
+                self.send_group(stream, seq, reqs)
+            };
+            if let Err(e) = sent {
+                // These groups may be partly out: they fail, and every later `wait` of the
+                // stream says so. The groups behind them were not touched: they stay queued,
+                // in order.
+                let st = &mut self.streams[s];
+                for g in seqs {
+                    st.fail(g, &format!("sending it: {e}"));
+                }
+                queued.append(&mut st.queued);
+                st.queued = queued;
+                return Err(e);
             }
         }
         // Keep the queue's allocation for the next groups.
@@ -969,8 +982,19 @@ impl<P: Pmr> OrderedDevice<P> {
         if last == 0 {
             return Ok(());
         }
-        for t in std::mem::take(&mut self.streams[s].touched) {
-            self.flush_target(t, Some((stream, last)))?;
+        let owed = std::mem::take(&mut self.streams[s].touched);
+        for (k, &t) in owed.iter().enumerate() {
+            if let Err(e) = self.flush_target(t, Some((stream, last))) {
+                // This target's FLUSH and the ones after it are still owed: the next `wait`
+                // sends them (its commands went back to the target's list, or were failed).
+                let st = &mut self.streams[s];
+                for &u in &owed[k..] {
+                    if !st.touched.contains(&u) {
+                        st.touched.push(u);
+                    }
+                }
+                return Err(e);
+            }
         }
         // A deferred log: the persist words (and FLUSH entries) set above become durable now.
         self.log.sync()?;
@@ -1192,12 +1216,16 @@ impl<P: Pmr> OrderedDevice<P> {
         if !self.log.has_room() {
             // A failed group never becomes durable, so its entry (and every one after it) stays
             // live: the log cannot turn over until recovery.
-            if let Some((stream, (g, why))) = self
-                .streams
-                .iter()
-                .enumerate()
-                .find_map(|(i, st)| st.failures.first().map(|f| (i, f)))
-            {
+            // The oldest live entry (at the tail) belongs to the stream whose durability mark
+            // holds the log; its lowest failed group is what stops that mark.
+            let holder = self.log.debug_tail().1.map(|(stream, _)| stream as usize);
+            if let Some((stream, (g, why))) = holder.and_then(|i| {
+                self.streams[i]
+                    .failures
+                    .iter()
+                    .min_by_key(|f| f.0)
+                    .map(|f| (i, f))
+            }) {
                 return Err(RioError::Config(format!(
                     "the attribute log ({} slots) is held by writes that can never become \
                      durable: group {g} of stream {stream} failed ({why}); recover the device \
@@ -1494,22 +1522,34 @@ impl<P: Pmr> OrderedDevice<P> {
             // its groups never count as durable, and every later `wait` of their streams
             // reports the failure (a FLUSH that succeeds later does not vouch for writes a
             // failed one may have dropped).
-            self.fail_covered(t as usize, &covered, &e);
+            let why = format!("FLUSH on target {t}: {e}");
+            self.fail_covered(&covered, &why);
+            // Completions taken while it was out may have reached the device before it: a
+            // later FLUSH cannot vouch for them either.
+            let meanwhile = std::mem::take(&mut self.targets[t as usize].volatile);
+            self.fail_covered(&meanwhile, &why);
             return Err(e.into());
         }
         if let Some((slot, seq)) = slot {
-            self.log.set_persist(slot, seq)?;
+            if let Err(e) = self.log.set_persist(slot, seq) {
+                // The entry that would certify them is not persisted: as with a failed FLUSH,
+                // the groups never count as durable (their slots stay), and `wait` says so.
+                self.fail_covered(
+                    &covered,
+                    &format!("persisting the FLUSH entry of target {t}: {e}"),
+                );
+                return Err(e);
+            }
         }
         self.now_durable(&covered.runs);
         taking
     }
 
-    /// A FLUSH on target `t` failed with `e`: fail every group it covered.
-    fn fail_covered(&mut self, t: usize, covered: &Volatile, e: &dyn std::fmt::Display) {
-        let f = format!("FLUSH on target {t}: {e}");
+    /// A FLUSH (or what certifies it) failed for the reason `f`: fail every group it covered.
+    fn fail_covered(&mut self, covered: &Volatile, f: &str) {
         for &(stream, a, b) in &covered.runs {
             for g in a..=b {
-                self.streams[stream as usize].fail(g, &f);
+                self.streams[stream as usize].fail(g, f);
             }
         }
     }
@@ -1564,7 +1604,15 @@ impl<P: Pmr> OrderedDevice<P> {
             Ok(_) => self.now_durable(&covered.runs),
             // As with a FLUSH that `wait` sends: what it covered is not known to be durable,
             // and the streams' next `wait` reports the failure.
-            Err(e) => self.fail_covered(t, &covered, e),
+            Err(e) => {
+                let why = format!("FLUSH on target {t}: {e}");
+                self.fail_covered(&covered, &why);
+                // As in `flush_target`: what completed while it was out is suspect too.
+                let mut meanwhile = std::mem::take(&mut self.targets[t].volatile);
+                self.fail_covered(&meanwhile, &why);
+                meanwhile.clear();
+                self.targets[t].volatile = meanwhile;
+            }
         }
         covered.clear();
         self.targets[t].spare = covered;
@@ -1577,12 +1625,10 @@ impl<P: Pmr> OrderedDevice<P> {
                 Ok(s) => return Ok(s),
                 Err(RioError::LogFull { .. }) => {
                     self.stats.log_full_waits += 1;
-                    // Room comes from other targets' durability (this FLUSH is not out yet).
+                    // Room comes from durability on every target, this one included (its FLUSH
+                    // is not out yet, and its commands are still in its list).
                     self.drain_all()?;
-                    let others: Vec<u16> = (0..self.targets.len() as u16)
-                        .filter(|&o| o != m.target)
-                        .collect();
-                    for o in others {
+                    for o in 0..self.targets.len() as u16 {
                         self.flush_target(o, None)?;
                     }
                     if !self.log.has_room() {

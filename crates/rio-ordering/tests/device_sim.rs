@@ -1184,8 +1184,9 @@ impl lbio::Backend for FlakyFlush {
     }
 }
 
-#[test]
-fn a_failed_flush_fails_its_groups_for_good_and_a_full_log_says_why() {
+/// An ordered device over one [`FlakyFlush`] target, with a 16 KiB log for `streams` streams
+/// and no background FLUSH; the counter makes the next FLUSHes fail.
+fn flaky_flush_rig(streams: u16) -> (Rc<Engine>, OrderedDevice<MemPmr>, Rc<std::cell::Cell<u32>>) {
     let engine = engine();
     let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
     let fail_flushes = Rc::new(std::cell::Cell::new(0));
@@ -1203,13 +1204,20 @@ fn a_failed_flush_fails_its_groups_for_good_and_a_full_log_says_why() {
         max_transfer_bytes: 128 << 10,
     };
     let dev = lbio::Device::from_backends(&lbio, backend(), backend(), geometry, true).unwrap();
-    let log = AttrLog::format(MemPmr::new(16 << 10), 1).unwrap();
-    let slots = log.slots() as u64;
+    let log = AttrLog::format(MemPmr::new(16 << 10), streams).unwrap();
     let cfg = OrderedConfig {
         flush_ahead: 0,
         ..OrderedConfig::default()
     };
-    let mut od = OrderedDevice::new(Rc::clone(&lbio), vec![dev], log, &[1], cfg).unwrap();
+    let start = vec![1; streams as usize];
+    let od = OrderedDevice::new(lbio, vec![dev], log, &start, cfg).unwrap();
+    (engine, od, fail_flushes)
+}
+
+#[test]
+fn a_failed_flush_fails_its_groups_for_good_and_a_full_log_says_why() {
+    let (engine, mut od, fail_flushes) = flaky_flush_rig(1);
+    let slots = od.log().slots() as u64;
     let mut got = Vec::new();
     for i in 0..4u64 {
         od.submit(0, write(&engine, 0, i * 4096, i, 4096), true)
@@ -1251,4 +1259,81 @@ fn a_failed_flush_fails_its_groups_for_good_and_a_full_log_says_why() {
         e.contains("can never become durable") && e.contains("group 5 of stream 0"),
         "{e}"
     );
+}
+
+#[test]
+fn wait_on_a_log_full_of_its_own_volatile_entries_flushes_its_target_for_room() {
+    // No background FLUSH, and exactly a log's worth of writes on one target without power-loss
+    // protection: `wait`'s FLUSH entry finds the log full of that target's own entries, which
+    // only a FLUSH of that very target frees.
+    let (engine, mut od, _) = flaky_flush_rig(1);
+    let slots = od.log().slots() as u64;
+    let mut got = Vec::new();
+    for i in 0..slots {
+        od.submit(0, write(&engine, 0, (i % 200) * 4096, i, 4096), true)
+            .unwrap();
+        got.extend(od.poll().unwrap());
+    }
+    od.wait(0)
+        .unwrap_or_else(|e| panic!("wait on a full log ({slots} slots): {e}"));
+    got.extend(od.poll().unwrap());
+    assert_eq!(got.len() as u64, slots);
+    assert!(od.stats().flushes >= 2, "{:?}", od.stats());
+    // And the log turns over: as many writes again, then a wait.
+    for i in slots..2 * slots {
+        od.submit(0, write(&engine, 0, (i % 200) * 4096, i, 4096), true)
+            .unwrap();
+        got.extend(od.poll().unwrap());
+    }
+    od.wait(0).unwrap();
+}
+
+#[test]
+fn a_group_that_cannot_be_sent_fails_and_wait_says_so() {
+    // Stream 1 fills the log; stream 0's two-request group then needs room, and the FLUSH that
+    // would make it fails: the group fails with it instead of vanishing from the queue.
+    let (engine, mut od, fail_flushes) = flaky_flush_rig(2);
+    let slots = od.log().slots() as u64;
+    let mut got = Vec::new();
+    let mut i = 0u64;
+    while od.log().has_room() {
+        od.submit(
+            1,
+            write(&engine, 0, 128 * 4096 + (i % 64) * 4096, i, 4096),
+            true,
+        )
+        .unwrap();
+        got.extend(od.poll().unwrap());
+        i += 1;
+    }
+    assert!(i <= slots);
+    fail_flushes.set(1);
+    od.submit(0, write(&engine, 0, 0, 1000, 4096), false)
+        .unwrap();
+    let e = od
+        .submit(0, write(&engine, 0, 4096, 1001, 4096), true)
+        .unwrap_err()
+        .to_string();
+    assert!(e.to_lowercase().contains("flush"), "{e}");
+    for _ in 0..2 {
+        let e = od.wait(0).unwrap_err().to_string();
+        assert!(e.contains("sending it"), "{e}");
+    }
+}
+
+#[test]
+fn a_write_taken_while_a_flush_fails_is_not_vouched_for_by_a_later_one() {
+    // Stream 1's write completes on the device before stream 0's `wait` sends its FLUSH, but
+    // is taken only while that FLUSH is out; the FLUSH fails. A later FLUSH cannot vouch for
+    // a write the failed one may have dropped: stream 1's `wait` reports the failure too.
+    let (engine, mut od, fail_flushes) = flaky_flush_rig(2);
+    od.submit(0, write(&engine, 0, 0, 1, 4096), true).unwrap();
+    let got = od.poll().unwrap();
+    assert_eq!(got.len(), 1);
+    od.submit(1, write(&engine, 0, 8192, 2, 4096), true)
+        .unwrap();
+    fail_flushes.set(1);
+    assert!(od.wait(0).is_err());
+    let e = od.wait(1).unwrap_err().to_string();
+    assert!(e.contains("FLUSH on target 0"), "{e}");
 }
