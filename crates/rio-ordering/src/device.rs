@@ -1518,16 +1518,7 @@ impl<P: Pmr> OrderedDevice<P> {
             }
         }
         if let Err(e) = flushed.expect("set") {
-            // As with a background FLUSH that fails: what it covered is not known durable, so
-            // its groups never count as durable, and every later `wait` of their streams
-            // reports the failure (a FLUSH that succeeds later does not vouch for writes a
-            // failed one may have dropped).
-            let why = format!("FLUSH on target {t}: {e}");
-            self.fail_covered(&covered, &why);
-            // Completions taken while it was out may have reached the device before it: a
-            // later FLUSH cannot vouch for them either.
-            let meanwhile = std::mem::take(&mut self.targets[t as usize].volatile);
-            self.fail_covered(&meanwhile, &why);
+            self.flush_failed(t as usize, &covered, &e);
             return Err(e.into());
         }
         if let Some((slot, seq)) = slot {
@@ -1543,6 +1534,20 @@ impl<P: Pmr> OrderedDevice<P> {
         }
         self.now_durable(&covered.runs);
         taking
+    }
+
+    /// The FLUSH on target `t` that covered `covered` failed with `e`, sent by `wait` or in the
+    /// background alike. Its groups never count as durable, and every later `wait` of their
+    /// streams reports the failure: a FLUSH that succeeds later does not vouch for writes a
+    /// failed one may have dropped. So do the completions taken while it was out (they may
+    /// have reached the device before it).
+    fn flush_failed(&mut self, t: usize, covered: &Volatile, e: &dyn std::fmt::Display) {
+        let why = format!("FLUSH on target {t}: {e}");
+        self.fail_covered(covered, &why);
+        let mut meanwhile = std::mem::take(&mut self.targets[t].volatile);
+        self.fail_covered(&meanwhile, &why);
+        meanwhile.clear();
+        self.targets[t].volatile = meanwhile;
     }
 
     /// A FLUSH (or what certifies it) failed for the reason `f`: fail every group it covered.
@@ -1602,17 +1607,7 @@ impl<P: Pmr> OrderedDevice<P> {
         self.flushes_out -= 1;
         match &c.result {
             Ok(_) => self.now_durable(&covered.runs),
-            // As with a FLUSH that `wait` sends: what it covered is not known to be durable,
-            // and the streams' next `wait` reports the failure.
-            Err(e) => {
-                let why = format!("FLUSH on target {t}: {e}");
-                self.fail_covered(&covered, &why);
-                // As in `flush_target`: what completed while it was out is suspect too.
-                let mut meanwhile = std::mem::take(&mut self.targets[t].volatile);
-                self.fail_covered(&meanwhile, &why);
-                meanwhile.clear();
-                self.targets[t].volatile = meanwhile;
-            }
+            Err(e) => self.flush_failed(t, &covered, e),
         }
         covered.clear();
         self.targets[t].spare = covered;
