@@ -302,6 +302,10 @@ impl Device {
     pub fn geometry(&self) -> &Geometry {
         &self.geometry
     }
+    /// Whether the device was opened for writing (writes and FLUSHes are refused otherwise).
+    pub fn writable(&self) -> bool {
+        self.writable
+    }
     /// The lbio array the device is open on.
     pub fn lbio(&self) -> &Rc<LbioArray> {
         &self.lbio

@@ -100,6 +100,10 @@ pub struct OrderedStats {
     pub log_syncs: u64,
     /// Time spent in those syncs, nanoseconds: what a block log adds in front of the data.
     pub log_sync_ns: u64,
+    /// Errors met sending after `submit` had taken its write (see
+    /// [`OrderedDevice::submit`]): each failed the groups it hit (their [`Done`]s carry it,
+    /// and `wait` reports it), or left a log sync to retry.
+    pub send_errors: u64,
 }
 
 struct Req {
@@ -317,6 +321,10 @@ struct Target {
     dev: Device,
     plp: bool,
     max_transfer: u32,
+    /// A command's largest piece: the transfer limit, at least 4 KiB.
+    piece: u64,
+    /// The largest write taken (255 pieces).
+    most: u64,
     /// Completed commands not yet covered by a FLUSH (non-PLP targets): (stream, seqs).
     volatile: Volatile,
     /// A background FLUSH out: its tag and the commands it covers.
@@ -388,15 +396,27 @@ impl<P: Pmr> OrderedDevice<P> {
         if cfg.batch == 0 {
             return Err(RioError::Config("batch must be at least 1".into()));
         }
+        if let Some(t) = targets.iter().position(|d| !d.writable()) {
+            return Err(RioError::Config(format!(
+                "target {t} is open read-only: an ordered device writes and FLUSHes its targets \
+                 (open it for writing)"
+            )));
+        }
         let targets = targets
             .into_iter()
-            .map(|dev| Target {
-                plp: dev.critical_route().0.power_loss_protected,
-                max_transfer: dev.geometry().max_transfer_bytes,
-                dev,
-                volatile: Volatile::default(),
-                flushing: None,
-                spare: Volatile::default(),
+            .map(|dev| {
+                let max_transfer = dev.geometry().max_transfer_bytes;
+                let piece = (max_transfer as u64).max(4096);
+                Target {
+                    plp: dev.critical_route().0.power_loss_protected,
+                    max_transfer,
+                    piece,
+                    most: piece * u8::MAX as u64,
+                    dev,
+                    volatile: Volatile::default(),
+                    flushing: None,
+                    spare: Volatile::default(),
+                }
             })
             .collect();
         let streams = start
@@ -454,6 +474,14 @@ impl<P: Pmr> OrderedDevice<P> {
     /// Queue an ordered write on `stream`; `end_of_group` closes its group (the writes of one
     /// group may reach the device in any order; groups reach it in order). Returns the write's
     /// id, which its [`Done`] carries.
+    ///
+    /// Bad input (alignment, bounds, an unknown stream or target, overlap in the group, more
+    /// than 255 pieces) is refused before the write takes a group. So is a write going straight
+    /// to the device (a group of one, nothing queued) whose log entry cannot be written: it
+    /// takes no group, and its buffer goes back to the arena. Any other write that fails on its
+    /// way to the device (its log entry, or its submission) fails its group: its buffer, and
+    /// those of the group's other requests, come back in order in [`Done`]s that carry the
+    /// error, and the stream's `wait` reports the failure from then on.
     pub fn submit(&mut self, stream: u16, w: Write, end_of_group: bool) -> Result<u64, RioError> {
         let s = self.stream_index(stream)?;
         let t = self
@@ -471,6 +499,15 @@ impl<P: Pmr> OrderedDevice<P> {
                 "write of {len} bytes at {} on target {}: must be a non-empty multiple of {} \
                  bytes, aligned, inside its {} bytes",
                 w.offset, w.target, g.offset_align, g.capacity_bytes
+            )));
+        }
+        let max = t.piece;
+        if len > t.most {
+            return Err(RioError::Config(format!(
+                "a {len}-byte write on target {} splits into {} pieces of {max} bytes; at most \
+                 255",
+                w.target,
+                len.div_ceil(max)
             )));
         }
         let st = &self.streams[s];
@@ -496,10 +533,11 @@ impl<P: Pmr> OrderedDevice<P> {
             // straight to the device.
             let seq = st.next_seq;
             st.next_seq += 1;
-            if len <= (self.targets[w.target as usize].max_transfer as u64).max(4096) {
+            if len <= max {
+                // An error here: refused before it took its group (nothing to hand back).
                 self.send_single(stream, seq, id, w)?;
                 if self.log.deferred() {
-                    self.submit_staged()?;
+                    self.retry_later(|d| d.submit_staged());
                 }
                 return Ok(id);
             }
@@ -512,15 +550,17 @@ impl<P: Pmr> OrderedDevice<P> {
                     ..Group::default()
                 },
             );
-            self.send_req(stream, seq, Req { id, w }, Some(1))?;
-            self.submit_staged()?;
+            if let Err(e) = self.send_req(stream, seq, Req { id, w }, Some(1)) {
+                self.groups_unsent(stream, seq, seq, Vec::new(), &e);
+            }
+            self.retry_later(|d| d.submit_staged());
             return Ok(id);
         }
         st.open.push(Req { id, w });
         if end_of_group {
-            self.close_group(stream)?;
+            self.close_group(stream);
             if self.streams[s].queued.len() >= self.cfg.batch {
-                self.send_queued(stream)?;
+                self.retry_later(|d| d.send_queued(stream));
             }
         }
         Ok(id)
@@ -730,7 +770,18 @@ impl<P: Pmr> OrderedDevice<P> {
             a.num = a.members;
         }
         a.ipu = gs.iter().flat_map(|(_, rs)| rs).any(|r| r.w.ipu);
-        let mut buf = self.engine.alloc_blocking(len as usize)?;
+        let (first, last) = (a.seq, a.seq_end);
+        let mut buf = match self.alloc_copy(len as usize) {
+            Ok(b) => b,
+            Err(e) => {
+                let rest = gs
+                    .into_iter()
+                    .flat_map(|(g, rs)| rs.into_iter().map(move |r| (g, r)))
+                    .collect();
+                self.groups_unsent(stream, first, last, rest, &e);
+                return Err(e);
+            }
+        };
         let mut at = 0;
         let seqs: Vec<u64> = gs.iter().map(|g| g.0).collect();
         let mut originals = Carried::new();
@@ -743,21 +794,33 @@ impl<P: Pmr> OrderedDevice<P> {
             }
         }
         self.stats.merged_cmds += 1;
-        self.issue(stream, a, buf, Back::Merged, Some(originals), &seqs)
+        let r = self.issue(stream, a, buf, Back::Merged, Some(originals), &seqs);
+        if let Err(e) = &r {
+            // The command's requests came back with it: what is left is marking its groups.
+            self.groups_unsent(stream, first, last, Vec::new(), e);
+        }
+        r
     }
 
     fn send_group(&mut self, stream: u16, seq: u64, reqs: GroupReqs) -> Result<(), RioError> {
         let n = reqs.len() as u16;
         let last = reqs.len() - 1;
-        for (k, r) in reqs.into_iter().enumerate() {
-            self.send_req(stream, seq, r, (k == last).then_some(n))?;
+        let mut reqs = reqs.into_iter().enumerate();
+        while let Some((k, r)) = reqs.next() {
+            if let Err(e) = self.send_req(stream, seq, r, (k == last).then_some(n)) {
+                // The requests after it never go out.
+                let rest = reqs.map(|(_, r)| (seq, r)).collect();
+                self.groups_unsent(stream, seq, seq, rest, &e);
+                return Err(e);
+            }
         }
         Ok(())
     }
 
     /// The common case, kept lean: group `seq` of one request `id`, within the target's
     /// transfer limit, sent as one command (what [`OrderedDevice::send_req`] does for it, with
-    /// the group registered here, already sent).
+    /// the group registered here, already sent). An error means the write was not taken: its
+    /// log entry failed, and its group and id are given back.
     #[inline]
     fn send_single(&mut self, stream: u16, seq: u64, id: u64, w: Write) -> Result<(), RioError> {
         let a = Attr {
@@ -803,9 +866,22 @@ impl<P: Pmr> OrderedDevice<P> {
         };
         if self.log.deferred() {
             self.staged.push((w.offset, w.buf, cmd, None));
-            Ok(())
-        } else {
-            self.submit_cmd(w.offset, w.buf, cmd, None)
+        } else if self.submit_cmd(w.offset, w.buf, cmd, None).is_err() {
+            // The write is taken now (its entry is logged): the refusal failed its group, whose
+            // `Done` carries the error (see `retry_later`).
+            self.stats.send_errors += 1;
+        }
+        Ok(())
+    }
+
+    /// Sending after [`OrderedDevice::submit`] took its write: an error here is not lost. A
+    /// command refused on its way failed its groups (their [`Done`]s carry the error, and
+    /// `wait` reports it); a failed log sync left its commands staged, and the next
+    /// submission, `poll`, `wait_any`, `wait_progress` or `wait` retries it and reports what
+    /// still fails.
+    fn retry_later(&mut self, send: impl FnOnce(&mut Self) -> Result<(), RioError>) {
+        if send(self).is_err() {
+            self.stats.send_errors += 1;
         }
     }
 
@@ -832,6 +908,24 @@ impl<P: Pmr> OrderedDevice<P> {
         }
     }
 
+    /// A buffer for a copy (a merged command, a piece of a split request): when the arena is
+    /// out of room, completions waiting to be taken may hold some (a finished piece's copy is
+    /// freed when it is taken), so take them before giving up.
+    fn alloc_copy(&mut self, len: usize) -> Result<FixedBuf, RioError> {
+        loop {
+            match self.engine.alloc_blocking(len) {
+                Ok(b) => return Ok(b),
+                Err(e) => {
+                    let before = self.reaped;
+                    self.reap()?;
+                    if self.reaped == before {
+                        return Err(e.into());
+                    }
+                }
+            }
+        }
+    }
+
     /// One request of group `seq`; `last: Some(n)` on the group's last request (of `n`). Above
     /// the target's transfer limit it goes out in pieces.
     fn send_req(
@@ -849,32 +943,40 @@ impl<P: Pmr> OrderedDevice<P> {
             a.boundary = true;
             a.num = n;
         }
-        let max = (self.targets[r.w.target as usize].max_transfer as usize).max(4096);
+        let max = self.targets[r.w.target as usize].piece as usize;
         let len = r.w.buf.len();
         if len <= max {
             // The caller's buffer goes to the device and comes back with the completion.
             return self.issue(stream, a, r.w.buf, Back::Own(r.id), None, &[seq]);
         }
+        // At most 255 (`submit` refuses larger writes).
         let pieces = len.div_ceil(max);
-        if pieces > u8::MAX as usize {
-            return Err(RioError::Config(format!(
-                "a {len}-byte write splits into {pieces} pieces of {max} bytes; at most 255"
-            )));
-        }
         // Every piece is a copy; the caller's buffer waits here until the last one completes.
         let key = (stream, r.id);
         self.pieces_out.insert(key, (pieces as u32, r.w.buf));
         for p in 0..pieces {
             let from = p * max;
             let to = (from + max).min(len);
-            let mut piece = self.engine.alloc_blocking(to - from)?;
+            let mut piece = match self.alloc_copy(to - from) {
+                Ok(b) => b,
+                Err(e) => {
+                    // This piece and the ones after it never go out.
+                    self.pieces_gone(stream, seq, r.id, (pieces - p) as u32);
+                    return Err(e);
+                }
+            };
             piece.copy_from_slice(&self.pieces_out[&key].1[from..to]);
             let mut pa = a;
             pa.offset = r.w.offset + from as u64;
             pa.len = (to - from) as u32;
             pa.split = Some((p as u8, pieces as u8));
             self.stats.split_cmds += 1;
-            self.issue(stream, pa, piece, Back::Piece(r.id), None, &[seq])?;
+            if let Err(e) = self.issue(stream, pa, piece, Back::Piece(r.id), None, &[seq]) {
+                // That piece is accounted for (`issue` gave it up); the ones after it never go
+                // out.
+                self.pieces_gone(stream, seq, r.id, (pieces - p - 1) as u32);
+                return Err(e);
+            }
         }
         Ok(())
     }
@@ -882,6 +984,9 @@ impl<P: Pmr> OrderedDevice<P> {
     /// Take what has finished, without blocking; return the completions now in order (per
     /// stream: group order, then submission order within a group).
     pub fn poll(&mut self) -> Result<Vec<Done>, RioError> {
+        if !self.staged.is_empty() {
+            self.submit_staged()?;
+        }
         for stream in 0..self.streams.len() as u16 {
             if !self.streams[stream as usize].queued.is_empty() {
                 self.send_queued(stream)?;
@@ -896,6 +1001,9 @@ impl<P: Pmr> OrderedDevice<P> {
     /// return what is ready.
     pub fn wait_any(&mut self) -> Result<Vec<Done>, RioError> {
         loop {
+            if !self.staged.is_empty() {
+                self.submit_staged()?;
+            }
             self.reap()?;
             if self.streams.iter().any(|s| !s.ready.is_empty())
                 || (self.inflight_n == 0 && self.log_writes_out == 0)
@@ -919,6 +1027,9 @@ impl<P: Pmr> OrderedDevice<P> {
     /// [`OrderedDevice::wait_progress`], appending to `out` (no allocation once `out` has
     /// room).
     pub fn wait_progress_into(&mut self, out: &mut Vec<Done>) -> Result<(), RioError> {
+        if !self.staged.is_empty() {
+            self.submit_staged()?;
+        }
         let before = self.reaped;
         self.reap()?;
         if self.reaped == before && (self.inflight_n > 0 || self.log_writes_out > 0) {
@@ -961,7 +1072,7 @@ impl<P: Pmr> OrderedDevice<P> {
     pub fn wait(&mut self, stream: u16) -> Result<(), RioError> {
         let s = self.stream_index(stream)?;
         if !self.streams[s].open.is_empty() {
-            self.close_group(stream)?;
+            self.close_group(stream);
         }
         self.send_queued(stream)?;
         // The stream's writes, and any background FLUSH (it may cover some of them: once it is
@@ -982,9 +1093,17 @@ impl<P: Pmr> OrderedDevice<P> {
         if last == 0 {
             return Ok(());
         }
+        // The FLUSH entry vouches, in the log, for every group of the stream up to its own:
+        // never for a failed one (recovery would keep a group that never reached the device,
+        // or one a failed FLUSH may have dropped) nor for any after it.
+        let vouch = match self.streams[s].failures.iter().map(|f| f.0).min() {
+            Some(failed) => last.min(failed - 1),
+            None => last,
+        };
+        let marker = (vouch > 0).then_some((stream, vouch));
         let owed = std::mem::take(&mut self.streams[s].touched);
         for (k, &t) in owed.iter().enumerate() {
-            if let Err(e) = self.flush_target(t, Some((stream, last))) {
+            if let Err(e) = self.flush_target(t, marker) {
                 // This target's FLUSH and the ones after it are still owed: the next `wait`
                 // sends them (its commands went back to the target's list, or were failed).
                 let st = &mut self.streams[s];
@@ -1006,7 +1125,7 @@ impl<P: Pmr> OrderedDevice<P> {
         Ok(())
     }
 
-    fn close_group(&mut self, stream: u16) -> Result<(), RioError> {
+    fn close_group(&mut self, stream: u16) {
         let st = &mut self.streams[stream as usize];
         let seq = st.next_seq;
         st.next_seq += 1;
@@ -1020,7 +1139,6 @@ impl<P: Pmr> OrderedDevice<P> {
             },
         );
         st.queued.push_back((seq, reqs));
-        Ok(())
     }
 
     /// Persist `a` in the log (waiting for room), then send the data.
@@ -1033,7 +1151,14 @@ impl<P: Pmr> OrderedDevice<P> {
         merged: Option<Carried>,
         seqs: &[u64],
     ) -> Result<(), RioError> {
-        let slot = self.append_entry(&a)?;
+        let slot = match self.append_entry(&a) {
+            Ok(slot) => slot,
+            Err(e) => {
+                let cmd = (stream, a.seq, a.seq_end, back);
+                self.cmd_unsent(cmd, Some(buf), merged, false, &e);
+                return Err(e);
+            }
+        };
         let st = &mut self.streams[stream as usize];
         for &g in seqs {
             let grp = st.groups.get_mut(g).expect("group registered at close");
@@ -1078,7 +1203,14 @@ impl<P: Pmr> OrderedDevice<P> {
             .submit(Io::write(offset, buf))
         {
             Ok(tag) => tag,
-            Err((e, buf)) => self.submit_cmd_after(e, buf, offset, cmd.target)?,
+            Err((e, buf)) => match self.submit_cmd_after(e, buf, offset, cmd.target) {
+                Ok(tag) => tag,
+                Err((e, buf)) => {
+                    let c = (cmd.stream, cmd.seq, cmd.seq_end, cmd.back);
+                    self.cmd_unsent(c, buf, merged, true, &e);
+                    return Err(e);
+                }
+            },
         };
         self.stats.device_cmds += 1;
         let at = tag.0 as usize;
@@ -1097,7 +1229,10 @@ impl<P: Pmr> OrderedDevice<P> {
     }
 
     /// [`OrderedDevice::submit_cmd`] when lbio refused the command: on a full slot array, take
-    /// completions until a slot is free and submit again; any other error is the caller's.
+    /// the completions waiting (every detached one on the array is this device's), or wait for
+    /// one while something of this device's is out, and submit again. Any other error, or a
+    /// full array with nothing of this device's out to free a slot, is the caller's, with the
+    /// buffer back.
     #[cold]
     #[inline(never)]
     fn submit_cmd_after(
@@ -1106,18 +1241,28 @@ impl<P: Pmr> OrderedDevice<P> {
         mut buf: Option<FixedBuf>,
         offset: u64,
         target: u16,
-    ) -> Result<lbio::Tag, RioError> {
+    ) -> Result<lbio::Tag, (RioError, Option<FixedBuf>)> {
+        let refused =
+            |e: &lbio::LbioError| RioError::Config(format!("submitting to target {target}: {e}"));
         loop {
-            let Some(b) = buf
-                .take()
-                .filter(|_| e.is_would_block() && self.inflight_n > 0)
-            else {
-                return Err(RioError::Config(format!(
-                    "submitting to target {target}: {e}"
-                )));
+            let b = match buf.take() {
+                Some(b) if e.is_would_block() => b,
+                b => return Err((refused(&e), b)),
             };
-            self.lbio.wait_done(1)?;
-            self.reap()?;
+            let before = self.reaped;
+            let mut taken = self.reap();
+            if taken.is_ok() && self.reaped == before {
+                if self.inflight_n == 0 && self.flushes_out == 0 {
+                    return Err((refused(&e), Some(b)));
+                }
+                taken = match self.lbio.wait_done(1) {
+                    Ok(_) => self.reap(),
+                    Err(e) => Err(e.into()),
+                };
+            }
+            if let Err(e) = taken {
+                return Err((e, Some(b)));
+            }
             match self.targets[target as usize]
                 .dev
                 .submit(Io::write(offset, b))
@@ -1126,6 +1271,96 @@ impl<P: Pmr> OrderedDevice<P> {
                 Err((e2, b2)) => (e, buf) = (e2, b2),
             }
         }
+    }
+
+    /// A command that never reached the device: its log entry or its submission failed with
+    /// `e`. Its groups fail (every later `wait` of the stream says so, and the durability mark
+    /// stops at them), and the caller's buffers it carries finish, to be handed back with the
+    /// failure in their groups' turn. `cmd`: (stream, first group, last group, what it
+    /// carries); `buf`: the command's data; `merged`: a merged command's requests; `counted`:
+    /// the groups count it as out (it was logged).
+    #[cold]
+    #[inline(never)]
+    fn cmd_unsent(
+        &mut self,
+        cmd: (u16, u64, u64, Back),
+        buf: Option<FixedBuf>,
+        merged: Option<Carried>,
+        counted: bool,
+        e: &RioError,
+    ) {
+        let (stream, seq, seq_end, back) = cmd;
+        let why = format!("sending it: {e}");
+        let st = &mut self.streams[stream as usize];
+        for g in seq..=seq_end {
+            if counted {
+                if let Some(grp) = st.groups.get_mut(g) {
+                    grp.out -= 1;
+                }
+            }
+            st.fail(g, &why);
+        }
+        match back {
+            Back::Own(id) => {
+                if let Some(b) = buf {
+                    st.finish(seq, id, b);
+                }
+            }
+            // The piece's data is a copy: the caller's buffer waits for the other pieces.
+            Back::Piece(id) => self.pieces_gone(stream, seq, id, 1),
+            Back::Merged => {
+                for (id, b) in merged.unwrap_or_default() {
+                    let g = (seq..=seq_end)
+                        .find(|&g| st.groups.get(g).is_some_and(|grp| grp.holds(id)))
+                        .expect("the request's group");
+                    st.finish(g, id, b);
+                }
+            }
+        }
+        self.advance(stream);
+    }
+
+    /// `n` pieces of split request `id` (group `seq`) will never complete: once no piece is out,
+    /// the caller's buffer finishes (the caller fails the group).
+    #[cold]
+    fn pieces_gone(&mut self, stream: u16, seq: u64, id: u64, n: u32) {
+        let key = (stream, id);
+        let Some(left) = self.pieces_out.get_mut(&key).map(|p| &mut p.0) else {
+            return;
+        };
+        *left -= n;
+        if *left == 0 {
+            let (_, buf) = self.pieces_out.remove(&key).expect("split request");
+            self.streams[stream as usize].finish(seq, id, buf);
+        }
+        self.advance(stream);
+    }
+
+    /// Groups `first..=last` failed to go out with `e`: nothing more of them will be sent. They
+    /// fail, count as sent, and `rest`, their requests that never went out, finish (their
+    /// buffers are handed back with the failure in order).
+    #[cold]
+    #[inline(never)]
+    fn groups_unsent(
+        &mut self,
+        stream: u16,
+        first: u64,
+        last: u64,
+        rest: Vec<(u64, Req)>,
+        e: &RioError,
+    ) {
+        let why = format!("sending it: {e}");
+        let st = &mut self.streams[stream as usize];
+        for g in first..=last {
+            st.fail(g, &why);
+            if let Some(grp) = st.groups.get_mut(g) {
+                grp.sent = true;
+            }
+        }
+        for (g, r) in rest {
+            st.finish(g, r.id, r.w.buf);
+        }
+        self.advance(stream);
     }
 
     /// A deferred log: write the staged entries (one sync), then send their data.
@@ -1281,10 +1516,14 @@ impl<P: Pmr> OrderedDevice<P> {
                 return Ok(());
             };
             self.inflight_n -= 1;
-            let failed = c.result.as_ref().err().map(|e| e.to_string());
+            let mut failed = c.result.as_ref().err().map(|e| e.to_string());
             let plp = self.targets[cmd.target as usize].plp;
             if plp && failed.is_none() {
-                self.log.set_persist(cmd.slot, cmd.seq)?;
+                if let Err(e) = self.log.set_persist(cmd.slot, cmd.seq) {
+                    // Nothing in the log vouches for the data: the command fails (its groups
+                    // never count as durable), and is accounted for like any other.
+                    failed = Some(format!("persisting its entry: {e}"));
+                }
             } else if failed.is_none() {
                 let t = &mut self.targets[cmd.target as usize];
                 t.volatile.push(cmd.stream, cmd.seq, cmd.seq_end);
@@ -1463,7 +1702,7 @@ impl<P: Pmr> OrderedDevice<P> {
             .q
             .iter()
             .take(handed_back)
-            .take_while(|grp| grp.sent && grp.not_durable == 0)
+            .take_while(|grp| grp.sent && grp.not_durable == 0 && !grp.failed)
             .count();
         if n > 0 {
             st.groups.pop_n(n);

@@ -1184,11 +1184,23 @@ impl lbio::Backend for FlakyFlush {
     }
 }
 
-/// An ordered device over one [`FlakyFlush`] target, with a 16 KiB log for `streams` streams
-/// and no background FLUSH; the counter makes the next FLUSHes fail.
-fn flaky_flush_rig(streams: u16) -> (Rc<Engine>, OrderedDevice<MemPmr>, Rc<std::cell::Cell<u32>>) {
-    let engine = engine();
-    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+/// The geometry of the RAM targets below: `DISK` bytes, 512-byte blocks.
+fn ram_geometry(max_transfer: u32) -> lbio::Geometry {
+    lbio::Geometry {
+        capacity_bytes: DISK,
+        logical_block: 512,
+        mem_align: 512,
+        offset_align: 512,
+        max_transfer_bytes: max_transfer,
+    }
+}
+
+/// A [`FlakyFlush`] target on `lbio` (writable), and the counter that makes its next FLUSHes
+/// fail.
+fn flaky_flush_target(
+    lbio: &Rc<LbioArray>,
+    max_transfer: u32,
+) -> (lbio::Device, Rc<std::cell::Cell<u32>>) {
     let fail_flushes = Rc::new(std::cell::Cell::new(0));
     let backend = || {
         Box::new(FlakyFlush {
@@ -1196,14 +1208,17 @@ fn flaky_flush_rig(streams: u16) -> (Rc<Engine>, OrderedDevice<MemPmr>, Rc<std::
             fail_flushes: Rc::clone(&fail_flushes),
         })
     };
-    let geometry = lbio::Geometry {
-        capacity_bytes: DISK,
-        logical_block: 512,
-        mem_align: 512,
-        offset_align: 512,
-        max_transfer_bytes: 128 << 10,
-    };
-    let dev = lbio::Device::from_backends(&lbio, backend(), backend(), geometry, true).unwrap();
+    let geometry = ram_geometry(max_transfer);
+    let dev = lbio::Device::from_backends(lbio, backend(), backend(), geometry, true).unwrap();
+    (dev, fail_flushes)
+}
+
+/// An ordered device over one [`FlakyFlush`] target, with a 16 KiB log for `streams` streams
+/// and no background FLUSH; the counter makes the next FLUSHes fail.
+fn flaky_flush_rig(streams: u16) -> (Rc<Engine>, OrderedDevice<MemPmr>, Rc<std::cell::Cell<u32>>) {
+    let engine = engine();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let (dev, fail_flushes) = flaky_flush_target(&lbio, 128 << 10);
     let log = AttrLog::format(MemPmr::new(16 << 10), streams).unwrap();
     let cfg = OrderedConfig {
         flush_ahead: 0,
@@ -1308,17 +1323,26 @@ fn a_group_that_cannot_be_sent_fails_and_wait_says_so() {
     }
     assert!(i <= slots);
     fail_flushes.set(1);
-    od.submit(0, write(&engine, 0, 0, 1000, 4096), false)
+    let a = od
+        .submit(0, write(&engine, 0, 0, 1000, 4096), false)
         .unwrap();
-    let e = od
+    // Taken (it has an id); its failure comes back with its buffer and from `wait`.
+    let b = od
         .submit(0, write(&engine, 0, 4096, 1001, 4096), true)
-        .unwrap_err()
-        .to_string();
-    assert!(e.to_lowercase().contains("flush"), "{e}");
+        .unwrap();
+    assert_eq!(od.stats().send_errors, 1);
     for _ in 0..2 {
         let e = od.wait(0).unwrap_err().to_string();
-        assert!(e.contains("sending it"), "{e}");
+        assert!(e.contains("sending it: flush"), "{e}");
     }
+    let failed: Vec<(u64, bool)> = od
+        .poll()
+        .unwrap()
+        .into_iter()
+        .filter(|d| d.stream == 0)
+        .map(|d| (d.id, d.result.is_ok()))
+        .collect();
+    assert_eq!(failed, vec![(a, false), (b, false)]);
 }
 
 #[test]
@@ -1336,4 +1360,653 @@ fn a_write_taken_while_a_flush_fails_is_not_vouched_for_by_a_later_one() {
     assert!(od.wait(0).is_err());
     let e = od.wait(1).unwrap_err().to_string();
     assert!(e.contains("FLUSH on target 0"), "{e}");
+    // Nor does the log: a later write and `wait`, whose FLUSH succeeds, leave recovery
+    // stopping at the groups the failed FLUSH covered.
+    for s in 0..2u16 {
+        od.submit(s, write(&engine, 0, 16384 + s as u64 * 4096, 3, 4096), true)
+            .unwrap();
+        assert!(od.wait(s).is_err());
+    }
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert_eq!(
+        (rec.streams[0].prefix_end, rec.streams[1].prefix_end),
+        (1, 1),
+        "{:?}",
+        rec.streams
+    );
+}
+
+/// Persistent memory that takes `left` more writes and then refuses them (`None`: takes all).
+struct Countdown {
+    mem: MemPmr,
+    left: Rc<std::cell::Cell<Option<u32>>>,
+}
+
+impl Pmr for Countdown {
+    fn len(&self) -> usize {
+        self.mem.len()
+    }
+    fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
+        match self.left.get() {
+            Some(0) => {
+                return Err(RioError::Corrupt(
+                    "injected: the region refused a write".into(),
+                ))
+            }
+            Some(n) => self.left.set(Some(n - 1)),
+            None => {}
+        }
+        self.mem.persist(offset, bytes)
+    }
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError> {
+        self.mem.read(offset, out)
+    }
+}
+
+/// An ordered device over one RAM target (`max_transfer` bytes per command) on an array of
+/// `slots` request slots, with a [`Countdown`] log; also the target's lbio array (to open a
+/// second device on).
+#[allow(clippy::type_complexity)]
+fn countdown_rig(
+    slots: u32,
+    max_transfer: u32,
+    writable: bool,
+) -> Result<
+    (
+        Rc<Engine>,
+        Rc<LbioArray>,
+        OrderedDevice<Countdown>,
+        Rc<std::cell::Cell<Option<u32>>>,
+    ),
+    RioError,
+> {
+    let engine = engine();
+    let lbio = LbioArray::new(
+        Rc::clone(&engine),
+        LbioConfig {
+            slots,
+            ..LbioConfig::default()
+        },
+    )
+    .unwrap();
+    let backend = || Box::new(lbio::MemBackend::new(DISK as usize));
+    let geometry = ram_geometry(max_transfer);
+    let dev = lbio::Device::from_backends(&lbio, backend(), backend(), geometry, writable).unwrap();
+    let left = Rc::new(std::cell::Cell::new(None));
+    let region = Countdown {
+        mem: MemPmr::new(64 << 10),
+        left: Rc::clone(&left),
+    };
+    let log = AttrLog::format(region, 1).unwrap();
+    let od = OrderedDevice::new(
+        Rc::clone(&lbio),
+        vec![dev],
+        log,
+        &[1],
+        OrderedConfig::default(),
+    )?;
+    Ok((engine, lbio, od, left))
+}
+
+/// Every completion of stream 0 so far, as (group, id, ok), each checked to carry the buffer
+/// of its own write (`ids` maps a write's id to the pattern it was filled with).
+fn handed_back(
+    od: &mut OrderedDevice<Countdown>,
+    ids: &HashMap<u64, (u64, usize)>,
+) -> Vec<(u64, u64, bool)> {
+    od.poll()
+        .unwrap()
+        .into_iter()
+        .map(|d| {
+            let (pat, len) = ids[&d.id];
+            assert!(
+                d.buf[..] == pattern(pat, len)[..],
+                "write {} came back with another buffer",
+                d.id
+            );
+            if let Err(e) = &d.result {
+                assert!(e.contains("sending it"), "{e}");
+            }
+            (d.seq, d.id, d.result.is_ok())
+        })
+        .collect()
+}
+
+#[test]
+fn a_group_cut_short_while_being_sent_still_hands_back_every_buffer_in_order() {
+    let (engine, _lbio, mut od, left) = countdown_rig(64, 64 << 10, true).unwrap();
+    let mut ids = HashMap::new();
+    let a = od.submit(0, write(&engine, 0, 0, 1, 4096), true).unwrap();
+    ids.insert(a, (1, 4096));
+    // Group 2 of two requests: the first one's entry is logged and it goes to the device, the
+    // second one's entry fails.
+    let b = od
+        .submit(0, write(&engine, 0, 8192, 2, 4096), false)
+        .unwrap();
+    ids.insert(b, (2, 4096));
+    left.set(Some(1));
+    // Taken: the failure comes back with the group's buffers.
+    let b2 = od
+        .submit(0, write(&engine, 0, 16384, 3, 4096), true)
+        .unwrap();
+    assert_eq!((b2, od.stats().send_errors), (b + 1, 1));
+    ids.insert(b2, (3, 4096));
+    left.set(None);
+    let c = od
+        .submit(0, write(&engine, 0, 32768, 4, 4096), true)
+        .unwrap();
+    ids.insert(c, (4, 4096));
+    for _ in 0..2 {
+        let e = od.wait(0).unwrap_err().to_string();
+        assert!(e.contains("sending it"), "{e}");
+    }
+    // The failed group comes back whole, with the failure, in its turn; the group after it
+    // comes back too (it reached the device; the durability mark stays before the failed one).
+    assert_eq!(
+        handed_back(&mut od, &ids),
+        vec![(1, a, true), (2, b, false), (2, b2, false), (3, c, true)]
+    );
+    assert_eq!(od.in_flight(), 0);
+    // In the log, `wait`'s FLUSH entries vouch for nothing from the failed group on: recovery
+    // keeps group 1 only.
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert_eq!(rec.streams[0].prefix_end, 2, "{:?}", rec.streams[0]);
+}
+
+#[test]
+fn a_split_write_cut_short_while_being_sent_hands_its_buffer_back() {
+    let (engine, _lbio, mut od, left) = countdown_rig(64, 64 << 10, true).unwrap();
+    let mut ids = HashMap::new();
+    // 256 KiB in 64 KiB pieces: two are logged and sent, the third one's entry fails.
+    left.set(Some(2));
+    let a = od
+        .submit(0, write(&engine, 0, 0, 1, 256 << 10), true)
+        .unwrap();
+    ids.insert(a, (1, 256 << 10));
+    left.set(None);
+    let c = od
+        .submit(0, write(&engine, 0, 512 << 10, 2, 4096), true)
+        .unwrap();
+    ids.insert(c, (2, 4096));
+    assert!(od.wait(0).is_err());
+    assert_eq!(
+        handed_back(&mut od, &ids),
+        vec![(1, a, false), (2, c, true)]
+    );
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert_eq!(rec.streams[0].prefix_end, 1, "{:?}", rec.streams[0]);
+}
+
+#[test]
+fn a_write_of_more_than_255_pieces_is_refused_before_it_takes_a_group() {
+    let (engine, _lbio, mut od, _) = countdown_rig(64, 4096, true).unwrap();
+    let e = od
+        .submit(0, write(&engine, 0, 0, 1, 256 * 4096), true)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("splits into 256 pieces") && e.contains("at most 255"),
+        "{e}"
+    );
+    assert_eq!(od.next_seq(0), 1);
+    let id = od
+        .submit(0, write(&engine, 0, 0, 2, 255 * 4096), true)
+        .unwrap();
+    od.wait(0).unwrap();
+    let done = od.poll().unwrap();
+    assert_eq!((done.len(), done[0].id, done[0].seq), (1, id, 1));
+    assert!(done[0].result.is_ok() && done[0].buf[..] == pattern(2, 255 * 4096)[..]);
+}
+
+#[test]
+fn a_write_with_no_request_slot_to_be_had_comes_back_failed_and_the_stream_goes_on() {
+    use std::future::Future;
+    // Another user of the array holds both of its slots (reads out on a SimDisk, owned by
+    // their futures): nothing of the ordered device's is out to free one.
+    let (engine, lbio, mut od, _) = countdown_rig(2, 64 << 10, true).unwrap();
+    let disk = SimDisk::new(SimConfig::new(DISK, 11)).unwrap();
+    let other = disk.open(&lbio).unwrap();
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let mut held: Vec<_> = (0..2)
+        .map(|_| Box::pin(other.read_at(0, engine.alloc_blocking(4096).unwrap())))
+        .collect();
+    for f in &mut held {
+        assert!(f.as_mut().poll(&mut cx).is_pending());
+    }
+    assert_eq!(lbio.free_slots(), 0);
+    let mut ids = HashMap::new();
+    let a = od.submit(0, write(&engine, 0, 0, 1, 4096), true).unwrap();
+    assert_eq!(od.stats().send_errors, 1);
+    ids.insert(a, (1, 4096));
+    // The reads finish; their slots come back.
+    let mut finished = [false; 2];
+    while finished.contains(&false) {
+        engine.poll_completions().unwrap();
+        for (f, done) in held.iter_mut().zip(&mut finished) {
+            *done = *done || f.as_mut().poll(&mut cx).is_ready();
+        }
+    }
+    held.clear();
+    let c = od
+        .submit(0, write(&engine, 0, 8192, 2, 4096), true)
+        .unwrap();
+    ids.insert(c, (2, 4096));
+    let e = od.wait(0).unwrap_err().to_string();
+    assert!(
+        e.contains("sending it") && e.contains("submitting to target 0"),
+        "{e}"
+    );
+    assert_eq!(
+        handed_back(&mut od, &ids),
+        vec![(1, a, false), (2, c, true)]
+    );
+    // Group 1's entry is in the log, its data never reached the device: nothing vouches for it.
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert_eq!(rec.streams[0].prefix_end, 1, "{:?}", rec.streams[0]);
+}
+
+#[test]
+fn detached_completions_of_another_device_on_the_array_free_their_slots_for_writes() {
+    // Another device's detached writes finished and hold both slots until taken: they are the
+    // ordered device's to take (it owns the array's detached completions), so writes go on.
+    let (engine, lbio, mut od, _) = countdown_rig(2, 64 << 10, true).unwrap();
+    let other = lbio::Device::memory(&lbio, 1 << 20).unwrap();
+    for k in 0..2u64 {
+        other
+            .submit(lbio::Io::write(
+                k * 4096,
+                engine.alloc_blocking(4096).unwrap(),
+            ))
+            .map_err(|(e, _)| e)
+            .unwrap();
+    }
+    assert_eq!(lbio.free_slots(), 0);
+    let mut ids = HashMap::new();
+    for k in 1..=4u64 {
+        let id = od
+            .submit(0, write(&engine, 0, k * 8192, k, 4096), true)
+            .unwrap();
+        ids.insert(id, (k, 4096));
+    }
+    od.wait(0).unwrap();
+    assert_eq!(
+        handed_back(&mut od, &ids),
+        vec![(1, 1, true), (2, 2, true), (3, 3, true), (4, 4, true)]
+    );
+}
+
+#[test]
+fn a_read_only_target_is_refused_up_front() {
+    let e = countdown_rig(64, 64 << 10, false)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains("target 0 is open read-only"), "{e}");
+}
+
+#[test]
+fn a_split_write_in_a_full_arena_takes_finished_pieces_for_room() {
+    // A 1 MiB arena: a 384 KiB write and its six 64 KiB copies, then a 256 KiB write, fill it.
+    // The first write's pieces are finished but not yet taken: taking them frees the room the
+    // second write's copies need.
+    let engine = Engine::new(EngineConfig {
+        ring_entries: 256,
+        arena_bytes: 1 << 20,
+        huge_pages: false,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let geometry = ram_geometry(64 << 10);
+    let backend = || Box::new(lbio::MemBackend::new(DISK as usize));
+    let dev = lbio::Device::from_backends(&lbio, backend(), backend(), geometry, true).unwrap();
+    let log = AttrLog::format(MemPmr::new(64 << 10), 1).unwrap();
+    let mut od = OrderedDevice::new(lbio, vec![dev], log, &[1], OrderedConfig::default()).unwrap();
+    let a = od
+        .submit(0, write(&engine, 0, 0, 1, 384 << 10), true)
+        .unwrap();
+    let b = od
+        .submit(0, write(&engine, 0, 512 << 10, 2, 256 << 10), true)
+        .unwrap();
+    od.wait(0).unwrap();
+    let done: Vec<(u64, bool)> = od
+        .poll()
+        .unwrap()
+        .into_iter()
+        .map(|d| (d.id, d.result.is_ok()))
+        .collect();
+    assert_eq!(done, vec![(a, true), (b, true)]);
+    assert_eq!(od.stats().send_errors, 0);
+}
+
+/// A log region whose writes fail at random (`per_mille` of them), immediate (persistent
+/// memory) or `deferred` (staged until `sync`, like a block log).
+struct Unreliable {
+    mem: MemPmr,
+    deferred: bool,
+    staged: Vec<(usize, Vec<u8>)>,
+    rng: SimRng,
+    per_mille: Rc<std::cell::Cell<u64>>,
+}
+
+impl Pmr for Unreliable {
+    fn len(&self) -> usize {
+        self.mem.len()
+    }
+    fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
+        if self.rng.below(1000) < self.per_mille.get() {
+            return Err(RioError::Corrupt(
+                "injected: the region refused a write".into(),
+            ));
+        }
+        if self.deferred {
+            self.staged.push((offset, bytes.to_vec()));
+            Ok(())
+        } else {
+            self.mem.persist(offset, bytes)
+        }
+    }
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError> {
+        self.mem.read(offset, out)?;
+        // What is staged reads back too (it is the region's current content).
+        for (at, b) in &self.staged {
+            for (i, o) in out.iter_mut().enumerate() {
+                let x = offset + i;
+                if x >= *at && x < at + b.len() {
+                    *o = b[x - at];
+                }
+            }
+        }
+        Ok(())
+    }
+    fn deferred(&self) -> bool {
+        self.deferred
+    }
+    fn block_bytes(&self) -> usize {
+        if self.deferred {
+            512
+        } else {
+            1
+        }
+    }
+    fn sync(&mut self) -> Result<(), RioError> {
+        for (at, b) in std::mem::take(&mut self.staged) {
+            self.mem.persist(at, &b)?;
+        }
+        Ok(())
+    }
+    fn persist_ordered(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
+        self.sync()?;
+        self.mem.persist(offset, bytes)
+    }
+}
+
+/// What one faulty run saw.
+#[derive(Default)]
+struct FaultTally {
+    taken: u64,
+    refused: u64,
+    failed_dones: u64,
+}
+
+/// One workload under injected faults: log writes that fail, FLUSHes that fail, another user
+/// of the array holding every request slot for a while, an arena of `arena` bytes. Every write
+/// `submit` took must come back exactly once, with its own buffer, ids in order; nothing stays
+/// in flight; and recovery never keeps a group whose write came back failed, nor one after it.
+fn faulty_run(
+    seed: u64,
+    deferred: bool,
+    batch: usize,
+    merge: bool,
+    arena: usize,
+) -> Result<FaultTally, String> {
+    use std::future::Future;
+    let engine = Engine::new(EngineConfig {
+        ring_entries: 256,
+        arena_bytes: arena,
+        huge_pages: false,
+        ..EngineConfig::default()
+    })
+    .map_err(|e| e.to_string())?;
+    let lbio = LbioArray::new(
+        Rc::clone(&engine),
+        LbioConfig {
+            slots: 8,
+            ..LbioConfig::default()
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let (dev, fail_flushes) = flaky_flush_target(&lbio, 16 << 10);
+    let holder_disk =
+        SimDisk::new(SimConfig::new(DISK, seed ^ 0x401d)).map_err(|e| e.to_string())?;
+    let holder = holder_disk.open(&lbio).map_err(|e| e.to_string())?;
+    let per_mille = Rc::new(std::cell::Cell::new(0));
+    let region = Unreliable {
+        mem: MemPmr::new(32 << 10),
+        deferred,
+        staged: Vec::new(),
+        rng: SimRng::new(seed ^ 0xbad),
+        per_mille: Rc::clone(&per_mille),
+    };
+    let log = AttrLog::format(region, 1).map_err(|e| e.to_string())?;
+    per_mille.set([5, 30, 150][(seed % 3) as usize]);
+    let cfg = OrderedConfig {
+        batch,
+        merge,
+        flush_ahead: if seed % 2 == 0 { 0 } else { 4 },
+        max_merge_bytes: 64 << 10,
+    };
+    let mut od = OrderedDevice::new(Rc::clone(&lbio), vec![dev], log, &[1], cfg)
+        .map_err(|e| e.to_string())?;
+
+    let mut rng = SimRng::new(seed);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let mut held: Vec<std::pin::Pin<Box<lbio::IoFuture<'_>>>> = Vec::new();
+    let mut hold_for = 0;
+    let mut tally = FaultTally::default();
+    // Pattern key of each write taken -> its id; ids handed back; lowest failed group.
+    let mut taken: HashMap<u64, u64> = HashMap::new();
+    let mut back: HashMap<u64, u64> = HashMap::new();
+    let mut last_id = 0u64;
+    let mut lowest_failed = u64::MAX;
+    let mut take = |got: Vec<rio_ordering::Done>,
+                    back: &mut HashMap<u64, u64>,
+                    tally: &mut FaultTally|
+     -> Result<(), String> {
+        for d in got {
+            if d.id <= last_id {
+                return Err(format!("id {} handed back after id {last_id}", d.id));
+            }
+            last_id = d.id;
+            let key = u64::from_le_bytes(d.buf[..8].try_into().unwrap()) / 0x9e37_79b9;
+            if d.buf[..] != pattern(key, d.buf.len())[..] {
+                return Err(format!("id {} came back with a buffer of no write", d.id));
+            }
+            if back.insert(key, d.id).is_some() {
+                return Err(format!("write {key} came back twice"));
+            }
+            if d.result.is_err() {
+                tally.failed_dones += 1;
+                lowest_failed = lowest_failed.min(d.seq);
+            }
+        }
+        Ok(())
+    };
+    let release = |held: &mut Vec<std::pin::Pin<Box<lbio::IoFuture<'_>>>>,
+                   cx: &mut std::task::Context<'_>| {
+        while !held.is_empty() {
+            engine.poll_completions().unwrap();
+            held.retain_mut(|f| f.as_mut().poll(cx).is_pending());
+        }
+    };
+    let mut key = 1u64;
+    let mut at = 0u64;
+    for _ in 0..300 {
+        if held.is_empty() && rng.below(12) == 0 {
+            while lbio.free_slots() > 0 {
+                let Some(b) = engine.try_alloc(4096) else {
+                    break;
+                };
+                let mut f = Box::pin(holder.read_at(0, b));
+                if f.as_mut().poll(&mut cx).is_ready() {
+                    break;
+                }
+                held.push(f);
+            }
+            hold_for = 1 + rng.below(4);
+        } else if !held.is_empty() {
+            hold_for -= 1;
+            if hold_for == 0 {
+                release(&mut held, &mut cx);
+            }
+        }
+        if rng.below(40) == 0 {
+            fail_flushes.set(1);
+        }
+        let n = 1 + rng.below(3) as usize;
+        for j in 0..n {
+            let len = [4096usize, 8192, 16384, 20480, 49152][rng.below(5) as usize];
+            if at + len as u64 > DISK {
+                at = 0;
+            }
+            let Some(mut buf) = engine.try_alloc(len) else {
+                if let Ok(got) = od.poll() {
+                    take(got, &mut back, &mut tally)?;
+                }
+                continue;
+            };
+            buf.copy_from_slice(&pattern(key, len));
+            let w = Write {
+                target: 0,
+                offset: at,
+                buf,
+                ipu: false,
+            };
+            at += len as u64 + if rng.below(2) == 0 { 0 } else { 4096 };
+            match od.submit(0, w, j + 1 == n) {
+                Ok(id) => {
+                    taken.insert(key, id);
+                    tally.taken += 1;
+                }
+                Err(_) => tally.refused += 1,
+            }
+            key += 1;
+        }
+        match rng.below(8) {
+            0 | 1 => {
+                if let Ok(got) = od.poll() {
+                    take(got, &mut back, &mut tally)?;
+                }
+            }
+            2 => {
+                let _ = od.wait(0);
+            }
+            3 => {
+                if let Ok(got) = od.wait_progress() {
+                    take(got, &mut back, &mut tally)?;
+                }
+            }
+            _ => {}
+        }
+    }
+    // Faults off: everything comes back.
+    release(&mut held, &mut cx);
+    per_mille.set(0);
+    fail_flushes.set(0);
+    for _ in 0..3 {
+        let _ = od.wait(0);
+    }
+    for _ in 0..50 {
+        take(
+            od.poll().map_err(|e| format!("poll: {e}"))?,
+            &mut back,
+            &mut tally,
+        )?;
+        if od.in_flight() == 0 {
+            break;
+        }
+        let _ = od.wait_any();
+    }
+    take(
+        od.poll().map_err(|e| format!("poll: {e}"))?,
+        &mut back,
+        &mut tally,
+    )?;
+    if od.in_flight() != 0 {
+        return Err(format!("{} commands still in flight", od.in_flight()));
+    }
+    let lost: Vec<u64> = taken
+        .iter()
+        .filter(|(k, _)| !back.contains_key(k))
+        .map(|(_, id)| *id)
+        .collect();
+    if !lost.is_empty() {
+        return Err(format!(
+            "{} taken writes never came back, ids {:?}…",
+            lost.len(),
+            &lost[..lost.len().min(8)]
+        ));
+    }
+    let rec = recover(&scan(od.log().pmr()).map_err(|e| e.to_string())?, &|_| {
+        false
+    });
+    if rec.streams[0].prefix_end > lowest_failed {
+        return Err(format!(
+            "recovery keeps groups up to {} though group {lowest_failed} failed",
+            rec.streams[0].prefix_end - 1
+        ));
+    }
+    Ok(tally)
+}
+
+#[test]
+fn under_injected_faults_every_taken_write_comes_back_once_and_recovery_keeps_no_failed_group() {
+    let seeds: u64 = std::env::var("AIOS_RIO_FAULT_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(30);
+    let mut bad = Vec::new();
+    let mut total = FaultTally::default();
+    for seed in 1..=seeds {
+        for deferred in [false, true] {
+            for (batch, merge) in [(1, true), (3, true), (3, false)] {
+                for arena in [8 << 20, 256 << 10] {
+                    let what = format!(
+                        "seed {seed}, deferred log {deferred}, batch {batch}, merge {merge}, \
+                         arena {arena}"
+                    );
+                    match std::panic::catch_unwind(|| {
+                        faulty_run(seed, deferred, batch, merge, arena)
+                    }) {
+                        Ok(Ok(t)) => {
+                            total.taken += t.taken;
+                            total.refused += t.refused;
+                            total.failed_dones += t.failed_dones;
+                        }
+                        Ok(Err(e)) => bad.push(format!("{what}: {e}")),
+                        Err(p) => bad.push(format!(
+                            "{what}: panicked: {:?}",
+                            p.downcast_ref::<String>()
+                                .cloned()
+                                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                        )),
+                    }
+                }
+            }
+        }
+    }
+    eprintln!(
+        "faults: {} writes taken ({} came back failed), {} refused",
+        total.taken, total.failed_dones, total.refused
+    );
+    assert!(
+        bad.is_empty(),
+        "{} runs failed:\n{}",
+        bad.len(),
+        bad.join("\n")
+    );
+    assert!(
+        total.failed_dones > 0 && total.refused > 0,
+        "the faults were met"
+    );
 }
