@@ -983,31 +983,48 @@ impl<P: Pmr> OrderedDevice<P> {
 
     /// Take what has finished, without blocking; return the completions now in order (per
     /// stream: group order, then submission order within a group).
+    ///
+    /// Sending what waits (queued groups, staged commands) comes first. If that fails, what is
+    /// ready is still handed back; the error comes back only when nothing is (the next call
+    /// retries).
     pub fn poll(&mut self) -> Result<Vec<Done>, RioError> {
-        if !self.staged.is_empty() {
-            self.submit_staged()?;
-        }
+        let mut sent = self.send_waiting();
         for stream in 0..self.streams.len() as u16 {
-            if !self.streams[stream as usize].queued.is_empty() {
-                self.send_queued(stream)?;
+            if sent.is_ok() && !self.streams[stream as usize].queued.is_empty() {
+                sent = self.send_queued(stream);
             }
         }
         self.engine.poll_completions()?;
         self.reap()?;
-        Ok(self.take_ready())
+        let out = self.take_ready();
+        match sent {
+            Err(e) if out.is_empty() => Err(e),
+            _ => Ok(out),
+        }
+    }
+
+    /// Retry staged commands (a log sync that failed, or waits): nothing to do when none are.
+    #[inline]
+    fn send_waiting(&mut self) -> Result<(), RioError> {
+        if self.staged.is_empty() {
+            Ok(())
+        } else {
+            self.submit_staged()
+        }
     }
 
     /// Block until some completion is in order to hand back (or nothing is in flight), then
     /// return what is ready.
     pub fn wait_any(&mut self) -> Result<Vec<Done>, RioError> {
         loop {
-            if !self.staged.is_empty() {
-                self.submit_staged()?;
-            }
+            let sent = self.send_waiting();
             self.reap()?;
-            if self.streams.iter().any(|s| !s.ready.is_empty())
-                || (self.inflight_n == 0 && self.log_writes_out == 0)
-            {
+            if self.streams.iter().any(|s| !s.ready.is_empty()) {
+                return Ok(self.take_ready());
+            }
+            // Nothing to hand back: a staged command that cannot go out is the answer.
+            sent?;
+            if self.inflight_n == 0 && self.log_writes_out == 0 {
                 return Ok(self.take_ready());
             }
             self.lbio.wait_done(1)?;
@@ -1027,17 +1044,20 @@ impl<P: Pmr> OrderedDevice<P> {
     /// [`OrderedDevice::wait_progress`], appending to `out` (no allocation once `out` has
     /// room).
     pub fn wait_progress_into(&mut self, out: &mut Vec<Done>) -> Result<(), RioError> {
-        if !self.staged.is_empty() {
-            self.submit_staged()?;
-        }
+        let sent = self.send_waiting();
         let before = self.reaped;
         self.reap()?;
         if self.reaped == before && (self.inflight_n > 0 || self.log_writes_out > 0) {
             self.lbio.wait_done(1)?;
             self.reap()?;
         }
+        let had = out.len();
         self.move_ready(out);
-        Ok(())
+        // A staged command that cannot go out is the answer only when nothing was handed back.
+        match sent {
+            Err(e) if out.len() == had && self.reaped == before => Err(e),
+            _ => Ok(()),
+        }
     }
 
     /// Move every stream's in-order completions to `out`.
@@ -1093,14 +1113,9 @@ impl<P: Pmr> OrderedDevice<P> {
         if last == 0 {
             return Ok(());
         }
-        // The FLUSH entry vouches, in the log, for every group of the stream up to its own:
-        // never for a failed one (recovery would keep a group that never reached the device,
-        // or one a failed FLUSH may have dropped) nor for any after it.
-        let vouch = match self.streams[s].failures.iter().map(|f| f.0).min() {
-            Some(failed) => last.min(failed - 1),
-            None => last,
-        };
-        let marker = (vouch > 0).then_some((stream, vouch));
+        // The FLUSH entry vouches, in the log, for every group of the stream up to its own,
+        // never for a failed one nor any after it (`vouch_cap`).
+        let marker = Some((stream, last));
         let owed = std::mem::take(&mut self.streams[s].touched);
         for (k, &t) in owed.iter().enumerate() {
             if let Err(e) = self.flush_target(t, marker) {
@@ -1114,6 +1129,12 @@ impl<P: Pmr> OrderedDevice<P> {
                 }
                 return Err(e);
             }
+        }
+        // A background FLUSH sent meanwhile (from a completion taken above) may cover groups of
+        // this stream: if it fails, they fail, and this answer must say so.
+        while self.flushes_out > 0 {
+            self.lbio.wait_done(1)?;
+            self.reap()?;
         }
         // A deferred log: the persist words (and FLUSH entries) set above become durable now.
         self.log.sync()?;
@@ -1717,14 +1738,14 @@ impl<P: Pmr> OrderedDevice<P> {
         if self.targets[t as usize].plp {
             return Ok(());
         }
-        let slot = match marker {
-            Some((stream, seq)) => {
+        let slot = match marker.map(|(stream, seq)| (stream, self.vouch_cap(stream, seq))) {
+            Some((stream, seq)) if seq > 0 => {
                 let mut m = self.base_attr(stream, t, seq);
                 m.flush = true;
                 m.members = 0;
-                Some((self.append_marker(&m)?, seq))
+                Some((self.append_marker(&m)?, stream, seq))
             }
-            None => None,
+            _ => None,
         };
         let tag = self.targets[t as usize]
             .dev
@@ -1760,7 +1781,9 @@ impl<P: Pmr> OrderedDevice<P> {
             self.flush_failed(t as usize, &covered, &e);
             return Err(e.into());
         }
-        if let Some((slot, seq)) = slot {
+        // A group of the marker's range may have failed while the FLUSH was out (a background
+        // FLUSH on another target): then the entry stays unpersisted, vouching for nothing.
+        if let Some((slot, _, seq)) = slot.filter(|&(_, st, seq)| self.vouch_cap(st, seq) == seq) {
             if let Err(e) = self.log.set_persist(slot, seq) {
                 // The entry that would certify them is not persisted: as with a failed FLUSH,
                 // the groups never count as durable (their slots stay), and `wait` says so.
@@ -1773,6 +1796,21 @@ impl<P: Pmr> OrderedDevice<P> {
         }
         self.now_durable(&covered.runs);
         taking
+    }
+
+    /// The highest group up to `seq` that a FLUSH entry of `stream` may vouch for in the log:
+    /// below the stream's lowest failed group (recovery would keep a group that never reached
+    /// the device, or one a failed FLUSH may have dropped), so 0 when nothing may be vouched for.
+    fn vouch_cap(&self, stream: u16, seq: u64) -> u64 {
+        match self.streams[stream as usize]
+            .failures
+            .iter()
+            .map(|f| f.0)
+            .min()
+        {
+            Some(failed) => seq.min(failed - 1),
+            None => seq,
+        }
     }
 
     /// The FLUSH on target `t` that covered `covered` failed with `e`, sent by `wait` or in the

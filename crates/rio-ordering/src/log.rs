@@ -507,21 +507,26 @@ impl<P: Pmr> AttrLog<P> {
             ))
         })?;
         let s = self.tail;
-        if let Some((stream, seq)) = self.used[s as usize].get() {
+        let reused = self.used[s as usize].get();
+        if let Some((stream, seq)) = reused {
             if seq >= self.durable_below[stream as usize] {
                 return Err(RioError::LogFull {
                     slots: self.header.slots,
                 });
             }
             if seq >= self.header.durable_below[stream as usize] {
-                // Recovery would still read this entry as live: move the marks first.
-                self.header.durable_below.clone_from(&self.durable_below);
-                self.header.version = self.header.version.wrapping_add(1);
+                // Recovery would still read this entry as live: move the marks first. The
+                // header in memory is what the media holds, so it changes only once the new
+                // copy is written: after a failed write the slot stays untouched, and the next
+                // append tries the header again.
+                let mut next = self.header.clone();
+                next.durable_below.clone_from(&self.durable_below);
+                next.version = next.version.wrapping_add(1);
                 self.pmr
-                    .persist_ordered(self.header.copy_offset(), &self.header.encode())?;
+                    .persist_ordered(next.copy_offset(), &next.encode())?;
+                self.header = next;
                 self.header_writes += 1;
             }
-            self.live -= 1;
         }
         let mut a = *attr;
         a.epoch = self.header.epoch;
@@ -529,7 +534,9 @@ impl<P: Pmr> AttrLog<P> {
         let off = self.slot_offset(s);
         self.pmr.persist(off, &a.to_bytes())?;
         self.used[s as usize] = used;
-        self.live += 1;
+        if reused.is_none() {
+            self.live += 1;
+        }
         // (A compare, not a division: one append per ordered write.)
         self.tail = if s + 1 == self.header.slots { 0 } else { s + 1 };
         Ok(Slot(s))

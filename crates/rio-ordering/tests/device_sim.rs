@@ -1687,6 +1687,8 @@ struct Unreliable {
     staged: Vec<(usize, Vec<u8>)>,
     rng: SimRng,
     per_mille: Rc<std::cell::Cell<u64>>,
+    /// While set, `sync` fails (what is staged stays staged).
+    fail_sync: Rc<std::cell::Cell<bool>>,
 }
 
 impl Pmr for Unreliable {
@@ -1730,6 +1732,9 @@ impl Pmr for Unreliable {
         }
     }
     fn sync(&mut self) -> Result<(), RioError> {
+        if self.fail_sync.get() {
+            return Err(RioError::Corrupt("injected: the log sync failed".into()));
+        }
         for (at, b) in std::mem::take(&mut self.staged) {
             self.mem.persist(at, &b)?;
         }
@@ -1787,6 +1792,7 @@ fn faulty_run(
         staged: Vec::new(),
         rng: SimRng::new(seed ^ 0xbad),
         per_mille: Rc::clone(&per_mille),
+        fail_sync: Rc::new(std::cell::Cell::new(false)),
     };
     let log = AttrLog::format(region, 1).map_err(|e| e.to_string())?;
     per_mille.set([5, 30, 150][(seed % 3) as usize]);
@@ -2008,5 +2014,155 @@ fn under_injected_faults_every_taken_write_comes_back_once_and_recovery_keeps_no
     assert!(
         total.failed_dones > 0 && total.refused > 0,
         "the faults were met"
+    );
+}
+
+#[test]
+fn a_log_sync_that_keeps_failing_does_not_hold_back_finished_writes() {
+    // A deferred (block-like) log: write 1 goes out; write 2's log sync fails and keeps
+    // failing. `poll` still hands write 1 back; the failure is the answer once nothing is.
+    let (engine, lbio, _, _) = countdown_rig(64, 64 << 10, true).unwrap();
+    let dev = lbio::Device::memory(&lbio, DISK as usize).unwrap();
+    let fail_sync = Rc::new(std::cell::Cell::new(false));
+    let region = Unreliable {
+        mem: MemPmr::new(32 << 10),
+        deferred: true,
+        staged: Vec::new(),
+        rng: SimRng::new(1),
+        per_mille: Rc::new(std::cell::Cell::new(0)),
+        fail_sync: Rc::clone(&fail_sync),
+    };
+    let log = AttrLog::format(region, 1).unwrap();
+    let mut od = OrderedDevice::new(lbio, vec![dev], log, &[1], OrderedConfig::default()).unwrap();
+    let a = od.submit(0, write(&engine, 0, 0, 1, 4096), true).unwrap();
+    fail_sync.set(true);
+    let b = od
+        .submit(0, write(&engine, 0, 8192, 2, 4096), true)
+        .unwrap();
+    assert_eq!(od.stats().send_errors, 1);
+    let got: Vec<u64> = od.poll().unwrap().into_iter().map(|d| d.id).collect();
+    assert_eq!(got, vec![a]);
+    for _ in 0..2 {
+        let e = od.poll().unwrap_err().to_string();
+        assert!(e.contains("log sync failed"), "{e}");
+        assert!(od.wait_any().is_err());
+        assert!(od.wait_progress().is_err());
+    }
+    fail_sync.set(false);
+    od.wait(0).unwrap();
+    let got: Vec<(u64, bool)> = od
+        .poll()
+        .unwrap()
+        .into_iter()
+        .map(|d| (d.id, d.result.is_ok()))
+        .collect();
+    assert_eq!(got, vec![(b, true)]);
+}
+
+/// Persistent memory whose next header write fails while `fail_header` is set (once).
+struct HeaderFlaky {
+    mem: MemPmr,
+    fail_header: Rc<std::cell::Cell<bool>>,
+}
+
+impl Pmr for HeaderFlaky {
+    fn len(&self) -> usize {
+        self.mem.len()
+    }
+    fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
+        self.mem.persist(offset, bytes)
+    }
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError> {
+        self.mem.read(offset, out)
+    }
+    fn persist_ordered(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
+        if self.fail_header.replace(false) {
+            return Err(RioError::Corrupt(
+                "injected: the header write failed".into(),
+            ));
+        }
+        self.mem.persist(offset, bytes)
+    }
+}
+
+#[test]
+fn a_failed_header_write_leaves_the_slot_alone_and_acknowledged_groups_survive() {
+    // An 8-slot log on a target with power-loss protection. The 9th write reuses slot 0, so the
+    // header's durability marks must be written first: that write fails. The slot must not be
+    // reused under the old header (recovery would then lose every acknowledged group).
+    let engine = engine();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let mut c = SimConfig::new(DISK, 3);
+    c.plp = true;
+    let disk = SimDisk::new(c).unwrap();
+    let fail_header = Rc::new(std::cell::Cell::new(false));
+    let probe = AttrLog::format(MemPmr::new(64 << 10), 1).unwrap();
+    let slots_at = scan(probe.pmr()).unwrap().header.slots_at;
+    let region = HeaderFlaky {
+        mem: MemPmr::new(slots_at + 8 * 64),
+        fail_header: Rc::clone(&fail_header),
+    };
+    let log = AttrLog::format(region, 1).unwrap();
+    assert_eq!(log.slots(), 8);
+    let devs = vec![disk.open(&lbio).unwrap()];
+    let mut od = OrderedDevice::new(lbio, devs, log, &[1], OrderedConfig::default()).unwrap();
+    let mut k = 0u64;
+    for _ in 0..8 {
+        od.submit(0, write(&engine, 0, k * 4096, k, 4096), true)
+            .unwrap();
+        k += 1;
+    }
+    od.wait(0).unwrap();
+    od.poll().unwrap();
+    fail_header.set(true);
+    let e = od
+        .submit(0, write(&engine, 0, k * 4096, k, 4096), true)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("header write failed"), "{e}");
+    for _ in 0..8 {
+        od.submit(0, write(&engine, 0, k * 4096, k, 4096), true)
+            .unwrap();
+        k += 1;
+        od.wait(0).unwrap();
+        od.poll().unwrap();
+    }
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| true);
+    assert_eq!(
+        rec.streams[0].prefix_end, 17,
+        "every acknowledged group survives: {:?}",
+        rec.streams[0].stopped_by
+    );
+}
+
+#[test]
+fn a_background_flush_failing_during_wait_is_not_vouched_for_by_its_entry() {
+    // Stream 0 wrote group 1 on target 0 and group 2 on target 1. While `wait(0)` FLUSHes
+    // target 0, a completion of stream 1 starts a background FLUSH on target 1 that covers
+    // group 2, and fails. `wait` reports it, and nothing in the log vouches for group 2.
+    let engine = engine();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let (a, _) = flaky_flush_target(&lbio, 128 << 10);
+    let (b, fail_b) = flaky_flush_target(&lbio, 128 << 10);
+    let log = AttrLog::format(MemPmr::new(16 << 10), 2).unwrap();
+    let cfg = OrderedConfig {
+        flush_ahead: 2,
+        ..OrderedConfig::default()
+    };
+    let mut od = OrderedDevice::new(lbio, vec![a, b], log, &[1, 1], cfg).unwrap();
+    od.submit(0, write(&engine, 0, 0, 1, 4096), true).unwrap();
+    od.poll().unwrap();
+    od.submit(0, write(&engine, 1, 0, 2, 4096), true).unwrap();
+    od.poll().unwrap();
+    od.submit(1, write(&engine, 1, 65536, 3, 4096), true)
+        .unwrap();
+    fail_b.set(1);
+    let e = od.wait(0).unwrap_err().to_string();
+    assert!(e.contains("FLUSH on target 1"), "{e}");
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert!(
+        rec.streams[0].prefix_end <= 2,
+        "recovery keeps group 2: {:?}",
+        rec.streams[0]
     );
 }
