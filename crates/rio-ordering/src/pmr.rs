@@ -102,8 +102,9 @@ impl Pmr for FilePmr {
     }
 }
 
-/// The most writes an asynchronous [`BlockPmr`] sync sends (request slots it needs).
-pub const ASYNC_SYNC_WRITES: usize = 2;
+/// The most writes an asynchronous [`BlockPmr`] sync sends (request slots it needs): one, over
+/// all the dirty blocks, from the buffer set aside for it.
+pub const ASYNC_SYNC_WRITES: usize = 1;
 
 /// What a [`BlockPmr`] has written so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -134,6 +135,11 @@ pub struct BlockPmr {
     stats: BlockLogStats,
     /// Asynchronous syncs (on an lbio device): writes out, with their block ranges.
     pending: Vec<(lbio::Tag, usize, usize)>,
+    /// On an lbio device, the buffer a sync copies its blocks into, set aside when the log
+    /// opens (out with the write while one is). Taking it from the arena at each sync could
+    /// find the arena full of the very data that waits for the sync, with nothing in flight to
+    /// free room.
+    spare: Option<FixedBuf>,
 }
 
 /// Where a [`BlockPmr`] writes: a descriptor of its own (`pwrite` with `RWF_DSYNC`), or an lbio
@@ -225,16 +231,13 @@ impl BlockPmr {
         check_region(&name, start, len, block, g.capacity_bytes)?;
         let engine = std::rc::Rc::clone(device.lbio().engine());
         let buf = engine.alloc_blocking(len)?;
+        let spare = engine.alloc_blocking(len)?;
         let image = device
             .read_at_blocking(start, buf)
             .map_err(|e| RioError::Config(format!("{name}: reading the block log: {e}")))?;
-        Ok(BlockPmr::with(
-            Sink::Device(Box::new(device)),
-            name,
-            start,
-            image,
-            block,
-        ))
+        let mut pmr = BlockPmr::with(Sink::Device(Box::new(device)), name, start, image, block);
+        pmr.spare = Some(spare);
+        Ok(pmr)
     }
 
     fn with(sink: Sink, name: String, start: u64, image: FixedBuf, block: usize) -> BlockPmr {
@@ -248,6 +251,26 @@ impl BlockPmr {
             block,
             stats: BlockLogStats::default(),
             pending: Vec::new(),
+            spare: None,
+        }
+    }
+
+    /// A buffer holding bytes `a..b` of the image, to write: the spare one when it is here (a
+    /// write whose buffer did not come back leaves the arena to provide one).
+    fn copy_out(&mut self, engine: &Engine, a: usize, b: usize) -> Result<FixedBuf, RioError> {
+        let mut buf = match self.spare.take() {
+            Some(buf) => buf,
+            None => engine.alloc_blocking(b - a)?,
+        };
+        buf.set_len(b - a)?;
+        buf.copy_from_slice(&self.image[a..b]);
+        Ok(buf)
+    }
+
+    /// A write's buffer came back: keep it if it is the spare one.
+    fn take_back(&mut self, buf: FixedBuf) {
+        if self.spare.is_none() && buf.capacity() >= self.image.len() {
+            self.spare = Some(buf);
         }
     }
 
@@ -260,7 +283,8 @@ impl BlockPmr {
     fn write_blocks(&mut self, from: usize, to: usize) -> Result<(), RioError> {
         let (a, b) = (from * self.block, to * self.block);
         let t = Instant::now();
-        let fail = |e: String| RioError::Config(format!("{}: block log write: {e}", self.name));
+        let fail =
+            |name: &str, e: String| RioError::Config(format!("{name}: block log write: {e}"));
         let n = match &self.sink {
             Sink::Fd(fd) => sys::pwrite_from(
                 fd.as_raw_fd(),
@@ -268,13 +292,19 @@ impl BlockPmr {
                 self.start + a as u64,
                 true,
             )
-            .map_err(|e| fail(e.to_string()))?,
+            .map_err(|e| fail(&self.name, e.to_string()))?,
             Sink::Device(dev) => {
-                let mut buf = dev.lbio().engine().alloc_blocking(b - a)?;
-                buf.copy_from_slice(&self.image[a..b]);
-                dev.write_at_blocking(self.start + a as u64, buf, true)
-                    .map_err(|e| fail(e.to_string()))?
-                    .len()
+                let engine = std::rc::Rc::clone(dev.lbio().engine());
+                let buf = self.copy_out(&engine, a, b)?;
+                let Sink::Device(dev) = &self.sink else {
+                    unreachable!("matched above")
+                };
+                let buf = dev
+                    .write_at_blocking(self.start + a as u64, buf, true)
+                    .map_err(|e| fail(&self.name, e.to_string()))?;
+                let n = buf.len();
+                self.take_back(buf);
+                n
             }
         };
         self.stats.write_time += t.elapsed();
@@ -399,29 +429,37 @@ impl Pmr for BlockPmr {
         }
         self.check_no_pending("second asynchronous sync")?;
         self.stats.syncs += 1;
-        let mut runs = self.dirty_runs();
-        if runs.len() > ASYNC_SYNC_WRITES {
-            // One write over them all: the clean blocks between hold what the device holds (no
-            // write of them is out), and the sync takes one request slot.
-            runs = vec![(runs[0].0, runs[runs.len() - 1].1)];
-        }
-        for (i, j) in runs {
-            let (a, b) = (i * self.block, j * self.block);
-            // A copy: the image keeps changing while the write is out.
-            let mut buf = dev.lbio().engine().alloc_blocking(b - a)?;
-            buf.copy_from_slice(&self.image[a..b]);
-            let tag = dev
-                .submit(lbio::Io::write(self.start + a as u64, buf).fua(true))
-                .map_err(|(e, _)| {
-                    RioError::Config(format!("{}: block log write: {e}", self.name))
-                })?;
-            for d in &mut self.dirty[i..j] {
-                *d = false;
+        let runs = self.dirty_runs();
+        // One write over them all (the clean blocks between hold what the device holds: no
+        // write of them is out), from the spare buffer: the sync takes one request slot and no
+        // memory from the arena.
+        let (i, j) = (runs[0].0, runs[runs.len() - 1].1);
+        let engine = std::rc::Rc::clone(dev.lbio().engine());
+        let (a, b) = (i * self.block, j * self.block);
+        // A copy: the image keeps changing while the write is out.
+        let buf = self.copy_out(&engine, a, b)?;
+        let Sink::Device(dev) = &self.sink else {
+            unreachable!("matched above")
+        };
+        let tag = match dev.submit(lbio::Io::write(self.start + a as u64, buf).fua(true)) {
+            Ok(tag) => tag,
+            Err((e, buf)) => {
+                // The blocks stay dirty, for the next sync.
+                if let Some(buf) = buf {
+                    self.take_back(buf);
+                }
+                return Err(RioError::Config(format!(
+                    "{}: block log write: {e}",
+                    self.name
+                )));
             }
-            self.pending.push((tag, i, j));
-            self.stats.writes += 1;
-            self.stats.blocks_written += (j - i) as u64;
+        };
+        for d in &mut self.dirty[i..j] {
+            *d = false;
         }
+        self.pending.push((tag, i, j));
+        self.stats.writes += 1;
+        self.stats.blocks_written += (j - i) as u64;
         self.any_dirty = false;
         Ok(self.pending.len())
     }
@@ -439,6 +477,9 @@ impl Pmr for BlockPmr {
             )));
         };
         let (_, i, j) = self.pending.swap_remove(k);
+        if let Some(buf) = c.buf {
+            self.take_back(buf);
+        }
         match c.result {
             Ok(_) => Ok(()),
             Err(e) => {

@@ -2166,3 +2166,55 @@ fn a_background_flush_failing_during_wait_is_not_vouched_for_by_its_entry() {
         rec.streams[0]
     );
 }
+
+#[test]
+fn an_async_block_log_syncs_with_the_arena_full_of_the_writes_it_holds() {
+    // A 128 KiB arena. The block log (on a RAM device of the ordered device's own array, so its
+    // syncs are asynchronous) takes its image and its sync buffer when it opens; the caller
+    // then takes every frame left for its writes. Each sync needs room for the staged blocks'
+    // copy while the arena holds nothing but the data waiting for that sync.
+    let engine = Engine::new(EngineConfig {
+        ring_entries: 256,
+        arena_bytes: 128 << 10,
+        huge_pages: false,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let backend = || Box::new(lbio::MemBackend::new(DISK as usize));
+    let target =
+        lbio::Device::from_backends(&lbio, backend(), backend(), ram_geometry(64 << 10), true)
+            .unwrap();
+    let log_dev = lbio::Device::memory(&lbio, 64 << 10).unwrap();
+    let region = rio_ordering::BlockPmr::on_device(log_dev, 0, 8 << 10).unwrap();
+    let log = AttrLog::format(region, 1).unwrap();
+    let mut od = OrderedDevice::new(
+        Rc::clone(&lbio),
+        vec![target],
+        log,
+        &[1],
+        OrderedConfig::default(),
+    )
+    .unwrap();
+    let mut bufs = Vec::new();
+    while let Some(b) = engine.try_alloc(4096) {
+        bufs.push(b);
+    }
+    assert!(bufs.len() >= 8, "{} frames left", bufs.len());
+    let mut ids = Vec::new();
+    for (k, mut buf) in bufs.into_iter().enumerate() {
+        buf.copy_from_slice(&pattern(k as u64, 4096));
+        let w = Write {
+            target: 0,
+            offset: k as u64 * 4096,
+            buf,
+            ipu: false,
+        };
+        ids.push(od.submit(0, w, true).unwrap());
+    }
+    od.wait(0).unwrap();
+    let done = od.poll().unwrap();
+    assert_eq!(done.iter().map(|d| d.id).collect::<Vec<_>>(), ids);
+    assert!(done.iter().all(|d| d.result.is_ok()));
+    assert_eq!(od.stats().send_errors, 0);
+}
