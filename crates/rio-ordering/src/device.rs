@@ -255,6 +255,22 @@ impl Stream {
             .map_or_else(String::new, |f| f.1.clone())
     }
 
+    /// The stream's lowest failed group and why it failed.
+    fn lowest_failure(&self) -> Option<&(u64, String)> {
+        self.failures.iter().min_by_key(|f| f.0)
+    }
+
+    /// The requests of a merged command over groups `seq..=seq_end` finished: each buffer
+    /// waits, by id, in its own group.
+    fn finish_merged(&mut self, seq: u64, seq_end: u64, reqs: Carried) {
+        for (id, buf) in reqs {
+            let g = (seq..=seq_end)
+                .find(|&g| self.groups.get(g).is_some_and(|grp| grp.holds(id)))
+                .expect("the request's group");
+            self.finish(g, id, buf);
+        }
+    }
+
     /// A command carrying groups up to `seq_end` goes to `target`: the next one there links
     /// to it, and `wait` flushes the target.
     #[inline]
@@ -711,7 +727,6 @@ impl<P: Pmr> OrderedDevice<P> {
                 }
             }
             let requests: usize = run.iter().map(|g| g.1.len()).sum();
-            let seqs: SmallVec<[u64; 8]> = run.iter().map(|g| g.0).collect();
             let sent = if first_mergeable && requests > 1 {
                 self.send_merged(stream, run)
             } else {
@@ -719,13 +734,10 @@ impl<P: Pmr> OrderedDevice<P> {
                 self.send_group(stream, seq, reqs)
             };
             if let Err(e) = sent {
-                // These groups may be partly out: they fail, and every later `wait` of the
-                // stream says so. The groups behind them were not touched: they stay queued,
-                // in order.
+                // These groups may be partly out: `send_merged` or `send_group` failed them,
+                // and every later `wait` of the stream says so. The groups behind them were not
+                // touched: they stay queued, in order.
                 let st = &mut self.streams[s];
-                for g in seqs {
-                    st.fail(g, &format!("sending it: {e}"));
-                }
                 queued.append(&mut st.queued);
                 st.queued = queued;
                 return Err(e);
@@ -1329,14 +1341,7 @@ impl<P: Pmr> OrderedDevice<P> {
             }
             // The piece's data is a copy: the caller's buffer waits for the other pieces.
             Back::Piece(id) => self.pieces_gone(stream, seq, id, 1),
-            Back::Merged => {
-                for (id, b) in merged.unwrap_or_default() {
-                    let g = (seq..=seq_end)
-                        .find(|&g| st.groups.get(g).is_some_and(|grp| grp.holds(id)))
-                        .expect("the request's group");
-                    st.finish(g, id, b);
-                }
-            }
+            Back::Merged => st.finish_merged(seq, seq_end, merged.unwrap_or_default()),
         }
         self.advance(stream);
     }
@@ -1475,13 +1480,9 @@ impl<P: Pmr> OrderedDevice<P> {
             // The oldest live entry (at the tail) belongs to the stream whose durability mark
             // holds the log; its lowest failed group is what stops that mark.
             let holder = self.log.debug_tail().1.map(|(stream, _)| stream as usize);
-            if let Some((stream, (g, why))) = holder.and_then(|i| {
-                self.streams[i]
-                    .failures
-                    .iter()
-                    .min_by_key(|f| f.0)
-                    .map(|f| (i, f))
-            }) {
+            if let Some((stream, (g, why))) =
+                holder.and_then(|i| self.streams[i].lowest_failure().map(|f| (i, f)))
+            {
                 return Err(RioError::Config(format!(
                     "the attribute log ({} slots) is held by writes that can never become \
                      durable: group {g} of stream {stream} failed ({why}); recover the device \
@@ -1622,12 +1623,8 @@ impl<P: Pmr> OrderedDevice<P> {
                     }
                 }
                 Back::Merged => {
-                    for (id, buf) in std::mem::take(&mut self.merged[c.tag.0 as usize]) {
-                        let g = (cmd.seq..=cmd.seq_end)
-                            .find(|&g| st.groups.get(g).is_some_and(|grp| grp.holds(id)))
-                            .expect("the request's group");
-                        st.finish(g, id, buf);
-                    }
+                    let reqs = std::mem::take(&mut self.merged[c.tag.0 as usize]);
+                    st.finish_merged(cmd.seq, cmd.seq_end, reqs);
                 }
             }
             self.advance(cmd.stream);
@@ -1802,13 +1799,8 @@ impl<P: Pmr> OrderedDevice<P> {
     /// below the stream's lowest failed group (recovery would keep a group that never reached
     /// the device, or one a failed FLUSH may have dropped), so 0 when nothing may be vouched for.
     fn vouch_cap(&self, stream: u16, seq: u64) -> u64 {
-        match self.streams[stream as usize]
-            .failures
-            .iter()
-            .map(|f| f.0)
-            .min()
-        {
-            Some(failed) => seq.min(failed - 1),
+        match self.streams[stream as usize].lowest_failure() {
+            Some(&(failed, _)) => seq.min(failed - 1),
             None => seq,
         }
     }

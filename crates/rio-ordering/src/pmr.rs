@@ -142,6 +142,23 @@ pub struct BlockPmr {
     spare: Option<FixedBuf>,
 }
 
+/// A buffer holding `bytes` (of the image), to write: the `spare` one when it is there (a write
+/// whose buffer did not come back leaves the arena to provide one). Over fields, not `&mut
+/// self`: the caller holds the device it writes to.
+fn copy_out(
+    spare: &mut Option<FixedBuf>,
+    bytes: &[u8],
+    engine: &Engine,
+) -> Result<FixedBuf, RioError> {
+    let mut buf = match spare.take() {
+        Some(buf) => buf,
+        None => engine.alloc_blocking(bytes.len())?,
+    };
+    buf.set_len(bytes.len())?;
+    buf.copy_from_slice(bytes);
+    Ok(buf)
+}
+
 /// Where a [`BlockPmr`] writes: a descriptor of its own (`pwrite` with `RWF_DSYNC`), or an lbio
 /// device (a FUA write through the engine's ring; also a SimDisk, whose crash states then hold
 /// the log).
@@ -255,18 +272,6 @@ impl BlockPmr {
         }
     }
 
-    /// A buffer holding bytes `a..b` of the image, to write: the spare one when it is here (a
-    /// write whose buffer did not come back leaves the arena to provide one).
-    fn copy_out(&mut self, engine: &Engine, a: usize, b: usize) -> Result<FixedBuf, RioError> {
-        let mut buf = match self.spare.take() {
-            Some(buf) => buf,
-            None => engine.alloc_blocking(b - a)?,
-        };
-        buf.set_len(b - a)?;
-        buf.copy_from_slice(&self.image[a..b]);
-        Ok(buf)
-    }
-
     /// A write's buffer came back: keep it if it is the spare one.
     fn take_back(&mut self, buf: FixedBuf) {
         if self.spare.is_none() && buf.capacity() >= self.image.len() {
@@ -294,11 +299,7 @@ impl BlockPmr {
             )
             .map_err(|e| fail(&self.name, e.to_string()))?,
             Sink::Device(dev) => {
-                let engine = std::rc::Rc::clone(dev.lbio().engine());
-                let buf = self.copy_out(&engine, a, b)?;
-                let Sink::Device(dev) = &self.sink else {
-                    unreachable!("matched above")
-                };
+                let buf = copy_out(&mut self.spare, &self.image[a..b], dev.lbio().engine())?;
                 let buf = dev
                     .write_at_blocking(self.start + a as u64, buf, true)
                     .map_err(|e| fail(&self.name, e.to_string()))?;
@@ -429,18 +430,14 @@ impl Pmr for BlockPmr {
         }
         self.check_no_pending("second asynchronous sync")?;
         self.stats.syncs += 1;
-        let runs = self.dirty_runs();
-        // One write over them all (the clean blocks between hold what the device holds: no
-        // write of them is out), from the spare buffer: the sync takes one request slot and no
-        // memory from the arena.
-        let (i, j) = (runs[0].0, runs[runs.len() - 1].1);
-        let engine = std::rc::Rc::clone(dev.lbio().engine());
+        // One write from the first dirty block to the last (the clean blocks between hold what
+        // the device holds: no write of them is out), from the spare buffer: the sync takes one
+        // request slot and no memory from the arena.
+        let i = self.dirty.iter().position(|&d| d).expect("a dirty block");
+        let j = 1 + self.dirty.iter().rposition(|&d| d).expect("a dirty block");
         let (a, b) = (i * self.block, j * self.block);
         // A copy: the image keeps changing while the write is out.
-        let buf = self.copy_out(&engine, a, b)?;
-        let Sink::Device(dev) = &self.sink else {
-            unreachable!("matched above")
-        };
+        let buf = copy_out(&mut self.spare, &self.image[a..b], dev.lbio().engine())?;
         let tag = match dev.submit(lbio::Io::write(self.start + a as u64, buf).fua(true)) {
             Ok(tag) => tag,
             Err((e, buf)) => {

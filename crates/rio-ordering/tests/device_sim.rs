@@ -19,9 +19,13 @@ const DISK: u64 = 1 << 20;
 const SECTOR: usize = 512;
 
 fn engine() -> Rc<Engine> {
+    engine_with_arena(8 << 20)
+}
+
+fn engine_with_arena(arena_bytes: usize) -> Rc<Engine> {
     Engine::new(EngineConfig {
         ring_entries: 256,
-        arena_bytes: 8 << 20,
+        arena_bytes,
         huge_pages: false,
         ..EngineConfig::default()
     })
@@ -1195,6 +1199,13 @@ fn ram_geometry(max_transfer: u32) -> lbio::Geometry {
     }
 }
 
+/// A RAM target on `lbio` (`lbio::MemBackend`, `DISK` bytes).
+fn ram_target(lbio: &Rc<LbioArray>, max_transfer: u32, writable: bool) -> lbio::Device {
+    let backend = || Box::new(lbio::MemBackend::new(DISK as usize));
+    let geometry = ram_geometry(max_transfer);
+    lbio::Device::from_backends(lbio, backend(), backend(), geometry, writable).unwrap()
+}
+
 /// A [`FlakyFlush`] target on `lbio` (writable), and the counter that makes its next FLUSHes
 /// fail.
 fn flaky_flush_target(
@@ -1429,9 +1440,7 @@ fn countdown_rig(
         },
     )
     .unwrap();
-    let backend = || Box::new(lbio::MemBackend::new(DISK as usize));
-    let geometry = ram_geometry(max_transfer);
-    let dev = lbio::Device::from_backends(&lbio, backend(), backend(), geometry, writable).unwrap();
+    let dev = ram_target(&lbio, max_transfer, writable);
     let left = Rc::new(std::cell::Cell::new(None));
     let region = Countdown {
         mem: MemPmr::new(64 << 10),
@@ -1649,17 +1658,9 @@ fn a_split_write_in_a_full_arena_takes_finished_pieces_for_room() {
     // A 1 MiB arena: a 384 KiB write and its six 64 KiB copies, then a 256 KiB write, fill it.
     // The first write's pieces are finished but not yet taken: taking them frees the room the
     // second write's copies need.
-    let engine = Engine::new(EngineConfig {
-        ring_entries: 256,
-        arena_bytes: 1 << 20,
-        huge_pages: false,
-        ..EngineConfig::default()
-    })
-    .unwrap();
+    let engine = engine_with_arena(1 << 20);
     let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
-    let geometry = ram_geometry(64 << 10);
-    let backend = || Box::new(lbio::MemBackend::new(DISK as usize));
-    let dev = lbio::Device::from_backends(&lbio, backend(), backend(), geometry, true).unwrap();
+    let dev = ram_target(&lbio, 64 << 10, true);
     let log = AttrLog::format(MemPmr::new(64 << 10), 1).unwrap();
     let mut od = OrderedDevice::new(lbio, vec![dev], log, &[1], OrderedConfig::default()).unwrap();
     let a = od
@@ -1766,13 +1767,7 @@ fn faulty_run(
     arena: usize,
 ) -> Result<FaultTally, String> {
     use std::future::Future;
-    let engine = Engine::new(EngineConfig {
-        ring_entries: 256,
-        arena_bytes: arena,
-        huge_pages: false,
-        ..EngineConfig::default()
-    })
-    .map_err(|e| e.to_string())?;
+    let engine = engine_with_arena(arena);
     let lbio = LbioArray::new(
         Rc::clone(&engine),
         LbioConfig {
@@ -2173,18 +2168,9 @@ fn an_async_block_log_syncs_with_the_arena_full_of_the_writes_it_holds() {
     // syncs are asynchronous) takes its image and its sync buffer when it opens; the caller
     // then takes every frame left for its writes. Each sync needs room for the staged blocks'
     // copy while the arena holds nothing but the data waiting for that sync.
-    let engine = Engine::new(EngineConfig {
-        ring_entries: 256,
-        arena_bytes: 128 << 10,
-        huge_pages: false,
-        ..EngineConfig::default()
-    })
-    .unwrap();
+    let engine = engine_with_arena(128 << 10);
     let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
-    let backend = || Box::new(lbio::MemBackend::new(DISK as usize));
-    let target =
-        lbio::Device::from_backends(&lbio, backend(), backend(), ram_geometry(64 << 10), true)
-            .unwrap();
+    let target = ram_target(&lbio, 64 << 10, true);
     let log_dev = lbio::Device::memory(&lbio, 64 << 10).unwrap();
     let region = rio_ordering::BlockPmr::on_device(log_dev, 0, 8 << 10).unwrap();
     let log = AttrLog::format(region, 1).unwrap();
