@@ -353,7 +353,7 @@ struct FsyncArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "vanilla,overlapped,one-write,ext4"
+        default_value = "vanilla,overlapped,one-write,ext4,ext4-meta"
     )]
     modes: Vec<aios::bench::fsync::FsyncMode>,
     /// Seconds per run.
@@ -1736,14 +1736,14 @@ fn prepare_fsync_targets(
 }
 
 fn cmd_bench_fsync(a: FsyncArgs) -> Result<(), BenchError> {
-    use aios::bench::fsync::{self as fs, FsyncBench, FsyncMode};
+    use aios::bench::fsync::{self as fs, FsyncBench};
     let _qos = hold_cpu_latency(a.qos)?;
     let progress = Progress::new(false);
-    let ext4_wanted = a.modes.contains(&FsyncMode::Ext4);
+    let ext4_wanted = a.modes.iter().any(|m| m.is_ext4());
     if ext4_wanted && a.device != "ull" && a.ext4_dir.is_none() {
         return Err(BenchError::Invalid(
-            "the ext4 mode needs --ext4-dir DIR (a directory on ext4) when --device is not ull; \
-             or leave ext4 out with --modes vanilla,overlapped"
+            "the ext4 modes need --ext4-dir DIR (a directory on ext4) when --device is not ull; \
+             or leave them out with --modes vanilla,overlapped"
                 .into(),
         ));
     }
@@ -2081,6 +2081,7 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
             aios::bench::fsync::FsyncMode::Overlapped,
             aios::bench::fsync::FsyncMode::OneWrite,
             aios::bench::fsync::FsyncMode::Ext4,
+            aios::bench::fsync::FsyncMode::Ext4Meta,
         ]
     } else {
         println!("\n(not root: the fsync section runs without the ext4 anchor, on a scratch file)");

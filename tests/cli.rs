@@ -288,6 +288,69 @@ fn bench_fsync_json_lines_carry_the_documented_fields() {
     assert!(String::from_utf8_lossy(&e.stderr).contains("--plp"));
 }
 
+#[test]
+fn bench_fsync_ext4_anchors_report_how_often_ext4_committed_its_journal() {
+    if !Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+    {
+        eprintln!("SKIPPED: the ull device and an ext4 mount need root");
+        return;
+    }
+    let out = aios()
+        .args([
+            "bench",
+            "fsync",
+            "--device",
+            "ull",
+            "--modes",
+            "overlapped,ext4,ext4-meta",
+            "--seconds",
+            "0.3",
+            "--rounds",
+            "1",
+            "--json",
+            "--out",
+        ])
+        .arg(std::env::temp_dir().join(format!("aios-cli-fsync-e4-{}", std::process::id())))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let row = |mode: &str| {
+        lines
+            .iter()
+            .find(|v| v["mode"] == mode)
+            .unwrap_or_else(|| panic!("no {mode} line in {lines:?}"))
+    };
+    let per = |mode: &str| row(mode)["jbd2_commits_per_fsync"].as_f64().unwrap();
+    // An overwrite's fsync commits ext4's journal once a clock tick at most (how often that is
+    // per fsync depends on the machine's speed: only the range is checked); with the inode
+    // changed by every write, every fsync commits.
+    assert!(
+        (0.0..=1.5).contains(&per("ext4")),
+        "ext4: {} commits per fsync",
+        per("ext4")
+    );
+    assert!(
+        per("ext4-meta") > 0.9,
+        "ext4-meta: {} commits per fsync",
+        per("ext4-meta")
+    );
+    let o = row("overlapped");
+    assert!(o["iops_vs_ext4"].as_f64().unwrap() > 0.0);
+    assert!(o["iops_vs_ext4_meta"].as_f64().unwrap() > 0.0);
+    assert!(o.get("jbd2_commits_per_fsync").is_none());
+}
+
 /// A loop device over a file in /dev/shm (root only); detached on drop.
 struct Loop {
     dev: String,
