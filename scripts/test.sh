@@ -74,7 +74,7 @@ if [ "$(id -u)" = 0 ]; then
 else
     echo "SKIPPED: the ull device is a loop device: it needs root" >&2
 fi
-step "one short fsync comparison on the ull device (aios bench fsync: vanilla, overlapped, one-write, ext4)"
+step "one short fsync comparison on the ull device (aios bench fsync: vanilla, overlapped, one-write, ext4, ext4-meta)"
 if [ "$(id -u)" = 0 ] && command -v mkfs.ext4 >/dev/null 2>&1; then
     ./target/release/aios bench fsync --device ull --seconds 0.3 --rounds 1 --threads 1,2 \
         --out target/bench-report
