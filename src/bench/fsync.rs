@@ -568,8 +568,9 @@ impl FsyncBench {
         let mut s = self.sample(mode, threads, results, elapsed, cpu)?;
         if meta && commits1.is_none() {
             eprintln!(
-                "note: no jbd2 statistics for {} (not ext4, an external journal, or no \
-                 /proc/fs/jbd2): ext4-meta's commits per fsync are not known",
+                "note: no jbd2 statistics for {}: its file system has no internal journal \
+                 (ext4 made without one or with an external one, or not ext4), so \
+                 ext4-meta's commits per fsync are not known",
                 dir.display()
             );
         }
