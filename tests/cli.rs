@@ -25,6 +25,27 @@ impl Drop for Scratch {
     }
 }
 
+/// Whether the tests run as root (loop devices, mounts).
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+/// The JSON lines a command printed on stdout; the command must have succeeded.
+fn json_lines(out: &std::process::Output) -> Vec<serde_json::Value> {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 /// `aios probe --json --samples N PATH`, which must succeed: its JSON.
 fn probe_json(path: impl AsRef<std::ffi::OsStr>, samples: u32) -> serde_json::Value {
     let out = aios()
@@ -246,19 +267,11 @@ fn bench_fsync_json_lines_carry_the_documented_fields() {
         .args(["--device", &p])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let lines = json_lines(&out);
     assert!(
         !std::path::Path::new(&p).exists(),
         "the created file is removed"
     );
-    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
     assert_eq!(lines.len(), 4, "2 modes x 2 thread counts");
     for v in &lines {
         assert!(["vanilla", "overlapped"].contains(&v["mode"].as_str().unwrap()));
@@ -290,11 +303,7 @@ fn bench_fsync_json_lines_carry_the_documented_fields() {
 
 #[test]
 fn bench_fsync_ext4_anchors_report_how_often_ext4_committed_its_journal() {
-    if !Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-    {
+    if !is_root() {
         eprintln!("SKIPPED: the ull device and an ext4 mount need root");
         return;
     }
@@ -316,15 +325,7 @@ fn bench_fsync_ext4_anchors_report_how_often_ext4_committed_its_journal() {
         .arg(std::env::temp_dir().join(format!("aios-cli-fsync-e4-{}", std::process::id())))
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = json_lines(&out);
     let row = |mode: &str| {
         lines
             .iter()
@@ -388,11 +389,7 @@ struct Loop {
 }
 impl Loop {
     fn new(name: &str) -> Option<Loop> {
-        if !Command::new("id")
-            .arg("-u")
-            .output()
-            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        {
+        if !is_root() {
             eprintln!("SKIPPED: loop devices need root");
             return None;
         }
@@ -472,15 +469,7 @@ fn bench_ordered_runs_rio_with_a_pmr_and_a_block_log_and_refuses_a_block_log_on_
         ])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = json_lines(&out);
     let block = lines
         .iter()
         .find(|l| l["mode"] == "rio" && l["log"] == "block")
