@@ -632,10 +632,9 @@ const WARMUP_OPS: u64 = 8;
 
 /// The jbd2 statistics file of the ext4 file system holding `dir` (internal journal, inode 8).
 fn jbd2_info(dir: &Path) -> Option<PathBuf> {
-    use std::os::unix::fs::MetadataExt;
-    let dev = std::fs::metadata(dir).ok()?.dev();
-    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
-    let minor = (dev & 0xff) | ((dev >> 12) & 0xffff_ff00);
+    use std::os::fd::AsRawFd;
+    let st = aios_core::sys::statx(std::fs::File::open(dir).ok()?.as_raw_fd()).ok()?;
+    let (major, minor) = (st.dev_major, st.dev_minor);
     let link = std::fs::read_link(format!("/sys/dev/block/{major}:{minor}")).ok()?;
     let name = link.file_name()?.to_str()?.to_owned();
     let p = PathBuf::from(format!("/proc/fs/jbd2/{name}-8/info"));
