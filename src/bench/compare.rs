@@ -230,10 +230,20 @@ pub struct Qd1Choice {
 /// vCPUs halt, which CPU that worker gets decides the latency). Neither mode wins everywhere,
 /// so this measures both on `dev`: `rounds` short runs of each, alternating, and picks the one
 /// with the lower median mean latency (busy-poll on a tie within 3%: it needs no wake-up).
+/// `plug` says whether each mode plugs (the caller's rule, so that each is measured as it would
+/// run); `opts.plug` is not used.
+///
+/// The samples are taken in the process that then runs the bench, on purpose: on the 2-vCPU VM
+/// this was built on, a thread that has busy-polled the `ull` device sleeps slowly for seconds
+/// afterwards (the loop worker keeps waking on the other, halted vCPU). There, a first sleeping
+/// run read 17-25 us and the ones after a busy-poll run 50-80 us, and sleeping bench runs after
+/// the calibration read 35-45 us: what a sleeping bench would get is the later samples, not the
+/// first, and the choice is made on all of them.
 pub fn choose_qd1_completion(
     dev: &Device,
     w: &Workload,
     opts: LbioRunOptions,
+    plug: &dyn Fn(CompletionMode) -> bool,
     rounds: u32,
     seconds: f64,
 ) -> Result<Qd1Choice, BenchError> {
@@ -255,6 +265,7 @@ pub fn choose_qd1_completion(
                 &short,
                 LbioRunOptions {
                     completion: mode,
+                    plug: plug(mode),
                     ..opts
                 },
             )?;
