@@ -541,8 +541,8 @@ enum CompletionArg {
 #[derive(Clone, Copy, ValueEnum)]
 enum PlugArg {
     /// Plug at QD1 when busy-polling (the submission rides on the first poll's io_uring_enter);
-    /// a sleeping caller submits at once and then waits: on the `ull` device, 8 of 8 alternating
-    /// pairs of 2-second sleeping runs had the lower mean that way (16-24 us against 25-37 us).
+    /// a sleeping caller submits at once and then waits: on the `ull` device, each of 8
+    /// alternating pairs of 2-second sleeping runs had the lower mean that way, by 1.5-12.8 us.
     /// Above QD1 submit at once (on the loop device a plugged batch leaves the fast inline path;
     /// measured).
     Auto,
