@@ -25,14 +25,6 @@ impl Drop for Scratch {
     }
 }
 
-/// Whether the tests run as root (loop devices, mounts).
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-}
-
 /// The JSON lines a command printed on stdout; the command must have succeeded.
 fn json_lines(out: &std::process::Output) -> Vec<serde_json::Value> {
     assert!(
@@ -303,7 +295,7 @@ fn bench_fsync_json_lines_carry_the_documented_fields() {
 
 #[test]
 fn bench_fsync_ext4_anchors_report_how_often_ext4_committed_its_journal() {
-    if !is_root() {
+    if !aios::core::sys::is_root() {
         eprintln!("SKIPPED: the ull device and an ext4 mount need root");
         return;
     }
@@ -389,7 +381,7 @@ struct Loop {
 }
 impl Loop {
     fn new(name: &str) -> Option<Loop> {
-        if !is_root() {
+        if !aios::core::sys::is_root() {
             eprintln!("SKIPPED: loop devices need root");
             return None;
         }
