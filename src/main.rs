@@ -5,6 +5,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::rc::Rc;
+use std::time::Duration;
 
 use aios::bench::compare::{
     check_write_allowed, choose_qd1_completion, run_comparison, Comparison, Contender, Progress,
@@ -525,6 +526,8 @@ enum ClassArg {
 /// `bench lbio --completion auto` at QD1: alternating short runs of each mode before the bench.
 const QD1_CALIBRATION_ROUNDS: u32 = 4;
 const QD1_CALIBRATION_SECONDS: f64 = 0.15;
+/// Idle before each timed run of a comparison (`--settle-ms`).
+const DEFAULT_SETTLE_MS: u64 = 250;
 
 #[derive(Clone, Copy, ValueEnum)]
 enum CompletionArg {
@@ -608,6 +611,12 @@ struct LbioArgs {
     /// with nvme.poll_queues=N; the route reports why when it cannot be used).
     #[arg(long)]
     iopoll: bool,
+    /// Milliseconds of idle before every timed run, lbio's and each fio run's alike, and before
+    /// each QD1 calibration sample: each starts from an idle machine, not on the heels of the
+    /// work before it (on the VM this was built on, a QD1 reader that starts right after
+    /// CPU-heavy work stays 3-6x slower for the whole run; see the README). 0: none.
+    #[arg(long, default_value_t = DEFAULT_SETTLE_MS, value_name = "MS")]
+    settle_ms: u64,
     #[command(flatten)]
     qos: QosArgs,
 }
@@ -1427,6 +1436,7 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
                 &plug_for,
                 QD1_CALIBRATION_ROUNDS,
                 QD1_CALIBRATION_SECONDS,
+                Duration::from_millis(a.settle_ms),
             )?;
             eprintln!(
                 "QD1 completion: busy-poll {:.1} us, sleep {:.1} us (mean latency, medians of {} alternating {} s runs): {}",
@@ -1455,6 +1465,7 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
         class,
         completion,
         plug,
+        settle: Duration::from_millis(a.settle_ms),
     };
     let progress = Progress::new(false);
     if !a.json {
@@ -1985,25 +1996,55 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
         let (c, why) = stack.dev.critical_route();
         println!("   lbio critical route: {} — {why}", c.name);
         let g = *stack.dev.geometry();
+        let workload = Workload {
+            rw: Rw::RandRead,
+            bs: 4096,
+            qd: *qd,
+            seconds: a.seconds,
+        };
+        let settle = Duration::from_millis(DEFAULT_SETTLE_MS);
+        // As `bench lbio` does by default: at QD1, busy-poll or sleep, whichever measured
+        // faster here just now; a busy-polled request rides on the first poll (plugged).
+        let plug_for = |mode: CompletionMode| *qd == 1 && mode == CompletionMode::BusyPoll;
+        let completion = if *qd == 1 {
+            let c = choose_qd1_completion(
+                &stack.dev,
+                &workload,
+                LbioRunOptions {
+                    class: Class::Critical,
+                    completion: CompletionMode::BusyPoll,
+                    span: g.capacity_bytes,
+                    plug: false,
+                },
+                &plug_for,
+                QD1_CALIBRATION_ROUNDS,
+                QD1_CALIBRATION_SECONDS,
+                settle,
+            )?;
+            println!(
+                "   QD1 completion: busy-poll {:.1} us, sleep {:.1} us: {}",
+                c.poll_us,
+                c.wait_us,
+                match c.mode {
+                    CompletionMode::BusyPoll => "busy-polling",
+                    CompletionMode::Wait => "sleeping",
+                }
+            );
+            c.mode
+        } else {
+            CompletionMode::Wait
+        };
         let cmp = Comparison {
             dev: &stack.dev,
             path: t.path().to_path_buf(),
             span: g.capacity_bytes,
-            workload: Workload {
-                rw: Rw::RandRead,
-                bs: 4096,
-                qd: *qd,
-                seconds: a.seconds,
-            },
+            workload,
             contenders: contenders.clone(),
             rounds: a.rounds,
             class: Class::Critical,
-            completion: if *qd == 1 {
-                CompletionMode::BusyPoll
-            } else {
-                CompletionMode::Wait
-            },
-            plug: *qd == 1,
+            completion,
+            plug: plug_for(completion),
+            settle,
         };
         let (samples, meds) = run_comparison(&cmp, &progress, title, &mut |_| {})?;
         print_header(&mut std::io::stdout()).map_err(io_err)?;

@@ -121,6 +121,45 @@ fn bench_json_lines_carry_the_documented_fields() {
 }
 
 #[test]
+fn bench_settles_before_each_timed_run() {
+    // `--settle-ms` idles before the run: a 0.2 s run with 1.5 s of settle cannot finish in
+    // less than 1.7 s (a lower bound that sleeping guarantees, not a speed threshold).
+    let f = Scratch::new("settle", 8 << 20);
+    let go = |ms: &str| {
+        let t = std::time::Instant::now();
+        let out = aios()
+            .args([
+                "bench",
+                "lbio",
+                "--json",
+                "--seconds",
+                "0.2",
+                "--qd",
+                "4",
+                "--settle-ms",
+                ms,
+                "--device",
+            ])
+            .arg(&f.0)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        t.elapsed()
+    };
+    let with = go("1500");
+    assert!(
+        with >= std::time::Duration::from_millis(1700),
+        "took {with:?} with 1.5 s of settle"
+    );
+    // 0 turns it off and is accepted.
+    go("0");
+}
+
+#[test]
 fn bench_vs_fio_adds_ratios_when_fio_is_installed() {
     if Command::new("fio").arg("--version").output().is_err() {
         eprintln!("SKIPPED: fio is not installed (scripts/test.sh installs it)");

@@ -3,6 +3,7 @@
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use aios_core::CompletionMode;
 use lbio::{Class, Device};
@@ -31,6 +32,26 @@ pub struct Comparison<'a> {
     pub completion: CompletionMode,
     /// Plug lbio's submissions into the next wait (see `LbioRunOptions::plug`).
     pub plug: bool,
+    /// Idle time before every timed run, every contender's alike (see [`settle`]).
+    pub settle: Duration,
+}
+
+/// Sleep for `d` before a timed run, so that the run starts from an idle machine rather than
+/// on the heels of the work before it (the bench's own setup, the previous contender, a
+/// busy-polling calibration sample).
+///
+/// Why it matters: on the 2-vCPU VM this was built on, where waking the other vCPU costs tens
+/// of µs, whether a loop device's worker runs on the reader's vCPU or on the other one depends
+/// on how busy the reader's CPU has been lately (the kernel's load tracking, which forgets with
+/// a half-life of about 32 ms). A QD1 reader that started right after CPU-heavy work read 4 KiB
+/// in 69-75 µs on average for the whole run; the same program after idling 100 ms or more,
+/// 12-26 µs (p50 5.2 µs). fio starts each run as a fresh process after its own idle moments, so
+/// without a pause the comparison measured lbio's aftermath of its setup against fio's clean
+/// start.
+pub fn settle(d: Duration) {
+    if !d.is_zero() {
+        std::thread::sleep(d);
+    }
 }
 
 /// Progress on stderr: one rewritten line on a terminal, plain lines otherwise.
@@ -107,6 +128,7 @@ pub fn run_comparison(
                 c.workload.qd,
                 c.workload.seconds
             ));
+            settle(c.settle);
             let mut s = run_one(c, who)?;
             s.round = Some(round + 1);
             s.device = Some(c.path.display().to_string());
@@ -233,12 +255,14 @@ pub struct Qd1Choice {
 /// `plug` says whether each mode plugs (the caller's rule, so that each is measured as it would
 /// run); `opts.plug` is not used.
 ///
-/// The samples are taken in the process that then runs the bench, on purpose: on the 2-vCPU VM
-/// this was built on, a thread that has busy-polled the `ull` device sleeps slowly for seconds
-/// afterwards (the loop worker keeps waking on the other, halted vCPU). There, a first sleeping
-/// run read 17-25 us and the ones after a busy-poll run 50-80 us, and sleeping bench runs after
-/// the calibration read 35-45 us: what a sleeping bench would get is the later samples, not the
-/// first, and the choice is made on all of them.
+/// The samples are taken in the process that then runs the bench, each after `pause` of idle
+/// (the bench's `--settle-ms`, the pause every timed run gets): on the 2-vCPU VM this was built
+/// on, a thread that has just busy-polled the `ull` device, or done anything else CPU-heavy,
+/// sleeps slowly for as long as it keeps reading (the loop worker keeps waking on the other,
+/// halted vCPU). Without the pause, the sleeping samples measured that aftermath of the
+/// busy-polling ones: on 2026-11-24 sleeping read 96.3 us against busy-polling's 58.9 us, and
+/// the bench that followed, busy-polling, took 2.0x fio's latency. With a 250 ms pause,
+/// sleeping read 11.5-15.0 us against 17.7-27.0 us in four calibrations, and was chosen.
 pub fn choose_qd1_completion(
     dev: &Device,
     w: &Workload,
@@ -246,6 +270,7 @@ pub fn choose_qd1_completion(
     plug: &dyn Fn(CompletionMode) -> bool,
     rounds: u32,
     seconds: f64,
+    pause: Duration,
 ) -> Result<Qd1Choice, BenchError> {
     let short = Workload {
         qd: 1,
@@ -260,6 +285,7 @@ pub fn choose_qd1_completion(
             [CompletionMode::Wait, CompletionMode::BusyPoll]
         };
         for mode in order {
+            settle(pause);
             let s = run_lbio(
                 dev,
                 &short,
