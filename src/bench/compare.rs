@@ -41,9 +41,9 @@ pub struct Comparison<'a> {
 /// busy-polling calibration sample).
 ///
 /// Why it matters: on the 2-vCPU VM this was built on, where waking the other vCPU costs tens
-/// of µs, whether a loop device's worker runs on the reader's vCPU or on the other one depends
-/// on how busy the reader's CPU has been lately (the kernel's load tracking, which forgets with
-/// a half-life of about 32 ms). A QD1 reader that started right after CPU-heavy work read 4 KiB
+/// of µs, whether a loop device's worker runs on the reader's vCPU or on the other one appears
+/// to depend on how busy the reader's CPU has been lately: the effect fades with idle time as
+/// the kernel's load tracking does (a half-life of about 32 ms). A QD1 reader that started right after CPU-heavy work read 4 KiB
 /// in 69-75 µs on average for the whole run; the same program after idling 100 ms or more,
 /// 12-26 µs (p50 5.2 µs). fio starts each run as a fresh process after its own idle moments, so
 /// without a pause the comparison measured lbio's aftermath of its setup against fio's clean
@@ -262,7 +262,8 @@ pub struct Qd1Choice {
 /// halted vCPU). Without the pause, the sleeping samples measured that aftermath of the
 /// busy-polling ones: on 2026-11-24 sleeping read 96.3 us against busy-polling's 58.9 us, and
 /// the bench that followed, busy-polling, took 2.0x fio's latency. With a 250 ms pause,
-/// sleeping read 11.5-15.0 us against 17.7-27.0 us in four calibrations, and was chosen.
+/// sleeping read 11.5-15.0 us against 15.7-27.0 us in nine calibrations that day, and was
+/// chosen every time.
 pub fn choose_qd1_completion(
     dev: &Device,
     w: &Workload,
