@@ -8,7 +8,8 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use aios::bench::compare::{
-    check_write_allowed, choose_qd1_completion, run_comparison, Comparison, Contender, Progress,
+    check_write_allowed, choose_qd1_completion, plug_auto, run_comparison, Comparison, Contender,
+    Progress,
 };
 use aios::bench::fio::{fio_version, FioEngine};
 use aios::bench::report::{parse_bytes, plot_cdf, print_header, print_json, print_row};
@@ -1411,7 +1412,7 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
         ClassArg::Background => Class::Background,
     };
     let plug_for = |mode: CompletionMode| match a.plug {
-        PlugArg::Auto => a.qd == 1 && mode == CompletionMode::BusyPoll,
+        PlugArg::Auto => plug_auto(a.qd, mode),
         PlugArg::On => true,
         PlugArg::Off => false,
     };
@@ -1444,10 +1445,7 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
                 c.wait_us,
                 QD1_CALIBRATION_ROUNDS,
                 QD1_CALIBRATION_SECONDS,
-                match c.mode {
-                    CompletionMode::BusyPoll => "busy-polling",
-                    CompletionMode::Wait => "sleeping",
-                }
+                c.chosen()
             );
             c.mode
         }
@@ -2004,8 +2002,8 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
         };
         let settle = Duration::from_millis(DEFAULT_SETTLE_MS);
         // As `bench lbio` does by default: at QD1, busy-poll or sleep, whichever measured
-        // faster here just now; a busy-polled request rides on the first poll (plugged).
-        let plug_for = |mode: CompletionMode| *qd == 1 && mode == CompletionMode::BusyPoll;
+        // faster here just now, plugged by `--plug auto`'s rule.
+        let plug_for = |mode: CompletionMode| plug_auto(*qd, mode);
         let completion = if *qd == 1 {
             let c = choose_qd1_completion(
                 &stack.dev,
@@ -2025,10 +2023,7 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
                 "   QD1 completion: busy-poll {:.1} us, sleep {:.1} us: {}",
                 c.poll_us,
                 c.wait_us,
-                match c.mode {
-                    CompletionMode::BusyPoll => "busy-polling",
-                    CompletionMode::Wait => "sleeping",
-                }
+                c.chosen()
             );
             c.mode
         } else {

@@ -43,9 +43,9 @@ pub struct Comparison<'a> {
 /// Why it matters: on the 2-vCPU VM this was built on, where waking the other vCPU costs tens
 /// of µs, whether a loop device's worker runs on the reader's vCPU or on the other one appears
 /// to depend on how busy the reader's CPU has been lately: the effect fades with idle time as
-/// the kernel's load tracking does (a half-life of about 32 ms). A QD1 reader that started right after CPU-heavy work read 4 KiB
-/// in 69-75 µs on average for the whole run; the same program after idling 100 ms or more,
-/// 12-26 µs (p50 5.2 µs). fio starts each run as a fresh process after its own idle moments, so
+/// the kernel's load tracking does (a half-life of about 32 ms). A QD1 reader that started
+/// right after CPU-heavy work read 4 KiB in 69-75 µs on average for the whole run; the same
+/// program after idling 100 ms or more, 12-26 µs (p50 5.2 µs). fio starts each run as a fresh process after its own idle moments, so
 /// without a pause the comparison measured lbio's aftermath of its setup against fio's clean
 /// start.
 pub fn settle(d: Duration) {
@@ -238,6 +238,12 @@ pub fn check_write_allowed(
     )))
 }
 
+/// `--plug auto`: plug at QD1 only when busy-polling (the submission rides on the first poll's
+/// `io_uring_enter`); a sleeping caller, and any caller above QD1, submits at once.
+pub fn plug_auto(qd: u32, mode: CompletionMode) -> bool {
+    qd == 1 && mode == CompletionMode::BusyPoll
+}
+
 /// What [`choose_qd1_completion`] measured.
 #[derive(Clone, Copy, Debug)]
 pub struct Qd1Choice {
@@ -245,6 +251,16 @@ pub struct Qd1Choice {
     /// Median over the rounds of each mode's mean latency, µs.
     pub poll_us: f64,
     pub wait_us: f64,
+}
+
+impl Qd1Choice {
+    /// The chosen mode, as the benches print it.
+    pub fn chosen(&self) -> &'static str {
+        match self.mode {
+            CompletionMode::BusyPoll => "busy-polling",
+            CompletionMode::Wait => "sleeping",
+        }
+    }
 }
 
 /// At QD1, busy-polling the completion queue saves the caller's wake-up, but the device's own
