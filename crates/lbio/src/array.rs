@@ -721,12 +721,20 @@ impl LbioArray {
         }
     }
 
-    /// If every piece of `tag` was issued and completed, hand the request to its owner.
+    /// If every piece of `tag` was issued and completed, hand the request to its owner. The
+    /// check is inline (every submission asks, and is seldom done at once); the hand-off is not.
+    #[inline(always)]
     fn finish_if_done(&self, inner: &mut Inner, tag: u32) {
-        let slot = &mut inner.slots[tag as usize];
+        let slot = &inner.slots[tag as usize];
         if slot.state != State::Active || !slot.issued_all || slot.outstanding > 0 {
             return;
         }
+        self.finish(inner, tag);
+    }
+
+    #[inline(never)]
+    fn finish(&self, inner: &mut Inner, tag: u32) {
+        let slot = &mut inner.slots[tag as usize];
         slot.state = State::Done;
         if slot.error.is_some() || slot.done != slot.len {
             inner.metrics.errors += 1;
@@ -757,8 +765,10 @@ impl LbioArray {
         slot.iov = None;
         slot.waker = None;
         inner.free.push(tag);
-        for w in inner.slot_waiters.drain(..) {
-            w.wake();
+        if !inner.slot_waiters.is_empty() {
+            for w in inner.slot_waiters.drain(..) {
+                w.wake();
+            }
         }
     }
 
