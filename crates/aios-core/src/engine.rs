@@ -255,6 +255,14 @@ impl Uring {
         }
     }
 
+    /// Whether no CQE is posted.
+    fn cq_empty(&mut self) -> bool {
+        match self {
+            Uring::Std(u) => u.completion().is_empty(),
+            Uring::Big(u) => u.completion().is_empty(),
+        }
+    }
+
     /// Copy up to `batch.len()` CQEs out as `(user_data, result, flags)`: the first `n`
     /// entries of `batch` are written, for the `n` returned.
     fn drain(&mut self, batch: &mut [MaybeUninit<(u64, i32, u32)>]) -> usize {
@@ -915,9 +923,9 @@ impl Engine {
         Ok(())
     }
 
+    #[inline]
     fn enter(&self, ring: &Ring, want: u32, getevents: bool) -> io::Result<usize> {
         self.bump(|m| m.enters += 1);
-        let u = ring.uring.borrow();
         let to_submit = ring.pending.get();
         let flags = if getevents || want > 0 || ring.iopoll {
             IORING_ENTER_GETEVENTS
@@ -943,7 +951,9 @@ impl Engine {
             },
             // SAFETY: no extra argument is passed; the counts come from our own bookkeeping.
             None => unsafe {
-                u.submitter()
+                ring.uring
+                    .borrow()
+                    .submitter()
                     .enter::<libc::sigset_t>(to_submit, want, flags, None)
             },
         };
@@ -1119,12 +1129,20 @@ impl Engine {
     }
 
     /// Dispatch every CQE in the ring's completion queue to its sink.
+    /// Dispatch every posted CQE of `ring`. The empty case (a wait asks before it sleeps, and
+    /// usually finds nothing) is inline; the dispatch is not.
+    #[inline(always)]
     fn reap(&self, ring: &Ring) -> u32 {
         // Every CQE answers an SQE counted in flight: a ring with none out (the IOPOLL ring of
         // an engine that reads through the main one) has nothing to reap.
-        if ring.inflight.get() == 0 {
+        if ring.inflight.get() == 0 || ring.uring.borrow_mut().cq_empty() {
             return 0;
         }
+        self.reap_posted(ring)
+    }
+
+    #[inline(never)]
+    fn reap_posted(&self, ring: &Ring) -> u32 {
         let mut total = 0u32;
         loop {
             // Not zeroed: this runs once or twice per wait, and zeroing the batch (1 KiB) cost

@@ -802,8 +802,10 @@ impl LbioArray {
 
     /// If request `tag` is done, free its slot and return its completion.
     pub(crate) fn try_take(&self, tag: Tag) -> Option<Completion> {
-        let mut inner = self.inner.borrow_mut();
-        let inner = &mut *inner;
+        self.take_in(&mut self.inner.borrow_mut(), tag)
+    }
+
+    fn take_in(&self, inner: &mut Inner, tag: Tag) -> Option<Completion> {
         let slot = &mut inner.slots[tag.0 as usize];
         if slot.state != State::Done {
             return None;
@@ -848,8 +850,9 @@ impl LbioArray {
     /// without waiting.
     pub fn take_done(&self) -> Option<Completion> {
         self.apply_deferred();
-        let tag = self.inner.borrow_mut().done.pop_front()?;
-        self.try_take(Tag(tag))
+        let mut inner = self.inner.borrow_mut();
+        let tag = inner.done.pop_front()?;
+        self.take_in(&mut inner, Tag(tag))
     }
 
     /// Detached requests finished and not yet taken.
@@ -869,25 +872,33 @@ impl LbioArray {
         }
     }
 
+    /// Apply completions that arrived while `inner` was borrowed. Asked on every submit, wait
+    /// and take, and seldom needed: the check is inline, the work out of line.
+    #[inline(always)]
     fn apply_deferred(&self) {
-        if !self.has_deferred.get() {
-            return;
+        if self.has_deferred.get() {
+            self.apply_deferred_now();
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn apply_deferred_now(&self) {
         loop {
             let next = self.deferred.borrow_mut().pop_front();
             match next {
-                Some((payload, res)) => self.complete_piece(payload, res),
+                Some((payload, res)) => {
+                    self.complete_piece(&mut self.inner.borrow_mut(), payload, res)
+                }
                 None => break,
             }
         }
         self.has_deferred.set(false);
     }
 
-    fn complete_piece(&self, payload: u64, res: i32) {
+    fn complete_piece(&self, inner: &mut Inner, payload: u64, res: i32) {
         let tag = (payload & (MAX_SLOTS as u64 - 1)) as u32;
         let piece_len = (payload >> TAG_BITS) as u32;
-        let mut guard = self.inner.borrow_mut();
-        let inner = &mut *guard;
         let slot = &inner.slots[tag as usize];
         let dev = slot.dev;
         let background = slot.class == Class::Background;
@@ -933,12 +944,14 @@ impl Drop for LbioArray {
 
 impl CompletionSink for LbioArray {
     fn complete(&self, payload: u64, result: i32, _flags: u32) {
-        if self.inner.try_borrow_mut().is_err() {
-            // The engine reaped inside one of our own pushes: apply it when that borrow ends.
-            self.deferred.borrow_mut().push_back((payload, result));
-            self.has_deferred.set(true);
-            return;
+        match self.inner.try_borrow_mut() {
+            Ok(mut inner) => self.complete_piece(&mut inner, payload, result),
+            Err(_) => {
+                // The engine reaped inside one of our own pushes: apply it when that borrow
+                // ends.
+                self.deferred.borrow_mut().push_back((payload, result));
+                self.has_deferred.set(true);
+            }
         }
-        self.complete_piece(payload, result);
     }
 }
