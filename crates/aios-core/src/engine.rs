@@ -830,6 +830,7 @@ impl Engine {
     /// # Safety
     /// Every buffer and file the SQE refers to must stay valid, and untouched by the caller, until
     /// its completion has been handed to the sink.
+    #[inline]
     pub unsafe fn push(
         &self,
         kind: RingKind,
@@ -869,6 +870,7 @@ impl Engine {
 
     /// # Safety
     /// As [`Engine::push`].
+    #[inline]
     unsafe fn push_any(&self, kind: RingKind, payload: u64, sqe: Sqe) -> Result<(), CoreError> {
         debug_assert!(payload <= PAYLOAD_MASK);
         let ring = self.ring(kind);
