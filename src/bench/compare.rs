@@ -45,9 +45,9 @@ pub struct Comparison<'a> {
 /// to depend on how busy the reader's CPU has been lately: the effect fades with idle time as
 /// the kernel's load tracking does (a half-life of about 32 ms). A QD1 reader that started
 /// right after CPU-heavy work read 4 KiB in 69-75 µs on average for the whole run; the same
-/// program after idling 100 ms or more, 12-26 µs (p50 5.2 µs). fio starts each run as a fresh process after its own idle moments, so
-/// without a pause the comparison measured lbio's aftermath of its setup against fio's clean
-/// start.
+/// program after idling 100 ms or more, 12-26 µs (p50 5.2 µs). fio starts each run as a fresh
+/// process after its own idle moments, so without a pause the comparison measured lbio's
+/// aftermath of its setup against fio's clean start.
 pub fn settle(d: Duration) {
     if !d.is_zero() {
         std::thread::sleep(d);

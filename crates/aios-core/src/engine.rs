@@ -1130,9 +1130,8 @@ impl Engine {
         Ok(n)
     }
 
-    /// Dispatch every CQE in the ring's completion queue to its sink.
-    /// Dispatch every posted CQE of `ring`. The empty case (a wait asks before it sleeps, and
-    /// usually finds nothing) is inline; the dispatch is not.
+    /// Dispatch every posted CQE of `ring` to its sink. The empty case (a wait asks before it
+    /// sleeps, and usually finds nothing) is inline; the dispatch is not.
     #[inline(always)]
     fn reap(&self, ring: &Ring) -> u32 {
         // Every CQE answers an SQE counted in flight: a ring with none out (the IOPOLL ring of
@@ -1151,9 +1150,6 @@ impl Engine {
             // more instructions than dispatching a completion (callgrind, QD1 reads).
             let mut batch = [MaybeUninit::<(u64, i32, u32)>::uninit(); REAP_BATCH];
             let n = ring.uring.borrow_mut().drain(&mut batch);
-            if n == 0 {
-                return total;
-            }
             ring.inflight.set(ring.inflight.get() - n as u32);
             for slot in &batch[..n] {
                 // SAFETY: `drain` wrote the first `n` entries.
