@@ -33,9 +33,42 @@ pub struct FsSample {
     pub threads: u32,
     /// Operations per second (fio IOPS, files per second, postmark transactions per second).
     pub ops_per_sec: f64,
-    /// Mean latency per operation in µs (fio's, or wall time per file).
+    /// Mean latency per operation in µs: fio's (for `fsync` and `append`, the write's and
+    /// the fsync's or fdatasync's that follows it, which fio times apart), the wall time per
+    /// file (`createsync`), or per transaction (`postmark`).
     pub mean_us: f64,
-    pub p99_us: f64,
+    /// 99th percentile per operation in µs, where it is measured as a whole: `None` for
+    /// postmark (it reports no latencies) and for fio's write + sync operations, whose two
+    /// calls fio times apart (see `sync_p99_us`).
+    pub p99_us: Option<f64>,
+    /// Workloads that follow each write with an fsync or fdatasync: the mean µs of that call
+    /// alone (part of `mean_us`) ...
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync_mean_us: Option<f64>,
+    /// ... and its 99th percentile.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync_p99_us: Option<f64>,
+}
+
+/// What one workload run measured.
+struct Measured {
+    ops_per_sec: f64,
+    mean_us: f64,
+    p99_us: Option<f64>,
+    sync_mean_us: Option<f64>,
+    sync_p99_us: Option<f64>,
+}
+
+impl Measured {
+    fn whole(ops_per_sec: f64, mean_us: f64, p99_us: Option<f64>) -> Measured {
+        Measured {
+            ops_per_sec,
+            mean_us,
+            p99_us,
+            sync_mean_us: None,
+            sync_p99_us: None,
+        }
+    }
 }
 
 /// An aiosfs mounted by a child `aios mount --foreground`; unmounted (SIGTERM, waited) on drop.
@@ -149,12 +182,7 @@ pub struct FsBench {
     pub workloads: Vec<String>,
 }
 
-fn fio(
-    dir: &Path,
-    args: &[String],
-    rw_key: &str,
-    seconds: f64,
-) -> Result<(f64, f64, f64), BenchError> {
+fn fio(dir: &Path, args: &[String], rw_key: &str, seconds: f64) -> Result<Measured, BenchError> {
     let out = Command::new("fio")
         .arg(format!("--directory={}", dir.display()))
         .args(args)
@@ -172,18 +200,43 @@ fn fio(
     let start = text.find('{').unwrap_or(0);
     let v: serde_json::Value = serde_json::from_str(&text[start..])
         .map_err(|e| BenchError::Parse(format!("fio JSON: {e}")))?;
-    let j = &v["jobs"][0][rw_key];
-    let iops = j["iops"].as_f64().unwrap_or(0.0);
-    let mean = j["clat_ns"]["mean"].as_f64().unwrap_or(0.0) / 1000.0;
-    let p99 = j["clat_ns"]["percentile"]["99.000000"]
+    fio_measured(&v["jobs"][0], rw_key)
+}
+
+/// The figures of one fio job (`--group_reporting`) from its JSON. An operation of a job that
+/// syncs after every write (`--fsync=1`, `--fdatasync=1`) is the write and the sync: fio times
+/// the two calls apart, so the mean per operation is the sum of their means, and no
+/// percentile of the whole can be had from the two.
+fn fio_measured(job: &serde_json::Value, rw_key: &str) -> Result<Measured, BenchError> {
+    let j = &job[rw_key];
+    let num = |v: &serde_json::Value, what: &str| {
+        v.as_f64()
+            .ok_or_else(|| BenchError::Parse(format!("fio JSON: no {what}")))
+    };
+    let iops = num(&j["iops"], "iops")?;
+    let mean = num(&j["lat_ns"]["mean"], "lat_ns.mean")? / 1000.0;
+    let p99 = j["lat_ns"]["percentile"]["99.000000"]
         .as_f64()
-        .unwrap_or(0.0)
-        / 1000.0;
-    Ok((iops, mean, p99))
+        .map(|ns| ns / 1000.0);
+    let sync = &job["sync"];
+    // `lat_ns.N`, not `total_ios`: fio 3.33 leaves `total_ios` at 0 for fdatasync.
+    if sync["lat_ns"]["N"].as_u64().unwrap_or(0) == 0 {
+        return Ok(Measured::whole(iops, mean, p99));
+    }
+    let sync_mean = num(&sync["lat_ns"]["mean"], "sync.lat_ns.mean")? / 1000.0;
+    Ok(Measured {
+        ops_per_sec: iops,
+        mean_us: mean + sync_mean,
+        p99_us: None,
+        sync_mean_us: Some(sync_mean),
+        sync_p99_us: sync["lat_ns"]["percentile"]["99.000000"]
+            .as_f64()
+            .map(|ns| ns / 1000.0),
+    })
 }
 
 /// Files created, written, fsynced; every fourth older one unlinked.
-fn createsync(dir: &Path, seconds: f64) -> Result<(f64, f64, f64), BenchError> {
+fn createsync(dir: &Path, seconds: f64) -> Result<Measured, BenchError> {
     let sub = dir.join("createsync");
     let _ = std::fs::remove_dir_all(&sub);
     std::fs::create_dir_all(&sub)
@@ -211,14 +264,14 @@ fn createsync(dir: &Path, seconds: f64) -> Result<(f64, f64, f64), BenchError> {
     let _ = std::fs::remove_dir_all(&sub);
     lat.sort_by(f64::total_cmp);
     let mean = lat.iter().sum::<f64>() / lat.len().max(1) as f64;
-    let p99 = lat.get(lat.len() * 99 / 100).copied().unwrap_or(0.0);
-    Ok((n as f64 / secs, mean, p99))
+    let p99 = lat.get(lat.len() * 99 / 100).copied();
+    Ok(Measured::whole(n as f64 / secs, mean, p99))
 }
 
 const POSTMARK_TX: u32 = 20_000;
 
 /// Debian's postmark: small files created, read, appended, deleted. Transactions per second.
-fn postmark(dir: &Path) -> Result<(f64, f64, f64), BenchError> {
+fn postmark(dir: &Path) -> Result<Measured, BenchError> {
     let sub = dir.join("postmark");
     let _ = std::fs::remove_dir_all(&sub);
     std::fs::create_dir_all(&sub).map_err(|e| BenchError::Setup(e.to_string()))?;
@@ -250,10 +303,10 @@ fn postmark(dir: &Path) -> Result<(f64, f64, f64), BenchError> {
     if !out.status.success() || !text.contains("seconds of transactions") {
         return Err(BenchError::Parse(format!("postmark output: {text}")));
     }
-    Ok((
+    Ok(Measured::whole(
         POSTMARK_TX as f64 / secs,
         secs * 1e6 / POSTMARK_TX as f64,
-        0.0,
+        None,
     ))
 }
 
@@ -288,7 +341,7 @@ impl FsBench {
                 };
                 for &t in &threads {
                     for &(name, dir) in &order {
-                        let (ops, mean, p99) = match w.as_str() {
+                        let m = match w.as_str() {
                             "randread" => fio(
                                 dir,
                                 &[
@@ -342,9 +395,11 @@ impl FsBench {
                             workload: w.clone(),
                             fs: name.into(),
                             threads: t,
-                            ops_per_sec: ops,
-                            mean_us: mean,
-                            p99_us: p99,
+                            ops_per_sec: m.ops_per_sec,
+                            mean_us: m.mean_us,
+                            p99_us: m.p99_us,
+                            sync_mean_us: m.sync_mean_us,
+                            sync_p99_us: m.sync_p99_us,
                         };
                         progress(&s);
                         all.push(s);
@@ -356,7 +411,8 @@ impl FsBench {
     }
 }
 
-/// Medians over rounds, per (workload, threads, fs).
+/// Medians over rounds, per (workload, threads, fs): the round with the median operations per
+/// second, with the median mean latencies over all rounds.
 pub fn medians(samples: &[FsSample]) -> Vec<FsSample> {
     let mut keys: Vec<(String, u32, String)> = Vec::new();
     for s in samples {
@@ -372,11 +428,15 @@ pub fn medians(samples: &[FsSample]) -> Vec<FsSample> {
                 .filter(|s| s.workload == w && s.threads == t && s.fs == f)
                 .collect();
             v.sort_by(|a, b| a.ops_per_sec.total_cmp(&b.ops_per_sec));
-            let mut lat: Vec<f64> = v.iter().map(|s| s.mean_us).collect();
-            lat.sort_by(f64::total_cmp);
+            let median = |f: fn(&FsSample) -> Option<f64>| -> Option<f64> {
+                let mut x: Vec<f64> = v.iter().filter_map(|s| f(s)).collect();
+                x.sort_by(f64::total_cmp);
+                x.get(x.len() / 2).copied()
+            };
             let mid = v[v.len() / 2];
             FsSample {
-                mean_us: lat[lat.len() / 2],
+                mean_us: median(|s| Some(s.mean_us)).unwrap_or(mid.mean_us),
+                sync_mean_us: median(|s| s.sync_mean_us),
                 ..mid.clone()
             }
         })
@@ -430,6 +490,11 @@ pub fn print_table(out: &mut impl Write, meds: &[FsSample]) -> std::io::Result<(
             m.workload, m.threads, m.ops_per_sec, e.ops_per_sec, m.mean_us, e.mean_us, ratio, what
         )?;
     }
+    writeln!(
+        out,
+        "'us' = mean µs per operation; for fsync and append, the write and the fsync or \
+         fdatasync after it (fio times the two apart: JSON sync_mean_us, sync_p99_us)"
+    )?;
     Ok(())
 }
 
@@ -439,4 +504,81 @@ pub fn postmark_installed() -> bool {
         .args(["-c", "command -v postmark"])
         .output()
         .is_ok_and(|o| o.status.success())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A job as fio 3.33 writes it with `--group_reporting`, cut to the fields read here.
+    fn job(sync_ios: u64) -> serde_json::Value {
+        serde_json::json!({
+            "write": {
+                "iops": 5800.0,
+                "lat_ns": { "mean": 7990.0, "percentile": { "99.000000": 21000 } },
+                "clat_ns": { "mean": 7786.0 }
+            },
+            "sync": {
+                "total_ios": 0,
+                "lat_ns": {
+                    "mean": 161972.0,
+                    "N": sync_ios,
+                    "percentile": { "99.000000": 411000 }
+                }
+            }
+        })
+    }
+
+    #[test]
+    fn a_write_followed_by_a_sync_counts_both_calls() {
+        let m = fio_measured(&job(2906), "write").unwrap();
+        assert_eq!(m.ops_per_sec, 5800.0);
+        assert!(
+            (m.mean_us - (7.990 + 161.972)).abs() < 1e-9,
+            "{}",
+            m.mean_us
+        );
+        assert_eq!(m.p99_us, None);
+        assert_eq!(m.sync_mean_us, Some(161.972));
+        assert_eq!(m.sync_p99_us, Some(411.0));
+    }
+
+    #[test]
+    fn a_job_without_syncs_reports_its_own_latency() {
+        let m = fio_measured(&job(0), "write").unwrap();
+        assert!((m.mean_us - 7.990).abs() < 1e-9);
+        assert_eq!(m.p99_us, Some(21.0));
+        assert_eq!(m.sync_mean_us, None);
+        let no_sync_section = serde_json::json!({ "read": job(0)["write"].clone() });
+        let m = fio_measured(&no_sync_section, "read").unwrap();
+        assert_eq!(m.p99_us, Some(21.0));
+    }
+
+    #[test]
+    fn a_job_without_figures_is_an_error() {
+        assert!(fio_measured(&serde_json::json!({}), "write").is_err());
+    }
+
+    #[test]
+    fn medians_take_the_middle_mean_over_rounds() {
+        let s = |ops: f64, mean: f64, sync: f64| FsSample {
+            workload: "fsync".into(),
+            fs: "aiosfs".into(),
+            threads: 1,
+            ops_per_sec: ops,
+            mean_us: mean,
+            p99_us: None,
+            sync_mean_us: Some(sync),
+            sync_p99_us: None,
+        };
+        let m = medians(&[
+            s(10.0, 90.0, 80.0),
+            s(30.0, 30.0, 20.0),
+            s(20.0, 50.0, 40.0),
+        ]);
+        assert_eq!(m.len(), 1);
+        assert_eq!(m[0].ops_per_sec, 20.0);
+        assert_eq!(m[0].mean_us, 50.0);
+        assert_eq!(m[0].sync_mean_us, Some(40.0));
+    }
 }
