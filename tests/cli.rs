@@ -526,6 +526,56 @@ fn bench_ordered_runs_rio_with_a_pmr_and_a_block_log_and_refuses_a_block_log_on_
 }
 
 #[test]
+fn bench_ordered_on_sim_reads_latencies_on_the_simulated_clock() {
+    let out = aios()
+        .args([
+            "bench",
+            "ordered",
+            "--device",
+            "sim",
+            "--streams",
+            "1",
+            "--modes",
+            "rio,sync,orderless",
+            "--sim-writes",
+            "2000",
+            "--rounds",
+            "1",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines = json_lines(&out);
+    let sync = lines
+        .iter()
+        .find(|l| l["mode"] == "sync" && l.get("round").is_some())
+        .expect("a sync run");
+    assert_eq!(sync["clock"], "simulated");
+    // One write at a time: the writes' latencies add up to the run's simulated time.
+    let per_write = sync["seconds"].as_f64().unwrap() * 1e6 / sync["writes"].as_f64().unwrap();
+    let mean = sync["lat_us_mean"].as_f64().unwrap();
+    assert!(
+        (mean - per_write).abs() <= per_write * 0.01,
+        "mean {mean} µs, {per_write} µs of simulated time per write: {sync}"
+    );
+    // The CPU time on sim is the simulator's: no CPU-efficiency ratio.
+    let rio = lines
+        .iter()
+        .find(|l| l["mode"] == "rio")
+        .expect("a rio run");
+    assert!(rio["iops_vs_orderless"].as_f64().is_some(), "{rio}");
+    assert!(
+        rio.get("cpu_eff_vs_orderless").is_none_or(|v| v.is_null()),
+        "{rio}"
+    );
+}
+
+#[test]
 fn mkfs_then_fsck_and_the_exit_codes_of_fsck() {
     let img = Scratch::new("mkfs", 0);
     let out = aios()
