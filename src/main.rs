@@ -1857,9 +1857,11 @@ fn print_pagecache_legend() {
     eprintln!(
         "'submit us' = median from the read call's entry to its SQE entering the kernel \
          (page-cache misses); '/k-cold' = mean latency ÷ the kernel page cache's cold buffered \
-         read; '-lbio us' = mean latency − raw lbio's; '/k-hot' = hits per second ÷ the \
-         kernel's hot buffered pread; '/1 thr' = throughput ÷ one thread's (all within a round; \
-         'med' rows: medians over rounds)"
+         read; '-lbio us' = mean latency − that of the raw lbio reads the page cache's cold runs \
+         interleave with their misses, one each, on the same engine (so those runs' IOPS count \
+         half the reads they do); '/k-hot' = hits per second ÷ the kernel's hot buffered pread; \
+         '/1 thr' = throughput ÷ one thread's (all within a round; 'med' rows: medians over \
+         rounds)"
     );
 }
 

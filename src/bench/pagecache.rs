@@ -1020,7 +1020,7 @@ fn medians(cases: &[Case], all: &[PcSample]) -> Vec<PcSample> {
 pub fn print_header(out: &mut impl std::io::Write) -> std::io::Result<()> {
     writeln!(
         out,
-        "{:>5} {:<14} {:<12} {:>5} {:>5} {:>3} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9} {:>8} {:>9} {:>8} {:>8}",
+        "{:>5} {:<14} {:<14} {:>5} {:>5} {:>3} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9} {:>8} {:>9} {:>8} {:>8}",
         "round",
         "workload",
         "mode",
@@ -1047,7 +1047,7 @@ pub fn print_row(out: &mut impl std::io::Write, s: &PcSample) -> std::io::Result
     let f = |r: Option<f64>, p: usize| r.map(|r| format!("{r:.p$}")).unwrap_or_default();
     writeln!(
         out,
-        "{:>5} {:<14} {:<12} {:>5} {:>5} {:>3} {:>10.0} {:>9.3} {:>9.3} {:>9.3} {:>10.0} {:>9} {:>8} {:>9} {:>8} {:>8}",
+        "{:>5} {:<14} {:<14} {:>5} {:>5} {:>3} {:>10.0} {:>9.3} {:>9.3} {:>9.3} {:>10.0} {:>9} {:>8} {:>9} {:>8} {:>8}",
         round,
         s.workload,
         s.mode,
