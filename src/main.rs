@@ -42,7 +42,7 @@ enum Cmd {
         #[arg(long)]
         json: bool,
         /// Latency samples per path for the inline-vs-punted measurement.
-        #[arg(long, default_value_t = 300)]
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = 300)]
         samples: u32,
     },
     /// Benchmarks.
@@ -74,7 +74,7 @@ struct MkfsArgs {
     #[arg(long, value_parser = parse_size)]
     size: Option<u64>,
     /// Journal areas, one per core that commits (default: this machine's cores).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     journals: Option<u32>,
     /// Blocks of 4 KiB per journal area (small images get less: a quarter of the image at most).
     #[arg(long, default_value_t = 2048)]
@@ -90,13 +90,13 @@ struct MkfsArgs {
 #[derive(Args)]
 struct FsBenchArgs {
     /// Thread counts of the write + fsync workload.
-    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), value_delimiter = ',', default_value = "1,2")]
     threads: Vec<u32>,
     /// Seconds per measurement.
     #[arg(long, default_value_t = 2.0)]
     seconds: f64,
     /// Rounds (the order of the two file systems alternates; medians are reported).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = 3)]
     rounds: u32,
     /// Workloads: randread, fsync, createsync, postmark (postmark only when installed),
     /// append (512-byte appends + fdatasync).
@@ -277,10 +277,10 @@ struct OrderedArgs {
     #[arg(long, default_value = "ull")]
     device: String,
     /// Stream counts (a thread per stream).
-    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), value_delimiter = ',', default_value = "1,2")]
     streams: Vec<u32>,
     /// ORDER-queue batch sizes for rio (groups held and merged before sending).
-    #[arg(long, value_delimiter = ',', default_value = "1")]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), value_delimiter = ',', default_value = "1")]
     batch: Vec<u32>,
     /// Modes to run.
     #[arg(long, value_delimiter = ',', default_value = "rio,sync,orderless")]
@@ -290,7 +290,7 @@ struct OrderedArgs {
     #[arg(long, value_delimiter = ',', default_value = "pmr")]
     log: Vec<aios::bench::ordered::LogKind>,
     /// Writes in flight per stream (rio, orderless).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = 32)]
     qd: u32,
     /// Sequential writes (each stream in its own region) instead of random ones.
     #[arg(long)]
@@ -304,10 +304,10 @@ struct OrderedArgs {
     #[arg(long)]
     targets: Option<String>,
     /// Writes per stream per run on `sim`.
-    #[arg(long, default_value_t = 20_000)]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..), default_value_t = 20_000)]
     sim_writes: u64,
     /// Rounds (alternating order; figures are medians).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = 3)]
     rounds: u32,
     /// Rio: send a background FLUSH once this many completed writes wait for one (0: only
     /// `wait` and a full log FLUSH). Capped at half the attribute log's slots.
@@ -337,11 +337,11 @@ struct FsyncArgs {
     #[arg(long)]
     ext4_dir: Option<PathBuf>,
     /// Thread counts (each thread: its own engine, journal area and file).
-    #[arg(long, value_delimiter = ',', default_value = "1")]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), value_delimiter = ',', default_value = "1")]
     threads: Vec<u32>,
     /// Journal areas (default: one per thread, per-core journals). Fewer areas than threads:
     /// threads share them and concurrent commits form groups (group commit).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     areas: Option<u32>,
     /// Turn group commit off (threads sharing an area then commit one after another).
     #[arg(long)]
@@ -362,7 +362,7 @@ struct FsyncArgs {
     #[arg(long, default_value_t = 1.0)]
     seconds: f64,
     /// Rounds (the order alternates from round to round; figures are medians over rounds).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = 3)]
     rounds: u32,
     /// Size of a file the bench creates (when --device names a path that does not exist).
     #[arg(long, default_value = "256m", value_parser = parse_size)]
@@ -398,7 +398,7 @@ struct PagecacheArgs {
     #[arg(long, value_delimiter = ',', default_value = "4k,128k", value_parser = parse_bytes)]
     bs: Vec<u32>,
     /// Thread counts (each thread: its own engine, lbio array and cache handle; one cache).
-    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), value_delimiter = ',', default_value = "1,2")]
     threads: Vec<u32>,
     /// Page-cache modes for the cold reads: aios, vanilla, and the ablation steps between
     /// (fixed, fixed+pool, pool, pool+lazy, lazy, fixed+lazy).
@@ -411,7 +411,7 @@ struct PagecacheArgs {
     #[arg(long, default_value_t = 1.0)]
     seconds: f64,
     /// Rounds (runs alternate order from round to round; figures are medians over rounds).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = 3)]
     rounds: u32,
     /// Capacity of the page cache under test for cold reads.
     #[arg(long, default_value = "64m", value_parser = parse_size)]
@@ -566,13 +566,13 @@ struct LbioArgs {
     #[arg(long, default_value = "4k", value_parser = parse_bytes)]
     bs: u32,
     /// Queue depth (requests in flight).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = 1)]
     qd: u32,
     /// Seconds per run.
     #[arg(long, default_value_t = 5.0)]
     seconds: f64,
     /// Rounds (default 1, or 5 with --vs-fio).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     rounds: Option<u32>,
     /// Also run fio (io_uring with fixedbufs+registerfiles, and psync at QD1) in alternating
     /// rounds and report ours ÷ fio.
@@ -603,7 +603,7 @@ struct LbioArgs {
     #[arg(long)]
     destructive: bool,
     /// lbio request slots.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = 1024)]
     slots: u32,
     /// Write a latency CDF plot (PNG or SVG by extension) of the median runs.
     #[arg(long)]
@@ -664,7 +664,7 @@ struct DemoArgs {
     #[arg(long, default_value_t = 2.0)]
     seconds: f64,
     /// Rounds per comparison.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = 3)]
     rounds: u32,
 }
 
@@ -759,10 +759,18 @@ fn cmd_mkfs(a: MkfsArgs) -> Result<(), BenchError> {
 fn cmd_bench_fs(a: FsBenchArgs) -> Result<(), BenchError> {
     use aios::bench::fsbench::{medians, FsBench, FsBenchSetup};
     let _qos = hold_cpu_latency(a.qos)?;
+    check_seconds(a.seconds)?;
     if fio_version().is_none() {
         return Err(BenchError::Setup(
             "aios bench fs runs fio: install it (apt-get install fio)".into(),
         ));
+    }
+    const KNOWN: [&str; 5] = ["randread", "fsync", "createsync", "postmark", "append"];
+    if let Some(w) = a.workloads.iter().find(|w| !KNOWN.contains(&w.as_str())) {
+        return Err(BenchError::Invalid(format!(
+            "--workloads {w}: not a workload (they are {})",
+            KNOWN.join(", ")
+        )));
     }
     let mut workloads = a.workloads.clone();
     if workloads.iter().any(|w| w == "postmark") && !aios::bench::fsbench::postmark_installed() {
@@ -1359,13 +1367,18 @@ fn open_stack(
     })
 }
 
-fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
-    if a.seconds <= 0.0 || !a.seconds.is_finite() {
+/// `--seconds` must be a positive number of seconds.
+fn check_seconds(seconds: f64) -> Result<(), BenchError> {
+    if seconds <= 0.0 || !seconds.is_finite() {
         return Err(BenchError::Invalid(format!(
-            "--seconds {} must be > 0",
-            a.seconds
+            "--seconds {seconds} must be > 0"
         )));
     }
+    Ok(())
+}
+
+fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
+    check_seconds(a.seconds)?;
     if a.qd == 0 || a.qd > a.slots {
         return Err(lbio::LbioError::QueueDepth {
             qd: a.qd,
@@ -1515,6 +1528,12 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
 fn cmd_bench_pagecache(a: PagecacheArgs) -> Result<(), BenchError> {
     use aios::bench::pagecache::{self as pc, PagecacheBench};
     let _qos = hold_cpu_latency(a.qos)?;
+    check_seconds(a.seconds)?;
+    if let Some(bs) = a.bs.iter().find(|&&bs| bs % 4096 != 0) {
+        return Err(BenchError::Invalid(format!(
+            "--bs {bs}: block sizes must be multiples of 4 KiB (the cache's page)"
+        )));
+    }
     let target = Target::prepare(&a.device, a.size)?;
     let bench = PagecacheBench {
         path: target.path().to_path_buf(),
@@ -1650,20 +1669,9 @@ fn cmd_bench_ordered(a: OrderedArgs) -> Result<(), BenchError> {
         return cmd_bench_net(&a, &spec);
     }
     let progress = Progress::new(false);
-    let target = if a.device == "sim" {
-        None
-    } else {
-        progress.step("preparing the device");
-        let t = Target::prepare(&a.device, a.size)?;
-        check_write_allowed(t.path(), t.created_here(), a.destructive)?;
-        progress.done();
-        Some(t)
-    };
-    let bench = OrderedBench {
-        target: match &target {
-            Some(t) => OrderedTarget::Path(t.path().to_path_buf()),
-            None => OrderedTarget::Sim,
-        },
+    // The settings are checked before a device is made or written.
+    let provisional = |target| OrderedBench {
+        target,
         device_name: a.device.clone(),
         modes: a.modes.clone(),
         streams: a.streams.clone(),
@@ -1673,9 +1681,28 @@ fn cmd_bench_ordered(a: OrderedArgs) -> Result<(), BenchError> {
         sequential: a.seq,
         seconds: a.seconds,
         sim_writes: a.sim_writes,
-        rounds: a.rounds.max(1),
+        rounds: a.rounds,
         flush_ahead: a.flush_ahead,
     };
+    provisional(if a.device == "sim" {
+        OrderedTarget::Sim
+    } else {
+        OrderedTarget::Path(PathBuf::from(&a.device))
+    })
+    .validate()?;
+    let target = if a.device == "sim" {
+        None
+    } else {
+        progress.step("preparing the device");
+        let t = Target::prepare(&a.device, a.size)?;
+        check_write_allowed(t.path(), t.created_here(), a.destructive)?;
+        progress.done();
+        Some(t)
+    };
+    let bench = provisional(match &target {
+        Some(t) => OrderedTarget::Path(t.path().to_path_buf()),
+        None => OrderedTarget::Sim,
+    });
     if !a.json {
         match &target {
             Some(t) => eprintln!("device: {}", t.describe()),
@@ -1754,6 +1781,7 @@ fn cmd_bench_fsync(a: FsyncArgs) -> Result<(), BenchError> {
     use aios::bench::fsync::{self as fs, FsyncBench};
     let _qos = hold_cpu_latency(a.qos)?;
     let progress = Progress::new(false);
+    check_seconds(a.seconds)?;
     let ext4_wanted = a.modes.iter().any(|m| m.is_ext4());
     if ext4_wanted && a.device != "ull" && a.ext4_dir.is_none() {
         return Err(BenchError::Invalid(

@@ -238,6 +238,35 @@ fn bench_refuses_bad_input_with_the_value_and_the_fix() {
     assert!(e.contains("1000") && e.contains("512"), "{e}");
     let e = run(&["probe", "/nonexistent-device"]);
     assert!(e.contains("no such device"), "{e}");
+
+    // Settings that cannot work are refused before any device is made: each of these would
+    // otherwise create a 1 GiB ull device first (`preparing the device`, `device:` lines).
+    for (args, what) in [
+        (&["bench", "lbio", "--qd", "0"][..], "--qd"),
+        (&["bench", "ordered", "--streams", "1,0"][..], "--streams"),
+        (&["bench", "ordered", "--qd", "600"][..], "600"),
+        (&["bench", "ordered", "--rounds", "0"][..], "--rounds"),
+        (&["bench", "ordered", "--seconds", "0"][..], "--seconds"),
+        (&["bench", "fsync", "--threads", "0"][..], "--threads"),
+        (&["bench", "fsync", "--seconds", "0"][..], "--seconds"),
+        (&["bench", "pagecache", "--bs", "6k"][..], "6144"),
+        (&["bench", "pagecache", "--seconds", "0"][..], "--seconds"),
+        (
+            &["bench", "fs", "--workloads", "randread,bogus"][..],
+            "bogus",
+        ),
+        (&["bench", "fs", "--threads", "0"][..], "--threads"),
+    ] {
+        let out = aios().args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} should fail");
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(e.contains(what), "{args:?}: {e}");
+        assert!(
+            !e.contains("device:") && !e.contains("preparing"),
+            "{args:?}: {e}"
+        );
+        assert!(out.stdout.is_empty(), "{args:?} printed {:?}", out.stdout);
+    }
 }
 
 #[test]
