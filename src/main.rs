@@ -726,11 +726,11 @@ fn cmd_mkfs(a: MkfsArgs) -> Result<(), BenchError> {
             .create(true)
             .truncate(false)
             .open(&a.image)
-            .map_err(|e| BenchError::Setup(format!("{}: {e}", a.image.display())))?;
+            .map_err(|e| BenchError::Setup(about(&a.image, e)))?;
         let len = f.metadata().map_err(io_err)?.len();
         if len < size {
             f.set_len(size)
-                .map_err(|e| BenchError::Setup(format!("{}: {e}", a.image.display())))?;
+                .map_err(|e| BenchError::Setup(about(&a.image, e)))?;
         }
     }
     let mut opts = fs_fuse::MkfsOptions {
@@ -944,7 +944,7 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
         TransportArg::Classic => fs_fuse::Transport::Classic,
     };
     let m = fs_fuse::mount(&a.image, &a.mountpoint, &opts)
-        .map_err(|e| BenchError::Setup(format!("{}: {e}", a.image.display())))?;
+        .map_err(|e| BenchError::Setup(about(&a.image, e)))?;
     let fs_probe = probe(&a.image, ProbeOptions::default()).ok();
     let r = &m.report;
     eprintln!(
@@ -1037,7 +1037,7 @@ fn cmd_fsck(image: &std::path::Path, json: bool) -> ExitCode {
                     serde_json::json!({"image": image.display().to_string(), "error": e.to_string()})
                 );
             }
-            eprintln!("aios fsck: {}: {e}", image.display());
+            eprintln!("aios fsck: {}", about(image, e));
             ExitCode::from(8)
         }
     }
@@ -1365,6 +1365,16 @@ fn open_stack(
         _lbio: lbio,
         dev,
     })
+}
+
+/// `e` about `path`: prefixed with the path unless its message starts with it already.
+fn about(path: &Path, e: impl std::fmt::Display) -> String {
+    let (p, msg) = (path.display().to_string(), e.to_string());
+    if msg.starts_with(&p) {
+        msg
+    } else {
+        format!("{p}: {msg}")
+    }
 }
 
 /// `--seconds` must be a positive number of seconds.
