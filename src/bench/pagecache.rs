@@ -5,7 +5,9 @@
 //!   the device's `bs` blocks), so every read misses. The page cache under test is new for every
 //!   run (full after its capacity, evicting from then on). The kernel's page cache reads the same
 //!   device with buffered `pread`, after `POSIX_FADV_DONTNEED` on the range (outside the timed
-//!   part). Its default readahead reads an isolated random read as one request of its size;
+//!   part), and on the whole device once before the run: a 4 KiB DONTNEED leaves a large folio
+//!   in place (written file data, a hot run's sequential warm-up), which would then serve
+//!   "cold" reads from memory. Its default readahead reads an isolated random read as one request of its size;
 //!   `POSIX_FADV_RANDOM` would make it read a 128 KiB miss one page at a time, so it is not set.
 //! * **hits**: 4 KiB reads of pages already cached, uniformly at random over a hot set: copy-out
 //!   (`CacheHandle::read`), zero-copy (`CacheHandle::get`, one byte touched) and the kernel's hot
@@ -656,6 +658,14 @@ impl ThreadCtx<'_> {
             Reader::Kernel => {
                 let fd = sys::open_buffered(self.path, false)
                     .map_err(setup_err(&self.path.display().to_string()))?;
+                if !self.case.hot {
+                    // The whole range first: the DONTNEED before each read drops only the
+                    // folios that lie wholly inside that read's range, and a large folio (a
+                    // file's pages as it was written, or a hot run's sequential warm-up) would
+                    // otherwise survive it and serve the "cold" read from memory.
+                    sys::fadvise(fd.as_raw_fd(), 0, 0, Advice::DontNeed)
+                        .map_err(setup_err("posix_fadvise(DONTNEED) of the whole range"))?;
+                }
                 Prepared::Fd {
                     fd,
                     buf: PageAligned::new(bs, 0),
