@@ -6,8 +6,8 @@
 //!   run (full after its capacity, evicting from then on). The kernel's page cache reads the same
 //!   device with buffered `pread`, after `POSIX_FADV_DONTNEED` on the range (outside the timed
 //!   part), and on the whole device once before the run: a 4 KiB DONTNEED leaves a large folio
-//!   in place (written file data, a hot run's sequential warm-up), which would then serve
-//!   "cold" reads from memory. Its default readahead reads an isolated random read as one request of its size;
+//!   in place (a file's written pages, a sequential read's), which would then serve "cold"
+//!   reads from memory. Its default readahead reads an isolated random read as one request of its size;
 //!   `POSIX_FADV_RANDOM` would make it read a 128 KiB miss one page at a time, so it is not set.
 //! * **hits**: 4 KiB reads of pages already cached, uniformly at random over a hot set: copy-out
 //!   (`CacheHandle::read`), zero-copy (`CacheHandle::get`, one byte touched) and the kernel's hot
@@ -661,8 +661,8 @@ impl ThreadCtx<'_> {
                 if !self.case.hot {
                     // The whole range first: the DONTNEED before each read drops only the
                     // folios that lie wholly inside that read's range, and a large folio (a
-                    // file's pages as it was written, or a hot run's sequential warm-up) would
-                    // otherwise survive it and serve the "cold" read from memory.
+                    // file's pages as it was written, a sequential read's) would otherwise
+                    // survive it and serve the "cold" read from memory.
                     sys::fadvise(fd.as_raw_fd(), 0, 0, Advice::DontNeed)
                         .map_err(setup_err("posix_fadvise(DONTNEED) of the whole range"))?;
                 }
