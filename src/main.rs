@@ -1656,7 +1656,7 @@ fn cmd_bench_net(a: &OrderedArgs, spec: &str) -> Result<(), BenchError> {
     }
     let json = a.json;
     let mut emit = |s: &nb::NetSample| emit_line(json, s, nb::print_row);
-    let meds = bench.run(&mut emit)?;
+    let meds = bench.run(&Progress::new(a.json), &mut emit)?;
     if bench.rounds > 1 {
         for s in &meds {
             emit(s);

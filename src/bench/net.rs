@@ -52,7 +52,13 @@ pub struct NetBench {
 }
 
 impl NetBench {
-    pub fn run(&self, emit: &mut dyn FnMut(&NetSample)) -> Result<Vec<NetSample>, BenchError> {
+    /// Every round; `progress` names each run as it starts (one rewritten line on a terminal,
+    /// plain lines otherwise).
+    pub fn run(
+        &self,
+        progress: &crate::bench::compare::Progress,
+        emit: &mut dyn FnMut(&NetSample),
+    ) -> Result<Vec<NetSample>, BenchError> {
         let mut all: Vec<NetSample> = Vec::new();
         for round in 0..self.rounds.max(1) {
             let mut modes = self.modes.clone();
@@ -61,17 +67,17 @@ impl NetBench {
             }
             let mut this = Vec::new();
             for &m in &modes {
-                eprint!(
-                    "\rround {}/{}: {}        ",
+                progress.step(&format!(
+                    "round {}/{}: {}",
                     round + 1,
                     self.rounds.max(1),
                     m.name()
-                );
+                ));
                 let mut s = self.run_mode(m)?;
                 s.round = Some(round + 1);
                 this.push(s);
             }
-            eprint!("\r{:60}\r", "");
+            progress.done();
             ratios(&mut this);
             for s in &this {
                 emit(s);
