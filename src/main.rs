@@ -760,17 +760,17 @@ fn cmd_bench_fs(a: FsBenchArgs) -> Result<(), BenchError> {
     use aios::bench::fsbench::{medians, FsBench, FsBenchSetup};
     let _qos = hold_cpu_latency(a.qos)?;
     check_seconds(a.seconds)?;
-    if fio_version().is_none() {
-        return Err(BenchError::Setup(
-            "aios bench fs runs fio: install it (apt-get install fio)".into(),
-        ));
-    }
     const KNOWN: [&str; 5] = ["randread", "fsync", "createsync", "postmark", "append"];
     if let Some(w) = a.workloads.iter().find(|w| !KNOWN.contains(&w.as_str())) {
         return Err(BenchError::Invalid(format!(
             "--workloads {w}: not a workload (they are {})",
             KNOWN.join(", ")
         )));
+    }
+    if fio_version().is_none() {
+        return Err(BenchError::Setup(
+            "aios bench fs runs fio: install it (apt-get install fio)".into(),
+        ));
     }
     let mut workloads = a.workloads.clone();
     if workloads.iter().any(|w| w == "postmark") && !aios::bench::fsbench::postmark_installed() {
