@@ -1963,6 +1963,7 @@ fn write_jsonl<'a, T: serde::Serialize + 'a>(
 }
 
 fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
+    check_seconds(a.seconds)?;
     std::fs::create_dir_all(&a.out)
         .map_err(|e| BenchError::Setup(format!("creating {}: {e}", a.out.display())))?;
     let fio = fio_version();

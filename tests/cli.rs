@@ -256,6 +256,7 @@ fn bench_refuses_bad_input_with_the_value_and_the_fix() {
             "bogus",
         ),
         (&["bench", "fs", "--threads", "0"][..], "--threads"),
+        (&["demo", "--seconds", "0"][..], "--seconds"),
     ] {
         let out = aios().args(args).output().unwrap();
         assert!(!out.status.success(), "{args:?} should fail");
