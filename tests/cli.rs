@@ -303,6 +303,7 @@ fn bench_writes_to_a_file_it_created_and_cleans_up() {
 fn bench_fsync_json_lines_carry_the_documented_fields() {
     // A file the bench creates (and removes): the journal modes only, as ext4 needs a mount.
     let p = format!("/var/tmp/aios-cli-fsync-{}.img", std::process::id());
+    let plots = std::env::temp_dir().join(format!("aios-cli-fsync-{}", std::process::id()));
     let out = aios()
         .args([
             "bench",
@@ -320,10 +321,11 @@ fn bench_fsync_json_lines_carry_the_documented_fields() {
             "--json",
             "--out",
         ])
-        .arg(std::env::temp_dir().join(format!("aios-cli-fsync-{}", std::process::id())))
+        .arg(&plots)
         .args(["--device", &p])
         .output()
         .unwrap();
+    let _ = std::fs::remove_dir_all(&plots);
     let lines = json_lines(&out);
     assert!(
         !std::path::Path::new(&p).exists(),
@@ -364,6 +366,7 @@ fn bench_fsync_ext4_anchors_report_how_often_ext4_committed_its_journal() {
         eprintln!("SKIPPED: the ull device and an ext4 mount need root");
         return;
     }
+    let plots = std::env::temp_dir().join(format!("aios-cli-fsync-e4-{}", std::process::id()));
     let out = aios()
         .args([
             "bench",
@@ -379,9 +382,10 @@ fn bench_fsync_ext4_anchors_report_how_often_ext4_committed_its_journal() {
             "--json",
             "--out",
         ])
-        .arg(std::env::temp_dir().join(format!("aios-cli-fsync-e4-{}", std::process::id())))
+        .arg(&plots)
         .output()
         .unwrap();
+    let _ = std::fs::remove_dir_all(&plots);
     let lines = json_lines(&out);
     let row = |mode: &str| {
         lines
