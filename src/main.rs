@@ -13,7 +13,7 @@ use aios::bench::compare::{
 };
 use aios::bench::fio::{fio_version, FioEngine};
 use aios::bench::report::{parse_bytes, plot_cdf, print_header, print_json, print_row};
-use aios::bench::{BenchError, LbioRunOptions, Rw, Sample, Workload};
+use aios::bench::{check_seconds, BenchError, LbioRunOptions, Rw, Sample, Workload};
 use aios::core::{probe, sys, CompletionMode, DeviceProbe, Engine, EngineConfig, ProbeOptions};
 use aios::lbio::{Class, Device, DeviceConfig, LbioArray, LbioConfig, RouteChoice};
 use aios::target::Target;
@@ -1377,16 +1377,6 @@ fn about(path: &Path, e: impl std::fmt::Display) -> String {
     }
 }
 
-/// `--seconds` must be a positive number of seconds.
-fn check_seconds(seconds: f64) -> Result<(), BenchError> {
-    if seconds <= 0.0 || !seconds.is_finite() {
-        return Err(BenchError::Invalid(format!(
-            "--seconds {seconds} must be > 0"
-        )));
-    }
-    Ok(())
-}
-
 fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
     check_seconds(a.seconds)?;
     if a.qd == 0 || a.qd > a.slots {
@@ -1539,11 +1529,7 @@ fn cmd_bench_pagecache(a: PagecacheArgs) -> Result<(), BenchError> {
     use aios::bench::pagecache::{self as pc, PagecacheBench};
     let _qos = hold_cpu_latency(a.qos)?;
     check_seconds(a.seconds)?;
-    if let Some(bs) = a.bs.iter().find(|&&bs| bs % 4096 != 0) {
-        return Err(BenchError::Invalid(format!(
-            "--bs {bs}: block sizes must be multiples of 4 KiB (the cache's page)"
-        )));
-    }
+    pc::check_block_sizes(&a.bs, None)?;
     let target = Target::prepare(&a.device, a.size)?;
     let bench = PagecacheBench {
         path: target.path().to_path_buf(),

@@ -285,12 +285,7 @@ impl FsyncBench {
 
     /// Check the settings before anything is written.
     pub fn validate(&self) -> Result<(), BenchError> {
-        if self.seconds <= 0.0 || !self.seconds.is_finite() {
-            return Err(BenchError::Invalid(format!(
-                "--seconds {} must be > 0",
-                self.seconds
-            )));
-        }
+        crate::bench::check_seconds(self.seconds)?;
         if self.threads.is_empty() || self.threads.contains(&0) {
             return Err(BenchError::Invalid("--threads needs counts >= 1".into()));
         }

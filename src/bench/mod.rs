@@ -454,6 +454,16 @@ pub fn xorshift(x: &mut u64) -> u64 {
     *x
 }
 
+/// `--seconds` must be a positive, finite number of seconds.
+pub fn check_seconds(seconds: f64) -> Result<(), BenchError> {
+    if seconds <= 0.0 || !seconds.is_finite() {
+        return Err(BenchError::Invalid(format!(
+            "--seconds {seconds} must be > 0"
+        )));
+    }
+    Ok(())
+}
+
 /// Record the time since `since` (nanoseconds) in a latency histogram.
 pub fn record_since(h: &mut hdrhistogram::Histogram<u64>, since: std::time::Instant) {
     h.saturating_record(since.elapsed().as_nanos() as u64);

@@ -248,12 +248,7 @@ impl OrderedBench {
                 self.qd
             )));
         }
-        if self.seconds <= 0.0 || !self.seconds.is_finite() {
-            return Err(BenchError::Invalid(format!(
-                "--seconds {} must be > 0",
-                self.seconds
-            )));
-        }
+        crate::bench::check_seconds(self.seconds)?;
         Ok(())
     }
 

@@ -285,6 +285,20 @@ pub fn completion_for(threads: u32) -> CompletionMode {
     }
 }
 
+/// Cold-read block sizes: multiples of 4 KiB (the cache's page) that fit the device (when its
+/// size is known).
+pub fn check_block_sizes(bs: &[u32], capacity: Option<u64>) -> Result<(), BenchError> {
+    match bs
+        .iter()
+        .find(|&&b| b == 0 || b % 4096 != 0 || capacity.is_some_and(|c| b as u64 > c))
+    {
+        Some(b) => Err(BenchError::Invalid(format!(
+            "block size {b} must be a multiple of 4 KiB (the cache's page) and fit the device"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// An engine, lbio array and device (`write`: opened for writing too) for one bench thread.
 pub(crate) fn thread_stack(
     path: &std::path::Path,
@@ -386,20 +400,9 @@ impl PagecacheBench {
         progress: &Progress,
         emit: &mut dyn FnMut(&PcSample),
     ) -> Result<(Vec<PcSample>, Vec<PcSample>), BenchError> {
-        if self.seconds <= 0.0 || !self.seconds.is_finite() {
-            return Err(BenchError::Invalid(format!(
-                "--seconds {} must be > 0",
-                self.seconds
-            )));
-        }
+        crate::bench::check_seconds(self.seconds)?;
         let capacity = device_bytes(&self.path)?;
-        for &bs in &self.cold_bs {
-            if bs == 0 || bs % 4096 != 0 || bs as u64 > capacity {
-                return Err(BenchError::Invalid(format!(
-                    "block size {bs} must be a multiple of 4 KiB and fit the device"
-                )));
-            }
-        }
+        check_block_sizes(&self.cold_bs, Some(capacity))?;
         if self.threads.is_empty() || self.threads.contains(&0) {
             return Err(BenchError::Invalid("--threads needs counts >= 1".into()));
         }
