@@ -35,6 +35,9 @@ step "cargo clippy --all-targets -D warnings (without and with the rdma feature)
 cargo clippy --workspace --all-targets -- -D warnings
 cargo clippy --workspace --all-targets --features rdma -- -D warnings
 
+step "cargo doc --no-deps, warnings denied (broken or ambiguous intra-doc links)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
+
 # aiosfs takes FUSE over io_uring when the kernel offers it; the fuse module keeps it off until
 # its enable_uring parameter is set. The mount tests then run both transports.
 if [ "$(id -u)" = 0 ] && [ -e /dev/fuse ]; then

@@ -1,13 +1,13 @@
 //! aiosfs: the file system of the aios stack, mounted through FUSE.
 //!
-//! - [`format`]: the on-disk format (a checksummed, versioned superblock with a backup, inode
+//! - [`format`](mod@format): the on-disk format (a checksummed, versioned superblock with a backup, inode
 //!   and block bitmaps, an inode table whose inodes hold their extent maps or extent leaves,
 //!   checksummed directory, leaf and xattr blocks, per-core journal areas in the `journal`
 //!   crate's format);
-//! - [`mkfs`] and [`fsck`];
+//! - [`mkfs()`] and [`fsck()`];
 //! - [`fs::Fs`]: the mounted file system (in-memory metadata committed through the journal,
 //!   fsync as one overlapped commit), with no FUSE types, so it also runs on a SimDisk;
-//! - [`mount`]: the FUSE adapter (fuser, one worker per core).
+//! - [`mount()`]: the FUSE adapter (fuser, one worker per core).
 //!
 //! - [`rio`]: the Rio attribute logs of a version-2 image, for Rio-ordered commits
 //!   (`FsOptions::rio`, `aios mount --commit rio`).

@@ -1,6 +1,6 @@
 //! A physical block journal over lbio, with AIOS's overlapped commit (§3.3).
 //!
-//! - **Format** ([`format`]): per journal area a superblock and a circular log of 4 KiB blocks;
+//! - **Format** ([`format`](mod@format)): per journal area a superblock and a circular log of 4 KiB blocks;
 //!   a transaction is descriptor blocks (tags with per-block crc32c), the metadata blocks, revoke
 //!   records and a commit block with the transaction id, its block count and a crc32c chained
 //!   over all of it.

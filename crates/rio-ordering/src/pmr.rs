@@ -1,6 +1,6 @@
 //! Backends of the attribute log's persistent region besides [`MemPmr`](crate::MemPmr):
 //!
-//! - [`NvmePmr`](aios_core::pmr::NvmePmr): the controller's PMR, the hardware Rio keeps its
+//! - [`aios_core::pmr::NvmePmr`]: the controller's PMR, the hardware Rio keeps its
 //!   attributes in; every [`Pmr::persist`] is a persistent MMIO write (the writes, then the reads
 //!   the controller names as its write barrier).
 //! - [`FilePmr`]: persistent memory **emulated** in a small file: `pwrite` then `fdatasync` per
