@@ -574,6 +574,33 @@ impl<'a> Inflight<'a> {
     }
 }
 
+/// A transaction's log blocks in the buffers they are written from: one buffer per run of
+/// consecutive log positions (the whole transaction unless the log wraps inside it).
+struct LogBufs {
+    /// (device byte, buffer) per run, in log order.
+    runs: Vec<(u64, FixedBuf)>,
+    /// Blocks in each run.
+    lens: Vec<usize>,
+}
+
+impl LogBufs {
+    /// Log block `i` of the transaction.
+    fn block(&mut self, mut i: usize) -> &mut [u8] {
+        for (k, &len) in self.lens.iter().enumerate() {
+            if i < len {
+                return &mut self.runs[k].1[i * BLOCK..(i + 1) * BLOCK];
+            }
+            i -= len;
+        }
+        panic!("log block past the transaction's buffers");
+    }
+
+    /// The writes: (device byte, buffer) per run.
+    fn into_runs(self) -> Vec<(u64, FixedBuf)> {
+        self.runs
+    }
+}
+
 fn alloc(engine: &Engine) -> Result<FixedBuf, JournalError> {
     Ok(engine.alloc_blocking(BLOCK)?)
 }
@@ -1305,47 +1332,63 @@ impl Journal {
         Ok(())
     }
 
-    /// Build the transaction's log blocks (descriptors with tags, metadata copies, revokes);
-    /// returns them with the chained checksum.
-    fn prepare_journal(&self, tx: &Tx, tid: u64) -> Result<(Vec<FixedBuf>, u32), JournalError> {
+    /// Build the transaction's log blocks (descriptors with tags, metadata copies, revokes)
+    /// straight into the buffers they are written from, one per run of consecutive log
+    /// positions from `head` (two where the log wraps), with `extra` more blocks left at the end
+    /// for the caller (the one-write commit block). Returns them with the number of journal
+    /// blocks and the chained checksum.
+    fn prepare_journal(
+        &self,
+        tx: &Tx,
+        tid: u64,
+        head: u64,
+        extra: usize,
+    ) -> Result<(LogBufs, usize, u32), JournalError> {
         let (flags, file) = match tx.file {
             Some(f) => (FLAG_FILE_TX, f),
             None => (0, 0),
         };
-        let mut out = Vec::with_capacity(self.log_blocks(tx) as usize);
+        let logged = self.logged(tx);
+        let n_logged = logged.clone().count();
+        let descs = n_logged.div_ceil(TAGS_PER_DESC).max(1);
+        let n = descs + n_logged + tx.revokes.len().div_ceil(REVOKES_PER_BLOCK);
+        let mut bufs = self.log_bufs(head, n + extra)?;
         let mut chain = 0u32;
-        let logged: Vec<&(u64, Vec<u8>)> = self.logged(tx).collect();
-        let groups: Vec<&[&(u64, Vec<u8>)]> = if logged.is_empty() {
-            vec![&[]]
-        } else {
-            logged.chunks(TAGS_PER_DESC).collect()
-        };
-        for group in groups {
-            let mut d = alloc(&self.engine)?;
-            Header {
-                kind: Kind::Descriptor,
-                tid,
-                area: self.area as u32,
-                count: group.len() as u32,
-                flags,
-                file,
+        let mut at = 0;
+        let mut rest = logged;
+        for g in 0..descs {
+            let count = (n_logged - g * TAGS_PER_DESC).min(TAGS_PER_DESC);
+            let group = rest.clone().take(count);
+            {
+                let d = bufs.block(at);
+                Header {
+                    kind: Kind::Descriptor,
+                    tid,
+                    area: self.area as u32,
+                    count: count as u32,
+                    flags,
+                    file,
+                }
+                .write(d);
+                for (i, (home, data)) in group.clone().enumerate() {
+                    format::put_tag(d, i, *home, format::crc(data));
+                }
+                format::seal(d);
+                chain = format::crc_chain(chain, d);
             }
-            .write(&mut d);
-            for (i, (home, data)) in group.iter().enumerate() {
-                format::put_tag(&mut d, i, *home, format::crc(data));
-            }
-            format::seal(&mut d);
-            chain = format::crc_chain(chain, &d);
-            out.push(d);
+            at += 1;
             for (_, data) in group {
-                let mut m = alloc(&self.engine)?;
+                let m = bufs.block(at);
                 m.copy_from_slice(data);
-                chain = format::crc_chain(chain, &m);
-                out.push(m);
+                chain = format::crc_chain(chain, m);
+                at += 1;
+            }
+            for _ in 0..count {
+                rest.next();
             }
         }
         for group in tx.revokes.chunks(REVOKES_PER_BLOCK) {
-            let mut r = alloc(&self.engine)?;
+            let r = bufs.block(at);
             Header {
                 kind: Kind::Revoke,
                 tid,
@@ -1354,15 +1397,36 @@ impl Journal {
                 flags,
                 file,
             }
-            .write(&mut r);
+            .write(r);
             for (i, b) in group.iter().enumerate() {
-                format::put_u64(&mut r, format::HEADER + 8 * i, *b);
+                format::put_u64(r, format::HEADER + 8 * i, *b);
             }
-            format::seal(&mut r);
-            chain = format::crc_chain(chain, &r);
-            out.push(r);
+            format::seal(r);
+            chain = format::crc_chain(chain, r);
+            at += 1;
         }
-        Ok((out, chain))
+        debug_assert_eq!(at, n, "journal blocks counted and built");
+        Ok((bufs, n, chain))
+    }
+
+    /// Buffers for `n` log blocks from log position `head`: one per run of consecutive
+    /// positions.
+    fn log_bufs(&self, head: u64, n: usize) -> Result<LogBufs, JournalError> {
+        let at = |i: usize| self.set.log_byte(self.area, head + i as u64);
+        let mut runs: Vec<(u64, FixedBuf)> = Vec::with_capacity(2);
+        let mut lens: Vec<usize> = Vec::with_capacity(2);
+        let mut i = 0;
+        while i < n {
+            let start = at(i);
+            let mut len = 1;
+            while i + len < n && at(i + len) == start + (len * BLOCK) as u64 {
+                len += 1;
+            }
+            runs.push((start, self.engine.alloc_blocking(len * BLOCK)?));
+            lens.push(len);
+            i += len;
+        }
+        Ok(LogBufs { runs, lens })
     }
 
     fn prepare_commit(
@@ -1373,6 +1437,22 @@ impl Journal {
         chain: u32,
         rio_group: Option<u64>,
     ) -> Result<FixedBuf, JournalError> {
+        let mut c = alloc(&self.engine)?;
+        self.fill_commit(&mut c, tx, tid, blocks, chain, rio_group);
+        Ok(c)
+    }
+
+    /// Write the commit block of `tx` (id `tid`, `blocks` journal blocks before it with the
+    /// chained checksum `chain`) into `c`.
+    fn fill_commit(
+        &self,
+        c: &mut [u8],
+        tx: &Tx,
+        tid: u64,
+        blocks: usize,
+        chain: u32,
+        rio_group: Option<u64>,
+    ) {
         let (mut flags, file) = match tx.file {
             Some(f) => (FLAG_FILE_TX, f),
             None => (0, 0),
@@ -1382,7 +1462,6 @@ impl Journal {
         } else if self.one_write(tx) {
             flags |= FLAG_ONE_WRITE;
         }
-        let mut c = alloc(&self.engine)?;
         Header {
             kind: Kind::Commit,
             tid,
@@ -1391,14 +1470,13 @@ impl Journal {
             flags,
             file,
         }
-        .write(&mut c);
-        format::put_u32(&mut c, format::HEADER, blocks as u32);
-        format::put_u32(&mut c, format::HEADER + 4, chain);
+        .write(c);
+        format::put_u32(c, format::HEADER, blocks as u32);
+        format::put_u32(c, format::HEADER + 4, chain);
         if let Some(g) = rio_group {
-            format::put_u64(&mut c, format::HEADER + 8, g);
+            format::put_u64(c, format::HEADER + 8, g);
         }
-        format::seal(&mut c);
-        Ok(c)
+        format::seal(c);
     }
 
     fn data_bufs(&self, tx: &Tx) -> Result<Vec<(u64, FixedBuf)>, JournalError> {
@@ -1434,35 +1512,6 @@ impl Journal {
                     buf[k * BLOCK..(k + 1) * BLOCK].copy_from_slice(d);
                 }
                 Ok((start * BLOCK as u64, buf))
-            })
-            .collect()
-    }
-
-    /// The transaction's log blocks as few writes as possible: blocks that follow each other in
-    /// the log (all of them unless the log wraps) go out as one request.
-    fn log_runs(
-        &self,
-        blocks: Vec<FixedBuf>,
-        head: u64,
-    ) -> Result<Vec<(u64, FixedBuf)>, JournalError> {
-        let at = |i: usize| self.set.log_byte(self.area, head + i as u64);
-        let mut runs: Vec<(u64, Vec<FixedBuf>)> = Vec::new();
-        for (i, b) in blocks.into_iter().enumerate() {
-            match runs.last_mut() {
-                Some((start, bs)) if *start + (bs.len() * BLOCK) as u64 == at(i) => bs.push(b),
-                _ => runs.push((at(i), vec![b])),
-            }
-        }
-        runs.into_iter()
-            .map(|(start, mut bs)| {
-                if bs.len() == 1 {
-                    return Ok((start, bs.pop().expect("one")));
-                }
-                let mut one = self.engine.alloc_blocking(bs.len() * BLOCK)?;
-                for (k, b) in bs.iter().enumerate() {
-                    one[k * BLOCK..(k + 1) * BLOCK].copy_from_slice(b);
-                }
-                Ok((start, one))
             })
             .collect()
     }
@@ -1531,15 +1580,15 @@ impl Journal {
                 }
                 // The log blocks, the data among them, with the commit block last: one write
                 // (two where the log wraps).
-                let (mut blocks, chain) = timed(&mut prep, || self.prepare_journal(tx, tid))?;
-                let n = blocks.len();
-                let c = timed(&mut prep, || self.prepare_commit(tx, tid, n, chain, None));
-                blocks.push(c?);
-                let runs = timed(&mut prep, || self.log_runs(blocks, head));
+                let runs = timed(&mut prep, || -> Result<_, JournalError> {
+                    let (mut bufs, n, chain) = self.prepare_journal(tx, tid, head, 1)?;
+                    self.fill_commit(bufs.block(n), tx, tid, n, chain, None);
+                    Ok(bufs.into_runs())
+                })?;
                 let log_fua = fua && commit_fua;
                 {
                     let _plug = self.engine.plug();
-                    for (at, buf) in runs? {
+                    for (at, buf) in runs {
                         w.start(dev.write_at(at, buf, log_fua));
                     }
                 }
@@ -1554,11 +1603,9 @@ impl Journal {
                     w.start(dev.write_at(b * BLOCK as u64, buf, fua));
                 }
                 w.wait(&self.engine)?;
-                let (blocks, chain) = timed(&mut prep, || self.prepare_journal(tx, tid))?;
-                let n = blocks.len();
-                let runs = timed(&mut prep, || self.log_runs(blocks, head));
+                let (bufs, n, chain) = timed(&mut prep, || self.prepare_journal(tx, tid, head, 0))?;
                 let mut w = Inflight::new();
-                for (at, buf) in runs? {
+                for (at, buf) in bufs.into_runs() {
                     w.start(dev.write_at(at, buf, fua));
                 }
                 settle(w, fua)?;
@@ -1575,12 +1622,10 @@ impl Journal {
                     }
                 }
                 // The data is on its way: prepare the journal while the device works.
-                let (blocks, chain) = timed(&mut prep, || self.prepare_journal(tx, tid))?;
-                let n = blocks.len();
-                let runs = timed(&mut prep, || self.log_runs(blocks, head));
+                let (bufs, n, chain) = timed(&mut prep, || self.prepare_journal(tx, tid, head, 0))?;
                 {
                     let _plug = self.engine.plug();
-                    for (at, buf) in runs? {
+                    for (at, buf) in bufs.into_runs() {
                         w.start(dev.write_at(at, buf, fua));
                     }
                 }
@@ -1626,9 +1671,8 @@ impl Journal {
         let start = Instant::now();
         let max = (self.dev.geometry().max_transfer_bytes as usize).clamp(BLOCK, 1 << 20);
         let data = self.data_runs(tx, max)?;
-        let (blocks, chain) = self.prepare_journal(tx, tid)?;
-        let n = blocks.len();
-        let runs = self.log_runs(blocks, head)?;
+        let (bufs, n, chain) = self.prepare_journal(tx, tid, head, 0)?;
+        let runs = bufs.into_runs();
         // Buffer preparation only: submitting may wait for the attribute log's sync.
         let mut prep = start.elapsed();
         let mut dev = rio.dev.borrow_mut();
