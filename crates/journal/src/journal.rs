@@ -1238,7 +1238,12 @@ impl Journal {
                         versions.insert(*b, (tid, Vec::new()));
                     }
                     for (b, d) in &tx.metas {
-                        versions.insert(*b, (tid, d.clone()));
+                        // A block committed again (an inode at every fsync) reuses its copy's
+                        // allocation.
+                        let (t, kept) = versions.entry(*b).or_default();
+                        *t = tid;
+                        kept.clear();
+                        kept.extend_from_slice(d);
                     }
                     self.set.lock_area(self.area).head += needed;
                     drop(versions);
