@@ -574,21 +574,17 @@ impl<'a> Inflight<'a> {
     }
 }
 
-/// A transaction's log blocks in the buffers they are written from: one buffer per run of
-/// consecutive log positions (the whole transaction unless the log wraps inside it).
-struct LogBufs {
-    /// (device byte, buffer) per run, in log order.
-    runs: Vec<(u64, FixedBuf)>,
-    /// Blocks in each run.
-    lens: Vec<usize>,
-}
+/// A transaction's log blocks in the buffers they are written from: (device byte, buffer) per
+/// run of consecutive log positions, in log order (one run unless the log wraps inside it).
+struct LogBufs(Vec<(u64, FixedBuf)>);
 
 impl LogBufs {
     /// Log block `i` of the transaction.
     fn block(&mut self, mut i: usize) -> &mut [u8] {
-        for (k, &len) in self.lens.iter().enumerate() {
+        for (_, buf) in &mut self.0 {
+            let len = buf.len() / BLOCK;
             if i < len {
-                return &mut self.runs[k].1[i * BLOCK..(i + 1) * BLOCK];
+                return &mut buf[i * BLOCK..(i + 1) * BLOCK];
             }
             i -= len;
         }
@@ -597,7 +593,7 @@ impl LogBufs {
 
     /// The writes: (device byte, buffer) per run.
     fn into_runs(self) -> Vec<(u64, FixedBuf)> {
-        self.runs
+        self.0
     }
 }
 
@@ -1353,17 +1349,16 @@ impl Journal {
             Some(f) => (FLAG_FILE_TX, f),
             None => (0, 0),
         };
-        let logged = self.logged(tx);
-        let n_logged = logged.clone().count();
-        let descs = n_logged.div_ceil(TAGS_PER_DESC).max(1);
-        let n = descs + n_logged + tx.revokes.len().div_ceil(REVOKES_PER_BLOCK);
+        let mut rest = self.logged(tx);
+        let mut left = rest.clone().count();
+        // The transaction's log blocks but its commit block.
+        let n = format::tx_blocks(left, tx.revokes.len()) as usize - 1;
         let mut bufs = self.log_bufs(head, n + extra)?;
         let mut chain = 0u32;
         let mut at = 0;
-        let mut rest = logged;
-        for g in 0..descs {
-            let count = (n_logged - g * TAGS_PER_DESC).min(TAGS_PER_DESC);
-            let group = rest.clone().take(count);
+        // A descriptor per TAGS_PER_DESC logged blocks, and one when none is logged.
+        loop {
+            let count = left.min(TAGS_PER_DESC);
             {
                 let d = bufs.block(at);
                 Header {
@@ -1375,21 +1370,22 @@ impl Journal {
                     file,
                 }
                 .write(d);
-                for (i, (home, data)) in group.clone().enumerate() {
+                for (i, (home, data)) in rest.clone().take(count).enumerate() {
                     format::put_tag(d, i, *home, format::crc(data));
                 }
                 format::seal(d);
                 chain = format::crc_chain(chain, d);
             }
             at += 1;
-            for (_, data) in group {
+            for (_, data) in rest.by_ref().take(count) {
                 let m = bufs.block(at);
                 m.copy_from_slice(data);
                 chain = format::crc_chain(chain, m);
                 at += 1;
             }
-            for _ in 0..count {
-                rest.next();
+            left -= count;
+            if left == 0 {
+                break;
             }
         }
         for group in tx.revokes.chunks(REVOKES_PER_BLOCK) {
@@ -1419,7 +1415,6 @@ impl Journal {
     fn log_bufs(&self, head: u64, n: usize) -> Result<LogBufs, JournalError> {
         let at = |i: usize| self.set.log_byte(self.area, head + i as u64);
         let mut runs: Vec<(u64, FixedBuf)> = Vec::with_capacity(2);
-        let mut lens: Vec<usize> = Vec::with_capacity(2);
         let mut i = 0;
         while i < n {
             let start = at(i);
@@ -1428,10 +1423,9 @@ impl Journal {
                 len += 1;
             }
             runs.push((start, self.engine.alloc_blocking(len * BLOCK)?));
-            lens.push(len);
             i += len;
         }
-        Ok(LogBufs { runs, lens })
+        Ok(LogBufs(runs))
     }
 
     fn prepare_commit(

@@ -512,3 +512,46 @@ fn a_flipped_bit_in_a_committed_transaction_followed_by_others_is_reported() {
     }
     assert_eq!(reported, 50);
 }
+
+#[test]
+fn transactions_of_several_descriptors_across_the_log_wrap_recover_whole() {
+    // 300 metadata blocks take two descriptors (a descriptor tags 253), 300 revokes two revoke
+    // blocks: 305 log blocks with the commit. The fourth such commit wraps the 1,023-block log.
+    let (_engine, lbio) = engine();
+    const METAS: u64 = 300;
+    for mode in [
+        CommitMode::Overlapped,
+        CommitMode::Vanilla,
+        CommitMode::OneWrite,
+    ] {
+        let layout = Layout::per_core(0, 1024, 1);
+        let disk = SimDisk::new(SimConfig::new(2048 * 4096, 7)).unwrap();
+        let set = JournalSet::format(&disk.open(&lbio).unwrap(), layout.clone()).unwrap();
+        let j = Journal::new(&set, 0, disk.open(&lbio).unwrap(), mode).unwrap();
+        let mut last = 0;
+        for round in 1..=4u64 {
+            let mut tx = Tx::new();
+            for i in 0..METAS {
+                tx.write_meta(1100 + i, &block_of(round * 1000 + i))
+                    .unwrap();
+                tx.revoke(1500 + i);
+            }
+            last = j.commit(&tx).unwrap().tid;
+        }
+        disk.cut_power();
+        let mut img = disk.media();
+        let report = recover_image(&mut img, &layout).unwrap();
+        assert!(
+            report.replayed[0].contains(&last),
+            "{mode:?}: the last commit ({last}) is replayed: {report:?}"
+        );
+        for i in 0..METAS {
+            let at = ((1100 + i) * 4096) as usize;
+            assert!(
+                img[at..at + 4096] == block_of(4 * 1000 + i)[..],
+                "{mode:?}: block {} after recovery",
+                1100 + i
+            );
+        }
+    }
+}
