@@ -99,6 +99,12 @@ if [ "$(id -u)" = 0 ] && command -v ip >/dev/null 2>&1; then
 else
     echo "SKIPPED: network namespaces need root and iproute2" >&2
 fi
+step "crash states explored: the journal's SimDisk crash simulation and Rio's recovery model (each at least 100,000)"
+# The workspace run above already passed them; run again without capture to print the counts.
+cargo test -q -p journal --test crash_sim crashes_at_random_points -- --nocapture 2>&1 \
+    | grep -E 'crash states|test result|panicked|FAILED'
+cargo test -q -p rio-ordering --test crash_model -- --nocapture 2>&1 \
+    | grep -E 'crash states|test result|panicked|FAILED'
 step "aiosfs under power cuts on a SimDisk: 10,000 crash states (the test build above, debug assertions on)"
 AIOS_FS_SIM_CUTS=400 cargo test -q -p fs-fuse --test crash_sim -- --nocapture 2>&1 | grep -E 'crash states|test result|panicked|FAILED'
 step "aiosfs through FUSE over io_uring: pjdfstest, fsx (100,000 operations), fio --verify=crc32c, fsck"
