@@ -418,8 +418,9 @@ struct PagecacheArgs {
     cache: u64,
     /// Hot-set sizes of the hit workloads. The defaults: one that fits in a core's L2, one a
     /// little larger than it, one well beyond it. Past the L2 a copy-out hit is bound by the
-    /// 4 KiB copy itself, for the kernel's page cache as much as for this one: the `memcpy` row
-    /// (a plain copy from a buffer of the hot set's size) is that floor, measured in the same run.
+    /// 4 KiB copy itself, for the kernel's page cache as much as for this one: the `copy` row (the
+    /// cache's own copy routine from a buffer of the hot set's size, no lookup) is that floor, and
+    /// the `memcpy` row the platform's copy, both measured in the same run.
     #[arg(long, value_delimiter = ',', default_value = "1m,4m,32m", value_parser = parse_size)]
     hot: Vec<u64>,
     /// Size of a file the bench creates (when --device names a path that does not exist).

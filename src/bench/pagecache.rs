@@ -11,14 +11,16 @@
 //!   `POSIX_FADV_RANDOM` would make it read a 128 KiB miss one page at a time, so it is not set.
 //! * **hits**: 4 KiB reads of pages already cached, uniformly at random over a hot set: copy-out
 //!   (`CacheHandle::read`), zero-copy (`CacheHandle::get`, one byte touched) and the kernel's hot
-//!   buffered `pread`. Hits are timed in batches of [`HIT_BATCH`] (a clock read per hit would
+//!   buffered `pread`; beside them two copy floors with no lookup, from an ordinary buffer of the
+//!   hot set's size: `memcpy` (the platform's) and `copy` (`aios_core::copy`, the routine
+//!   copy-out hits use). Hits are timed in batches of [`HIT_BATCH`] (a clock read per hit would
 //!   be a sizeable part of one); the latency columns are batch means.
 //!
 //! * **submission latency** (cold page-cache reads): from the read call's entry to its SQE
 //!   entering the kernel, timed on one read in [`SUBMIT_SAMPLE`] (the clock reads it takes are
 //!   not in the other reads' latency).
 //!
-//! Every buffer a reader copies into (and the memcpy floor's source) starts on a 4 KiB boundary:
+//! Every buffer a reader copies into (and the copy floors' source) starts on a 4 KiB boundary:
 //! a 4 KiB copy's speed depends on where its ends fall, and that must not differ by reader.
 //!
 //! Every thread has its own engine, lbio array, device handle and cache handle; the cache is
@@ -69,8 +71,11 @@ pub enum Reader {
     /// lbio's own blocking read into an arena buffer (cold only).
     Lbio,
     /// A plain `memcpy` of 4 KiB from a random page of an ordinary buffer as large as the hot
-    /// set (hits only): the floor under any copy-out hit, with no lookup at all.
+    /// set (hits only): the platform's copy, with no lookup at all.
     Memcpy,
+    /// The same copies through [`aios_core::copy::copy`], the routine the page cache copies
+    /// out with (hits only): the floor under its copy-out hits.
+    Copy,
 }
 
 impl Reader {
@@ -86,6 +91,7 @@ impl Reader {
             Reader::ODirect => "odirect",
             Reader::Lbio => "lbio",
             Reader::Memcpy => "memcpy",
+            Reader::Copy => "copy",
         }
     }
     /// The `engine` field of a report line.
@@ -95,7 +101,7 @@ impl Reader {
             Reader::Kernel => "kernel",
             Reader::ODirect => "pread-odirect",
             Reader::Lbio => "lbio",
-            Reader::Memcpy => "memory",
+            Reader::Memcpy | Reader::Copy => "memory",
         }
     }
 }
@@ -376,6 +382,7 @@ impl PagecacheBench {
                     for reader in [
                         Reader::Kernel,
                         Reader::Memcpy,
+                        Reader::Copy,
                         Reader::Cache(Mode::AIOS),
                         Reader::CacheZeroCopy,
                     ] {
@@ -687,9 +694,10 @@ impl ThreadCtx<'_> {
             }
             // Ordinary memory of the hot set's size, every page written (so mapped) up front;
             // what it holds does not matter to a copy.
-            Reader::Memcpy => Prepared::Mem {
+            Reader::Memcpy | Reader::Copy => Prepared::Mem {
                 src: PageAligned::new(self.span as usize, 0x5a),
                 buf: PageAligned::new(bs, 0),
+                ours: self.case.reader == Reader::Copy,
             },
             Reader::Lbio => {
                 let (engine, lbio, dev) = thread_stack(self.path, 2 * bs, self.completion, false)?;
@@ -787,7 +795,7 @@ impl ThreadCtx<'_> {
             let lat = match p {
                 Prepared::Mem { .. } => {
                     return Err(BenchError::Invalid(
-                        "the memcpy floor has no cold workload".into(),
+                        "the copy floors have no cold workload".into(),
                     ))
                 }
                 Prepared::Fd { fd, buf, engine } => {
@@ -889,9 +897,13 @@ impl ThreadCtx<'_> {
                             sink ^= buf[0];
                         }
                     }
-                    Prepared::Mem { src, buf } => {
+                    Prepared::Mem { src, buf, ours } => {
                         let at = off as usize;
-                        buf.copy_from_slice(&src[at..at + PAGE_BYTES]);
+                        if *ours {
+                            aios_core::copy::copy(buf, &src[at..at + PAGE_BYTES]);
+                        } else {
+                            buf.copy_from_slice(&src[at..at + PAGE_BYTES]);
+                        }
                         sink ^= buf[0];
                     }
                     Prepared::Lbio { .. } => {
@@ -909,8 +921,13 @@ impl ThreadCtx<'_> {
 }
 
 enum Prepared {
-    /// The memcpy floor: the hot set in ordinary memory and a destination page.
-    Mem { src: PageAligned, buf: PageAligned },
+    /// The copy floors: the hot set in ordinary memory and a destination page; `ours`: through
+    /// `aios_core::copy` rather than `memcpy`.
+    Mem {
+        src: PageAligned,
+        buf: PageAligned,
+        ours: bool,
+    },
     Fd {
         fd: std::os::fd::OwnedFd,
         buf: PageAligned,

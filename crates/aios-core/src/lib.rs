@@ -17,6 +17,7 @@
 
 pub mod arena;
 pub mod checksum;
+pub mod copy;
 pub mod engine;
 pub mod error;
 pub mod fuse_ring;

@@ -346,7 +346,11 @@ impl CacheHandle {
                 // SAFETY: `frame` points at a whole page and `in_page + buf.len() <= PAGE_BYTES`;
                 // the caller of this closure pins or re-validates the frame around the copy.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(frame.add(in_page), buf.as_mut_ptr(), buf.len())
+                    aios_core::copy::copy_nonoverlapping(
+                        frame.add(in_page),
+                        buf.as_mut_ptr(),
+                        buf.len(),
+                    )
                 }
             });
         }
@@ -387,7 +391,11 @@ impl CacheHandle {
             // SAFETY: `frame` points at a whole page and `in_page + n <= PAGE_BYTES`; the frame
             // is pinned or re-validated by the caller around the copy.
             unsafe {
-                std::ptr::copy_nonoverlapping(frame.add(in_page), buf[at..at + n].as_mut_ptr(), n)
+                aios_core::copy::copy_nonoverlapping(
+                    frame.add(in_page),
+                    buf[at..at + n].as_mut_ptr(),
+                    n,
+                )
             }
         };
         let mut missing = [0u64; MISS_BATCH];
@@ -1329,7 +1337,7 @@ impl CacheHandle {
         // SAFETY: the frame is flagged BUSY by us: optimistic readers retry, pinners and other
         // writers wait, eviction skips it.
         unsafe {
-            std::ptr::copy_nonoverlapping(
+            aios_core::copy::copy_nonoverlapping(
                 bytes.as_ptr(),
                 self.cache.frame_ptr(frame).add(in_page),
                 bytes.len(),
