@@ -7,11 +7,11 @@
 //! `memcpy`.
 //!
 //! Why not always `memcpy`: on the 2 vCPU AMD EPYC VM this project is measured on, glibc's
-//! `memcpy` for 4 KiB (`__memmove_avx512_unaligned_erms`) took 253–289 ns per page copied from
-//! a random page of a 32 MiB buffer (transparent huge pages), the loop here 217–250 ns; from a
-//! 1 MiB buffer 57 ns against 51 ns, from 4 MiB 73 ns against 62 ns (a standalone C program
-//! timing 300,000 copies per figure, five rounds each). `cargo bench --bench copy` times both
-//! on the machine at hand.
+//! `memcpy` for 4 KiB (`__memmove_avx512_unaligned_erms`) took 255–289 ns per page copied from
+//! a random page of a 32 MiB buffer, the loop here 218–250 ns (three runs, one of them on
+//! transparent huge pages); from 1 MiB 57 ns against 51 ns, from 4 MiB 73 ns against 62 ns (a
+//! standalone C program timing 300,000 copies per figure, five rounds each). `cargo bench
+//! --bench copy` times both on the machine at hand.
 
 /// Blocks from this many bytes up take the vector loop (where the CPU has one).
 pub const VECTOR_MIN: usize = 1024;
