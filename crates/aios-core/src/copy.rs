@@ -38,7 +38,7 @@ pub fn copy(dst: &mut [u8], src: &[u8]) {
 #[inline]
 pub unsafe fn copy_nonoverlapping(src: *const u8, dst: *mut u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
-    if len >= VECTOR_MIN && std::arch::is_x86_feature_detected!("avx2") {
+    if vector_loop(len) {
         // SAFETY: the caller's promise, and AVX2 is present.
         unsafe { copy_avx2(src, dst, len) };
         return;
@@ -49,12 +49,26 @@ pub unsafe fn copy_nonoverlapping(src: *const u8, dst: *mut u8, len: usize) {
 
 /// Which loop [`copy`] uses for a block of `len` bytes on this CPU (for reports).
 pub fn method(len: usize) -> &'static str {
-    #[cfg(target_arch = "x86_64")]
-    if len >= VECTOR_MIN && std::arch::is_x86_feature_detected!("avx2") {
-        return "avx2 loop";
+    if vector_loop(len) {
+        "avx2 loop"
+    } else {
+        "memcpy"
     }
-    let _ = len;
-    "memcpy"
+}
+
+/// Whether a block of `len` bytes takes the vector loop on this CPU (the feature test is a
+/// cached load after the first call).
+#[inline]
+fn vector_loop(len: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        len >= VECTOR_MIN && std::arch::is_x86_feature_detected!("avx2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = len;
+        false
+    }
 }
 
 /// 256 bytes per step (eight unaligned 32-byte loads, then eight stores), then 32-byte steps,

@@ -1352,7 +1352,7 @@ impl Journal {
         let mut rest = self.logged(tx);
         let mut left = rest.clone().count();
         // The transaction's log blocks but its commit block.
-        let n = format::tx_blocks(left, tx.revokes.len()) as usize - 1;
+        let n = self.log_blocks(tx) as usize - 1;
         let mut bufs = self.log_bufs(head, n + extra)?;
         let mut chain = 0u32;
         let mut at = 0;
