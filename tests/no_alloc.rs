@@ -1,7 +1,9 @@
 //! "Allocate at start, never on the hot path" (DESIGN.md): a counting global allocator proves that
 //! steady-state 4 KiB reads and writes through lbio allocate nothing, through the blocking, detached
 //! and async interfaces, on RAM and on a real O_DIRECT file driven by io_uring — and that page-cache
-//! reads (hits, misses with eviction, zero-copy guards) allocate nothing either.
+//! reads (hits, misses with eviction, zero-copy guards), Rio's ordered writes (single, batched and
+//! merged, multi-write groups, with background FLUSHes and `wait`) and journal commits (every
+//! commit mode, Rio-ordered included, through checkpoints) allocate nothing either.
 //!
 //! Only allocations made by the measuring thread while it counts are counted, so tests running in
 //! parallel on other threads do not disturb each other. Every read is checked against what was
@@ -414,4 +416,160 @@ fn page_cache_hits_misses_and_evictions_allocate_nothing() {
     assert!(after.evictions - before.evictions > 1000, "{after:?}");
     assert!(lbio.metrics().vectored_pieces > 100, "{:?}", lbio.metrics());
     assert_eq!(n, 0, "{n} allocations in {} page-cache reads", OPS / 4);
+}
+
+/// Rio's ordered writes (attribute log on an emulated PMR, completions handed back in order, a
+/// background FLUSH every few thousand writes, `wait` for durability) allocate nothing in steady
+/// state: each write its own group sent at once, groups held in the ORDER queue and merged,
+/// and groups of several writes.
+#[test]
+fn rio_ordered_writes_allocate_nothing() {
+    use rio_ordering::{AttrLog, Done, MemPmr, OrderedConfig, OrderedDevice, Write};
+    const QD: usize = 32;
+    // (ORDER queue batch, writes per group, sequential offsets)
+    for (batch, per_group, sequential) in [(1, 1, false), (8, 1, true), (1, 3, true)] {
+        let engine = engine();
+        let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+        let dev = Device::memory(&lbio, DEVICE_BYTES).unwrap();
+        let log = AttrLog::format(MemPmr::new(2 << 20), 1).unwrap();
+        let cfg = OrderedConfig {
+            batch,
+            ..OrderedConfig::default()
+        };
+        let mut od = OrderedDevice::new(lbio, vec![dev], log, &[1], cfg).unwrap();
+        let mut free: Vec<FixedBuf> = (0..QD).map(|_| engine.try_alloc(BLOCK).unwrap()).collect();
+        let mut got: Vec<Done> = Vec::with_capacity(QD);
+        let mut w = Workload::new();
+        let mut seq_seen = 0u64;
+        let mut written = 0usize;
+        let mut run = |n: u32, od: &mut OrderedDevice<MemPmr>| {
+            for _ in 0..n {
+                while free.is_empty() {
+                    od.wait_progress_into(&mut got).expect("wait");
+                    for d in got.drain(..) {
+                        d.result.expect("write");
+                        assert!(d.seq >= seq_seen, "in order");
+                        seq_seen = d.seq;
+                        free.push(d.buf);
+                    }
+                }
+                let mut buf = free.pop().unwrap();
+                let block = if sequential {
+                    written % BLOCKS
+                } else {
+                    w.next_block(1, 0)
+                };
+                written += 1;
+                w.stamp_for(block, &mut buf);
+                let wr = Write {
+                    target: 0,
+                    offset: (block * BLOCK) as u64,
+                    buf,
+                    ipu: false,
+                };
+                od.submit(0, wr, written % per_group == 0).expect("submit");
+            }
+            od.wait(0).expect("durable");
+        };
+        // Until the lists reach their high-water marks: a background FLUSH goes out after
+        // 4,096 completed commands, up to 32 KiB of groups in each at batch 8, and what they
+        // track lives until its FLUSH is in. A few such rounds reach every mark.
+        run(4 * 4096 * batch.max(per_group) as u32, &mut od);
+        let before = od.stats();
+        let ((), n) = allocations_during(|| run(OPS, &mut od));
+        let after = od.stats();
+        assert_eq!(after.requests - before.requests, OPS as u64);
+        assert!(after.flushes > before.flushes, "{after:?}");
+        if batch > 1 || per_group > 1 {
+            assert!(after.merged_cmds > before.merged_cmds, "{after:?}");
+        }
+        assert_eq!(
+            n, 0,
+            "{n} allocations in {OPS} ordered writes (batch {batch}, {per_group} per group)"
+        );
+    }
+}
+
+/// Journal commits, in each commit mode, on a real `O_DIRECT` file through io_uring (so every
+/// write is waited for): once a thread reuses its `Tx`, commits and the checkpoints that empty
+/// the log allocate nothing.
+#[test]
+fn journal_commits_and_checkpoints_allocate_nothing() {
+    use journal::{CommitMode, Journal, JournalSet, Layout, Tx};
+    const AREA_BLOCKS: u64 = 64;
+    const COMMITS: u32 = 3_000;
+    // The three commit modes, and Rio-ordered commits (attribute log in emulated PMR).
+    for (mode, rio) in [
+        (CommitMode::Vanilla, false),
+        (CommitMode::Overlapped, false),
+        (CommitMode::OneWrite, false),
+        (CommitMode::Overlapped, true),
+    ] {
+        let name = if rio { "rio" } else { mode.name() };
+        let file = TempFile::new(&format!("journal-{name}"));
+        let engine = engine();
+        let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+        let set = JournalSet::format(
+            &open_file(&lbio, &file),
+            Layout::per_core(0, AREA_BLOCKS, 1),
+        )
+        .unwrap();
+        let j = if rio {
+            let own = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+            let pmr: Box<dyn rio_ordering::Pmr> = Box::new(rio_ordering::MemPmr::new(256 << 10));
+            let log = rio_ordering::AttrLog::format(pmr, 1).unwrap();
+            Journal::with_rio(
+                &set,
+                0,
+                open_file(&lbio, &file),
+                open_file(&own, &file),
+                log,
+                rio_ordering::OrderedConfig::default(),
+            )
+            .unwrap()
+        } else {
+            Journal::new(&set, 0, open_file(&lbio, &file), mode).unwrap()
+        };
+        assert_eq!(j.rio_ordered(), rio);
+        let mut tx = Tx::new();
+        let mut block = [0u8; BLOCK];
+        let mut i = 0u64;
+        // Each commit: a data block written in place, one or two metadata blocks journaled,
+        // and now and then a metadata block revoked.
+        let mut run = |n: u32| {
+            for _ in 0..n {
+                i += 1;
+                tx.clear();
+                block.fill(i as u8);
+                tx.write_data(AREA_BLOCKS + 32 + i % 64, &block).unwrap();
+                tx.write_meta(AREA_BLOCKS + 8 + i % 16, &block).unwrap();
+                if i % 3 == 0 {
+                    tx.write_meta(AREA_BLOCKS + 8 + (i + 5) % 16, &block)
+                        .unwrap();
+                }
+                if i % 50 == 0 {
+                    tx.revoke(AREA_BLOCKS + 8 + (i + 9) % 16);
+                }
+                j.commit(&tx).unwrap();
+            }
+        };
+        run(500);
+        let commits = set.stats.commits.load(std::sync::atomic::Ordering::Relaxed);
+        let checkpoints = set
+            .stats
+            .checkpoints
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let ((), n) = allocations_during(|| run(COMMITS));
+        let st = &set.stats;
+        assert_eq!(
+            st.commits.load(std::sync::atomic::Ordering::Relaxed) - commits,
+            COMMITS as u64
+        );
+        let cps = st.checkpoints.load(std::sync::atomic::Ordering::Relaxed) - checkpoints;
+        assert!(cps > 50, "{cps} checkpoints");
+        assert_eq!(
+            n, 0,
+            "{n} allocations in {COMMITS} {name} commits and {cps} checkpoints"
+        );
+    }
 }

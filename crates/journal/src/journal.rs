@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use aios_core::{Engine, FixedBuf};
 use lbio::{Device, IoFuture, LbioError};
 use rio_ordering::{AttrLog, LogScan, OrderedConfig, OrderedDevice, Pmr};
+use smallvec::SmallVec;
 
 use crate::error::JournalError;
 use crate::format::{
@@ -212,12 +213,43 @@ const PROBE_ROUNDS: usize = 24;
 
 /// A transaction being built: ordered data (written in place before the commit), journaled
 /// metadata, revokes.
-#[derive(Clone, Debug, Default)]
+///
+/// A transaction holds a copy of each block. [`Tx::clear`] empties it for the next one and
+/// keeps those copies' memory, so a thread that reuses one `Tx` commits without allocating
+/// once it has built its largest transaction.
+#[derive(Debug, Default)]
 pub struct Tx {
     data: Vec<(u64, Vec<u8>)>,
     metas: Vec<(u64, Vec<u8>)>,
     revokes: Vec<u64>,
     file: Option<u32>,
+    /// Block copies of cleared writes, for the next ones.
+    spare: Vec<Vec<u8>>,
+}
+
+impl Clone for Tx {
+    /// The writes, revokes and kind (not the spare memory).
+    fn clone(&self) -> Tx {
+        Tx {
+            data: self.data.clone(),
+            metas: self.metas.clone(),
+            revokes: self.revokes.clone(),
+            file: self.file,
+            spare: Vec::new(),
+        }
+    }
+}
+
+/// `bytes` in `reuse`'s memory when there is one.
+fn copy_into(reuse: Option<Vec<u8>>, bytes: &[u8]) -> Vec<u8> {
+    match reuse {
+        Some(mut v) => {
+            v.clear();
+            v.extend_from_slice(bytes);
+            v
+        }
+        None => bytes.to_vec(),
+    }
 }
 
 fn check_len(block: u64, bytes: &[u8]) -> Result<(), JournalError> {
@@ -249,7 +281,10 @@ impl Tx {
         check_len(block, bytes)?;
         match self.data.iter_mut().find(|(b, _)| *b == block) {
             Some((_, d)) => d.copy_from_slice(bytes),
-            None => self.data.push((block, bytes.to_vec())),
+            None => {
+                let copy = copy_into(self.spare.pop(), bytes);
+                self.data.push((block, copy));
+            }
         }
         Ok(self)
     }
@@ -259,9 +294,25 @@ impl Tx {
         check_len(block, bytes)?;
         match self.metas.iter_mut().find(|(b, _)| *b == block) {
             Some((_, d)) => d.copy_from_slice(bytes),
-            None => self.metas.push((block, bytes.to_vec())),
+            None => {
+                let copy = copy_into(self.spare.pop(), bytes);
+                self.metas.push((block, copy));
+            }
         }
         Ok(self)
+    }
+
+    /// Empty the transaction for the next one, keeping its memory (and its kind: a file-level
+    /// transaction stays one, for the same file).
+    pub fn clear(&mut self) {
+        let spare = &mut self.spare;
+        spare.extend(
+            self.data
+                .drain(..)
+                .chain(self.metas.drain(..))
+                .map(|(_, d)| d),
+        );
+        self.revokes.clear();
     }
 
     /// Revoke `block`: older journaled versions of it are never replayed (it is being freed or
@@ -459,6 +510,76 @@ impl JournalStats {
     }
 }
 
+/// Entries [`Versions`] has room for from the start (more grow it once).
+const VERSIONS_PREALLOCATED: usize = 1 << 16;
+
+/// Committed metadata not yet checkpointed: block → (tid, bytes), newest only. No bytes: a
+/// one-write commit's data block, written home already (a checkpoint only flushes it). The
+/// block copies of entries dropped (revoked, replaced by home data, checkpointed) are kept for
+/// later entries, so steady commits and checkpoints do not allocate.
+struct Versions {
+    map: HashMap<u64, (u64, Vec<u8>)>,
+    spare: Vec<Vec<u8>>,
+}
+
+impl Versions {
+    fn with_capacity(n: usize) -> Versions {
+        Versions {
+            map: HashMap::with_capacity(n),
+            spare: Vec::new(),
+        }
+    }
+
+    fn get(&self, block: &u64) -> Option<&(u64, Vec<u8>)> {
+        self.map.get(block)
+    }
+
+    fn keep(&mut self, mut copy: Vec<u8>) {
+        if copy.capacity() > 0 {
+            copy.clear();
+            self.spare.push(copy);
+        }
+    }
+
+    /// `block` is revoked: no version of it is kept.
+    fn remove(&mut self, block: u64) {
+        if let Some((_, d)) = self.map.remove(&block) {
+            self.keep(d);
+        }
+    }
+
+    /// `block`'s newest version is at home already (a one-write commit's data).
+    fn record_home(&mut self, block: u64, tid: u64) {
+        if let Some((_, d)) = self.map.insert(block, (tid, Vec::new())) {
+            self.keep(d);
+        }
+    }
+
+    /// `block`'s newest version is `bytes`, journaled by `tid`.
+    fn record(&mut self, block: u64, tid: u64, bytes: &[u8]) {
+        let spare = &mut self.spare;
+        let (t, kept) = self
+            .map
+            .entry(block)
+            .or_insert_with(|| (0, spare.pop().unwrap_or_default()));
+        *t = tid;
+        kept.clear();
+        kept.extend_from_slice(bytes);
+    }
+
+    /// Everything is home: drop every entry, keeping the copies.
+    fn clear(&mut self) {
+        let spare = &mut self.spare;
+        for (_, (_, d)) in self.map.drain() {
+            if d.capacity() > 0 {
+                let mut d = d;
+                d.clear();
+                spare.push(d);
+            }
+        }
+    }
+}
+
 /// The journal areas of one device, shared by all cores: one [`Journal`] handle per thread.
 pub struct JournalSet {
     layout: Layout,
@@ -467,9 +588,8 @@ pub struct JournalSet {
     next_tid: AtomicU64,
     /// Commits hold it shared; a checkpoint holds it alone (no commit runs meanwhile).
     gate: RwLock<()>,
-    /// Committed metadata not yet checkpointed: block → (tid, bytes), newest only. No bytes: a
-    /// one-write commit's data block, written home already (a checkpoint only flushes it).
-    versions: Mutex<HashMap<u64, (u64, Vec<u8>)>>,
+    /// Committed metadata not yet checkpointed (see [`Versions`]).
+    versions: Mutex<Versions>,
     /// A commit or checkpoint failed part-way: the on-disk log may hold blocks this process no
     /// longer accounts for, so nothing more is written until the journal is reopened (recovery).
     aborted: std::sync::atomic::AtomicBool,
@@ -492,11 +612,17 @@ impl std::fmt::Debug for JournalSet {
     }
 }
 
-/// Run `futs` to completion together on `engine`; the first error wins.
-fn join_all(engine: &Engine, futs: Vec<IoFuture<'_>>) -> Result<Vec<FixedBuf>, JournalError> {
+/// Requests waited for together: up to this many without a heap allocation.
+const JOIN_INLINE: usize = 32;
+
+/// Run `futs` to completion together on `engine`; the first error wins. A finished request's
+/// buffer goes back to the arena at once.
+fn join_all<'a>(
+    engine: &Engine,
+    futs: impl IntoIterator<Item = IoFuture<'a>>,
+) -> Result<(), JournalError> {
     struct JoinAll<'a> {
-        futs: Vec<Option<Pin<Box<IoFuture<'a>>>>>,
-        out: Vec<Option<FixedBuf>>,
+        futs: SmallVec<[Option<IoFuture<'a>>; JOIN_INLINE]>,
         err: Option<LbioError>,
     }
     impl Future for JoinAll<'_> {
@@ -504,15 +630,13 @@ fn join_all(engine: &Engine, futs: Vec<IoFuture<'_>>) -> Result<Vec<FixedBuf>, J
         fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
             let this = &mut *self;
             let mut pending = false;
-            for (i, slot) in this.futs.iter_mut().enumerate() {
+            for slot in this.futs.iter_mut() {
                 if let Some(f) = slot {
-                    match f.as_mut().poll(cx) {
+                    // `IoFuture` is `Unpin`: polled where it lies.
+                    match Pin::new(f).poll(cx) {
                         Poll::Ready(r) => {
-                            match r {
-                                Ok(b) => this.out[i] = b,
-                                Err(e) => {
-                                    this.err.get_or_insert(e);
-                                }
+                            if let Err(e) = r {
+                                this.err.get_or_insert(e);
                             }
                             *slot = None;
                         }
@@ -527,22 +651,20 @@ fn join_all(engine: &Engine, futs: Vec<IoFuture<'_>>) -> Result<Vec<FixedBuf>, J
             }
         }
     }
-    let n = futs.len();
     let mut j = JoinAll {
-        futs: futs.into_iter().map(|f| Some(Box::pin(f))).collect(),
-        out: (0..n).map(|_| None).collect(),
+        futs: futs.into_iter().map(Some).collect(),
         err: None,
     };
     engine.block_on(&mut j)?;
-    if let Some(e) = j.err {
-        return Err(e.into());
+    match j.err {
+        Some(e) => Err(e.into()),
+        None => Ok(()),
     }
-    Ok(j.out.into_iter().flatten().collect())
 }
 
 /// Requests started now (polled once, so they reach the device), waited for later.
 struct Inflight<'a> {
-    futs: Vec<IoFuture<'a>>,
+    futs: SmallVec<[IoFuture<'a>; 4]>,
     /// The first failure among requests that finished at once.
     failed: Option<LbioError>,
 }
@@ -550,7 +672,7 @@ struct Inflight<'a> {
 impl<'a> Inflight<'a> {
     fn new() -> Self {
         Inflight {
-            futs: Vec::new(),
+            futs: SmallVec::new(),
             failed: None,
         }
     }
@@ -569,14 +691,14 @@ impl<'a> Inflight<'a> {
         let r = join_all(engine, self.futs);
         match self.failed {
             Some(e) => Err(e.into()),
-            None => r.map(|_| ()),
+            None => r,
         }
     }
 }
 
 /// A transaction's log blocks in the buffers they are written from: (device byte, buffer) per
 /// run of consecutive log positions, in log order (one run unless the log wraps inside it).
-struct LogBufs(Vec<(u64, FixedBuf)>);
+struct LogBufs(SmallVec<[(u64, FixedBuf); 2]>);
 
 impl LogBufs {
     /// Log block `i` of the transaction.
@@ -592,7 +714,7 @@ impl LogBufs {
     }
 
     /// The writes: (device byte, buffer) per run.
-    fn into_runs(self) -> Vec<(u64, FixedBuf)> {
+    fn into_runs(self) -> SmallVec<[(u64, FixedBuf); 2]> {
         self.0
     }
 }
@@ -607,13 +729,13 @@ fn write_home<'d>(
     blocks: impl IntoIterator<Item = (u64, &'d [u8])>,
 ) -> Result<(), JournalError> {
     let engine = dev.lbio().engine();
-    let mut futs = Vec::new();
+    let mut futs: SmallVec<[IoFuture<'_>; JOIN_INLINE]> = SmallVec::new();
     for (block, data) in blocks {
         let mut b = alloc(engine)?;
         b.copy_from_slice(data);
         futs.push(dev.write_at(block * BLOCK as u64, b, false));
-        if futs.len() >= 32 {
-            join_all(engine, std::mem::take(&mut futs))?;
+        if futs.len() >= JOIN_INLINE {
+            join_all(engine, futs.drain(..))?;
         }
     }
     join_all(engine, futs)?;
@@ -684,6 +806,14 @@ impl JournalSet {
         next_tid: u64,
         probe: DurabilityProbe,
     ) -> Self {
+        // One entry per logged block at most (a block logged twice keeps one): sized for the
+        // logs, up to a bound, so commits do not grow it.
+        let versions_capacity = layout
+            .areas
+            .iter()
+            .map(|&(_, blocks)| blocks as usize)
+            .sum::<usize>()
+            .min(VERSIONS_PREALLOCATED);
         JournalSet {
             durability: std::sync::atomic::AtomicU8::new(
                 (probe.chosen == Durability::FuaWrites) as u8,
@@ -694,7 +824,7 @@ impl JournalSet {
             areas: states.into_iter().map(Mutex::new).collect(),
             next_tid: AtomicU64::new(next_tid),
             gate: RwLock::new(()),
-            versions: Mutex::new(HashMap::new()),
+            versions: Mutex::new(Versions::with_capacity(versions_capacity)),
             aborted: std::sync::atomic::AtomicBool::new(false),
             home_below: AtomicU64::new(next_tid),
             checkpoint_target: AtomicU64::new(next_tid),
@@ -718,7 +848,7 @@ impl JournalSet {
         self.areas[area].lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn lock_versions(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (u64, Vec<u8>)>> {
+    fn lock_versions(&self) -> std::sync::MutexGuard<'_, Versions> {
         self.versions.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -911,9 +1041,15 @@ pub struct Journal {
 
 /// A handle's Rio stream: the ordered device (its own lbio array over the journal's device)
 /// and the stream, which is the area's index.
+/// Finished writes a Rio commit takes back at once without growing its list: the data runs,
+/// the log runs and the commit block of a transaction (a larger one grows it once).
+const RIO_DONE_CAPACITY: usize = 64;
+
 struct RioStream {
     dev: std::cell::RefCell<OrderedDevice<Box<dyn Pmr>>>,
     stream: u16,
+    /// Finished writes handed back by the ordered device (kept for its allocation).
+    done: std::cell::RefCell<Vec<rio_ordering::Done>>,
 }
 
 impl Drop for Journal {
@@ -1018,6 +1154,7 @@ impl Journal {
         j.rio = Some(RioStream {
             dev: std::cell::RefCell::new(ordered),
             stream: area as u16,
+            done: std::cell::RefCell::new(Vec::with_capacity(RIO_DONE_CAPACITY)),
         });
         Ok(j)
     }
@@ -1224,22 +1361,17 @@ impl Journal {
                     }
                     // Durable: record the new versions, then advance the head.
                     let mut versions = self.set.lock_versions();
-                    for b in &tx.revokes {
+                    for &b in &tx.revokes {
                         versions.remove(b);
                     }
                     // One-write data is home already (written before the commit returned): the
                     // checkpoint's FLUSH is all it needs, so only its id is kept (no bytes).
                     let home_done = self.one_write(tx);
                     for (b, _) in tx.data.iter().filter(|_| home_done) {
-                        versions.insert(*b, (tid, Vec::new()));
+                        versions.record_home(*b, tid);
                     }
                     for (b, d) in &tx.metas {
-                        // A block committed again (an inode at every fsync) reuses its copy's
-                        // allocation.
-                        let (t, kept) = versions.entry(*b).or_default();
-                        *t = tid;
-                        kept.clear();
-                        kept.extend_from_slice(d);
+                        versions.record(*b, tid, d);
                     }
                     self.set.lock_area(self.area).head += needed;
                     drop(versions);
@@ -1414,7 +1546,7 @@ impl Journal {
     /// positions.
     fn log_bufs(&self, head: u64, n: usize) -> Result<LogBufs, JournalError> {
         let at = |i: usize| self.set.log_byte(self.area, head + i as u64);
-        let mut runs: Vec<(u64, FixedBuf)> = Vec::with_capacity(2);
+        let mut runs: SmallVec<[(u64, FixedBuf); 2]> = SmallVec::new();
         let mut i = 0;
         while i < n {
             let start = at(i);
@@ -1478,7 +1610,7 @@ impl Journal {
         format::seal(c);
     }
 
-    fn data_bufs(&self, tx: &Tx) -> Result<Vec<(u64, FixedBuf)>, JournalError> {
+    fn data_bufs(&self, tx: &Tx) -> Result<SmallVec<[(u64, FixedBuf); 4]>, JournalError> {
         tx.data
             .iter()
             .map(|(b, d)| {
@@ -1491,28 +1623,30 @@ impl Journal {
 
     /// The transaction's data as few writes as possible, in block order: blocks that follow
     /// each other go out as one write of at most `max` bytes.
-    fn data_runs(&self, tx: &Tx, max: usize) -> Result<Vec<(u64, FixedBuf)>, JournalError> {
-        let mut order: Vec<&(u64, Vec<u8>)> = tx.data.iter().collect();
+    fn data_runs(
+        &self,
+        tx: &Tx,
+        max: usize,
+    ) -> Result<SmallVec<[(u64, FixedBuf); 4]>, JournalError> {
+        let mut order: SmallVec<[&(u64, Vec<u8>); 8]> = tx.data.iter().collect();
         order.sort_unstable_by_key(|(b, _)| *b);
-        let per = (max / BLOCK).max(1) as u64;
-        let mut runs: Vec<(u64, Vec<&[u8]>)> = Vec::new();
-        for (b, d) in order {
-            match runs.last_mut() {
-                Some((start, ds)) if *start + ds.len() as u64 == *b && (ds.len() as u64) < per => {
-                    ds.push(d)
-                }
-                _ => runs.push((*b, vec![d])),
+        let per = (max / BLOCK).max(1);
+        let mut out = SmallVec::new();
+        let mut k = 0;
+        while k < order.len() {
+            let start = order[k].0;
+            let mut len = 1;
+            while k + len < order.len() && order[k + len].0 == start + len as u64 && len < per {
+                len += 1;
             }
+            let mut buf = self.engine.alloc_blocking(len * BLOCK)?;
+            for (i, (_, d)) in order[k..k + len].iter().enumerate() {
+                buf[i * BLOCK..(i + 1) * BLOCK].copy_from_slice(d);
+            }
+            out.push((start * BLOCK as u64, buf));
+            k += len;
         }
-        runs.into_iter()
-            .map(|(start, ds)| {
-                let mut buf = self.engine.alloc_blocking(ds.len() * BLOCK)?;
-                for (k, d) in ds.iter().enumerate() {
-                    buf[k * BLOCK..(k + 1) * BLOCK].copy_from_slice(d);
-                }
-                Ok((start * BLOCK as u64, buf))
-            })
-            .collect()
+        Ok(out)
     }
 
     fn flush(&self) -> Result<(), JournalError> {
@@ -1682,13 +1816,14 @@ impl Journal {
             buf,
             ipu,
         };
-        let writes: Vec<rio_ordering::Write> = data
+        let writes: SmallVec<[rio_ordering::Write; 8]> = data
             .into_iter()
             .map(|w| write(w, true))
             .chain(runs.into_iter().map(|w| write(w, false)))
             .collect();
         // Entries each write takes in the attribute log (one per piece the device splits it in).
-        let entries: Vec<usize> = writes.iter().map(|w| w.buf.len().div_ceil(max)).collect();
+        let entries: SmallVec<[usize; 8]> =
+            writes.iter().map(|w| w.buf.len().div_ceil(max)).collect();
         let cap = (dev.log().slots() as usize / 4).max(1);
         let mut in_group = 0;
         for (i, w) in writes.into_iter().enumerate() {
@@ -1710,15 +1845,23 @@ impl Journal {
         dev.submit(s, write((at, c), false), true)?;
         let waited = dev.wait(s);
         // Hand the buffers back whatever happened, then report the first failure.
-        let done = dev.poll();
-        waited?;
-        if let Some(d) = done?.into_iter().find(|d| d.result.is_err()) {
-            return Err(JournalError::Rio(rio_ordering::RioError::Config(format!(
+        let mut done = rio.done.borrow_mut();
+        let polled = dev.poll_into(&mut done);
+        let failed = done.iter().position(|d| d.result.is_err()).map(|i| {
+            let d = done.swap_remove(i);
+            format!(
                 "write {} of group {} failed: {}",
                 d.id,
                 d.seq,
                 d.result.err().unwrap_or_default()
-            ))));
+            )
+        });
+        done.clear();
+        drop(done);
+        waited?;
+        polled?;
+        if let Some(f) = failed {
+            return Err(JournalError::Rio(rio_ordering::RioError::Config(f)));
         }
         st.writes_ns
             .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -1743,20 +1886,36 @@ impl Journal {
 
     fn checkpoint_alone(&self) -> Result<(), JournalError> {
         let set = &*self.set;
-        let snapshot: Vec<(u64, Vec<u8>)> = set
-            .lock_versions()
-            .iter()
-            .filter(|(_, (_, d))| !d.is_empty())
-            .map(|(b, (_, d))| (*b, d.clone()))
-            .collect();
-        write_home(&self.dev, snapshot.iter().map(|(b, d)| (*b, d.as_slice())))?;
+        // No commit runs during a checkpoint (it holds the gate alone): the versions are taken
+        // out while their blocks go home, and put back after (emptied once all is home, their
+        // copies kept for later commits).
+        let mut versions = std::mem::replace(&mut *set.lock_versions(), Versions::with_capacity(0));
+        let r = self.checkpoint_versions(&versions);
+        if r.is_ok() {
+            versions.clear();
+        }
+        *set.lock_versions() = versions;
+        r
+    }
+
+    /// Write `versions` home, FLUSH, then move every area's tail to its head.
+    fn checkpoint_versions(&self, versions: &Versions) -> Result<(), JournalError> {
+        let set = &*self.set;
+        write_home(
+            &self.dev,
+            versions
+                .map
+                .iter()
+                .filter(|(_, (_, d))| !d.is_empty())
+                .map(|(b, (_, d))| (*b, d.as_slice())),
+        )?;
         self.engine.block_on(self.dev.flush())??;
         // Every log is now redundant: move each tail to its head. Ids below the next one are
         // all home, so the new tail id is the next id.
         let tail_tid = set.next_tid.load(Ordering::Relaxed);
         set.checkpoint_target.store(tail_tid, Ordering::SeqCst);
-        let mut futs = Vec::new();
-        let mut heads = Vec::new();
+        let mut futs: SmallVec<[IoFuture<'_>; JOIN_INLINE]> = SmallVec::new();
+        let mut heads: SmallVec<[u64; JOIN_INLINE]> = SmallVec::new();
         for (i, &(off, blocks)) in set.layout.areas.iter().enumerate() {
             let mut a = set.lock_area(i);
             a.generation += 1;
@@ -1780,7 +1939,6 @@ impl Journal {
         for (i, h) in heads.into_iter().enumerate() {
             set.lock_area(i).tail = h;
         }
-        set.lock_versions().clear();
         set.home_below.store(tail_tid, Ordering::SeqCst);
         set.stats.checkpoints.fetch_add(1, Ordering::Relaxed);
         Ok(())

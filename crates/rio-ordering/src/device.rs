@@ -115,9 +115,6 @@ struct Req {
 /// requests).
 type Staged = (u64, FixedBuf, Cmd, Option<Carried>);
 
-/// Whole groups sent as one command.
-type Run = SmallVec<[(u64, GroupReqs); 4]>;
-
 /// A group's requests (most groups hold one: no heap allocation for those).
 type GroupReqs = SmallVec<[Req; 1]>;
 /// The requests a merged command carries: (id, the caller's buffer; the device got a copy).
@@ -262,8 +259,8 @@ impl Stream {
 
     /// The requests of a merged command over groups `seq..=seq_end` finished: each buffer
     /// waits, by id, in its own group.
-    fn finish_merged(&mut self, seq: u64, seq_end: u64, reqs: Carried) {
-        for (id, buf) in reqs {
+    fn finish_merged(&mut self, seq: u64, seq_end: u64, reqs: &mut Carried) {
+        for (id, buf) in reqs.drain(..) {
             let g = (seq..=seq_end)
                 .find(|&g| self.groups.get(g).is_some_and(|grp| grp.holds(id)))
                 .expect("the request's group");
@@ -300,6 +297,12 @@ impl Stream {
     }
 }
 
+/// Spent request lists (of groups of several writes) kept for reuse.
+const SPARE_REQS: usize = 64;
+
+/// Runs a target's list of completed, not yet durable commands has room for from the start.
+const VOLATILE_RUNS: usize = 1024;
+
 /// Completed commands not yet known durable, as runs of groups (stream, first seq, last seq):
 /// a command whose groups continue the last run's extends it (one entry for a stream of
 /// single-group writes completing in order), so a group appears once per command of it.
@@ -310,7 +313,28 @@ struct Volatile {
     cmds: usize,
 }
 
+impl Target {
+    /// An empty list for the commands completing from now on, its allocation from the spares.
+    fn fresh_volatile(&mut self) -> Volatile {
+        let spare = self.spares.pop().unwrap_or_default();
+        std::mem::replace(&mut self.volatile, spare)
+    }
+    /// A covered list is done with: keep its allocation.
+    fn give_back(&mut self, mut v: Volatile) {
+        v.clear();
+        if self.spares.len() < 3 {
+            self.spares.push(v);
+        }
+    }
+}
+
 impl Volatile {
+    fn with_capacity(runs: usize) -> Volatile {
+        Volatile {
+            runs: Vec::with_capacity(runs),
+            cmds: 0,
+        }
+    }
     #[inline]
     fn push(&mut self, stream: u16, seq: u64, seq_end: u64) {
         self.cmds += 1;
@@ -345,8 +369,9 @@ struct Target {
     volatile: Volatile,
     /// A background FLUSH out: its tag and the commands it covers.
     flushing: Option<(Tag, Volatile)>,
-    /// The covered list's allocation, kept for the next background FLUSH.
-    spare: Volatile,
+    /// Lists' allocations kept for the next FLUSH (three lists can be in use at once: the
+    /// target's, a background FLUSH's and a `wait`'s).
+    spares: Vec<Volatile>,
 }
 
 /// Rio's ordered block device over lbio targets and an attribute log.
@@ -366,6 +391,12 @@ pub struct OrderedDevice<P: Pmr> {
     flush_ahead: usize,
     /// Merged commands' requests, by tag.
     merged: Vec<Carried>,
+    /// Spent request lists of groups of several writes, kept for their allocations.
+    spare_reqs: Vec<GroupReqs>,
+    /// Merged commands' request lists that outgrew their inline room, kept for reuse.
+    spare_carried: Vec<Carried>,
+    /// The groups of the command `send_queued` is building (kept for its allocation).
+    run: Vec<(u64, GroupReqs)>,
     /// Split requests: pieces still out and the caller's buffer, keyed by (stream, request id)
     /// (ids are per stream).
     pieces_out: HashMap<(u16, u64), (u32, FixedBuf)>,
@@ -418,6 +449,26 @@ impl<P: Pmr> OrderedDevice<P> {
                  (open it for writing)"
             )));
         }
+        let flush_ahead = cfg.flush_ahead.min(log.slots() as usize / 2);
+        // Allocate at start: what a steady stream of writes tracks is sized here, so the write
+        // path does not grow a collection (`tests/no_alloc.rs`). Commands in flight are bounded
+        // by the lbio slots; completed commands waiting for a FLUSH by `flush_ahead` (plus what
+        // completes while one is out); groups not yet durable by those two and by the log,
+        // whose slots the streams share. A list that outgrows this (streams writing unevenly,
+        // completions interleaving into many runs) grows once and keeps its allocation.
+        let window = lbio.config().slots as usize;
+        let slots = log.slots() as usize;
+        let waiting = if flush_ahead > 0 {
+            (flush_ahead + window).min(slots)
+        } else {
+            slots
+        };
+        let tracked = (2 * waiting + window)
+            .min(slots)
+            .div_ceil(start.len().max(1));
+        // Runs of groups: one per stream when completions come in order.
+        let runs = waiting.min(VOLATILE_RUNS);
+        let n_targets = targets.len();
         let targets = targets
             .into_iter()
             .map(|dev| {
@@ -429,9 +480,14 @@ impl<P: Pmr> OrderedDevice<P> {
                     piece,
                     most: piece * u8::MAX as u64,
                     dev,
-                    volatile: Volatile::default(),
+                    volatile: Volatile::with_capacity(runs),
                     flushing: None,
-                    spare: Volatile::default(),
+                    spares: {
+                        let mut v = Vec::with_capacity(3);
+                        v.push(Volatile::with_capacity(runs));
+                        v.push(Volatile::with_capacity(runs));
+                        v
+                    },
                 }
             })
             .collect();
@@ -444,10 +500,17 @@ impl<P: Pmr> OrderedDevice<P> {
                 done_below: s.max(1),
                 durable_below: s.max(1),
                 away: s == 0,
+                prev: vec![0; n_targets],
+                touched: Vec::with_capacity(n_targets),
+                groups: Groups {
+                    base: 0,
+                    q: VecDeque::with_capacity(tracked),
+                },
+                ready: Vec::with_capacity(window),
+                bufs: VecDeque::with_capacity(window),
                 ..Stream::default()
             })
             .collect();
-        let flush_ahead = cfg.flush_ahead.min(log.slots() as usize / 2);
         let log_async = log.async_array().is_some_and(|a| Rc::ptr_eq(a, &lbio));
         Ok(OrderedDevice {
             log_async,
@@ -463,8 +526,12 @@ impl<P: Pmr> OrderedDevice<P> {
             log,
             streams,
             cfg,
-            inflight: Vec::new(),
-            merged: Vec::new(),
+            inflight: Vec::with_capacity(window),
+            spare_reqs: Vec::with_capacity(SPARE_REQS),
+            spare_carried: Vec::with_capacity(SPARE_REQS),
+            // A merge holds at most this many whole groups of 4 KiB (more grow it once).
+            run: Vec::with_capacity((cfg.max_merge_bytes as usize / 4096).max(1)),
+            merged: Vec::with_capacity(window),
             inflight_n: 0,
             flushes_out: 0,
             pieces_out: HashMap::new(),
@@ -699,13 +766,15 @@ impl<P: Pmr> OrderedDevice<P> {
             return self.submit_staged();
         }
         let mut queued = std::mem::take(&mut self.streams[s].queued);
+        // The groups going out as one command (a list kept for its allocation).
+        let mut run = std::mem::take(&mut self.run);
         while let Some(first) = queued.pop_front() {
             // Whole groups, each on one target and following the previous one's bytes, go out
             // as one command while they fit (in a merge and in one device command: a merged
             // command is never split).
             let target_max = self.targets[first.1[0].w.target as usize].max_transfer;
             let max = self.cfg.max_merge_bytes.min(target_max) as u64;
-            let mut run: Run = SmallVec::new();
+            run.clear();
             run.push(first);
             let first_mergeable =
                 self.cfg.merge && mergeable(&run[0].1, None) && group_bytes(&run[0].1) <= max;
@@ -728,7 +797,7 @@ impl<P: Pmr> OrderedDevice<P> {
             }
             let requests: usize = run.iter().map(|g| g.1.len()).sum();
             let sent = if first_mergeable && requests > 1 {
-                self.send_merged(stream, run)
+                self.send_merged(stream, &mut run)
             } else {
                 let (seq, reqs) = run.pop().expect("one group");
                 self.send_group(stream, seq, reqs)
@@ -740,9 +809,12 @@ impl<P: Pmr> OrderedDevice<P> {
                 let st = &mut self.streams[s];
                 queued.append(&mut st.queued);
                 st.queued = queued;
+                run.clear();
+                self.run = run;
                 return Err(e);
             }
         }
+        self.run = run;
         // Keep the queue's allocation for the next groups.
         if self.streams[s].queued.is_empty() {
             self.streams[s].queued = queued;
@@ -768,7 +840,7 @@ impl<P: Pmr> OrderedDevice<P> {
 
     /// Whole groups `gs` (all on one target, contiguous) as one command; their buffers are
     /// copied into one and go back with the completions.
-    fn send_merged(&mut self, stream: u16, gs: Run) -> Result<(), RioError> {
+    fn send_merged(&mut self, stream: u16, gs: &mut Vec<(u64, GroupReqs)>) -> Result<(), RioError> {
         let target = gs[0].1[0].w.target;
         let len: u64 = gs.iter().map(|(_, rs)| group_bytes(rs)).sum();
         let mut a = self.base_attr(stream, target, gs[0].0);
@@ -787,7 +859,7 @@ impl<P: Pmr> OrderedDevice<P> {
             Ok(b) => b,
             Err(e) => {
                 let rest = gs
-                    .into_iter()
+                    .drain(..)
                     .flat_map(|(g, rs)| rs.into_iter().map(move |r| (g, r)))
                     .collect();
                 self.groups_unsent(stream, first, last, rest, &e);
@@ -795,15 +867,16 @@ impl<P: Pmr> OrderedDevice<P> {
             }
         };
         let mut at = 0;
-        let seqs: Vec<u64> = gs.iter().map(|g| g.0).collect();
-        let mut originals = Carried::new();
-        for (_, rs) in gs {
-            for r in rs {
+        let seqs: SmallVec<[u64; 8]> = gs.iter().map(|g| g.0).collect();
+        let mut originals = self.spare_carried.pop().unwrap_or_default();
+        for (_, mut rs) in gs.drain(..) {
+            for r in rs.drain(..) {
                 let n = r.w.buf.len();
                 buf[at..at + n].copy_from_slice(&r.w.buf);
                 at += n;
                 originals.push((r.id, r.w.buf));
             }
+            self.recycle_reqs(rs);
         }
         self.stats.merged_cmds += 1;
         let r = self.issue(stream, a, buf, Back::Merged, Some(originals), &seqs);
@@ -814,19 +887,30 @@ impl<P: Pmr> OrderedDevice<P> {
         r
     }
 
-    fn send_group(&mut self, stream: u16, seq: u64, reqs: GroupReqs) -> Result<(), RioError> {
+    fn send_group(&mut self, stream: u16, seq: u64, mut reqs: GroupReqs) -> Result<(), RioError> {
         let n = reqs.len() as u16;
         let last = reqs.len() - 1;
-        let mut reqs = reqs.into_iter().enumerate();
-        while let Some((k, r)) = reqs.next() {
+        let mut each = reqs.drain(..).enumerate();
+        while let Some((k, r)) = each.next() {
             if let Err(e) = self.send_req(stream, seq, r, (k == last).then_some(n)) {
                 // The requests after it never go out.
-                let rest = reqs.map(|(_, r)| (seq, r)).collect();
+                let rest = each.map(|(_, r)| (seq, r)).collect();
                 self.groups_unsent(stream, seq, seq, rest, &e);
                 return Err(e);
             }
         }
+        drop(each);
+        self.recycle_reqs(reqs);
         Ok(())
+    }
+
+    /// Keep a spent request list's heap allocation (a group of several writes) for the next
+    /// group, so that steady groups of a few writes each do not allocate.
+    fn recycle_reqs(&mut self, mut reqs: GroupReqs) {
+        if reqs.spilled() && self.spare_reqs.len() < self.spare_reqs.capacity() {
+            reqs.clear();
+            self.spare_reqs.push(reqs);
+        }
     }
 
     /// The common case, kept lean: group `seq` of one request `id`, within the target's
@@ -1000,6 +1084,13 @@ impl<P: Pmr> OrderedDevice<P> {
     /// ready is still handed back; the error comes back only when nothing is (the next call
     /// retries).
     pub fn poll(&mut self) -> Result<Vec<Done>, RioError> {
+        let mut out = Vec::new();
+        self.poll_into(&mut out)?;
+        Ok(out)
+    }
+
+    /// [`OrderedDevice::poll`], appending to `out` (no allocation once `out` has room).
+    pub fn poll_into(&mut self, out: &mut Vec<Done>) -> Result<(), RioError> {
         let mut sent = self.send_waiting();
         for stream in 0..self.streams.len() as u16 {
             if sent.is_ok() && !self.streams[stream as usize].queued.is_empty() {
@@ -1008,10 +1099,11 @@ impl<P: Pmr> OrderedDevice<P> {
         }
         self.engine.poll_completions()?;
         self.reap()?;
-        let out = self.take_ready();
+        let had = out.len();
+        self.move_ready(out);
         match sent {
-            Err(e) if out.is_empty() => Err(e),
-            _ => Ok(out),
+            Err(e) if out.len() == had => Err(e),
+            _ => Ok(()),
         }
     }
 
@@ -1128,7 +1220,7 @@ impl<P: Pmr> OrderedDevice<P> {
         // The FLUSH entry vouches, in the log, for every group of the stream up to its own,
         // never for a failed one nor any after it (`vouch_cap`).
         let marker = Some((stream, last));
-        let owed = std::mem::take(&mut self.streams[s].touched);
+        let mut owed = std::mem::take(&mut self.streams[s].touched);
         for (k, &t) in owed.iter().enumerate() {
             if let Err(e) = self.flush_target(t, marker) {
                 // This target's FLUSH and the ones after it are still owed: the next `wait`
@@ -1142,6 +1234,11 @@ impl<P: Pmr> OrderedDevice<P> {
                 return Err(e);
             }
         }
+        // The list's allocation goes back to the stream (with anything touched meanwhile).
+        let st = &mut self.streams[s];
+        owed.clear();
+        owed.append(&mut st.touched);
+        st.touched = owed;
         // A background FLUSH sent meanwhile (from a completion taken above) may cover groups of
         // this stream: if it fails, they fail, and this answer must say so.
         while self.flushes_out > 0 {
@@ -1159,10 +1256,11 @@ impl<P: Pmr> OrderedDevice<P> {
     }
 
     fn close_group(&mut self, stream: u16) {
+        let spare = self.spare_reqs.pop().unwrap_or_default();
         let st = &mut self.streams[stream as usize];
         let seq = st.next_seq;
         st.next_seq += 1;
-        let reqs = std::mem::take(&mut st.open);
+        let reqs = std::mem::replace(&mut st.open, spare);
         st.groups.push(
             seq,
             Group {
@@ -1252,11 +1350,15 @@ impl<P: Pmr> OrderedDevice<P> {
         }
         self.inflight_n += 1;
         self.inflight[at] = Some(cmd);
-        if let Some(reqs) = merged {
+        if let Some(mut reqs) = merged {
             if self.merged.len() <= at {
                 self.merged.resize_with(at + 1, Carried::new);
             }
-            self.merged[at] = reqs;
+            // The slot's empty list (and its allocation) goes to the spares.
+            std::mem::swap(&mut self.merged[at], &mut reqs);
+            if reqs.spilled() && self.spare_carried.len() < self.spare_carried.capacity() {
+                self.spare_carried.push(reqs);
+            }
         }
         Ok(())
     }
@@ -1341,7 +1443,7 @@ impl<P: Pmr> OrderedDevice<P> {
             }
             // The piece's data is a copy: the caller's buffer waits for the other pieces.
             Back::Piece(id) => self.pieces_gone(stream, seq, id, 1),
-            Back::Merged => st.finish_merged(seq, seq_end, merged.unwrap_or_default()),
+            Back::Merged => st.finish_merged(seq, seq_end, &mut merged.unwrap_or_default()),
         }
         self.advance(stream);
     }
@@ -1623,8 +1725,8 @@ impl<P: Pmr> OrderedDevice<P> {
                     }
                 }
                 Back::Merged => {
-                    let reqs = std::mem::take(&mut self.merged[c.tag.0 as usize]);
-                    st.finish_merged(cmd.seq, cmd.seq_end, reqs);
+                    // Emptied where it lies: the slot keeps the list's allocation.
+                    st.finish_merged(cmd.seq, cmd.seq_end, &mut self.merged[c.tag.0 as usize]);
                 }
             }
             self.advance(cmd.stream);
@@ -1751,7 +1853,7 @@ impl<P: Pmr> OrderedDevice<P> {
         self.stats.flushes += 1;
         // What had completed when the FLUSH went out is what it makes durable. (Taken only now:
         // an error before this point leaves the commands for the next FLUSH.)
-        let covered = std::mem::take(&mut self.targets[t as usize].volatile);
+        let covered = self.targets[t as usize].fresh_volatile();
         // Wait for the FLUSH, taking data completions on the way. An error taking one (a failed
         // log write) is reported after the FLUSH is in and what it covers is counted.
         let mut flushed = None;
@@ -1792,6 +1894,7 @@ impl<P: Pmr> OrderedDevice<P> {
             }
         }
         self.now_durable(&covered.runs);
+        self.targets[t as usize].give_back(covered);
         taking
     }
 
@@ -1853,8 +1956,7 @@ impl<P: Pmr> OrderedDevice<P> {
     fn start_flush(&mut self, t: u16) {
         let target = &mut self.targets[t as usize];
         if let Ok(tag) = target.dev.submit(Io::flush()) {
-            let spare = std::mem::take(&mut target.spare);
-            let covered = std::mem::replace(&mut target.volatile, spare);
+            let covered = target.fresh_volatile();
             target.flushing = Some((tag, covered));
             self.flushes_out += 1;
             self.stats.flushes += 1;
@@ -1872,14 +1974,13 @@ impl<P: Pmr> OrderedDevice<P> {
         else {
             return false;
         };
-        let (_, mut covered) = self.targets[t].flushing.take().expect("found");
+        let (_, covered) = self.targets[t].flushing.take().expect("found");
         self.flushes_out -= 1;
         match &c.result {
             Ok(_) => self.now_durable(&covered.runs),
             Err(e) => self.flush_failed(t, &covered, e),
         }
-        covered.clear();
-        self.targets[t].spare = covered;
+        self.targets[t].give_back(covered);
         true
     }
 

@@ -200,7 +200,16 @@ pub struct Header {
 
 impl Header {
     fn encode(&self) -> Vec<u8> {
-        let mut b = vec![0u8; header_copy_bytes(self.durable_below.len())];
+        let mut b = Vec::new();
+        self.encode_into(&mut b);
+        b
+    }
+
+    /// [`Self::encode`] into `b` (its allocation reused: the log rewrites its header while
+    /// appending).
+    fn encode_into(&self, b: &mut Vec<u8>) {
+        b.clear();
+        b.resize(header_copy_bytes(self.durable_below.len()), 0);
         b[0..4].copy_from_slice(&LOG_MAGIC.to_le_bytes());
         b[8..12].copy_from_slice(&self.epoch.to_le_bytes());
         b[12..16].copy_from_slice(&self.slots.to_le_bytes());
@@ -212,7 +221,6 @@ impl Header {
         }
         let crc = crc32c::crc32c(&b[8..]);
         b[4..8].copy_from_slice(&crc.to_le_bytes());
-        b
     }
 
     /// Read one header copy at `at`.
@@ -339,6 +347,10 @@ pub struct AttrLog<P: Pmr> {
     durable_below: Vec<u64>,
     live: u32,
     header_writes: u64,
+    /// The next header and its encoding, built in place when an append moves the header's
+    /// marks (allocated once, so the write path allocates nothing).
+    next_header: Header,
+    encoded: Vec<u8>,
 }
 
 impl<P: Pmr> AttrLog<P> {
@@ -384,7 +396,11 @@ impl<P: Pmr> AttrLog<P> {
 
     fn with_header(pmr: P, header: Header) -> AttrLog<P> {
         let durable_below = header.durable_below.clone();
+        let mut encoded = Vec::new();
+        header.encode_into(&mut encoded);
         AttrLog {
+            next_header: header.clone(),
+            encoded,
             used: vec![Used::default(); header.slots as usize],
             pmr,
             tail: 0,
@@ -519,12 +535,16 @@ impl<P: Pmr> AttrLog<P> {
                 // header in memory is what the media holds, so it changes only once the new
                 // copy is written: after a failed write the slot stays untouched, and the next
                 // append tries the header again.
-                let mut next = self.header.clone();
+                let next = &mut self.next_header;
+                next.epoch = self.header.epoch;
+                next.slots = self.header.slots;
+                next.slots_at = self.header.slots_at;
+                next.version = self.header.version.wrapping_add(1);
                 next.durable_below.clone_from(&self.durable_below);
-                next.version = next.version.wrapping_add(1);
+                next.encode_into(&mut self.encoded);
                 self.pmr
-                    .persist_ordered(next.copy_offset(), &next.encode())?;
-                self.header = next;
+                    .persist_ordered(next.copy_offset(), &self.encoded)?;
+                std::mem::swap(&mut self.header, &mut self.next_header);
                 self.header_writes += 1;
             }
         }
