@@ -40,6 +40,11 @@
 //! let info = j.commit(&tx)?;
 //! assert_eq!(info.tid, 1);
 //!
+//! // The next transaction reuses the same `Tx` (and its memory: steady commits allocate nothing).
+//! tx.clear();
+//! tx.write_meta(101, &[2u8; 4096])?;
+//! assert_eq!(j.commit(&tx)?.tid, 2);
+//!
 //! // A power cut after the commit: whatever the cut leaves, recovery brings block 101 back.
 //! disk.cut_power();
 //! let mut image = disk.crash_image(Default::default());
