@@ -3,7 +3,8 @@
 //! and async interfaces, on RAM and on a real O_DIRECT file driven by io_uring — and that page-cache
 //! reads (hits, misses with eviction, zero-copy guards), Rio's ordered writes (single, batched and
 //! merged, multi-write groups, with background FLUSHes and `wait`) and journal commits (every
-//! commit mode, Rio-ordered included, through checkpoints) allocate nothing either.
+//! commit mode, Rio-ordered included, through checkpoints) allocate nothing either, nor does a
+//! rio-net volume's initiator writing and reading over TCP.
 //!
 //! Only allocations made by the measuring thread while it counts are counted, so tests running in
 //! parallel on other threads do not disturb each other. Every read is checked against what was
@@ -571,5 +572,99 @@ fn journal_commits_and_checkpoints_allocate_nothing() {
             n, 0,
             "{n} allocations in {COMMITS} {name} commits and {cps} checkpoints"
         );
+    }
+}
+
+/// Rio over the network, the initiator's side: a volume striped over two targets on
+/// 127.0.0.1 (each in its own threads, which this thread's counter does not see), ordered
+/// writes with up to 16 outstanding, orderless writes and reads among them, completions taken
+/// with `poll_into`, then `wait`. Steady state allocates nothing.
+#[test]
+fn rio_net_volume_ordered_writes_allocate_nothing() {
+    use rio_net::{Done, Target, TargetConfig, TargetLogKind, Volume, VolumeConfig};
+    let mut files = Vec::new();
+    let mut addrs = Vec::new();
+    for t in 0..2 {
+        let path = PathBuf::from(format!(
+            "/dev/shm/aios-no-alloc-{}-net{t}.img",
+            std::process::id()
+        ));
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(16 << 20)
+            .unwrap();
+        let mut cfg = TargetConfig::new(path.clone(), TargetLogKind::Mem(1 << 20));
+        cfg.streams = 1;
+        let target = Target::bind("127.0.0.1:0".parse().unwrap(), cfg).unwrap();
+        addrs.push(target.local_addr());
+        target.spawn();
+        files.push(TempPath(path));
+    }
+    let cfg = VolumeConfig::new(addrs, 1);
+    assert_eq!(cfg.window, 64);
+    let (mut v, _) = Volume::open(cfg).unwrap();
+    let blocks = v.bytes() / BLOCK as u64;
+    // Room for everything a poll can hand back: a stream's held writes.
+    let mut got: Vec<Done> = Vec::with_capacity(rio_net::HELD_PER_WINDOW as usize * 64);
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let (mut ops, mut back, mut last_seq) = (0u64, 0u64, 0u64);
+    let mut take = |got: &mut Vec<Done>, back: &mut u64| {
+        for d in got.drain(..) {
+            d.result.expect("request");
+            if d.seq != 0 {
+                assert!(d.seq > last_seq, "ordered writes hand back in order");
+                last_seq = d.seq;
+            }
+            *back += 1;
+        }
+    };
+    let mut run = |n: u32, v: &mut Volume| {
+        for i in 0..n {
+            let buf = loop {
+                if let Some(b) = v.alloc(BLOCK) {
+                    break b;
+                }
+                v.poll_into(&mut got).unwrap();
+                take(&mut got, &mut back);
+            };
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let off = (x % blocks) * BLOCK as u64;
+            match i % 8 {
+                3 => v.read(0, off, buf).map(|_| ()),
+                6 => v.write_orderless(0, off, buf).map(|_| ()),
+                _ => v.submit(0, off, buf, true).map(|_| ()),
+            }
+            .unwrap();
+            ops += 1;
+            if i % 16 == 15 {
+                v.poll_into(&mut got).unwrap();
+                take(&mut got, &mut back);
+            }
+        }
+        v.wait(0).unwrap();
+        while back < ops {
+            v.poll_into(&mut got).unwrap();
+            take(&mut got, &mut back);
+        }
+    };
+    run(5_000, &mut v);
+    let before = v.stats();
+    let ((), n) = allocations_during(|| run(20_000, &mut v));
+    let after = v.stats();
+    assert!(
+        after.ordered_cmds - before.ordered_cmds >= 15_000,
+        "{after:?}"
+    );
+    assert_eq!(n, 0, "{n} allocations in 20,000 volume requests");
+}
+
+/// A file removed when dropped.
+struct TempPath(PathBuf);
+
+impl Drop for TempPath {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
     }
 }

@@ -8,6 +8,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::time::Duration;
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use smallvec::SmallVec;
 
 use crate::pdu::Digests;
 
@@ -156,9 +157,9 @@ impl Conn {
 
     /// Descriptors to wait on: (descriptor, readable wanted, writable wanted). An RDMA link
     /// reports everything (received messages, freed send buffers, disconnects) as readable.
-    pub fn fds(&self, want_read: bool) -> Vec<(BorrowedFd<'_>, bool, bool)> {
+    pub fn fds(&self, want_read: bool) -> WaitFds<'_> {
         match &self.link {
-            Link::Tcp(s) => vec![(s.as_fd(), want_read, self.unsent() > 0)],
+            Link::Tcp(s) => smallvec::smallvec![(s.as_fd(), want_read, self.unsent() > 0)],
             #[cfg(feature = "rdma")]
             Link::Rdma(l) => l.fds().into_iter().map(|fd| (fd, true, false)).collect(),
         }
@@ -265,9 +266,15 @@ impl Conn {
     }
 }
 
+/// Descriptors a wait covers without a heap allocation.
+pub const WAIT_FDS_INLINE: usize = 16;
+
+/// Descriptors to wait on: (descriptor, readable wanted, writable wanted).
+pub type WaitFds<'a> = SmallVec<[(BorrowedFd<'a>, bool, bool); WAIT_FDS_INLINE]>;
+
 /// Wait until one of `fds` is ready: (fd, readable wanted, writable wanted). `None`: no limit.
 pub fn wait_fds(fds: &[(BorrowedFd<'_>, bool, bool)], timeout: Option<Duration>) -> io::Result<()> {
-    let mut pfds: Vec<PollFd> = fds
+    let mut pfds: SmallVec<[PollFd<'_>; WAIT_FDS_INLINE]> = fds
         .iter()
         .map(|(fd, r, w)| {
             let mut f = PollFlags::empty();

@@ -19,6 +19,7 @@
 //!   an initiator that starts after a crash (nothing to replay: the volume is cut back to the
 //!   prefix, and in-place updates beyond it are reported).
 
+use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpStream};
 use std::rc::Rc;
@@ -179,13 +180,15 @@ struct IoConn {
 }
 
 impl IoConn {
-    fn new() -> IoConn {
+    /// A connection's state with room for `cmds` commands at once (sized from the window at
+    /// start, so steady I/O does not grow its lists).
+    fn new(cmds: usize) -> IoConn {
         IoConn {
             conn: None,
             rkey: None,
-            cmds: Vec::new(),
-            free: Vec::new(),
-            order: VecDeque::new(),
+            cmds: Vec::with_capacity(cmds),
+            free: Vec::with_capacity(cmds),
+            order: VecDeque::with_capacity(cmds),
             outstanding: 0,
             sent: 0,
             volatile: 0,
@@ -269,14 +272,21 @@ struct Req {
     failed: Option<String>,
 }
 
+/// A group's requests (most groups hold one: no heap allocation for those).
+type Reqs = SmallVec<[Req; 1]>;
+/// A write's pieces, one per stripe it touches: (target, target offset, range in the buffer).
+type Pieces = SmallVec<[(usize, u64, (u32, u32)); 4]>;
+/// A group's commands: (request, target, target offset, range in the request's buffer).
+type Plan = SmallVec<[(u32, usize, u64, (u32, u32)); 8]>;
+
 struct Group {
     seq: u64,
-    reqs: Vec<Req>,
+    reqs: Reqs,
 }
 
 struct Stream {
     next_seq: u64,
-    open: Vec<Req>,
+    open: Reqs,
     /// Groups sent and not yet handed back, oldest first (`groups[0].seq == durable_below`).
     groups: VecDeque<Group>,
     /// Per target: the stream's last group sent there.
@@ -311,6 +321,10 @@ pub struct Volume {
     plain: Vec<Option<Plain>>,
     plain_free: Vec<u32>,
     ready: VecDeque<Done>,
+    /// Scratch lists of a FLUSH's completion: the pieces it made durable, and the commands it
+    /// did not cover (kept for their allocations).
+    durable_scratch: Vec<(u64, u32)>,
+    order_scratch: VecDeque<u16>,
     bytes: u64,
     stats: VolumeStats,
     hostid: [u8; 16],
@@ -368,6 +382,12 @@ impl Volume {
             ..EngineConfig::default()
         })?;
         let nt = cfg.targets.len();
+        // Allocate at start: what the window bounds is sized here. A stream holds up to
+        // `window × HELD_PER_WINDOW` writes not yet handed back; a connection's commands are
+        // those pieces, plus reads and orderless writes within the window, plus a FLUSH or two.
+        let window = cfg.window as usize;
+        let held = window * HELD_PER_WINDOW as usize;
+        let cmds = held + window + 4;
         let mut hostid = [0u8; 16];
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -392,13 +412,13 @@ impl Volume {
                 })
                 .collect(),
             conns: (0..cfg.streams as usize * nt)
-                .map(|_| IoConn::new())
+                .map(|_| IoConn::new(cmds))
                 .collect(),
             streams: (0..cfg.streams)
                 .map(|_| Stream {
                     next_seq: 1,
-                    open: Vec::new(),
-                    groups: VecDeque::new(),
+                    open: Reqs::new(),
+                    groups: VecDeque::with_capacity(held),
                     prev: vec![0; nt],
                     mark_told: vec![0; nt],
                     durable_below: 1,
@@ -407,9 +427,11 @@ impl Volume {
                     in_flight: 0,
                 })
                 .collect(),
-            plain: Vec::new(),
-            plain_free: Vec::new(),
-            ready: VecDeque::new(),
+            plain: Vec::with_capacity(window),
+            plain_free: Vec::with_capacity(window),
+            ready: VecDeque::with_capacity(held * cfg.streams as usize),
+            durable_scratch: Vec::with_capacity(cmds),
+            order_scratch: VecDeque::with_capacity(cmds),
             bytes: 0,
             stats: VolumeStats::default(),
             engine,
@@ -756,9 +778,9 @@ impl Volume {
     }
 
     /// Pieces of `offset..offset+len`: (target, target offset, range in the buffer).
-    fn pieces(&self, offset: u64, len: u32) -> Vec<(usize, u64, (u32, u32))> {
+    fn pieces(&self, offset: u64, len: u32) -> Pieces {
         let stripe = self.cfg.stripe as u64;
-        let mut out = Vec::new();
+        let mut out = Pieces::new();
         let mut at = 0u32;
         while at < len {
             let off = offset + at as u64;
@@ -876,7 +898,7 @@ impl Volume {
         let s = stream as usize;
         let nt = self.targets.len();
         let gi = (seq - self.streams[s].groups[0].seq) as usize;
-        let mut plan = Vec::new();
+        let mut plan: Plan = SmallVec::new();
         for (ri, r) in self.streams[s].groups[gi].reqs.iter().enumerate() {
             let len = r.buf.as_ref().map_or(0, |b| b.len() as u32);
             for (t, toff, range) in self.pieces(r.offset, len) {
@@ -884,7 +906,7 @@ impl Volume {
             }
         }
         let num = plan.len() as u16;
-        let prev_before = self.streams[s].prev.clone();
+        let prev_before: SmallVec<[u64; 8]> = self.streams[s].prev.iter().copied().collect();
         for (i, &(ri, t, toff, range)) in plan.iter().enumerate() {
             let last = i + 1 == plan.len();
             let mark = self.take_mark(stream, t);
@@ -1048,8 +1070,16 @@ impl Volume {
 
     /// Finished requests so far (without waiting).
     pub fn poll(&mut self) -> Result<Vec<Done>, NetError> {
+        let mut out = Vec::new();
+        self.poll_into(&mut out)?;
+        Ok(out)
+    }
+
+    /// [`Volume::poll`], appending to `out` (no allocation once `out` has room).
+    pub fn poll_into(&mut self, out: &mut Vec<Done>) -> Result<(), NetError> {
         self.drive(false)?;
-        Ok(self.ready.drain(..).collect())
+        out.extend(self.ready.drain(..));
+        Ok(())
     }
 
     /// Wait until at least one request is handed back.
@@ -1177,7 +1207,7 @@ impl Volume {
         if progress || !block || !self.ready.is_empty() {
             return Ok(());
         }
-        let fds: Vec<_> = self
+        let fds: crate::conn::WaitFds<'_> = self
             .conns
             .iter()
             .filter_map(|ic| ic.conn.as_ref())
@@ -1371,8 +1401,10 @@ impl Volume {
                     eprintln!("aios initiator: ordered FLUSH failed: {e}");
                     return Ok(());
                 }
-                let mut now_durable = Vec::new();
-                let mut keep = VecDeque::new();
+                // Scratch lists kept for their allocations.
+                let mut now_durable = std::mem::take(&mut self.durable_scratch);
+                let mut keep = std::mem::take(&mut self.order_scratch);
+                let ic = &mut self.conns[i];
                 while let Some(cid) = ic.order.pop_front() {
                     let c = ic.cmds[cid as usize].as_ref().expect("ordered piece");
                     if c.completed && c.sent_no <= covers {
@@ -1385,10 +1417,12 @@ impl Volume {
                         keep.push_back(cid);
                     }
                 }
-                ic.order = keep;
-                for (seq, req) in now_durable {
+                self.order_scratch = std::mem::replace(&mut ic.order, keep);
+                for &(seq, req) in &now_durable {
                     self.piece_durable(s, seq, req, None);
                 }
+                now_durable.clear();
+                self.durable_scratch = now_durable;
             }
             Kind::Mark => {
                 self.conns[i].release(cqe.cid);
