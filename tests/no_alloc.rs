@@ -1,10 +1,10 @@
 //! "Allocate at start, never on the hot path" (DESIGN.md): a counting global allocator proves that
 //! steady-state 4 KiB reads and writes through lbio allocate nothing, through the blocking, detached
-//! and async interfaces, on RAM and on a real O_DIRECT file driven by io_uring — and that page-cache
-//! reads (hits, misses with eviction, zero-copy guards), Rio's ordered writes (single, batched and
-//! merged, multi-write groups, with background FLUSHes and `wait`) and journal commits (every
-//! commit mode, Rio-ordered included, through checkpoints) allocate nothing either, nor does a
-//! rio-net volume's initiator writing and reading over TCP.
+//! and async interfaces, on RAM and on a real O_DIRECT file driven by io_uring. So do page-cache
+//! reads (hits, misses with eviction, zero-copy guards) and writes with their `sync`; Rio's
+//! ordered writes (single, batched and merged, multi-write groups, with background FLUSHes and
+//! `wait`); journal commits (every commit mode, Rio-ordered included, through checkpoints); and
+//! a rio-net volume's initiator writing and reading over TCP.
 //!
 //! Only allocations made by the measuring thread while it counts are counted, so tests running in
 //! parallel on other threads do not disturb each other. Every read is checked against what was
@@ -666,5 +666,63 @@ struct TempPath(PathBuf);
 impl Drop for TempPath {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Page-cache writes (whole pages, into resident pages and into pages that miss and evict) and
+/// `sync` every 64 writes allocate nothing, and what `sync` wrote back is on the file.
+#[test]
+fn page_cache_writes_and_sync_allocate_nothing() {
+    use pagecache::{CacheConfig, CacheHandle, Mode, PageCache};
+    let file = TempFile::new("pagecache-w");
+    let engine = engine();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let dev = open_file(&lbio, &file);
+    let cache = PageCache::new(CacheConfig {
+        capacity_bytes: 256 * BLOCK,
+        pool_batch: 16,
+        readahead_pages: 0,
+        huge_pages: false,
+        vectored_reads: true,
+    })
+    .unwrap();
+    let id = cache.add_file(DEVICE_BYTES as u64).unwrap();
+    let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+    h.attach(id, dev).unwrap();
+    let mut buf = [0u8; BLOCK];
+    // What each page last had written to it (0: never written; the file starts zeroed).
+    let mut last = vec![0u8; BLOCKS];
+    let mut x: u64 = 0x9e37_79b9;
+    let mut stamp = 0u8;
+    let mut run = |n: u32| {
+        for i in 0..n {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let page = (x % BLOCKS as u64) as usize;
+            stamp = stamp.wrapping_add(1).max(1);
+            buf.fill(stamp);
+            h.write(id, (page * BLOCK) as u64, &buf).expect("write");
+            last[page] = stamp;
+            if i % 64 == 63 {
+                h.sync(id).expect("sync");
+            }
+        }
+        h.sync(id).expect("sync");
+    };
+    run(WARMUP_OPS);
+    let before = cache.metrics();
+    let ((), n) = allocations_during(|| run(20_000));
+    let after = cache.metrics();
+    assert!(after.writebacks - before.writebacks > 10_000, "{after:?}");
+    assert!(after.evictions - before.evictions > 1_000, "{after:?}");
+    assert_eq!(
+        n, 0,
+        "{n} allocations in 20,000 page-cache writes and their syncs"
+    );
+    let on_file = std::fs::read(&file.0).unwrap();
+    for (page, &want) in last.iter().enumerate() {
+        let got = &on_file[page * BLOCK..(page + 1) * BLOCK];
+        assert!(got.iter().all(|&b| b == want), "page {page}: want {want}");
     }
 }
