@@ -217,7 +217,7 @@ const PROBE_ROUNDS: usize = 24;
 /// A transaction holds a copy of each block. [`Tx::clear`] empties it for the next one and
 /// keeps those copies' memory, so a thread that reuses one `Tx` commits without allocating
 /// once it has built its largest transaction.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Tx {
     data: Vec<(u64, Vec<u8>)>,
     metas: Vec<(u64, Vec<u8>)>,
@@ -225,6 +225,19 @@ pub struct Tx {
     file: Option<u32>,
     /// Block copies of cleared writes, for the next ones.
     spare: Vec<Vec<u8>>,
+}
+
+impl std::fmt::Debug for Tx {
+    /// The written blocks' numbers (not their bytes), revokes and kind.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let blocks = |v: &[(u64, Vec<u8>)]| v.iter().map(|(b, _)| *b).collect::<Vec<u64>>();
+        f.debug_struct("Tx")
+            .field("data", &blocks(&self.data))
+            .field("metas", &blocks(&self.metas))
+            .field("revokes", &self.revokes)
+            .field("file", &self.file)
+            .finish()
+    }
 }
 
 impl Clone for Tx {
@@ -1886,30 +1899,23 @@ impl Journal {
 
     fn checkpoint_alone(&self) -> Result<(), JournalError> {
         let set = &*self.set;
-        // No commit runs during a checkpoint (it holds the gate alone): the versions are taken
-        // out while their blocks go home, and put back after (emptied once all is home, their
-        // copies kept for later commits).
-        let mut versions = std::mem::replace(&mut *set.lock_versions(), Versions::with_capacity(0));
-        let r = self.checkpoint_versions(&versions);
-        if r.is_ok() {
-            versions.clear();
+        {
+            // The kept versions go home from where they lie. No commit runs meanwhile (the
+            // checkpoint holds the gate alone); a group leader judging which waiters may join
+            // waits for the lock, and sees the versions as they are until the checkpoint ends.
+            // No area lock is taken while this one is held (leaders take them the other way
+            // round).
+            let versions = set.lock_versions();
+            write_home(
+                &self.dev,
+                versions
+                    .map
+                    .iter()
+                    .filter(|(_, (_, d))| !d.is_empty())
+                    .map(|(b, (_, d))| (*b, d.as_slice())),
+            )?;
+            self.engine.block_on(self.dev.flush())??;
         }
-        *set.lock_versions() = versions;
-        r
-    }
-
-    /// Write `versions` home, FLUSH, then move every area's tail to its head.
-    fn checkpoint_versions(&self, versions: &Versions) -> Result<(), JournalError> {
-        let set = &*self.set;
-        write_home(
-            &self.dev,
-            versions
-                .map
-                .iter()
-                .filter(|(_, (_, d))| !d.is_empty())
-                .map(|(b, (_, d))| (*b, d.as_slice())),
-        )?;
-        self.engine.block_on(self.dev.flush())??;
         // Every log is now redundant: move each tail to its head. Ids below the next one are
         // all home, so the new tail id is the next id.
         let tail_tid = set.next_tid.load(Ordering::Relaxed);
@@ -1939,6 +1945,8 @@ impl Journal {
         for (i, h) in heads.into_iter().enumerate() {
             set.lock_area(i).tail = h;
         }
+        // All home: the versions go, their copies kept for later commits.
+        set.lock_versions().clear();
         set.home_below.store(tail_tid, Ordering::SeqCst);
         set.stats.checkpoints.fetch_add(1, Ordering::Relaxed);
         Ok(())

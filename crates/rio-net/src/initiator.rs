@@ -83,6 +83,9 @@ impl VolumeConfig {
 /// Writes a stream may hold (completed, waiting to become durable) per unit of window.
 pub const HELD_PER_WINDOW: u32 = 8;
 
+/// The largest window the volume's lists are sized for at open (see [`Volume::open`]).
+const PREALLOCATED_WINDOW: usize = 1024;
+
 /// A finished request. Ordered writes: durable, and every earlier write of the stream too.
 #[derive(Debug)]
 pub struct Done {
@@ -385,7 +388,9 @@ impl Volume {
         // Allocate at start: what the window bounds is sized here. A stream holds up to
         // `window × HELD_PER_WINDOW` writes not yet handed back; a connection's commands are
         // those pieces, plus reads and orderless writes within the window, plus a FLUSH or two.
-        let window = cfg.window as usize;
+        // (Bounded, so that a huge window is not allocated up front: past the bound the lists
+        // grow as they fill, and keep what they grew.)
+        let window = (cfg.window as usize).min(PREALLOCATED_WINDOW);
         let held = window * HELD_PER_WINDOW as usize;
         let cmds = held + window + 4;
         let mut hostid = [0u8; 16];

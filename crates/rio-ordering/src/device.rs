@@ -529,8 +529,9 @@ impl<P: Pmr> OrderedDevice<P> {
             inflight: Vec::with_capacity(window),
             spare_reqs: Vec::with_capacity(SPARE_REQS),
             spare_carried: Vec::with_capacity(SPARE_REQS),
-            // A merge holds at most this many whole groups of 4 KiB (more grow it once).
-            run: Vec::with_capacity((cfg.max_merge_bytes as usize / 4096).max(1)),
+            // A merge holds at most this many whole groups of 4 KiB (more, or smaller groups,
+            // grow it once).
+            run: Vec::with_capacity((cfg.max_merge_bytes as usize / 4096).clamp(1, 256)),
             merged: Vec::with_capacity(window),
             inflight_n: 0,
             flushes_out: 0,
