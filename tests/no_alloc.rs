@@ -726,3 +726,70 @@ fn page_cache_writes_and_sync_allocate_nothing() {
         assert!(got.iter().all(|&b| b == want), "page {page}: want {want}");
     }
 }
+
+/// Group commit: two threads commit into one journal area, each through its own handle, engine
+/// and lbio array over the same `O_DIRECT` file, so one often waits behind the other and joins
+/// its group. Once each thread reuses its `Tx`, neither thread allocates, whether it leads a
+/// group, joins one or commits alone.
+#[test]
+fn journal_group_commits_allocate_nothing() {
+    use journal::{CommitMode, Journal, JournalSet, Layout, Tx};
+    use std::sync::atomic::Ordering;
+    use std::sync::{Arc, Barrier};
+    const AREA_BLOCKS: u64 = 256;
+    const COMMITS: u32 = 3_000;
+    let file = Arc::new(TempFile::new("journal-group"));
+    let set = {
+        let engine = engine();
+        let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+        JournalSet::format(
+            &open_file(&lbio, &file),
+            Layout::per_core(0, AREA_BLOCKS, 1),
+        )
+        .unwrap()
+    };
+    let barrier = Arc::new(Barrier::new(2));
+    let threads: Vec<_> = (0..2u64)
+        .map(|t| {
+            let (set, file, barrier) = (Arc::clone(&set), Arc::clone(&file), Arc::clone(&barrier));
+            std::thread::spawn(move || {
+                let engine = engine();
+                let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+                let j =
+                    Journal::new(&set, 0, open_file(&lbio, &file), CommitMode::Overlapped).unwrap();
+                let mut tx = Tx::new();
+                let mut block = [0u8; BLOCK];
+                let mut i = 0u64;
+                // Each thread its own data and metadata blocks.
+                let base = AREA_BLOCKS + 200 * t;
+                let mut run = |n: u32| {
+                    for _ in 0..n {
+                        i += 1;
+                        tx.clear();
+                        block.fill(i as u8);
+                        tx.write_data(base + 100 + i % 64, &block).unwrap();
+                        tx.write_meta(base + i % 16, &block).unwrap();
+                        j.commit(&tx).unwrap();
+                    }
+                };
+                run(500);
+                barrier.wait();
+                let ((), n) = allocations_during(|| run(COMMITS));
+                n
+            })
+        })
+        .collect();
+    let counts: Vec<u64> = threads.into_iter().map(|h| h.join().unwrap()).collect();
+    let st = &set.stats;
+    let grouped = st.grouped_commits.load(Ordering::Relaxed);
+    assert!(
+        grouped > 100,
+        "{grouped} commits went out in groups: the test needs them"
+    );
+    assert!(st.checkpoints.load(Ordering::Relaxed) > 10);
+    assert_eq!(
+        counts,
+        vec![0, 0],
+        "allocations per thread in {COMMITS} commits each ({grouped} grouped)"
+    );
+}

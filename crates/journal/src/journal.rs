@@ -253,6 +253,13 @@ impl Clone for Tx {
     }
 }
 
+/// A transaction's two lists of block copies.
+#[derive(Clone, Copy)]
+enum Which {
+    Data,
+    Meta,
+}
+
 /// `bytes` in `reuse`'s memory when there is one.
 fn copy_into(reuse: Option<Vec<u8>>, bytes: &[u8]) -> Vec<u8> {
     match reuse {
@@ -346,7 +353,7 @@ impl Tx {
     /// block both write ends as `later` has it and `later`'s revokes cancel our metadata for
     /// the block. Refused (false, `self` unchanged) when the union would not fit `log_len` log
     /// blocks or when `later` writes in place a block this one journals.
-    fn absorb(&mut self, later: &Tx, log_len: u64) -> bool {
+    fn absorb(&mut self, later: &Tx, log_len: u64, scratch: &mut Tx) -> bool {
         let journals = |b: &u64| self.metas.iter().any(|(m, _)| m == b);
         if later
             .data
@@ -355,20 +362,19 @@ impl Tx {
         {
             return false;
         }
-        let mut m = self.clone();
+        // The union is built in `scratch` (its memory reused), and taken only if it fits.
+        let m = scratch;
+        m.copy_from(self);
         for (b, d) in &later.data {
-            match m.data.iter_mut().find(|(x, _)| x == b) {
-                Some(slot) => slot.1.clone_from(d),
-                None => m.data.push((*b, d.clone())),
-            }
+            m.put(Which::Data, *b, d);
         }
         for b in &later.revokes {
             // A block the later transaction frees: no earlier version of it is kept, data
             // included (a one-write commit would log that data under the revoke's own id, and
             // replay would put it into the freed block).
-            m.metas.retain(|(x, _)| x != b);
+            m.drop_block(Which::Meta, *b);
             if !later.data.iter().any(|(x, _)| x == b) {
-                m.data.retain(|(x, _)| x != b);
+                m.drop_block(Which::Data, *b);
             }
             if !m.revokes.contains(b) {
                 m.revokes.push(*b);
@@ -376,16 +382,56 @@ impl Tx {
         }
         for (b, d) in &later.metas {
             m.revokes.retain(|x| x != b);
-            match m.metas.iter_mut().find(|(x, _)| x == b) {
-                Some(slot) => slot.1.clone_from(d),
-                None => m.metas.push((*b, d.clone())),
-            }
+            m.put(Which::Meta, *b, d);
         }
         if m.log_blocks() > log_len {
             return false;
         }
-        *self = m;
+        std::mem::swap(self, m);
         true
+    }
+
+    /// `bytes` as block `block`'s new content in the data or metadata list (a copy, in spare
+    /// memory when there is some).
+    fn put(&mut self, which: Which, block: u64, bytes: &[u8]) {
+        let list = match which {
+            Which::Data => &mut self.data,
+            Which::Meta => &mut self.metas,
+        };
+        match list.iter_mut().find(|(b, _)| *b == block) {
+            Some((_, d)) => {
+                d.clear();
+                d.extend_from_slice(bytes);
+            }
+            None => list.push((block, copy_into(self.spare.pop(), bytes))),
+        }
+    }
+
+    /// Take block `block` out of the data or metadata list (its copy kept as spare memory).
+    fn drop_block(&mut self, which: Which, block: u64) {
+        let list = match which {
+            Which::Data => &mut self.data,
+            Which::Meta => &mut self.metas,
+        };
+        if let Some(i) = list.iter().position(|(b, _)| *b == block) {
+            let (_, d) = list.remove(i);
+            self.spare.push(d);
+        }
+    }
+
+    /// Make this transaction a copy of `other` (writes, revokes, kind), in its own memory.
+    fn copy_from(&mut self, other: &Tx) {
+        self.clear();
+        for (b, d) in &other.data {
+            let c = copy_into(self.spare.pop(), d);
+            self.data.push((*b, c));
+        }
+        for (b, d) in &other.metas {
+            let c = copy_into(self.spare.pop(), d);
+            self.metas.push((*b, c));
+        }
+        self.revokes.extend_from_slice(&other.revokes);
+        self.file = other.file;
     }
 
     /// Log blocks the transaction takes in the two-phase modes (a [`CommitMode::OneWrite`]
@@ -452,10 +498,13 @@ impl AreaState {
 }
 
 /// A commit request waiting behind an area's leader.
+///
+/// Each handle has one, reused for every commit that waits (a handle's thread waits for one
+/// commit at a time): the transaction is copied into memory the waiter keeps.
 struct Waiter {
-    tx: Tx,
-    /// May join another thread's group (not a file-level transaction, the handle allows it).
-    joinable: bool,
+    /// The waiting commit's transaction, and whether it may join another thread's group (not
+    /// a file-level transaction, and the handle allows it).
+    req: Mutex<(Tx, bool)>,
     state: Mutex<WaitState>,
     cv: Condvar,
 }
@@ -470,14 +519,23 @@ enum WaitState {
 
 impl std::fmt::Debug for Waiter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let req = self.req.lock().unwrap_or_else(|p| p.into_inner());
         f.debug_struct("Waiter")
-            .field("log_blocks", &self.tx.log_blocks())
-            .field("joinable", &self.joinable)
+            .field("log_blocks", &req.0.log_blocks())
+            .field("joinable", &req.1)
             .finish()
     }
 }
 
 impl Waiter {
+    fn new() -> Waiter {
+        Waiter {
+            req: Mutex::new((Tx::new(), false)),
+            state: Mutex::new(WaitState::Waiting),
+            cv: Condvar::new(),
+        }
+    }
+
     fn finish(&self, to: WaitState) {
         *self.state.lock().unwrap_or_else(|p| p.into_inner()) = to;
         self.cv.notify_one();
@@ -1050,6 +1108,11 @@ pub struct Journal {
     group_commit: bool,
     /// Rio ordering in place of the FLUSH between journal and commit ([`Journal::with_rio`]).
     rio: Option<RioStream>,
+    /// This handle's place in its area's queue when a commit has to wait (reused).
+    waiter: Arc<Waiter>,
+    /// A group's transaction, and the scratch it is built in (memory kept between groups).
+    merged: std::cell::RefCell<Tx>,
+    scratch: std::cell::RefCell<Tx>,
 }
 
 /// A handle's Rio stream: the ordered device (its own lbio array over the journal's device)
@@ -1105,6 +1168,9 @@ impl Journal {
             plp,
             group_commit: true,
             rio: None,
+            waiter: Arc::new(Waiter::new()),
+            merged: Default::default(),
+            scratch: Default::default(),
         })
     }
 
@@ -1251,13 +1317,16 @@ impl Journal {
         {
             let mut area = self.set.lock_area(self.area);
             if area.leader {
-                let me = Arc::new(Waiter {
-                    tx: tx.clone(),
-                    joinable,
-                    state: Mutex::new(WaitState::Waiting),
-                    cv: Condvar::new(),
-                });
-                area.queue.push_back(Arc::clone(&me));
+                // This handle's waiter: no leader holds it now (its last request was answered
+                // before this thread could commit again).
+                let me = &self.waiter;
+                {
+                    let mut req = me.req.lock().unwrap_or_else(|p| p.into_inner());
+                    req.0.copy_from(tx);
+                    req.1 = joinable;
+                }
+                *me.state.lock().unwrap_or_else(|p| p.into_inner()) = WaitState::Waiting;
+                area.queue.push_back(Arc::clone(me));
                 drop(area);
                 let mut st = me.state.lock().unwrap_or_else(|p| p.into_inner());
                 loop {
@@ -1290,36 +1359,31 @@ impl Journal {
     /// Commit `own` as the area's leader, joined (when `join`) by waiting joinable commits.
     fn lead(&self, own: &Tx, join: bool) -> Result<CommitInfo, JournalError> {
         let log_len = self.set.log_len(self.area);
-        let mut members: Vec<Arc<Waiter>> = Vec::new();
-        let merged;
+        let mut members: SmallVec<[Arc<Waiter>; 8]> = SmallVec::new();
+        // The group's transaction, built in memory the handle keeps.
+        let mut merged = self.merged.borrow_mut();
         let mut area = self.set.lock_area(self.area);
         // Nobody waiting (the usual case): commit `own` as it is, without copying it.
-        let tx = if join && !area.queue.is_empty() {
-            let mut m = own.clone();
-            let mut rest = std::collections::VecDeque::new();
+        if join && !area.queue.is_empty() {
+            merged.copy_from(own);
+            let mut scratch = self.scratch.borrow_mut();
             // A transaction that would be refused for writing in place over journaled blocks
             // commits by itself, so that its error stays its own.
             let fits = |t: &Tx| self.data_conflict(t).is_none();
             let own_ok = fits(own);
-            while let Some(w) = area.queue.pop_front() {
-                if own_ok && w.joinable && fits(&w.tx) && m.absorb(&w.tx, log_len) {
-                    members.push(w);
-                } else {
-                    rest.push_back(w);
+            // Those that join leave the queue; the others keep their order.
+            area.queue.retain(|w| {
+                let req = w.req.lock().unwrap_or_else(|p| p.into_inner());
+                let joins =
+                    own_ok && req.1 && fits(&req.0) && merged.absorb(&req.0, log_len, &mut scratch);
+                if joins {
+                    members.push(Arc::clone(w));
                 }
-            }
-            area.queue = rest;
-            drop(area);
-            if members.is_empty() {
-                own
-            } else {
-                merged = m;
-                &merged
-            }
-        } else {
-            drop(area);
-            own
-        };
+                !joins
+            });
+        }
+        drop(area);
+        let tx: &Tx = if members.is_empty() { own } else { &merged };
         let mut r = self.commit_led(tx, members.len() as u64 + 1);
         if !members.is_empty() && matches!(r, Err(JournalError::DataOverJournaledBlock { .. })) {
             // Another area journaled a block the group writes in place since the check: the
@@ -2028,7 +2092,7 @@ mod tests {
         later.revoke(10);
         later.revoke(11);
         later.write_data(11, &block(4)).unwrap();
-        assert!(first.absorb(&later, 100));
+        assert!(first.absorb(&later, 100, &mut Tx::new()));
         // Block 10 is freed by the later member: the earlier data for it goes (a one-write
         // commit would log it under the revoke's own id). Block 11 is freed and written again
         // by the later member: its new data stays.
