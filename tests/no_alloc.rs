@@ -365,24 +365,53 @@ fn async_io_on_a_file_allocates_nothing() {
     );
 }
 
+/// A page cache of 256 frames (a quarter of the file fits) over a fresh `O_DIRECT` test file,
+/// in AIOS mode, with this thread's handle attached.
+struct CacheOnFile {
+    h: pagecache::CacheHandle,
+    cache: std::sync::Arc<pagecache::PageCache>,
+    lbio: Rc<LbioArray>,
+    id: pagecache::FileId,
+    file: TempFile,
+}
+
+impl CacheOnFile {
+    fn new(tag: &str) -> CacheOnFile {
+        use pagecache::{CacheConfig, CacheHandle, Mode, PageCache};
+        let file = TempFile::new(tag);
+        let engine = engine();
+        let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+        let dev = open_file(&lbio, &file);
+        let cache = PageCache::new(CacheConfig {
+            capacity_bytes: 256 * BLOCK,
+            pool_batch: 16,
+            readahead_pages: 0,
+            huge_pages: false,
+            vectored_reads: true,
+        })
+        .unwrap();
+        let id = cache.add_file(DEVICE_BYTES as u64).unwrap();
+        let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+        h.attach(id, dev).unwrap();
+        CacheOnFile {
+            h,
+            cache,
+            lbio,
+            id,
+            file,
+        }
+    }
+}
+
 #[test]
 fn page_cache_hits_misses_and_evictions_allocate_nothing() {
-    use pagecache::{CacheConfig, CacheHandle, Mode, PageCache};
-    let file = TempFile::new("pagecache");
-    let engine = engine();
-    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
-    let dev = open_file(&lbio, &file);
-    let cache = PageCache::new(CacheConfig {
-        capacity_bytes: 256 * BLOCK,
-        pool_batch: 16,
-        readahead_pages: 0,
-        huge_pages: false,
-        vectored_reads: true,
-    })
-    .unwrap();
-    let id = cache.add_file(DEVICE_BYTES as u64).unwrap();
-    let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
-    h.attach(id, dev).unwrap();
+    let CacheOnFile {
+        h,
+        cache,
+        lbio,
+        id,
+        file: _file,
+    } = CacheOnFile::new("pagecache");
     let mut buf = [0u8; BLOCK];
     let mut wide = [0u8; 6 * BLOCK];
     let mut x: u64 = 0x9e37_79b9;
@@ -585,20 +614,13 @@ fn rio_net_volume_ordered_writes_allocate_nothing() {
     let mut files = Vec::new();
     let mut addrs = Vec::new();
     for t in 0..2 {
-        let path = PathBuf::from(format!(
-            "/dev/shm/aios-no-alloc-{}-net{t}.img",
-            std::process::id()
-        ));
-        std::fs::File::create(&path)
-            .unwrap()
-            .set_len(16 << 20)
-            .unwrap();
-        let mut cfg = TargetConfig::new(path.clone(), TargetLogKind::Mem(1 << 20));
+        let file = TempFile::new(&format!("net{t}"));
+        let mut cfg = TargetConfig::new(file.0.clone(), TargetLogKind::Mem(1 << 20));
         cfg.streams = 1;
         let target = Target::bind("127.0.0.1:0".parse().unwrap(), cfg).unwrap();
         addrs.push(target.local_addr());
         target.spawn();
-        files.push(TempPath(path));
+        files.push(file);
     }
     let cfg = VolumeConfig::new(addrs, 1);
     assert_eq!(cfg.window, 64);
@@ -660,35 +682,13 @@ fn rio_net_volume_ordered_writes_allocate_nothing() {
     assert_eq!(n, 0, "{n} allocations in 20,000 volume requests");
 }
 
-/// A file removed when dropped.
-struct TempPath(PathBuf);
-
-impl Drop for TempPath {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
 /// Page-cache writes (whole pages, into resident pages and into pages that miss and evict) and
 /// `sync` every 64 writes allocate nothing, and what `sync` wrote back is on the file.
 #[test]
 fn page_cache_writes_and_sync_allocate_nothing() {
-    use pagecache::{CacheConfig, CacheHandle, Mode, PageCache};
-    let file = TempFile::new("pagecache-w");
-    let engine = engine();
-    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
-    let dev = open_file(&lbio, &file);
-    let cache = PageCache::new(CacheConfig {
-        capacity_bytes: 256 * BLOCK,
-        pool_batch: 16,
-        readahead_pages: 0,
-        huge_pages: false,
-        vectored_reads: true,
-    })
-    .unwrap();
-    let id = cache.add_file(DEVICE_BYTES as u64).unwrap();
-    let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
-    h.attach(id, dev).unwrap();
+    let CacheOnFile {
+        h, cache, id, file, ..
+    } = CacheOnFile::new("pagecache-w");
     let mut buf = [0u8; BLOCK];
     // What each page last had written to it (0: never written; the file starts zeroed).
     let mut last = vec![0u8; BLOCKS];

@@ -299,26 +299,14 @@ impl Tx {
     /// Write `bytes` (one block) in place at home block `block`; durable before the commit.
     pub fn write_data(&mut self, block: u64, bytes: &[u8]) -> Result<&mut Tx, JournalError> {
         check_len(block, bytes)?;
-        match self.data.iter_mut().find(|(b, _)| *b == block) {
-            Some((_, d)) => d.copy_from_slice(bytes),
-            None => {
-                let copy = copy_into(self.spare.pop(), bytes);
-                self.data.push((block, copy));
-            }
-        }
+        self.put(Which::Data, block, bytes);
         Ok(self)
     }
 
     /// Journal `bytes` (one block) as the new content of metadata block `block`.
     pub fn write_meta(&mut self, block: u64, bytes: &[u8]) -> Result<&mut Tx, JournalError> {
         check_len(block, bytes)?;
-        match self.metas.iter_mut().find(|(b, _)| *b == block) {
-            Some((_, d)) => d.copy_from_slice(bytes),
-            None => {
-                let copy = copy_into(self.spare.pop(), bytes);
-                self.metas.push((block, copy));
-            }
-        }
+        self.put(Which::Meta, block, bytes);
         Ok(self)
     }
 
@@ -605,24 +593,25 @@ impl Versions {
         self.map.get(block)
     }
 
-    fn keep(&mut self, mut copy: Vec<u8>) {
+    /// Keep a dropped entry's copy (an entry for home data has none).
+    fn keep(spare: &mut Vec<Vec<u8>>, mut copy: Vec<u8>) {
         if copy.capacity() > 0 {
             copy.clear();
-            self.spare.push(copy);
+            spare.push(copy);
         }
     }
 
     /// `block` is revoked: no version of it is kept.
     fn remove(&mut self, block: u64) {
         if let Some((_, d)) = self.map.remove(&block) {
-            self.keep(d);
+            Versions::keep(&mut self.spare, d);
         }
     }
 
     /// `block`'s newest version is at home already (a one-write commit's data).
     fn record_home(&mut self, block: u64, tid: u64) {
         if let Some((_, d)) = self.map.insert(block, (tid, Vec::new())) {
-            self.keep(d);
+            Versions::keep(&mut self.spare, d);
         }
     }
 
@@ -640,13 +629,8 @@ impl Versions {
 
     /// Everything is home: drop every entry, keeping the copies.
     fn clear(&mut self) {
-        let spare = &mut self.spare;
         for (_, (_, d)) in self.map.drain() {
-            if d.capacity() > 0 {
-                let mut d = d;
-                d.clear();
-                spare.push(d);
-            }
+            Versions::keep(&mut self.spare, d);
         }
     }
 }
