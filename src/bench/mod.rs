@@ -401,6 +401,15 @@ pub fn run_threads<R: Send>(
     threads: u32,
     f: impl Fn(u32, &std::sync::Barrier) -> R + Sync,
 ) -> (Vec<R>, f64, f64) {
+    let (results, wall, user, system) = run_threads_split(threads, f);
+    (results, wall, user + system)
+}
+
+/// [`run_threads`] with the process CPU seconds split: `(results, wall, user, system)`.
+pub fn run_threads_split<R: Send>(
+    threads: u32,
+    f: impl Fn(u32, &std::sync::Barrier) -> R + Sync,
+) -> (Vec<R>, f64, f64, f64) {
     let ready = std::sync::Barrier::new(threads as usize + 1);
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
@@ -410,16 +419,19 @@ pub fn run_threads<R: Send>(
             })
             .collect();
         ready.wait();
-        let cpu0 = sys::process_cpu_time();
+        let (user0, sys0) = sys::process_cpu_split();
         let t0 = Instant::now();
         let results: Vec<R> = handles
             .into_iter()
             .map(|h| h.join().expect("bench thread panicked"))
             .collect();
+        let wall = t0.elapsed().as_secs_f64();
+        let (user1, sys1) = sys::process_cpu_split();
         (
             results,
-            t0.elapsed().as_secs_f64(),
-            (sys::process_cpu_time() - cpu0).as_secs_f64(),
+            wall,
+            user1.saturating_sub(user0).as_secs_f64(),
+            sys1.saturating_sub(sys0).as_secs_f64(),
         )
     })
 }

@@ -23,7 +23,8 @@ use serde::Serialize;
 
 use crate::bench::compare::Progress;
 use crate::bench::{
-    arena_within_memlock, median, new_histogram, quantile_us, run_threads, xorshift, BenchError,
+    arena_within_memlock, median, new_histogram, quantile_us, run_threads_split, xorshift,
+    BenchError,
 };
 
 const BS: usize = 4096;
@@ -118,6 +119,15 @@ pub struct OrderedSample {
     pub sleeps_per_write: f64,
     pub seconds: f64,
     pub cpu_s: f64,
+    /// `cpu_s` split: user space and the kernel (the kernel's share includes what the block
+    /// layer and io_uring do for the process, and interrupts that arrive while it runs). The
+    /// split comes from the kernel's tick sampling: a guide to where the time goes, not as
+    /// exact as `cpu_s`.
+    pub cpu_user_s: f64,
+    pub cpu_sys_s: f64,
+    /// Each per write, in µs.
+    pub user_us_per_write: f64,
+    pub sys_us_per_write: f64,
     /// Whose clock `seconds` is: `wall` or `simulated`.
     pub clock: String,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -302,7 +312,7 @@ impl OrderedBench {
         log: Option<LogKind>,
     ) -> Result<OrderedSample, BenchError> {
         let sim = matches!(self.target, OrderedTarget::Sim);
-        let (runs, elapsed, cpu) = run_threads(streams, |t, barrier| {
+        let (runs, elapsed, cpu_user, cpu_sys) = run_threads_split(streams, |t, barrier| {
             self.stream_thread(
                 mode,
                 t,
@@ -333,6 +343,8 @@ impl OrderedBench {
             sim_ns = sim_ns.max(r.sim_ns);
         }
         let seconds = if sim { sim_ns as f64 / 1e9 } else { elapsed };
+        let cpu = cpu_user + cpu_sys;
+        let per_write = |s: f64| s * 1e6 / writes.max(1) as f64;
         let block =
             matches!(log, Some(LogKind::Block | LogKind::BlockAsync)) && mode == OrderedMode::Rio;
         Ok(OrderedSample {
@@ -351,6 +363,10 @@ impl OrderedBench {
             writes,
             seconds,
             cpu_s: cpu,
+            cpu_user_s: cpu_user,
+            cpu_sys_s: cpu_sys,
+            user_us_per_write: per_write(cpu_user),
+            sys_us_per_write: per_write(cpu_sys),
             clock: if sim { "simulated" } else { "wall" }.into(),
             device: self.device_name.clone(),
             enters_per_write: enters as f64 / writes.max(1) as f64,
@@ -770,6 +786,10 @@ fn medians(cases: &[Case], all: &[OrderedSample], device: &str) -> Vec<OrderedSa
             sleeps_per_write: med(&|x| x.sleeps_per_write),
             seconds: med(&|x| x.seconds),
             cpu_s: med(&|x| x.cpu_s),
+            cpu_user_s: med(&|x| x.cpu_user_s),
+            cpu_sys_s: med(&|x| x.cpu_sys_s),
+            user_us_per_write: med(&|x| x.user_us_per_write),
+            sys_us_per_write: med(&|x| x.sys_us_per_write),
             clock: mine[0].clock.clone(),
             round: None,
             device: device.into(),

@@ -21,6 +21,7 @@ pub mod copy;
 pub mod engine;
 pub mod error;
 pub mod fuse_ring;
+pub mod hint;
 pub mod nvme;
 pub mod pmr;
 pub mod probe;

@@ -262,13 +262,23 @@ pub fn process_cpu_time() -> Duration {
     cpu_time(libc::RUSAGE_SELF)
 }
 
+/// CPU time of this process so far, in user space and in the kernel: `(user, system)`.
+pub fn process_cpu_split() -> (Duration, Duration) {
+    cpu_split(libc::RUSAGE_SELF)
+}
+
 fn cpu_time(who: libc::c_int) -> Duration {
+    let (user, system) = cpu_split(who);
+    user + system
+}
+
+fn cpu_split(who: libc::c_int) -> (Duration, Duration) {
     // SAFETY: an all-zero rusage is valid; getrusage fills it.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: `ru` is a valid, writable rusage.
     unsafe { libc::getrusage(who, &mut ru) };
     let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, (t.tv_usec as u32) * 1000);
-    tv(ru.ru_utime) + tv(ru.ru_stime)
+    (tv(ru.ru_utime), tv(ru.ru_stime))
 }
 
 /// The soft `RLIMIT_MEMLOCK` in bytes (`None` = unlimited).

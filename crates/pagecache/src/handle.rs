@@ -1547,16 +1547,8 @@ const PREFETCH_LINES: usize = 2;
 /// never faults and changes no state a program can see.
 #[inline(always)]
 fn prefetch_lines(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
     for i in 0..PREFETCH_LINES {
-        // SAFETY: a prefetch is a hint that never faults, whatever the address; `wrapping_add`
-        // computes the address without claiming it is in bounds.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                p.wrapping_add(i * 64).cast(),
-            )
-        };
+        // `wrapping_add` computes the address without claiming it is in bounds.
+        aios_core::hint::prefetch_ptr(p.wrapping_add(i * 64));
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
 }

@@ -30,6 +30,10 @@ pub trait Pmr {
     fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError>;
     /// Read `out.len()` bytes at `offset`.
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError>;
+    /// A hint: the next write goes to `offset`. A region in ordinary memory brings that line
+    /// into the cache ahead of it (the log calls this after each append, for the next slot);
+    /// the default does nothing.
+    fn prefetch(&self, _offset: usize) {}
     /// Whether [`Pmr::persist`] only stages the bytes, which become durable at the next
     /// [`Pmr::sync`] (a log kept in device blocks). Byte-addressable persistent memory: `false`.
     fn deferred(&self) -> bool {
@@ -89,6 +93,9 @@ impl<P: Pmr + ?Sized> Pmr for Box<P> {
     }
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError> {
         (**self).read(offset, out)
+    }
+    fn prefetch(&self, offset: usize) {
+        (**self).prefetch(offset)
     }
     fn deferred(&self) -> bool {
         (**self).deferred()
@@ -152,6 +159,12 @@ impl Pmr for MemPmr {
         let end = check_range(offset, out.len(), self.bytes.len())?;
         out.copy_from_slice(&self.bytes[offset..end]);
         Ok(())
+    }
+    #[inline]
+    fn prefetch(&self, offset: usize) {
+        if let Some(b) = self.bytes.get(offset) {
+            aios_core::hint::prefetch(b);
+        }
     }
 }
 
@@ -558,7 +571,13 @@ impl<P: Pmr> AttrLog<P> {
             self.live += 1;
         }
         // (A compare, not a division: one append per ordered write.)
-        self.tail = if s + 1 == self.header.slots { 0 } else { s + 1 };
+        let next = if s + 1 == self.header.slots { 0 } else { s + 1 };
+        self.tail = next;
+        // The next append reads that slot's use and writes its entry: long after this one (a
+        // device submission and a completion in between, which push both lines out of the
+        // nearer caches) and one line further each time, so they are fetched now.
+        aios_core::hint::prefetch(&self.used[next as usize]);
+        self.pmr.prefetch(self.slot_offset(next));
         Ok(Slot(s))
     }
 
