@@ -55,7 +55,7 @@ pub fn crc32c_array<const N: usize>(data: &[u8; N]) -> u32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "sse4.2")]
 unsafe fn sse42<T: AsRef<[u8]> + ?Sized>(data: &T) -> u32 {
-    use std::arch::x86_64::{_mm_crc32_u64, _mm_crc32_u8};
+    use std::arch::x86_64::{_mm_crc32_u32, _mm_crc32_u64, _mm_crc32_u8};
     let mut c = u32::MAX as u64;
     let words = data.as_ref().chunks_exact(8);
     let tail = words.remainder();
@@ -68,6 +68,13 @@ unsafe fn sse42<T: AsRef<[u8]> + ?Sized>(data: &T) -> u32 {
             c = _mm_crc32_u64(c, u64::from_le_bytes(w.try_into().expect("8 bytes")));
         }
         let mut c = c as u32;
+        // Four bytes at once (the instruction takes them low byte first, as four single-byte
+        // steps would), then what is left.
+        let mut tail = tail;
+        if let Some((four, rest)) = tail.split_first_chunk::<4>() {
+            c = _mm_crc32_u32(c, u32::from_le_bytes(*four));
+            tail = rest;
+        }
         for &b in tail {
             c = _mm_crc32_u8(c, b);
         }

@@ -87,30 +87,43 @@ impl Attr {
     /// The 64-byte entry (one is written for every ordered write: kept to fixed-size copies).
     #[inline]
     pub fn to_bytes(&self) -> [u8; ATTR_BYTES] {
+        self.entry_bytes(self.epoch, self.persist)
+    }
+
+    /// [`Attr::to_bytes`] with `epoch` and `persist` in place of the attribute's own: what the
+    /// log writes for an append (its epoch, not yet persisted) without copying the attribute
+    /// first. The fields go straight to their place in the entry, and the checksum is taken
+    /// over them there.
+    #[inline]
+    pub(crate) fn entry_bytes(&self, epoch: u32, persist: bool) -> [u8; ATTR_BYTES] {
         let flags = (self.boundary as u16 * BOUNDARY)
             | (self.ipu as u16 * IPU)
             | (self.flush as u16 * FLUSH)
             | (self.merged as u16 * MERGED);
         let (i, n) = self.split.unwrap_or((0, 0));
-        let mut body = [0u8; CRC_BYTES];
-        body[0..2].copy_from_slice(&self.stream.to_le_bytes());
-        body[2..4].copy_from_slice(&self.target.to_le_bytes());
-        body[4..8].copy_from_slice(&self.epoch.to_le_bytes());
-        body[8..16].copy_from_slice(&self.seq.to_le_bytes());
-        body[16..24].copy_from_slice(&self.seq_end.to_le_bytes());
-        body[24..32].copy_from_slice(&self.prev.to_le_bytes());
-        body[32..40].copy_from_slice(&self.offset.to_le_bytes());
-        body[40..44].copy_from_slice(&self.len.to_le_bytes());
-        body[44..46].copy_from_slice(&flags.to_le_bytes());
-        body[46..48].copy_from_slice(&self.num.to_le_bytes());
-        body[48..50].copy_from_slice(&self.members.to_le_bytes());
-        body[50] = i;
-        body[51] = n;
         let mut out = [0u8; ATTR_BYTES];
         out[0..4].copy_from_slice(&MAGIC.to_le_bytes());
-        out[4..8].copy_from_slice(&entry_crc(&body).to_le_bytes());
-        out[8..60].copy_from_slice(&body);
-        out[60..64].copy_from_slice(&self.persist_word().to_le_bytes());
+        out[8..10].copy_from_slice(&self.stream.to_le_bytes());
+        out[10..12].copy_from_slice(&self.target.to_le_bytes());
+        out[12..16].copy_from_slice(&epoch.to_le_bytes());
+        out[16..24].copy_from_slice(&self.seq.to_le_bytes());
+        out[24..32].copy_from_slice(&self.seq_end.to_le_bytes());
+        out[32..40].copy_from_slice(&self.prev.to_le_bytes());
+        out[40..48].copy_from_slice(&self.offset.to_le_bytes());
+        out[48..52].copy_from_slice(&self.len.to_le_bytes());
+        out[52..54].copy_from_slice(&flags.to_le_bytes());
+        out[54..56].copy_from_slice(&self.num.to_le_bytes());
+        out[56..58].copy_from_slice(&self.members.to_le_bytes());
+        out[58] = i;
+        out[59] = n;
+        let crc = entry_crc(out[8..60].try_into().expect("52 bytes"));
+        out[4..8].copy_from_slice(&crc.to_le_bytes());
+        let word = if persist {
+            Self::persisted_word(self.seq)
+        } else {
+            0
+        };
+        out[60..64].copy_from_slice(&word.to_le_bytes());
         out
     }
 

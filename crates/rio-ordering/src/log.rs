@@ -152,6 +152,16 @@ impl Pmr for MemPmr {
     }
     fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
         let end = check_range(offset, bytes.len(), self.bytes.len())?;
+        if let (Ok(entry), Some(to)) = (
+            <&[u8; ATTR_BYTES]>::try_from(bytes),
+            self.bytes.get_mut(offset..end),
+        ) {
+            // An entry, one per ordered write: a fixed-size copy, no call.
+            <&mut [u8; ATTR_BYTES]>::try_from(to)
+                .expect("the range is an entry long")
+                .copy_from_slice(entry);
+            return Ok(());
+        }
         self.bytes[offset..end].copy_from_slice(bytes);
         Ok(())
     }
@@ -561,11 +571,9 @@ impl<P: Pmr> AttrLog<P> {
                 self.header_writes += 1;
             }
         }
-        let mut a = *attr;
-        a.epoch = self.header.epoch;
-        a.persist = false;
         let off = self.slot_offset(s);
-        self.pmr.persist(off, &a.to_bytes())?;
+        self.pmr
+            .persist(off, &attr.entry_bytes(self.header.epoch, false))?;
         self.used[s as usize] = used;
         if reused.is_none() {
             self.live += 1;
