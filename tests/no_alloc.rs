@@ -3,72 +3,24 @@
 //! and async interfaces, on RAM and on a real O_DIRECT file driven by io_uring. So do page-cache
 //! reads (hits, misses with eviction, zero-copy guards) and writes with their `sync`; Rio's
 //! ordered writes (single, batched and merged, multi-write groups, with background FLUSHes and
-//! `wait`); journal commits (every commit mode, Rio-ordered included, through checkpoints); and
-//! a rio-net volume's initiator writing and reading over TCP.
+//! `wait`); and journal commits (every commit mode, Rio-ordered included, through
+//! checkpoints). A rio-net volume and its targets are counted in `tests/no_alloc_net.rs`, on
+//! every thread of the process.
 //!
 //! Only allocations made by the measuring thread while it counts are counted, so tests running in
 //! parallel on other threads do not disturb each other. Every read is checked against what was
 //! last written to its block, so the loops really move the bytes they claim to.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
-use std::path::PathBuf;
 use std::rc::Rc;
 
 use aios_core::{Engine, EngineConfig, FixedBuf, ProbeOptions};
 use lbio::{Device, DeviceConfig, Io, LbioArray, LbioConfig, RouteChoice, Tag};
 
-struct CountingAlloc;
-
-thread_local! {
-    static COUNTING: Cell<bool> = const { Cell::new(false) };
-    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
-}
-
-fn note_allocation() {
-    // `try_with`: the allocator can be called while this thread's locals are being torn down.
-    let _ = COUNTING.try_with(|on| {
-        if on.get() {
-            ALLOCATIONS.with(|n| n.set(n.get() + 1));
-        }
-    });
-}
-
-// SAFETY: every call is forwarded unchanged to the system allocator; counting touches only
-// const-initialised thread-locals, which never allocate.
-unsafe impl GlobalAlloc for CountingAlloc {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        note_allocation();
-        // SAFETY: forwarded with the caller's layout.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        note_allocation();
-        // SAFETY: forwarded with the caller's layout.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        note_allocation();
-        // SAFETY: forwarded with the caller's pointer, layout and size.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: forwarded with the caller's pointer and layout.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
+mod counting;
+use counting::allocations_during;
 
 #[global_allocator]
-static GLOBAL: CountingAlloc = CountingAlloc;
-
-/// Run `f`, counting the heap allocations this thread makes meanwhile.
-fn allocations_during<R>(f: impl FnOnce() -> R) -> (R, u64) {
-    ALLOCATIONS.with(|n| n.set(0));
-    COUNTING.with(|c| c.set(true));
-    let r = f();
-    COUNTING.with(|c| c.set(false));
-    (r, ALLOCATIONS.with(|n| n.get()))
-}
+static GLOBAL: counting::CountingAlloc = counting::CountingAlloc;
 
 /// Steady-state operations measured per case (reads and writes, half each).
 const OPS: u32 = 100_000;
@@ -97,28 +49,13 @@ fn engine() -> Rc<Engine> {
     .expect("engine")
 }
 
-/// A file under /var/tmp (ext4, O_DIRECT), fully written so no write allocates blocks; removed
-/// when dropped.
-struct TempFile(PathBuf);
-
-impl TempFile {
-    fn new(tag: &str) -> TempFile {
-        let path = PathBuf::from(format!(
-            "/var/tmp/aios-no-alloc-{}-{tag}.img",
-            std::process::id()
-        ));
-        std::fs::write(&path, vec![0u8; DEVICE_BYTES]).expect("create the test file");
-        TempFile(path)
-    }
+/// A file under /var/tmp (ext4, O_DIRECT) the size of the test device, fully written so no write
+/// allocates blocks; removed when dropped.
+fn temp_file(tag: &str) -> counting::TempFile {
+    counting::TempFile::new(tag, DEVICE_BYTES)
 }
 
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-fn open_file(lbio: &Rc<LbioArray>, file: &TempFile) -> Device {
+fn open_file(lbio: &Rc<LbioArray>, file: &counting::TempFile) -> Device {
     let cfg = DeviceConfig {
         write: true,
         route: RouteChoice::Ring,
@@ -283,7 +220,7 @@ fn detached_ops(
 
 #[test]
 fn detached_io_on_a_file_allocates_nothing() {
-    let file = TempFile::new("detached");
+    let file = temp_file("detached");
     let engine = engine();
     let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
     let dev = open_file(&lbio, &file);
@@ -352,7 +289,7 @@ fn async_io_on_memory_allocates_nothing() {
 
 #[test]
 fn async_io_on_a_file_allocates_nothing() {
-    let file = TempFile::new("async");
+    let file = temp_file("async");
     let engine = engine();
     let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
     let dev = open_file(&lbio, &file);
@@ -372,13 +309,13 @@ struct CacheOnFile {
     cache: std::sync::Arc<pagecache::PageCache>,
     lbio: Rc<LbioArray>,
     id: pagecache::FileId,
-    file: TempFile,
+    file: counting::TempFile,
 }
 
 impl CacheOnFile {
     fn new(tag: &str) -> CacheOnFile {
         use pagecache::{CacheConfig, CacheHandle, Mode, PageCache};
-        let file = TempFile::new(tag);
+        let file = temp_file(tag);
         let engine = engine();
         let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
         let dev = open_file(&lbio, &file);
@@ -536,7 +473,7 @@ fn journal_commits_and_checkpoints_allocate_nothing() {
         (CommitMode::Overlapped, true),
     ] {
         let name = if rio { "rio" } else { mode.name() };
-        let file = TempFile::new(&format!("journal-{name}"));
+        let file = temp_file(&format!("journal-{name}"));
         let engine = engine();
         let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
         let set = JournalSet::format(
@@ -604,84 +541,6 @@ fn journal_commits_and_checkpoints_allocate_nothing() {
     }
 }
 
-/// Rio over the network, the initiator's side: a volume striped over two targets on
-/// 127.0.0.1 (each in its own threads, which this thread's counter does not see), ordered
-/// writes with up to 16 outstanding, orderless writes and reads among them, completions taken
-/// with `poll_into`, then `wait`. Steady state allocates nothing.
-#[test]
-fn rio_net_volume_ordered_writes_allocate_nothing() {
-    use rio_net::{Done, Target, TargetConfig, TargetLogKind, Volume, VolumeConfig};
-    let mut files = Vec::new();
-    let mut addrs = Vec::new();
-    for t in 0..2 {
-        let file = TempFile::new(&format!("net{t}"));
-        let mut cfg = TargetConfig::new(file.0.clone(), TargetLogKind::Mem(1 << 20));
-        cfg.streams = 1;
-        let target = Target::bind("127.0.0.1:0".parse().unwrap(), cfg).unwrap();
-        addrs.push(target.local_addr());
-        target.spawn();
-        files.push(file);
-    }
-    let cfg = VolumeConfig::new(addrs, 1);
-    assert_eq!(cfg.window, 64);
-    let (mut v, _) = Volume::open(cfg).unwrap();
-    let blocks = v.bytes() / BLOCK as u64;
-    // Room for everything a poll can hand back: a stream's held writes.
-    let mut got: Vec<Done> = Vec::with_capacity(rio_net::HELD_PER_WINDOW as usize * 64);
-    let mut x = 0x2545_f491_4f6c_dd1du64;
-    let (mut ops, mut back, mut last_seq) = (0u64, 0u64, 0u64);
-    let mut take = |got: &mut Vec<Done>, back: &mut u64| {
-        for d in got.drain(..) {
-            d.result.expect("request");
-            if d.seq != 0 {
-                assert!(d.seq > last_seq, "ordered writes hand back in order");
-                last_seq = d.seq;
-            }
-            *back += 1;
-        }
-    };
-    let mut run = |n: u32, v: &mut Volume| {
-        for i in 0..n {
-            let buf = loop {
-                if let Some(b) = v.alloc(BLOCK) {
-                    break b;
-                }
-                v.poll_into(&mut got).unwrap();
-                take(&mut got, &mut back);
-            };
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let off = (x % blocks) * BLOCK as u64;
-            match i % 8 {
-                3 => v.read(0, off, buf).map(|_| ()),
-                6 => v.write_orderless(0, off, buf).map(|_| ()),
-                _ => v.submit(0, off, buf, true).map(|_| ()),
-            }
-            .unwrap();
-            ops += 1;
-            if i % 16 == 15 {
-                v.poll_into(&mut got).unwrap();
-                take(&mut got, &mut back);
-            }
-        }
-        v.wait(0).unwrap();
-        while back < ops {
-            v.poll_into(&mut got).unwrap();
-            take(&mut got, &mut back);
-        }
-    };
-    run(5_000, &mut v);
-    let before = v.stats();
-    let ((), n) = allocations_during(|| run(20_000, &mut v));
-    let after = v.stats();
-    assert!(
-        after.ordered_cmds - before.ordered_cmds >= 15_000,
-        "{after:?}"
-    );
-    assert_eq!(n, 0, "{n} allocations in 20,000 volume requests");
-}
-
 /// Page-cache writes (whole pages, into resident pages and into pages that miss and evict) and
 /// `sync` every 64 writes allocate nothing, and what `sync` wrote back is on the file.
 #[test]
@@ -738,7 +597,7 @@ fn journal_group_commits_allocate_nothing() {
     use std::sync::{Arc, Barrier};
     const AREA_BLOCKS: u64 = 256;
     const COMMITS: u32 = 3_000;
-    let file = Arc::new(TempFile::new("journal-group"));
+    let file = Arc::new(temp_file("journal-group"));
     let set = {
         let engine = engine();
         let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();

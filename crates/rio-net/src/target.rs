@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use aios_core::{CompletionMode, Engine, EngineConfig, FixedBuf, ProbeOptions};
-use lbio::{Device, DeviceConfig, Io, LbioArray, LbioConfig, Tag};
+use lbio::{Device, DeviceConfig, Io, LbioArray, LbioConfig};
 use rio_ordering::{Attr, AttrLog, FilePmr, MemPmr, NvmePmr, Pmr, RioError, Slot};
 
 use crate::conn::{wait_fds, Conn, Transport};
@@ -435,6 +435,9 @@ enum InFlight {
     Write {
         cid: u16,
         ordered: Option<(Slot, u64)>,
+        /// An ordered write's number on its connection ([`TConn::ordered_sent`] when it went
+        /// out); 0 for the others.
+        order_no: u64,
     },
     Flush {
         cid: u16,
@@ -448,6 +451,15 @@ enum InFlight {
         next: u64,
         end: u64,
     },
+}
+
+/// An ordered FLUSH waiting for the writes out when it arrived: those numbered below `before`,
+/// of which `out` have not completed. (Counts, not a list of the writes: nothing is allocated
+/// per FLUSH.)
+struct WaitingFlush {
+    held: Held,
+    before: u64,
+    out: usize,
 }
 
 /// An ordered command waiting for its turn.
@@ -468,6 +480,10 @@ enum Queue {
     },
 }
 
+/// Request slots of a connection's device (the most device commands it has in flight, and so
+/// the most commands it accepts at once).
+const IO_SLOTS: u32 = 256;
+
 struct TConn {
     shared: Arc<Shared>,
     peer: SocketAddr,
@@ -481,11 +497,13 @@ struct TConn {
     pulling: HashMap<u16, Collecting>,
     held: VecDeque<Held>,
     inflight: HashMap<u32, InFlight>,
-    /// Ordered writes submitted and not completed, by lbio tag.
-    ordered_out: Vec<u32>,
+    /// Ordered writes submitted on this connection so far: the next one's number.
+    ordered_sent: u64,
+    /// Ordered writes submitted and not completed.
+    ordered_out: usize,
     /// Ordered FLUSHes waiting for the ordered writes that were out when they arrived (later
     /// writes go on meanwhile: a FLUSH certifies only groups up to its own).
-    flushes_waiting: VecDeque<(Held, Vec<u32>)>,
+    flushes_waiting: VecDeque<WaitingFlush>,
     /// Controller registers (admin queue).
     cc: u32,
     csts: u32,
@@ -549,7 +567,8 @@ fn serve_conn(shared: Arc<Shared>, conn: Conn, peer: SocketAddr) {
         pulling: HashMap::new(),
         held: VecDeque::new(),
         inflight: HashMap::new(),
-        ordered_out: Vec::new(),
+        ordered_sent: 0,
+        ordered_out: 0,
         flushes_waiting: VecDeque::new(),
         cc: 0,
         csts: 0,
@@ -1085,11 +1104,20 @@ impl TConn {
         let lbio = LbioArray::new(
             Rc::clone(&engine),
             LbioConfig {
-                slots: 256,
+                slots: IO_SLOTS,
                 ..LbioConfig::default()
             },
         )?;
         let dev = Device::open(&lbio, &self.shared.cfg.device, device_config())?;
+        // Every command accepted holds a request slot for itself (see `command`'s
+        // back-pressure): the lists of commands held, FLUSHes waiting, data being collected and
+        // requests on the device never hold more than the slots, and get that room now.
+        let n = IO_SLOTS as usize;
+        self.held.reserve(n);
+        self.flushes_waiting.reserve(n);
+        self.inflight.reserve(n);
+        self.collecting.reserve(n);
+        self.pulling.reserve(n);
         #[cfg(feature = "rdma")]
         let keys = match self.conn.rdma_link() {
             Some(l) => {
@@ -1401,7 +1429,14 @@ impl TConn {
                 };
                 self.shared.orderless.fetch_add(1, Ordering::Relaxed);
                 let io = Io::write(sqe.slba() * LBA as u64, buf).fua(sqe.fua());
-                self.submit(io, InFlight::Write { cid, ordered: None });
+                self.submit(
+                    io,
+                    InFlight::Write {
+                        cid,
+                        ordered: None,
+                        order_no: 0,
+                    },
+                );
             }
             op::READ => {
                 let len = sqe.nlb() as usize * LBA as usize;
@@ -1493,8 +1528,11 @@ impl TConn {
             if is_flush {
                 // It waits for the writes out now; later ones need not wait for it.
                 let h = self.held.pop_front().expect("front");
-                self.flushes_waiting
-                    .push_back((h, self.ordered_out.clone()));
+                self.flushes_waiting.push_back(WaitingFlush {
+                    held: h,
+                    before: self.ordered_sent,
+                    out: self.ordered_out,
+                });
                 any = true;
                 continue;
             }
@@ -1575,14 +1613,14 @@ impl TConn {
                 };
                 self.shared.ordered_writes.fetch_add(1, Ordering::Relaxed);
                 let io = Io::write(offset, buf).fua(h.sqe.fua());
-                if let Some(tag) = self.submit(
-                    io,
-                    InFlight::Write {
-                        cid,
-                        ordered: Some((slot, a.seq)),
-                    },
-                ) {
-                    self.ordered_out.push(tag);
+                let write = InFlight::Write {
+                    cid,
+                    ordered: Some((slot, a.seq)),
+                    order_no: self.ordered_sent,
+                };
+                if self.submit(io, write).is_some() {
+                    self.ordered_sent += 1;
+                    self.ordered_out += 1;
                 }
             }
             any = true;
@@ -1593,12 +1631,8 @@ impl TConn {
     /// Start the waiting FLUSHes whose writes have all completed, in order.
     fn start_flushes(&mut self) -> Result<bool, String> {
         let mut any = false;
-        while self
-            .flushes_waiting
-            .front()
-            .is_some_and(|(_, w)| w.is_empty())
-        {
-            let (h, _) = self.flushes_waiting.pop_front().expect("front");
+        while self.flushes_waiting.front().is_some_and(|f| f.out == 0) {
+            let h = self.flushes_waiting.pop_front().expect("front").held;
             let a = h.attr;
             let cid = h.sqe.cid();
             let mut guard = self.shared.lock();
@@ -1624,7 +1658,12 @@ impl TConn {
                 Err(RioError::LogFull { .. }) => {
                     st.log_full += 1;
                     drop(guard);
-                    self.flushes_waiting.push_front((h, Vec::new()));
+                    // Its writes are all done: it waits for nothing but room in the log.
+                    self.flushes_waiting.push_front(WaitingFlush {
+                        held: h,
+                        before: 0,
+                        out: 0,
+                    });
                     break;
                 }
                 Err(e) => {
@@ -1664,14 +1703,13 @@ impl TConn {
             let Some(what) = self.inflight.remove(&done.tag.0) else {
                 continue;
             };
-            self.complete(done.tag, what, done.result.map(|_| ()), done.buf)?;
+            self.complete(what, done.result.map(|_| ()), done.buf)?;
         }
         Ok(any)
     }
 
     fn complete(
         &mut self,
-        tag: Tag,
         what: InFlight,
         result: Result<(), lbio::LbioError>,
         buf: Option<FixedBuf>,
@@ -1680,13 +1718,19 @@ impl TConn {
             eprintln!("aios target: {peer}: device request failed: {e}");
             Status::DATA_TRANSFER_ERROR
         };
+        let order_no = match &what {
+            InFlight::Write { order_no, .. } => *order_no,
+            _ => 0,
+        };
         match what {
-            InFlight::Write { cid, ordered } | InFlight::Flush { cid, ordered } => {
+            InFlight::Write { cid, ordered, .. } | InFlight::Flush { cid, ordered } => {
                 let was_write = buf.is_some();
                 if ordered.is_some() && was_write {
-                    self.ordered_out.retain(|&t| t != tag.0);
-                    for (_, w) in self.flushes_waiting.iter_mut() {
-                        w.retain(|&t| t != tag.0);
+                    self.ordered_out -= 1;
+                    for f in self.flushes_waiting.iter_mut() {
+                        if order_no < f.before {
+                            f.out -= 1;
+                        }
                     }
                 }
                 let st = match &result {
