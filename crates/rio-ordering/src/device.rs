@@ -1641,6 +1641,13 @@ impl<P: Pmr> OrderedDevice<P> {
                 return Ok(());
             };
             self.inflight_n -= 1;
+            if let (Ok(_), Back::Own(id), true) = (&c.result, &cmd.back, cmd.seq == cmd.seq_end) {
+                if !self.targets[cmd.target as usize].plp {
+                    let buf = c.buf.expect("a write returns its buffer");
+                    self.own_done(&cmd, *id, buf);
+                    return Ok(());
+                }
+            }
             let mut failed = c.result.as_ref().err().map(|e| e.to_string());
             let plp = self.targets[cmd.target as usize].plp;
             if plp && failed.is_none() {
@@ -1733,6 +1740,44 @@ impl<P: Pmr> OrderedDevice<P> {
             self.advance(cmd.stream);
         }
         Ok(())
+    }
+
+    /// The common completion, kept lean: a command of one group and one request, its own
+    /// buffer, completed without error on a target without power-loss protection (what every
+    /// unmerged write is there). What [`OrderedDevice::account`] does for any command, for this
+    /// one: recorded as volatile (a background FLUSH once enough are), its group's count of
+    /// commands out lowered, and handed back at once when it is the oldest one waiting.
+    #[inline]
+    fn own_done(&mut self, cmd: &Cmd, id: u64, buf: FixedBuf) {
+        let t = &mut self.targets[cmd.target as usize];
+        t.volatile.push(cmd.stream, cmd.seq, cmd.seq_end);
+        if self.flush_ahead > 0 && t.volatile.cmds >= self.flush_ahead && t.flushing.is_none() {
+            self.start_flush(cmd.target);
+        }
+        let st = &mut self.streams[cmd.stream as usize];
+        let oldest = st.done_below == cmd.seq && st.bufs.is_empty() && st.bufs_base == id;
+        if let Some(grp) = st.groups.get_mut(cmd.seq) {
+            grp.out -= 1;
+            if oldest && grp.count == 1 && grp.sent && grp.out == 0 && !grp.failed {
+                // Nothing before it waits, and it is its group's only request: it goes back
+                // now, without waiting in `bufs`. (The group is not durable before a FLUSH
+                // covers it, and every group before it that is durable was counted off when it
+                // became so: the durability mark cannot move here.)
+                grp.finished = 1;
+                st.bufs_base += 1;
+                st.done_below += 1;
+                st.ready.push(Done {
+                    stream: cmd.stream,
+                    seq: cmd.seq,
+                    id,
+                    result: Ok(()),
+                    buf,
+                });
+                return;
+            }
+        }
+        st.finish(cmd.seq, id, buf);
+        self.advance(cmd.stream);
     }
 
     /// An asynchronous log write completed: once all of the sync's are in, its batch's data
