@@ -985,16 +985,22 @@ impl<P: Pmr> OrderedDevice<P> {
     /// Persist `a` in the log, waiting for room when it is full.
     #[inline]
     fn append_entry(&mut self, a: &Attr) -> Result<Slot, RioError> {
-        match self.log.append(a) {
-            Err(RioError::LogFull { .. }) => self.append_entry_after_room(a),
-            r => r,
+        match self.log.append_quick(a) {
+            Some(slot) => Ok(slot),
+            None => self.append_entry_slow(a),
         }
     }
 
-    /// [`OrderedDevice::append_entry`] on a full log.
+    /// [`OrderedDevice::append_entry`] when the quick way is barred: the log's own `append`
+    /// (which moves the header's marks first, or says why it cannot), waiting for room while
+    /// the log is full.
     #[cold]
     #[inline(never)]
-    fn append_entry_after_room(&mut self, a: &Attr) -> Result<Slot, RioError> {
+    fn append_entry_slow(&mut self, a: &Attr) -> Result<Slot, RioError> {
+        match self.log.append(a) {
+            Err(RioError::LogFull { .. }) => {}
+            r => return r,
+        }
         loop {
             self.stats.log_full_waits += 1;
             self.make_room()?;

@@ -574,8 +574,38 @@ impl<P: Pmr> AttrLog<P> {
         let off = self.slot_offset(s);
         self.pmr
             .persist(off, &attr.entry_bytes(self.header.epoch, false))?;
+        Ok(self.took(s, used, reused.is_none()))
+    }
+
+    /// [`AttrLog::append`] when nothing stands in the way, `None` otherwise, with nothing
+    /// changed: the slot is free or holds a durable group the header already counts as such,
+    /// and the entry's write succeeds. The ordered device tries this first on every write (a
+    /// result small enough to come back in registers) and calls `append` for the rest.
+    #[inline]
+    pub(crate) fn append_quick(&mut self, attr: &Attr) -> Option<Slot> {
+        if attr.stream >= self.streams() {
+            return None;
+        }
+        let used = Used::new(attr.stream, attr.seq_end)?;
+        let s = self.tail;
+        let reused = self.used[s as usize].get();
+        if let Some((stream, seq)) = reused {
+            if seq >= self.header.durable_below[stream as usize] {
+                return None;
+            }
+        }
+        let off = self.slot_offset(s);
+        self.pmr
+            .persist(off, &attr.entry_bytes(self.header.epoch, false))
+            .ok()?;
+        Some(self.took(s, used, reused.is_none()))
+    }
+
+    /// Slot `s` now holds an entry of `used`: the tail moves on.
+    #[inline]
+    fn took(&mut self, s: u32, used: Used, was_free: bool) -> Slot {
         self.used[s as usize] = used;
-        if reused.is_none() {
+        if was_free {
             self.live += 1;
         }
         // (A compare, not a division: one append per ordered write.)
@@ -586,7 +616,7 @@ impl<P: Pmr> AttrLog<P> {
         // nearer caches) and one line further each time, so they are fetched now.
         aios_core::hint::prefetch(&self.used[next as usize]);
         self.pmr.prefetch(self.slot_offset(next));
-        Ok(Slot(s))
+        Slot(s)
     }
 
     /// The data of the entry in `slot` (group `seq`) is durable: set its persist word.
