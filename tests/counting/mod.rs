@@ -15,6 +15,7 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
+use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -60,7 +61,9 @@ fn note_allocation() {
     {
         TRACING.with(|t| t.set(true));
         let thread = std::thread::current();
-        eprintln!(
+        // Not `eprintln!`: a panic must not unwind out of the allocator.
+        let _ = writeln!(
+            std::io::stderr(),
             "allocation on thread {:?}:\n{}",
             thread.name().unwrap_or("?"),
             std::backtrace::Backtrace::force_capture()

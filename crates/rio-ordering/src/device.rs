@@ -986,8 +986,9 @@ impl<P: Pmr> OrderedDevice<P> {
     #[inline]
     fn append_entry(&mut self, a: &Attr) -> Result<Slot, RioError> {
         match self.log.append_quick(a) {
-            Some(slot) => Ok(slot),
-            None => self.append_entry_slow(a),
+            Ok(Some(slot)) => Ok(slot),
+            Ok(None) => self.append_entry_slow(a),
+            Err(e) => Err(*e),
         }
     }
 

@@ -577,28 +577,32 @@ impl<P: Pmr> AttrLog<P> {
         Ok(self.took(s, used, reused.is_none()))
     }
 
-    /// [`AttrLog::append`] when nothing stands in the way, `None` otherwise, with nothing
-    /// changed: the slot is free or holds a durable group the header already counts as such,
-    /// and the entry's write succeeds. The ordered device tries this first on every write (a
-    /// result small enough to come back in registers) and calls `append` for the rest.
+    /// [`AttrLog::append`] when nothing stands in the way: the slot is free or holds a durable
+    /// group the header already counts as such. `Ok(None)`, with nothing changed, otherwise
+    /// (the caller then calls `append`, which moves the header's marks first or says why it
+    /// cannot). The entry's write failing is `append`'s error, as `append` reports it. The
+    /// ordered device tries this first on every write: the result is small enough to come back
+    /// in registers.
     #[inline]
-    pub(crate) fn append_quick(&mut self, attr: &Attr) -> Option<Slot> {
+    pub(crate) fn append_quick(&mut self, attr: &Attr) -> Result<Option<Slot>, Box<RioError>> {
         if attr.stream >= self.streams() {
-            return None;
+            return Ok(None);
         }
-        let used = Used::new(attr.stream, attr.seq_end)?;
+        let Some(used) = Used::new(attr.stream, attr.seq_end) else {
+            return Ok(None);
+        };
         let s = self.tail;
         let reused = self.used[s as usize].get();
         if let Some((stream, seq)) = reused {
             if seq >= self.header.durable_below[stream as usize] {
-                return None;
+                return Ok(None);
             }
         }
         let off = self.slot_offset(s);
         self.pmr
             .persist(off, &attr.entry_bytes(self.header.epoch, false))
-            .ok()?;
-        Some(self.took(s, used, reused.is_none()))
+            .map_err(Box::new)?;
+        Ok(Some(self.took(s, used, reused.is_none())))
     }
 
     /// Slot `s` now holds an entry of `used`: the tail moves on.
