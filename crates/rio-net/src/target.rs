@@ -1500,12 +1500,14 @@ impl TConn {
         Ok(())
     }
 
-    fn submit(&mut self, io: Io, what: InFlight) -> Option<u32> {
+    /// Send `io` to the device, to be completed as `what`. Whether it went (a refusal is
+    /// answered to the host here).
+    fn submit(&mut self, io: Io, what: InFlight) -> bool {
         let side = self.io.as_ref().expect("I/O queue");
         match side.dev.submit(io) {
             Ok(tag) => {
                 self.inflight.insert(tag.0, what);
-                Some(tag.0)
+                true
             }
             Err((e, _)) => {
                 eprintln!("aios target: {}: device refused a request: {e}", self.peer);
@@ -1516,7 +1518,7 @@ impl TConn {
                     | InFlight::Zeroes { cid, .. } => cid,
                 };
                 self.respond(cid, Status::INTERNAL, 0, 0);
-                None
+                false
             }
         }
     }
@@ -1620,7 +1622,7 @@ impl TConn {
                     ordered: Some((slot, a.seq)),
                     order_no: self.ordered_sent,
                 };
-                if self.submit(io, write).is_some() {
+                if self.submit(io, write) {
                     self.ordered_sent += 1;
                     self.ordered_out += 1;
                 }

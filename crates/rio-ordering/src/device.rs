@@ -286,6 +286,38 @@ impl Stream {
         }
     }
 
+    /// Request `id`, which finished without error, goes back now (no wait in `bufs`) when its
+    /// group `seq` is the oldest not handed back, is all sent and done, and holds only this
+    /// request, and nothing after it finished yet: the common case of in-order completion.
+    /// Otherwise its buffer comes back to the caller.
+    fn hand_back_alone(
+        &mut self,
+        stream: u16,
+        seq: u64,
+        id: u64,
+        buf: FixedBuf,
+    ) -> Option<FixedBuf> {
+        let oldest = self.done_below == seq && self.bufs.is_empty() && self.bufs_base == id;
+        let Some(grp) = self
+            .groups
+            .get_mut(seq)
+            .filter(|g| oldest && g.count == 1 && g.sent && g.out == 0 && !g.failed)
+        else {
+            return Some(buf);
+        };
+        grp.finished = 1;
+        self.bufs_base += 1;
+        self.done_below += 1;
+        self.ready.push(Done {
+            stream,
+            seq,
+            id,
+            result: Ok(()),
+            buf,
+        });
+        None
+    }
+
     /// Request `id` of group `g` finished: its buffer waits for the group's turn.
     fn finish(&mut self, g: u64, id: u64, buf: FixedBuf) {
         let i = (id - self.bufs_base) as usize;
@@ -1696,35 +1728,18 @@ impl<P: Pmr> OrderedDevice<P> {
             // What the command hands back: its requests' buffers.
             match cmd.back {
                 Back::Own(id) => {
-                    let buf = c.buf.expect("a write returns its buffer");
-                    // The common case: the oldest group, of this one request, and nothing after
-                    // it finished yet: it goes back now, without waiting in `bufs`.
-                    let alone_in_order = (failed.is_none()
-                        && st.done_below == cmd.seq
-                        && st.bufs.is_empty()
-                        && st.bufs_base == id)
-                        .then(|| st.groups.get_mut(cmd.seq))
-                        .flatten()
-                        .filter(|g| g.count == 1 && g.sent && g.out == 0 && !g.failed);
-                    if let Some(grp) = alone_in_order {
-                        grp.finished = 1;
-                        st.bufs_base += 1;
-                        st.done_below += 1;
-                        st.ready.push(Done {
-                            stream: cmd.stream,
-                            seq: cmd.seq,
-                            id,
-                            result: Ok(()),
-                            buf,
-                        });
-                        // On a target without power-loss protection the group (one request,
-                        // one command: this one) is not durable before a FLUSH covers it, and
-                        // every group before it that is durable was counted off when it became
-                        // so: the marks cannot move here.
-                        if plp {
-                            self.advance_durable(cmd.stream);
+                    let mut buf = c.buf.expect("a write returns its buffer");
+                    if failed.is_none() {
+                        match st.hand_back_alone(cmd.stream, cmd.seq, id, buf) {
+                            None => {
+                                // With power-loss protection the group is durable now.
+                                if plp {
+                                    self.advance_durable(cmd.stream);
+                                }
+                                return Ok(());
+                            }
+                            Some(b) => buf = b,
                         }
-                        return Ok(());
                     }
                     st.finish(cmd.seq, id, buf);
                 }
@@ -1762,29 +1777,15 @@ impl<P: Pmr> OrderedDevice<P> {
             self.start_flush(cmd.target);
         }
         let st = &mut self.streams[cmd.stream as usize];
-        let oldest = st.done_below == cmd.seq && st.bufs.is_empty() && st.bufs_base == id;
         if let Some(grp) = st.groups.get_mut(cmd.seq) {
             grp.out -= 1;
-            if oldest && grp.count == 1 && grp.sent && grp.out == 0 && !grp.failed {
-                // Nothing before it waits, and it is its group's only request: it goes back
-                // now, without waiting in `bufs`. (The group is not durable before a FLUSH
-                // covers it, and every group before it that is durable was counted off when it
-                // became so: the durability mark cannot move here.)
-                grp.finished = 1;
-                st.bufs_base += 1;
-                st.done_below += 1;
-                st.ready.push(Done {
-                    stream: cmd.stream,
-                    seq: cmd.seq,
-                    id,
-                    result: Ok(()),
-                    buf,
-                });
-                return;
-            }
         }
-        st.finish(cmd.seq, id, buf);
-        self.advance(cmd.stream);
+        // (The group is not durable before a FLUSH covers it, and every group before it that
+        // is durable was counted off when it became so: the durability mark cannot move here.)
+        if let Some(buf) = st.hand_back_alone(cmd.stream, cmd.seq, id, buf) {
+            st.finish(cmd.seq, id, buf);
+            self.advance(cmd.stream);
+        }
     }
 
     /// An asynchronous log write completed: once all of the sync's are in, its batch's data

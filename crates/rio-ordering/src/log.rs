@@ -152,17 +152,15 @@ impl Pmr for MemPmr {
     }
     fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
         let end = check_range(offset, bytes.len(), self.bytes.len())?;
-        if let (Ok(entry), Some(to)) = (
+        let to = &mut self.bytes[offset..end];
+        match (
+            <&mut [u8; ATTR_BYTES]>::try_from(&mut *to),
             <&[u8; ATTR_BYTES]>::try_from(bytes),
-            self.bytes.get_mut(offset..end),
         ) {
             // An entry, one per ordered write: a fixed-size copy, no call.
-            <&mut [u8; ATTR_BYTES]>::try_from(to)
-                .expect("the range is an entry long")
-                .copy_from_slice(entry);
-            return Ok(());
+            (Ok(to), Ok(entry)) => *to = *entry,
+            _ => to.copy_from_slice(bytes),
         }
-        self.bytes[offset..end].copy_from_slice(bytes);
         Ok(())
     }
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError> {
