@@ -3,8 +3,8 @@
 //! and async interfaces, on RAM and on a real O_DIRECT file driven by io_uring. So do page-cache
 //! reads (hits, misses with eviction, zero-copy guards) and writes with their `sync`; Rio's
 //! ordered writes (single, batched and merged, multi-write groups, with background FLUSHes and
-//! `wait`); and journal commits (every commit mode, Rio-ordered included, through
-//! checkpoints). A rio-net volume and its targets are counted in `tests/no_alloc_net.rs`, on
+//! `wait`); journal commits (every commit mode, Rio-ordered included, through
+//! checkpoints); and aiosfs READs (cached and `O_DIRECT`, at any offset). A rio-net volume and its targets are counted in `tests/no_alloc_net.rs`, on
 //! every thread of the process.
 //!
 //! Only allocations made by the measuring thread while it counts are counted, so tests running in
@@ -651,4 +651,94 @@ fn journal_group_commits_allocate_nothing() {
         vec![0, 0],
         "allocations per thread in {COMMITS} commits each ({grouped} grouped)"
     );
+}
+
+/// aiosfs READs (`Fs::read_into`, what both FUSE transports answer a READ with) allocate
+/// nothing: cached and `O_DIRECT`, at any offset and length, over a file of two extents with a
+/// hole and a dirty (not yet committed) block, through a page cache small enough to evict.
+/// Every read is checked against a model of the file's bytes.
+#[test]
+fn file_system_reads_allocate_nothing() {
+    use fs_fuse::format::{ROOT_INO, S_IFREG};
+    use fs_fuse::fs::{Caller, Fs, FsOptions};
+    const FILE_BLOCKS: usize = 96;
+    let image = counting::TempFile::new("aiosfs-read", 32 << 20);
+    fs_fuse::mkfs(
+        &image.0,
+        &fs_fuse::MkfsOptions {
+            journals: 1,
+            journal_blocks: 256,
+            ..fs_fuse::MkfsOptions::default()
+        },
+    )
+    .expect("mkfs");
+    let (fs, _) = Fs::open(
+        fs_fuse::mount::image_factory(&image.0),
+        FsOptions {
+            arena_bytes: 4 << 20,
+            cache_bytes: 256 << 10,
+            ..FsOptions::default()
+        },
+    )
+    .expect("open the file system");
+    let root = Caller { uid: 0, gid: 0 };
+    let mk = |name: &[u8]| {
+        fs.mknod(ROOT_INO, name, S_IFREG | 0o644, 0, root, None)
+            .expect("create")
+            .ino
+    };
+    let (ino, other) = (mk(b"read-me"), mk(b"other"));
+    // The file: its first half, then a block of another file (so the second half is a second
+    // extent), then the second half with a hole of four blocks in it, all committed; then one
+    // block rewritten and left dirty in memory.
+    let mut model = vec![0u8; FILE_BLOCKS * BLOCK];
+    for (i, b) in model.iter_mut().enumerate() {
+        *b = (i / 7 % 251) as u8 + 1;
+    }
+    let hole = 60..64;
+    model[hole.start * BLOCK..hole.end * BLOCK].fill(0);
+    let half = FILE_BLOCKS / 2 * BLOCK;
+    fs.write(ino, 0, &model[..half]).expect("write");
+    fs.fsync(ino).expect("fsync");
+    fs.write(other, 0, &[9u8; BLOCK]).expect("write");
+    fs.fsync(other).expect("fsync");
+    fs.write(ino, half as u64, &model[half..hole.start * BLOCK])
+        .expect("write");
+    fs.write(ino, (hole.end * BLOCK) as u64, &model[hole.end * BLOCK..])
+        .expect("write");
+    fs.fsync(ino).expect("fsync");
+    model[30 * BLOCK + 100..31 * BLOCK - 100].fill(0xd1);
+    fs.write(
+        ino,
+        (30 * BLOCK + 100) as u64,
+        &model[30 * BLOCK + 100..31 * BLOCK - 100],
+    )
+    .expect("write");
+
+    let mut buf = vec![0u8; 64 << 10];
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut run = |n: u32| {
+        for _ in 0..n {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Offsets up to a little past the end; lengths 1 byte to 64 KiB.
+            let offset = (x >> 8) % (model.len() as u64 + 2 * BLOCK as u64);
+            let len = 1 + (x >> 40) as usize % buf.len();
+            let direct = x & 3 == 0;
+            let got = fs
+                .read_into(ino, offset, &mut buf[..len], direct)
+                .expect("read");
+            let from = (offset as usize).min(model.len());
+            let want = &model[from..(from + len).min(model.len())];
+            assert_eq!(got, want.len(), "read of {len} at {offset}");
+            assert!(
+                buf[..got] == *want,
+                "read of {len} at {offset} (direct {direct}): wrong bytes"
+            );
+        }
+    };
+    run(500);
+    let ((), n) = allocations_during(|| run(5_000));
+    assert_eq!(n, 0, "{n} allocations in 5,000 aiosfs reads");
 }

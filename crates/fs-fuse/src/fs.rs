@@ -27,6 +27,7 @@ use aios_core::{Engine, EngineConfig};
 use journal::{CommitMode, Journal, JournalSet, Layout, Tx};
 use lbio::{Device, LbioArray, LbioConfig};
 use pagecache::{CacheConfig, CacheHandle, CacheMetrics, FileId, Mode, PageCache};
+use smallvec::SmallVec;
 
 use crate::error::FsError;
 use crate::format::{
@@ -41,6 +42,9 @@ pub type Errno = i32;
 pub type FsResult<T> = Result<T, Errno>;
 
 const B: u64 = BLOCK as u64;
+/// Device runs a read keeps inline: [`Fs::read_into`] allocates only for a range of more
+/// extents than this.
+pub const READ_RUNS_INLINE: usize = 16;
 /// Extents a file can have: eight leaves of [`LEAF_EXTENTS`].
 pub const MAX_EXTENTS: usize = INLINE_EXTENTS * LEAF_EXTENTS;
 /// Changes older than this are committed by the next operation (or the mount's flusher).
@@ -200,13 +204,26 @@ impl Ctx {
     /// File data from `block` on into `dst`: through the page cache (straight into `dst`)
     /// unless `direct` (or the mount has none).
     fn read_data(&self, fs: &Fs, block: u64, dst: &mut [u8], direct: bool) -> FsResult<()> {
+        self.read_bytes(fs, block * B, dst, direct)
+    }
+
+    /// The device's bytes from byte `at` on into `dst` (any offset and length): through the
+    /// page cache unless `direct` (or the mount has none), else the blocks covering them read
+    /// into an arena buffer and the part asked for copied out. No heap allocation either way.
+    fn read_bytes(&self, fs: &Fs, at: u64, dst: &mut [u8], direct: bool) -> FsResult<()> {
         match &self.cache {
             Some((h, file)) if !direct && !fs.cache_off.load(Ordering::Acquire) => {
-                h.read(*file, block * B, dst).map_err(io_err)
+                h.read(*file, at, dst).map_err(io_err)
             }
             _ => {
-                let b = self.read_blocks(block, dst.len().div_ceil(BLOCK) as u64)?;
-                dst.copy_from_slice(&b[..dst.len()]);
+                let skip = (at % B) as usize;
+                let len = (skip + dst.len()).next_multiple_of(BLOCK);
+                let buf = self.engine().alloc_blocking(len).map_err(io_err)?;
+                let buf = self
+                    .dev()
+                    .read_at_blocking(at - skip as u64, buf)
+                    .map_err(io_err)?;
+                dst.copy_from_slice(&buf[skip..skip + dst.len()]);
                 Ok(())
             }
         }
@@ -2110,47 +2127,74 @@ impl Fs {
     /// data from the device and leaves the page cache alone, as `O_DIRECT` does on a kernel
     /// file system. Dirty data comes from memory either way.
     pub fn read_with(&self, ino: u64, offset: u64, size: u32, direct: bool) -> FsResult<Vec<u8>> {
+        // In pieces, so that a large `size` asks for no more memory than the file holds.
+        const PIECE: usize = 1 << 20;
+        let size = size as usize;
+        let mut out = Vec::new();
+        while out.len() < size {
+            let (at, want) = (out.len(), (size - out.len()).min(PIECE));
+            out.resize(at + want, 0);
+            let n = self.read_into(ino, offset + at as u64, &mut out[at..], direct)?;
+            out.truncate(at + n);
+            if n < want {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Read up to `dst.len()` bytes at `offset` straight into `dst` (a FUSE reply's buffer);
+    /// returns how many, fewer at the end of the file and 0 past it. `direct` as for
+    /// [`Fs::read_with`]. Allocates nothing on the heap for a file of up to
+    /// [`READ_RUNS_INLINE`] extents in the range read: clean data goes from the page cache (or
+    /// an arena buffer, `direct`) into `dst`, dirty data from memory, holes are zeroed.
+    pub fn read_into(
+        &self,
+        ino: u64,
+        offset: u64,
+        dst: &mut [u8],
+        direct: bool,
+    ) -> FsResult<usize> {
         let ctx = self.ctx()?;
         self.stats.reads.fetch_add(1, Ordering::Relaxed);
-        // Under the lock: the size, dirty blocks and the physical runs to read.
-        let mut out;
-        let mut runs: Vec<(usize, u64, u64)> = Vec::new(); // (out offset, physical, blocks)
-        let first;
+        // Runs of the read that lie contiguously on the device, as (offset in `dst`, device
+        // byte, length): found under the lock, read after it.
+        let mut runs: SmallVec<[(usize, u64, usize); READ_RUNS_INLINE]> = SmallVec::new();
+        let len;
         {
             let mut st = self.lock()?;
             let n = self.node(&mut st, &ctx, ino)?;
             if n.attr.is_dir() {
                 return Err(libc::EISDIR);
             }
-            if offset >= n.attr.size {
-                return Ok(Vec::new());
+            if offset >= n.attr.size || dst.is_empty() {
+                return Ok(0);
             }
-            let end = n.attr.size.min(offset + size as u64);
-            first = offset / B;
-            let last = (end - 1) / B;
-            out = vec![0u8; ((last - first + 1) * B) as usize];
-            for l in first..=last {
-                let at = ((l - first) * B) as usize;
+            let end = n.attr.size.min(offset + dst.len() as u64);
+            len = (end - offset) as usize;
+            for l in offset / B..=(end - 1) / B {
+                // The part of block `l` in the read: [from, to) in file bytes.
+                let from = (l * B).max(offset);
+                let to = ((l + 1) * B).min(end);
+                let (at, k, in_block) = ((from - offset) as usize, (to - from) as usize, from % B);
                 if let Some(d) = n.dirty.get(&l) {
-                    out[at..at + BLOCK].copy_from_slice(d);
+                    let i = in_block as usize;
+                    dst[at..at + k].copy_from_slice(&d[i..i + k]);
                 } else if let Some(p) = n.phys(l) {
+                    let byte = p * B + in_block;
                     match runs.last_mut() {
-                        Some((o, rp, c)) if *o + (*c * B) as usize == at && *rp + *c == p => {
-                            *c += 1
-                        }
-                        _ => runs.push((at, p, 1)),
+                        Some((o, rb, c)) if *o + *c == at && *rb + *c as u64 == byte => *c += k,
+                        _ => runs.push((at, byte, k)),
                     }
+                } else {
+                    dst[at..at + k].fill(0);
                 }
             }
-            out.truncate((end - first * B) as usize);
         }
-        for (at, p, c) in runs {
-            let stop = out.len().min(at + (c * B) as usize);
-            ctx.read_data(self, p, &mut out[at..stop], direct)?;
+        for &(at, byte, k) in &runs {
+            ctx.read_bytes(self, byte, &mut dst[at..at + k], direct)?;
         }
-        let skip = (offset - first * B) as usize;
-        out.drain(..skip);
-        Ok(out)
+        Ok(len)
     }
 
     /// Write `data` at `offset`, clearing set-user-ID and set-group-ID as a write by an

@@ -18,6 +18,11 @@ use lbio::{Device, DeviceConfig, LbioArray};
 
 use crate::error::FsError;
 use crate::format::{BLOCK, NAME_MAX};
+
+thread_local! {
+    /// A worker thread's READ buffer: grown to the largest read it has served, then reused.
+    static READ_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 use crate::fs::{Attr, Caller, DeviceFactory, Fs, FsOptions, OpenReport, SetAttr};
 
 /// Settings of `aios mount`.
@@ -455,10 +460,19 @@ impl Filesystem for Adapter {
         reply: ReplyData,
     ) {
         let direct = flags.0 & libc::O_DIRECT != 0;
-        match self.fs.read_with(ino.0, offset, size, direct) {
-            Ok(d) => reply.data(&d),
-            Err(e) => reply.error(err(e)),
-        }
+        // Each worker thread reads into a buffer of its own, kept for its next READ.
+        READ_BUF.with_borrow_mut(|buf| {
+            if buf.len() < size as usize {
+                buf.resize(size as usize, 0);
+            }
+            match self
+                .fs
+                .read_into(ino.0, offset, &mut buf[..size as usize], direct)
+            {
+                Ok(n) => reply.data(&buf[..n]),
+                Err(e) => reply.error(err(e)),
+            }
+        })
     }
 
     fn write(

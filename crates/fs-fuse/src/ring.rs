@@ -580,8 +580,8 @@ fn run(
             let (offset, size) = (u64_at(op_in, 8), u32_at(op_in, 16));
             // fuse_read_in.flags: the file's open flags.
             let direct = u32_at(op_in, 32) as i32 & libc::O_DIRECT != 0;
-            let d = fs.read_with(nodeid, offset, size.min(payload.len() as u32), direct)?;
-            data(payload, &d)
+            let size = (size as usize).min(payload.len());
+            fs.read_into(nodeid, offset, &mut payload[..size], direct)
         }
         op::WRITE => {
             let (offset, size) = (u64_at(op_in, 8), u32_at(op_in, 16) as usize);
