@@ -441,8 +441,8 @@ struct PagecacheArgs {
 
 #[derive(Clone, Copy, ValueEnum)]
 enum PcCompletionArg {
-    /// Busy-poll while a CPU is left over for the kernel's side of the I/O (the loop device's
-    /// worker), sleep when there are as many threads as CPUs.
+    /// Busy-poll (yielding after a few empty polls) up to one thread per CPU, sleep when there
+    /// are more threads than CPUs.
     Auto,
     /// Sleep in io_uring_enter until the completion arrives.
     Wait,

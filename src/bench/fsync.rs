@@ -260,8 +260,8 @@ pub struct FsyncBench {
     /// How data and journal blocks are made durable: `None` = what the journal measured at
     /// format time.
     pub durability: Option<journal::Durability>,
-    /// How the journal threads wait for their I/O: `None` = busy-poll while a CPU is left over
-    /// for the device's side of the I/O, sleep otherwise ([`completion_for`]).
+    /// How the journal threads wait for their I/O: `None` = busy-poll up to one thread per
+    /// CPU, sleep beyond ([`completion_for`]).
     pub completion: Option<CompletionMode>,
 }
 

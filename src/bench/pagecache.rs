@@ -280,11 +280,14 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
 }
 
 /// How the threads of a run wait for completions: busy-polled (lbio's policy for a critical QD1
-/// request) while a core is left for the kernel's side of the I/O (the loop device's worker,
-/// interrupts), sleeping in `io_uring_enter` otherwise.
+/// request) up to one thread per CPU, sleeping in `io_uring_enter` beyond. A spinning thread
+/// yields its CPU after a few empty polls, so the kernel's side of the I/O (the loop device's
+/// worker, softirqs) still runs when every CPU has a spinner; a sleeping one pays a halted
+/// CPU's wake-up per completion. On the 2 vCPU VM, two threads: busy-polling gave 1.5–1.7× the
+/// journal's commit IOPS and 0.55× the page cache's cold-read latency of sleeping (2026-11-25).
 pub fn completion_for(threads: u32) -> CompletionMode {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
-    if threads < cores {
+    if threads <= cores {
         CompletionMode::BusyPoll
     } else {
         CompletionMode::Wait
