@@ -460,6 +460,9 @@ struct State {
     journaled_pruned_at: u64,
     /// Freed since the last commit: not allocatable until it is durable.
     quarantine: HashSet<u64>,
+    /// Physical blocks an fsync is writing in place with the lock released
+    /// ([`Fs::write_in_place`]): another fsync of them commits instead.
+    in_place: HashSet<u64>,
     free_blocks: u64,
     free_inodes: u64,
     block_cursor: u64,
@@ -480,6 +483,11 @@ pub struct Fs {
     next_area: AtomicUsize,
     /// Held while a worker picks its area in a Rio mount (check and take in one step).
     rio_pick: Mutex<()>,
+    /// Data writes in place with the state lock released hold this shared; a commit holds it
+    /// exclusively, so no two writes of one block are ever in flight together. Taken only with
+    /// the state lock held, and an fsync lets go of it before it takes the lock again, so the
+    /// two cannot deadlock.
+    in_place_gate: std::sync::RwLock<()>,
     opts: FsOptions,
     log_len: u64,
     /// The page cache for clean file data (keyed by physical block: file 0 is the device).
@@ -602,6 +610,7 @@ impl Fs {
                 journaled: HashMap::new(),
                 journaled_pruned_at: 0,
                 quarantine: HashSet::new(),
+                in_place: HashSet::new(),
                 free_blocks,
                 free_inodes,
                 block_cursor: sb.data.start,
@@ -616,6 +625,7 @@ impl Fs {
             set,
             next_area: AtomicUsize::new(0),
             rio_pick: Mutex::new(()),
+            in_place_gate: std::sync::RwLock::new(()),
             opts,
             log_len,
             cache,
@@ -1058,6 +1068,11 @@ impl Fs {
     /// when `None`) and every file's freshly allocated blocks.
     fn commit_locked(&self, st: &mut State, ctx: &Ctx, file: Option<u64>) -> FsResult<()> {
         self.writable(st)?;
+        // No fsync's in-place data write is in flight while a commit writes data home.
+        let _gate = self
+            .in_place_gate
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
         let mut tx = match file {
             Some(ino) => Tx::for_file(ino as u32),
             None => Tx::new(),
@@ -1352,19 +1367,33 @@ impl Fs {
             .dirty
             .keys()
             .any(|&l| n.phys(l).is_some_and(|p| st.journaled.contains_key(&p)));
-        if data_only && !journaled {
-            return self.write_in_place(&mut st, &ctx, ino);
+        // Blocks another fsync is writing in place right now: a commit waits for that write.
+        let busy = !st.in_place.is_empty()
+            && n.dirty
+                .keys()
+                .any(|&l| n.phys(l).is_some_and(|p| st.in_place.contains(&p)));
+        if data_only && !journaled && !busy {
+            return self.write_in_place(st, &ctx, ino);
         }
         self.commit_locked(&mut st, &ctx, Some(ino))
     }
 
-    /// Write `ino`'s dirty blocks home and make them durable (the fsync fast path).
-    fn write_in_place(&self, st: &mut State, ctx: &Ctx, ino: u64) -> FsResult<()> {
+    /// Write `ino`'s dirty blocks home and make them durable (the fsync fast path), with the
+    /// state lock released during the device's work, so fsyncs of different files overlap.
+    ///
+    /// The blocks are copied out under the lock and marked in `in_place`; the writes go out
+    /// holding `in_place_gate` shared (a commit, which writes data home too, holds it
+    /// exclusively). Back under the lock, a block leaves the file's dirty set only if it still
+    /// holds the bytes written, at the same place: one written again meanwhile stays dirty for
+    /// the next fsync or commit, and the page cache is given only bytes that are the newest on
+    /// the device.
+    fn write_in_place(&self, mut st: MutexGuard<'_, State>, ctx: &Ctx, ino: u64) -> FsResult<()> {
         let n = st.nodes.get(&ino).expect("node");
         if n.dirty.is_empty() {
             return Ok(());
         }
-        // Runs of physically contiguous blocks, at most 256 blocks each.
+        // Runs of physically contiguous blocks, at most 256 blocks each: (first physical
+        // block, logical blocks).
         let mut runs: Vec<(u64, Vec<u64>)> = Vec::new();
         for &l in n.dirty.keys() {
             let p = n.phys(l).expect("dirty blocks are mapped");
@@ -1373,29 +1402,46 @@ impl Fs {
                 _ => runs.push((p, vec![l])),
             }
         }
+        let mut bufs = Vec::with_capacity(runs.len());
+        for (_, ls) in &runs {
+            let len = ls.len() * BLOCK;
+            let mut buf = ctx.engine().alloc_blocking(len).map_err(io_err)?;
+            buf.set_len(len).map_err(io_err)?;
+            for (i, l) in ls.iter().enumerate() {
+                buf[i * BLOCK..(i + 1) * BLOCK].copy_from_slice(&n.dirty[l]);
+            }
+            bufs.push(buf);
+        }
+        for (p, ls) in &runs {
+            st.in_place.extend(*p..*p + ls.len() as u64);
+        }
+        let gate = self.in_place_gate.read().unwrap_or_else(|p| p.into_inner());
+        drop(st);
+
         let plp = ctx.dev().critical_route().0.power_loss_protected;
         let fua = !plp && self.set.durability() == journal::Durability::FuaWrites;
         let flush = !plp && !fua;
         let mut result = Ok(());
-        for (p, ls) in &runs {
-            let len = ls.len() * BLOCK;
-            result = (|| {
-                let mut buf = ctx.engine().alloc_blocking(len).map_err(io_err)?;
-                buf.set_len(len).map_err(io_err)?;
-                for (i, l) in ls.iter().enumerate() {
-                    buf[i * BLOCK..(i + 1) * BLOCK].copy_from_slice(&n.dirty[l]);
+        let mut written = Vec::with_capacity(bufs.len());
+        for ((p, _), buf) in runs.iter().zip(bufs) {
+            match ctx.dev().write_at_blocking(p * B, buf, fua) {
+                Ok(buf) => written.push(buf),
+                Err(e) => {
+                    result = Err(io_err(e));
+                    break;
                 }
-                ctx.dev()
-                    .write_at_blocking(p * B, buf, fua)
-                    .map_err(io_err)?;
-                Ok(())
-            })();
-            if result.is_err() {
-                break;
             }
         }
         if result.is_ok() && flush {
             result = ctx.dev().flush_blocking().map_err(io_err);
+        }
+        drop(gate);
+
+        let mut st = self.lock()?;
+        for (p, ls) in &runs {
+            for b in *p..*p + ls.len() as u64 {
+                st.in_place.remove(&b);
+            }
         }
         if let Err(e) = result {
             let msg = "an in-place data write for fsync failed; the file system is read-only until remounted";
@@ -1404,12 +1450,24 @@ impl Fs {
             return Err(e);
         }
         let blocks: u64 = runs.iter().map(|(_, ls)| ls.len() as u64).sum();
-        for (&l, buf) in &n.dirty {
-            ctx.stored(self, n.phys(l).expect("dirty blocks are mapped"), buf);
+        let st = &mut *st;
+        if let Some(n) = st.nodes.get_mut(&ino) {
+            for ((p, ls), buf) in runs.iter().zip(&written) {
+                for (i, &l) in ls.iter().enumerate() {
+                    let bytes = &buf[i * BLOCK..(i + 1) * BLOCK];
+                    let same = n.phys(l) == Some(p + i as u64)
+                        && n.dirty.get(&l).is_some_and(|d| **d == *bytes);
+                    if same {
+                        n.dirty.remove(&l);
+                        st.dirty_bytes -= BLOCK;
+                        ctx.stored(self, p + i as u64, bytes);
+                    }
+                }
+            }
+            if n.dirty.is_empty() {
+                st.dirty_data.remove(&ino);
+            }
         }
-        st.nodes.get_mut(&ino).expect("node").dirty.clear();
-        st.dirty_data.remove(&ino);
-        st.dirty_bytes -= blocks as usize * BLOCK;
         self.stats.fsync_in_place.fetch_add(1, Ordering::Relaxed);
         self.stats
             .data_blocks_written
