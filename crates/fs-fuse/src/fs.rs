@@ -45,6 +45,12 @@ const B: u64 = BLOCK as u64;
 /// Device runs a read keeps inline: [`Fs::read_into`] allocates only for a range of more
 /// extents than this.
 pub const READ_RUNS_INLINE: usize = 16;
+
+/// Tests only: microseconds an in-place fsync sleeps between its writes and taking the lock
+/// again, to widen the window in which other threads commit and write the same blocks. 0 (no
+/// sleep) unless a test sets it.
+#[doc(hidden)]
+pub static IN_PLACE_TEST_PAUSE_US: AtomicU64 = AtomicU64::new(0);
 /// Extents a file can have: eight leaves of [`LEAF_EXTENTS`].
 pub const MAX_EXTENTS: usize = INLINE_EXTENTS * LEAF_EXTENTS;
 /// Changes older than this are committed by the next operation (or the mount's flusher).
@@ -461,8 +467,9 @@ struct State {
     /// Freed since the last commit: not allocatable until it is durable.
     quarantine: HashSet<u64>,
     /// Physical blocks an fsync is writing in place with the lock released
-    /// ([`Fs::write_in_place`]): another fsync of them commits instead.
-    in_place: HashSet<u64>,
+    /// ([`Fs::write_in_place`]): another fsync of them commits instead. `true` once a commit
+    /// has written the block since: the in-place copy is no longer the device's newest.
+    in_place: HashMap<u64, bool>,
     free_blocks: u64,
     free_inodes: u64,
     block_cursor: u64,
@@ -610,7 +617,7 @@ impl Fs {
                 journaled: HashMap::new(),
                 journaled_pruned_at: 0,
                 quarantine: HashSet::new(),
-                in_place: HashSet::new(),
+                in_place: HashMap::new(),
                 free_blocks,
                 free_inodes,
                 block_cursor: sb.data.start,
@@ -1097,6 +1104,12 @@ impl Fs {
                 data_blocks += 1;
             }
         }
+        // Blocks an fsync is writing in place meanwhile: this commit's copy is newer.
+        for p in &data_phys {
+            if let Some(superseded) = st.in_place.get_mut(p) {
+                *superseded = true;
+            }
+        }
         // Inodes: extent leaves (may allocate or free leaf blocks), xattr blocks.
         let mut metas: BTreeMap<u64, Vec<u8>> = std::mem::take(&mut st.new_meta);
         let xattrs: Vec<u64> = std::mem::take(&mut st.dirty_xattrs).into_iter().collect();
@@ -1371,7 +1384,7 @@ impl Fs {
         let busy = !st.in_place.is_empty()
             && n.dirty
                 .keys()
-                .any(|&l| n.phys(l).is_some_and(|p| st.in_place.contains(&p)));
+                .any(|&l| n.phys(l).is_some_and(|p| st.in_place.contains_key(&p)));
         if data_only && !journaled && !busy {
             return self.write_in_place(st, &ctx, ino);
         }
@@ -1384,10 +1397,13 @@ impl Fs {
     /// The blocks are copied out under the lock and marked in `in_place`; the writes go out
     /// holding `in_place_gate` shared (a commit, which writes data home too, holds it
     /// exclusively). Back under the lock, a block leaves the file's dirty set only if it still
-    /// holds the bytes written, at the same place: one written again meanwhile stays dirty for
-    /// the next fsync or commit, and the page cache is given only bytes that are the newest on
-    /// the device.
+    /// holds the bytes written, at the same place, and no commit wrote it in between: one
+    /// written again meanwhile stays dirty for the next fsync or commit (even if its bytes went
+    /// back to the ones written here: a commit may have put newer ones on the device), and the
+    /// page cache is given only bytes that are the newest on the device. Without arena memory
+    /// for the copies it commits instead.
     fn write_in_place(&self, mut st: MutexGuard<'_, State>, ctx: &Ctx, ino: u64) -> FsResult<()> {
+        let pause = IN_PLACE_TEST_PAUSE_US.load(Ordering::Relaxed);
         let n = st.nodes.get(&ino).expect("node");
         if n.dirty.is_empty() {
             return Ok(());
@@ -1402,18 +1418,26 @@ impl Fs {
                 _ => runs.push((p, vec![l])),
             }
         }
-        let mut bufs = Vec::with_capacity(runs.len());
-        for (_, ls) in &runs {
-            let len = ls.len() * BLOCK;
-            let mut buf = ctx.engine().alloc_blocking(len).map_err(io_err)?;
-            buf.set_len(len).map_err(io_err)?;
-            for (i, l) in ls.iter().enumerate() {
-                buf[i * BLOCK..(i + 1) * BLOCK].copy_from_slice(&n.dirty[l]);
-            }
-            bufs.push(buf);
-        }
+        let bufs: Result<Vec<_>, _> = runs
+            .iter()
+            .map(|(_, ls)| {
+                let len = ls.len() * BLOCK;
+                let mut buf = ctx.engine().alloc_blocking(len)?;
+                buf.set_len(len)?;
+                for (i, l) in ls.iter().enumerate() {
+                    buf[i * BLOCK..(i + 1) * BLOCK].copy_from_slice(&n.dirty[l]);
+                }
+                Ok::<_, aios_core::CoreError>(buf)
+            })
+            .collect();
+        let Ok(bufs) = bufs else {
+            return self.commit_locked(&mut st, ctx, Some(ino));
+        };
         for (p, ls) in &runs {
-            st.in_place.extend(*p..*p + ls.len() as u64);
+            for b in *p..*p + ls.len() as u64 {
+                let fresh = st.in_place.insert(b, false).is_none();
+                debug_assert!(fresh, "block {b} written in place twice at once");
+            }
         }
         let gate = self.in_place_gate.read().unwrap_or_else(|p| p.into_inner());
         drop(st);
@@ -1436,13 +1460,17 @@ impl Fs {
             result = ctx.dev().flush_blocking().map_err(io_err);
         }
         drop(gate);
+        if pause > 0 {
+            std::thread::sleep(std::time::Duration::from_micros(pause));
+        }
 
         let mut st = self.lock()?;
-        for (p, ls) in &runs {
-            for b in *p..*p + ls.len() as u64 {
-                st.in_place.remove(&b);
-            }
-        }
+        // Per block, in run order: did a commit write it while it was in flight here?
+        let superseded: Vec<bool> = runs
+            .iter()
+            .flat_map(|(p, ls)| *p..*p + ls.len() as u64)
+            .map(|b| st.in_place.remove(&b).unwrap_or(false))
+            .collect();
         if let Err(e) = result {
             let msg = "an in-place data write for fsync failed; the file system is read-only until remounted";
             eprintln!("aiosfs: {msg}");
@@ -1452,11 +1480,15 @@ impl Fs {
         let blocks: u64 = runs.iter().map(|(_, ls)| ls.len() as u64).sum();
         let st = &mut *st;
         if let Some(n) = st.nodes.get_mut(&ino) {
+            let mut k = 0;
             for ((p, ls), buf) in runs.iter().zip(&written) {
                 for (i, &l) in ls.iter().enumerate() {
                     let bytes = &buf[i * BLOCK..(i + 1) * BLOCK];
-                    let same = n.phys(l) == Some(p + i as u64)
+                    let same = !superseded[k]
+                        && n.phys(l) == Some(p + i as u64)
+                        && !n.fresh.contains(&l)
                         && n.dirty.get(&l).is_some_and(|d| **d == *bytes);
+                    k += 1;
                     if same {
                         n.dirty.remove(&l);
                         st.dirty_bytes -= BLOCK;

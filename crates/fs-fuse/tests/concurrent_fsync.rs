@@ -3,7 +3,9 @@
 //! to it going on meanwhile, may overlap too. Every block must end with its last write: read
 //! through the file system, then from the image as the threads left it (no unmount, no final
 //! commit), mounted again. The image is a real file written with O_DIRECT, so each write
-//! takes the device's time and the threads' writes do overlap.
+//! takes the device's time and the threads' writes do overlap; each in-place fsync also waits
+//! 2 ms before it takes the lock back, so the others often commit and rewrite its blocks in
+//! that window. `tests/in_place_race.rs` stages one such race step by step.
 
 mod common;
 
@@ -25,6 +27,9 @@ const ROUNDS: usize = 1500;
 
 /// What a thread leaves: its own file's last stamp per block, and the last stamp of each of
 /// its blocks of the shared file.
+/// The two values shared blocks flip between (no thread's stamp: those are below 2^34).
+const FLIP: [u64; 2] = [u64::MAX - 1, u64::MAX - 2];
+
 type Outcome = (Vec<u64>, Vec<(u64, u64)>);
 
 /// Block `b`'s bytes for stamp `s`: the stamp in every 8 bytes, the block number in the first.
@@ -64,6 +69,9 @@ fn concurrent_fsyncs_keep_every_last_write() {
     let _remove = Remove(path.clone());
     std::fs::write(&path, fresh_image(32 << 20)).unwrap();
     let (fs, _) = Fs::open(image_factory(&path), opts()).unwrap();
+    // Each in-place fsync waits a little before it takes the lock back, so the others often
+    // commit and rewrite its blocks in between.
+    fs_fuse::fs::IN_PLACE_TEST_PAUSE_US.store(2000, std::sync::atomic::Ordering::Relaxed);
     let mk = |name: &str| {
         fs.mknod(ROOT_INO, name.as_bytes(), S_IFREG | 0o644, 0, ROOT, None)
             .expect("create")
@@ -91,35 +99,54 @@ fn concurrent_fsyncs_keep_every_last_write() {
                 s.spawn(move || {
                     let mut rng = SimRng::new(0x5eed + t as u64);
                     let mut last_own = vec![0u64; BLOCKS as usize];
-                    let mut last_shared = vec![0u64; BLOCKS as usize];
+                    // Each shared block's last stamp, and the one before it: written back
+                    // right after an fsync, it makes a block's contents go A, B, A.
+                    let mut hist = (vec![0u64; BLOCKS as usize], vec![0u64; BLOCKS as usize]);
+                    // Write shared block `b` with stamp `s`, keeping (last, previous) stamps.
+                    let put = |b: u64, s: u64, hist: &mut (Vec<u64>, Vec<u64>)| {
+                        fs.write(shared, b * BLOCK as u64, &bytes(b, s)).unwrap();
+                        hist.1[b as usize] = hist.0[b as usize];
+                        hist.0[b as usize] = s;
+                    };
                     for round in 1..=ROUNDS as u64 {
                         let stamp = (t as u64) << 32 | round;
+                        let mine = t as u64 + THREADS as u64 * rng.below(BLOCKS / THREADS as u64);
                         match rng.below(6) {
                             0 | 1 => {
                                 // One of this thread's blocks of the shared file, fsynced
                                 // later: another thread's fsync of the file may be writing an
-                                // older copy of it in place meanwhile.
-                                let b =
-                                    t as u64 + THREADS as u64 * rng.below(BLOCKS / THREADS as u64);
-                                fs.write(shared, b * BLOCK as u64, &bytes(b, stamp))
-                                    .unwrap();
-                                last_shared[b as usize] = stamp;
+                                // older copy of it in place meanwhile. Half the time one of
+                                // two fixed values, so contents repeat.
+                                let s = if rng.chance(1, 2) {
+                                    FLIP[rng.below(2) as usize]
+                                } else {
+                                    stamp
+                                };
+                                put(mine, s, &mut hist);
                             }
                             2 => {
-                                fs.fsync(shared).unwrap();
-                                // Only this thread writes these blocks: each reads back as
-                                // its last write, whatever the other fsyncs did meanwhile.
+                                fs.fsync_as(shared, true).unwrap();
+                                // Only this thread writes these blocks: each reads back from
+                                // the device (O_DIRECT) as its last write, whatever the other
+                                // fsyncs did meanwhile.
                                 for b in (t as u64..BLOCKS).step_by(THREADS) {
-                                    let s = last_shared[b as usize];
+                                    let s = hist.0[b as usize];
                                     if s != 0 {
                                         let got = fs
-                                            .read(shared, b * BLOCK as u64, BLOCK as u32)
+                                            .read_with(shared, b * BLOCK as u64, BLOCK as u32, true)
                                             .unwrap();
                                         assert!(
                                             got == bytes(b, s),
                                             "round {round}: shared block {b} lost write {s}"
                                         );
                                     }
+                                }
+                                // A block back to its value before: if this fsync committed
+                                // while another thread's in-place write of the older value
+                                // was in flight, that write must not count for this one.
+                                let before = hist.1[mine as usize];
+                                if rng.chance(1, 2) && before != 0 {
+                                    put(mine, before, &mut hist);
                                 }
                             }
                             _ => {
@@ -129,14 +156,16 @@ fn concurrent_fsyncs_keep_every_last_write() {
                                     fs.write(own, b * BLOCK as u64, &bytes(b, stamp)).unwrap();
                                     last_own[b as usize] = stamp;
                                 }
-                                fs.fsync(own).unwrap();
+                                // fdatasync: in place whenever the block map is unchanged (an
+                                // fsync also needs the coarse clock not to have ticked).
+                                fs.fsync_as(own, true).unwrap();
                             }
                         }
                     }
-                    fs.fsync(shared).unwrap();
+                    fs.fsync_as(shared, true).unwrap();
                     let mine = (0..BLOCKS)
                         .filter(|b| b % THREADS as u64 == t as u64)
-                        .map(|b| (b, last_shared[b as usize]))
+                        .map(|b| (b, hist.0[b as usize]))
                         .collect();
                     (last_own, mine)
                 })
@@ -150,7 +179,7 @@ fn concurrent_fsyncs_keep_every_last_write() {
         .load(std::sync::atomic::Ordering::Relaxed)
         - before;
     assert!(
-        in_place > (THREADS * ROUNDS / 4) as u64,
+        in_place > (THREADS * ROUNDS / 10) as u64,
         "only {in_place} fsyncs were written in place"
     );
     let mut last_shared = vec![u64::MAX; BLOCKS as usize];
