@@ -468,7 +468,8 @@ struct State {
     quarantine: HashSet<u64>,
     /// Physical blocks an fsync is writing in place with the lock released
     /// ([`Fs::write_in_place`]): another fsync of them commits instead. `true` once a commit
-    /// has written the block since: the in-place copy is no longer the device's newest.
+    /// has written the block since, or it was freed: the in-place copy is no longer the
+    /// device's newest, or no longer the file's.
     in_place: HashMap<u64, bool>,
     free_blocks: u64,
     free_inodes: u64,
@@ -971,6 +972,11 @@ impl Fs {
         clear_bit(&mut st.bbm, b);
         st.dirty_bbm.insert(b / (B * 8));
         st.quarantine.insert(b);
+        // An fsync writing it in place must not count that write for whatever owns the block
+        // next (fallocate's zeros reach it without a commit).
+        if let Some(superseded) = st.in_place.get_mut(&b) {
+            *superseded = true;
+        }
         st.free_blocks += 1;
         if st.journaled.remove(&b).is_some() {
             st.revokes.insert(b);
@@ -2206,6 +2212,14 @@ impl Fs {
         st.dirty_bytes += BLOCK;
         st.dirty_data.insert(ino);
         Ok(())
+    }
+
+    /// The device block holding block `block` of file `ino` (as FIBMAP answers), `None` for a
+    /// hole.
+    pub fn bmap(&self, ino: u64, block: u64) -> FsResult<Option<u64>> {
+        let ctx = self.ctx()?;
+        let mut st = self.lock()?;
+        Ok(self.node(&mut st, &ctx, ino)?.phys(block))
     }
 
     /// Read up to `size` bytes at `offset`, clean data through the page cache.

@@ -1,8 +1,9 @@
-//! One race of an in-place fsync, staged: while fdatasync A writes a block's old value in
-//! place, another thread writes a new value, commits it (its own fdatasync, which must commit
-//! because A is writing that block), and writes the old value back. When A takes the lock
-//! again the block holds the bytes A wrote, yet the device holds the newer value: A must leave
-//! the block dirty, or the next fdatasync writes nothing and the old value is lost.
+//! Races of an in-place fsync, staged with a test-only pause between its writes and its taking
+//! the lock back. In each, when fdatasync A takes the lock again the block holds the bytes A
+//! wrote, at the same place, yet the device holds something else: A must leave the block
+//! dirty, or the next fdatasync writes nothing and the last write is lost.
+//!
+//! The two tests share the pause setting, so they take turns.
 
 mod common;
 
@@ -11,23 +12,64 @@ use std::time::Duration;
 
 use common::{fresh_image, opts};
 use fs_fuse::format::{ROOT_INO, S_IFREG};
-use fs_fuse::fs::{Caller, Fs, IN_PLACE_TEST_PAUSE_US};
+use fs_fuse::fs::{Caller, Fs, SetAttr, IN_PLACE_TEST_PAUSE_US};
 use fs_fuse::mount::image_factory;
 
 const BLOCK: usize = 4096;
 
+/// The pause is one setting for the process: one staged race at a time.
+static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// A fresh file system on a real O_DIRECT image (removed when the guard drops).
+fn image() -> (std::path::PathBuf, Remove) {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let path = std::env::temp_dir().join(format!(
+        "aiosfs-in-place-race-{}-{}.img",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::write(&path, fresh_image(16 << 20)).unwrap();
+    (path.clone(), Remove(path))
+}
+
+struct Remove(std::path::PathBuf);
+impl Drop for Remove {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// After the race: the last fdatasync leaves `want` on the device, and a remount reads it.
+fn settle_and_check(
+    fs: std::sync::Arc<Fs>,
+    path: &std::path::Path,
+    ino: u64,
+    at: u64,
+    want: &[u8],
+) {
+    fs.fsync_as(ino, true).unwrap();
+    let on_device = fs.read_with(ino, at, BLOCK as u32, true).unwrap();
+    assert!(
+        on_device == want,
+        "after the last fdatasync the device holds {:#x}, not the last write {:#x}",
+        on_device[0],
+        want[0]
+    );
+    drop(fs);
+    let (again, _) = Fs::open(image_factory(path), opts()).unwrap();
+    assert!(
+        again.read(ino, at, BLOCK as u32).unwrap() == want,
+        "after a remount"
+    );
+}
+
+/// Meanwhile another thread writes a new value, commits it (its own fdatasync, which must
+/// commit because A is writing that block), and writes the old value back: the device holds
+/// the new value.
 #[test]
 fn a_block_committed_and_written_back_meanwhile_stays_dirty() {
-    let path =
-        std::env::temp_dir().join(format!("aiosfs-in-place-race-{}.img", std::process::id()));
-    struct Remove(std::path::PathBuf);
-    impl Drop for Remove {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
-    let _remove = Remove(path.clone());
-    std::fs::write(&path, fresh_image(16 << 20)).unwrap();
+    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
+    let (path, _remove) = image();
     let (fs, _) = Fs::open(image_factory(&path), opts()).unwrap();
     let ino = fs
         .mknod(
@@ -69,18 +111,50 @@ fn a_block_committed_and_written_back_meanwhile_stays_dirty() {
         before + 1,
         "A wrote in place"
     );
-    fs.fsync_as(ino, true).unwrap();
-    let on_device = fs.read_with(ino, 0, BLOCK as u32, true).unwrap();
-    assert!(
-        on_device == old,
-        "after the last fdatasync the device holds {:#x}, not the last write {:#x}",
-        on_device[0],
-        old[0]
-    );
-    drop(fs);
-    let (again, _) = Fs::open(image_factory(&path), opts()).unwrap();
-    assert!(
-        again.read(ino, 0, BLOCK as u32).unwrap() == old,
-        "after a remount"
-    );
+    settle_and_check(fs, &path, ino, 0, &old);
+}
+
+/// Meanwhile another thread truncates the block away, a commit makes its block free again,
+/// fallocate takes that same block back (zeros, written without a commit) and the old value is
+/// written again: the device holds zeros.
+#[test]
+fn a_block_freed_and_taken_back_meanwhile_stays_dirty() {
+    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
+    let (path, _remove) = image();
+    let (fs, _) = Fs::open(image_factory(&path), opts()).unwrap();
+    let ino = fs
+        .mknod(
+            ROOT_INO,
+            b"f",
+            S_IFREG | 0o644,
+            0,
+            Caller { uid: 0, gid: 0 },
+            None,
+        )
+        .unwrap()
+        .ino;
+    let val = vec![0xaa; BLOCK];
+    fs.write(ino, 0, &vec![0x11; 2 * BLOCK]).unwrap();
+    fs.sync_all().unwrap();
+    fs.write(ino, BLOCK as u64, &val).unwrap();
+    let phys = |fs: &Fs| fs.bmap(ino, 1).unwrap();
+    let p = phys(&fs).expect("block 1 is mapped");
+
+    IN_PLACE_TEST_PAUSE_US.store(300_000, Ordering::Relaxed);
+    std::thread::scope(|s| {
+        let a = s.spawn(|| fs.fsync_as(ino, true).unwrap());
+        std::thread::sleep(Duration::from_millis(100));
+        IN_PLACE_TEST_PAUSE_US.store(0, Ordering::Relaxed);
+        let size = |size| SetAttr {
+            size: Some(size),
+            ..SetAttr::default()
+        };
+        fs.setattr(ino, &size(BLOCK as u64)).unwrap();
+        fs.sync_all().unwrap();
+        fs.fallocate(ino, BLOCK as u64, BLOCK as u64, 0).unwrap();
+        assert_eq!(phys(&fs), Some(p), "fallocate took the same block back");
+        fs.write(ino, BLOCK as u64, &val).unwrap();
+        a.join().unwrap();
+    });
+    settle_and_check(fs, &path, ino, BLOCK as u64, &val);
 }
