@@ -4,7 +4,8 @@
 # Installs pjdfstest and fsx with `cargo install` and creates pjdfstest's dummy user `tests`
 # when missing. Needs root and /dev/fuse.
 # Usage: scripts/fs_suite.sh [AIOS_BINARY]     (FSX_OPS=N to change the fsx length,
-#        TRANSPORT=uring|classic|auto for how the mount gets FUSE requests, default auto)
+#        TRANSPORT=uring|classic|auto for how the mount gets FUSE requests, default auto;
+#        MOUNT_ARGS="--writeback-cache ..." for more `aios mount` options)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -36,7 +37,8 @@ cleanup() {
 trap cleanup EXIT
 
 "$aios" mkfs "$work/fs.img" --size 1g
-"$aios" mount "$work/fs.img" "$mnt" --log "$work/mount.log" --transport "$transport"
+# shellcheck disable=SC2086 # MOUNT_ARGS is a list of words
+"$aios" mount "$work/fs.img" "$mnt" --log "$work/mount.log" --transport "$transport" ${MOUNT_ARGS:-}
 pid=$(pgrep -f -n "aios mount $work/fs.img") || { echo "no file system process" >&2; exit 1; }
 grep -E '^aiosfs: requests over' "$work/mount.log" || true
 

@@ -120,6 +120,9 @@ struct FsBenchArgs {
     /// The mount's page cache (see `aios mount --cache-size`; 0 for none).
     #[arg(long, default_value = "64m", value_parser = parse_size_or_zero)]
     cache_size: u64,
+    /// Mount with the kernel's write-back cache (see `aios mount --writeback-cache`).
+    #[arg(long)]
+    writeback_cache: bool,
     /// One JSON object per median instead of the table.
     #[arg(long)]
     json: bool,
@@ -164,6 +167,11 @@ struct MountArgs {
     /// `O_DIRECT` bypass it.
     #[arg(long, default_value = "64m", value_parser = parse_size_or_zero)]
     cache_size: u64,
+    /// Ask the kernel for its write-back cache: small writes collect in the kernel's page cache
+    /// and reach aiosfs in larger requests (at fsync, close or the kernel's write-back), not one
+    /// request per write. fsync still makes them durable before it returns.
+    #[arg(long)]
+    writeback_cache: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -784,19 +792,20 @@ fn cmd_bench_fs(a: FsBenchArgs) -> Result<(), BenchError> {
         MountCompletion::Wait => "wait",
     };
     let cache = a.cache_size.to_string();
-    let setup = FsBenchSetup::ull(
-        &exe,
-        &[
-            "--completion",
-            completion,
-            "--transport",
-            a.transport.name(),
-            "--commit",
-            a.commit.name(),
-            "--cache-size",
-            &cache,
-        ],
-    )?;
+    let mut mount_args = vec![
+        "--completion",
+        completion,
+        "--transport",
+        a.transport.name(),
+        "--commit",
+        a.commit.name(),
+        "--cache-size",
+        &cache,
+    ];
+    if a.writeback_cache {
+        mount_args.push("--writeback-cache");
+    }
+    let setup = FsBenchSetup::ull(&exe, &mount_args)?;
     eprintln!("{}", setup.aios.log_line);
     eprintln!(
         "ext4 on the other ull device: mkfs.ext4 defaults (ordered data, barriers), mounted at {}",
@@ -878,6 +887,9 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
         }
         cmd.arg("--transport").arg(a.transport.name());
         cmd.arg("--cache-size").arg(a.cache_size.to_string());
+        if a.writeback_cache {
+            cmd.arg("--writeback-cache");
+        }
         use std::os::unix::process::CommandExt;
         let mut child = cmd
             .stdin(std::process::Stdio::null())
@@ -939,6 +951,7 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
         MountCompletion::Wait => CompletionMode::Wait,
         MountCompletion::Poll => CompletionMode::BusyPoll,
     };
+    opts.writeback_cache = a.writeback_cache;
     opts.transport = match a.transport {
         TransportArg::Auto => fs_fuse::Transport::Auto,
         TransportArg::Uring => fs_fuse::Transport::Uring,

@@ -37,6 +37,12 @@ pub struct MountOptions {
     pub attr_timeout: Duration,
     /// How requests reach the file system.
     pub transport: Transport,
+    /// Ask the kernel for its write-back cache (`FUSE_WRITEBACK_CACHE`): writes land in the
+    /// kernel's page cache and reach the file system later, in larger requests (at fsync,
+    /// close, memory pressure or the kernel's periodic write-back); fsync sends them first.
+    /// Data not yet fsynced is not durable either way: with the cache it waits in the kernel,
+    /// without it in the file system's dirty blocks. Off by default.
+    pub writeback_cache: bool,
     pub fs: FsOptions,
 }
 
@@ -59,6 +65,7 @@ impl Default for MountOptions {
             entry_timeout: Duration::from_secs(1),
             attr_timeout: Duration::from_secs(1),
             transport: Transport::Auto,
+            writeback_cache: false,
             fs: FsOptions::default(),
         }
     }
@@ -91,6 +98,8 @@ struct Adapter {
     want_uring: bool,
     /// What INIT settled: `Some(true)` when the kernel will send requests over io_uring.
     negotiated: Arc<std::sync::Mutex<Option<bool>>>,
+    /// Ask for the kernel's write-back cache at INIT.
+    want_writeback: bool,
     /// INIT granted FUSE_HANDLE_KILLPRIV_V2: the file system clears set-user-ID and
     /// set-group-ID on write, truncate and chown.
     killpriv_v2: bool,
@@ -220,6 +229,14 @@ impl Filesystem for Adapter {
             && config
                 .add_capabilities(fuser::InitFlags::FUSE_HANDLE_KILLPRIV_V2)
                 .is_ok();
+        if self.want_writeback {
+            match config.add_capabilities(fuser::InitFlags::FUSE_WRITEBACK_CACHE) {
+                Ok(()) => eprintln!("aiosfs: the kernel's write-back cache is on"),
+                Err(_) => eprintln!(
+                    "aiosfs: the kernel does not offer its write-back cache: writes go through"
+                ),
+            }
+        }
         *self.negotiated.lock().unwrap_or_else(|p| p.into_inner()) = Some(uring);
         Ok(())
     }
@@ -724,6 +741,7 @@ pub fn mount(image: &Path, mountpoint: &Path, opts: &MountOptions) -> Result<Mou
         want_uring: opts.transport != Transport::Classic && crate::ring::available().is_ok(),
         negotiated: Arc::clone(&negotiated),
         killpriv_v2: false,
+        want_writeback: opts.writeback_cache,
     };
     let mut cfg = Config::default();
     cfg.mount_options = vec![
