@@ -572,10 +572,9 @@ fn run(
             let a = fs.link(old, nodeid, n[0])?;
             Ok(entry_out(h, payload, &a))
         }
-        op::OPEN => {
-            fs.open_file(nodeid)?;
-            Ok(open_out(payload, FOPEN_KEEP_CACHE))
-        }
+        // See the /dev/fuse adapter's `open`: ENOSYS, and the kernel opens files by itself
+        // from then on (no OPEN, no RELEASE).
+        op::OPEN => Err(libc::ENOSYS),
         op::READ => {
             let (offset, size) = (u64_at(op_in, 8), u32_at(op_in, 16));
             // fuse_read_in.flags: the file's open flags.
@@ -607,10 +606,8 @@ fn run(
             put32(payload, 48, BLOCK as u32);
             Ok(80)
         }
-        op::RELEASE => {
-            fs.release(nodeid);
-            Ok(0)
-        }
+        // Opens are not counted (see OPEN and CREATE); the FORGET ends a file's life.
+        op::RELEASE => Ok(0),
         op::FSYNC => {
             // fuse_fsync_in.fsync_flags bit 0: fdatasync.
             fs.fsync_as(nodeid, u32_at(op_in, 8) & 1 != 0)?;
@@ -682,7 +679,8 @@ fn run(
         op::CREATE => {
             let (mode, umask) = (u32_at(op_in, 4), u32_at(op_in, 8));
             let a = new_node(libc::S_IFREG | (mode & 0o7777 & !umask), 0)?;
-            fs.open_file(a.ino)?;
+            // Not counted as an open (see OPEN): the lookup this reply gives the kernel keeps
+            // the file while it is open.
             let e = entry_out(h, payload, &a);
             Ok(e + open_out(&mut payload[e..], FOPEN_KEEP_CACHE))
         }
