@@ -1600,6 +1600,9 @@ impl Fs {
         }
     }
 
+    /// Count an open of `ino`, for callers that drive `Fs` themselves: an unlinked file stays
+    /// until its opens are [`Fs::release`]d and its lookups forgotten. The mount counts none
+    /// (the kernel opens files without asking, and keeps their lookups while they are open).
     pub fn open_file(&self, ino: u64) -> FsResult<()> {
         let ctx = self.ctx()?;
         let mut st = self.lock()?;
@@ -1607,6 +1610,7 @@ impl Fs {
         Ok(())
     }
 
+    /// Undo one [`Fs::open_file`]; frees the file if it was unlinked and nothing else holds it.
     pub fn release(&self, ino: u64) {
         let Ok(mut st) = self.lock() else { return };
         if let Some(node) = st.nodes.get_mut(&ino) {

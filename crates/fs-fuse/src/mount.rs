@@ -237,6 +237,8 @@ impl Filesystem for Adapter {
                 ),
             }
         }
+        // Not FUSE_ATOMIC_O_TRUNC: OPEN is answered ENOSYS (see `open`), so an O_TRUNC must
+        // come as the SETATTR of a size the kernel sends without it.
         *self.negotiated.lock().unwrap_or_else(|p| p.into_inner()) = Some(uring);
         Ok(())
     }

@@ -695,6 +695,8 @@ fn run(
         }
         // What the fuser adapter does not implement either: the kernel falls back (local
         // locks, generic lseek, copy through the page cache) or reports it unsupported.
+        // FORGET and BATCH_FORGET never come here: the kernel sends them over /dev/fuse, where
+        // fuser's workers take them (`Fs::forget`, which frees an unlinked file).
         _ => Err(libc::ENOSYS),
     }
 }
