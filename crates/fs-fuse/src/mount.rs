@@ -18,12 +18,12 @@ use lbio::{Device, DeviceConfig, LbioArray};
 
 use crate::error::FsError;
 use crate::format::{BLOCK, NAME_MAX};
+use crate::fs::{Attr, Caller, DeviceFactory, Fs, FsOptions, OpenReport, SetAttr};
 
 thread_local! {
     /// A worker thread's READ buffer: grown to the largest read it has served, then reused.
     static READ_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
-use crate::fs::{Attr, Caller, DeviceFactory, Fs, FsOptions, OpenReport, SetAttr};
 
 /// Settings of `aios mount`.
 #[derive(Clone, Debug)]

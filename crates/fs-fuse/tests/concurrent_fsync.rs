@@ -11,10 +11,9 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{fresh_image, opts};
+use common::ImageFile;
 use fs_fuse::format::{ROOT_INO, S_IFREG};
 use fs_fuse::fs::{Caller, Fs};
-use fs_fuse::mount::image_factory;
 use lbio::SimRng;
 
 const ROOT: Caller = Caller { uid: 0, gid: 0 };
@@ -59,16 +58,8 @@ fn check(fs: &Fs, ino: u64, last: &[u64], what: &str) {
 
 #[test]
 fn concurrent_fsyncs_keep_every_last_write() {
-    let path = std::env::temp_dir().join(format!("aiosfs-concurrent-{}.img", std::process::id()));
-    struct Remove(std::path::PathBuf);
-    impl Drop for Remove {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
-    let _remove = Remove(path.clone());
-    std::fs::write(&path, fresh_image(32 << 20)).unwrap();
-    let (fs, _) = Fs::open(image_factory(&path), opts()).unwrap();
+    let image = ImageFile::new("concurrent", 32 << 20);
+    let fs = image.open();
     // Each in-place fsync waits a little before it takes the lock back, so the others often
     // commit and rewrite its blocks in between.
     fs_fuse::fs::IN_PLACE_TEST_PAUSE_US.store(2000, std::sync::atomic::Ordering::Relaxed);
@@ -196,7 +187,7 @@ fn concurrent_fsyncs_keep_every_last_write() {
     // The image as the threads left it, mounted again (the journal replayed): every fsynced
     // write is there.
     drop(fs);
-    let (again, _) = Fs::open(image_factory(&path), opts()).expect("mount the image again");
+    let again = image.open();
     for (t, (last_own, _)) in results.iter().enumerate() {
         check(&again, own[t], last_own, "after a remount");
     }

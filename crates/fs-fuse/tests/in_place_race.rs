@@ -8,45 +8,38 @@
 mod common;
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
-use common::{fresh_image, opts};
+use common::ImageFile;
 use fs_fuse::format::{ROOT_INO, S_IFREG};
 use fs_fuse::fs::{Caller, Fs, SetAttr, IN_PLACE_TEST_PAUSE_US};
-use fs_fuse::mount::image_factory;
 
 const BLOCK: usize = 4096;
 
 /// The pause is one setting for the process: one staged race at a time.
 static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// A fresh file system on a real O_DIRECT image (removed when the guard drops).
-fn image() -> (std::path::PathBuf, Remove) {
-    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let path = std::env::temp_dir().join(format!(
-        "aiosfs-in-place-race-{}-{}.img",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::write(&path, fresh_image(16 << 20)).unwrap();
-    (path.clone(), Remove(path))
-}
-
-struct Remove(std::path::PathBuf);
-impl Drop for Remove {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
+/// A fresh file system on a real O_DIRECT image, with an empty file "f" in it.
+fn fresh_file() -> (ImageFile, Arc<Fs>, u64) {
+    let image = ImageFile::new("in-place-race", 16 << 20);
+    let fs = image.open();
+    let ino = fs
+        .mknod(
+            ROOT_INO,
+            b"f",
+            S_IFREG | 0o644,
+            0,
+            Caller { uid: 0, gid: 0 },
+            None,
+        )
+        .unwrap()
+        .ino;
+    (image, fs, ino)
 }
 
 /// After the race: the last fdatasync leaves `want` on the device, and a remount reads it.
-fn settle_and_check(
-    fs: std::sync::Arc<Fs>,
-    path: &std::path::Path,
-    ino: u64,
-    at: u64,
-    want: &[u8],
-) {
+fn settle_and_check(fs: Arc<Fs>, image: &ImageFile, ino: u64, at: u64, want: &[u8]) {
     fs.fsync_as(ino, true).unwrap();
     let on_device = fs.read_with(ino, at, BLOCK as u32, true).unwrap();
     assert!(
@@ -56,7 +49,7 @@ fn settle_and_check(
         want[0]
     );
     drop(fs);
-    let (again, _) = Fs::open(image_factory(path), opts()).unwrap();
+    let again = image.open();
     assert!(
         again.read(ino, at, BLOCK as u32).unwrap() == want,
         "after a remount"
@@ -69,19 +62,7 @@ fn settle_and_check(
 #[test]
 fn a_block_committed_and_written_back_meanwhile_stays_dirty() {
     let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
-    let (path, _remove) = image();
-    let (fs, _) = Fs::open(image_factory(&path), opts()).unwrap();
-    let ino = fs
-        .mknod(
-            ROOT_INO,
-            b"f",
-            S_IFREG | 0o644,
-            0,
-            Caller { uid: 0, gid: 0 },
-            None,
-        )
-        .unwrap()
-        .ino;
+    let (image, fs, ino) = fresh_file();
     let (old, new) = (vec![0xaa; BLOCK], vec![0x55; BLOCK]);
     fs.write(ino, 0, &new).unwrap();
     fs.sync_all().unwrap();
@@ -111,7 +92,7 @@ fn a_block_committed_and_written_back_meanwhile_stays_dirty() {
         before + 1,
         "A wrote in place"
     );
-    settle_and_check(fs, &path, ino, 0, &old);
+    settle_and_check(fs, &image, ino, 0, &old);
 }
 
 /// Meanwhile another thread truncates the block away, a commit makes its block free again,
@@ -120,19 +101,7 @@ fn a_block_committed_and_written_back_meanwhile_stays_dirty() {
 #[test]
 fn a_block_freed_and_taken_back_meanwhile_stays_dirty() {
     let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
-    let (path, _remove) = image();
-    let (fs, _) = Fs::open(image_factory(&path), opts()).unwrap();
-    let ino = fs
-        .mknod(
-            ROOT_INO,
-            b"f",
-            S_IFREG | 0o644,
-            0,
-            Caller { uid: 0, gid: 0 },
-            None,
-        )
-        .unwrap()
-        .ino;
+    let (image, fs, ino) = fresh_file();
     let val = vec![0xaa; BLOCK];
     fs.write(ino, 0, &vec![0x11; 2 * BLOCK]).unwrap();
     fs.sync_all().unwrap();
@@ -156,5 +125,5 @@ fn a_block_freed_and_taken_back_meanwhile_stays_dirty() {
         fs.write(ino, BLOCK as u64, &val).unwrap();
         a.join().unwrap();
     });
-    settle_and_check(fs, &path, ino, BLOCK as u64, &val);
+    settle_and_check(fs, &image, ino, BLOCK as u64, &val);
 }

@@ -70,3 +70,35 @@ pub fn open(image: Vec<u8>, seed: u64) -> Result<(SimDisk, Arc<Fs>), FsError> {
     let (fs, _) = Fs::open(factory(&disk), opts())?;
     Ok((disk, fs))
 }
+
+/// A fresh aiosfs image (mkfs'd, [`fresh_image`]) in a real file under the temp directory, for
+/// tests that need the device's own timing (O_DIRECT writes); removed when dropped.
+#[allow(dead_code)]
+pub struct ImageFile(pub std::path::PathBuf);
+
+#[allow(dead_code)]
+impl ImageFile {
+    pub fn new(tag: &str, bytes: u64) -> ImageFile {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "aiosfs-{tag}-{}-{}.img",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        std::fs::write(&path, fresh_image(bytes)).unwrap();
+        ImageFile(path)
+    }
+
+    /// The file system on it, opened as `aios mount` opens an image.
+    pub fn open(&self) -> Arc<Fs> {
+        Fs::open(fs_fuse::mount::image_factory(&self.0), opts())
+            .unwrap()
+            .0
+    }
+}
+
+impl Drop for ImageFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
