@@ -752,7 +752,8 @@ impl<'a> Inflight<'a> {
 }
 
 /// A transaction's log blocks in the buffers they are written from: (device byte, buffer) per
-/// run of consecutive log positions, in log order (one run unless the log wraps inside it).
+/// run of consecutive log positions, in log order (one run unless the log wraps inside it, or
+/// the arena had no free frames in a row as long as a run).
 struct LogBufs(SmallVec<[(u64, FixedBuf); 2]>);
 
 impl LogBufs {
@@ -776,6 +777,22 @@ impl LogBufs {
 
 fn alloc(engine: &Engine) -> Result<FixedBuf, JournalError> {
     Ok(engine.alloc_blocking(BLOCK)?)
+}
+
+/// A buffer for a run of up to `blocks` consecutive blocks: all of them when the arena has
+/// that many frames free in a row, else the longest power-of-two fraction it has (down to one
+/// block, which waits for in-flight I/O to give a frame back if it must). The caller writes
+/// the rest of the run from further buffers, so a fragmented arena costs more writes, never a
+/// failed commit.
+fn alloc_run(engine: &Engine, blocks: usize) -> Result<FixedBuf, JournalError> {
+    let mut len = blocks.max(1);
+    while len > 1 {
+        if let Some(b) = engine.try_alloc(len * BLOCK) {
+            return Ok(b);
+        }
+        len /= 2;
+    }
+    alloc(engine)
 }
 
 /// Write `(home block, bytes)` pairs in place, at most 32 in flight, and wait for all.
@@ -1604,7 +1621,7 @@ impl Journal {
     }
 
     /// Buffers for `n` log blocks from log position `head`: one per run of consecutive
-    /// positions.
+    /// positions (more where the arena is fragmented; see [`alloc_run`]).
     fn log_bufs(&self, head: u64, n: usize) -> Result<LogBufs, JournalError> {
         let at = |i: usize| self.set.log_byte(self.area, head + i as u64);
         let mut runs: SmallVec<[(u64, FixedBuf); 2]> = SmallVec::new();
@@ -1615,8 +1632,9 @@ impl Journal {
             while i + len < n && at(i + len) == start + (len * BLOCK) as u64 {
                 len += 1;
             }
-            runs.push((start, self.engine.alloc_blocking(len * BLOCK)?));
-            i += len;
+            let buf = alloc_run(&self.engine, len)?;
+            i += buf.len() / BLOCK;
+            runs.push((start, buf));
         }
         Ok(LogBufs(runs))
     }
@@ -1671,19 +1689,9 @@ impl Journal {
         format::seal(c);
     }
 
-    fn data_bufs(&self, tx: &Tx) -> Result<SmallVec<[(u64, FixedBuf); 4]>, JournalError> {
-        tx.data
-            .iter()
-            .map(|(b, d)| {
-                let mut buf = alloc(&self.engine)?;
-                buf.copy_from_slice(d);
-                Ok((*b, buf))
-            })
-            .collect()
-    }
-
     /// The transaction's data as few writes as possible, in block order: blocks that follow
-    /// each other go out as one write of at most `max` bytes.
+    /// each other go out as one write of at most `max` bytes (shorter where the arena has no
+    /// free frames in a row that long).
     fn data_runs(
         &self,
         tx: &Tx,
@@ -1700,7 +1708,8 @@ impl Journal {
             while k + len < order.len() && order[k + len].0 == start + len as u64 && len < per {
                 len += 1;
             }
-            let mut buf = self.engine.alloc_blocking(len * BLOCK)?;
+            let mut buf = alloc_run(&self.engine, len)?;
+            len = buf.len() / BLOCK;
             for (i, (_, d)) in order[k..k + len].iter().enumerate() {
                 buf[i * BLOCK..(i + 1) * BLOCK].copy_from_slice(d);
             }
@@ -1727,6 +1736,7 @@ impl Journal {
             return self.write_tx_rio(rio, tx, tid, head);
         }
         let dev = &self.dev;
+        let max = (dev.geometry().max_transfer_bytes as usize).clamp(BLOCK, 1 << 20);
         // FUA on every data and journal block makes the FLUSH before the commit unneeded.
         let fua = !self.plp && self.set.durability() == Durability::FuaWrites;
         let log = |i: usize| self.set.log_byte(self.area, head + i as u64);
@@ -1764,12 +1774,12 @@ impl Journal {
             CommitMode::OneWrite => {
                 // The data in place (plain writes: the log copy is what makes it durable; a
                 // checkpoint's FLUSH makes the home copy durable before the log is reused).
-                let data = timed(&mut prep, || self.data_bufs(tx));
+                let data = timed(&mut prep, || self.data_runs(tx, max));
                 let mut w = Inflight::new();
                 {
                     let _plug = self.engine.plug();
-                    for (b, buf) in data? {
-                        w.start(dev.write_at(b * BLOCK as u64, buf, false));
+                    for (at, buf) in data? {
+                        w.start(dev.write_at(at, buf, false));
                     }
                 }
                 // The log blocks, the data among them, with the commit block last: one write
@@ -1791,10 +1801,10 @@ impl Journal {
                 None
             }
             CommitMode::Vanilla => {
-                let data = timed(&mut prep, || self.data_bufs(tx));
+                let data = timed(&mut prep, || self.data_runs(tx, max));
                 let mut w = Inflight::new();
-                for (b, buf) in data? {
-                    w.start(dev.write_at(b * BLOCK as u64, buf, fua));
+                for (at, buf) in data? {
+                    w.start(dev.write_at(at, buf, fua));
                 }
                 w.wait(&self.engine)?;
                 let (bufs, n, chain) = timed(&mut prep, || self.prepare_journal(tx, tid, head, 0))?;
@@ -1807,12 +1817,12 @@ impl Journal {
                 Some((c?, n))
             }
             CommitMode::Overlapped => {
-                let data = timed(&mut prep, || self.data_bufs(tx));
+                let data = timed(&mut prep, || self.data_runs(tx, max));
                 let mut w = Inflight::new();
                 {
                     let _plug = self.engine.plug();
-                    for (b, buf) in data? {
-                        w.start(dev.write_at(b * BLOCK as u64, buf, fua));
+                    for (at, buf) in data? {
+                        w.start(dev.write_at(at, buf, fua));
                     }
                 }
                 // The data is on its way: prepare the journal while the device works.
