@@ -453,6 +453,10 @@ struct State {
     nodes: HashMap<u64, Node>,
     itab_loaded: HashSet<u64>,
     dirty_nodes: BTreeSet<u64>,
+    /// The directories among `dirty_nodes`: the only nodes whose blocks can be dirty, kept
+    /// apart so [`Fs::meta_pending`], asked after every change, looks at a few nodes rather
+    /// than at every dirty one.
+    dirty_dirs: BTreeSet<u64>,
     /// Files holding dirty data blocks (a commit looks at these, not at every node).
     dirty_data: BTreeSet<u64>,
     dirty_xattrs: BTreeSet<u64>,
@@ -611,6 +615,7 @@ impl Fs {
                 nodes: HashMap::new(),
                 itab_loaded: HashSet::new(),
                 dirty_nodes: BTreeSet::new(),
+                dirty_dirs: BTreeSet::new(),
                 dirty_data: BTreeSet::new(),
                 dirty_xattrs: BTreeSet::new(),
                 new_meta: BTreeMap::new(),
@@ -1023,7 +1028,7 @@ impl Fs {
         clear_bit(&mut st.ibm, ino);
         st.dirty_ibm.insert(ino / (B * 8));
         st.free_inodes += 1;
-        st.dirty_nodes.insert(ino);
+        Self::touch(st, ino);
         st.dirty_xattrs.remove(&ino);
         st.dirty_data.remove(&ino);
     }
@@ -1042,17 +1047,19 @@ impl Fs {
     }
 
     fn touch(st: &mut State, ino: u64) {
-        st.dirty_nodes.insert(ino);
+        if st.dirty_nodes.insert(ino) && st.nodes.get(&ino).is_some_and(|n| n.attr.is_dir()) {
+            st.dirty_dirs.insert(ino);
+        }
     }
 
     // ----- commit --------------------------------------------------------------------------
 
     /// Metadata blocks the next commit would write, roughly. A directory whose blocks changed
-    /// is always among the dirty nodes (every change to it touches it), so only those are
-    /// looked at, not every node in memory.
+    /// is always among the dirty directories (every change to it touches it), so only those
+    /// are looked at, not every node in memory.
     fn meta_pending(&self, st: &State) -> u64 {
         let dirs: usize = st
-            .dirty_nodes
+            .dirty_dirs
             .iter()
             .filter_map(|i| st.nodes.get(i)?.dir.as_ref().map(|d| d.dirty.len()))
             .sum();
@@ -1141,7 +1148,7 @@ impl Fs {
                 metas.insert(b, blk);
                 st.nodes.get_mut(&ino).expect("node").attr.xattr = b;
             }
-            st.dirty_nodes.insert(ino);
+            Self::touch(st, ino);
         }
         let dirty: Vec<u64> = st.dirty_nodes.iter().copied().collect();
         for &ino in &dirty {
@@ -1276,6 +1283,7 @@ impl Fs {
             .meta_blocks_written
             .fetch_add(metas.len() as u64, Ordering::Relaxed);
         st.last_commit = std::time::Instant::now();
+        st.dirty_dirs.clear();
         for ino in std::mem::take(&mut st.dirty_nodes) {
             if let Some(n) = st.nodes.get_mut(&ino) {
                 n.layout_dirty = false;
@@ -1790,7 +1798,7 @@ impl Fs {
         }
         let kind = node.kind();
         st.nodes.insert(ino, node);
-        st.dirty_nodes.insert(ino);
+        Self::touch(&mut st, ino);
         if let Err(e) = self.add_entry(&mut st, &ctx, parent, name, ino, kind) {
             // Roll back: nothing about the new inode was committed.
             self.destroy(&mut st, ino);
