@@ -259,6 +259,7 @@ impl Qd1Choice {
         match self.mode {
             CompletionMode::BusyPoll => "busy-polling",
             CompletionMode::Wait => "sleeping",
+            CompletionMode::Hybrid { .. } => "spinning, then sleeping",
         }
     }
 }
@@ -312,9 +313,10 @@ pub fn choose_qd1_completion(
                     ..opts
                 },
             )?;
-            match mode {
-                CompletionMode::BusyPoll => poll.push(s.lat_us_mean),
-                CompletionMode::Wait => wait.push(s.lat_us_mean),
+            if mode == CompletionMode::BusyPoll {
+                poll.push(s.lat_us_mean);
+            } else {
+                wait.push(s.lat_us_mean);
             }
         }
     }

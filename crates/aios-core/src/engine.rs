@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 use std::thread::{self, Thread, ThreadId};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use io_uring::{cqueue, squeue, types, IoUring};
 
@@ -48,6 +48,34 @@ pub enum CompletionMode {
     /// Spin on the completion queue (running deferred task work with non-blocking enters)
     /// instead of sleeping: no wake-up latency, at the cost of a busy core while waiting.
     BusyPoll,
+    /// Spin as `BusyPoll` does for at most `spin` per wait, then sleep as `Wait` does: a wait
+    /// the device answers within `spin` pays no wake-up, and a long one costs at most `spin`
+    /// of CPU. [`HYBRID_SPIN`] is a budget that covers a flash write with FUA.
+    Hybrid {
+        /// Longest spin of one wait before it sleeps.
+        spin: Duration,
+    },
+}
+
+/// A [`CompletionMode::Hybrid`] spin budget that covers a 4 KiB FUA write on the devices
+/// measured here (23 µs on the `ull` loop device busy-polled, 41 µs when the thread sleeps), and
+/// the two-write phase of a small journal commit (55–60 µs), with room to spare.
+pub const HYBRID_SPIN: Duration = Duration::from_micros(100);
+
+impl CompletionMode {
+    /// [`CompletionMode::Hybrid`] with the [`HYBRID_SPIN`] budget.
+    pub const fn hybrid() -> CompletionMode {
+        CompletionMode::Hybrid { spin: HYBRID_SPIN }
+    }
+
+    /// A short name for logs and tables: `wait`, `poll` or `hybrid`.
+    pub fn name(self) -> &'static str {
+        match self {
+            CompletionMode::Wait => "wait",
+            CompletionMode::BusyPoll => "poll",
+            CompletionMode::Hybrid { .. } => "hybrid",
+        }
+    }
 }
 
 /// Which of the engine's rings an SQE goes to.
@@ -1061,12 +1089,26 @@ impl Engine {
         }
         let polled = |e: &Engine| e.iopoll.as_ref().is_some_and(|r| r.inflight.get() > 0);
         let mut empty = 0u32;
+        // Hybrid: spin until this instant, then sleep.
+        let spin_until = match self.completion.get() {
+            CompletionMode::Hybrid { spin } => Some(Instant::now() + spin),
+            _ => None,
+        };
         while done < min {
             if self.soft_pending() > 0 {
                 // Their completions arrive as NOPs, pushed now and reaped below.
                 self.advance_soft()?;
             }
-            if self.completion.get() == CompletionMode::Wait && !polled(self) {
+            let sleep = match self.completion.get() {
+                CompletionMode::Wait => true,
+                CompletionMode::BusyPoll => false,
+                // The clock is read only after an empty poll: a spin that found completions
+                // goes round again at once.
+                CompletionMode::Hybrid { .. } => {
+                    empty > 0 && spin_until.is_none_or(|t| Instant::now() >= t)
+                }
+            };
+            if sleep && !polled(self) {
                 if let Some(r) = self.iopoll.as_ref().filter(|r| r.pending.get() > 0) {
                     self.submit_ring(r, 0)?;
                 }
@@ -1410,6 +1452,48 @@ mod tests {
         engine.wait(10).unwrap();
         assert_eq!(sink.0.get(), 10);
         assert_eq!(sink.1.get(), 0);
+        assert!(!engine.has_work());
+    }
+
+    #[test]
+    fn hybrid_waits_spin_within_their_budget_and_sleep_past_it() {
+        let engine = Engine::new(EngineConfig {
+            arena_bytes: 64 << 10,
+            huge_pages: false,
+            ..EngineConfig::default()
+        })
+        .unwrap();
+        let sink = Rc::new(Count(Cell::new(0), Cell::new(0)));
+        let weak: Weak<dyn CompletionSink> = Rc::downgrade(&sink) as Weak<dyn CompletionSink>;
+        let id = engine.register_sink(weak).unwrap();
+        let ts = io_uring::types::Timespec::new().nsec(2_000_000);
+        let timer = |engine: &Engine| {
+            let sqe = io_uring::opcode::Timeout::new(&ts).build();
+            // SAFETY: `ts` outlives the wait below that completes the timer.
+            unsafe { engine.push(RingKind::Main, id, 0, sqe) }.unwrap();
+        };
+        // A budget far past the 2 ms timer: the wait spins through it and never sleeps.
+        engine.set_completion_mode(CompletionMode::Hybrid {
+            spin: Duration::from_secs(10),
+        });
+        timer(&engine);
+        let before = engine.metrics();
+        engine.wait(1).unwrap();
+        let spun = engine.metrics();
+        assert_eq!(spun.sleeps, before.sleeps, "slept within the budget");
+        assert!(spun.empty_polls > before.empty_polls, "never spun");
+        // No budget: one poll, then it sleeps.
+        engine.set_completion_mode(CompletionMode::Hybrid {
+            spin: Duration::ZERO,
+        });
+        timer(&engine);
+        engine.wait(1).unwrap();
+        assert!(
+            engine.metrics().sleeps > spun.sleeps,
+            "did not sleep past the budget"
+        );
+        assert_eq!(sink.0.get(), 2);
+        assert_eq!(sink.1.get(), -libc::ETIME);
         assert!(!engine.has_work());
     }
 

@@ -30,7 +30,7 @@ pub mod sys;
 pub use arena::{Arena, Backing, FixedBuf, SharedRegion};
 pub use engine::{
     check_memlock, nop_sqe, CompletionMode, CompletionSink, Engine, EngineConfig, EngineMetrics,
-    FixedFile, Plug, RingKind, RingSetup, SinkId, SoftDevice, MAX_COMPLETION_SINKS,
+    FixedFile, Plug, RingKind, RingSetup, SinkId, SoftDevice, HYBRID_SPIN, MAX_COMPLETION_SINKS,
     MAX_SHARED_REGIONS, PAYLOAD_MASK,
 };
 pub use error::CoreError;

@@ -76,8 +76,9 @@ pub struct FsOptions {
     pub dirty_limit: usize,
     /// Registered arena of each worker's engine.
     pub arena_bytes: usize,
-    /// How a worker waits for its I/O: sleep in `io_uring_enter`, or spin on the completion
-    /// queue (no wake-up latency; the worker's core is busy while it waits).
+    /// How a worker waits for its I/O: sleep in `io_uring_enter`, spin on the completion
+    /// queue (no wake-up latency; the worker's core is busy while it waits), or spin for a
+    /// bounded time and then sleep (the default, [`aios_core::CompletionMode::hybrid`]).
     pub completion: aios_core::CompletionMode,
     /// Bytes of the page cache that holds clean file data for all workers (`pagecache`, AIOS's
     /// read path), or 0 for none (every read of clean data goes to the device).
@@ -91,7 +92,7 @@ impl Default for FsOptions {
             rio: false,
             dirty_limit: 16 << 20,
             arena_bytes: 48 << 20,
-            completion: aios_core::CompletionMode::Wait,
+            completion: aios_core::CompletionMode::hybrid(),
             cache_bytes: 64 << 20,
         }
     }
