@@ -373,9 +373,18 @@ impl Arena {
     /// Allocate a buffer of `len` bytes (whole frames, contiguous). `None` when the arena has no
     /// run of free frames that long: back-pressure, counted in [`Arena::exhausted_count`].
     pub fn try_alloc(self: &Rc<Self>, len: usize) -> Option<FixedBuf> {
+        let b = self.try_alloc_run(len);
+        if b.is_none() {
+            self.exhausted.set(self.exhausted.get() + 1);
+        }
+        b
+    }
+
+    /// [`Arena::try_alloc`] for a caller that falls back to a shorter buffer when this one does
+    /// not fit: a miss is not counted as exhaustion.
+    pub fn try_alloc_run(self: &Rc<Self>, len: usize) -> Option<FixedBuf> {
         let count = len.max(1).div_ceil(self.frame_bytes);
         if count > self.frames as usize {
-            self.exhausted.set(self.exhausted.get() + 1);
             return None;
         }
         let first = {
@@ -386,19 +395,13 @@ impl Arena {
                 free.take_run(count as u32, self.frames)
             }
         };
-        match first {
-            Some(first) => Some(FixedBuf {
-                arena: Rc::clone(self),
-                first,
-                frames: count as u32,
-                start: 0,
-                len,
-            }),
-            None => {
-                self.exhausted.set(self.exhausted.get() + 1);
-                None
-            }
-        }
+        first.map(|first| FixedBuf {
+            arena: Rc::clone(self),
+            first,
+            frames: count as u32,
+            start: 0,
+            len,
+        })
     }
 
     fn frame_ptr(&self, frame: u32) -> *mut u8 {

@@ -50,7 +50,8 @@ pub enum CompletionMode {
     BusyPoll,
     /// Spin as `BusyPoll` does for at most `spin` per wait, then sleep as `Wait` does: a wait
     /// the device answers within `spin` pays no wake-up, and a long one costs at most `spin`
-    /// of CPU. [`HYBRID_SPIN`] is a budget that covers a flash write with FUA.
+    /// of CPU (per wait: a caller that waits for several I/Os one after another may spin that
+    /// long for each). [`HYBRID_SPIN`] is a budget that covers a flash write with FUA.
     Hybrid {
         /// Longest spin of one wait before it sleeps.
         spin: Duration,
@@ -731,6 +732,12 @@ impl Engine {
         self.arena.try_alloc(len)
     }
 
+    /// [`Engine::try_alloc`] for a caller that falls back to a shorter buffer when this one does
+    /// not fit (a run of frames in a row): a miss is not counted as exhaustion.
+    pub fn try_alloc_run(&self, len: usize) -> Option<FixedBuf> {
+        self.arena.try_alloc_run(len)
+    }
+
     /// Allocate a buffer, waiting for in-flight I/O to give frames back when the arena is
     /// exhausted. Fails only when nothing in flight could free a frame.
     pub fn alloc_blocking(&self, len: usize) -> Result<FixedBuf, CoreError> {
@@ -1091,7 +1098,10 @@ impl Engine {
         let mut empty = 0u32;
         // Hybrid: spin until this instant, then sleep.
         let spin_until = match self.completion.get() {
-            CompletionMode::Hybrid { spin } => Some(Instant::now() + spin),
+            // A budget past an hour is taken as an hour (and cannot overflow the clock).
+            CompletionMode::Hybrid { spin } => {
+                Some(Instant::now() + spin.min(Duration::from_secs(3600)))
+            }
             _ => None,
         };
         while done < min {

@@ -1048,7 +1048,10 @@ impl Fs {
     }
 
     fn touch(st: &mut State, ino: u64) {
-        if st.dirty_nodes.insert(ino) && st.nodes.get(&ino).is_some_and(|n| n.attr.is_dir()) {
+        st.dirty_nodes.insert(ino);
+        // Not only on the first touch: an inode number freed and dirtied since the last commit
+        // may come back as a directory before the next one.
+        if st.nodes.get(&ino).is_some_and(|n| n.attr.is_dir()) {
             st.dirty_dirs.insert(ino);
         }
     }

@@ -787,7 +787,7 @@ fn alloc(engine: &Engine) -> Result<FixedBuf, JournalError> {
 fn alloc_run(engine: &Engine, blocks: usize) -> Result<FixedBuf, JournalError> {
     let mut len = blocks.max(1);
     while len > 1 {
-        if let Some(b) = engine.try_alloc(len * BLOCK) {
+        if let Some(b) = engine.try_alloc_run(len * BLOCK) {
             return Ok(b);
         }
         len /= 2;
@@ -1545,7 +1545,8 @@ impl Journal {
 
     /// Build the transaction's log blocks (descriptors with tags, metadata copies, revokes)
     /// straight into the buffers they are written from, one per run of consecutive log
-    /// positions from `head` (two where the log wraps), with `extra` more blocks left at the end
+    /// positions from `head` (two where the log wraps, more where the arena is fragmented; see
+    /// [`alloc_run`]), with `extra` more blocks left at the end
     /// for the caller (the one-write commit block). Returns them with the number of journal
     /// blocks and the chained checksum.
     fn prepare_journal(
@@ -1783,7 +1784,8 @@ impl Journal {
                     }
                 }
                 // The log blocks, the data among them, with the commit block last: one write
-                // (two where the log wraps).
+                // (two where the log wraps, more from a fragmented arena; recovery reads any
+                // missing piece as a torn tail by the checksum chain).
                 let runs = timed(&mut prep, || -> Result<_, JournalError> {
                     let (mut bufs, n, chain) = self.prepare_journal(tx, tid, head, 1)?;
                     self.fill_commit(bufs.block(n), tx, tid, n, chain, None);
