@@ -154,9 +154,9 @@ struct MountArgs {
     commit: CommitArg,
     /// How workers wait for I/O: `hybrid` spins on the completion queue for up to 100 us
     /// (yielding the CPU every few empty polls, so the device's own kernel work can run there)
-    /// and then sleeps, so an I/O that a fast device answers in time costs no wake-up and a slow
-    /// one at most 100 us of CPU; `wait` always sleeps in io_uring_enter; `poll` always spins
-    /// (a busy core per waiting worker).
+    /// and then sleeps, so an I/O that a fast device answers in time costs no wake-up and each
+    /// wait on a slow one at most 100 us of CPU; `wait` always sleeps in io_uring_enter; `poll`
+    /// always spins (a busy core per waiting worker).
     #[arg(long, value_enum, default_value = "hybrid")]
     completion: MountCompletion,
     /// How FUSE requests arrive: `uring` uses the kernel's per-CPU io_uring queues (Linux
@@ -465,13 +465,15 @@ struct PagecacheArgs {
 
 #[derive(Clone, Copy, ValueEnum)]
 enum PcCompletionArg {
-    /// Busy-poll (yielding after a few empty polls) up to one thread per CPU, sleep when there
-    /// are more threads than CPUs.
+    /// Busy-poll (yielding after a few empty polls) up to one thread per CPU; with more threads
+    /// than CPUs, spin up to 100 us per wait and then sleep (`hybrid`).
     Auto,
     /// Sleep in io_uring_enter until the completion arrives.
     Wait,
     /// Spin on the completion queue.
     Poll,
+    /// Spin (yielding after a few empty polls) for up to 100 us per wait, then sleep.
+    Hybrid,
 }
 
 impl PcCompletionArg {
@@ -481,6 +483,7 @@ impl PcCompletionArg {
             PcCompletionArg::Auto => None,
             PcCompletionArg::Wait => Some(CompletionMode::Wait),
             PcCompletionArg::Poll => Some(CompletionMode::BusyPoll),
+            PcCompletionArg::Hybrid => Some(CompletionMode::hybrid()),
         }
     }
 }
@@ -565,11 +568,14 @@ enum CompletionArg {
     Wait,
     /// Spin on the completion queue (no wake-up latency; burns the core while waiting).
     Poll,
+    /// Spin (yielding after a few empty polls) for up to 100 us per wait, then sleep.
+    Hybrid,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
 enum PlugArg {
-    /// Plug at QD1 when busy-polling (the submission rides on the first poll's io_uring_enter);
+    /// Plug at QD1 when busy-polling or spinning first (the submission rides on the first poll's
+    /// io_uring_enter);
     /// a sleeping caller submits at once and then waits: on the `ull` device, each of 8
     /// alternating pairs of 2-second sleeping runs had the lower mean that way, by 1.5-12.8 us.
     /// Above QD1 submit at once (on the loop device a plugged batch leaves the fast inline path;
@@ -1491,6 +1497,7 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
         }
         CompletionArg::Auto | CompletionArg::Wait => CompletionMode::Wait,
         CompletionArg::Poll => CompletionMode::BusyPoll,
+        CompletionArg::Hybrid => CompletionMode::hybrid(),
     };
     let plug = plug_for(completion);
     let cmp = Comparison {

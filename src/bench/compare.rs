@@ -238,10 +238,11 @@ pub fn check_write_allowed(
     )))
 }
 
-/// `--plug auto`: plug at QD1 only when busy-polling (the submission rides on the first poll's
-/// `io_uring_enter`); a sleeping caller, and any caller above QD1, submits at once.
+/// `--plug auto`: plug at QD1 only when busy-polling or spinning first (`hybrid`): the
+/// submission rides on the first poll's `io_uring_enter`. A sleeping caller, and any caller
+/// above QD1, submits at once.
 pub fn plug_auto(qd: u32, mode: CompletionMode) -> bool {
-    qd == 1 && mode == CompletionMode::BusyPoll
+    qd == 1 && mode != CompletionMode::Wait
 }
 
 /// What [`choose_qd1_completion`] measured.

@@ -261,7 +261,7 @@ pub struct FsyncBench {
     /// format time.
     pub durability: Option<journal::Durability>,
     /// How the journal threads wait for their I/O: `None` = busy-poll up to one thread per
-    /// CPU, sleep beyond ([`completion_for`]).
+    /// CPU, spin then sleep beyond ([`completion_for`]).
     pub completion: Option<CompletionMode>,
 }
 

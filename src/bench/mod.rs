@@ -329,10 +329,10 @@ pub fn run_lbio(dev: &Device, w: &Workload, opts: LbioRunOptions) -> Result<Samp
     };
     let engine = format!(
         "lbio-{route}{}",
-        if opts.completion == CompletionMode::BusyPoll && route.starts_with("io_uring") {
-            "-poll"
-        } else {
-            ""
+        match opts.completion {
+            CompletionMode::BusyPoll if route.starts_with("io_uring") => "-poll",
+            CompletionMode::Hybrid { .. } if route.starts_with("io_uring") => "-hybrid",
+            _ => "",
         }
     );
     Ok(measured(w, engine, w.qd, ops, elapsed, cpu, &hist))
