@@ -574,11 +574,10 @@ enum CompletionArg {
 
 #[derive(Clone, Copy, ValueEnum)]
 enum PlugArg {
-    /// Plug at QD1 when busy-polling or spinning first (the submission rides on the first poll's
-    /// io_uring_enter);
-    /// a sleeping caller submits at once and then waits: on the `ull` device, each of 8
-    /// alternating pairs of 2-second sleeping runs had the lower mean that way, by 1.5-12.8 us.
-    /// Above QD1 submit at once (on the loop device a plugged batch leaves the fast inline path;
+    /// Plug at QD1 when busy-polling or spinning first (the submission rides on the first
+    /// poll's io_uring_enter); a sleeping caller submits at once and then waits: on the `ull`
+    /// device, each of 8 alternating pairs of 2-second sleeping runs had the lower mean that
+    /// way, by 1.5-12.8 us. Above QD1 submit at once (on the loop device a plugged batch leaves the fast inline path;
     /// measured).
     Auto,
     On,

@@ -1690,14 +1690,16 @@ impl Journal {
         format::seal(c);
     }
 
+    /// The longest write a commit sends: the device's largest transfer, 4 KiB to 1 MiB.
+    fn max_write(&self) -> usize {
+        (self.dev.geometry().max_transfer_bytes as usize).clamp(BLOCK, 1 << 20)
+    }
+
     /// The transaction's data as few writes as possible, in block order: blocks that follow
-    /// each other go out as one write of at most `max` bytes (shorter where the arena has no
-    /// free frames in a row that long).
-    fn data_runs(
-        &self,
-        tx: &Tx,
-        max: usize,
-    ) -> Result<SmallVec<[(u64, FixedBuf); 4]>, JournalError> {
+    /// each other go out as one write of at most [`Self::max_write`] bytes (shorter where the
+    /// arena has no free frames in a row that long).
+    fn data_runs(&self, tx: &Tx) -> Result<SmallVec<[(u64, FixedBuf); 4]>, JournalError> {
+        let max = self.max_write();
         let mut order: SmallVec<[&(u64, Vec<u8>); 8]> = tx.data.iter().collect();
         order.sort_unstable_by_key(|(b, _)| *b);
         let per = (max / BLOCK).max(1);
@@ -1737,7 +1739,6 @@ impl Journal {
             return self.write_tx_rio(rio, tx, tid, head);
         }
         let dev = &self.dev;
-        let max = (dev.geometry().max_transfer_bytes as usize).clamp(BLOCK, 1 << 20);
         // FUA on every data and journal block makes the FLUSH before the commit unneeded.
         let fua = !self.plp && self.set.durability() == Durability::FuaWrites;
         let log = |i: usize| self.set.log_byte(self.area, head + i as u64);
@@ -1775,7 +1776,7 @@ impl Journal {
             CommitMode::OneWrite => {
                 // The data in place (plain writes: the log copy is what makes it durable; a
                 // checkpoint's FLUSH makes the home copy durable before the log is reused).
-                let data = timed(&mut prep, || self.data_runs(tx, max));
+                let data = timed(&mut prep, || self.data_runs(tx));
                 let mut w = Inflight::new();
                 {
                     let _plug = self.engine.plug();
@@ -1803,7 +1804,7 @@ impl Journal {
                 None
             }
             CommitMode::Vanilla => {
-                let data = timed(&mut prep, || self.data_runs(tx, max));
+                let data = timed(&mut prep, || self.data_runs(tx));
                 let mut w = Inflight::new();
                 for (at, buf) in data? {
                     w.start(dev.write_at(at, buf, fua));
@@ -1819,7 +1820,7 @@ impl Journal {
                 Some((c?, n))
             }
             CommitMode::Overlapped => {
-                let data = timed(&mut prep, || self.data_runs(tx, max));
+                let data = timed(&mut prep, || self.data_runs(tx));
                 let mut w = Inflight::new();
                 {
                     let _plug = self.engine.plug();
@@ -1875,8 +1876,8 @@ impl Journal {
     ) -> Result<(), JournalError> {
         let st = &self.set.stats;
         let start = Instant::now();
-        let max = (self.dev.geometry().max_transfer_bytes as usize).clamp(BLOCK, 1 << 20);
-        let data = self.data_runs(tx, max)?;
+        let max = self.max_write();
+        let data = self.data_runs(tx)?;
         let (bufs, n, chain) = self.prepare_journal(tx, tid, head, 0)?;
         let runs = bufs.into_runs();
         // Buffer preparation only: submitting may wait for the attribute log's sync.
