@@ -6,7 +6,8 @@
 //! SIGKILLs the file system at a random moment. Then `aios fsck` must find the image clean (as
 //! the journal's replay leaves it, before anything is written), the image is mounted again and
 //! every fsync-acknowledged byte must be there; the file system is unmounted with SIGTERM and
-//! `aios fsck` must find it clean once more.
+//! `aios fsck` must find it clean once more. A workload error before the kill fails the test;
+//! each run starts by unlinking the files of the runs before it.
 //!
 //! Runs alternate in pairs between the overlapped commit and `--commit rio` (Rio-ordered
 //! commits through the journal areas' attribute logs), so both transports meet both modes.
@@ -123,7 +124,7 @@ fn workload(
     seed: u64,
     model: Arc<Mutex<Model>>,
     stop: Arc<AtomicBool>,
-) {
+) -> Result<(), (Instant, std::io::Error)> {
     let mut rng = SimRng::new(seed);
     let open = |name: &str| {
         OpenOptions::new()
@@ -133,12 +134,9 @@ fn workload(
             .truncate(false)
             .open(mp.join(name))
     };
-    let Ok(log) = open(&format!("r{run}-log-{t}")) else {
-        return;
-    };
-    let Ok(ow) = open(&format!("r{run}-ow-{t}")) else {
-        return;
-    };
+    let failed = |e: std::io::Error| (Instant::now(), e);
+    let log = open(&format!("r{run}-log-{t}")).map_err(failed)?;
+    let ow = open(&format!("r{run}-ow-{t}")).map_err(failed)?;
     let mut created: Vec<String> = Vec::new();
     let mut i = 0u64;
     while !stop.load(Ordering::Relaxed) {
@@ -184,11 +182,11 @@ fn workload(
             }
             Ok(())
         })();
-        if r.is_err() {
-            return; // the file system is gone (killed)
-        }
+        // An error ends the thread: the caller tells the kill's from an earlier failure.
+        r.map_err(failed)?;
         i += 1;
     }
+    Ok(())
 }
 
 fn verify(mp: &Path, run: u64, m: &Model) -> Result<u64, String> {
@@ -327,6 +325,12 @@ fn main() {
         let transport = if run % 2 == 0 { "auto" } else { "classic" };
         let commit = if run % 4 >= 2 { "rio" } else { "overlapped" };
         let child = mount(&image, &mp, &log, transport, commit);
+        // Earlier runs' files go first, so that the image never fills however many runs there
+        // are (it did after about 47, and the workload then failed with ENOSPC).
+        for e in std::fs::read_dir(&mp).expect("the mount") {
+            let path = e.expect("a directory entry").path();
+            std::fs::remove_file(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        }
         let model = Arc::new(Mutex::new(Model::default()));
         let stop = Arc::new(AtomicBool::new(false));
         let workers: Vec<_> = (0..2)
@@ -339,6 +343,7 @@ fn main() {
         let delay = 80 + rng.below(600);
         std::thread::sleep(Duration::from_millis(delay));
         let mut child = child;
+        let killed_at = Instant::now();
         child.kill().expect("SIGKILL");
         child.wait().unwrap();
         stop.store(true, Ordering::Relaxed);
@@ -349,8 +354,16 @@ fn main() {
             over_uring += 1;
         }
         let _ = Command::new("umount").arg("-l").arg(&mp).status();
-        for w in workers {
-            w.join().unwrap();
+        for (t, w) in workers.into_iter().enumerate() {
+            // Errors are expected once the file system is killed, never before.
+            if let Err((at, e)) = w.join().unwrap() {
+                assert!(
+                    at >= killed_at,
+                    "run {run} (seed {seed}): thread {t} failed {} ms before the kill: {e}\nmount log:\n{}",
+                    (killed_at - at).as_millis(),
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
         }
         let m = std::mem::take(&mut *model.lock().unwrap());
         fsck(&image, &format!("after the kill of run {run}"));
