@@ -319,6 +319,7 @@ fn main() {
     let t_all = Instant::now();
     let mut over_uring = 0;
     let mut rio_runs = 0;
+    let mut runs_with_acks = 0;
     for run in 0..runs {
         // Every other run takes FUSE over io_uring when the kernel offers it; the others read
         // /dev/fuse. Runs 2 and 3 of every four commit Rio-ordered.
@@ -396,10 +397,35 @@ fn main() {
         );
         total_acks += m.acks;
         total_checked += checked;
+        runs_with_acks += (m.acks > 0) as u64;
     }
     println!(
         "fs_crash: {runs} SIGKILLs ({over_uring} of them with FUSE over io_uring, {rio_runs} with Rio-ordered commits), {total_acks} acknowledged fsyncs, {total_checked} blocks/files checked, fsck clean every time ({:.1} s)",
         t_all.elapsed().as_secs_f64()
     );
     let _ = std::fs::remove_dir_all(&dir);
+    if runs > 0 {
+        assert!(
+            total_acks > 0 && total_checked > 0,
+            "fs_crash (seed {seed}): {total_acks} fsyncs acknowledged and {total_checked} \
+             blocks/files checked across {runs} runs: the workload did no work"
+        );
+        // A kill 80 ms in may come before the first fsync returns, but not in most runs.
+        assert!(
+            2 * runs_with_acks >= runs,
+            "fs_crash (seed {seed}): only {runs_with_acks} of {runs} runs had an fsync \
+             acknowledged before the kill"
+        );
+        // The "auto" runs (every other one, run 0 among them) take FUSE over io_uring when the
+        // kernel's fuse module has it enabled.
+        let uring_enabled = std::fs::read_to_string("/sys/module/fuse/parameters/enable_uring")
+            .is_ok_and(|v| matches!(v.trim(), "Y" | "y" | "1"));
+        if uring_enabled {
+            assert!(
+                over_uring > 0,
+                "fs_crash (seed {seed}): the fuse module has enable_uring set, yet none of the \
+                 {runs} runs mounted with requests over io_uring"
+            );
+        }
+    }
 }

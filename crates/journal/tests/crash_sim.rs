@@ -182,7 +182,13 @@ fn run_seed(seed: u64, lbio: &Rc<LbioArray>) -> Result<Outcome, String> {
         if rng.chance(1, 12) {
             let r = journals[a].checkpoint();
             home_below = set.home_below();
-            if r.is_err() {
+            if let Err(e) = r {
+                // Only the power cut may stop a checkpoint.
+                if disk.powered() {
+                    return Err(format!(
+                        "seed {seed}: a checkpoint of area {a} failed with the power on: {e}"
+                    ));
+                }
                 home_below_maybe = Some(set.checkpoint_target());
                 break;
             }
@@ -215,7 +221,13 @@ fn run_seed(seed: u64, lbio: &Rc<LbioArray>) -> Result<Outcome, String> {
                 rec.tid = info.tid;
                 acked.push(rec);
             }
-            Err(_) => {
+            Err(e) => {
+                // Only the power cut may stop a commit.
+                if disk.powered() {
+                    return Err(format!(
+                        "seed {seed}: a commit in area {a} failed with the power on: {e}"
+                    ));
+                }
                 if set.checkpoint_target() != home_below {
                     home_below_maybe = Some(set.checkpoint_target());
                 }

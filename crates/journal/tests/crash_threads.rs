@@ -118,7 +118,7 @@ fn run(seed: u64, tot: &mut Totals) -> Result<(), String> {
         .collect();
     disk.cut_power_after(20 + rng.below(600));
     let barrier = Arc::new(Barrier::new(THREADS as usize));
-    let logs: Vec<ThreadLog> = std::thread::scope(|s| {
+    let logs: Result<Vec<ThreadLog>, String> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..THREADS)
             .map(|t| {
                 let (set, disk, barrier) = (Arc::clone(&set), disk.clone(), Arc::clone(&barrier));
@@ -142,15 +142,24 @@ fn run(seed: u64, tot: &mut Totals) -> Result<(), String> {
                         log.started = Some(i);
                         match j.commit(&tx) {
                             Ok(_) => log.acked.push(i),
-                            Err(_) => break, // the power is out (or the journal aborted)
+                            // The power is out (the journal may have aborted because of it):
+                            // nothing else may fail a commit.
+                            Err(e) if disk.powered() => {
+                                return Err(format!(
+                                    "seed {seed}: thread {t}'s commit {i} failed with the \
+                                     power on: {e}"
+                                ));
+                            }
+                            Err(_) => break,
                         }
                     }
-                    log
+                    Ok(log)
                 })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
+    let logs = logs?;
     disk.cut_power();
     let in_flight_threads = logs
         .iter()

@@ -113,6 +113,14 @@ fn child(
     format: bool,
     shared: bool,
 ) -> ! {
+    // A panic anywhere (a commit that failed, a broken ack pipe) ends the whole process at once
+    // with its own exit code: otherwise the other thread would commit on until the parent's
+    // SIGKILL, and the parent would take the run for a good one.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        default_hook(info);
+        std::process::exit(CHILD_PANICKED);
+    }));
     let set = {
         let (_engine, _lbio, a, _) = stack(path);
         if format {
@@ -151,9 +159,12 @@ fn child(
     for t in threads {
         let _ = t.join();
     }
-    // A thread only ends by panicking (its message is on stderr).
+    // A thread only ends by panicking (its message is on stderr), and the hook exits first.
     std::process::exit(2)
 }
+
+/// The child's exit code when any of its threads panicked.
+const CHILD_PANICKED: i32 = 3;
 
 /// What the parent knows, per thread: the highest index it may have started (`issued`), and the
 /// acknowledged indices.
@@ -269,9 +280,21 @@ fn run_child(
     let acks = reader.join().unwrap();
     let mut err = String::new();
     let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+    if status.code() == Some(CHILD_PANICKED) {
+        return Err(format!(
+            "a thread of the child panicked (exit code {CHILD_PANICKED}: a commit or an ack \
+             failed); its stderr:\n{err}"
+        ));
+    }
     if first.is_err() || status.signal() != Some(libc_sigkill()) {
         return Err(format!(
             "the child did not run until killed ({status}); its stderr:\n{err}"
+        ));
+    }
+    // A panic just before the kill (the hook had not exited yet) still shows on stderr.
+    if err.contains("panicked") {
+        return Err(format!(
+            "a thread of the child panicked before the kill; its stderr:\n{err}"
         ));
     }
     Ok(Run {
