@@ -21,7 +21,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use aios_core::{Engine, EngineConfig};
 use journal::{CommitMode, Journal, JournalSet, Layout, Tx};
@@ -51,6 +51,62 @@ pub const READ_RUNS_INLINE: usize = 16;
 /// sleep) unless a test sets it.
 #[doc(hidden)]
 pub static IN_PLACE_TEST_PAUSE_US: AtomicU64 = AtomicU64::new(0);
+/// Tests only: microseconds the next commit made with the state lock released sleeps between
+/// the device's answer and taking the lock again, to widen the window in which other threads
+/// work beside it (that commit sets it back to 0). 0 (no sleep) unless a test sets it.
+#[doc(hidden)]
+pub static COMMIT_TEST_PAUSE_US: AtomicU64 = AtomicU64::new(0);
+/// The journaled-block mark of a block whose commit is in flight (its id is not known yet).
+const TID_IN_FLIGHT: u64 = u64::MAX;
+
+/// The device's answer to a commit in flight without the state lock, for whoever applies it.
+#[derive(Default)]
+struct CommitSignal {
+    /// The commit's id and whether it journaled the data (`None`: nothing to write), or why
+    /// it failed.
+    result: Mutex<Option<CommitResult>>,
+    ready: Condvar,
+}
+
+type CommitResult = Result<Option<(u64, bool)>, String>;
+
+impl CommitSignal {
+    fn set(&self, r: CommitResult) {
+        *self.result.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+        self.ready.notify_all();
+    }
+
+    fn wait(&self) -> CommitResult {
+        let mut g = self.result.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(r) = g.as_ref() {
+                return r.clone();
+            }
+            g = self.ready.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+/// What a built transaction covers, to bring the state up to date once it is committed.
+struct AfterCommit {
+    tx: Arc<Tx>,
+    /// The data blocks, as (inode, logical block, physical block), in the transaction's order.
+    written: Vec<(u64, u64, u64)>,
+    meta_blocks: Vec<u64>,
+    /// Blocks freed before the transaction was built: allocatable once it is durable.
+    quarantined: Vec<u64>,
+    /// One-write mode: each data block's journaled mark before the commit (see
+    /// [`Fs::build_commit`]); empty otherwise.
+    data_marks: Vec<Option<u64>>,
+    file: bool,
+}
+
+/// A commit whose device work runs with the state lock released.
+struct Committing {
+    signal: Arc<CommitSignal>,
+    after: AfterCommit,
+}
+
 /// Extents a file can have: eight leaves of [`LEAF_EXTENTS`].
 pub const MAX_EXTENTS: usize = INLINE_EXTENTS * LEAF_EXTENTS;
 /// Changes older than this are committed by the next operation (or the mount's flusher).
@@ -484,6 +540,8 @@ struct State {
     failed: Option<String>,
     generation: u32,
     last_commit: std::time::Instant,
+    /// The commit in flight with the lock released, if any ([`Fs::commit_unlocked`]).
+    committing: Option<Committing>,
 }
 
 /// A mounted aiosfs.
@@ -633,6 +691,7 @@ impl Fs {
                 failed: None,
                 generation: now().0 as u32,
                 last_commit: std::time::Instant::now(),
+                committing: None,
             }),
             sb,
             factory,
@@ -1078,9 +1137,14 @@ impl Fs {
     /// After a change: commit when the pending metadata nears a quarter of a journal area, or
     /// the dirty data passes the limit.
     fn settle(&self, st: &mut State, ctx: &Ctx) -> FsResult<()> {
+        // A commit in flight still counts its data and freed blocks until it is applied: they
+        // are not pending (a commit here would wait for it with the lock held, for nothing).
+        let (flying_bytes, flying_freed) = st.committing.as_ref().map_or((0, 0), |c| {
+            (c.after.written.len() * BLOCK, c.after.quarantined.len())
+        });
         if self.meta_pending(st) * 4 > self.log_len
-            || st.dirty_bytes > self.dirty_limit()
-            || st.quarantine.len() > 4096
+            || st.dirty_bytes.saturating_sub(flying_bytes) > self.dirty_limit()
+            || st.quarantine.len().saturating_sub(flying_freed) > 4096
             || st.last_commit.elapsed() > COMMIT_INTERVAL
         {
             self.commit_locked(st, ctx, None)?;
@@ -1089,10 +1153,133 @@ impl Fs {
     }
 
     /// Encode every dirty metadata block and commit it, with `file`'s dirty data (all files'
-    /// when `None`) and every file's freshly allocated blocks.
+    /// when `None`) and every file's freshly allocated blocks, holding the state lock
+    /// throughout (a commit in flight without the lock is finished first).
     fn commit_locked(&self, st: &mut State, ctx: &Ctx, file: Option<u64>) -> FsResult<()> {
+        self.finish_inflight(st, ctx)?;
         self.writable(st)?;
-        // No fsync's in-place data write is in flight while a commit writes data home.
+        let after = self.build_commit(st, ctx, file)?;
+        let result = if after.tx.is_empty() {
+            Ok(None)
+        } else {
+            ctx.journal
+                .commit(&after.tx)
+                .map(|i| Some((i.tid, i.data_journaled)))
+                .map_err(|e| e.to_string())
+        };
+        self.apply_commit(st, ctx, after, result)
+    }
+
+    /// Commit as [`Self::commit_locked`] does, with the state lock released while the device
+    /// works, so that other operations (reads, lookups, writes, creates) go on meanwhile.
+    ///
+    /// The transaction is built under the lock, and the commit is recorded in
+    /// `State::committing` before the lock goes. Whoever next needs the state the commit
+    /// leaves behind — another commit, an in-place fsync, a lock-held commit deep in an
+    /// operation — finishes it first ([`Self::finish_inflight`]): it waits for the device's
+    /// answer (which needs no lock, so waiting with the lock held cannot deadlock) and applies
+    /// it. So at most one commit is in flight, transactions reach the journal in the order
+    /// they were built, and no block is written by two requests at once.
+    fn commit_unlocked(
+        &self,
+        mut st: MutexGuard<'_, State>,
+        ctx: &Ctx,
+        file: Option<u64>,
+    ) -> FsResult<()> {
+        self.finish_inflight(&mut st, ctx)?;
+        self.writable(&st)?;
+        let after = self.build_commit(&mut st, ctx, file)?;
+        if after.tx.is_empty() {
+            return self.apply_commit(&mut st, ctx, after, Ok(None));
+        }
+        let signal = Arc::new(CommitSignal::default());
+        let tx = Arc::clone(&after.tx);
+        st.committing = Some(Committing {
+            signal: Arc::clone(&signal),
+            after,
+        });
+        drop(st);
+        // Should this thread unwind before the answer is in, threads waiting for it get an
+        // error rather than waiting for ever.
+        struct Unwinding<'a>(&'a CommitSignal);
+        impl Drop for Unwinding<'_> {
+            fn drop(&mut self) {
+                let mut r = self.0.result.lock().unwrap_or_else(|p| p.into_inner());
+                if r.is_none() {
+                    *r = Some(Err("the committing thread panicked".into()));
+                    self.0.ready.notify_all();
+                }
+            }
+        }
+        let _unwinding = Unwinding(&signal);
+
+        let result = ctx
+            .journal
+            .commit(&tx)
+            .map(|i| Some((i.tid, i.data_journaled)))
+            .map_err(|e| e.to_string());
+        signal.set(result.clone());
+        let pause = COMMIT_TEST_PAUSE_US.swap(0, Ordering::Relaxed);
+        if pause > 0 {
+            std::thread::sleep(std::time::Duration::from_micros(pause));
+        }
+
+        let mut st = self.lock()?;
+        if st
+            .committing
+            .as_ref()
+            .is_some_and(|c| Arc::ptr_eq(&c.signal, &signal))
+        {
+            let c = st.committing.take().expect("checked");
+            return self.apply_commit(&mut st, ctx, c.after, result);
+        }
+        // Another thread finished it (and reported a failure the same way).
+        result.map(|_| ()).map_err(|_| libc::EIO)
+    }
+
+    /// Finish the commit in flight without the lock, if there is one: wait for the device's
+    /// answer (with the lock held: the committing thread needs no lock to get it) and apply
+    /// it. Every commit, and every in-place fsync, starts from here.
+    fn finish_inflight(&self, st: &mut State, ctx: &Ctx) -> FsResult<()> {
+        if let Some(c) = st.committing.take() {
+            let result = c.signal.wait();
+            self.apply_commit(st, ctx, c.after, result)?;
+        }
+        Ok(())
+    }
+
+    /// As [`Self::finish_inflight`], but waiting for the device with the lock released (for
+    /// callers that hold the guard itself, such as fsync).
+    fn settle_inflight<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        ctx: &Ctx,
+    ) -> FsResult<MutexGuard<'a, State>> {
+        while let Some(signal) = st.committing.as_ref().map(|c| Arc::clone(&c.signal)) {
+            drop(st);
+            // The outcome is applied (and a failure reported) by `finish_inflight` below, or
+            // was by whoever took the lock first.
+            let _ = signal.wait();
+            st = self.lock()?;
+            if st
+                .committing
+                .as_ref()
+                .is_some_and(|c| Arc::ptr_eq(&c.signal, &signal))
+            {
+                // The answer is in: this applies it without waiting.
+                self.finish_inflight(&mut st, ctx)?;
+            }
+        }
+        Ok(st)
+    }
+
+    /// Build the next transaction from everything pending, under the lock: the dirty sets it
+    /// covers are taken (changes made after this land in the next one), the blocks it
+    /// journals are marked journaled (so that freeing one while it is in flight revokes it),
+    /// and the blocks it frees stay quarantined until [`Self::apply_commit`].
+    fn build_commit(&self, st: &mut State, ctx: &Ctx, file: Option<u64>) -> FsResult<AfterCommit> {
+        // No fsync's in-place data write is in flight while a commit is built; none starts
+        // until the commit is applied (fsync finishes a commit in flight first).
         let _gate = self
             .in_place_gate
             .write()
@@ -1102,9 +1289,7 @@ impl Fs {
             None => Tx::new(),
         };
         // Data first: it is written in place, durable before the commit block.
-        let mut written: Vec<(u64, u64)> = Vec::new();
-        let mut data_phys: Vec<u64> = Vec::new();
-        let mut data_blocks = 0u64;
+        let mut written: Vec<(u64, u64, u64)> = Vec::new();
         for &ino in &st.dirty_data {
             let Some(n) = st.nodes.get(&ino) else {
                 continue;
@@ -1116,13 +1301,11 @@ impl Fs {
                 }
                 let p = n.phys(l).expect("dirty blocks are mapped");
                 tx.write_data(p, buf).map_err(io_err)?;
-                written.push((ino, l));
-                data_phys.push(p);
-                data_blocks += 1;
+                written.push((ino, l, p));
             }
         }
         // Blocks an fsync is writing in place meanwhile: this commit's copy is newer.
-        for p in &data_phys {
+        for (_, _, p) in &written {
             if let Some(superseded) = st.in_place.get_mut(p) {
                 *superseded = true;
             }
@@ -1262,48 +1445,94 @@ impl Fs {
                 tx.revoke(b);
             }
         }
-        let mut committed = None;
-        if !tx.is_empty() {
-            match ctx.journal.commit(&tx) {
-                Ok(info) => committed = Some(info),
-                Err(e) => {
-                    let msg = format!(
-                        "journal commit failed: {e}; the file system is read-only until remounted"
-                    );
-                    eprintln!("aiosfs: {msg}");
-                    st.failed = Some(msg);
-                    return Err(libc::EIO);
-                }
-            }
-        }
-        self.stats.commits.fetch_add(1, Ordering::Relaxed);
-        if file.is_some() {
-            self.stats.fsync_commits.fetch_add(1, Ordering::Relaxed);
-        }
-        self.stats
-            .data_blocks_written
-            .fetch_add(data_blocks, Ordering::Relaxed);
-        self.stats
-            .meta_blocks_written
-            .fetch_add(metas.len() as u64, Ordering::Relaxed);
+        st.revokes.clear();
         st.last_commit = std::time::Instant::now();
+        // What this transaction covers is no longer pending: later changes mark it again.
         st.dirty_dirs.clear();
         for ino in std::mem::take(&mut st.dirty_nodes) {
             if let Some(n) = st.nodes.get_mut(&ino) {
                 n.layout_dirty = false;
             }
         }
-        st.revokes.clear();
-        st.quarantine.clear();
-        if let Some(info) = committed {
-            st.journaled.extend(metas.keys().map(|&b| (b, info.tid)));
-            if info.data_journaled {
-                // A one-write commit journals the data too: freeing such a block must revoke
-                // it, and the in-place fsync path must not write it (replay would put this copy
-                // back).
-                st.journaled
-                    .extend(data_phys.into_iter().map(|p| (p, info.tid)));
+        let meta_blocks: Vec<u64> = metas.into_keys().collect();
+        for &b in &meta_blocks {
+            st.journaled.insert(b, TID_IN_FLIGHT);
+        }
+        // A one-write commit may journal the data too: until it is known whether it did,
+        // freeing one of its blocks revokes it and no fsync writes one in place.
+        // The marks they had before are kept, to be put back if it did not.
+        let data_marks: Vec<Option<u64>> = if ctx.journal.mode() == CommitMode::OneWrite {
+            written
+                .iter()
+                .map(|(_, _, p)| st.journaled.insert(*p, TID_IN_FLIGHT))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Ok(AfterCommit {
+            tx: Arc::new(tx),
+            written,
+            meta_blocks,
+            quarantined: st.quarantine.iter().copied().collect(),
+            data_marks,
+            file: file.is_some(),
+        })
+    }
+
+    /// Bring the state up to date after the commit `after` ended with `result` (the journal's
+    /// id for it and whether it journaled the data, `None` when there was nothing to write,
+    /// or the error). A data block leaves its file's dirty set only if it still sits where it
+    /// was written and holds the bytes written (it may have changed, or moved, while the
+    /// commit was in flight).
+    fn apply_commit(
+        &self,
+        st: &mut State,
+        ctx: &Ctx,
+        after: AfterCommit,
+        result: Result<Option<(u64, bool)>, String>,
+    ) -> FsResult<()> {
+        let committed = match result {
+            Ok(c) => c,
+            Err(e) => {
+                let msg = format!(
+                    "journal commit failed: {e}; the file system is read-only until remounted"
+                );
+                eprintln!("aiosfs: {msg}");
+                st.failed = Some(msg);
+                return Err(libc::EIO);
             }
+        };
+        self.stats.commits.fetch_add(1, Ordering::Relaxed);
+        if after.file {
+            self.stats.fsync_commits.fetch_add(1, Ordering::Relaxed);
+        }
+        self.stats
+            .data_blocks_written
+            .fetch_add(after.written.len() as u64, Ordering::Relaxed);
+        self.stats
+            .meta_blocks_written
+            .fetch_add(after.meta_blocks.len() as u64, Ordering::Relaxed);
+        for b in &after.quarantined {
+            st.quarantine.remove(b);
+        }
+        let (tid, data_journaled) = committed.unwrap_or((TID_IN_FLIGHT, false));
+        // The marks made when the commit was built become the commit's id, or what they were
+        // before, except where a block was freed (and its mark dropped) meanwhile.
+        let mut settle = |b: u64, mark: Option<u64>| {
+            if st.journaled.get(&b) == Some(&TID_IN_FLIGHT) {
+                match mark {
+                    Some(t) => st.journaled.insert(b, t),
+                    None => st.journaled.remove(&b),
+                };
+            }
+        };
+        for &b in &after.meta_blocks {
+            settle(b, Some(tid));
+        }
+        // A one-write commit journals the data too: freeing such a block must revoke it, and
+        // the in-place fsync path must not write it (replay would put this copy back).
+        for (&(_, _, p), &before) in after.written.iter().zip(&after.data_marks) {
+            settle(p, if data_journaled { Some(tid) } else { before });
         }
         // Blocks whose journaled copies are all home (a checkpoint moved the logs past them):
         // no replay brings them back, so freeing needs no revoke and in-place writes are safe.
@@ -1312,13 +1541,29 @@ impl Fs {
             st.journaled.retain(|_, t| *t >= home);
             st.journaled_pruned_at = home;
         }
-        for (ino, l) in written {
-            if let Some(n) = st.nodes.get_mut(&ino) {
-                if let Some(buf) = n.dirty.remove(&l) {
-                    st.dirty_bytes -= BLOCK;
-                    ctx.stored(self, n.phys(l).expect("dirty blocks are mapped"), &buf);
-                }
-                n.fresh.remove(&l);
+        // The transaction's data blocks are in the order they were built, one per entry of
+        // `written`, unless a damaged image maps one block twice (the transaction then holds
+        // it once, with the later bytes): look those up.
+        let aligned = after.tx.data_blocks().count() == after.written.len();
+        let mut in_order = after.tx.data_blocks();
+        for (ino, l, p) in &after.written {
+            let bytes = if aligned {
+                in_order.next().map(|(_, d)| d)
+            } else {
+                after.tx.data_blocks().find(|(b, _)| b == p).map(|(_, d)| d)
+            };
+            let Some(bytes) = bytes else { continue };
+            let Some(n) = st.nodes.get_mut(ino) else {
+                continue;
+            };
+            if n.phys(*l) != Some(*p) {
+                continue;
+            }
+            n.fresh.remove(l);
+            if n.dirty.get(l).is_some_and(|d| **d == *bytes) {
+                n.dirty.remove(l);
+                st.dirty_bytes -= BLOCK;
+                ctx.stored(self, *p, bytes);
             }
         }
         let nodes = &st.nodes;
@@ -1330,17 +1575,17 @@ impl Fs {
     /// Make everything durable (all files' data and all metadata).
     pub fn sync_all(&self) -> FsResult<()> {
         let ctx = self.ctx()?;
-        let mut st = self.lock()?;
+        let st = self.settle_inflight(self.lock()?, &ctx)?;
         if st.failed.is_some() {
             return Err(libc::EIO);
         }
-        self.commit_locked(&mut st, &ctx, None)
+        self.commit_unlocked(st, &ctx, None)
     }
 
     /// Commit when anything changed since the last commit (the mount's periodic flusher).
     pub fn sync_if_dirty(&self) -> FsResult<bool> {
         let ctx = self.ctx()?;
-        let mut st = self.lock()?;
+        let st = self.settle_inflight(self.lock()?, &ctx)?;
         if st.failed.is_some() {
             return Ok(false);
         }
@@ -1349,7 +1594,7 @@ impl Fs {
             || !st.revokes.is_empty()
             || !st.quarantine.is_empty();
         if dirty {
-            self.commit_locked(&mut st, &ctx, None)?;
+            self.commit_unlocked(st, &ctx, None)?;
         }
         Ok(dirty)
     }
@@ -1376,7 +1621,8 @@ impl Fs {
     /// else is one file-level transaction carrying all pending metadata.
     pub fn fsync_as(&self, ino: u64, datasync: bool) -> FsResult<()> {
         let ctx = self.ctx()?;
-        let mut st = self.lock()?;
+        // A commit in flight may carry this file's changes: it is finished before deciding.
+        let mut st = self.settle_inflight(self.lock()?, &ctx)?;
         self.node(&mut st, &ctx, ino)?;
         self.writable(&st)?;
         let n = &st.nodes[&ino];
@@ -1406,7 +1652,7 @@ impl Fs {
         if data_only && !journaled && !busy {
             return self.write_in_place(st, &ctx, ino);
         }
-        self.commit_locked(&mut st, &ctx, Some(ino))
+        self.commit_unlocked(st, &ctx, Some(ino))
     }
 
     /// Write `ino`'s dirty blocks home and make them durable (the fsync fast path), with the
@@ -1829,6 +2075,17 @@ impl Fs {
             return Err(libc::EIO);
         }
         if let Some(b) = st.new_meta.get(&p) {
+            return Ok(b[..len].to_vec());
+        }
+        // Journaled and not yet home: the home block is older (zeros, or a former owner's).
+        let in_flight = st
+            .committing
+            .as_ref()
+            .and_then(|c| c.after.tx.meta_block(p));
+        if let Some(b) = in_flight {
+            return Ok(b[..len].to_vec());
+        }
+        if let Some(b) = self.set.unhomed_copy(p) {
             return Ok(b[..len].to_vec());
         }
         Ok(ctx.read_blocks(p, 1)?[..len].to_vec())

@@ -296,6 +296,19 @@ impl Tx {
         }
     }
 
+    /// The data blocks (home block, bytes), in the order they were first written.
+    pub fn data_blocks(&self) -> impl Iterator<Item = (u64, &[u8])> + '_ {
+        self.data.iter().map(|(b, d)| (*b, d.as_slice()))
+    }
+
+    /// The bytes this transaction journals for metadata block `block`, if it journals it.
+    pub fn meta_block(&self, block: u64) -> Option<&[u8]> {
+        self.metas
+            .iter()
+            .find(|(b, _)| *b == block)
+            .map(|(_, d)| d.as_slice())
+    }
+
     /// Write `bytes` (one block) in place at home block `block`; durable before the commit.
     pub fn write_data(&mut self, block: u64, bytes: &[u8]) -> Result<&mut Tx, JournalError> {
         check_len(block, bytes)?;
@@ -1076,6 +1089,17 @@ impl JournalSet {
     /// Transaction id the next commit gets.
     pub fn next_tid(&self) -> u64 {
         self.next_tid.load(Ordering::Relaxed)
+    }
+
+    /// The newest committed copy of metadata block `block` while a checkpoint has not yet
+    /// written it home (until then the home block holds an older version); `None` when the
+    /// home block is current.
+    pub fn unhomed_copy(&self, block: u64) -> Option<Vec<u8>> {
+        let versions = self.lock_versions();
+        match versions.get(&block) {
+            Some((_, d)) if !d.is_empty() => Some(d.clone()),
+            _ => None,
+        }
     }
 
     /// Transactions with smaller ids are all home (checkpointed, or replayed at open).
