@@ -225,6 +225,30 @@ pub struct Tx {
     file: Option<u32>,
     /// Block copies of cleared writes, for the next ones.
     spare: Vec<Vec<u8>>,
+    /// Where each block is in `data` and `metas` once a list is longer than [`LINEAR_FIND`]
+    /// (built on the first lookup past that; kept with their memory across [`Tx::clear`]).
+    data_index: HashMap<u64, usize>,
+    meta_index: HashMap<u64, usize>,
+}
+
+/// Up to this many blocks in a list, a transaction finds a block by looking at each.
+const LINEAR_FIND: usize = 32;
+
+/// Where `block` is in `list`, by a scan while the list is short, else through `index`
+/// (rebuilt when it does not cover the list: it is cleared whenever an entry is removed).
+fn find_block(
+    list: &[(u64, Vec<u8>)],
+    index: &mut HashMap<u64, usize>,
+    block: u64,
+) -> Option<usize> {
+    if list.len() <= LINEAR_FIND {
+        return list.iter().position(|(b, _)| *b == block);
+    }
+    if index.len() != list.len() {
+        index.clear();
+        index.extend(list.iter().enumerate().map(|(i, (b, _))| (*b, i)));
+    }
+    index.get(&block).copied()
 }
 
 impl std::fmt::Debug for Tx {
@@ -249,6 +273,8 @@ impl Clone for Tx {
             revokes: self.revokes.clone(),
             file: self.file,
             spare: Vec::new(),
+            data_index: HashMap::new(),
+            meta_index: HashMap::new(),
         }
     }
 }
@@ -334,6 +360,8 @@ impl Tx {
                 .map(|(_, d)| d),
         );
         self.revokes.clear();
+        self.data_index.clear();
+        self.meta_index.clear();
     }
 
     /// Revoke `block`: older journaled versions of it are never replayed (it is being freed or
@@ -395,28 +423,36 @@ impl Tx {
     /// `bytes` as block `block`'s new content in the data or metadata list (a copy, in spare
     /// memory when there is some).
     fn put(&mut self, which: Which, block: u64, bytes: &[u8]) {
-        let list = match which {
-            Which::Data => &mut self.data,
-            Which::Meta => &mut self.metas,
+        let (list, index) = match which {
+            Which::Data => (&mut self.data, &mut self.data_index),
+            Which::Meta => (&mut self.metas, &mut self.meta_index),
         };
-        match list.iter_mut().find(|(b, _)| *b == block) {
-            Some((_, d)) => {
+        match find_block(list, index, block) {
+            Some(i) => {
+                let d = &mut list[i].1;
                 d.clear();
                 d.extend_from_slice(bytes);
             }
-            None => list.push((block, copy_into(self.spare.pop(), bytes))),
+            None => {
+                list.push((block, copy_into(self.spare.pop(), bytes)));
+                if !index.is_empty() {
+                    index.insert(block, list.len() - 1);
+                }
+            }
         }
     }
 
     /// Take block `block` out of the data or metadata list (its copy kept as spare memory).
     fn drop_block(&mut self, which: Which, block: u64) {
-        let list = match which {
-            Which::Data => &mut self.data,
-            Which::Meta => &mut self.metas,
+        let (list, index) = match which {
+            Which::Data => (&mut self.data, &mut self.data_index),
+            Which::Meta => (&mut self.metas, &mut self.meta_index),
         };
-        if let Some(i) = list.iter().position(|(b, _)| *b == block) {
+        if let Some(i) = find_block(list, index, block) {
             let (_, d) = list.remove(i);
             self.spare.push(d);
+            // Later entries moved down one.
+            index.clear();
         }
     }
 
@@ -2101,6 +2137,51 @@ mod tests {
 
     fn block(v: u8) -> Vec<u8> {
         vec![v; BLOCK]
+    }
+
+    /// Past [`LINEAR_FIND`] blocks a transaction finds them through an index: rewrites,
+    /// removals and writes after removals keep the same lists as a plain model (order of first
+    /// write, rewrites in place), also across `clear` and `copy_from`.
+    #[test]
+    fn large_transactions_keep_their_blocks_in_order() {
+        let mut tx = Tx::new();
+        for round in 0..3u8 {
+            let mut model: Vec<(u64, u8)> = Vec::new();
+            let put = |tx: &mut Tx, model: &mut Vec<(u64, u8)>, b: u64, v: u8| {
+                tx.put(Which::Data, b, &block(v));
+                match model.iter_mut().find(|(m, _)| *m == b) {
+                    Some(e) => e.1 = v,
+                    None => model.push((b, v)),
+                }
+            };
+            for b in 0..300u64 {
+                put(&mut tx, &mut model, b * 7 % 1000, (b % 251) as u8 ^ round);
+            }
+            for b in (0..300u64).step_by(3) {
+                put(&mut tx, &mut model, b * 7 % 1000, 0xee ^ round);
+            }
+            for b in (0..300u64).step_by(5) {
+                tx.drop_block(Which::Data, b * 7 % 1000);
+                model.retain(|(m, _)| *m != b * 7 % 1000);
+            }
+            for b in (0..300u64).step_by(10) {
+                put(&mut tx, &mut model, b * 7 % 1000, 0x11 ^ round);
+            }
+            let check = |tx: &Tx| {
+                let got: Vec<(u64, u8)> = tx.data_blocks().map(|(b, d)| (b, d[0])).collect();
+                assert_eq!(got, model, "round {round}");
+                assert!(tx.data_blocks().all(|(_, d)| d.iter().all(|&x| x == d[0])));
+            };
+            check(&tx);
+            let mut copy = Tx::new();
+            copy.copy_from(&tx);
+            check(&copy);
+            // A rewrite after copy_from finds the block (the index is rebuilt).
+            let (b, _) = model[model.len() / 2];
+            copy.put(Which::Data, b, &block(0x42));
+            assert_eq!(copy.data_blocks().count(), model.len());
+            tx.clear();
+        }
     }
 
     #[test]
