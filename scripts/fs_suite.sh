@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # aiosfs through FUSE against the standard suites: pjdfstest (the Rust port), fsx (100,000
-# operations by default) and fio with --verify=crc32c, on a fresh image; then aios fsck.
+# operations by default) and fio with --verify=crc32c, on a fresh image; then three
+# model-checked storms (tests/fs/storm.py) and two fsx at once; aios fsck; a second mount
+# that checks the storms' files; aios fsck again.
 # Installs pjdfstest and fsx with `cargo install` and creates pjdfstest's dummy user `tests`
 # when missing. Needs root and /dev/fuse.
 # Usage: scripts/fs_suite.sh [AIOS_BINARY]     (FSX_OPS=N to change the fsx length,
 #        TRANSPORT=uring|classic|auto for how the mount gets FUSE requests, default auto;
-#        MOUNT_ARGS="--writeback-cache ..." for more `aios mount` options)
+#        MOUNT_ARGS="--writeback-cache ..." for more `aios mount` options, STORM_OPS=N per
+#        storm (default 8000), STORM_SEED=N to replay the storms)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -84,6 +87,35 @@ for f in "$work/fio1.log" "$work/fio2.log"; do
 done
 echo "fio: buffered 4 KiB random writes (2 jobs, fsync every 16) and O_DIRECT 16 KiB random read/write at QD8, verified with crc32c: no errors"
 
+echo "--- at once: three model-checked storms of file operations, two fsx"
+# Several processes on one mount, as the suites above never are: tests/fs/storm.py creates,
+# overwrites, truncates, renames, links, unlinks and fsyncs in directories the storms share,
+# checking every byte against its model; the models are checked again after a remount below.
+seed=${STORM_SEED:-$RANDOM}
+storm_ops=${STORM_OPS:-8000}
+echo "seed $seed (STORM_SEED=$seed replays the storms' choices), $storm_ops operations per storm"
+t0=$(date +%s)
+mkdir "$mnt/storm"
+pids=()
+for i in 1 2 3; do
+    STORM_STATE_DIR="$work" python3 "$root/tests/fs/storm.py" "$mnt/storm" "$i" "$storm_ops" \
+        $((seed * 10 + i)) > "$work/storm$i.log" 2>&1 &
+    pids+=($!)
+done
+for i in 1 2; do
+    (cd "$mnt" && fsx -N $((fsx_ops / 4)) -S $((seed + i)) -P "$work" "$mnt/cfsx$i.dat" \
+        > "$work/cfsx$i.log" 2>&1) &
+    pids+=($!)
+done
+failed=0
+for p in "${pids[@]}"; do wait "$p" || failed=1; done
+if [ "$failed" = 1 ]; then
+    tail -n 20 "$work"/storm*.log "$work"/cfsx*.log
+    echo "the concurrent stage failed" >&2; exit 1
+fi
+echo "storms: $(cat "$work"/storm*.log | tr '\n' ' ')"
+echo "fsx twice at once, $((fsx_ops / 4)) operations each: A-OK ($(( $(date +%s) - t0 )) s)"
+
 echo "--- unmount (SIGTERM) and fsck"
 kill -TERM "$pid"
 for _ in $(seq 600); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
@@ -93,4 +125,16 @@ grep -E '^aiosfs: ([0-9]+ requests served|unmounted)' "$work/mount.log"
 if [ "$transport" = uring ] && ! grep -q 'requests served over io_uring' "$work/mount.log"; then
     echo "--transport uring, but no request was served over io_uring" >&2; exit 1
 fi
+"$aios" fsck "$work/fs.img"
+
+echo "--- mount again: the storms' files as their models say"
+"$aios" mount "$work/fs.img" "$mnt" --log "$work/mount2.log" --transport "$transport" ${MOUNT_ARGS:-}
+pid=$(pgrep -f -n "aios mount $work/fs.img") || { echo "no file system process" >&2; exit 1; }
+for i in 1 2 3; do
+    STORM_STATE_DIR="$work" python3 "$root/tests/fs/storm.py" "$mnt/storm" "$i" 0 0 verify
+done
+kill -TERM "$pid"
+for _ in $(seq 600); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+if kill -0 "$pid" 2>/dev/null; then echo "the file system did not stop" >&2; exit 1; fi
+pid=""
 "$aios" fsck "$work/fs.img"
