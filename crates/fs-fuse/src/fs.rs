@@ -51,6 +51,10 @@ pub const READ_RUNS_INLINE: usize = 16;
 /// sleep) unless a test sets it.
 #[doc(hidden)]
 pub static IN_PLACE_TEST_PAUSE_US: AtomicU64 = AtomicU64::new(0);
+/// Tests only: in-place fsyncs that have begun that pause (their writes done, the lock not yet
+/// taken back), so a test can act once one is in its window.
+#[doc(hidden)]
+pub static IN_PLACE_TEST_PAUSES: AtomicU64 = AtomicU64::new(0);
 /// Tests only: microseconds the next commit made with the state lock released sleeps between
 /// the device's answer and taking the lock again, to widen the window in which other threads
 /// work beside it (that commit sets it back to 0). 0 (no sleep) unless a test sets it.
@@ -1725,6 +1729,7 @@ impl Fs {
         }
         drop(gate);
         if pause > 0 {
+            IN_PLACE_TEST_PAUSES.fetch_add(1, Ordering::SeqCst);
             std::thread::sleep(std::time::Duration::from_micros(pause));
         }
 

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use common::ImageFile;
 use fs_fuse::format::{ROOT_INO, S_IFREG};
-use fs_fuse::fs::{Caller, Fs, SetAttr, IN_PLACE_TEST_PAUSE_US};
+use fs_fuse::fs::{Caller, Fs, SetAttr, IN_PLACE_TEST_PAUSES, IN_PLACE_TEST_PAUSE_US};
 
 const BLOCK: usize = 4096;
 
@@ -36,6 +36,21 @@ fn fresh_file() -> (ImageFile, Arc<Fs>, u64) {
         .unwrap()
         .ino;
     (image, fs, ino)
+}
+
+/// Wait until an in-place fsync has begun its pause (its writes done, the lock released), then
+/// turn the pause off for everyone after it. `before` is `IN_PLACE_TEST_PAUSES` before it
+/// started.
+fn wait_for_window(before: u64) {
+    let t0 = std::time::Instant::now();
+    while IN_PLACE_TEST_PAUSES.load(Ordering::SeqCst) == before {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "no in-place fsync reached its pause"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    IN_PLACE_TEST_PAUSE_US.store(0, Ordering::Relaxed);
 }
 
 /// After the race: the last fdatasync leaves `want` on the device, and a remount reads it.
@@ -71,12 +86,10 @@ fn a_block_committed_and_written_back_meanwhile_stays_dirty() {
     // A's in-place write, then 300 ms before it takes the lock again.
     IN_PLACE_TEST_PAUSE_US.store(300_000, Ordering::Relaxed);
     let before = fs.stats.fsync_in_place.load(Ordering::Relaxed);
+    let pauses = IN_PLACE_TEST_PAUSES.load(Ordering::SeqCst);
     std::thread::scope(|s| {
         let a = s.spawn(|| fs.fsync_as(ino, true).unwrap());
-        // A reads the pause as it starts; its one-block write is over long before 100 ms (if
-        // not, the commit below waits for it, and the race is staged all the same).
-        std::thread::sleep(Duration::from_millis(100));
-        IN_PLACE_TEST_PAUSE_US.store(0, Ordering::Relaxed);
+        wait_for_window(pauses);
         fs.write(ino, 0, &new).unwrap();
         let commits = fs.stats.commits.load(Ordering::Relaxed);
         fs.fsync_as(ino, true).unwrap();
@@ -110,10 +123,11 @@ fn a_block_freed_and_taken_back_meanwhile_stays_dirty() {
     let p = phys(&fs).expect("block 1 is mapped");
 
     IN_PLACE_TEST_PAUSE_US.store(300_000, Ordering::Relaxed);
+    let before = fs.stats.fsync_in_place.load(Ordering::Relaxed);
+    let pauses = IN_PLACE_TEST_PAUSES.load(Ordering::SeqCst);
     std::thread::scope(|s| {
         let a = s.spawn(|| fs.fsync_as(ino, true).unwrap());
-        std::thread::sleep(Duration::from_millis(100));
-        IN_PLACE_TEST_PAUSE_US.store(0, Ordering::Relaxed);
+        wait_for_window(pauses);
         let size = |size| SetAttr {
             size: Some(size),
             ..SetAttr::default()
@@ -125,5 +139,10 @@ fn a_block_freed_and_taken_back_meanwhile_stays_dirty() {
         fs.write(ino, BLOCK as u64, &val).unwrap();
         a.join().unwrap();
     });
+    assert_eq!(
+        fs.stats.fsync_in_place.load(Ordering::Relaxed),
+        before + 1,
+        "A wrote in place"
+    );
     settle_and_check(fs, &image, ino, BLOCK as u64, &val);
 }
