@@ -41,8 +41,18 @@ trap cleanup EXIT
 
 "$aios" mkfs "$work/fs.img" --size 1g
 # shellcheck disable=SC2086 # MOUNT_ARGS is a list of words
-"$aios" mount "$work/fs.img" "$mnt" --log "$work/mount.log" --transport "$transport" ${MOUNT_ARGS:-}
-pid=$(pgrep -f -n "aios mount $work/fs.img") || { echo "no file system process" >&2; exit 1; }
+# Mount the image with its log in $1; stop it with SIGTERM and wait for the process to end.
+mount_fs() {
+    "$aios" mount "$work/fs.img" "$mnt" --log "$1" --transport "$transport" ${MOUNT_ARGS:-}
+    pid=$(pgrep -f -n "aios mount $work/fs.img") || { echo "no file system process" >&2; exit 1; }
+}
+stop_fs() {
+    kill -TERM "$pid"
+    for _ in $(seq 600); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    if kill -0 "$pid" 2>/dev/null; then echo "the file system did not stop" >&2; exit 1; fi
+    pid=""
+}
+mount_fs "$work/mount.log"
 grep -E '^aiosfs: requests over' "$work/mount.log" || true
 
 echo "--- pjdfstest"
@@ -117,10 +127,7 @@ echo "storms: $(cat "$work"/storm*.log | tr '\n' ' ')"
 echo "fsx twice at once, $((fsx_ops / 4)) operations each: A-OK ($(( $(date +%s) - t0 )) s)"
 
 echo "--- unmount (SIGTERM) and fsck"
-kill -TERM "$pid"
-for _ in $(seq 600); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-if kill -0 "$pid" 2>/dev/null; then echo "the file system did not stop" >&2; exit 1; fi
-pid=""
+stop_fs
 grep -E '^aiosfs: ([0-9]+ requests served|unmounted)' "$work/mount.log"
 if [ "$transport" = uring ] && ! grep -q 'requests served over io_uring' "$work/mount.log"; then
     echo "--transport uring, but no request was served over io_uring" >&2; exit 1
@@ -128,13 +135,9 @@ fi
 "$aios" fsck "$work/fs.img"
 
 echo "--- mount again: the storms' files as their models say"
-"$aios" mount "$work/fs.img" "$mnt" --log "$work/mount2.log" --transport "$transport" ${MOUNT_ARGS:-}
-pid=$(pgrep -f -n "aios mount $work/fs.img") || { echo "no file system process" >&2; exit 1; }
+mount_fs "$work/mount2.log"
 for i in 1 2 3; do
     STORM_STATE_DIR="$work" python3 "$root/tests/fs/storm.py" "$mnt/storm" "$i" 0 0 verify
 done
-kill -TERM "$pid"
-for _ in $(seq 600); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-if kill -0 "$pid" 2>/dev/null; then echo "the file system did not stop" >&2; exit 1; fi
-pid=""
+stop_fs
 "$aios" fsck "$work/fs.img"

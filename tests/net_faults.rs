@@ -228,7 +228,8 @@ fn link_cut(lab: &Arc<Mutex<NetLab>>, runs: u32, seed: &mut u64) -> Result<(), S
     // A link down this long leaves the writes to its target unanswered past the io timeout
     // (the initiator checks every 100 ms or sooner): the volume must recover. Shorter cuts may
     // be bridged by TCP's retransmissions.
-    let must_recover = config.io_timeout + Duration::from_millis(300);
+    let io_timeout = config.io_timeout;
+    let must_recover = io_timeout + Duration::from_millis(300);
     let (mut v, _) = Volume::open(config).map_err(|e| e.to_string())?;
     let (mut total_straddling, mut total_checked) = (0u32, 0u64);
     for run in 0..runs {
@@ -261,8 +262,7 @@ fn link_cut(lab: &Arc<Mutex<NetLab>>, runs: u32, seed: &mut u64) -> Result<(), S
         if down >= must_recover && recoveries == 0 {
             return Err(format!(
                 "link-cut run {run}: the link of target {victim} was down {down:?} under writes \
-                 (io timeout {:?}), yet the volume never recovered",
-                cfg(&addrs).io_timeout
+                 (io timeout {io_timeout:?}), yet the volume never recovered"
             ));
         }
         check_prefix(&mut v, from, prefix, 4).map_err(|e| format!("link-cut run {run}: {e}"))?;

@@ -74,6 +74,14 @@ struct CommitSignal {
 
 type CommitResult = Result<Option<(u64, bool)>, String>;
 
+/// Commit `tx` through this worker's journal handle, as a [`CommitResult`].
+fn journal_commit(ctx: &Ctx, tx: &Tx) -> CommitResult {
+    ctx.journal
+        .commit(tx)
+        .map(|i| Some((i.tid, i.data_journaled)))
+        .map_err(|e| e.to_string())
+}
+
 impl CommitSignal {
     fn set(&self, r: CommitResult) {
         *self.result.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
@@ -1166,10 +1174,7 @@ impl Fs {
         let result = if after.tx.is_empty() {
             Ok(None)
         } else {
-            ctx.journal
-                .commit(&after.tx)
-                .map(|i| Some((i.tid, i.data_journaled)))
-                .map_err(|e| e.to_string())
+            journal_commit(ctx, &after.tx)
         };
         self.apply_commit(st, ctx, after, result)
     }
@@ -1217,11 +1222,7 @@ impl Fs {
         }
         let _unwinding = Unwinding(&signal);
 
-        let result = ctx
-            .journal
-            .commit(&tx)
-            .map(|i| Some((i.tid, i.data_journaled)))
-            .map_err(|e| e.to_string());
+        let result = journal_commit(ctx, &tx);
         signal.set(result.clone());
         let pause = COMMIT_TEST_PAUSE_US.swap(0, Ordering::Relaxed);
         if pause > 0 {
@@ -1493,7 +1494,7 @@ impl Fs {
         st: &mut State,
         ctx: &Ctx,
         after: AfterCommit,
-        result: Result<Option<(u64, bool)>, String>,
+        result: CommitResult,
     ) -> FsResult<()> {
         let committed = match result {
             Ok(c) => c,
@@ -1522,7 +1523,7 @@ impl Fs {
         let (tid, data_journaled) = committed.unwrap_or((TID_IN_FLIGHT, false));
         // The marks made when the commit was built become the commit's id, or what they were
         // before, except where a block was freed (and its mark dropped) meanwhile.
-        let mut settle = |b: u64, mark: Option<u64>| {
+        let mut resolve = |b: u64, mark: Option<u64>| {
             if st.journaled.get(&b) == Some(&TID_IN_FLIGHT) {
                 match mark {
                     Some(t) => st.journaled.insert(b, t),
@@ -1531,12 +1532,12 @@ impl Fs {
             }
         };
         for &b in &after.meta_blocks {
-            settle(b, Some(tid));
+            resolve(b, Some(tid));
         }
         // A one-write commit journals the data too: freeing such a block must revoke it, and
         // the in-place fsync path must not write it (replay would put this copy back).
         for (&(_, _, p), &before) in after.written.iter().zip(&after.data_marks) {
-            settle(p, if data_journaled { Some(tid) } else { before });
+            resolve(p, if data_journaled { Some(tid) } else { before });
         }
         // Blocks whose journaled copies are all home (a checkpoint moved the logs past them):
         // no replay brings them back, so freeing needs no revoke and in-place writes are safe.
