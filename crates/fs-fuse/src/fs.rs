@@ -1255,26 +1255,26 @@ impl Fs {
 
     /// As [`Self::finish_inflight`], but waiting for the device with the lock released (for
     /// callers that hold the guard itself, such as fsync).
+    ///
+    /// The wait is bounded: one commit's device time with the lock released, then, if another
+    /// thread started a commit in the meantime, that one is finished with the lock held (no
+    /// further commit can start while this thread waits for it). Waiting with the lock released
+    /// until none is in flight could go on for as long as other threads keep committing.
     fn settle_inflight<'a>(
         &'a self,
         mut st: MutexGuard<'a, State>,
         ctx: &Ctx,
     ) -> FsResult<MutexGuard<'a, State>> {
-        while let Some(signal) = st.committing.as_ref().map(|c| Arc::clone(&c.signal)) {
+        if let Some(signal) = st.committing.as_ref().map(|c| Arc::clone(&c.signal)) {
             drop(st);
             // The outcome is applied (and a failure reported) by `finish_inflight` below, or
             // was by whoever took the lock first.
             let _ = signal.wait();
             st = self.lock()?;
-            if st
-                .committing
-                .as_ref()
-                .is_some_and(|c| Arc::ptr_eq(&c.signal, &signal))
-            {
-                // The answer is in: this applies it without waiting.
-                self.finish_inflight(&mut st, ctx)?;
-            }
         }
+        // The same commit: its answer is in, so this applies it without waiting. Another one,
+        // started while the lock was released: this waits for it with the lock held.
+        self.finish_inflight(&mut st, ctx)?;
         Ok(st)
     }
 
