@@ -1,7 +1,7 @@
 //! Journal areas, transactions, commit (vanilla, overlapped, Rio-ordered), checkpoint, and
 //! recovery on a device.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
@@ -221,7 +221,7 @@ const PROBE_ROUNDS: usize = 24;
 pub struct Tx {
     data: Vec<(u64, Vec<u8>)>,
     metas: Vec<(u64, Vec<u8>)>,
-    revokes: Vec<u64>,
+    revokes: Revokes,
     file: Option<u32>,
     /// Block copies of cleared writes, for the next ones.
     spare: Vec<Vec<u8>>,
@@ -251,6 +251,70 @@ fn find_block(
     index.get(&block).copied()
 }
 
+/// A transaction's revoked blocks in the order first revoked, each once. Past [`LINEAR_FIND`]
+/// of them a set beside the list answers membership (deleting a large file revokes thousands
+/// of blocks, and every revoke, and every block a group commit joins, asks).
+#[derive(Clone, Default)]
+struct Revokes {
+    list: Vec<u64>,
+    /// Empty while `list` is at most [`LINEAR_FIND`] long; else holds exactly its blocks.
+    set: HashSet<u64>,
+}
+
+impl Revokes {
+    fn contains(&self, block: u64) -> bool {
+        if self.list.len() <= LINEAR_FIND {
+            self.list.contains(&block)
+        } else {
+            self.set.contains(&block)
+        }
+    }
+
+    /// Add `block` unless it is there already.
+    fn insert(&mut self, block: u64) {
+        if self.contains(block) {
+            return;
+        }
+        self.list.push(block);
+        if self.list.len() > LINEAR_FIND {
+            if self.set.is_empty() {
+                self.set.extend(self.list.iter().copied());
+            } else {
+                self.set.insert(block);
+            }
+        }
+    }
+
+    fn remove(&mut self, block: u64) {
+        if !self.contains(block) {
+            return;
+        }
+        self.list.retain(|&b| b != block);
+        if self.list.len() > LINEAR_FIND {
+            self.set.remove(&block);
+        } else {
+            self.set.clear();
+        }
+    }
+
+    fn clear(&mut self) {
+        self.list.clear();
+        self.set.clear();
+    }
+
+    fn as_slice(&self) -> &[u64] {
+        &self.list
+    }
+
+    fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+}
+
 impl std::fmt::Debug for Tx {
     /// The written blocks' numbers (not their bytes), revokes and kind.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -258,7 +322,7 @@ impl std::fmt::Debug for Tx {
         f.debug_struct("Tx")
             .field("data", &blocks(&self.data))
             .field("metas", &blocks(&self.metas))
-            .field("revokes", &self.revokes)
+            .field("revokes", &self.revokes.as_slice())
             .field("file", &self.file)
             .finish()
     }
@@ -367,9 +431,7 @@ impl Tx {
     /// Revoke `block`: older journaled versions of it are never replayed (it is being freed or
     /// reused for data).
     pub fn revoke(&mut self, block: u64) -> &mut Tx {
-        if !self.revokes.contains(&block) {
-            self.revokes.push(block);
-        }
+        self.revokes.insert(block);
         self
     }
 
@@ -387,7 +449,7 @@ impl Tx {
         if later
             .data
             .iter()
-            .any(|(b, _)| journals(b) && !later.revokes.contains(b))
+            .any(|(b, _)| journals(b) && !later.revokes.contains(*b))
         {
             return false;
         }
@@ -397,20 +459,18 @@ impl Tx {
         for (b, d) in &later.data {
             m.put(Which::Data, *b, d);
         }
-        for b in &later.revokes {
+        for &b in later.revokes.as_slice() {
             // A block the later transaction frees: no earlier version of it is kept, data
             // included (a one-write commit would log that data under the revoke's own id, and
             // replay would put it into the freed block).
-            m.drop_block(Which::Meta, *b);
-            if !later.data.iter().any(|(x, _)| x == b) {
-                m.drop_block(Which::Data, *b);
+            m.drop_block(Which::Meta, b);
+            if !later.data.iter().any(|(x, _)| *x == b) {
+                m.drop_block(Which::Data, b);
             }
-            if !m.revokes.contains(b) {
-                m.revokes.push(*b);
-            }
+            m.revokes.insert(b);
         }
         for (b, d) in &later.metas {
-            m.revokes.retain(|x| x != b);
+            m.revokes.remove(*b);
             m.put(Which::Meta, *b, d);
         }
         if m.log_blocks() > log_len {
@@ -467,7 +527,7 @@ impl Tx {
             let c = copy_into(self.spare.pop(), d);
             self.metas.push((*b, c));
         }
-        self.revokes.extend_from_slice(&other.revokes);
+        self.revokes.clone_from(&other.revokes);
         self.file = other.file;
     }
 
@@ -1347,7 +1407,7 @@ impl Journal {
             .iter()
             .map(|(b, _)| b)
             .chain(tx.metas.iter().map(|(b, _)| b))
-            .chain(&tx.revokes)
+            .chain(tx.revokes.as_slice())
         {
             if b >= blocks {
                 return Err(JournalError::NotHomeBlock {
@@ -1499,7 +1559,7 @@ impl Journal {
                     }
                     // Durable: record the new versions, then advance the head.
                     let mut versions = self.set.lock_versions();
-                    for &b in &tx.revokes {
+                    for &b in tx.revokes.as_slice() {
                         versions.remove(b);
                     }
                     // One-write data is home already (written before the commit returned): the
@@ -1565,7 +1625,7 @@ impl Journal {
         tx.data
             .iter()
             .find(|(b, _)| {
-                versions.get(b).is_some_and(|(_, d)| !d.is_empty()) && !tx.revokes.contains(b)
+                versions.get(b).is_some_and(|(_, d)| !d.is_empty()) && !tx.revokes.contains(*b)
             })
             .map(|(b, _)| *b)
     }
@@ -1584,7 +1644,7 @@ impl Journal {
             .iter()
             .map(|(b, _)| *b)
             .filter(|b| {
-                versions.get(b).is_some_and(|(_, d)| d.is_empty()) && !tx.revokes.contains(b)
+                versions.get(b).is_some_and(|(_, d)| d.is_empty()) && !tx.revokes.contains(*b)
             })
             .collect();
         drop(versions);
@@ -1592,7 +1652,9 @@ impl Journal {
             return Cow::Borrowed(tx);
         }
         let mut t = tx.clone();
-        t.revokes.extend(implied);
+        for b in implied {
+            t.revokes.insert(b);
+        }
         Cow::Owned(t)
     }
 
@@ -1659,7 +1721,7 @@ impl Journal {
                 break;
             }
         }
-        for group in tx.revokes.chunks(REVOKES_PER_BLOCK) {
+        for group in tx.revokes.as_slice().chunks(REVOKES_PER_BLOCK) {
             let r = bufs.block(at);
             Header {
                 kind: Kind::Revoke,
@@ -2139,6 +2201,67 @@ mod tests {
         vec![v; BLOCK]
     }
 
+    /// Revokes keep first-revoke order with no repeats, across the switch to the set and back
+    /// below it: random revokes and removals match a plain model, and so do a clear, a copy and
+    /// a group commit joining two transactions with many revokes.
+    #[test]
+    fn revokes_match_a_plain_list() {
+        let mut r = Revokes::default();
+        let mut model: Vec<u64> = Vec::new();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for step in 0..6000u32 {
+            // Phases that grow past LINEAR_FIND and shrink back under it.
+            let grow = (step / 500) % 2 == 0;
+            let b = next() % 120;
+            if next() % 4 != 0 || (grow && next() % 2 == 0) {
+                if grow {
+                    r.insert(b);
+                    if !model.contains(&b) {
+                        model.push(b);
+                    }
+                } else {
+                    r.remove(b);
+                    model.retain(|&m| m != b);
+                }
+            } else {
+                assert_eq!(r.contains(b), model.contains(&b), "step {step}, block {b}");
+            }
+            assert_eq!(r.as_slice(), model.as_slice(), "step {step}");
+            assert_eq!(r.set.is_empty(), model.len() <= LINEAR_FIND, "step {step}");
+            if !r.set.is_empty() {
+                assert_eq!(r.set.len(), model.len(), "step {step}");
+            }
+        }
+        let mut tx = Tx::new();
+        let mut later = Tx::new();
+        for b in 0..200u64 {
+            tx.revoke(b);
+            tx.revoke(b);
+        }
+        for b in 100..400u64 {
+            later.revoke(b);
+        }
+        later.write_meta(150, &block(1)).unwrap();
+        assert!(tx.absorb(&later, 10_000, &mut Tx::new()));
+        let want: Vec<u64> = (0..400).filter(|&b| b != 150).collect();
+        assert_eq!(tx.revokes.as_slice(), want.as_slice());
+        assert!(!tx.revokes.contains(150) && tx.revokes.contains(399));
+        let mut copy = Tx::new();
+        copy.copy_from(&tx);
+        assert_eq!(copy.revokes.as_slice(), want.as_slice());
+        assert!(copy.revokes.contains(250));
+        tx.clear();
+        assert!(tx.revokes.is_empty() && !tx.revokes.contains(0));
+        tx.revoke(7);
+        assert_eq!(tx.revokes.as_slice(), [7]);
+    }
+
     /// Past [`LINEAR_FIND`] blocks a transaction finds them through an index: rewrites,
     /// removals and writes after removals keep the same lists as a plain model (order of first
     /// write, rewrites in place), also across `clear` and `copy_from`.
@@ -2200,7 +2323,7 @@ mod tests {
         // by the later member: its new data stays.
         let data: Vec<(u64, u8)> = first.data.iter().map(|(b, d)| (*b, d[0])).collect();
         assert_eq!(data, vec![(11, 4)]);
-        assert_eq!(first.revokes, vec![10, 11]);
+        assert_eq!(first.revokes.as_slice(), [10, 11]);
         assert_eq!(first.metas.len(), 1);
     }
 }
