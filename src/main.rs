@@ -1578,6 +1578,15 @@ fn cmd_bench_pagecache(a: PagecacheArgs) -> Result<(), BenchError> {
     };
     if !a.json {
         eprintln!("device: {}", target.describe());
+        let c = aios::core::copy::calibrate();
+        match (c.loop_ns, c.memcpy_ns) {
+            (Some(l), Some(m)) => eprintln!(
+                "hit copy: {} (4 KiB from random pages of {} MiB: avx2 loop {l:.1} ns, memcpy {m:.1} ns)",
+                aios::core::copy::method(4096),
+                aios::core::copy::CALIBRATION_BYTES >> 20
+            ),
+            _ => eprintln!("hit copy: {}", aios::core::copy::method(4096)),
+        }
         pc::print_header(&mut std::io::stdout()).map_err(io_err)?;
     }
     let json = a.json;

@@ -188,6 +188,9 @@ impl PageCache {
             frames as usize * PAGE_BYTES,
             cfg.huge_pages,
         )?);
+        // Copy-out hits copy with the faster of two routines on this machine (measured once per
+        // process, a few milliseconds; see `aios_core::copy::calibrate`).
+        aios_core::copy::calibrate();
         Ok(Arc::new(PageCache {
             cfg,
             region,
