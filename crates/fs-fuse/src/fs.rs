@@ -1256,10 +1256,12 @@ impl Fs {
     /// As [`Self::finish_inflight`], but waiting for the device with the lock released (for
     /// callers that hold the guard itself, such as fsync).
     ///
-    /// The wait is bounded: one commit's device time with the lock released, then, if another
-    /// thread started a commit in the meantime, that one is finished with the lock held (no
-    /// further commit can start while this thread waits for it). Waiting with the lock released
-    /// until none is in flight could go on for as long as other threads keep committing.
+    /// One wait with the lock released, for the commit in flight now; if another thread started
+    /// a commit in the meantime, that one is finished with the lock held, so no further commit
+    /// can start ahead of this caller. (Waiting with the lock released until none is in flight
+    /// could go on for as long as other threads keep committing.) The lock itself is not fair:
+    /// threads that take it first, including ones that commit with it held deep inside an
+    /// operation, still go ahead.
     fn settle_inflight<'a>(
         &'a self,
         mut st: MutexGuard<'a, State>,
