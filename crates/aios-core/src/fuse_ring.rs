@@ -144,6 +144,41 @@ impl FuseQueue {
                 Err(e) => return Err(e),
             }
         }
+        Ok(self.take_completions())
+    }
+
+    /// As [`FuseQueue::submit_and_wait`], but first spin on the completion queue for up to
+    /// `spin` (yielding the CPU every few empty looks, so the thread whose request is on its way
+    /// can run on it), and sleep in the kernel only when nothing came by then.
+    pub fn submit_and_spin(&mut self, spin: std::time::Duration) -> io::Result<Vec<Completion>> {
+        if spin.is_zero() {
+            return self.submit_and_wait();
+        }
+        loop {
+            match self.ring.submit() {
+                Ok(_) => break,
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        let until = std::time::Instant::now() + spin;
+        let mut empty = 0u32;
+        while self.ring.completion().is_empty() {
+            empty += 1;
+            if empty % 8 == 0 {
+                if std::time::Instant::now() >= until {
+                    return self.submit_and_wait();
+                }
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        Ok(self.take_completions())
+    }
+
+    /// Every completion posted, taken off the queue.
+    fn take_completions(&mut self) -> Vec<Completion> {
         let out: Vec<Completion> = self
             .ring
             .completion()
@@ -153,7 +188,7 @@ impl FuseQueue {
             })
             .collect();
         self.outstanding -= out.len().min(self.outstanding);
-        Ok(out)
+        out
     }
 
     /// Submit what was pushed without waiting.

@@ -41,4 +41,4 @@ pub use error::FsError;
 pub use fs::{Fs, FsOptions};
 pub use fsck::{fsck, fsck_image, read_superblock, Report};
 pub use mkfs::{mkfs, MkfsOptions};
-pub use mount::{mount, MountOptions, Mounted, Transport};
+pub use mount::{mount, MountOptions, Mounted, Transport, REQUEST_SPIN};

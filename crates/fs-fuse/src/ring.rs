@@ -133,13 +133,15 @@ impl Queues {
     /// Start one thread per possible CPU, each registering `depth` entries with payload
     /// buffers of `payload` bytes on its CPU's queue of the connection behind `dev` (a
     /// duplicate of the session's `/dev/fuse` descriptor). Registration is retried while the
-    /// kernel has not finished the `INIT` handshake.
+    /// kernel has not finished the `INIT` handshake. Between requests a thread spins on its
+    /// queue for up to `spin`, then sleeps.
     pub fn start(
         dev: OwnedFd,
         handler: Arc<Handler>,
         negotiated: Arc<std::sync::Mutex<Option<bool>>>,
         depth: usize,
         payload: usize,
+        spin: Duration,
     ) -> std::io::Result<Queues> {
         let dev = Arc::new(dev);
         let n = possible_cpus();
@@ -173,7 +175,7 @@ impl Queues {
                                 None => std::thread::sleep(Duration::from_millis(2)),
                             }
                         }
-                        let r = serve_queue(dev, qid as u16, depth, payload, &h, &stats);
+                        let r = serve_queue(dev, qid as u16, depth, payload, spin, &h, &stats);
                         if let Err(e) = &r {
                             // The kernel turns io_uring off for the connection when a
                             // registration fails; fuser's workers then serve everything.
@@ -210,6 +212,7 @@ fn serve_queue(
     qid: u16,
     depth: usize,
     payload: usize,
+    spin: Duration,
     h: &Handler,
     stats: &OpStats,
 ) -> Result<(), String> {
@@ -224,7 +227,7 @@ fn serve_queue(
     }
     let started = Instant::now();
     loop {
-        for c in q.submit_and_wait().map_err(io)? {
+        for c in q.submit_and_spin(spin).map_err(io)? {
             let i = c.entry;
             if c.result < 0 {
                 let errno = -c.result;
