@@ -76,6 +76,9 @@ pub struct AiosMount {
     child: Option<Child>,
     dir: PathBuf,
     pub log_line: String,
+    /// On SIGINT/SIGTERM: stop the mount process and remove the mount point (dropping the
+    /// mount does the same with the child handle it keeps).
+    undo: crate::bench::cleanup::Undo,
 }
 
 impl AiosMount {
@@ -111,10 +114,31 @@ impl AiosMount {
             .stderr(err)
             .spawn()
             .map_err(|e| BenchError::Setup(format!("aios mount: {e}")))?;
+        let (pid, d) = (child.id(), dir.clone());
+        let undo = crate::bench::cleanup::register("the aiosfs mount", move || {
+            // SIGTERM makes the mount commit and unmount; wait for it to be gone.
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(pid.to_string())
+                .status();
+            let proc_dir = PathBuf::from(format!("/proc/{pid}"));
+            let t0 = Instant::now();
+            while proc_dir.exists() && t0.elapsed() < Duration::from_secs(30) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = Command::new("umount")
+                .arg("-l")
+                .arg(&d)
+                .stderr(Stdio::null())
+                .status();
+            let _ = std::fs::remove_dir(&d);
+            let _ = std::fs::remove_file(d.with_extension("log"));
+        });
         let mut m = AiosMount {
             child: Some(child),
             dir,
             log_line: String::new(),
+            undo,
         };
         let t0 = Instant::now();
         loop {
@@ -148,6 +172,7 @@ impl AiosMount {
 
 impl Drop for AiosMount {
     fn drop(&mut self) {
+        self.undo.cancel();
         if let Some(mut c) = self.child.take() {
             let _ = Command::new("kill")
                 .arg("-TERM")

@@ -191,6 +191,8 @@ pub struct DurabilityInfo {
 #[derive(Debug)]
 pub struct Ext4Mount {
     dir: PathBuf,
+    /// Unmounts and removes the mount point (when dropped, or on SIGINT/SIGTERM).
+    _undo: crate::bench::cleanup::Undo,
 }
 
 impl Ext4Mount {
@@ -224,19 +226,25 @@ impl Ext4Mount {
             let _ = std::fs::remove_dir(&dir);
             return Err(e);
         }
-        Ok(Ext4Mount { dir })
+        let d = dir.clone();
+        let undo = crate::bench::cleanup::register("the ext4 mount", move || {
+            // Still busy after an interruption (a fio run of the bench goes on to its end):
+            // detach it now, and the kernel unmounts it when fio lets go.
+            let plain = Command::new("umount")
+                .arg(&d)
+                .stderr(std::process::Stdio::null())
+                .status();
+            if !plain.is_ok_and(|s| s.success()) {
+                let _ = Command::new("umount").arg("-l").arg(&d).status();
+            }
+            let _ = std::fs::remove_dir(&d);
+        });
+        Ok(Ext4Mount { dir, _undo: undo })
     }
 
     /// The mount point.
     pub fn dir(&self) -> &Path {
         &self.dir
-    }
-}
-
-impl Drop for Ext4Mount {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.dir).status();
-        let _ = std::fs::remove_dir(&self.dir);
     }
 }
 

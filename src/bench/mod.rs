@@ -4,6 +4,7 @@
 //! taken, recorded in an HDR histogram (ns). CPU is the process's user + system time over the
 //! run (getrusage), so IOPS per CPU-second compares CPU efficiency (Rio's metric).
 
+pub mod cleanup;
 pub mod compare;
 pub mod fio;
 pub mod fsbench;

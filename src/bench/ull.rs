@@ -11,10 +11,18 @@ use crate::bench::BenchError;
 pub const ULL_BYTES: u64 = 1 << 30;
 
 /// A loop device created for a benchmark; detached and its image removed on drop.
-#[derive(Debug)]
 pub struct UllDevice {
     loop_dev: PathBuf,
-    image: PathBuf,
+    /// Detaches the device and removes its image (when dropped, or on SIGINT/SIGTERM).
+    _undo: crate::bench::cleanup::Undo,
+}
+
+impl std::fmt::Debug for UllDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UllDevice")
+            .field("loop_dev", &self.loop_dev)
+            .finish()
+    }
 }
 
 impl UllDevice {
@@ -49,7 +57,18 @@ impl UllDevice {
             )));
         }
         let loop_dev = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim().to_string());
-        let dev = UllDevice { loop_dev, image };
+        let (l, i) = (loop_dev.clone(), image.clone());
+        let undo =
+            crate::bench::cleanup::register("the ull loop device and its image", move || {
+                // Leave the loop device as it was found (the setting outlives the attachment).
+                let _ = set_write_cache(&l, "write back");
+                let _ = Command::new("losetup").arg("-d").arg(&l).status();
+                let _ = std::fs::remove_file(&i);
+            });
+        let dev = UllDevice {
+            loop_dev,
+            _undo: undo,
+        };
         // The kernel keeps a loop device's write-cache setting across detach and attach: start
         // from the ull device's definition (a volatile cache, like a loop device's default).
         dev.set_write_cache("write back")?;
@@ -64,14 +83,7 @@ impl UllDevice {
     }
 
     fn set_write_cache(&self, mode: &str) -> Result<(), BenchError> {
-        let name = self
-            .loop_dev
-            .file_name()
-            .map(|n| n.to_string_lossy().to_string())
-            .unwrap_or_default();
-        let attr = PathBuf::from(format!("/sys/block/{name}/queue/write_cache"));
-        std::fs::write(&attr, mode)
-            .map_err(|e| BenchError::Setup(format!("writing {}: {e}", attr.display())))
+        set_write_cache(&self.loop_dev, mode)
     }
 
     /// The loop device's path (`/dev/loopN`).
@@ -80,16 +92,15 @@ impl UllDevice {
     }
 }
 
-impl Drop for UllDevice {
-    fn drop(&mut self) {
-        // Leave the loop device as it was found (the setting outlives the attachment).
-        let _ = self.set_write_cache("write back");
-        let _ = Command::new("losetup")
-            .arg("-d")
-            .arg(&self.loop_dev)
-            .status();
-        let _ = std::fs::remove_file(&self.image);
-    }
+/// Set loop device `dev`'s `queue/write_cache` to `mode`.
+fn set_write_cache(dev: &Path, mode: &str) -> Result<(), BenchError> {
+    let name = dev
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .unwrap_or_default();
+    let attr = PathBuf::from(format!("/sys/block/{name}/queue/write_cache"));
+    std::fs::write(&attr, mode)
+        .map_err(|e| BenchError::Setup(format!("writing {}: {e}", attr.display())))
 }
 
 /// Create (or overwrite) `path` with `bytes` of pseudo-random data, 1 MiB at a time.

@@ -467,6 +467,47 @@ pub fn cpuidle_driver() -> Option<String> {
         .map(|s| s.trim().to_string())
 }
 
+/// The write end of the pipe [`interrupt_pipe`]'s handler writes to.
+static INTERRUPT_WAKE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+
+extern "C" fn on_interrupt(sig: libc::c_int) {
+    let fd = INTERRUPT_WAKE.load(std::sync::atomic::Ordering::Relaxed);
+    let b = sig as u8;
+    // SAFETY: write(2) is async-signal-safe; `b` lives for the call.
+    unsafe { libc::write(fd, (&b as *const u8).cast(), 1) };
+}
+
+/// Catch SIGINT and SIGTERM: from now on each writes its signal number (one byte) to a pipe
+/// instead of ending the process; returns the pipe's read end, for a thread that reads it and
+/// decides what to do. Call once per process (a second call replaces the first pipe).
+pub fn interrupt_pipe() -> io::Result<std::fs::File> {
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: `fds` has room for the two descriptors pipe2 writes.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: pipe2 just returned these two descriptors, owned by nothing else.
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    use std::os::fd::IntoRawFd;
+    // The write end stays open for the process's life: the handler may run at any time.
+    INTERRUPT_WAKE.store(write.into_raw_fd(), std::sync::atomic::Ordering::Relaxed);
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: a zeroed sigaction with a plain handler and an empty mask is valid; the
+        // handler only writes one byte to a pipe.
+        let r = unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_interrupt as extern "C" fn(libc::c_int) as usize;
+            sa.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(sig, &sa, std::ptr::null_mut())
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(std::fs::File::from(read))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
