@@ -117,51 +117,47 @@ fn start_watcher() {
     }
 }
 
-/// SIGTERM every process whose parent is this one, and wait up to `limit` for them to go.
+/// `pid`'s state letter and parent from `/proc/PID/stat` ("pid (comm) state ppid ...", where
+/// comm may hold spaces and parentheses); `None` once it is gone.
+fn proc_state(pid: u32) -> Option<(String, u32)> {
+    let st = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let mut rest = st[st.rfind(')')? + 1..].split_whitespace();
+    let state = rest.next()?.to_string();
+    let ppid = rest.next()?.parse().ok()?;
+    Some((state, ppid))
+}
+
+/// Wait up to `limit` until every process in `pids` has exited: gone, or a zombie (its exit
+/// status not yet collected, which may never happen while the bench is being undone).
+pub fn wait_exited(pids: &[u32], limit: Duration) {
+    let running = |pid: &u32| proc_state(*pid).is_some_and(|(state, _)| state != "Z");
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < limit && pids.iter().any(running) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// SIGTERM every process whose parent is this one, and wait up to `limit` for them to exit.
 fn stop_children(limit: Duration) {
     let me = std::process::id();
-    let children = || -> Vec<u32> {
-        let Ok(dir) = std::fs::read_dir("/proc") else {
-            return Vec::new();
-        };
-        dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-            .filter(|pid| {
-                // /proc/PID/stat: "pid (comm) state ppid ..."; comm may hold spaces.
-                std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                    .ok()
-                    .and_then(|st| {
-                        let rest = &st[st.rfind(')')? + 1..];
-                        rest.split_whitespace().nth(1)?.parse::<u32>().ok()
-                    })
-                    == Some(me)
-            })
-            .collect()
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return;
     };
-    let first = children();
-    if first.is_empty() {
+    let children: Vec<u32> = dir
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| proc_state(pid).is_some_and(|(_, ppid)| ppid == me))
+        .collect();
+    if children.is_empty() {
         return;
     }
-    eprintln!("  stopping {} child process(es)", first.len());
-    for pid in &first {
+    eprintln!("  stopping {} child process(es)", children.len());
+    for pid in &children {
         let _ = std::process::Command::new("kill")
             .arg("-TERM")
             .arg(pid.to_string())
             .status();
     }
-    let t0 = std::time::Instant::now();
-    // Gone, or a zombie (exited; its parent thread reaps it when it gets to it).
-    let running = |pid: &u32| {
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .ok()
-            .and_then(|st| {
-                let rest = &st[st.rfind(')')? + 1..];
-                rest.split_whitespace().next().map(|state| state != "Z")
-            })
-            .unwrap_or(false)
-    };
-    while t0.elapsed() < limit && first.iter().any(running) {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_exited(&children, limit);
 }
 
 #[cfg(test)]

@@ -116,23 +116,14 @@ impl AiosMount {
             .map_err(|e| BenchError::Setup(format!("aios mount: {e}")))?;
         let (pid, d) = (child.id(), dir.clone());
         let undo = crate::bench::cleanup::register("the aiosfs mount", move || {
-            // SIGTERM makes the mount commit and unmount; wait for it to be gone.
+            // SIGTERM makes the mount commit and unmount; wait for it to have exited (nobody
+            // reaps it on this path: it stays a zombie until the process ends).
             let _ = Command::new("kill")
                 .arg("-TERM")
                 .arg(pid.to_string())
                 .status();
-            let proc_dir = PathBuf::from(format!("/proc/{pid}"));
-            let t0 = Instant::now();
-            while proc_dir.exists() && t0.elapsed() < Duration::from_secs(30) {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = Command::new("umount")
-                .arg("-l")
-                .arg(&d)
-                .stderr(Stdio::null())
-                .status();
-            let _ = std::fs::remove_dir(&d);
-            let _ = std::fs::remove_file(d.with_extension("log"));
+            crate::bench::cleanup::wait_exited(&[pid], Duration::from_secs(30));
+            remove_mount_point(&d);
         });
         let mut m = AiosMount {
             child: Some(child),
@@ -188,14 +179,19 @@ impl Drop for AiosMount {
             let _ = c.kill();
             let _ = c.wait();
         }
-        let _ = Command::new("umount")
-            .arg("-l")
-            .arg(&self.dir)
-            .stderr(Stdio::null())
-            .status();
-        let _ = std::fs::remove_dir(&self.dir);
-        let _ = std::fs::remove_file(self.dir.with_extension("log"));
+        remove_mount_point(&self.dir);
     }
+}
+
+/// Detach whatever is still mounted at `dir`, then remove it and its log.
+fn remove_mount_point(dir: &Path) {
+    let _ = Command::new("umount")
+        .arg("-l")
+        .arg(dir)
+        .stderr(Stdio::null())
+        .status();
+    let _ = std::fs::remove_dir(dir);
+    let _ = std::fs::remove_file(dir.with_extension("log"));
 }
 
 /// The workloads' settings.
