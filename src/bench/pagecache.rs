@@ -11,8 +11,8 @@
 //!   `POSIX_FADV_RANDOM` would make it read a 128 KiB miss one page at a time, so it is not set.
 //! * **hits**: 4 KiB reads of pages already cached, uniformly at random over a hot set: copy-out
 //!   (`CacheHandle::read`), zero-copy (`CacheHandle::get`, one byte touched) and the kernel's hot
-//!   buffered `pread`; beside them two copy floors with no lookup, from an ordinary buffer of the
-//!   hot set's size: `memcpy` (the platform's) and `copy` (`aios_core::copy`, the routine
+//!   buffered `pread`; beside them two copy floors with no lookup, from a buffer of the hot set's
+//!   size mapped as the cache's frames are (huge pages where the kernel gives them): `memcpy` (the platform's) and `copy` (`aios_core::copy`, the routine
 //!   copy-out hits use). Hits are timed in batches of [`HIT_BATCH`] (a clock read per hit would
 //!   be a sizeable part of one); the latency columns are batch means.
 //!
@@ -70,8 +70,8 @@ pub enum Reader {
     ODirect,
     /// lbio's own blocking read into an arena buffer (cold only).
     Lbio,
-    /// A plain `memcpy` of 4 KiB from a random page of an ordinary buffer as large as the hot
-    /// set (hits only): the platform's copy, with no lookup at all.
+    /// A plain `memcpy` of 4 KiB from a random page of a buffer as large as the hot set, mapped
+    /// as the cache's frames are (hits only): the platform's copy, with no lookup at all.
     Memcpy,
     /// The same copies through [`aios_core::copy::copy`], the routine the page cache copies
     /// out with (hits only): the floor under its copy-out hits.
@@ -698,10 +698,17 @@ impl ThreadCtx<'_> {
                     engine: Some(engine),
                 }
             }
-            // Ordinary memory of the hot set's size, every page written (so mapped) up front;
+            // Memory of the hot set's size mapped as the cache's frames are (transparent huge
+            // pages where the kernel gives them: on 4 KiB pages the copies from a hot set past
+            // the TLB's reach would pay walks the frames do not), every page written up front;
             // what it holds does not matter to a copy.
             Reader::Memcpy | Reader::Copy => Prepared::Mem {
-                src: PageAligned::new(self.span as usize, 0x5a),
+                src: aios_core::MappedBytes::new(
+                    self.span as usize,
+                    0x5a,
+                    CacheConfig::default().huge_pages,
+                )
+                .map_err(|e| BenchError::Setup(format!("copy floor's memory: {e}")))?,
                 buf: PageAligned::new(bs, 0),
                 ours: self.case.reader == Reader::Copy,
             },
@@ -927,10 +934,10 @@ impl ThreadCtx<'_> {
 }
 
 enum Prepared {
-    /// The copy floors: the hot set in ordinary memory and a destination page; `ours`: through
-    /// `aios_core::copy` rather than `memcpy`.
+    /// The copy floors: the hot set (mapped as the frames are) and a destination page; `ours`:
+    /// through `aios_core::copy` rather than `memcpy`.
     Mem {
-        src: PageAligned,
+        src: aios_core::MappedBytes,
         buf: PageAligned,
         ours: bool,
     },

@@ -288,6 +288,55 @@ impl fmt::Debug for SharedRegion {
     }
 }
 
+/// Anonymous memory mapped the way an arena or a [`SharedRegion`] is (huge pages first when
+/// asked), owned by one value and used as a plain byte slice. For memory that should sit on the
+/// same kind of pages as a page cache's frames without being registered: a benchmark's copy
+/// baseline, for one, whose figures would otherwise carry TLB misses the frames do not pay.
+pub struct MappedBytes {
+    region: SharedRegion,
+    len: usize,
+}
+
+impl MappedBytes {
+    /// `len` bytes (1 byte to 1 TiB), every one `fill`: written here, so every page is mapped
+    /// before the first timed access.
+    pub fn new(len: usize, fill: u8, huge_pages: bool) -> Result<MappedBytes, CoreError> {
+        let region = SharedRegion::map(len, huge_pages)?;
+        let mut m = MappedBytes { region, len };
+        m.fill(fill);
+        Ok(m)
+    }
+    /// How the memory is backed.
+    pub fn backing(&self) -> Backing {
+        self.region.backing()
+    }
+}
+
+impl Deref for MappedBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the mapping holds at least `len` readable bytes, and only this value (which
+        // owns it) hands out references to them, borrowed from it.
+        unsafe { std::slice::from_raw_parts(self.region.as_ptr(), self.len) }
+    }
+}
+
+impl DerefMut for MappedBytes {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`, and `&mut self` makes this reference the only one.
+        unsafe { std::slice::from_raw_parts_mut(self.region.as_ptr(), self.len) }
+    }
+}
+
+impl fmt::Debug for MappedBytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MappedBytes")
+            .field("len", &self.len)
+            .field("backing", &self.region.backing())
+            .finish()
+    }
+}
+
 /// The engine's registered memory, carved into frames.
 pub struct Arena {
     base: NonNull<u8>,
@@ -564,6 +613,18 @@ mod tests {
         // Smaller than a huge page: mapped as asked, nothing to align.
         let r = SharedRegion::map(8192, true).unwrap();
         assert_eq!(r.bytes(), 8192);
+    }
+
+    #[test]
+    fn mapped_bytes_are_filled_sized_as_asked_and_writable() {
+        for (len, huge) in [(1, false), (5000, false), (HUGE_PAGE_BYTES + 100, true)] {
+            let mut m = MappedBytes::new(len, 0xa5, huge).unwrap();
+            assert_eq!(m.len(), len);
+            assert!(m.iter().all(|&b| b == 0xa5));
+            m[len - 1] = 1;
+            assert_eq!(m[len - 1], 1);
+        }
+        assert!(MappedBytes::new(0, 0, false).is_err());
     }
 
     #[test]

@@ -27,7 +27,7 @@ pub mod pmr;
 pub mod probe;
 pub mod sys;
 
-pub use arena::{Arena, Backing, FixedBuf, SharedRegion};
+pub use arena::{Arena, Backing, FixedBuf, MappedBytes, SharedRegion};
 pub use engine::{
     check_memlock, nop_sqe, CompletionMode, CompletionSink, Engine, EngineConfig, EngineMetrics,
     FixedFile, Plug, RingKind, RingSetup, SinkId, SoftDevice, HYBRID_SPIN, MAX_COMPLETION_SINKS,
