@@ -8,7 +8,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use aios::bench::compare::{
-    check_write_allowed, choose_qd1_completion, plug_auto, run_comparison, Comparison, Contender,
+    check_write_allowed, choose_completion, plug_auto, run_comparison, Comparison, Contender,
     Progress,
 };
 use aios::bench::fio::{fio_version, FioEngine};
@@ -564,17 +564,18 @@ enum ClassArg {
     Background,
 }
 
-/// `bench lbio --completion auto` at QD1: alternating short runs of each mode before the bench.
-const QD1_CALIBRATION_ROUNDS: u32 = 4;
-const QD1_CALIBRATION_SECONDS: f64 = 0.15;
+/// `bench lbio --completion auto`: alternating short runs of each mode before the bench.
+const COMPLETION_CALIBRATION_ROUNDS: u32 = 4;
+const COMPLETION_CALIBRATION_SECONDS: f64 = 0.15;
 /// Idle before each timed run of a comparison (`--settle-ms`).
 const DEFAULT_SETTLE_MS: u64 = 250;
 
 #[derive(Clone, Copy, ValueEnum)]
 enum CompletionArg {
-    /// Critical requests at QD1: measure busy-polling and sleeping on the device first (four
-    /// alternating 0.15 s runs of each) and use the faster; sleep otherwise (at QD32 on the ull
-    /// device polling cost ~30% more CPU for the same IOPS).
+    /// Critical requests: measure busy-polling and sleeping on the device at the run's queue
+    /// depth first (four alternating 0.15 s runs of each) and use the faster (above QD1,
+    /// polling only when it is more than 5% faster: it keeps a core busy); background
+    /// requests sleep.
     Auto,
     /// Sleep in io_uring_enter until completions arrive.
     Wait,
@@ -1486,9 +1487,9 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
         seconds: a.seconds,
     };
     let completion = match a.completion {
-        CompletionArg::Auto if a.qd == 1 && matches!(a.class, ClassArg::Critical) => {
+        CompletionArg::Auto if matches!(a.class, ClassArg::Critical) => {
             // Measured on this device, now: busy-poll or sleep, whichever is faster here.
-            let c = choose_qd1_completion(
+            let c = choose_completion(
                 &stack.dev,
                 &workload,
                 LbioRunOptions {
@@ -1498,16 +1499,17 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
                     plug: false,
                 },
                 &plug_for,
-                QD1_CALIBRATION_ROUNDS,
-                QD1_CALIBRATION_SECONDS,
+                COMPLETION_CALIBRATION_ROUNDS,
+                COMPLETION_CALIBRATION_SECONDS,
                 Duration::from_millis(a.settle_ms),
             )?;
             eprintln!(
-                "QD1 completion: busy-poll {:.1} us, sleep {:.1} us (mean latency, medians of {} alternating {} s runs): {}",
+                "QD{} completion: busy-poll {:.1} us, sleep {:.1} us (mean latency, medians of {} alternating {} s runs): {}",
+                a.qd,
                 c.poll_us,
                 c.wait_us,
-                QD1_CALIBRATION_ROUNDS,
-                QD1_CALIBRATION_SECONDS,
+                COMPLETION_CALIBRATION_ROUNDS,
+                COMPLETION_CALIBRATION_SECONDS,
                 c.chosen()
             );
             c.mode
@@ -2088,11 +2090,11 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
             seconds: a.seconds,
         };
         let settle = Duration::from_millis(DEFAULT_SETTLE_MS);
-        // As `bench lbio` does by default: at QD1, busy-poll or sleep, whichever measured
-        // faster here just now, plugged by `--plug auto`'s rule.
+        // As `bench lbio` does by default: busy-poll or sleep, whichever measured faster here
+        // just now (by `choose_completion`'s rule), plugged by `--plug auto`'s rule.
         let plug_for = |mode: CompletionMode| plug_auto(*qd, mode);
-        let completion = if *qd == 1 {
-            let c = choose_qd1_completion(
+        let completion = {
+            let c = choose_completion(
                 &stack.dev,
                 &workload,
                 LbioRunOptions {
@@ -2102,19 +2104,17 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
                     plug: false,
                 },
                 &plug_for,
-                QD1_CALIBRATION_ROUNDS,
-                QD1_CALIBRATION_SECONDS,
+                COMPLETION_CALIBRATION_ROUNDS,
+                COMPLETION_CALIBRATION_SECONDS,
                 settle,
             )?;
             println!(
-                "   QD1 completion: busy-poll {:.1} us, sleep {:.1} us: {}",
+                "   QD{qd} completion: busy-poll {:.1} us, sleep {:.1} us: {}",
                 c.poll_us,
                 c.wait_us,
                 c.chosen()
             );
             c.mode
-        } else {
-            CompletionMode::Wait
         };
         let cmp = Comparison {
             dev: &stack.dev,

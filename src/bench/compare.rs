@@ -245,16 +245,17 @@ pub fn plug_auto(qd: u32, mode: CompletionMode) -> bool {
     qd == 1 && mode != CompletionMode::Wait
 }
 
-/// What [`choose_qd1_completion`] measured.
+/// What [`choose_completion`] measured.
 #[derive(Clone, Copy, Debug)]
-pub struct Qd1Choice {
+pub struct CompletionChoice {
     pub mode: CompletionMode,
-    /// Median over the rounds of each mode's mean latency, µs.
+    /// Median over the rounds of each mode's mean latency, µs (at the workload's queue depth,
+    /// so also the inverse of its throughput).
     pub poll_us: f64,
     pub wait_us: f64,
 }
 
-impl Qd1Choice {
+impl CompletionChoice {
     /// The chosen mode, as the benches print it.
     pub fn chosen(&self) -> &'static str {
         match self.mode {
@@ -265,11 +266,25 @@ impl Qd1Choice {
     }
 }
 
-/// At QD1, busy-polling the completion queue saves the caller's wake-up, but the device's own
-/// work may need the CPU the caller spins on (a loop device's worker thread; on a VM whose idle
-/// vCPUs halt, which CPU that worker gets decides the latency). Neither mode wins everywhere,
-/// so this measures both on `dev`: `rounds` short runs of each, alternating, and picks the one
-/// with the lower median mean latency (busy-poll on a tie within 3%: it needs no wake-up).
+/// How much faster busy-polling must measure above QD1 to be chosen: it keeps a core busy for
+/// as long as requests are in flight, where a sleeping caller's cost scales with completions.
+pub const POLL_GAIN_ABOVE_QD1: f64 = 1.05;
+
+/// Busy-polling the completion queue saves the caller's wake-ups, but the device's own work may
+/// need the CPU the caller spins on (a loop device's worker thread, the softirq that completes
+/// its requests; on a VM whose idle vCPUs halt, which CPU that worker gets decides the latency).
+/// Neither mode wins everywhere, so this measures both on `dev` at the workload's queue depth:
+/// `rounds` short runs of each, alternating, and picks one by the median of their mean
+/// latencies (at a fixed queue depth, the inverse of throughput):
+/// - at QD1, busy-polling unless sleeping is more than 3% faster (a tie goes to the mode with
+///   no wake-up);
+/// - above QD1, sleeping unless busy-polling is more than [`POLL_GAIN_ABOVE_QD1`] faster (a tie
+///   goes to the mode that does not spend a core).
+///
+/// On the 2-vCPU AMD EPYC VM of earlier sessions, polling at QD32 on the `ull` device cost
+/// about 30% more CPU for the same IOPS; on the 2-vCPU Intel Xeon VM of 2026-11-26 it gave
+/// 1.14–1.35× fio's IOPS where sleeping tied with fio (five alternating rounds each).
+///
 /// `plug` says whether each mode plugs (the caller's rule, so that each is measured as it would
 /// run); `opts.plug` is not used.
 ///
@@ -282,7 +297,7 @@ impl Qd1Choice {
 /// the bench that followed, busy-polling, took 2.0x fio's latency. With a 250 ms pause,
 /// sleeping read 11.5-15.0 us against 15.7-27.0 us in nine calibrations that day, and was
 /// chosen every time.
-pub fn choose_qd1_completion(
+pub fn choose_completion(
     dev: &Device,
     w: &Workload,
     opts: LbioRunOptions,
@@ -290,12 +305,8 @@ pub fn choose_qd1_completion(
     rounds: u32,
     seconds: f64,
     pause: Duration,
-) -> Result<Qd1Choice, BenchError> {
-    let short = Workload {
-        qd: 1,
-        seconds,
-        ..*w
-    };
+) -> Result<CompletionChoice, BenchError> {
+    let short = Workload { seconds, ..*w };
     let (mut poll, mut wait) = (Vec::new(), Vec::new());
     for r in 0..rounds.max(1) {
         let order = if r % 2 == 0 {
@@ -325,12 +336,18 @@ pub fn choose_qd1_completion(
         median(poll).unwrap_or(f64::NAN),
         median(wait).unwrap_or(f64::NAN),
     );
-    let mode = if wait_us * 1.03 < poll_us {
-        CompletionMode::Wait
+    let poll_wins = if w.qd <= 1 {
+        let wait_wins = wait_us * 1.03 < poll_us;
+        !wait_wins
     } else {
-        CompletionMode::BusyPoll
+        poll_us * POLL_GAIN_ABOVE_QD1 < wait_us
     };
-    Ok(Qd1Choice {
+    let mode = if poll_wins {
+        CompletionMode::BusyPoll
+    } else {
+        CompletionMode::Wait
+    };
+    Ok(CompletionChoice {
         mode,
         poll_us,
         wait_us,
