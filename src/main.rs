@@ -656,7 +656,7 @@ struct LbioArgs {
     #[arg(long)]
     iopoll: bool,
     /// Milliseconds of idle before every timed run, lbio's and each fio run's alike, and before
-    /// each QD1 calibration sample: each starts from an idle machine, not on the heels of the
+    /// each completion-mode calibration sample: each starts from an idle machine, not on the heels of the
     /// work before it (on one of the VMs this was built on, a QD1 reader that starts right after
     /// CPU-heavy work stayed 3-6x slower for the whole run; see docs/lbio-qd1-history.md). 0:
     /// none.

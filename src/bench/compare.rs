@@ -250,7 +250,7 @@ pub fn plug_auto(qd: u32, mode: CompletionMode) -> bool {
 pub struct CompletionChoice {
     pub mode: CompletionMode,
     /// Median over the rounds of each mode's mean latency, µs (at the workload's queue depth,
-    /// so also the inverse of its throughput).
+    /// so also inversely proportional to its throughput).
     pub poll_us: f64,
     pub wait_us: f64,
 }
@@ -275,7 +275,7 @@ pub const POLL_GAIN_ABOVE_QD1: f64 = 1.05;
 /// its requests; on a VM whose idle vCPUs halt, which CPU that worker gets decides the latency).
 /// Neither mode wins everywhere, so this measures both on `dev` at the workload's queue depth:
 /// `rounds` short runs of each, alternating, and picks one by the median of their mean
-/// latencies (at a fixed queue depth, the inverse of throughput):
+/// latencies (at a fixed queue depth, inversely proportional to throughput):
 /// - at QD1, busy-polling unless sleeping is more than 3% faster (a tie goes to the mode with
 ///   no wake-up);
 /// - above QD1, sleeping unless busy-polling is more than [`POLL_GAIN_ABOVE_QD1`] faster (a tie
@@ -283,7 +283,8 @@ pub const POLL_GAIN_ABOVE_QD1: f64 = 1.05;
 ///
 /// On the 2-vCPU AMD EPYC VM of earlier sessions, polling at QD32 on the `ull` device cost
 /// about 30% more CPU for the same IOPS; on the 2-vCPU Intel Xeon VM of 2026-11-26 it gave
-/// 1.14–1.35× fio's IOPS where sleeping tied with fio (five alternating rounds each).
+/// 1.14–1.35× fio's IOPS per round (two runs of five alternating rounds; medians 1.277× and
+/// 1.300×) where sleeping had tied with fio.
 ///
 /// `plug` says whether each mode plugs (the caller's rule, so that each is measured as it would
 /// run); `opts.plug` is not used.

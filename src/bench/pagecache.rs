@@ -505,7 +505,7 @@ impl PagecacheBench {
         // are (transparent huge pages where the kernel gives them: on 4 KiB pages the copies
         // from a hot set past the TLB's reach would pay walks the frames do not), every page
         // written up front, and shared by all threads as the frames are (two cores reading the
-        // same lines scale worse than each reading its own: 1.73-1.79x against 1.85-2.01x for
+        // same lines scale worse than each reading its own: 1.72-1.83x against 1.85-2.01x for
         // 4 KiB copies from 1 MiB on the Intel VM). What it holds does not matter to a copy.
         let floor = match c.reader {
             Reader::Memcpy | Reader::Copy => Some(Arc::new(

@@ -299,9 +299,20 @@ pub struct MappedBytes {
 
 impl MappedBytes {
     /// `len` bytes (1 byte to 1 TiB), every one `fill`: written here, so every page is mapped
-    /// before the first timed access.
+    /// before the first timed access. With `huge_pages`, less than a huge page is mapped as a
+    /// whole one (aligned), so that it can sit on one as a larger arena's frames do.
     pub fn new(len: usize, fill: u8, huge_pages: bool) -> Result<MappedBytes, CoreError> {
-        let region = SharedRegion::map(len, huge_pages)?;
+        if len == 0 {
+            return Err(CoreError::Config(
+                "mapped bytes of length 0: need at least 1".into(),
+            ));
+        }
+        let map_len = if huge_pages {
+            len.max(HUGE_PAGE_BYTES)
+        } else {
+            len
+        };
+        let region = SharedRegion::map(map_len, huge_pages)?;
         let mut m = MappedBytes { region, len };
         m.fill(fill);
         Ok(m)
@@ -617,9 +628,23 @@ mod tests {
 
     #[test]
     fn mapped_bytes_are_filled_sized_as_asked_and_writable() {
-        for (len, huge) in [(1, false), (5000, false), (HUGE_PAGE_BYTES + 100, true)] {
+        for (len, huge) in [
+            (1, false),
+            (5000, false),
+            (4096, true),
+            (HUGE_PAGE_BYTES + 100, true),
+        ] {
             let mut m = MappedBytes::new(len, 0xa5, huge).unwrap();
             assert_eq!(m.len(), len);
+            if huge && m.backing() != Backing::Pages {
+                // Mapped as a whole huge page or more, starting on one.
+                assert_eq!(
+                    m.as_ptr() as usize % HUGE_PAGE_BYTES,
+                    0,
+                    "{:?}",
+                    m.backing()
+                );
+            }
             assert!(m.iter().all(|&b| b == 0xa5));
             m[len - 1] = 1;
             assert_eq!(m[len - 1], 1);
