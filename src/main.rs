@@ -656,10 +656,10 @@ struct LbioArgs {
     #[arg(long)]
     iopoll: bool,
     /// Milliseconds of idle before every timed run, lbio's and each fio run's alike, and before
-    /// each completion-mode calibration sample: each starts from an idle machine, not on the heels of the
-    /// work before it (on one of the VMs this was built on, a QD1 reader that starts right after
-    /// CPU-heavy work stayed 3-6x slower for the whole run; see docs/lbio-qd1-history.md). 0:
-    /// none.
+    /// each completion-mode calibration sample: each starts from an idle machine, not on the
+    /// heels of the work before it (on one of the VMs this was built on, a QD1 reader that
+    /// starts right after CPU-heavy work stayed 3-6x slower for the whole run; see
+    /// docs/lbio-qd1-history.md). 0: none.
     #[arg(long, default_value_t = DEFAULT_SETTLE_MS, value_name = "MS")]
     settle_ms: u64,
     #[command(flatten)]

@@ -151,11 +151,8 @@ fn stop_children(limit: Duration) {
         return;
     }
     eprintln!("  stopping {} child process(es)", children.len());
-    for pid in &children {
-        let _ = std::process::Command::new("kill")
-            .arg("-TERM")
-            .arg(pid.to_string())
-            .status();
+    for &pid in &children {
+        let _ = aios_core::sys::terminate(pid);
     }
     wait_exited(&children, limit);
 }

@@ -118,10 +118,7 @@ impl AiosMount {
         let undo = crate::bench::cleanup::register("the aiosfs mount", move || {
             // SIGTERM makes the mount commit and unmount; wait for it to have exited (nobody
             // reaps it on this path: it stays a zombie until the process ends).
-            let _ = Command::new("kill")
-                .arg("-TERM")
-                .arg(pid.to_string())
-                .status();
+            let _ = aios_core::sys::terminate(pid);
             crate::bench::cleanup::wait_exited(&[pid], Duration::from_secs(30));
             remove_mount_point(&d);
         });
@@ -165,10 +162,7 @@ impl Drop for AiosMount {
     fn drop(&mut self) {
         self.undo.cancel();
         if let Some(mut c) = self.child.take() {
-            let _ = Command::new("kill")
-                .arg("-TERM")
-                .arg(c.id().to_string())
-                .status();
+            let _ = aios_core::sys::terminate(c.id());
             let t0 = Instant::now();
             while t0.elapsed() < Duration::from_secs(30) {
                 if let Ok(Some(_)) = c.try_wait() {

@@ -13,8 +13,8 @@
 //!   (`CacheHandle::read`), zero-copy (`CacheHandle::get`, one byte touched) and the kernel's hot
 //!   buffered `pread`; beside them two copy floors with no lookup, from a buffer of the hot set's
 //!   size mapped as the cache's frames are (huge pages where the kernel gives them) and, like
-//!   them, one for all threads: `memcpy` (the platform's) and `copy` (`aios_core::copy`, the routine
-//!   copy-out hits use). Hits are timed in batches of [`HIT_BATCH`] (a clock read per hit would
+//!   them, one for all threads: `memcpy` (the platform's) and `copy` (`aios_core::copy`, the
+//!   routine copy-out hits use). Hits are timed in batches of [`HIT_BATCH`] (a clock read per hit would
 //!   be a sizeable part of one); the latency columns are batch means.
 //!
 //! * **submission latency** (cold page-cache reads): from the read call's entry to its SQE

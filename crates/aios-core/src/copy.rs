@@ -79,9 +79,9 @@ static CALIBRATION: OnceLock<Calibration> = OnceLock::new();
 
 /// Time the vector loop against the platform's `memcpy` (an untimed pass, then nine alternating
 /// rounds of 2,048 copies of 4 KiB each, from random pages of a [`CALIBRATION_BYTES`] buffer
-/// into one page) and make [`copy`] use the faster. Runs once per process (a few milliseconds, most of it touching
-/// the buffer); later calls return the first result. Without AVX2 there is nothing to choose
-/// and nothing is measured.
+/// into one page) and make [`copy`] use the faster. Runs once per process (a few milliseconds,
+/// most of it touching the buffer); later calls return the first result. Without AVX2 there is
+/// nothing to choose and nothing is measured.
 pub fn calibrate() -> Calibration {
     *CALIBRATION.get_or_init(measure)
 }

@@ -467,6 +467,17 @@ pub fn cpuidle_driver() -> Option<String> {
         .map(|s| s.trim().to_string())
 }
 
+/// Send SIGTERM to process `pid` (asking it to finish and exit).
+pub fn terminate(pid: u32) -> io::Result<()> {
+    let pid = libc::pid_t::try_from(pid)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, format!("pid {pid}")))?;
+    // SAFETY: kill(2) takes plain integers and touches no memory of ours.
+    if unsafe { libc::kill(pid, libc::SIGTERM) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// The write end of the pipe [`interrupt_pipe`]'s handler writes to.
 static INTERRUPT_WAKE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
 
