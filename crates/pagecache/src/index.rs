@@ -1,31 +1,47 @@
-//! The page index: (file, page) → frame, an open-addressing table of atomic slots.
+//! The page index: (file, page) → frame, an open-addressing table of atomic slots in cache lines.
 //!
-//! Lookups take no lock: they probe slots and compare the frame's key (an atomic load each). Inserts
-//! and removals of one key are serialised by a striped mutex chosen by the key's hash, so two
-//! inserts of the same page cannot both succeed; slots change by CAS, so writers of different keys
-//! never block each other or any reader. Removal leaves a tombstone that later inserts reuse.
+//! Lookups take no lock: they scan slots and compare the frame's key (an atomic load each).
+//! Inserts and removals of one key are serialised by a striped mutex chosen by the key's hash, so
+//! two inserts of the same page cannot both succeed; slots change by CAS, so writers of different
+//! keys never block each other or any reader.
 //!
-//! Tombstones never turn back into empty slots (a reader may be probing past one), so under
-//! churn the table ends up with no empty slot at all, and a probe that stopped only at an empty
-//! slot would scan the whole table for every absent key. Two things keep probes short instead:
-//! - **A probe bound.** An insert takes the first free slot (empty or tombstone) from the key's
-//!   home slot, and raises `max_probe` to its distance from home before it publishes the entry.
-//!   No entry lies further from home than `max_probe`, so a search stops there. With at least
-//!   four slots per frame the live entries fill at most a quarter of the table, and the bound
-//!   stays a few slots.
-//! - **Tags.** A slot holds the frame and 32 bits of the key's hash, so a probe loads a frame's
-//!   key only when the tag matches: the slots it passes cost one load each, from consecutive
-//!   memory.
+//! **Lines.** The table is an array of 64-byte lines of eight slots. A key's home is a line, and
+//! it takes the first empty slot there, starting from a slot its page number picks (a search
+//! starts there too, so a hit usually loads one slot). When the line is full it goes on to the
+//! next line, and the next, raising each full line's **overflow count** on its way before it
+//! publishes the entry. A search scans its home line and moves on only while the line's overflow
+//! count says some entry went past it, so a search for an absent key usually reads one line,
+//! however much churn the table has seen. A removal empties its slot and lowers the counts its
+//! insert raised: nothing is left behind (no tombstones), and there is no table-wide probe bound
+//! that only ever grows.
+//!
+//! **Neighbouring pages share a line.** A key's home line is its group's: the four pages
+//! `4k..4k + 3` of a file hash to the same line. The pages of a hot region then find their
+//! slots in a quarter of the lines a per-page hash would scatter them over, so the index lines
+//! that hits need stay in the CPU's caches beside the frames' bytes instead of costing a memory
+//! access of their own before the frame is known (the kernel's per-file radix tree keeps
+//! neighbours together the same way). Two dense groups fill a line; with four slots per frame
+//! a line seldom gets more.
+//!
+//! **Tags.** A slot holds the frame and 32 bits of the key's hash, so a search loads a frame's
+//! key only when the tag matches.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::frames::{FrameTable, Key};
 
 const EMPTY: u64 = 0;
-const TOMBSTONE: u64 = u64::MAX;
 /// Write-side lock stripes (a power of two).
 const STRIPES: usize = 64;
+/// Slots in a line (64 bytes).
+const LINE_SLOTS: usize = 8;
+/// Pages of a file whose keys share a home line (a power of two).
+const GROUP_PAGES: u64 = 4;
+
+/// Eight slots, one cache line.
+#[repr(align(64))]
+struct Line([AtomicU64; LINE_SLOTS]);
 
 /// A slot's word: the key's tag in the high half, frame + 1 in the low half.
 fn entry(tag: u32, frame: u32) -> u64 {
@@ -37,10 +53,12 @@ fn tag_of(hash: u64) -> u32 {
 }
 
 pub struct Index {
-    slots: Box<[AtomicU64]>,
+    lines: Box<[Line]>,
+    /// Per line: how many entries have their home at or before it and lie past it (their
+    /// inserts found it full). Kept apart from the lines so a line is all slots.
+    overflow: Box<[AtomicU32]>,
+    /// Lines - 1 (the line count is a power of two).
     mask: usize,
-    /// No entry is further than this many slots from its key's home slot.
-    max_probe: AtomicUsize,
     stripes: Box<[Mutex<()>]>,
 }
 
@@ -55,16 +73,39 @@ pub enum Insert {
 
 impl Index {
     /// A table with at least four slots per frame (so the live entries fill at most a quarter of
-    /// it and probes stay short).
+    /// it and lines seldom overflow).
     pub fn new(frames: u32) -> Index {
         assert!(frames < u32::MAX - 1, "frame numbers must fit a slot");
-        let n = (frames as usize * 4).next_power_of_two().max(16);
+        let lines = (frames as usize * 4)
+            .div_ceil(LINE_SLOTS)
+            .next_power_of_two()
+            .max(2);
         Index {
-            slots: (0..n).map(|_| AtomicU64::new(EMPTY)).collect(),
-            mask: n - 1,
-            max_probe: AtomicUsize::new(0),
+            lines: (0..lines)
+                .map(|_| Line(std::array::from_fn(|_| AtomicU64::new(EMPTY))))
+                .collect(),
+            overflow: (0..lines).map(|_| AtomicU32::new(0)).collect(),
+            mask: lines - 1,
             stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
         }
+    }
+
+    /// The line a search for `key` starts at: the one the hash of its group (the key with the
+    /// page's low bits cleared) names.
+    fn home(&self, key: Key) -> usize {
+        Key(key.0 & !(GROUP_PAGES - 1)).hash() as usize & self.mask
+    }
+
+    /// The slot of its line a key tries first (and a search looks at first): the page's place in
+    /// its group, spread over the line, so the pages of one group do not contend for one slot
+    /// and a hit usually needs one slot's load.
+    fn first_slot(key: Key) -> usize {
+        (key.0 & (GROUP_PAGES - 1)) as usize * (LINE_SLOTS / GROUP_PAGES as usize)
+    }
+
+    /// Whether some entry whose search passes line `l` lies past it.
+    fn overflows(&self, l: usize) -> bool {
+        self.overflow[l].load(Ordering::Acquire) != 0
     }
 
     fn stripe(&self, key: Key) -> std::sync::MutexGuard<'_, ()> {
@@ -74,11 +115,6 @@ impl Index {
         self.stripes[i]
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// The slots a search for a key must look at: `max_probe + 1` of them from its home.
-    fn probe_limit(&self) -> usize {
-        self.max_probe.load(Ordering::Acquire).min(self.mask)
     }
 
     /// The frame standing for `key`, if any. Lock-free.
@@ -94,24 +130,25 @@ impl Index {
         frames: &FrameTable,
         mut candidate: impl FnMut(u32),
     ) -> Option<u32> {
-        let hash = key.hash();
-        let tag = tag_of(hash);
-        let limit = self.probe_limit();
-        let mut i = hash as usize & self.mask;
-        for _ in 0..=limit {
-            match self.slots[i].load(Ordering::Acquire) {
-                EMPTY => return None,
-                TOMBSTONE => {}
-                v if (v >> 32) as u32 == tag => {
+        let tag = tag_of(key.hash());
+        let first = Self::first_slot(key);
+        let mut l = self.home(key);
+        for _ in 0..=self.mask {
+            let line = &self.lines[l].0;
+            for j in 0..LINE_SLOTS {
+                let v = line[(first + j) % LINE_SLOTS].load(Ordering::Acquire);
+                if v != EMPTY && (v >> 32) as u32 == tag {
                     let frame = v as u32 - 1;
                     candidate(frame);
                     if frames.key(frame) == key.0 {
                         return Some(frame);
                     }
                 }
-                _ => {}
             }
-            i = (i + 1) & self.mask;
+            if !self.overflows(l) {
+                return None;
+            }
+            l = (l + 1) & self.mask;
         }
         None
     }
@@ -119,53 +156,46 @@ impl Index {
     /// Make `frame` stand for `key` unless another frame already does.
     pub fn insert(&self, key: Key, frame: u32, frames: &FrameTable) -> Insert {
         let _g = self.stripe(key);
-        let hash = key.hash();
-        let tag = tag_of(hash);
-        let home = hash as usize & self.mask;
-        // Every entry for `key` lies within the bound (inserts of `key` are serialised by the
-        // stripe, so the bound any of them raised is visible here).
-        let limit = self.probe_limit();
-        let mut free: Option<usize> = None;
-        let mut i = home;
-        for _ in 0..=limit {
-            match self.slots[i].load(Ordering::Acquire) {
-                EMPTY => {
-                    free.get_or_insert(i);
-                    break;
-                }
-                TOMBSTONE => {
-                    free.get_or_insert(i);
-                }
-                v => {
+        let tag = tag_of(key.hash());
+        let home = self.home(key);
+        // Another frame for `key`? Inserts and removals of `key` are serialised by the stripe,
+        // so every entry for it, and the counts that lead to it, are visible here.
+        let mut l = home;
+        for _ in 0..=self.mask {
+            for slot in &self.lines[l].0 {
+                let v = slot.load(Ordering::Acquire);
+                if v != EMPTY && (v >> 32) as u32 == tag {
                     let f = v as u32 - 1;
-                    if (v >> 32) as u32 == tag && f != frame && frames.key(f) == key.0 {
+                    if f != frame && frames.key(f) == key.0 {
                         return Insert::Present(f);
                     }
                 }
             }
-            i = (i + 1) & self.mask;
+            if !self.overflows(l) {
+                break;
+            }
+            l = (l + 1) & self.mask;
         }
-        // The first free slot from home, or past the bound when there is none within it; another
-        // key's insert may take a slot first: then the next free one.
-        let mut at = free.unwrap_or(i);
+        // The first empty slot from home. Each full line passed gets its overflow count raised
+        // before the entry can be seen past it; another key's insert may take a slot first: then
+        // the next empty one.
         let mine = entry(tag, frame);
+        let first = Self::first_slot(key);
+        let mut l = home;
         for _ in 0..=self.mask {
-            let cur = self.slots[at].load(Ordering::Acquire);
-            if cur == EMPTY || cur == TOMBSTONE {
-                // Raise the bound before the entry can be seen (only when it is lower: the
-                // bound never falls, and a read-modify-write is dearer than a load).
-                let dist = at.wrapping_sub(home) & self.mask;
-                if dist > self.max_probe.load(Ordering::Acquire) {
-                    self.max_probe.fetch_max(dist, Ordering::AcqRel);
-                }
-                if self.slots[at]
-                    .compare_exchange(cur, mine, Ordering::AcqRel, Ordering::Acquire)
-                    .is_ok()
+            let line = &self.lines[l].0;
+            for j in 0..LINE_SLOTS {
+                let slot = &line[(first + j) % LINE_SLOTS];
+                if slot.load(Ordering::Acquire) == EMPTY
+                    && slot
+                        .compare_exchange(EMPTY, mine, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
                 {
                     return Insert::Inserted;
                 }
             }
-            at = (at + 1) & self.mask;
+            self.overflow[l].fetch_add(1, Ordering::AcqRel);
+            l = (l + 1) & self.mask;
         }
         unreachable!("the index has four slots per frame: never full")
     }
@@ -173,37 +203,44 @@ impl Index {
     /// Remove `frame` as the entry for `key` (no-op when it is not).
     pub fn remove(&self, key: Key, frame: u32) -> bool {
         let _g = self.stripe(key);
-        let hash = key.hash();
-        let mine = entry(tag_of(hash), frame);
-        let limit = self.probe_limit();
-        let mut i = hash as usize & self.mask;
-        for _ in 0..=limit {
-            match self.slots[i].load(Ordering::Acquire) {
-                EMPTY => return false,
-                v if v == mine => {
-                    return self.slots[i]
-                        .compare_exchange(v, TOMBSTONE, Ordering::AcqRel, Ordering::Acquire)
-                        .is_ok();
+        let mine = entry(tag_of(key.hash()), frame);
+        let home = self.home(key);
+        let mut l = home;
+        for passed in 0..=self.mask {
+            for slot in &self.lines[l].0 {
+                if slot.load(Ordering::Acquire) == mine
+                    && slot
+                        .compare_exchange(mine, EMPTY, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
+                {
+                    // The counts this entry's insert raised on the lines before it.
+                    let mut k = home;
+                    for _ in 0..passed {
+                        self.overflow[k].fetch_sub(1, Ordering::AcqRel);
+                        k = (k + 1) & self.mask;
+                    }
+                    return true;
                 }
-                _ => {}
             }
-            i = (i + 1) & self.mask;
+            if !self.overflows(l) {
+                return false;
+            }
+            l = (l + 1) & self.mask;
         }
         false
     }
 
-    /// How many slots a search for `key` looks at (for tests).
+    /// How many lines a search for `key` reads (for tests).
     #[cfg(test)]
-    fn probes(&self, key: Key) -> usize {
-        let limit = self.probe_limit();
-        let mut i = key.hash() as usize & self.mask;
-        for n in 0..=limit {
-            if self.slots[i].load(Ordering::Acquire) == EMPTY {
-                return n + 1;
+    fn lines_read(&self, key: Key) -> usize {
+        let mut l = self.home(key);
+        for n in 1..=self.mask + 1 {
+            if !self.overflows(l) {
+                return n;
             }
-            i = (i + 1) & self.mask;
+            l = (l + 1) & self.mask;
         }
-        limit + 1
+        self.mask + 1
     }
 }
 
@@ -258,10 +295,11 @@ mod tests {
         }
     }
 
-    /// Tombstones pile up until the table has no empty slot left; searches for absent keys must
-    /// still stop after a few slots, not scan the table.
+    /// Under churn (every removal followed by an insert elsewhere) a search for an absent key
+    /// must still read about one line: removals leave nothing behind and lower the overflow
+    /// counts their inserts raised.
     #[test]
-    fn probes_stay_short_under_churn() {
+    fn absent_keys_read_one_line_after_churn() {
         const FRAMES: u32 = 1024;
         let frames = FrameTable::new(FRAMES);
         let idx = Index::new(FRAMES);
@@ -274,40 +312,123 @@ mod tests {
             let f = (x % FRAMES as u64) as u32;
             if let Some(old) = resident[f as usize].take() {
                 assert!(idx.remove(old, f));
+                assert!(!idx.remove(old, f), "removed twice");
             }
-            let k = Key::new(1, n);
+            // Pages of several files, in runs (neighbours share a home line) and scattered.
+            let k = if n % 3 == 0 {
+                Key::new(2, x % (1 << 30))
+            } else {
+                Key::new(1, n)
+            };
             keyed(&frames, f, k);
             assert_eq!(idx.insert(k, f, &frames), Insert::Inserted);
             resident[f as usize] = Some(k);
         }
-        let empty = idx
-            .slots
-            .iter()
-            .filter(|s| s.load(Ordering::Relaxed) == EMPTY)
-            .count();
-        assert!(
-            empty < idx.slots.len() / 20,
-            "the churn should leave few empty slots ({empty} of {})",
-            idx.slots.len()
-        );
         for (f, k) in resident.iter().enumerate() {
             let k = k.expect("every frame holds a key");
             assert_eq!(idx.get(k, &frames), Some(f as u32));
         }
         let absent = 10_000u64;
-        let total: usize = (0..absent)
+        let reads: Vec<usize> = (0..absent)
             .map(|n| {
-                let k = Key::new(2, n);
+                let k = Key::new(3, n * 7);
                 assert_eq!(idx.get(k, &frames), None);
-                idx.probes(k)
+                idx.lines_read(k)
             })
-            .sum();
-        let mean = total as f64 / absent as f64;
-        let bound = idx.probe_limit() + 1;
+            .collect();
+        let mean = reads.iter().sum::<usize>() as f64 / absent as f64;
+        let most = reads.iter().max().copied().unwrap_or(0);
         assert!(
-            bound <= 64 && mean <= 32.0,
-            "an absent key's search looks at {mean:.1} slots on average (bound {bound}) in a table of {}",
-            idx.slots.len()
+            mean <= 1.2 && most <= 8,
+            "an absent key's search reads {mean:.2} lines on average, at most {most}"
         );
+        // Empty the table: every overflow count returns to zero.
+        for (f, k) in resident.iter().enumerate() {
+            assert!(idx.remove(k.expect("resident"), f as u32));
+        }
+        assert!((0..=idx.mask).all(|l| !idx.overflows(l)));
+        assert!((0..=idx.mask).all(|l| idx.lines[l]
+            .0
+            .iter()
+            .all(|s| s.load(Ordering::Relaxed) == EMPTY)));
+    }
+
+    /// The pages of a contiguous region sit in about a quarter as many lines as pages.
+    #[test]
+    fn neighbouring_pages_share_lines() {
+        const FRAMES: u32 = 8192;
+        let frames = FrameTable::new(FRAMES);
+        let idx = Index::new(FRAMES);
+        for p in 0..FRAMES {
+            let k = Key::new(5, 1_000 + p as u64);
+            keyed(&frames, p, k);
+            assert_eq!(idx.insert(k, p, &frames), Insert::Inserted);
+        }
+        let used = (0..=idx.mask)
+            .filter(|&l| {
+                idx.lines[l]
+                    .0
+                    .iter()
+                    .any(|s| s.load(Ordering::Relaxed) != EMPTY)
+            })
+            .count();
+        assert!(
+            used <= (FRAMES as usize / GROUP_PAGES as usize) * 11 / 10,
+            "{FRAMES} neighbouring pages use {used} lines"
+        );
+        for p in 0..FRAMES {
+            assert_eq!(idx.get(Key::new(5, 1_000 + p as u64), &frames), Some(p));
+        }
+    }
+
+    /// Threads inserting and removing keys that share home lines, against readers: every
+    /// resident key is found throughout, and the counts end at zero.
+    #[test]
+    fn concurrent_inserts_and_removals_keep_entries_findable() {
+        const FRAMES: u32 = 256;
+        let frames = FrameTable::new(FRAMES);
+        // 128 lines for up to 256 keys, in runs of neighbours (four share a home line), so lines
+        // fill and overflow.
+        let idx = Index::new(FRAMES);
+        let stable: Vec<u32> = (0..64).collect();
+        for &f in &stable {
+            let k = Key::new(7, f as u64);
+            keyed(&frames, f, k);
+            assert_eq!(idx.insert(k, f, &frames), Insert::Inserted);
+        }
+        std::thread::scope(|s| {
+            for t in 0..3u32 {
+                let (idx, frames) = (&idx, &frames);
+                s.spawn(move || {
+                    // Each writer owns frames 64 + 64t .. 64 + 64(t + 1).
+                    for round in 0..2_000u64 {
+                        for i in 0..64u32 {
+                            let f = 64 + 64 * t + i;
+                            let k = Key::new(8, round * 1_000 + (t * 64 + i) as u64);
+                            keyed(frames, f, k);
+                            assert_eq!(idx.insert(k, f, frames), Insert::Inserted);
+                        }
+                        for i in 0..64u32 {
+                            let f = 64 + 64 * t + i;
+                            let k = Key::new(8, round * 1_000 + (t * 64 + i) as u64);
+                            assert_eq!(idx.get(k, frames), Some(f));
+                            assert!(idx.remove(k, f));
+                        }
+                    }
+                });
+            }
+            let (idx, frames, stable) = (&idx, &frames, &stable);
+            s.spawn(move || {
+                for _ in 0..200 {
+                    for &f in stable {
+                        assert_eq!(idx.get(Key::new(7, f as u64), frames), Some(f));
+                    }
+                }
+            });
+        });
+        for &f in &stable {
+            assert!(idx.remove(Key::new(7, f as u64), f));
+        }
+        assert!((0..=idx.mask).all(|l| !idx.overflows(l)));
     }
 }
