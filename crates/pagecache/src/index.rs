@@ -166,8 +166,14 @@ impl Index {
                 let v = slot.load(Ordering::Acquire);
                 if v != EMPTY && (v >> 32) as u32 == tag {
                     let f = v as u32 - 1;
-                    if f != frame && frames.key(f) == key.0 {
-                        return Insert::Present(f);
+                    if frames.key(f) == key.0 {
+                        // The same frame already standing for the key is not indexed twice (a
+                        // second entry would outlive the frame's one removal).
+                        return if f == frame {
+                            Insert::Inserted
+                        } else {
+                            Insert::Present(f)
+                        };
                     }
                 }
             }
@@ -276,9 +282,18 @@ mod tests {
         assert!(idx.remove(a, 0));
         assert!(!idx.remove(a, 0));
         assert_eq!(idx.get(a, &frames), None);
-        assert_eq!(idx.get(b, &frames), Some(1), "found past the tombstone");
+        assert_eq!(
+            idx.get(b, &frames),
+            Some(1),
+            "found beside the emptied slot"
+        );
         assert_eq!(idx.insert(a, 2, &frames), Insert::Inserted);
         assert_eq!(idx.get(a, &frames), Some(2));
+        // Inserting the frame that already stands for the key adds no second entry: one
+        // removal takes the key out.
+        assert_eq!(idx.insert(a, 2, &frames), Insert::Inserted);
+        assert!(idx.remove(a, 2));
+        assert_eq!(idx.get(a, &frames), None);
     }
 
     #[test]
@@ -381,53 +396,65 @@ mod tests {
         }
     }
 
-    /// Threads inserting and removing keys that share home lines, against readers: every
-    /// resident key is found throughout, and the counts end at zero.
+    /// Threads inserting and removing keys that share one home line, against a reader of keys
+    /// that overflowed from it: the reader finds every one of them throughout (it must follow
+    /// the line's overflow count), and the counts end at zero.
     #[test]
     fn concurrent_inserts_and_removals_keep_entries_findable() {
         const FRAMES: u32 = 256;
+        const WRITERS: u32 = 3;
+        const PER_WRITER: u32 = 16;
         let frames = FrameTable::new(FRAMES);
-        // 128 lines for up to 256 keys, in runs of neighbours (four share a home line), so lines
-        // fill and overflow.
         let idx = Index::new(FRAMES);
-        let stable: Vec<u32> = (0..64).collect();
-        for &f in &stable {
-            let k = Key::new(7, f as u64);
-            keyed(&frames, f, k);
-            assert_eq!(idx.insert(k, f, &frames), Insert::Inserted);
+        // Keys of distinct groups whose home is one line.
+        let line = idx.home(Key::new(8, 0));
+        let mut same_line: Vec<Key> = (0..1_000_000u64)
+            .map(|p| Key::new(8, p * GROUP_PAGES))
+            .filter(|&k| idx.home(k) == line)
+            .take(12 + (WRITERS * PER_WRITER) as usize)
+            .collect();
+        assert_eq!(same_line.len(), 12 + (WRITERS * PER_WRITER) as usize);
+        // Twelve resident keys: eight fill the line, four overflow into the next.
+        let stable: Vec<Key> = same_line.drain(..12).collect();
+        for (f, &k) in stable.iter().enumerate() {
+            keyed(&frames, f as u32, k);
+            assert_eq!(idx.insert(k, f as u32, &frames), Insert::Inserted);
         }
+        assert!(idx.overflows(line), "the stable keys overflow their line");
+        let done = std::sync::atomic::AtomicU32::new(0);
         std::thread::scope(|s| {
-            for t in 0..3u32 {
-                let (idx, frames) = (&idx, &frames);
+            for t in 0..WRITERS {
+                let (idx, frames, done) = (&idx, &frames, &done);
+                let mine: Vec<Key> =
+                    same_line[(t * PER_WRITER) as usize..((t + 1) * PER_WRITER) as usize].to_vec();
                 s.spawn(move || {
-                    // Each writer owns frames 64 + 64t .. 64 + 64(t + 1).
-                    for round in 0..2_000u64 {
-                        for i in 0..64u32 {
-                            let f = 64 + 64 * t + i;
-                            let k = Key::new(8, round * 1_000 + (t * 64 + i) as u64);
-                            keyed(frames, f, k);
-                            assert_eq!(idx.insert(k, f, frames), Insert::Inserted);
+                    let frame = |i: usize| 64 + t * PER_WRITER + i as u32;
+                    for _ in 0..2_000 {
+                        for (i, &k) in mine.iter().enumerate() {
+                            keyed(frames, frame(i), k);
+                            assert_eq!(idx.insert(k, frame(i), frames), Insert::Inserted);
                         }
-                        for i in 0..64u32 {
-                            let f = 64 + 64 * t + i;
-                            let k = Key::new(8, round * 1_000 + (t * 64 + i) as u64);
-                            assert_eq!(idx.get(k, frames), Some(f));
-                            assert!(idx.remove(k, f));
+                        for (i, &k) in mine.iter().enumerate() {
+                            assert_eq!(idx.get(k, frames), Some(frame(i)));
+                            assert!(idx.remove(k, frame(i)));
                         }
                     }
+                    done.fetch_add(1, Ordering::AcqRel);
                 });
             }
-            let (idx, frames, stable) = (&idx, &frames, &stable);
+            let (idx, frames, stable, done) = (&idx, &frames, &stable, &done);
             s.spawn(move || {
-                for _ in 0..200 {
-                    for &f in stable {
-                        assert_eq!(idx.get(Key::new(7, f as u64), frames), Some(f));
+                let mut passes = 0u64;
+                while done.load(Ordering::Acquire) < WRITERS || passes == 0 {
+                    for (f, &k) in stable.iter().enumerate() {
+                        assert_eq!(idx.get(k, frames), Some(f as u32));
                     }
+                    passes += 1;
                 }
             });
         });
-        for &f in &stable {
-            assert!(idx.remove(Key::new(7, f as u64), f));
+        for (f, &k) in stable.iter().enumerate() {
+            assert!(idx.remove(k, f as u32));
         }
         assert!((0..=idx.mask).all(|l| !idx.overflows(l)));
     }
