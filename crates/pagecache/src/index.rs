@@ -23,8 +23,9 @@
 //! neighbours together the same way). Two dense groups fill a line; with four slots per frame
 //! a line seldom gets more.
 //!
-//! **Tags.** A slot holds the frame and 32 bits of the key's hash, so a search loads a frame's
-//! key only when the tag matches.
+//! **Tags.** A slot holds the frame and a 32-bit tag of the key (its group's hash, with the
+//! page's place in the group mixed in), so a search loads a frame's key only when the tag
+//! matches.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -90,10 +91,21 @@ impl Index {
         }
     }
 
-    /// The line a search for `key` starts at: the one the hash of its group (the key with the
-    /// page's low bits cleared) names.
+    /// The line a search for `key` starts at, and the key's tag, from one hash: the hash of its
+    /// group (the key with the page's low bits cleared) names the line, and its high half, with
+    /// the page's place in the group mixed in, is the tag (so the pages of a group differ).
+    fn home_and_tag(&self, key: Key) -> (usize, u32) {
+        let group = Key(key.0 & !(GROUP_PAGES - 1)).hash();
+        (
+            group as usize & self.mask,
+            tag_of(group) ^ (key.0 & (GROUP_PAGES - 1)) as u32,
+        )
+    }
+
+    /// The line a search for `key` starts at (for tests).
+    #[cfg(test)]
     fn home(&self, key: Key) -> usize {
-        Key(key.0 & !(GROUP_PAGES - 1)).hash() as usize & self.mask
+        self.home_and_tag(key).0
     }
 
     /// The slot of its line a key tries first (and a search looks at first): the page's place in
@@ -130,9 +142,8 @@ impl Index {
         frames: &FrameTable,
         mut candidate: impl FnMut(u32),
     ) -> Option<u32> {
-        let tag = tag_of(key.hash());
+        let (mut l, tag) = self.home_and_tag(key);
         let first = Self::first_slot(key);
-        let mut l = self.home(key);
         for _ in 0..=self.mask {
             let line = &self.lines[l].0;
             for j in 0..LINE_SLOTS {
@@ -156,32 +167,16 @@ impl Index {
     /// Make `frame` stand for `key` unless another frame already does.
     pub fn insert(&self, key: Key, frame: u32, frames: &FrameTable) -> Insert {
         let _g = self.stripe(key);
-        let tag = tag_of(key.hash());
-        let home = self.home(key);
         // Another frame for `key`? Inserts and removals of `key` are serialised by the stripe,
-        // so every entry for it, and the counts that lead to it, are visible here.
-        let mut l = home;
-        for _ in 0..=self.mask {
-            for slot in &self.lines[l].0 {
-                let v = slot.load(Ordering::Acquire);
-                if v != EMPTY && (v >> 32) as u32 == tag {
-                    let f = v as u32 - 1;
-                    if frames.key(f) == key.0 {
-                        // The same frame already standing for the key is not indexed twice (a
-                        // second entry would outlive the frame's one removal).
-                        return if f == frame {
-                            Insert::Inserted
-                        } else {
-                            Insert::Present(f)
-                        };
-                    }
-                }
-            }
-            if !self.overflows(l) {
-                break;
-            }
-            l = (l + 1) & self.mask;
+        // so every entry for it, and the counts that lead to it, are visible to this search.
+        match self.get(key, frames) {
+            // The same frame already standing for the key is not indexed twice (a second entry
+            // would outlive the frame's one removal).
+            Some(f) if f == frame => return Insert::Inserted,
+            Some(f) => return Insert::Present(f),
+            None => {}
         }
+        let (home, tag) = self.home_and_tag(key);
         // The first empty slot from home. Each full line passed gets its overflow count raised
         // before the entry can be seen past it; another key's insert may take a slot first: then
         // the next empty one.
@@ -209,8 +204,8 @@ impl Index {
     /// Remove `frame` as the entry for `key` (no-op when it is not).
     pub fn remove(&self, key: Key, frame: u32) -> bool {
         let _g = self.stripe(key);
-        let mine = entry(tag_of(key.hash()), frame);
-        let home = self.home(key);
+        let (home, tag) = self.home_and_tag(key);
+        let mine = entry(tag, frame);
         let mut l = home;
         for passed in 0..=self.mask {
             for slot in &self.lines[l].0 {
