@@ -10,6 +10,9 @@
 #   ROUNDS     alternating rounds per bench (default 3)
 #   SECONDS_   seconds per round (default 1)
 #   BUDGET_S   stop starting new benches once this many seconds have passed (default 360)
+#   BENCHES    which benches, by name, separated by spaces (default: all of them, in the order
+#              below: scale-mem scale-ull lbio-qd1 lbio-qd32 pagecache-hits fsync fsync-group
+#              ordered ordered-net)
 #
 # Every bench writes its table to OUT_DIR/log and its JSON lines to OUT_DIR/<name>.json. A bench
 # that fails is reported and the script goes on to the next one; the exit status is the number
@@ -57,9 +60,12 @@ rootdev=$(findmnt -n -o SOURCE / 2>/dev/null)
 case "$rootdev" in /dev/*) sh_ "$aios" probe "$rootdev" ;; esac
 for n in /dev/nvme*n1; do [ -b "$n" ] && sh_ "$aios" probe "$n"; done
 
+benches=${BENCHES:-scale-mem scale-ull lbio-qd1 lbio-qd32 pagecache-hits fsync fsync-group ordered ordered-net}
+
 bench() {
     local name=$1
     shift
+    case " $benches " in *" $name "*) ;; *) return ;; esac
     local now=$(($(date +%s) - start))
     if [ "$now" -ge "$budget" ]; then
         say "$name: skipped, ${now} s of the ${budget} s budget used"
@@ -67,18 +73,23 @@ bench() {
     fi
     say "$name: aios $* (at ${now} s)"
     local t0=$(date +%s)
-    if "$aios" "$@" --json >"$out/$name.json" 2>>"$log"; then
+    "$aios" "$@" --json >"$out/$name.json" 2>>"$log"
+    local rc=$?
+    if [ "$rc" -eq 0 ]; then
         say "$name: done in $(($(date +%s) - t0)) s"
     else
         failed=$((failed + 1))
-        say "$name: FAILED (exit $?) after $(($(date +%s) - t0)) s"
+        say "$name: FAILED (exit $rc) after $(($(date +%s) - t0)) s"
     fi
 }
 
+bench scale-mem bench scale --device mem --size 64m --threads "$threads" --rounds "$rounds" --seconds "$secs"
+bench scale-ull bench scale --device ull --size 256m --threads "$threads" --vs-fio --rounds "$rounds" --seconds "$secs" --plot "$out/scale-ull.png"
 bench lbio-qd1 bench lbio --device ull --rw randread --qd 1 --vs-fio --rounds "$rounds" --seconds "$secs"
 bench lbio-qd32 bench lbio --device ull --rw randread --qd 32 --vs-fio --rounds "$rounds" --seconds "$secs"
 bench pagecache-hits bench pagecache --modes aios --hot 1m,32m --threads "$threads" --rounds 1 --seconds "$secs"
 bench fsync bench fsync --modes overlapped,ext4 --threads "$threads" --rounds "$rounds" --seconds "$secs"
+bench fsync-group bench fsync --modes overlapped --threads "$threads" --areas 1 --rounds "$rounds" --seconds "$secs"
 bench ordered bench ordered --streams "$threads" --rounds "$rounds" --seconds "$secs"
 bench ordered-net bench ordered --targets netns:2 --streams 1,4 --rounds 1 --seconds "$secs"
 

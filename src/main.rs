@@ -303,6 +303,67 @@ enum BenchCmd {
     /// Ordered 4 KiB writes: Rio's ordered device against synchronous ordering (write, wait,
     /// FLUSH) and orderless writes.
     Ordered(OrderedArgs),
+    /// Per-core scaling: 1..N threads, each with its own engine, lbio array and device, beside
+    /// fio with one job per thread on the same devices.
+    Scale(ScaleArgs),
+}
+
+#[derive(Args)]
+struct ScaleArgs {
+    /// `ull` (one loop device over /dev/shm per thread, created and removed; needs root), `mem`
+    /// (RAM behind lbio's MemBackend, one per thread: the engines' software cost alone), or
+    /// devices or files separated by commas (thread t uses the (t mod n)-th; a missing file is
+    /// created with --size and removed afterwards).
+    #[arg(long, default_value = "ull")]
+    device: String,
+    /// Thread counts (default: 1, 2, 4, ... up to the CPUs there are, and that number).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), value_delimiter = ',')]
+    threads: Vec<u32>,
+    #[arg(long, value_enum, default_value = "randread")]
+    rw: Rw,
+    /// Block size (4k, 64k, 1m, ...).
+    #[arg(long, default_value = "4k", value_parser = parse_bytes)]
+    bs: u32,
+    /// Queue depth per thread.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = 32)]
+    qd: u32,
+    /// Seconds per run.
+    #[arg(long, default_value_t = 2.0)]
+    seconds: f64,
+    /// Rounds (thread counts and fio alternate in rotating order; figures are medians).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = 3)]
+    rounds: u32,
+    /// Also run fio (io_uring, fixedbufs, registerfiles) with one job per thread on the same
+    /// devices, and report ours ÷ fio.
+    #[arg(long)]
+    vs_fio: bool,
+    /// How each thread waits for its completions (`auto`: sleep; busy-polling threads would
+    /// take the CPUs the devices' kernel workers need once threads approach the CPU count).
+    #[arg(long, value_enum, default_value = "auto")]
+    completion: CompletionArg,
+    /// Pin thread t to CPU t (mod the CPU count).
+    #[arg(long)]
+    pin: bool,
+    /// Size of each ull device, mem device or created file.
+    #[arg(long, default_value = "1g", value_parser = parse_size)]
+    size: u64,
+    /// Allow write workloads on existing devices or files (their data is overwritten).
+    #[arg(long)]
+    destructive: bool,
+    /// lbio request slots per thread.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = 256)]
+    slots: u32,
+    /// One JSON object per line instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Write a plot of IOPS against threads (PNG or SVG by extension).
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Milliseconds of idle before every timed run.
+    #[arg(long, default_value_t = DEFAULT_SETTLE_MS, value_name = "MS")]
+    settle_ms: u64,
+    #[command(flatten)]
+    qos: QosArgs,
 }
 
 #[derive(Args)]
@@ -750,6 +811,7 @@ fn main() -> ExitCode {
         Cmd::Bench(BenchCmd::Fsync(a)) => cmd_bench_fsync(a),
         Cmd::Bench(BenchCmd::Fs(a)) => cmd_bench_fs(a),
         Cmd::Bench(BenchCmd::Ordered(a)) => cmd_bench_ordered(a),
+        Cmd::Bench(BenchCmd::Scale(a)) => cmd_bench_scale(a),
         Cmd::Demo(a) => cmd_demo(a),
         Cmd::Target(a) => cmd_target(a),
     };
@@ -1574,6 +1636,195 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
             stack.engine.arena().backing()
         );
     }
+    Ok(())
+}
+
+fn cmd_bench_scale(a: ScaleArgs) -> Result<(), BenchError> {
+    use aios::bench::scale::{run_scale, ScaleConfig, ScaleDevices, ScaleSample};
+    check_seconds(a.seconds)?;
+    if a.qd > a.slots {
+        return Err(lbio::LbioError::QueueDepth {
+            qd: a.qd,
+            slots: a.slots,
+        }
+        .into());
+    }
+    let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+    let threads = if a.threads.is_empty() {
+        let mut v: Vec<u32> = std::iter::successors(Some(1u32), |t| t.checked_mul(2))
+            .take_while(|&t| t <= ncpu)
+            .collect();
+        if v.last() != Some(&ncpu) {
+            v.push(ncpu);
+        }
+        v
+    } else {
+        a.threads.clone()
+    };
+    let most = *threads.iter().max().expect("at least one thread count");
+    let fio = if a.vs_fio {
+        if a.device == "mem" {
+            return Err(BenchError::Invalid(
+                "--vs-fio needs a device fio can open (the mem device is lbio's RAM backend)"
+                    .into(),
+            ));
+        }
+        Some(fio_version().ok_or_else(|| {
+            BenchError::Setup("--vs-fio needs fio on the PATH (apt-get install fio)".into())
+        })?)
+    } else {
+        None
+    };
+    let write = !a.rw.is_read();
+    let _qos = hold_cpu_latency(a.qos)?;
+    let progress = Progress::new(false);
+    // Held until the end: dropping them removes the loop devices and created files.
+    let mut targets: Vec<Target> = Vec::new();
+    let devices = match a.device.as_str() {
+        "mem" => ScaleDevices::Mem {
+            bytes: usize::try_from(a.size)
+                .map_err(|_| BenchError::Invalid(format!("--size {} is too large", a.size)))?,
+        },
+        "ull" => {
+            for i in 0..most {
+                progress.step(&format!("creating ull device {}/{most}", i + 1));
+                targets.push(Target::Ull(aios::bench::ull::UllDevice::create(a.size)?));
+            }
+            progress.done();
+            ScaleDevices::Paths(targets.iter().map(|t| t.path().to_path_buf()).collect())
+        }
+        list => {
+            for spec in list.split(',').filter(|s| !s.is_empty()) {
+                let t = Target::prepare(spec, a.size)?;
+                if write {
+                    check_write_allowed(t.path(), t.created_here(), a.destructive)?;
+                }
+                targets.push(t);
+            }
+            ScaleDevices::Paths(targets.iter().map(|t| t.path().to_path_buf()).collect())
+        }
+    };
+    let completion = match a.completion {
+        CompletionArg::Auto | CompletionArg::Wait => CompletionMode::Wait,
+        CompletionArg::Poll => CompletionMode::BusyPoll,
+        CompletionArg::Hybrid => CompletionMode::hybrid(),
+    };
+    let cfg = ScaleConfig {
+        devices,
+        workload: Workload {
+            rw: a.rw,
+            bs: a.bs,
+            qd: a.qd,
+            seconds: a.seconds,
+        },
+        threads: threads.clone(),
+        rounds: a.rounds,
+        completion,
+        pin: a.pin,
+        slots: a.slots,
+        span: None,
+        fio: fio.is_some(),
+        write,
+        settle: Duration::from_millis(a.settle_ms),
+    };
+    let row = |out: &mut std::io::StdoutLock<'static>, s: &ScaleSample| {
+        let opt = |v: Option<f64>, w: usize, p: usize| {
+            v.map_or_else(|| format!("{:>w$}", "-"), |v| format!("{v:>w$.p$}"))
+        };
+        writeln!(
+            out,
+            "{:>5} {:<5} {:<22} {:>11.0} {:>10.0} {} {} {:>9.1} {:>9.1} {:>7.2} {:>10.0} {}",
+            s.round.map_or_else(|| "med".to_string(), |r| r.to_string()),
+            s.threads,
+            s.engine,
+            s.iops,
+            s.iops_per_thread,
+            opt(s.scaling, 7, 2),
+            opt(s.efficiency, 5, 2),
+            s.lat_us_mean,
+            s.lat_us_p99,
+            s.cpu_s,
+            s.iops_per_cpu_s,
+            opt(s.iops_ratio_vs_fio, 7, 3),
+        )
+    };
+    if !a.json {
+        eprintln!(
+            "devices: {} · {} bs={} qd={} per thread · threads {:?} · completion {:?}{}",
+            match &cfg.devices {
+                ScaleDevices::Mem { bytes } => format!("mem, {} MiB per thread", bytes >> 20),
+                ScaleDevices::Paths(p) if a.device == "ull" => format!(
+                    "{} ull devices ({} each, loop over /dev/shm, direct-io)",
+                    p.len(),
+                    aios::bench::report::human_bytes(a.size)
+                ),
+                ScaleDevices::Paths(p) => p
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(","),
+            },
+            a.rw.name(),
+            a.bs,
+            a.qd,
+            threads,
+            completion,
+            if a.pin { " · pinned" } else { "" }
+        );
+        if let Some(v) = &fio {
+            eprintln!("anchor: {v}, one job per thread");
+        }
+        println!(
+            "{:>5} {:<5} {:<22} {:>11} {:>10} {:>7} {:>5} {:>9} {:>9} {:>7} {:>10} {:>7}",
+            "round",
+            "thr",
+            "engine",
+            "IOPS",
+            "IOPS/thr",
+            "scaling",
+            "eff",
+            "mean us",
+            "p99 us",
+            "CPU s",
+            "IOPS/CPUs",
+            "÷fio"
+        );
+    }
+    let json = a.json;
+    let meds = run_scale(&cfg, &progress, &mut |s| emit_line(json, s, row))?;
+    if a.rounds > 1 {
+        for s in &meds {
+            emit_line(json, s, row);
+        }
+    }
+    if let Some(p) = &a.plot {
+        let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+        for s in &meds {
+            let name = if s.engine.starts_with("fio") {
+                "fio io_uring".to_string()
+            } else {
+                "lbio (an engine per thread)".to_string()
+            };
+            match series.iter_mut().find(|x| x.0 == name) {
+                Some(x) => x.1.push((s.threads as f64, s.iops)),
+                None => series.push((name, vec![(s.threads as f64, s.iops)])),
+            }
+        }
+        aios::bench::report::plot_lines(
+            p,
+            &format!(
+                "{} {} QD{} per thread on {}",
+                a.rw.name(),
+                aios::bench::report::human_bytes(a.bs as u64),
+                a.qd,
+                a.device
+            ),
+            ("threads", "IOPS"),
+            &series,
+        )?;
+        eprintln!("plot: {}", p.display());
+    }
+    drop(targets);
     Ok(())
 }
 

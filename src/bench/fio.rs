@@ -41,10 +41,24 @@ pub fn run_fio(
     w: &Workload,
     engine: FioEngine,
 ) -> Result<Sample, BenchError> {
+    run_fio_jobs(&[device], span, w, engine)
+}
+
+/// Run fio once with one job per entry of `devices` (the same device may appear more than
+/// once), all at once, reported as one group: IOPS summed, latency over every job's requests,
+/// CPU seconds of all the jobs together.
+pub fn run_fio_jobs(
+    devices: &[&Path],
+    span: u64,
+    w: &Workload,
+    engine: FioEngine,
+) -> Result<Sample, BenchError> {
+    if devices.is_empty() {
+        return Err(BenchError::Invalid("fio needs at least one device".into()));
+    }
     let mut cmd = Command::new("fio");
-    cmd.arg("--name=aios-anchor")
-        .arg(format!("--filename={}", device.display()))
-        .arg("--direct=1")
+    // Options before the first --name apply to every job.
+    cmd.arg("--direct=1")
         .arg(format!("--rw={}", w.rw.fio_name()))
         .arg(format!("--bs={}", w.bs))
         .arg(format!("--size={span}"))
@@ -67,6 +81,13 @@ pub fn run_fio(
             cmd.arg("--ioengine=psync").arg("--iodepth=1");
         }
     }
+    if devices.len() > 1 {
+        cmd.arg("--group_reporting");
+    }
+    for (j, d) in devices.iter().enumerate() {
+        cmd.arg(format!("--name=aios-anchor-{j}"))
+            .arg(format!("--filename={}", d.display()));
+    }
     let out = cmd.output().map_err(|e| {
         BenchError::Setup(format!(
             "running fio: {e} (install it: apt-get install fio)"
@@ -86,7 +107,15 @@ pub fn run_fio(
         .ok_or_else(|| BenchError::Parse("fio printed no JSON".into()))?;
     let v: Value = serde_json::from_str(&text[json_start..])
         .map_err(|e| BenchError::Parse(format!("fio JSON: {e}")))?;
-    parse_fio(&v, w, engine)
+    let mut s = parse_fio(&v, w, engine)?;
+    if devices.len() > 1 {
+        // A group's usr_cpu/sys_cpu are the jobs' average share of a CPU (fio sums both the
+        // CPU time and the run times of the jobs it groups): all of them used `jobs` times it.
+        let jobs = devices.len() as f64;
+        s.cpu_s *= jobs;
+        s.iops_per_cpu_s /= jobs;
+    }
+    Ok(s)
 }
 
 fn num(v: &Value, path: &[&str]) -> Result<f64, BenchError> {

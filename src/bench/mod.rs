@@ -13,6 +13,7 @@ pub mod net;
 pub mod ordered;
 pub mod pagecache;
 pub mod report;
+pub mod scale;
 pub mod ull;
 
 use std::path::Path;
@@ -224,6 +225,34 @@ pub struct LbioRunOptions {
 /// timed and replaced by a new request; the replacements and the wait go out in one
 /// `io_uring_enter`.
 pub fn run_lbio(dev: &Device, w: &Workload, opts: LbioRunOptions) -> Result<Sample, BenchError> {
+    let r = run_lbio_timed(dev, w, opts, &mut || {})?;
+    Ok(measured(
+        w, r.engine, w.qd, r.ops, r.elapsed, r.cpu, &r.hist,
+    ))
+}
+
+/// What one timed lbio run did (see [`run_lbio_timed`]).
+pub struct LbioRun {
+    /// Requests completed in the timed part.
+    pub ops: u64,
+    /// Seconds of the timed part.
+    pub elapsed: f64,
+    /// The process's CPU seconds over the timed part (every thread's).
+    pub cpu: f64,
+    /// Per-request latency (ns).
+    pub hist: Histogram<u64>,
+    /// `lbio-<route>[-poll|-hybrid]`.
+    pub engine: String,
+}
+
+/// [`run_lbio`]'s loop: buffers, a warm-up request, then `start()`, then the timed run. Threads
+/// that each drive their own device call `start` to line their timed parts up (a barrier).
+pub fn run_lbio_timed(
+    dev: &Device,
+    w: &Workload,
+    opts: LbioRunOptions,
+    start: &mut dyn FnMut(),
+) -> Result<LbioRun, BenchError> {
     dev.check_queue_depth(w.qd)?;
     let lbio = Rc::clone(dev.lbio());
     let engine = Rc::clone(lbio.engine());
@@ -285,6 +314,7 @@ pub fn run_lbio(dev: &Device, w: &Workload, opts: LbioRunOptions) -> Result<Samp
     c.result?;
     bufs.push(c.buf.expect("data requests carry a buffer"));
 
+    start();
     let cpu0 = sys::process_cpu_time();
     let t0 = Instant::now();
     let deadline = t0 + Duration::from_secs_f64(w.seconds);
@@ -336,7 +366,13 @@ pub fn run_lbio(dev: &Device, w: &Workload, opts: LbioRunOptions) -> Result<Samp
             _ => "",
         }
     );
-    Ok(measured(w, engine, w.qd, ops, elapsed, cpu, &hist))
+    Ok(LbioRun {
+        ops,
+        elapsed,
+        cpu,
+        hist,
+        engine,
+    })
 }
 
 /// The project's own baseline: a plain `pread`/`pwrite` loop on an `O_DIRECT` descriptor, QD1,

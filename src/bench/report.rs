@@ -200,6 +200,98 @@ where
         .map_err(|e| e.to_string())?;
     root.present().map_err(|e| e.to_string())
 }
+/// Plot lines (x, y) of named series into `path` (PNG or SVG by extension), both axes linear
+/// from 0: throughput against threads, for instance.
+pub fn plot_lines(
+    path: &Path,
+    title: &str,
+    axes: (&str, &str),
+    series: &[(String, Vec<(f64, f64)>)],
+) -> Result<(), BenchError> {
+    ensure_font();
+    let plot_err = |e: String| BenchError::Setup(format!("plotting {}: {e}", path.display()));
+    let pts = series.iter().flat_map(|s| s.1.iter());
+    let (xmax, ymax) = pts.fold((0.0f64, 0.0f64), |(x, y), p| (x.max(p.0), y.max(p.1)));
+    if xmax <= 0.0 || ymax <= 0.0 {
+        return Err(plot_err("no points to plot".into()));
+    }
+    let ranges = (xmax * 1.05, ymax * 1.1);
+    match path.extension().and_then(|e| e.to_str()) {
+        Some("svg") => draw_lines(
+            SVGBackend::new(path, (900, 560)).into_drawing_area(),
+            title,
+            axes,
+            series,
+            ranges,
+        ),
+        _ => draw_lines(
+            BitMapBackend::new(path, (900, 560)).into_drawing_area(),
+            title,
+            axes,
+            series,
+            ranges,
+        ),
+    }
+    .map_err(plot_err)
+}
+
+fn draw_lines<DB: DrawingBackend>(
+    root: DrawingArea<DB, plotters::coord::Shift>,
+    title: &str,
+    axes: (&str, &str),
+    series: &[(String, Vec<(f64, f64)>)],
+    (xmax, ymax): (f64, f64),
+) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.0..xmax, 0.0..ymax)
+        .map_err(|e| e.to_string())?;
+    let short = |v: &f64| match v.abs() {
+        a if a >= 1e6 => format!("{:.1}M", v / 1e6),
+        a if a >= 1e3 => format!("{:.0}k", v / 1e3),
+        _ => format!("{v:.1}"),
+    };
+    chart
+        .configure_mesh()
+        .x_desc(axes.0)
+        .y_desc(axes.1)
+        .x_labels(((xmax as usize) + 1).min(17))
+        .x_label_formatter(&|v| format!("{v:.0}"))
+        .y_label_formatter(&short)
+        .label_style(("sans-serif", 14))
+        .draw()
+        .map_err(|e| e.to_string())?;
+    for (i, (name, pts)) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+            .map_err(|e| e.to_string())?
+            .label(name.clone())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+            });
+        chart
+            .draw_series(pts.iter().map(|&p| Circle::new(p, 3, color.filled())))
+            .map_err(|e| e.to_string())?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .label_font(("sans-serif", 14))
+        .draw()
+        .map_err(|e| e.to_string())?;
+    root.present().map_err(|e| e.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -235,6 +327,14 @@ mod tests {
             let bytes = std::fs::read(&p).unwrap();
             assert!(bytes.len() > 1000, "{name} is {} bytes", bytes.len());
         }
+        let line = dir.join("lines.png");
+        let series = vec![(
+            "lbio".to_string(),
+            vec![(1.0, 1e5), (2.0, 2e5), (4.0, 3.9e5)],
+        )];
+        plot_lines(&line, "test", ("threads", "IOPS"), &series).unwrap();
+        assert!(std::fs::read(&line).unwrap().len() > 1000);
+        assert!(plot_lines(&line, "test", ("threads", "IOPS"), &[]).is_err());
         let png = std::fs::read(dir.join("cdf.png")).unwrap();
         assert_eq!(&png[1..4], b"PNG");
         std::fs::remove_dir_all(&dir).unwrap();
