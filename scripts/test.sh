@@ -70,6 +70,14 @@ if [ "$(id -u)" = 0 ] && command -v fio >/dev/null 2>&1; then
 else
     echo "SKIPPED: the ull comparison needs root (loop device) and fio" >&2
 fi
+step "per-core scaling, briefly (aios bench scale: mem, and a ull device per thread beside fio)"
+./target/release/aios bench scale --device mem --size 64m --threads 1,2 --seconds 0.3 --rounds 1
+if [ "$(id -u)" = 0 ] && command -v fio >/dev/null 2>&1; then
+    ./target/release/aios bench scale --device ull --size 64m --threads 1,2 --seconds 0.3 \
+        --rounds 2 --vs-fio --plot target/bench-report/scale.png
+else
+    echo "SKIPPED: the ull scaling run needs root (loop devices) and fio" >&2
+fi
 step "one short page-cache comparison on the ull device (aios bench pagecache)"
 if [ "$(id -u)" = 0 ]; then
     ./target/release/aios bench pagecache --device ull --seconds 0.3 --rounds 1 \

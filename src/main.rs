@@ -1798,6 +1798,11 @@ fn cmd_bench_scale(a: ScaleArgs) -> Result<(), BenchError> {
         }
     }
     if let Some(p) = &a.plot {
+        if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| {
+                BenchError::Setup(format!("creating {} for the plot: {e}", dir.display()))
+            })?;
+        }
         let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
         for s in &meds {
             let name = if s.engine.starts_with("fio") {

@@ -119,7 +119,11 @@ fn thread_stack(cfg: &ScaleConfig, t: u32, engines: u32) -> Result<ThreadStack, 
         },
     )?;
     let dev = match &cfg.devices {
-        ScaleDevices::Mem { bytes } => Device::memory(&lbio, *bytes)?,
+        ScaleDevices::Mem { bytes } => {
+            let dev = Device::memory(&lbio, *bytes)?;
+            fill_memory(&engine, &dev, *bytes)?;
+            dev
+        }
         ScaleDevices::Paths(p) => Device::open(
             &lbio,
             &p[t as usize % p.len()],
@@ -134,6 +138,26 @@ fn thread_stack(cfg: &ScaleConfig, t: u32, engines: u32) -> Result<ThreadStack, 
         _lbio: lbio,
         dev,
     })
+}
+
+/// Write every byte of a RAM device once, with non-zero data, as `ull`'s image is filled: an
+/// untouched one would serve reads from the kernel's shared zero page and fault on each first
+/// write, neither of which a device does.
+fn fill_memory(engine: &Rc<Engine>, dev: &Device, bytes: usize) -> Result<(), BenchError> {
+    const CHUNK: usize = 1 << 20;
+    let mut buf = engine.alloc_blocking(CHUNK.min(bytes))?;
+    buf.fill(0x5a);
+    let mut off = 0;
+    while off < bytes {
+        let n = CHUNK.min(bytes - off);
+        if n < buf.len() {
+            buf = engine.alloc_blocking(n)?;
+            buf.fill(0x5a);
+        }
+        buf = dev.write_at_blocking(off as u64, buf, false)?;
+        off += n;
+    }
+    Ok(())
 }
 
 fn device_label(cfg: &ScaleConfig, threads: u32) -> String {
