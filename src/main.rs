@@ -311,7 +311,8 @@ enum BenchCmd {
 #[derive(Args)]
 struct ScaleArgs {
     /// `ull` (one loop device over /dev/shm per thread, created and removed; needs root), `mem`
-    /// (RAM behind lbio's MemBackend, one per thread: the engines' software cost alone), or
+    /// (RAM behind lbio's MemBackend, one per thread, written before the run: no device, only
+    /// the engines and the 4 KiB copies to and from that memory), or
     /// devices or files separated by commas (thread t uses the (t mod n)-th; a missing file is
     /// created with --size and removed afterwards).
     #[arg(long, default_value = "ull")]

@@ -3,9 +3,11 @@
 //! beside fio with `T` jobs on the same devices, in alternating rounds.
 //!
 //! What the numbers mean: `scaling` is a run's IOPS ÷ the same engine's one-thread IOPS in the
-//! same round, `efficiency` that ÷ `T`. On the `mem` device (RAM behind lbio's `MemBackend`)
-//! there is no device to wait for, so the figures are the engines' own software cost and
-//! whether it stays per core. On `ull` each thread gets a loop device of its own, since one
+//! same round, `efficiency` that ÷ `T`. On the `mem` device (RAM behind lbio's `MemBackend`,
+//! written once before the run) there is no device to wait for: the figures are the engines'
+//! own cost plus each request's 4 KiB copy, and whether that stays per core (with the memory
+//! system's limits in it once the threads' data outgrows the caches). On `ull` each thread gets
+//! a loop device of its own, since one
 //! loop device is served by one kernel worker and would cap every thread count at that
 //! worker's rate.
 
@@ -29,7 +31,7 @@ use crate::bench::{
 /// The devices the threads read or write.
 #[derive(Clone, Debug)]
 pub enum ScaleDevices {
-    /// A RAM device of this many bytes per thread (`MemBackend`): software cost alone.
+    /// A RAM device of this many bytes per thread (`MemBackend`), written before the run.
     Mem { bytes: usize },
     /// Thread `t` uses `paths[t % paths.len()]`.
     Paths(Vec<PathBuf>),
