@@ -401,6 +401,10 @@ struct OrderedArgs {
     /// own on this machine (root; their CPU time is reported too). --device is then unused.
     #[arg(long)]
     targets: Option<String>,
+    /// Over the network: the volume's stripe unit (a multiple of 4 KiB). Groups merge only
+    /// within one target's stripe, so sequential runs with --batch above 1 want a large one.
+    #[arg(long, default_value = "4k", value_parser = parse_size)]
+    stripe: u64,
     /// Writes per stream per run on `sim`.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..), default_value_t = 20_000)]
     sim_writes: u64,
@@ -1954,7 +1958,24 @@ fn cmd_bench_net(a: &OrderedArgs, spec: &str) -> Result<(), BenchError> {
         qd: a.qd,
         seconds: a.seconds,
         rounds: a.rounds.max(1),
+        batch: a.batch.first().copied().unwrap_or(1),
+        seq: a.seq,
+        stripe: u32::try_from(a.stripe)
+            .ok()
+            .filter(|s| s % 4096 == 0)
+            .ok_or_else(|| {
+                BenchError::Invalid(format!(
+                    "--stripe {}: a multiple of 4 KiB below 4 GiB",
+                    a.stripe
+                ))
+            })?,
     };
+    if a.batch.len() > 1 || a.streams.len() > 1 {
+        eprintln!(
+            "over the network one stream count and one batch per run: {} stream(s), batch {}",
+            bench.streams, bench.batch
+        );
+    }
     if !a.json {
         nb::print_header(&mut std::io::stdout()).map_err(io_err)?;
     }

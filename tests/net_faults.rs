@@ -27,24 +27,39 @@ fn pattern(seq: u64, buf: &mut [u8]) {
     }
 }
 
-fn cfg(addrs: &[SocketAddr]) -> VolumeConfig {
+/// Groups held and merged (`VolumeConfig::batch`) in the target-kill and initiator-kill runs:
+/// their recoveries then read merged log entries. The link-cut runs send every group alone.
+const MERGE_BATCH: u32 = 8;
+
+fn cfg(addrs: &[SocketAddr], merge: bool) -> VolumeConfig {
     let mut c = VolumeConfig::new(addrs.to_vec(), 1);
     c.window = WINDOW;
     c.io_timeout = Duration::from_millis(800);
     c.reconnect_for = Duration::from_secs(20);
+    if merge {
+        // Stripes of 64 KiB: consecutive groups (consecutive blocks) share a target 16 at a
+        // time, so held ones merge; 200 groups still cover both targets.
+        c.stripe = 64 << 10;
+        c.batch = MERGE_BATCH;
+    }
     c
 }
 
-/// Write groups `from..from+n` (block = seq); returns the highest acknowledged seq.
+/// Write groups `from..from+n` (block = seq); returns the highest acknowledged seq. With
+/// merging, it polls once per `VolumeConfig::batch` groups (a poll sends what is held).
 fn workload(v: &mut Volume, n: u64, mut on_ack: impl FnMut(u64)) -> Result<u64, String> {
     let blocks = v.bytes() / 4096;
+    let every = v.batch() as u64;
     let mut acked = 0;
-    for _ in 0..n {
+    for i in 0..n {
         let seq = v.next_seq(0);
         let mut b = v.alloc(4096).ok_or("arena exhausted")?;
         pattern(seq, &mut b);
         v.submit(0, (seq % blocks) * 4096, b, true)
             .map_err(|e| e.to_string())?;
+        if (i + 1) % every != 0 {
+            continue;
+        }
         for d in v.poll().map_err(|e| e.to_string())? {
             d.result.clone()?;
             acked = acked.max(d.seq);
@@ -168,7 +183,7 @@ fn wait_for_writes(started: &AtomicBool, delay: Duration) -> Result<(), String> 
 
 fn target_kill(lab: &Arc<Mutex<NetLab>>, runs: u32, seed: &mut u64) -> Result<(), String> {
     let addrs = lab.lock().unwrap().addrs();
-    let (mut v, _) = Volume::open(cfg(&addrs)).map_err(|e| e.to_string())?;
+    let (mut v, _) = Volume::open(cfg(&addrs, true)).map_err(|e| e.to_string())?;
     let (mut total_straddling, mut total_checked) = (0u32, 0u64);
     for run in 0..runs {
         let victim = (rng(seed) % addrs.len() as u64) as usize;
@@ -211,6 +226,15 @@ fn target_kill(lab: &Arc<Mutex<NetLab>>, runs: u32, seed: &mut u64) -> Result<()
         total_checked += prefix - from;
         println!("target-kill run {run}: target {victim} killed {delay:?} into the writes ({straddling} batch in flight); groups {from}..{prefix} durable, {recoveries} recoveries in the run, {} so far", v.stats().recoveries);
     }
+    // The runs held and merged groups (consecutive blocks share a 64 KiB stripe).
+    let st = v.stats();
+    if runs > 0 && st.merged_cmds == 0 {
+        return Err(format!("target-kill: no group went out merged ({st:?})"));
+    }
+    println!(
+        "target-kill: {} merged commands carried {} groups",
+        st.merged_cmds, st.merged_groups
+    );
     // Each run's kill fell while a batch was under way unless it hit the moment between two
     // batches: across the runs, some must have.
     if runs > 0 && (total_straddling == 0 || total_checked == 0) {
@@ -224,7 +248,7 @@ fn target_kill(lab: &Arc<Mutex<NetLab>>, runs: u32, seed: &mut u64) -> Result<()
 
 fn link_cut(lab: &Arc<Mutex<NetLab>>, runs: u32, seed: &mut u64) -> Result<(), String> {
     let addrs = lab.lock().unwrap().addrs();
-    let config = cfg(&addrs);
+    let config = cfg(&addrs, false);
     // A link down this long leaves the writes to its target unanswered past the io timeout
     // (the initiator checks every 100 ms or sooner): the volume must recover. Shorter cuts may
     // be bridged by TCP's retransmissions.
@@ -294,7 +318,7 @@ fn initiator_kill(lab: &Arc<Mutex<NetLab>>, runs: u32, seed: &mut u64) -> Result
         .join(",");
     let (mut total_acks, mut total_checked) = (0u64, 0u64);
     for run in 0..runs {
-        let (v, rep) = Volume::open(cfg(&addrs)).map_err(|e| e.to_string())?;
+        let (v, rep) = Volume::open(cfg(&addrs, true)).map_err(|e| e.to_string())?;
         let from = rep.prefix_end[0];
         drop(v);
         let mut child = Command::new(std::env::current_exe().unwrap())
@@ -409,7 +433,7 @@ fn initiator_kill(lab: &Arc<Mutex<NetLab>>, runs: u32, seed: &mut u64) -> Result
         while let Ok(a) = rx.try_recv() {
             take(a).map_err(|e| format!("initiator-kill run {run}: {e}"))?;
         }
-        let (mut v, rep) = Volume::open(cfg(&addrs)).map_err(|e| e.to_string())?;
+        let (mut v, rep) = Volume::open(cfg(&addrs, true)).map_err(|e| e.to_string())?;
         let prefix = rep.prefix_end[0];
         if acked >= prefix {
             return Err(format!("initiator-kill run {run}: group {acked} was acknowledged but recovery ends the prefix at {prefix}"));
@@ -436,7 +460,7 @@ const SIGKILL: i32 = 9;
 /// distinct exit code (and a message on stderr), which the parent reports as a failure.
 fn child(list: &str) {
     let addrs: Vec<SocketAddr> = list.split(',').map(|s| s.parse().unwrap()).collect();
-    let (mut v, _) = match Volume::open(cfg(&addrs)) {
+    let (mut v, _) = match Volume::open(cfg(&addrs, true)) {
         Ok(x) => x,
         Err(e) => {
             eprintln!("net_faults child: opening the volume: {e}");

@@ -31,6 +31,9 @@ pub struct NetSample {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub target_cpu_us_per_req: Option<f64>,
     pub flushes: u64,
+    /// Merged commands the volume sent (rio with `batch` above 1) and the groups they carried.
+    pub merged_cmds: u64,
+    pub merged_groups: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub round: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -49,6 +52,12 @@ pub struct NetBench {
     pub qd: u32,
     pub seconds: f64,
     pub rounds: u32,
+    /// Rio: groups held before sending (`VolumeConfig::batch`; above 1 they may merge).
+    pub batch: u32,
+    /// Sequential writes, each stream in its own part of the volume (random otherwise).
+    pub seq: bool,
+    /// The volume's stripe unit (bytes).
+    pub stripe: u32,
 }
 
 impl NetBench {
@@ -106,6 +115,8 @@ impl NetBench {
                 init_cpu_us_per_req: med(&|s| s.init_cpu_us_per_req),
                 target_cpu_us_per_req: medo(&|s| s.target_cpu_us_per_req),
                 flushes: med(&|s| s.flushes as f64) as u64,
+                merged_cmds: med(&|s| s.merged_cmds as f64) as u64,
+                merged_groups: med(&|s| s.merged_groups as f64) as u64,
                 round: None,
                 iops_vs_orderless: medo(&|s| s.iops_vs_orderless),
                 iops_vs_sync: medo(&|s| s.iops_vs_sync),
@@ -118,9 +129,25 @@ impl NetBench {
         let net = |e: rio_net::NetError| BenchError::Setup(format!("network volume: {e}"));
         let mut cfg = VolumeConfig::new(self.targets.clone(), self.streams as u16);
         cfg.window = self.qd;
+        cfg.batch = self.batch;
+        cfg.stripe = self.stripe;
         let (mut v, _) = Volume::open(cfg).map_err(net)?;
         let blocks = v.bytes() / 4096;
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        // Sequential: stream s writes its own region of the volume, block after block.
+        let region = (blocks / self.streams.max(1) as u64).max(1);
+        let mut cursor = vec![0u64; self.streams as usize];
+        let seq = self.seq;
+        let mut next_off = |s: u16, x: &mut u64| -> u64 {
+            if seq {
+                let c = &mut cursor[s as usize];
+                let b = s as u64 * region + *c % region;
+                *c += 1;
+                b * 4096
+            } else {
+                xorshift(x) % blocks * 4096
+            }
+        };
         let mut lat = new_histogram();
         let mut started: std::collections::HashMap<(u16, u64), Instant> = Default::default();
         let streams = self.streams as u16;
@@ -150,7 +177,7 @@ impl NetBench {
         match mode {
             OrderedMode::Sync => {
                 while Instant::now() < deadline {
-                    let off = xorshift(&mut x) % blocks * 4096;
+                    let off = next_off(s, &mut x);
                     let since = Instant::now();
                     let b = alloc(&v)?;
                     v.write_orderless(s, off, b).map_err(net)?;
@@ -171,7 +198,7 @@ impl NetBench {
                     let now = Instant::now();
                     if now < deadline {
                         while inflight < cap {
-                            let off = xorshift(&mut x) % blocks * 4096;
+                            let off = next_off(s, &mut x);
                             let b = alloc(&v)?;
                             let id = if rio {
                                 v.submit(s, off, b, true).map_err(net)?
@@ -208,7 +235,8 @@ impl NetBench {
             (Some(a), Some(b)) => Some(b - a),
             _ => None,
         };
-        let flushes = v.stats().flushes;
+        let st = v.stats();
+        let flushes = st.flushes;
         Ok(NetSample {
             mode: mode.name().into(),
             targets: self.targets.len() as u32,
@@ -222,6 +250,8 @@ impl NetBench {
             init_cpu_us_per_req: cpu * 1e6 / writes.max(1) as f64,
             target_cpu_us_per_req: tcpu.map(|t| t * 1e6 / writes.max(1) as f64),
             flushes,
+            merged_cmds: st.merged_cmds,
+            merged_groups: st.merged_groups,
             ..NetSample::default()
         })
     }

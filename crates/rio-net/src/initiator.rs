@@ -59,6 +59,14 @@ pub struct VolumeConfig {
     /// TCP, or RDMA (feature `rdma`): then write data is pulled by the targets with RDMA READ
     /// from this volume's arena.
     pub transport: Transport,
+    /// Closed groups a stream holds before sending them (1: every group goes out as it
+    /// closes). Above 1, held groups that each carry one write, follow one another's bytes on
+    /// one target and fit in `max_merge_bytes` together go out as one merged command (their
+    /// data copied into one buffer of the arena). [`Volume::poll`], [`Volume::wait`],
+    /// [`Volume::wait_any`] and a full window send what is held.
+    pub batch: u32,
+    /// Largest merged command (bytes).
+    pub max_merge_bytes: u32,
 }
 
 impl VolumeConfig {
@@ -76,6 +84,8 @@ impl VolumeConfig {
             arena_bytes: 32 << 20,
             verbose: false,
             transport: Transport::Tcp,
+            batch: 1,
+            max_merge_bytes: 128 << 10,
         }
     }
 }
@@ -115,6 +125,13 @@ pub struct RecoveryReport {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct VolumeStats {
     pub ordered_cmds: u64,
+    /// Merged commands sent (each carries several whole groups; counted in `ordered_cmds`).
+    pub merged_cmds: u64,
+    /// Groups that went out inside merged commands.
+    pub merged_groups: u64,
+    /// Runs of groups that could have been merged but went out one by one: the arena had no
+    /// room for the merged copy at that moment.
+    pub merge_skipped: u64,
     pub flushes: u64,
     pub marks: u64,
     pub recoveries: u64,
@@ -144,6 +161,12 @@ enum Kind {
         seq: u64,
         req: u32,
     },
+    /// Whole groups `seq..=seq_end`, one write each, as one command (its data is the
+    /// command's own copy, [`ICmd::copy`]).
+    Merged {
+        seq: u64,
+        seq_end: u64,
+    },
     /// An ordered FLUSH covering this connection's commands sent before it.
     Flush {
         covers: u64,
@@ -162,6 +185,8 @@ struct ICmd {
     range: (u32, u32),
     sent_no: u64,
     completed: bool,
+    /// A merged command's data (returned to the arena when the command is released).
+    copy: Option<FixedBuf>,
 }
 
 struct IoConn {
@@ -219,6 +244,7 @@ impl IoConn {
             range,
             sent_no: self.sent,
             completed: false,
+            copy: None,
         });
         cid
     }
@@ -302,6 +328,8 @@ struct Stream {
     not_done: u32,
     /// Requests not yet completed by the targets (the window).
     in_flight: u32,
+    /// Closed groups held, not yet sent (the last `held` of `groups`; `VolumeConfig::batch`).
+    held: u32,
 }
 
 /// An orderless write or a read in flight.
@@ -430,6 +458,7 @@ impl Volume {
                     next_id: 1,
                     not_done: 0,
                     in_flight: 0,
+                    held: 0,
                 })
                 .collect(),
             plain: Vec::with_capacity(window),
@@ -463,6 +492,10 @@ impl Volume {
     }
     pub fn streams(&self) -> u16 {
         self.cfg.streams
+    }
+    /// Closed groups a stream holds before sending them ([`VolumeConfig::batch`]).
+    pub fn batch(&self) -> u32 {
+        self.cfg.batch.max(1)
     }
     pub fn stats(&self) -> VolumeStats {
         self.stats
@@ -895,7 +928,145 @@ impl Volume {
                 .len() as u32;
         }
         self.streams[s].groups.push_back(g);
-        self.send_group(stream, seq)
+        if self.cfg.batch <= 1 {
+            return self.send_group(stream, seq);
+        }
+        self.streams[s].held += 1;
+        if self.streams[s].held >= self.cfg.batch {
+            self.send_held(stream)?;
+        }
+        Ok(())
+    }
+
+    /// Send the stream's held groups in order: runs of mergeable groups (see
+    /// [`VolumeConfig::batch`]) as one command each, the others as they are.
+    fn send_held(&mut self, stream: u16) -> Result<(), NetError> {
+        let s = stream as usize;
+        let held = self.streams[s].held as u64;
+        if held == 0 {
+            return Ok(());
+        }
+        self.streams[s].held = 0;
+        let end = self.streams[s].next_seq;
+        let mut seq = end - held;
+        while seq < end {
+            let Some((t, toff, len)) = self.single_piece(s, seq) else {
+                self.send_group(stream, seq)?;
+                seq += 1;
+                continue;
+            };
+            let max = self.cfg.max_merge_bytes as u64;
+            let (mut last, mut bytes) = (seq, len as u64);
+            while last + 1 < end {
+                match self.single_piece(s, last + 1) {
+                    Some((t2, off2, len2))
+                        if t2 == t && off2 == toff + bytes && bytes + len2 as u64 <= max =>
+                    {
+                        last += 1;
+                        bytes += len2 as u64;
+                    }
+                    _ => break,
+                }
+            }
+            if last == seq {
+                self.send_group(stream, seq)?;
+            } else if !self.send_merged(stream, seq, last, t, toff, bytes as u32) {
+                self.stats.merge_skipped += 1;
+                for q in seq..=last {
+                    self.send_group(stream, q)?;
+                }
+            }
+            seq = last + 1;
+        }
+        Ok(())
+    }
+
+    /// Group `seq` as (target, target offset, length) when it is one write that lies on one
+    /// target: what a merge can take.
+    fn single_piece(&self, s: usize, seq: u64) -> Option<(usize, u64, u32)> {
+        let st = &self.streams[s];
+        let g = st.groups.get((seq - st.groups.front()?.seq) as usize)?;
+        if g.reqs.len() != 1 || g.reqs[0].pieces != 1 {
+            return None;
+        }
+        let r = &g.reqs[0];
+        let len = r.buf.as_ref().map_or(0, |b| b.len() as u32);
+        let (t, toff, _) = *self.pieces(r.offset, len).first()?;
+        Some((t, toff, len))
+    }
+
+    /// Groups `first..=last` (single writes, back to back on target `t` from `toff`, `len`
+    /// bytes in all) as one merged command. `false`: the arena had no room for the copy, and
+    /// nothing was sent.
+    fn send_merged(
+        &mut self,
+        stream: u16,
+        first: u64,
+        last: u64,
+        t: usize,
+        toff: u64,
+        len: u32,
+    ) -> bool {
+        let s = stream as usize;
+        let nt = self.targets.len();
+        // A miss is not the arena's exhaustion (the groups still go out): not counted as one.
+        let Some(mut copy) = self.engine.try_alloc_run(len as usize) else {
+            return false;
+        };
+        if copy.set_len(len as usize).is_err() {
+            return false;
+        }
+        let st = &self.streams[s];
+        let front = st.groups.front().expect("held groups").seq;
+        let mut at = 0usize;
+        for q in first..=last {
+            let b = st.groups[(q - front) as usize].reqs[0]
+                .buf
+                .as_ref()
+                .expect("held until durable");
+            copy[at..at + b.len()].copy_from_slice(b);
+            at += b.len();
+        }
+        let mark = self.take_mark(stream, t);
+        let members = (last - first + 1) as u16;
+        let attr = WireAttr {
+            stream,
+            seq: first,
+            seq_end: last,
+            prev: self.streams[s].prev[t],
+            num: 0,
+            members,
+            boundary: true,
+            merged: true,
+            mark,
+            ..WireAttr::default()
+        };
+        let ic = &mut self.conns[s * nt + t];
+        let cid = ic.alloc(
+            Kind::Merged {
+                seq: first,
+                seq_end: last,
+            },
+            (0, len),
+        );
+        ic.order.push_back(cid);
+        let mut sqe = lba_cmd(op::WRITE, cid, toff, len, self.targets[t].lba_shift);
+        attr.put(&mut sqe);
+        let incap = ic.rkey.is_none() && len <= self.targets[t].incap;
+        match ic.rkey {
+            Some(key) => sqe.set_keyed_sgl(copy.as_ptr() as u64, len, key),
+            None => sqe.set_sgl(len, incap),
+        }
+        if let Some(c) = ic.conn.as_mut() {
+            let data = if incap { &copy[..] } else { &[][..] };
+            pdu::put_cmd(&mut c.tx, &sqe, data, c.dg);
+        }
+        ic.cmds[cid as usize].as_mut().expect("just allocated").copy = Some(copy);
+        self.streams[s].prev[t] = last;
+        self.stats.ordered_cmds += 1;
+        self.stats.merged_cmds += 1;
+        self.stats.merged_groups += members as u64;
+        true
     }
 
     /// Send every piece of group `seq` (first send and replay alike).
@@ -1105,7 +1276,9 @@ impl Volume {
     fn maybe_flush(&mut self, stream: u16) {
         let s = stream as usize;
         let nt = self.targets.len();
-        let last = self.streams[s].next_seq - 1;
+        // The last group sent: held groups go out after this FLUSH, so it must not cover
+        // them (recovery counts an entry durable when a FLUSH at or after its group is).
+        let last = self.streams[s].next_seq - 1 - self.streams[s].held as u64;
         for t in 0..nt {
             if self.targets[t].plp || self.conns[s * nt + t].volatile == 0 {
                 continue;
@@ -1160,6 +1333,9 @@ impl Volume {
     /// Move everything along: send, receive, complete. `block`: wait for the network when there
     /// is nothing to do. A failed target starts recovery.
     fn drive(&mut self, block: bool) -> Result<(), NetError> {
+        for stream in 0..self.cfg.streams {
+            self.send_held(stream)?;
+        }
         match self.drive_once(block) {
             Ok(()) => Ok(()),
             Err((t, why)) => {
@@ -1340,6 +1516,10 @@ impl Volume {
                 .as_ref()
                 .and_then(|p| p.buf.as_ref())
                 .ok_or("R2T for a finished write")?,
+            Kind::Merged { .. } => cmd
+                .copy
+                .as_ref()
+                .ok_or("R2T for a merged write without data")?,
             _ => return Err(format!("R2T for command {cccid}, which sends no data")),
         };
         let c = ic.conn.as_mut().expect("the R2T came on it");
@@ -1397,6 +1577,20 @@ impl Volume {
                     self.conns[i].volatile += 1;
                 }
             }
+            Kind::Merged { seq, seq_end } => {
+                for q in seq..=seq_end {
+                    self.piece_completed(s, q, 0);
+                }
+                if err.is_some() || self.targets[t].plp {
+                    self.conns[i].order.retain(|&c| c != cqe.cid);
+                    self.conns[i].release(cqe.cid);
+                    for q in seq..=seq_end {
+                        self.piece_durable(s, q, 0, err.clone());
+                    }
+                } else {
+                    self.conns[i].volatile += 1;
+                }
+            }
             Kind::Flush { covers } => {
                 let ic = &mut self.conns[i];
                 ic.release(cqe.cid);
@@ -1413,8 +1607,12 @@ impl Volume {
                 while let Some(cid) = ic.order.pop_front() {
                     let c = ic.cmds[cid as usize].as_ref().expect("ordered piece");
                     if c.completed && c.sent_no <= covers {
-                        if let Kind::Ordered { seq, req } = c.kind {
-                            now_durable.push((seq, req));
+                        match c.kind {
+                            Kind::Ordered { seq, req } => now_durable.push((seq, req)),
+                            Kind::Merged { seq, seq_end } => {
+                                now_durable.extend((seq..=seq_end).map(|q| (q, 0)))
+                            }
+                            _ => {}
                         }
                         ic.release(cid);
                         ic.volatile -= 1;
@@ -1688,6 +1886,8 @@ impl Volume {
                 }
             }
             st.durable_below = p;
+            // Held groups too: the replay below sends every group there is.
+            st.held = 0;
             if st.groups.is_empty() {
                 // Nothing held beyond the prefix: the stream goes on where it stops.
                 st.next_seq = p;

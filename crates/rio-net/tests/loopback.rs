@@ -185,3 +185,117 @@ fn a_connection_left_idle_longer_than_the_io_timeout_is_not_taken_for_dead() {
         "an idle connection was taken for a failed one"
     );
 }
+
+/// Submit `offs` as groups (a list of several offsets: one group of those writes), polling
+/// only every `every` groups; wait; return what came back.
+fn write_groups(v: &mut Volume, groups: &[Vec<u64>], every: usize) -> Vec<rio_net::Done> {
+    let mut done = Vec::new();
+    for (g, offs) in groups.iter().enumerate() {
+        for (k, &off) in offs.iter().enumerate() {
+            let mut buf = v.alloc(4096).unwrap();
+            pattern(0, off / 4096 + 1, &mut buf);
+            v.submit(0, off, buf, k + 1 == offs.len()).unwrap();
+        }
+        if (g + 1) % every == 0 {
+            done.extend(v.poll().unwrap());
+        }
+    }
+    v.wait(0).unwrap();
+    done.extend(v.poll().unwrap());
+    done
+}
+
+fn check_blocks(v: &mut Volume, offs: impl Iterator<Item = u64>) {
+    for off in offs {
+        let buf = v.alloc(4096).unwrap();
+        v.read(0, off, buf).unwrap();
+        let d = v.wait_any().unwrap();
+        let mut want = vec![0u8; 4096];
+        pattern(0, off / 4096 + 1, &mut want);
+        assert!(d[0].buf[..] == want[..], "block at {off}");
+    }
+}
+
+#[test]
+fn held_groups_back_to_back_on_a_target_go_out_merged() {
+    // Two targets striped by 64 KiB: 40 groups of one 4 KiB write each, in order, fill the
+    // first stripe (16 groups, target 0), the second (16, target 1) and half the third.
+    let (a, _ra) = start_target("merge-a", TargetLogKind::Mem(1 << 20));
+    let (b, _rb) = start_target("merge-b", TargetLogKind::Mem(1 << 20));
+    let mut cfg = VolumeConfig::new(vec![a, b], 1);
+    cfg.stripe = 64 << 10;
+    cfg.batch = 40;
+    let (mut v, _) = Volume::open(cfg).unwrap();
+    let groups: Vec<Vec<u64>> = (0..40u64).map(|g| vec![g * 4096]).collect();
+    let done = write_groups(&mut v, &groups, 40);
+    assert_eq!(done.len(), 40);
+    assert!(done.iter().all(|d| d.result.is_ok()));
+    let seqs: Vec<u64> = done.iter().map(|d| d.seq).collect();
+    assert_eq!(
+        seqs,
+        (1..=40).collect::<Vec<_>>(),
+        "handed back in group order"
+    );
+    let st = v.stats();
+    // A merged command never crosses a stripe (it is one target's bytes): 16 + 16 + 8.
+    assert_eq!((st.merged_cmds, st.merged_groups), (3, 40), "{st:?}");
+    assert_eq!(st.ordered_cmds, 3);
+    check_blocks(&mut v, (0..40u64).map(|g| g * 4096));
+    // Recovery reads the merged entries: everything is in the prefix.
+    drop(done);
+    drop(v);
+    let mut cfg = VolumeConfig::new(vec![a, b], 1);
+    cfg.stripe = 64 << 10;
+    let (mut v2, rep) = Volume::open(cfg).unwrap();
+    assert_eq!(rep.prefix_end[0], 41);
+    assert_eq!(rep.discarded, 0);
+    check_blocks(&mut v2, (0..40u64).map(|g| g * 4096));
+}
+
+#[test]
+fn only_single_writes_that_follow_each_other_merge_and_r2t_carries_the_copy() {
+    // A target that takes no data in the capsule: merged commands go by R2T from their copy.
+    let dev = scratch("merge-r2t", 16 << 20);
+    let _rm = Remove(dev.clone());
+    let mut tc = TargetConfig::new(dev, TargetLogKind::Mem(1 << 20));
+    tc.streams = 2;
+    tc.in_capsule = 0;
+    let t = Target::bind("127.0.0.1:0".parse().unwrap(), tc).unwrap();
+    let a = t.local_addr();
+    t.spawn();
+    let mut cfg = VolumeConfig::new(vec![a], 1);
+    cfg.batch = 8;
+    cfg.max_merge_bytes = 16 << 10;
+    let (mut v, _) = Volume::open(cfg).unwrap();
+    let k = |b: u64| b * 4096;
+    let groups: Vec<Vec<u64>> = vec![
+        // Held together (batch 8): blocks 0-1 merge; a group of two writes goes alone; 3-4
+        // merge; after a gap, 10-12 merge. The second batch: 13-14 merge (a batch's runs end
+        // with it), 30 goes alone.
+        vec![k(0)],
+        vec![k(1)],
+        vec![k(2), k(5)],
+        vec![k(3)],
+        vec![k(4)],
+        vec![k(10)],
+        vec![k(11)],
+        vec![k(12)],
+        // Next batch.
+        vec![k(13)],
+        vec![k(14)],
+        vec![k(30)],
+    ];
+    let done = write_groups(&mut v, &groups, 8);
+    assert_eq!(done.len(), 12);
+    assert!(done.iter().all(|d| d.result.is_ok()));
+    let st = v.stats();
+    // Batch 1 (groups 1-8): {1,2}, {3}, {4,5}, {6,7,8}; batch 2 (9-11): {9,10}, {11}.
+    assert_eq!((st.merged_cmds, st.merged_groups), (4, 9), "{st:?}");
+    assert_eq!(st.ordered_cmds, 4 + 1 + 1 + 1, "{st:?}");
+    check_blocks(
+        &mut v,
+        [0, 1, 2, 3, 4, 5, 10, 11, 12, 13, 14, 30]
+            .into_iter()
+            .map(k),
+    );
+}
