@@ -27,20 +27,22 @@ fn pattern(seq: u64, buf: &mut [u8]) {
     }
 }
 
-/// Groups held and merged (`VolumeConfig::batch`) in the target-kill and initiator-kill runs:
-/// their recoveries then read merged log entries. The link-cut runs send every group alone.
+/// Groups held and merged (`VolumeConfig::batch`) in the target-kill runs and in every other
+/// initiator-kill run: their recoveries then read merged log entries. The link-cut runs send
+/// every group alone.
 const MERGE_BATCH: u32 = 8;
 
-fn cfg(addrs: &[SocketAddr], merge: bool) -> VolumeConfig {
+/// `merge`: stripes of 64 KiB, so that consecutive groups (consecutive blocks) share a target
+/// 16 at a time (200 groups still cover both targets), and, with `batch`, groups held and
+/// merged. The stripe must be the same for every volume opened on one lab.
+fn cfg(addrs: &[SocketAddr], merge: bool, batch: u32) -> VolumeConfig {
     let mut c = VolumeConfig::new(addrs.to_vec(), 1);
     c.window = WINDOW;
     c.io_timeout = Duration::from_millis(800);
     c.reconnect_for = Duration::from_secs(20);
     if merge {
-        // Stripes of 64 KiB: consecutive groups (consecutive blocks) share a target 16 at a
-        // time, so held ones merge; 200 groups still cover both targets.
         c.stripe = 64 << 10;
-        c.batch = MERGE_BATCH;
+        c.batch = batch;
     }
     c
 }
@@ -183,7 +185,7 @@ fn wait_for_writes(started: &AtomicBool, delay: Duration) -> Result<(), String> 
 
 fn target_kill(lab: &Arc<Mutex<NetLab>>, runs: u32, seed: &mut u64) -> Result<(), String> {
     let addrs = lab.lock().unwrap().addrs();
-    let (mut v, _) = Volume::open(cfg(&addrs, true)).map_err(|e| e.to_string())?;
+    let (mut v, _) = Volume::open(cfg(&addrs, true, MERGE_BATCH)).map_err(|e| e.to_string())?;
     let (mut total_straddling, mut total_checked) = (0u32, 0u64);
     for run in 0..runs {
         let victim = (rng(seed) % addrs.len() as u64) as usize;
@@ -248,7 +250,7 @@ fn target_kill(lab: &Arc<Mutex<NetLab>>, runs: u32, seed: &mut u64) -> Result<()
 
 fn link_cut(lab: &Arc<Mutex<NetLab>>, runs: u32, seed: &mut u64) -> Result<(), String> {
     let addrs = lab.lock().unwrap().addrs();
-    let config = cfg(&addrs, false);
+    let config = cfg(&addrs, false, 1);
     // A link down this long leaves the writes to its target unanswered past the io timeout
     // (the initiator checks every 100 ms or sooner): the volume must recover. Shorter cuts may
     // be bridged by TCP's retransmissions.
@@ -318,11 +320,16 @@ fn initiator_kill(lab: &Arc<Mutex<NetLab>>, runs: u32, seed: &mut u64) -> Result
         .join(",");
     let (mut total_acks, mut total_checked) = (0u64, 0u64);
     for run in 0..runs {
-        let (v, rep) = Volume::open(cfg(&addrs, true)).map_err(|e| e.to_string())?;
+        let (v, rep) = Volume::open(cfg(&addrs, true, 1)).map_err(|e| e.to_string())?;
+        // Every other run the child holds and merges its groups. It then writes several times
+        // faster, so its kill comes sooner: the lab's blocks must last all the runs.
+        let merging = run % 2 == 0;
+        let batch = if merging { MERGE_BATCH } else { 1 };
         let from = rep.prefix_end[0];
         drop(v);
         let mut child = Command::new(std::env::current_exe().unwrap())
             .env("AIOS_NET_FAULT_CHILD", &list)
+            .env("AIOS_NET_FAULT_BATCH", batch.to_string())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -335,7 +342,7 @@ fn initiator_kill(lab: &Arc<Mutex<NetLab>>, runs: u32, seed: &mut u64) -> Result
             s
         });
         // The kill comes this long after the child's first acknowledgement.
-        let kill_after = Duration::from_millis(rng(seed) % 400);
+        let kill_after = Duration::from_millis(rng(seed) % if merging { 150 } else { 400 });
         let mut lines = BufReader::new(out).lines();
         let (tx, rx) = std::sync::mpsc::channel();
         let reader = std::thread::spawn(move || {
@@ -433,7 +440,7 @@ fn initiator_kill(lab: &Arc<Mutex<NetLab>>, runs: u32, seed: &mut u64) -> Result
         while let Ok(a) = rx.try_recv() {
             take(a).map_err(|e| format!("initiator-kill run {run}: {e}"))?;
         }
-        let (mut v, rep) = Volume::open(cfg(&addrs, true)).map_err(|e| e.to_string())?;
+        let (mut v, rep) = Volume::open(cfg(&addrs, true, 1)).map_err(|e| e.to_string())?;
         let prefix = rep.prefix_end[0];
         if acked >= prefix {
             return Err(format!("initiator-kill run {run}: group {acked} was acknowledged but recovery ends the prefix at {prefix}"));
@@ -442,7 +449,7 @@ fn initiator_kill(lab: &Arc<Mutex<NetLab>>, runs: u32, seed: &mut u64) -> Result
             .map_err(|e| format!("initiator-kill run {run}: {e}"))?;
         total_acks += acks;
         total_checked += prefix - from;
-        println!("initiator-kill run {run}: killed {kill_after:?} after the first acknowledgement; {acks} acknowledged, the last {acked}; prefix {from}..{prefix}, {} writes zeroed", rep.discarded);
+        println!("initiator-kill run {run} (batch {batch}): killed {kill_after:?} after the first acknowledgement; {acks} acknowledged, the last {acked}; prefix {from}..{prefix}, {} writes zeroed", rep.discarded);
     }
     // Every run waits for an acknowledgement, so these hold unless something above is broken.
     if runs > 0 && (total_acks == 0 || total_checked == 0) {
@@ -460,7 +467,11 @@ const SIGKILL: i32 = 9;
 /// distinct exit code (and a message on stderr), which the parent reports as a failure.
 fn child(list: &str) {
     let addrs: Vec<SocketAddr> = list.split(',').map(|s| s.parse().unwrap()).collect();
-    let (mut v, _) = match Volume::open(cfg(&addrs, true)) {
+    let batch = std::env::var("AIOS_NET_FAULT_BATCH")
+        .ok()
+        .and_then(|b| b.parse().ok())
+        .unwrap_or(1);
+    let (mut v, _) = match Volume::open(cfg(&addrs, true, batch)) {
         Ok(x) => x,
         Err(e) => {
             eprintln!("net_faults child: opening the volume: {e}");
@@ -520,16 +531,19 @@ fn main() {
     println!("net_faults: seed {seed}, {runs} runs per kind");
     let started = Instant::now();
     let mut failed = false;
-    for (name, f) in [
+    for (name, f, target_bytes) in [
         (
             "target-kill",
             target_kill as fn(&Arc<Mutex<NetLab>>, u32, &mut u64) -> Result<(), String>,
+            512u64 << 20,
         ),
-        ("initiator-kill", initiator_kill),
-        ("link-cut", link_cut),
+        // Its merging children write the most (about 8,000 groups a run in 20-run tries):
+        // room for 524,288 groups.
+        ("initiator-kill", initiator_kill, 1 << 30),
+        ("link-cut", link_cut, 512 << 20),
     ] {
         // A fresh lab per kind: blocks are never reused within one (group q writes block q).
-        let lab = NetLab::start(&aios, 2, 512 << 20, 4, false).expect("network lab");
+        let lab = NetLab::start(&aios, 2, target_bytes, 4, false).expect("network lab");
         let lab = Arc::new(Mutex::new(lab));
         match f(&lab, runs, &mut seed) {
             Ok(()) => println!("net_faults: {name}: {runs} runs ok"),
