@@ -60,9 +60,9 @@ pub struct VolumeConfig {
     /// from this volume's arena.
     pub transport: Transport,
     /// Closed groups a stream holds before sending them (1: every group goes out as it
-    /// closes). Above 1, held groups that each carry one write, follow one another's bytes on
-    /// one target and fit in `max_merge_bytes` together go out as one merged command (their
-    /// data copied into one buffer of the arena). [`Volume::poll`], [`Volume::wait`],
+    /// closes). Above 1, consecutive held groups whose writes lie on one target, each
+    /// following the one before, and fit in `max_merge_bytes` together go out as one merged
+    /// command (their data copied into one buffer of the arena). [`Volume::poll`], [`Volume::wait`],
     /// [`Volume::wait_any`] and a full window send what is held.
     pub batch: u32,
     /// Largest merged command (bytes).
@@ -161,7 +161,7 @@ enum Kind {
         seq: u64,
         req: u32,
     },
-    /// Whole groups `seq..=seq_end`, one write each, as one command (its data is the
+    /// Whole groups `seq..=seq_end`, their writes back to back, as one command (its data is the
     /// command's own copy, [`ICmd::copy`]).
     Merged {
         seq: u64,
@@ -949,26 +949,30 @@ impl Volume {
         self.streams[s].held = 0;
         let end = self.streams[s].next_seq;
         let mut seq = end - held;
+        let max = self.cfg.max_merge_bytes as u64;
         while seq < end {
-            let Some((t, toff, len)) = self.single_piece(s, seq) else {
+            let Some((t, toff, len, reqs)) = self
+                .contiguous(s, seq)
+                .filter(|&(_, _, len, _)| len as u64 <= max)
+            else {
                 self.send_group(stream, seq)?;
                 seq += 1;
                 continue;
             };
-            let max = self.cfg.max_merge_bytes as u64;
-            let (mut last, mut bytes) = (seq, len as u64);
+            let (mut last, mut bytes, mut requests) = (seq, len as u64, reqs);
             while last + 1 < end {
-                match self.single_piece(s, last + 1) {
-                    Some((t2, off2, len2))
+                match self.contiguous(s, last + 1) {
+                    Some((t2, off2, len2, reqs2))
                         if t2 == t && off2 == toff + bytes && bytes + len2 as u64 <= max =>
                     {
                         last += 1;
                         bytes += len2 as u64;
+                        requests += reqs2;
                     }
                     _ => break,
                 }
             }
-            if last == seq {
+            if requests == 1 {
                 self.send_group(stream, seq)?;
             } else if !self.send_merged(stream, seq, last, t, toff, bytes as u32) {
                 self.stats.merge_skipped += 1;
@@ -981,22 +985,41 @@ impl Volume {
         Ok(())
     }
 
-    /// Group `seq` as (target, target offset, length) when it is one write that lies on one
-    /// target: what a merge can take.
-    fn single_piece(&self, s: usize, seq: u64) -> Option<(usize, u64, u32)> {
+    /// Group `seq` as (target, target offset, length, requests) when its writes lie on one
+    /// target, each following the one before: what a merge can take.
+    fn contiguous(&self, s: usize, seq: u64) -> Option<(usize, u64, u32, u32)> {
         let st = &self.streams[s];
         let g = st.groups.get((seq - st.groups.front()?.seq) as usize)?;
-        if g.reqs.len() != 1 || g.reqs[0].pieces != 1 {
-            return None;
+        let mut run: Option<(usize, u64, u32)> = None;
+        for r in &g.reqs {
+            if r.pieces != 1 {
+                return None;
+            }
+            let len = r.buf.as_ref().map_or(0, |b| b.len() as u32);
+            let (t, toff, _) = *self.pieces(r.offset, len).first()?;
+            run = match run {
+                None => Some((t, toff, len)),
+                Some((t0, off0, n)) if t0 == t && off0 + n as u64 == toff => {
+                    Some((t0, off0, n + len))
+                }
+                Some(_) => return None,
+            };
         }
-        let r = &g.reqs[0];
-        let len = r.buf.as_ref().map_or(0, |b| b.len() as u32);
-        let (t, toff, _) = *self.pieces(r.offset, len).first()?;
-        Some((t, toff, len))
+        let (t, toff, len) = run?;
+        Some((t, toff, len, g.reqs.len() as u32))
     }
 
-    /// Groups `first..=last` (single writes, back to back on target `t` from `toff`, `len`
-    /// bytes in all) as one merged command. `false`: the arena had no room for the copy, and
+    /// Requests in group `seq` of stream `s` (0 once it is handed back).
+    fn group_len(&self, s: usize, seq: u64) -> u32 {
+        let st = &self.streams[s];
+        st.groups
+            .front()
+            .and_then(|f| st.groups.get(seq.checked_sub(f.seq)? as usize))
+            .map_or(0, |g| g.reqs.len() as u32)
+    }
+
+    /// Groups `first..=last` (their writes back to back on target `t` from `toff`, `len` bytes
+    /// in all) as one merged command. `false`: the arena had no room for the copy, and
     /// nothing was sent.
     fn send_merged(
         &mut self,
@@ -1019,22 +1042,23 @@ impl Volume {
         let st = &self.streams[s];
         let front = st.groups.front().expect("held groups").seq;
         let mut at = 0usize;
+        let mut members = 0u16;
         for q in first..=last {
-            let b = st.groups[(q - front) as usize].reqs[0]
-                .buf
-                .as_ref()
-                .expect("held until durable");
-            copy[at..at + b.len()].copy_from_slice(b);
-            at += b.len();
+            for r in &st.groups[(q - front) as usize].reqs {
+                let b = r.buf.as_ref().expect("held until durable");
+                copy[at..at + b.len()].copy_from_slice(b);
+                at += b.len();
+                members += 1;
+            }
         }
         let mark = self.take_mark(stream, t);
-        let members = (last - first + 1) as u16;
         let attr = WireAttr {
             stream,
             seq: first,
             seq_end: last,
             prev: self.streams[s].prev[t],
-            num: 0,
+            // One group's writes merged: recovery counts them against `num`, as for any group.
+            num: if first == last { members } else { 0 },
             members,
             boundary: true,
             merged: true,
@@ -1065,7 +1089,7 @@ impl Volume {
         self.streams[s].prev[t] = last;
         self.stats.ordered_cmds += 1;
         self.stats.merged_cmds += 1;
-        self.stats.merged_groups += members as u64;
+        self.stats.merged_groups += last - first + 1;
         true
     }
 
@@ -1579,13 +1603,17 @@ impl Volume {
             }
             Kind::Merged { seq, seq_end } => {
                 for q in seq..=seq_end {
-                    self.piece_completed(s, q, 0);
+                    for r in 0..self.group_len(s, q) {
+                        self.piece_completed(s, q, r);
+                    }
                 }
                 if err.is_some() || self.targets[t].plp {
                     self.conns[i].order.retain(|&c| c != cqe.cid);
                     self.conns[i].release(cqe.cid);
                     for q in seq..=seq_end {
-                        self.piece_durable(s, q, 0, err.clone());
+                        for r in 0..self.group_len(s, q) {
+                            self.piece_durable(s, q, r, err.clone());
+                        }
                     }
                 } else {
                     self.conns[i].volatile += 1;
@@ -1610,7 +1638,15 @@ impl Volume {
                         match c.kind {
                             Kind::Ordered { seq, req } => now_durable.push((seq, req)),
                             Kind::Merged { seq, seq_end } => {
-                                now_durable.extend((seq..=seq_end).map(|q| (q, 0)))
+                                for q in seq..=seq_end {
+                                    let st = &self.streams[s];
+                                    let n = st
+                                        .groups
+                                        .front()
+                                        .and_then(|f| st.groups.get(q.checked_sub(f.seq)? as usize))
+                                        .map_or(0, |g| g.reqs.len() as u32);
+                                    now_durable.extend((0..n).map(|r| (q, r)));
+                                }
                             }
                             _ => {}
                         }

@@ -253,7 +253,7 @@ fn held_groups_back_to_back_on_a_target_go_out_merged() {
 }
 
 #[test]
-fn only_single_writes_that_follow_each_other_merge_and_r2t_carries_the_copy() {
+fn only_writes_that_follow_each_other_merge_and_r2t_carries_the_copy() {
     // A target that takes no data in the capsule: merged commands go by R2T from their copy.
     let dev = scratch("merge-r2t", 16 << 20);
     let _rm = Remove(dev.clone());
@@ -269,9 +269,10 @@ fn only_single_writes_that_follow_each_other_merge_and_r2t_carries_the_copy() {
     let (mut v, _) = Volume::open(cfg).unwrap();
     let k = |b: u64| b * 4096;
     let groups: Vec<Vec<u64>> = vec![
-        // Held together (batch 8): blocks 0-1 merge; a group of two writes goes alone; 3-4
-        // merge; after a gap, 10-12 merge. The second batch: 13-14 merge (a batch's runs end
-        // with it), 30 goes alone.
+        // Held together (batch 8): blocks 0-1 merge; a group of two writes with a gap between
+        // them goes alone; 3-4 merge; after a gap, 10-12 merge. The second batch: 13-14 merge
+        // (a batch's runs end with it); then 30, a group of two writes 31-32 and 33 merge up to
+        // the 16 KiB limit; 34-35, one group, merge within it; 37 goes alone.
         vec![k(0)],
         vec![k(1)],
         vec![k(2), k(5)],
@@ -284,18 +285,35 @@ fn only_single_writes_that_follow_each_other_merge_and_r2t_carries_the_copy() {
         vec![k(13)],
         vec![k(14)],
         vec![k(30)],
+        vec![k(31), k(32)],
+        vec![k(33)],
+        vec![k(34), k(35)],
+        vec![k(37)],
     ];
     let done = write_groups(&mut v, &groups, 8);
-    assert_eq!(done.len(), 12);
+    assert_eq!(done.len(), 18);
     assert!(done.iter().all(|d| d.result.is_ok()));
-    let st = v.stats();
-    // Batch 1 (groups 1-8): {1,2}, {3}, {4,5}, {6,7,8}; batch 2 (9-11): {9,10}, {11}.
-    assert_eq!((st.merged_cmds, st.merged_groups), (4, 9), "{st:?}");
-    assert_eq!(st.ordered_cmds, 4 + 1 + 1 + 1, "{st:?}");
-    check_blocks(
-        &mut v,
-        [0, 1, 2, 3, 4, 5, 10, 11, 12, 13, 14, 30]
-            .into_iter()
-            .map(k),
+    let mut seqs: Vec<u64> = done.iter().map(|d| d.seq).collect();
+    seqs.dedup();
+    assert_eq!(
+        seqs,
+        (1..=15).collect::<Vec<_>>(),
+        "handed back in group order"
     );
+    let st = v.stats();
+    // Batch 1 (groups 1-8): {1,2}, {3} (two commands), {4,5}, {6,7,8}; batch 2 (9-15):
+    // {9,10}, {11,12,13}, {14} (its two writes merged), {15}.
+    assert_eq!((st.merged_cmds, st.merged_groups), (6, 13), "{st:?}");
+    assert_eq!(st.ordered_cmds, 6 + 2 + 1, "{st:?}");
+    let blocks = [
+        0, 1, 2, 3, 4, 5, 10, 11, 12, 13, 14, 30, 31, 32, 33, 34, 35, 37,
+    ];
+    check_blocks(&mut v, blocks.into_iter().map(k));
+    // A second initiator's recovery keeps every group, merged or not.
+    drop(done);
+    drop(v);
+    let (mut v2, rep) = Volume::open(VolumeConfig::new(vec![a], 1)).unwrap();
+    assert_eq!(rep.prefix_end[0], 16);
+    assert_eq!(rep.discarded, 0);
+    check_blocks(&mut v2, blocks.into_iter().map(k));
 }
