@@ -332,6 +332,19 @@ struct Stream {
     held: u32,
 }
 
+impl Stream {
+    /// Group `seq`, while it is held (`None` once handed back).
+    fn group(&self, seq: u64) -> Option<&Group> {
+        let front = self.groups.front()?.seq;
+        self.groups.get(seq.checked_sub(front)? as usize)
+    }
+
+    /// Requests in group `seq` (0 once it is handed back).
+    fn group_len(&self, seq: u64) -> u32 {
+        self.group(seq).map_or(0, |g| g.reqs.len() as u32)
+    }
+}
+
 /// An orderless write or a read in flight.
 struct Plain {
     stream: u16,
@@ -988,8 +1001,7 @@ impl Volume {
     /// Group `seq` as (target, target offset, length, requests) when its writes lie on one
     /// target, each following the one before: what a merge can take.
     fn contiguous(&self, s: usize, seq: u64) -> Option<(usize, u64, u32, u32)> {
-        let st = &self.streams[s];
-        let g = st.groups.get((seq - st.groups.front()?.seq) as usize)?;
+        let g = self.streams[s].group(seq)?;
         let mut run: Option<(usize, u64, u32)> = None;
         for r in &g.reqs {
             if r.pieces != 1 {
@@ -1007,15 +1019,6 @@ impl Volume {
         }
         let (t, toff, len) = run?;
         Some((t, toff, len, g.reqs.len() as u32))
-    }
-
-    /// Requests in group `seq` of stream `s` (0 once it is handed back).
-    fn group_len(&self, s: usize, seq: u64) -> u32 {
-        let st = &self.streams[s];
-        st.groups
-            .front()
-            .and_then(|f| st.groups.get(seq.checked_sub(f.seq)? as usize))
-            .map_or(0, |g| g.reqs.len() as u32)
     }
 
     /// Groups `first..=last` (their writes back to back on target `t` from `toff`, `len` bytes
@@ -1040,11 +1043,10 @@ impl Volume {
             return false;
         }
         let st = &self.streams[s];
-        let front = st.groups.front().expect("held groups").seq;
         let mut at = 0usize;
         let mut members = 0u16;
         for q in first..=last {
-            for r in &st.groups[(q - front) as usize].reqs {
+            for r in &st.group(q).expect("held until durable").reqs {
                 let b = r.buf.as_ref().expect("held until durable");
                 copy[at..at + b.len()].copy_from_slice(b);
                 at += b.len();
@@ -1603,7 +1605,7 @@ impl Volume {
             }
             Kind::Merged { seq, seq_end } => {
                 for q in seq..=seq_end {
-                    for r in 0..self.group_len(s, q) {
+                    for r in 0..self.streams[s].group_len(q) {
                         self.piece_completed(s, q, r);
                     }
                 }
@@ -1611,7 +1613,7 @@ impl Volume {
                     self.conns[i].order.retain(|&c| c != cqe.cid);
                     self.conns[i].release(cqe.cid);
                     for q in seq..=seq_end {
-                        for r in 0..self.group_len(s, q) {
+                        for r in 0..self.streams[s].group_len(q) {
                             self.piece_durable(s, q, r, err.clone());
                         }
                     }
@@ -1639,12 +1641,7 @@ impl Volume {
                             Kind::Ordered { seq, req } => now_durable.push((seq, req)),
                             Kind::Merged { seq, seq_end } => {
                                 for q in seq..=seq_end {
-                                    let st = &self.streams[s];
-                                    let n = st
-                                        .groups
-                                        .front()
-                                        .and_then(|f| st.groups.get(q.checked_sub(f.seq)? as usize))
-                                        .map_or(0, |g| g.reqs.len() as u32);
+                                    let n = self.streams[s].group_len(q);
                                     now_durable.extend((0..n).map(|r| (q, r)));
                                 }
                             }
