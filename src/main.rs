@@ -1447,18 +1447,10 @@ fn open_stack(
     write: bool,
     iopoll: bool,
 ) -> Result<Stack, BenchError> {
-    let arena = aios::bench::arena_within_memlock(
-        (bs as usize * qd as usize + (1 << 20))
-            .next_power_of_two()
-            .max(4 << 20),
-        1,
-    );
     let engine = Engine::new(EngineConfig {
-        arena_bytes: arena.min(1 << 30),
-        ring_entries: slots.next_power_of_two().clamp(64, 4096),
         passthrough: aios::core::nvme::is_passthrough_device(path),
         iopoll_ring: iopoll,
-        ..EngineConfig::default()
+        ..aios::bench::lbio_engine_config(bs, qd, slots, 1)
     })?;
     let lbio = LbioArray::new(
         Rc::clone(&engine),

@@ -431,6 +431,23 @@ pub fn aligned_memory_engine(bytes: usize) -> Result<Rc<aios_core::Engine>, Benc
     })?)
 }
 
+/// The engine an lbio bench runs on: an arena for `qd` buffers of `bs` bytes plus 1 MiB (at
+/// least 4 MiB, at most 1 GiB, within the memlock share of one of `engines` engines alive at
+/// once) and a ring sized for `slots` requests.
+pub fn lbio_engine_config(bs: u32, qd: u32, slots: u32, engines: u32) -> aios_core::EngineConfig {
+    let arena = arena_within_memlock(
+        (bs as usize * qd as usize + (1 << 20))
+            .next_power_of_two()
+            .max(4 << 20),
+        engines,
+    );
+    aios_core::EngineConfig {
+        arena_bytes: arena.min(1 << 30),
+        ring_entries: slots.next_power_of_two().clamp(64, 4096),
+        ..aios_core::EngineConfig::default()
+    }
+}
+
 /// Run `f(t, ready)` on `threads` threads at once. Each thread prepares, then calls
 /// `ready.wait()`; the clocks start when all have. Returns the threads' results (in order), the
 /// wall seconds and the process CPU seconds from that start until the last thread ends.

@@ -24,7 +24,7 @@ use serde::Serialize;
 use crate::bench::compare::{settle, Progress};
 use crate::bench::fio::{run_fio_jobs, FioEngine};
 use crate::bench::{
-    arena_within_memlock, median, new_histogram, quantile_us, run_lbio_timed, run_threads,
+    lbio_engine_config, median, new_histogram, quantile_us, run_lbio_timed, run_threads,
     BenchError, LbioRunOptions, Workload,
 };
 
@@ -100,17 +100,9 @@ struct ThreadStack {
 
 fn thread_stack(cfg: &ScaleConfig, t: u32, engines: u32) -> Result<ThreadStack, BenchError> {
     let w = &cfg.workload;
-    let arena = arena_within_memlock(
-        (w.bs as usize * w.qd as usize + (1 << 20))
-            .next_power_of_two()
-            .max(4 << 20),
-        engines,
-    );
     let engine = Engine::new(EngineConfig {
-        arena_bytes: arena.min(1 << 30),
-        ring_entries: cfg.slots.next_power_of_two().clamp(64, 4096),
         huge_pages: false,
-        ..EngineConfig::default()
+        ..lbio_engine_config(w.bs, w.qd, cfg.slots, engines)
     })?;
     engine.set_completion_mode(cfg.completion);
     let lbio = LbioArray::new(
