@@ -2,7 +2,8 @@
 # aiosfs through FUSE against the standard suites: pjdfstest (the Rust port), fsx (100,000
 # operations by default) and fio with --verify=crc32c, on a fresh image; then three
 # model-checked storms (tests/fs/storm.py) and two fsx at once; aios fsck; a second mount
-# that checks the storms' files; aios fsck again.
+# that checks the storms' files; aios fsck again; extended attributes with --no-xattrs and
+# after it.
 # Installs pjdfstest and fsx with `cargo install` and creates pjdfstest's dummy user `tests`
 # when missing. Needs root and /dev/fuse.
 # Usage: scripts/fs_suite.sh [AIOS_BINARY]     (FSX_OPS=N to change the fsx length,
@@ -141,3 +142,42 @@ for i in 1 2 3; do
 done
 stop_fs
 "$aios" fsck "$work/fs.img"
+
+echo "--- --no-xattrs: programs get EOPNOTSUPP, files work, stored attributes come back after"
+mount_fs "$work/mount3.log"
+echo data > "$mnt/x"
+python3 -c 'import os, sys; os.setxattr(sys.argv[1], "user.k", b"kept")' "$mnt/x"
+stop_fs
+MOUNT_ARGS="${MOUNT_ARGS:-} --no-xattrs" mount_fs "$work/mount4.log"
+grep -q 'extended attributes off' "$work/mount4.log" || { cat "$work/mount4.log"; echo "no word of --no-xattrs in the log" >&2; exit 1; }
+python3 - "$mnt" <<'PY'
+import errno, os, sys
+m = sys.argv[1]
+for what, f in [("getxattr", lambda: os.getxattr(f"{m}/x", "user.k")),
+                ("setxattr", lambda: os.setxattr(f"{m}/x", "user.j", b"v")),
+                ("listxattr", lambda: os.listxattr(f"{m}/x")),
+                ("removexattr", lambda: os.removexattr(f"{m}/x", "user.k"))]:
+    try:
+        f()
+    except OSError as e:
+        assert e.errno == errno.EOPNOTSUPP, f"{what}: {e}"
+    else:
+        raise SystemExit(f"{what} succeeded on a mount without xattrs")
+with open(f"{m}/y", "w") as w:
+    w.write("written with xattrs off\n")
+    w.flush(); os.fsync(w.fileno())
+assert open(f"{m}/y").read() == "written with xattrs off\n"
+assert open(f"{m}/x").read() == "data\n"
+PY
+stop_fs
+mount_fs "$work/mount5.log"
+python3 - "$mnt" <<'PY'
+import os, sys
+m = sys.argv[1]
+assert os.getxattr(f"{m}/x", "user.k") == b"kept", "user.k lost"
+assert os.listxattr(f"{m}/x") == ["user.k"], os.listxattr(f"{m}/x")
+assert os.listxattr(f"{m}/y") == [], os.listxattr(f"{m}/y")
+PY
+stop_fs
+"$aios" fsck "$work/fs.img"
+echo "xattrs: EOPNOTSUPP for all four calls with --no-xattrs; user.k kept for the next mount"

@@ -122,6 +122,9 @@ struct FsBenchArgs {
     /// Mount with the kernel's write-back cache (see `aios mount --writeback-cache`).
     #[arg(long)]
     writeback_cache: bool,
+    /// Mount without extended attributes (see `aios mount --no-xattrs`).
+    #[arg(long)]
+    no_xattrs: bool,
     /// The mount's spin between requests (see `aios mount --request-spin-us`).
     #[arg(long, default_value_t = REQUEST_SPIN_US)]
     request_spin_us: u64,
@@ -177,6 +180,12 @@ struct MountArgs {
     /// request per write. fsync still makes them durable before it returns.
     #[arg(long)]
     writeback_cache: bool,
+    /// Answer extended-attribute requests ENOSYS: the kernel then sends none and tells
+    /// programs the file system has no xattrs (EOPNOTSUPP). This saves a round trip per file
+    /// written, the kernel's look for `security.capability` before a first write. Attributes
+    /// already on the image are kept for a mount without this flag.
+    #[arg(long)]
+    no_xattrs: bool,
     /// FUSE over io_uring: microseconds a queue thread spins on its queue for the next request
     /// before it sleeps (yielding the CPU every few empty looks). A request that comes in time
     /// costs no wake-up of the file system's thread; an idle mount spends at most this much CPU
@@ -906,6 +915,9 @@ fn cmd_bench_fs(a: FsBenchArgs) -> Result<(), BenchError> {
     if a.writeback_cache {
         mount_args.push("--writeback-cache");
     }
+    if a.no_xattrs {
+        mount_args.push("--no-xattrs");
+    }
     let setup = FsBenchSetup::ull(&exe, &mount_args)?;
     eprintln!("{}", setup.aios.log_line);
     eprintln!(
@@ -991,6 +1003,9 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
         if a.writeback_cache {
             cmd.arg("--writeback-cache");
         }
+        if a.no_xattrs {
+            cmd.arg("--no-xattrs");
+        }
         use std::os::unix::process::CommandExt;
         let mut child = cmd
             .stdin(std::process::Stdio::null())
@@ -1050,6 +1065,7 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
         .map_err(|_| BenchError::Invalid(format!("--cache-size {}: too large", a.cache_size)))?;
     opts.fs.completion = a.completion.mode();
     opts.writeback_cache = a.writeback_cache;
+    opts.xattrs = !a.no_xattrs;
     opts.request_spin = Duration::from_micros(a.request_spin_us);
     opts.transport = match a.transport {
         TransportArg::Auto => fs_fuse::Transport::Auto,
@@ -1061,7 +1077,7 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
     let fs_probe = probe(&a.image, ProbeOptions::default()).ok();
     let r = &m.report;
     eprintln!(
-        "aiosfs: mounted {} on {}: {} workers (one per core unless --threads; each its own /dev/fuse clone, engine, lbio array and journal area), device {} ({}), completion {}, journal: {} commit, durability {}, {}, recovery replayed {} transactions ({} blocks){}{}",
+        "aiosfs: mounted {} on {}: {} workers (one per core unless --threads; each its own /dev/fuse clone, engine, lbio array and journal area), device {} ({}), completion {}, journal: {} commit, durability {}, {}, recovery replayed {} transactions ({} blocks){}{}{}",
         a.image.display(),
         a.mountpoint.display(),
         m.threads,
@@ -1090,6 +1106,7 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
         r.replayed_blocks,
         if r.was_mounted { ", after an unclean stop" } else { "" },
         if r.orphans_freed > 0 { format!(", {} orphan inodes freed", r.orphans_freed) } else { String::new() },
+        if opts.xattrs { "" } else { "; extended attributes off (--no-xattrs): their requests are answered ENOSYS, and programs get EOPNOTSUPP" },
     );
     m.run().map_err(|e| BenchError::Setup(e.to_string()))
 }

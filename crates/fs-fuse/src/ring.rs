@@ -118,6 +118,9 @@ pub struct Handler {
     pub fs: Arc<Fs>,
     pub entry_ttl: Duration,
     pub attr_ttl: Duration,
+    /// Serve extended attributes; off, each xattr request is answered ENOSYS, and the kernel
+    /// sends no more ([`crate::MountOptions::xattrs`]).
+    pub xattrs: bool,
 }
 
 /// The queue threads of one mount; they end when the session does.
@@ -489,6 +492,10 @@ fn run(
         fs.mknod(nodeid, n[0], mode, rdev, caller, None)
     };
     match opcode {
+        // ENOSYS once, and the kernel asks no more (the mount runs with xattrs off).
+        op::SETXATTR | op::GETXATTR | op::LISTXATTR | op::REMOVEXATTR if !h.xattrs => {
+            Err(libc::ENOSYS)
+        }
         op::LOOKUP => {
             let p = small();
             let n = names(&p, 1).ok_or(libc::EINVAL)?;

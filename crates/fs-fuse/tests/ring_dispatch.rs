@@ -65,6 +65,7 @@ fn requests_in_queue_buffers_are_answered_as_the_kernel_expects() {
         fs: Arc::clone(&fs),
         entry_ttl: Duration::from_secs(1),
         attr_ttl: Duration::from_millis(1500),
+        xattrs: true,
     };
     // CREATE "a" in the root: fuse_create_in {flags, mode, umask, open_flags}, then the name.
     let mut op = vec![0u8; 16];
@@ -222,4 +223,63 @@ fn requests_in_queue_buffers_are_answered_as_the_kernel_expects() {
     assert_eq!((e, out.len(), get32(&out, 40)), (0, 80, 4096));
     let (e, _) = call(&h, req(46, 22, ino, &[0u8; 24], &[]), 22);
     assert_eq!(e, -libc::ENOSYS);
+}
+
+#[test]
+fn with_xattrs_off_every_xattr_request_is_enosys_and_stored_ones_are_kept() {
+    let (_disk, fs) = common::open(common::fresh_image(16 << 20), 1).unwrap();
+    let on = Handler {
+        fs: Arc::clone(&fs),
+        entry_ttl: Duration::from_secs(1),
+        attr_ttl: Duration::from_secs(1),
+        xattrs: true,
+    };
+    let off = Handler {
+        fs: Arc::clone(&fs),
+        entry_ttl: Duration::from_secs(1),
+        attr_ttl: Duration::from_secs(1),
+        xattrs: false,
+    };
+    // CREATE "f" in the root, then user.k = "xyz" with xattrs on.
+    let mut op = vec![0u8; 16];
+    put32(&mut op, 0, libc::O_RDWR as u32);
+    put32(&mut op, 4, libc::S_IFREG | 0o644);
+    let (e, out) = call(&on, req(35, 1, 1, &op, b"f\0"), 1);
+    assert_eq!(e, 0);
+    let ino = get64(&out, 0);
+    let mut set = vec![0u8; 16];
+    put32(&mut set, 0, 3);
+    assert_eq!(call(&on, req(21, 2, ino, &set, b"user.k\0xyz"), 2).0, 0);
+
+    // Off: SETXATTR, GETXATTR, LISTXATTR and REMOVEXATTR are all ENOSYS.
+    let mut sized = vec![0u8; 8];
+    put32(&mut sized, 0, 64);
+    for (opcode, op_in, payload) in [
+        (21u32, &set[..], &b"user.j\0abc"[..]),
+        (22, &sized[..], &b"user.k\0"[..]),
+        (23, &sized[..], &b""[..]),
+        (24, &[][..], &b"user.k\0"[..]),
+    ] {
+        let (e, _) = call(
+            &off,
+            req(opcode, 10 + opcode as u64, ino, op_in, payload),
+            10 + opcode as u64,
+        );
+        assert_eq!(e, -libc::ENOSYS, "opcode {opcode} with xattrs off");
+    }
+    // The rest is served as usual: a WRITE of one byte, then GETATTR sees it.
+    let mut w = vec![0u8; 40];
+    put32(&mut w, 16, 1);
+    let (e, out) = call(&off, req(16, 40, ino, &w, b"z"), 40);
+    assert_eq!((e, get32(&out, 0)), (0, 1));
+    let (e, out) = call(&off, req(3, 41, ino, &[0u8; 16], &[]), 41);
+    assert_eq!((e, get64(&out, 16 + 8)), (0, 1), "size after the write");
+
+    // The attribute set before is untouched: removal was refused, and on again it reads back.
+    let (e, out) = call(&on, req(22, 50, ino, &sized, b"user.k\0"), 50);
+    assert_eq!((e, out), (0, b"xyz".to_vec()));
+    assert!(
+        fs.getxattr(ino, b"user.j").is_err(),
+        "the refused set stored nothing"
+    );
 }
