@@ -149,6 +149,8 @@ echo data > "$mnt/x"
 python3 -c 'import os, sys; os.setxattr(sys.argv[1], "user.k", b"kept")' "$mnt/x"
 stop_fs
 MOUNT_ARGS="${MOUNT_ARGS:-} --no-xattrs" mount_fs "$work/mount4.log"
+# The background process writes its "mounted" line just after the mount is up: wait for it.
+for _ in $(seq 100); do grep -q 'extended attributes off' "$work/mount4.log" && break; sleep 0.1; done
 grep -q 'extended attributes off' "$work/mount4.log" || { cat "$work/mount4.log"; echo "no word of --no-xattrs in the log" >&2; exit 1; }
 python3 - "$mnt" <<'PY'
 import errno, os, sys

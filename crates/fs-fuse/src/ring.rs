@@ -66,8 +66,10 @@ mod op {
     pub const FSYNCDIR: u32 = 30;
     pub const CREATE: u32 = 35;
     pub const DESTROY: u32 = 38;
+    pub const IOCTL: u32 = 39;
     pub const FALLOCATE: u32 = 43;
     pub const RENAME2: u32 = 45;
+    pub const STATX: u32 = 52;
 }
 
 /// `fuse_setattr_in.valid` bits.
@@ -350,6 +352,10 @@ fn op_name(opcode: u32) -> String {
         op::DESTROY => "destroy",
         op::FALLOCATE => "fallocate",
         op::RENAME2 => "rename2",
+        // Neither is served (ENOSYS); the kernel keeps sending ioctls (a program's isatty()
+        // on a file is one).
+        op::IOCTL => "ioctl",
+        op::STATX => "statx",
         other => return format!("opcode {other}"),
     };
     n.into()
