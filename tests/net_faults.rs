@@ -6,7 +6,7 @@
 //!
 //! Each write of the stream is its own group and goes to its own 4 KiB block (out-of-place:
 //! group `q` writes block `q`), so the prefix is visible on the volume. Runs per kind:
-//! `AIOS_NET_FAULT_RUNS` (default 20).
+//! `AIOS_NET_FAULT_RUNS` (default 20; the lab's devices grow with it).
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
@@ -543,7 +543,10 @@ fn main() {
         ("link-cut", link_cut, 512 << 20),
     ] {
         // A fresh lab per kind: blocks are never reused within one (group q writes block q).
-        let lab = NetLab::start(&aios, 2, target_bytes, 4, false).expect("network lab");
+        // The sizes above are for the default 20 runs; more runs get room in proportion (the
+        // devices are sparse files in /dev/shm: only blocks the runs write take memory).
+        let scale = u64::from(runs.div_ceil(20).max(1));
+        let lab = NetLab::start(&aios, 2, target_bytes * scale, 4, false).expect("network lab");
         let lab = Arc::new(Mutex::new(lab));
         match f(&lab, runs, &mut seed) {
             Ok(()) => println!("net_faults: {name}: {runs} runs ok"),
