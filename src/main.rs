@@ -1183,6 +1183,7 @@ fn probe_json(p: &DeviceProbe) -> serde_json::Value {
             "driver": sys::cpuidle_driver(),
             "states": sys::cpuidle_states().iter().map(|(n, lat)| serde_json::json!({"name": n, "exit_latency_us": lat})).collect::<Vec<_>>(),
             "pm_qos_limit_us": sys::CpuLatencyRequest::effective_us().ok(),
+            "guest_halt_poll_ns": sys::guest_halt_poll_ns(),
         },
         "path": p.path,
         "kind": p.kind.to_string(),
@@ -1421,8 +1422,13 @@ fn idle_states_list(states: &[(String, u32)]) -> String {
 /// The machine's CPU idle policy: what a thread woken on an idle CPU waits for (QD1 latency
 /// depends on it when the device's side of the I/O runs in a kernel thread).
 fn cpu_idle_line() -> String {
+    let halt_poll = match sys::guest_halt_poll_ns() {
+        Some(0) => "; guest halt polling off (guest_halt_poll_ns 0): an idle vCPU halts at once, and waking it takes what the hypervisor takes".to_string(),
+        Some(ns) => format!("; guest halt polling up to {} us before an idle vCPU halts", ns / 1000),
+        None => String::new(),
+    };
     format!(
-        "driver {}, states: {}; PM QoS limit in force: {} (aios bench … --cpu-latency-us 0 keeps idle CPUs polling)",
+        "driver {}, states: {}{halt_poll}; PM QoS limit in force: {} (aios bench … --cpu-latency-us 0 keeps idle CPUs polling)",
         cpuidle_driver_name(),
         idle_states_list(&sys::cpuidle_states()),
         sys::CpuLatencyRequest::effective_us()

@@ -238,6 +238,18 @@ fn bench_refuses_bad_input_with_the_value_and_the_fix() {
     assert!(e.contains("1000") && e.contains("512"), "{e}");
     let e = run(&["probe", "/nonexistent-device"]);
     assert!(e.contains("no such device"), "{e}");
+    // A directory is named as one, whichever command is given it.
+    for args in [
+        &["probe", "/tmp"][..],
+        &["bench", "lbio", "--device", "/tmp", "--seconds", "0.1"][..],
+        &["bench", "pagecache", "--device", "/tmp", "--seconds", "0.1"][..],
+    ] {
+        let e = run(args);
+        assert!(
+            e.contains("/tmp") && e.contains("a directory"),
+            "{args:?}: {e}"
+        );
+    }
 
     // Settings that cannot work are refused before any device is made: each of these would
     // otherwise create a 1 GiB ull device first (`preparing the device`, `device:` lines).

@@ -467,6 +467,15 @@ pub fn cpuidle_driver() -> Option<String> {
         .map(|s| s.trim().to_string())
 }
 
+/// With the `haltpoll` cpuidle driver (KVM guests): how long an idle vCPU polls before it halts
+/// at most, in ns (`guest_halt_poll_ns`; 0: it halts at once, and a wake-up then waits for the
+/// hypervisor). `None` without that driver's module.
+pub fn guest_halt_poll_ns() -> Option<u64> {
+    std::fs::read_to_string("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+}
+
 /// Send SIGTERM to process `pid` (asking it to finish and exit).
 pub fn terminate(pid: u32) -> io::Result<()> {
     let pid = libc::pid_t::try_from(pid)
