@@ -1231,6 +1231,12 @@ fn cmd_probe(path: &Path, json: bool, samples: u32) -> Result<(), BenchError> {
             path.display()
         )));
     }
+    if path.is_dir() {
+        return Err(BenchError::Invalid(format!(
+            "{}: a directory, not a device: name a block device, an NVMe character device or a file",
+            path.display()
+        )));
+    }
     let p = probe(
         path,
         ProbeOptions {

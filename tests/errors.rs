@@ -272,7 +272,14 @@ fn a_character_device_or_directory_is_not_a_block_device() {
     assert!(msg.contains("not a block device or regular file"), "{msg}");
 
     let e = open_error(Path::new("/var/tmp"));
-    assert!(matches!(e, LbioError::NotABlockDevice { .. }), "{e:?}");
+    assert!(
+        matches!(&e, LbioError::NotABlockDevice { kind, .. } if kind == "directory"),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string().contains("/var/tmp: a directory is not"),
+        "{e}"
+    );
 }
 
 /// A ramfs mounted on a fresh directory, unmounted and removed when dropped.

@@ -33,6 +33,8 @@ pub enum DeviceKind {
     BlockDevice,
     RegularFile,
     CharDevice,
+    Directory,
+    /// A FIFO, a socket, or anything else that is none of the above.
     Other,
 }
 
@@ -42,7 +44,8 @@ impl fmt::Display for DeviceKind {
             DeviceKind::BlockDevice => "block device",
             DeviceKind::RegularFile => "regular file",
             DeviceKind::CharDevice => "character device",
-            DeviceKind::Other => "other",
+            DeviceKind::Directory => "directory",
+            DeviceKind::Other => "special file",
         })
     }
 }
@@ -176,21 +179,14 @@ fn path_err(path: &Path) -> impl FnOnce(std::io::Error) -> CoreError + '_ {
 pub fn probe(path: &Path, opts: ProbeOptions) -> Result<DeviceProbe, CoreError> {
     let buffered = sys::open_buffered(path, false).map_err(path_err(path))?;
     let st = sys::statx(buffered.as_raw_fd()).map_err(path_err(path))?;
-    if st.mode & libc::S_IFMT == libc::S_IFDIR {
-        return Err(CoreError::Path {
-            path: path.to_path_buf(),
-            source: std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                "a directory, not a device: name a block device, an NVMe character device or a file",
-            ),
-        });
-    }
     let kind = if st.is_block_device() {
         DeviceKind::BlockDevice
     } else if st.is_regular() {
         DeviceKind::RegularFile
     } else if st.is_char_device() {
         DeviceKind::CharDevice
+    } else if st.mode & libc::S_IFMT == libc::S_IFDIR {
+        DeviceKind::Directory
     } else {
         DeviceKind::Other
     };
