@@ -758,9 +758,7 @@ fn hold_cpu_latency(q: QosArgs) -> Result<Option<sys::CpuLatencyRequest>, BenchE
     let Some(us) = q.cpu_latency_us else {
         // A KVM guest whose idle vCPUs halt at once: how soon the device's kernel thread runs
         // on one is up to the hypervisor, and QD1 latencies can move between runs with it.
-        if sys::cpuidle_driver().as_deref() == Some("haltpoll")
-            && sys::guest_halt_poll_ns() == Some(0)
-        {
+        if sys::guest_halt_poll_ns() == Some(0) {
             eprintln!(
                 "cpu latency: the machine's own idle policy (haltpoll guest, guest_halt_poll_ns 0: an idle vCPU halts at once, and waking it is up to the hypervisor, so QD1 latencies may shift between runs); --cpu-latency-us 0 keeps idle CPUs polling, every contender alike"
             );

@@ -628,7 +628,7 @@ pub(crate) fn device_bytes(path: &std::path::Path) -> Result<u64, BenchError> {
     let st = sys::statx(f.as_raw_fd()).map_err(setup_err(&path.display().to_string()))?;
     if st.is_block_device() {
         sys::block_device_bytes(f.as_raw_fd()).map_err(setup_err(&path.display().to_string()))
-    } else if f.metadata().is_ok_and(|m| m.is_dir()) {
+    } else if st.is_dir() {
         Err(BenchError::Invalid(format!(
             "{}: a directory, not a device: name a block device or a file",
             path.display()

@@ -185,7 +185,7 @@ pub fn probe(path: &Path, opts: ProbeOptions) -> Result<DeviceProbe, CoreError> 
         DeviceKind::RegularFile
     } else if st.is_char_device() {
         DeviceKind::CharDevice
-    } else if st.mode & libc::S_IFMT == libc::S_IFDIR {
+    } else if st.is_dir() {
         DeviceKind::Directory
     } else {
         DeviceKind::Other

@@ -70,6 +70,9 @@ impl Statx {
     pub fn is_regular(&self) -> bool {
         self.mode & libc::S_IFMT == libc::S_IFREG
     }
+    pub fn is_dir(&self) -> bool {
+        self.mode & libc::S_IFMT == libc::S_IFDIR
+    }
 }
 
 /// `statx` on an open descriptor.
@@ -467,10 +470,13 @@ pub fn cpuidle_driver() -> Option<String> {
         .map(|s| s.trim().to_string())
 }
 
-/// With the `haltpoll` cpuidle driver (KVM guests): how long an idle vCPU polls before it halts
-/// at most, in ns (`guest_halt_poll_ns`; 0: it halts at once, and a wake-up then waits for the
-/// hypervisor). `None` without that driver's module.
+/// With the `haltpoll` cpuidle driver in use (KVM guests): how long an idle vCPU polls before it
+/// halts at most, in ns (`guest_halt_poll_ns`; 0: it halts at once, and a wake-up then waits for
+/// the hypervisor). `None` under any other driver.
 pub fn guest_halt_poll_ns() -> Option<u64> {
+    if cpuidle_driver().as_deref() != Some("haltpoll") {
+        return None;
+    }
     std::fs::read_to_string("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
         .ok()
         .and_then(|s| s.trim().parse().ok())
