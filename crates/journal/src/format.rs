@@ -43,6 +43,10 @@ pub const FLAG_RIO: u32 = 2;
 pub const FLAG_ONE_WRITE: u32 = 4;
 /// The superblock's checksum covers its first sector up to here.
 pub const SB_CRC_AT: usize = 508;
+/// The largest transaction id a log block or superblock may carry. Ids start at 1 and grow by one
+/// per commit, so a larger one can only come from damaged or crafted bytes: such a block is not
+/// taken for a transaction (and an id one past it still fits a `u64`).
+pub const MAX_TID: u64 = u64::MAX >> 1;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
@@ -141,6 +145,12 @@ impl Superblock {
             tail_tid: get_u64(b, 40),
             generation: get_u64(b, 48),
         };
+        if sb.tail_tid > MAX_TID {
+            return Err(format!(
+                "tail transaction id {} past the largest a journal uses ({MAX_TID})",
+                sb.tail_tid
+            ));
+        }
         if sb.area_blocks < 2 || sb.tail_pos >= sb.area_blocks - 1 {
             return Err(format!(
                 "tail position {} outside a log of {} blocks",
@@ -194,9 +204,10 @@ impl Header {
             Kind::Revoke => (1..=REVOKES_PER_BLOCK as u32).contains(&count),
             Kind::Commit => count == 0,
         };
-        fits.then(|| Header {
+        let tid = get_u64(b, 8);
+        (fits && tid <= MAX_TID).then(|| Header {
             kind,
-            tid: get_u64(b, 8),
+            tid,
             area: get_u32(b, 16),
             count,
             flags: get_u32(b, 24),

@@ -74,7 +74,9 @@ impl Layout {
     }
 
     fn in_area(&self, block: u64) -> Option<usize> {
-        let byte = block * BLOCK as u64;
+        // A block number too large to have a byte offset lies in no area (callers check it
+        // against the device's end as well).
+        let byte = block.checked_mul(BLOCK as u64)?;
         self.areas
             .iter()
             .position(|&(off, n)| byte >= off && byte < off + n * BLOCK as u64)
@@ -177,11 +179,16 @@ fn probe_durability(dev: &Device, at: u64) -> Result<DurabilityProbe, JournalErr
     // interference lands on all three of a round, where comparing separate medians (12 rounds)
     // let it tip the choice: in one `aios bench fsync --rounds 5` run, one of the ten formats
     // chose FLUSH on the loop device, where a FUA write costs about half a write and a FLUSH.
+    // The block written is zeros: the arena hands buffers out as their last user left them, and
+    // a stale copy of a sealed log block left at the log's next position would be read back by
+    // recovery's scan for later commits.
     for _ in 0..PROBE_ROUNDS {
-        let b = alloc(engine)?;
+        let mut b = alloc(engine)?;
+        b.fill(0);
         time(&mut w, dev.write_at(at, b, false))?;
         time(&mut f, dev.flush())?;
-        let b = alloc(engine)?;
+        let mut b = alloc(engine)?;
+        b.fill(0);
         time(&mut fw, dev.write_at(at, b, true))?;
     }
     let med = |mut v: Vec<f64>| {
@@ -591,6 +598,9 @@ struct AreaState {
     leader: bool,
     /// A handle commits into this area with Rio ordering (its stream is this area's).
     rio_owned: bool,
+    /// The log holds Rio-ordered commits not yet checkpointed: recovery keeps them only as far
+    /// as the Rio handle's attribute log shows them durable, so that log must outlive them.
+    rio_unhomed: bool,
     /// Commits waiting for the leader, in arrival order.
     queue: std::collections::VecDeque<Arc<Waiter>>,
 }
@@ -603,6 +613,7 @@ impl AreaState {
             generation,
             leader: false,
             rio_owned: false,
+            rio_unhomed: false,
             queue: Default::default(),
         }
     }
@@ -695,8 +706,11 @@ impl JournalStats {
 /// Entries [`Versions`] has room for from the start (more grow it once).
 const VERSIONS_PREALLOCATED: usize = 1 << 16;
 
-/// Committed metadata not yet checkpointed: block → (tid, bytes), newest only. No bytes: a
-/// one-write commit's data block, written home already (a checkpoint only flushes it). The
+/// Journaled metadata not yet checkpointed: block → (tid, bytes), newest only. No bytes: a
+/// one-write commit's data block, written home already (a checkpoint only flushes it). A
+/// commit records its versions when it takes its id, before its writes go out, under the lock
+/// its checks against the versions hold: so the entries follow id order (as recovery replays
+/// them), and a commit on another area sees one still in flight. The
 /// block copies of entries dropped (revoked, replaced by home data, checkpointed) are kept for
 /// later entries, so steady commits and checkpoints do not allocate.
 struct Versions {
@@ -950,7 +964,7 @@ fn plan_recovery<'a>(
     let from = recovery::home_below(logs);
     let writes = recovery::merge(logs, from);
     for (block, _) in &writes {
-        if layout.in_area(*block).is_some() || (block + 1) * BLOCK as u64 > device_bytes {
+        if *block >= device_bytes / BLOCK as u64 || layout.in_area(*block).is_some() {
             return Err(JournalError::NotHomeBlock {
                 block: *block,
                 why: "a replayed transaction names it".into(),
@@ -1201,9 +1215,10 @@ impl JournalSet {
         self.next_tid.load(Ordering::Relaxed)
     }
 
-    /// The newest committed copy of metadata block `block` while a checkpoint has not yet
+    /// The newest journaled copy of metadata block `block` while a checkpoint has not yet
     /// written it home (until then the home block holds an older version); `None` when the
-    /// home block is current.
+    /// home block is current. A commit's copies are recorded as its writes go out, so a commit
+    /// still in flight is seen too (if it fails, the set is aborted).
     pub fn unhomed_copy(&self, block: u64) -> Option<Vec<u8>> {
         let versions = self.lock_versions();
         match versions.get(&block) {
@@ -1266,6 +1281,13 @@ struct RioStream {
 impl Drop for Journal {
     fn drop(&mut self) {
         if self.rio.is_some() {
+            // This handle's attribute log is what vouches for the area's Rio-ordered commits,
+            // and the next Rio handle on the area starts a fresh one: put them home first. A
+            // failed checkpoint aborts the set (reopening it recovers with this log), and
+            // `with_rio` refuses the area while they are not home.
+            if self.set.lock_area(self.area).rio_unhomed {
+                let _ = self.checkpoint();
+            }
             self.set.lock_area(self.area).rio_owned = false;
         }
     }
@@ -1323,6 +1345,11 @@ impl Journal {
     /// (format it after every [`JournalSet::open_rio`]: the logs it recovered from are spent).
     /// At most one Rio handle per area. Preparation is overlapped-style; group commit still lets
     /// other handles' commits join this one.
+    ///
+    /// Dropping the handle checkpoints the journal when its area's log holds Rio-ordered
+    /// commits: recovery trusts those only as far as this handle's attribute log shows them
+    /// durable, and the next Rio handle on the area starts a fresh log (a crash does not drop
+    /// the handle, and leaves the log to recovery).
     pub fn with_rio(
         set: &std::sync::Arc<JournalSet>,
         area: usize,
@@ -1361,6 +1388,13 @@ impl Journal {
             if a.rio_owned {
                 return Err(JournalError::Layout(format!(
                     "journal area {area} already has a Rio-ordered handle (one stream per area)"
+                )));
+            }
+            if a.rio_unhomed {
+                return Err(JournalError::Layout(format!(
+                    "journal area {area} still holds Rio-ordered commits that only the previous \
+                     handle's attribute log vouches for (its checkpoint failed): reopen the \
+                     journal with JournalSet::open_rio and that log"
                 )));
             }
             a.rio_owned = true;
@@ -1554,7 +1588,13 @@ impl Journal {
         loop {
             {
                 let _shared = self.set.gate.read().unwrap_or_else(|p| p.into_inner());
-                let tx = &*self.with_implied_revokes(tx);
+                // The checks against other areas' commits, the id and the record of this
+                // commit's versions happen under one hold of the versions lock: a commit on
+                // another area that takes an id after this one sees this one's versions (even
+                // while its writes are in flight), and versions are recorded in id order, the
+                // order recovery replays them in.
+                let mut versions = self.set.lock_versions();
+                let tx = &*self.with_implied_revokes(&versions, tx);
                 let needed = self.log_blocks(tx);
                 let head = {
                     let area = self.set.lock_area(self.area);
@@ -1562,22 +1602,16 @@ impl Journal {
                         .then_some(area.head)
                 };
                 if let Some(head) = head {
-                    if let Some(block) = self.data_conflict(tx) {
+                    if let Some(block) = self.data_conflict_in(&versions, tx) {
                         return Err(JournalError::DataOverJournaledBlock { block });
                     }
                     self.check_aborted()?;
                     let tid = self.set.next_tid.fetch_add(1, Ordering::Relaxed);
-                    if let Err(e) = self.write_tx(tx, tid, head) {
-                        self.set.aborted.store(true, Ordering::SeqCst);
-                        return Err(e);
-                    }
-                    // Durable: record the new versions, then advance the head.
-                    let mut versions = self.set.lock_versions();
                     for &b in tx.revokes.as_slice() {
                         versions.remove(b);
                     }
-                    // One-write data is home already (written before the commit returned): the
-                    // checkpoint's FLUSH is all it needs, so only its id is kept (no bytes).
+                    // One-write data goes home in the commit's own write: the checkpoint's FLUSH
+                    // is all it needs, so only its id is kept (no bytes).
                     let home_done = self.one_write(tx);
                     for (b, _) in tx.data.iter().filter(|_| home_done) {
                         versions.record_home(*b, tid);
@@ -1585,8 +1619,21 @@ impl Journal {
                     for (b, d) in &tx.metas {
                         versions.record(*b, tid, d);
                     }
-                    self.set.lock_area(self.area).head += needed;
                     drop(versions);
+                    // A failed write aborts the set: no checkpoint writes the versions just
+                    // recorded, and reopening it recovers from what the device holds.
+                    if let Err(e) = self.write_tx(tx, tid, head) {
+                        self.set.aborted.store(true, Ordering::SeqCst);
+                        return Err(e);
+                    }
+                    // Durable: advance the head.
+                    {
+                        let mut area = self.set.lock_area(self.area);
+                        area.head += needed;
+                        if self.rio.is_some() {
+                            area.rio_unhomed = true;
+                        }
+                    }
                     let st = &self.set.stats;
                     st.commits.fetch_add(members, Ordering::Relaxed);
                     st.log_blocks_written.fetch_add(needed, Ordering::Relaxed);
@@ -1632,10 +1679,14 @@ impl Journal {
     /// A one-write commit's data block is no conflict either: [`Self::with_implied_revokes`]
     /// revokes its journaled copy (the in-place write is the newer version).
     fn data_conflict(&self, tx: &Tx) -> Option<u64> {
+        self.data_conflict_in(&self.set.lock_versions(), tx)
+    }
+
+    /// [`Self::data_conflict`] with the versions lock held by the caller.
+    fn data_conflict_in(&self, versions: &Versions, tx: &Tx) -> Option<u64> {
         if self.one_write(tx) {
             return None;
         }
-        let versions = self.set.lock_versions();
         tx.data
             .iter()
             .find(|(b, _)| {
@@ -1647,12 +1698,15 @@ impl Journal {
     /// `tx`, revoking the blocks it writes in place whose newest journaled version is a
     /// one-write commit's data (home already): replay must not put that older copy back over
     /// this write. Unchanged (no copy) in the usual case.
-    fn with_implied_revokes<'t>(&self, tx: &'t Tx) -> std::borrow::Cow<'t, Tx> {
+    fn with_implied_revokes<'t>(
+        &self,
+        versions: &Versions,
+        tx: &'t Tx,
+    ) -> std::borrow::Cow<'t, Tx> {
         use std::borrow::Cow;
         if self.one_write(tx) || tx.data.is_empty() {
             return Cow::Borrowed(tx);
         }
-        let versions = self.set.lock_versions();
         let implied: Vec<u64> = tx
             .data
             .iter()
@@ -1661,7 +1715,6 @@ impl Journal {
                 versions.get(b).is_some_and(|(_, d)| d.is_empty()) && !tx.revokes.contains(*b)
             })
             .collect();
-        drop(versions);
         if implied.is_empty() {
             return Cow::Borrowed(tx);
         }
@@ -2140,7 +2193,9 @@ impl Journal {
             self.engine.block_on(self.dev.flush())??;
         }
         for (i, h) in heads.into_iter().enumerate() {
-            set.lock_area(i).tail = h;
+            let mut a = set.lock_area(i);
+            a.tail = h;
+            a.rio_unhomed = false;
         }
         // All home: the versions go, their copies kept for later commits.
         set.lock_versions().clear();

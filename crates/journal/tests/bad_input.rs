@@ -290,3 +290,128 @@ fn a_journal_formatted_over_a_used_one_starts_empty() {
         );
     }
 }
+
+/// A sealed transaction (descriptor, one metadata block, commit block with the right chained
+/// checksum) at the start of a one-area journal, naming `home_tag` with id `tid`: what
+/// recovery sees when the bytes are well-formed but the values are not.
+fn sealed_tx_image(home_tag: u64, tid: u64) -> (Vec<u8>, Layout) {
+    use format::{Header, Kind, Superblock, BLOCK};
+    let area_blocks = 16u64;
+    let layout = Layout::per_core(0, area_blocks, 1);
+    let mut img = vec![0u8; ((area_blocks + 32) * 4096) as usize];
+    Superblock {
+        area_blocks,
+        area_index: 0,
+        area_count: 1,
+        tail_pos: 0,
+        tail_tid: 1,
+        generation: 1,
+    }
+    .encode(&mut img[..BLOCK]);
+    let meta = vec![0xabu8; BLOCK];
+    let mut d = vec![0u8; BLOCK];
+    Header {
+        kind: Kind::Descriptor,
+        tid,
+        area: 0,
+        count: 1,
+        flags: 0,
+        file: 0,
+    }
+    .write(&mut d);
+    format::put_tag(&mut d, 0, home_tag, format::crc(&meta));
+    format::seal(&mut d);
+    let chain = format::crc_chain(format::crc_chain(0, &d), &meta);
+    let mut c = vec![0u8; BLOCK];
+    Header {
+        kind: Kind::Commit,
+        tid,
+        area: 0,
+        count: 0,
+        flags: 0,
+        file: 0,
+    }
+    .write(&mut c);
+    format::put_u32(&mut c, format::HEADER, 2);
+    format::put_u32(&mut c, format::HEADER + 4, chain);
+    format::seal(&mut c);
+    img[BLOCK..2 * BLOCK].copy_from_slice(&d);
+    img[2 * BLOCK..3 * BLOCK].copy_from_slice(&meta);
+    img[3 * BLOCK..4 * BLOCK].copy_from_slice(&c);
+    (img, layout)
+}
+
+/// Well-sealed log blocks carrying values no journal writes: a home block whose byte offset
+/// does not fit 64 bits (it used to overflow, and in a release build wrap onto a real home
+/// block), and the largest transaction id (its successor overflowed). Recovery refuses the
+/// first with a typed error and writes nothing; the second is not taken for a transaction.
+#[test]
+fn recovery_refuses_out_of_range_blocks_and_ids() {
+    let (mut img, layout) = sealed_tx_image((1u64 << 52) + 20, 1);
+    let before = img.clone();
+    match recover_image(&mut img, &layout) {
+        Err(JournalError::NotHomeBlock { block, .. }) => assert_eq!(block, (1u64 << 52) + 20),
+        other => panic!("a home block past the device: {other:?}"),
+    }
+    assert!(
+        img == before,
+        "nothing is written home when the plan is refused"
+    );
+
+    // The same transaction naming a real home block is replayed (the image itself is sound).
+    let (mut img, layout) = sealed_tx_image(20, 1);
+    let report = recover_image(&mut img, &layout).unwrap();
+    assert_eq!(report.replayed, vec![vec![1]]);
+    assert_eq!(img[20 * 4096], 0xab);
+
+    for tid in [u64::MAX, format::MAX_TID + 1] {
+        let (mut img, layout) = sealed_tx_image(20, tid);
+        let report = recover_image(&mut img, &layout).unwrap();
+        assert!(
+            report.replayed.iter().all(|r| r.is_empty()),
+            "id {tid}: {report:?}"
+        );
+        assert_eq!(img[20 * 4096], 0, "id {tid} was replayed");
+        let log = recovery::parse_area(&img[..16 * 4096], 0).unwrap();
+        assert!(log.max_tid_seen <= format::MAX_TID, "id {tid}: {log:?}");
+    }
+    // A superblock whose tail id is past the range is a bad superblock.
+    let (mut img, layout) = sealed_tx_image(20, 1);
+    format::put_u64(&mut img[..4096], 40, u64::MAX);
+    let c = format::crc(&img[..format::SB_CRC_AT]);
+    format::put_u32(&mut img[..4096], format::SB_CRC_AT, c);
+    assert!(matches!(
+        recover_image(&mut img, &layout),
+        Err(JournalError::BadSuperblock { area: 0, .. })
+    ));
+}
+
+/// The durability probe that `JournalSet::format` runs writes zeros into area 0's first log
+/// block, whatever the engine's buffers held before (it used to write them as they were).
+#[test]
+fn the_durability_probe_writes_zeros() {
+    let lbio = lbio();
+    let engine = Rc::clone(lbio.engine());
+    // Leave every buffer of the arena full of a sealed-looking pattern.
+    let mut held = Vec::new();
+    while let Some(mut b) = engine.try_alloc(4096) {
+        b.fill(0x5a);
+        held.push(b);
+    }
+    assert!(!held.is_empty());
+    drop(held);
+    let disk = SimDisk::new(SimConfig::new(64 * 4096, 3)).unwrap();
+    let layout = Layout::per_core(0, 16, 1);
+    let set = JournalSet::format(&disk.open(&lbio).unwrap(), layout).unwrap();
+    // The probe timed its writes (a device without FUA, or with power-loss protection, skips it).
+    assert!(
+        set.durability_probe().fua_write_us > 0.0,
+        "{:?}",
+        set.durability_probe()
+    );
+    let media = disk.media();
+    assert!(
+        media[4096..2 * 4096].iter().all(|&b| b == 0),
+        "area 0's first log block holds old buffer bytes"
+    );
+}
