@@ -32,6 +32,11 @@ pub const ATTR_BYTES: usize = 64;
 const MAGIC: u32 = u32::from_le_bytes(*b"RIOA");
 const PERSISTED: u32 = 0x5e51_57ed;
 
+/// The largest group number an entry may carry (the log's slot table counts 2^58 − 2 groups;
+/// at ten million writes a second, about 900 years): a larger one is damage, and keeps
+/// recovery's arithmetic on group numbers and byte ranges inside 64 bits.
+pub const MAX_SEQ: u64 = (1 << 58) - 2;
+
 /// Flag bits.
 pub const BOUNDARY: u16 = 1;
 pub const IPU: u16 = 2;
@@ -119,7 +124,7 @@ impl Attr {
         let crc = entry_crc(out[8..60].try_into().expect("52 bytes"));
         out[4..8].copy_from_slice(&crc.to_le_bytes());
         let word = if persist {
-            Self::persisted_word(self.seq)
+            Self::persisted_word(self.stream, epoch, self.seq)
         } else {
             0
         };
@@ -130,15 +135,23 @@ impl Attr {
     /// The persist word this entry carries once its data is durable.
     pub fn persist_word(&self) -> u32 {
         if self.persist {
-            PERSISTED ^ self.seq as u32
+            Self::persisted_word(self.stream, self.epoch, self.seq)
         } else {
             0
         }
     }
 
-    /// The persist word for an entry of group `seq`, to write at byte 60 of its slot.
-    pub fn persisted_word(seq: u64) -> u32 {
-        PERSISTED ^ seq as u32
+    /// The persist word for an entry of `stream`'s group `seq` stamped with `epoch`, to write at
+    /// byte 60 of its slot. It depends on all three (a checksum of them, never 0), so the word
+    /// an earlier entry left in the slot is not this entry's: an append torn before its last
+    /// bytes landed leaves the old word behind, and a word of another stream, another epoch or
+    /// an older group would otherwise read as this entry's data being durable.
+    pub fn persisted_word(stream: u16, epoch: u32, seq: u64) -> u32 {
+        let mut b = [0u8; 14];
+        b[0..2].copy_from_slice(&stream.to_le_bytes());
+        b[2..6].copy_from_slice(&epoch.to_le_bytes());
+        b[6..14].copy_from_slice(&seq.to_le_bytes());
+        (PERSISTED ^ aios_core::checksum::crc32c_array(&b)).max(1)
     }
 
     /// Decode an entry: `Ok(None)` for an empty slot (no magic), `Err` for a damaged one.
@@ -180,19 +193,25 @@ impl Attr {
             num: u16_at(54),
             members: u16_at(56),
             split,
-            persist: u32_at(60) == Self::persisted_word(seq),
+            persist: false,
+        };
+        let a = Attr {
+            persist: u32_at(60) == Self::persisted_word(a.stream, a.epoch, seq),
+            ..a
         };
         // members is 0 only on a FLUSH marker (a flush-bearing entry with no data of its own).
         let marker = a.flush && a.len == 0;
         if seq == 0
             || seq_end < seq
+            || seq_end > MAX_SEQ
+            || a.offset.checked_add(a.len as u64).is_none()
             || (a.members == 0) != marker
             || split.is_some_and(|(i, n)| i >= n)
         {
             return Err(RioError::Corrupt(format!(
                 "attribute entry with impossible fields (seq {seq}..={seq_end}, members {}, \
-                 split {split:?})",
-                a.members
+                 split {split:?}, bytes {}+{})",
+                a.members, a.offset, a.len
             )));
         }
         Ok(Some(a))
@@ -239,7 +258,7 @@ mod tests {
         a.encode(&mut b);
         assert_eq!(Attr::decode(&b).unwrap(), Some(a));
         // Setting persist afterwards touches only the persist word.
-        b[60..64].copy_from_slice(&Attr::persisted_word(a.seq).to_le_bytes());
+        b[60..64].copy_from_slice(&Attr::persisted_word(a.stream, a.epoch, a.seq).to_le_bytes());
         a.persist = true;
         assert_eq!(Attr::decode(&b).unwrap(), Some(a));
         a.split = Some((1, 4));

@@ -332,6 +332,9 @@ impl Stream {
 /// Spent request lists (of groups of several writes) kept for reuse.
 const SPARE_REQS: usize = 64;
 
+/// Writes one group may hold: its boundary entry counts them in 16 bits.
+pub const MAX_GROUP_WRITES: usize = u16::MAX as usize;
+
 /// Runs a target's list of completed, not yet durable commands has room for from the start.
 const VOLATILE_RUNS: usize = 1024;
 
@@ -627,6 +630,14 @@ impl<P: Pmr> OrderedDevice<P> {
             )));
         }
         let st = &self.streams[s];
+        if st.open.len() >= MAX_GROUP_WRITES {
+            return Err(RioError::Config(format!(
+                "group {} of stream {stream} holds {} writes, the most one group may (its \
+                 entries count them in 16 bits): end the group before this write",
+                st.next_seq,
+                st.open.len()
+            )));
+        }
         if let Some(o) = st.open.iter().find(|r| {
             r.w.target == w.target
                 && r.w.offset < w.offset + len
@@ -1890,6 +1901,14 @@ impl<P: Pmr> OrderedDevice<P> {
     fn flush_target(&mut self, t: u16, marker: Option<(u16, u64)>) -> Result<(), RioError> {
         if self.targets[t as usize].plp {
             return Ok(());
+        }
+        // A background FLUSH still out on this target is taken first: were it to fail after
+        // this FLUSH completed (two FLUSHes on one device may complete in either order), the
+        // entry below would already vouch for the groups it covered. Taken now, its failure
+        // lowers `vouch_cap` before the entry is written.
+        while self.targets[t as usize].flushing.is_some() {
+            self.lbio.wait_done(1)?;
+            self.reap()?;
         }
         let slot = match marker.map(|(stream, seq)| (stream, self.vouch_cap(stream, seq))) {
             Some((stream, seq)) if seq > 0 => {

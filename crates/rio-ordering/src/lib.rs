@@ -45,8 +45,10 @@ pub mod pmr;
 pub mod recovery;
 
 pub use aios_core::pmr::NvmePmr;
-pub use attr::{Attr, ATTR_BYTES};
-pub use device::{Done, OrderedConfig, OrderedDevice, OrderedStats, StreamHandoff, Write};
+pub use attr::{Attr, ATTR_BYTES, MAX_SEQ};
+pub use device::{
+    Done, OrderedConfig, OrderedDevice, OrderedStats, StreamHandoff, Write, MAX_GROUP_WRITES,
+};
 pub use error::RioError;
 pub use log::{scan, AttrLog, Header, LogScan, MemPmr, Pmr, Slot, MAX_STREAMS};
 pub use pmr::{BlockLogStats, BlockPmr, FilePmr};

@@ -187,7 +187,10 @@ pub(crate) fn check_range(offset: usize, len: usize, size: usize) -> Result<usiz
         })
 }
 
-const LOG_MAGIC: u32 = u32::from_le_bytes(*b"RIOL");
+const LOG_MAGIC: u32 = u32::from_le_bytes(*b"RIO2");
+/// The magic of the first format, whose persist words depended on the group number alone
+/// (until 2026-11-27): such a log is refused, not misread.
+const LOG_MAGIC_1: u32 = u32::from_le_bytes(*b"RIOL");
 /// Header: magic, crc, epoch, slots, streams, where the slots start (in 64-byte units; 0 means
 /// right after both copies), version, then `durable_below` per stream; padded to whole 64-byte
 /// slots. Two copies, written in turn, so a torn header write leaves the other.
@@ -254,10 +257,20 @@ impl Header {
             )));
         }
         pmr.read(at, &mut fixed)?;
-        if u32::from_le_bytes(fixed[0..4].try_into().expect("4")) != LOG_MAGIC {
-            return Err(RioError::Corrupt(
-                "no attribute log here (bad magic): format it first".into(),
-            ));
+        match u32::from_le_bytes(fixed[0..4].try_into().expect("4")) {
+            LOG_MAGIC => {}
+            LOG_MAGIC_1 => {
+                return Err(RioError::Corrupt(
+                    "an attribute log of the first format (persist words that name only the \
+                     group; aios before 2026-11-27): recover with that build, or format it"
+                        .into(),
+                ))
+            }
+            _ => {
+                return Err(RioError::Corrupt(
+                    "no attribute log here (bad magic): format it first".into(),
+                ))
+            }
         }
         let streams = u16::from_le_bytes([fixed[16], fixed[17]]) as usize;
         if streams == 0 || streams > MAX_STREAMS as usize {
@@ -291,19 +304,29 @@ impl Header {
                 "log header claims {slots} slots, more than the region holds"
             )));
         }
+        let durable_below: Vec<u64> = (0..streams)
+            .map(|i| {
+                u64::from_le_bytes(
+                    b[HEADER_FIXED + 8 * i..HEADER_FIXED + 8 * i + 8]
+                        .try_into()
+                        .expect("8"),
+                )
+            })
+            .collect();
+        if let Some((i, d)) = durable_below
+            .iter()
+            .enumerate()
+            .find(|&(_, &d)| d > crate::attr::MAX_SEQ + 1)
+        {
+            return Err(RioError::Corrupt(format!(
+                "log header marks stream {i} durable below group {d}, past the largest group"
+            )));
+        }
         Ok(Header {
             epoch: u32::from_le_bytes(b[8..12].try_into().expect("4")),
             slots,
             version: u32::from_le_bytes(b[20..24].try_into().expect("4")),
-            durable_below: (0..streams)
-                .map(|i| {
-                    u64::from_le_bytes(
-                        b[HEADER_FIXED + 8 * i..HEADER_FIXED + 8 * i + 8]
-                            .try_into()
-                            .expect("8"),
-                    )
-                })
-                .collect(),
+            durable_below,
             slots_at,
         })
     }
@@ -313,7 +336,13 @@ impl Header {
         let first = Self::read_copy(pmr, 0);
         let second = Self::read_copy(pmr, header_copy_bytes(0));
         match (first, second) {
-            (Ok(a), Ok(b)) => Ok(if b.version > a.version { b } else { a }),
+            // Versions count header writes and wrap: the newer is the one less than half the
+            // range ahead (the two copies are written in turn, one version apart).
+            (Ok(a), Ok(b)) => Ok(if (b.version.wrapping_sub(a.version) as i32) > 0 {
+                b
+            } else {
+                a
+            }),
             (Ok(a), Err(_)) => Ok(a),
             (Err(_), Ok(b)) => Ok(b),
             (Err(e), Err(_)) => Err(e),
@@ -621,11 +650,23 @@ impl<P: Pmr> AttrLog<P> {
         Slot(s)
     }
 
-    /// The data of the entry in `slot` (group `seq`) is durable: set its persist word.
+    /// The data of the entry in `slot` (group `seq`, appended in this epoch) is durable: set its
+    /// persist word.
     pub fn set_persist(&mut self, slot: Slot, seq: u64) -> Result<(), RioError> {
+        let held = self
+            .used
+            .get(slot.0 as usize)
+            .and_then(|u| u.get())
+            .filter(|&(_, seq_end)| seq <= seq_end);
+        let Some((stream, _)) = held else {
+            return Err(RioError::Config(format!(
+                "slot {} holds no entry of group {seq}",
+                slot.0
+            )));
+        };
         let off = self.slot_offset(slot.0) + 60;
-        self.pmr
-            .persist(off, &Attr::persisted_word(seq).to_le_bytes())
+        let word = Attr::persisted_word(stream, self.header.epoch, seq);
+        self.pmr.persist(off, &word.to_le_bytes())
     }
 
     /// Every group of `stream` below `below` is durable: their slots may be reused.

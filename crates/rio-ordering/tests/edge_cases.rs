@@ -1,0 +1,388 @@
+//! Edge cases of the attribute log and the ordered device, each of which once let recovery keep
+//! a group that was not durable or drop one that `wait` had acknowledged (found by a review on
+//! 2026-11-27; each test failed before its fix): a torn append leaving an older entry's persist
+//! word behind, a background FLUSH failing after `wait`'s own FLUSH of the same target, the
+//! header's version wrapping, a group of more writes than its entries can count, and
+//! checksummed entries with values no device writes.
+
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+
+use aios_core::{Engine, EngineConfig};
+use lbio::{LbioArray, LbioConfig};
+use rio_ordering::{
+    recover, scan, Attr, AttrLog, MemPmr, OrderedConfig, OrderedDevice, Pmr, Write,
+};
+
+fn one(seq: u64, offset: u64) -> Attr {
+    Attr {
+        stream: 0,
+        target: 0,
+        seq,
+        seq_end: seq,
+        offset,
+        len: 4096,
+        boundary: true,
+        num: 1,
+        members: 1,
+        ..Attr::default()
+    }
+}
+
+/// A PMR append is eight 8-byte stores (aios_core::pmr::write_bytes); power fails after the
+/// seventh: bytes 56..64 of the slot keep what the slot held before. For an entry without a
+/// split and with one member, bytes 56..60 are the same in the old and the new entry, so the
+/// checksum (8..60) holds, and the old persist word (60..64) stays.
+fn tear_last_word(pmr: &mut MemPmr, off: usize, old: &[u8; 64]) {
+    pmr.bytes_mut()[off + 56..off + 64].copy_from_slice(&old[56..64]);
+}
+
+#[test]
+fn a_torn_append_after_reopen_does_not_inherit_the_stale_entrys_persist_word() {
+    // Epoch 1: group 1 of two requests; the first is durable (PLP target, persist word set),
+    // the second is not when the power fails. Recovery: prefix_end 1.
+    let mut log = AttrLog::format(MemPmr::new(64 << 10), 1).unwrap();
+    let mut a = one(1, 0);
+    a.boundary = false;
+    a.num = 0;
+    let s0 = log.append(&a).unwrap();
+    log.set_persist(s0, 1).unwrap();
+    let mut b = one(1, 4096);
+    b.num = 2;
+    log.append(&b).unwrap();
+    let r = recover(&scan(log.pmr()).unwrap(), &|_| true);
+    assert_eq!(r.streams[0].prefix_end, 1);
+    // Reopen at the resume mark; the stream writes group 1 again (one request) into slot 0.
+    let pmr = log.into_pmr();
+    let mut log = AttrLog::reopen(pmr, &r.resume_marks()).unwrap();
+    let slots_at = scan(log.pmr()).unwrap().header.slots_at;
+    let mut old = [0u8; 64];
+    log.pmr().read(slots_at, &mut old).unwrap();
+    let s = log.append(&one(1, 8192)).unwrap();
+    assert_eq!(s.0, 0);
+    // The power fails during that append (before its data is even submitted).
+    let mut crash = log.pmr().clone();
+    tear_last_word(&mut crash, slots_at, &old);
+    let sc = scan(&crash).unwrap();
+    assert!(
+        sc.damaged.is_empty(),
+        "the torn entry is not even seen as damaged"
+    );
+    let r = recover(&sc, &|_| true);
+    assert_eq!(
+        r.streams[0].prefix_end, 1,
+        "recovery keeps group 1 of epoch 2, whose data was never submitted: {:?}",
+        r.streams[0]
+    );
+}
+
+#[test]
+fn a_torn_append_does_not_inherit_another_streams_persist_word() {
+    // Two streams, a two-slot log. Stream 1's group 1 sat in slot 0 (durable, persisted);
+    // stream 0's group 1 now goes into slot 0, and the power fails after 7 of its 8 stores.
+    let mut log = AttrLog::format(MemPmr::new(64 << 10), 2).unwrap();
+    let slots_at = scan(log.pmr()).unwrap().header.slots_at;
+    let slots = log.slots();
+    let mut b = one(1, 1 << 20);
+    b.stream = 1;
+    for k in 0..slots as u64 {
+        let mut e = b;
+        e.seq = 1 + k;
+        e.seq_end = 1 + k;
+        e.offset = (1 << 20) + k * 4096;
+        let s = log.append(&e).unwrap();
+        log.set_persist(s, e.seq).unwrap();
+    }
+    log.durable(1, slots as u64 + 1);
+    let mut old = [0u8; 64];
+    log.pmr().read(slots_at, &mut old).unwrap();
+    let s = log.append(&one(1, 0)).unwrap();
+    assert_eq!(s.0, 0);
+    let mut crash = log.pmr().clone();
+    tear_last_word(&mut crash, slots_at, &old);
+    let r = recover(&scan(&crash).unwrap(), &|_| true);
+    assert_eq!(
+        r.streams[0].prefix_end, 1,
+        "stream 0's group 1 was never submitted: {:?}",
+        r.streams[0]
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+
+const DISK: u64 = 1 << 20;
+const EIO: i32 = 5;
+
+/// RAM without power-loss protection. While `fail_late` > 0, a FLUSH is queued (a NOP on the
+/// ring) and completes later with EIO; other FLUSHes complete at once, without error. So a
+/// background FLUSH that fails can complete after a later FLUSH on the same target (as two
+/// FLUSHes in io_uring's worker threads, or on an NVMe queue, may).
+struct LateFailFlush {
+    mem: lbio::MemBackend,
+    fail_late: Rc<Cell<u32>>,
+    late: Rc<RefCell<Vec<u64>>>,
+}
+
+impl lbio::Backend for LateFailFlush {
+    fn caps(&self) -> lbio::Caps {
+        lbio::Caps {
+            power_loss_protected: false,
+            asynchronous: true,
+            ..self.mem.caps()
+        }
+    }
+    fn outcome_of(&self, payload: u64, res: i32, len: u32) -> lbio::Outcome {
+        let mut late = self.late.borrow_mut();
+        if let Some(i) = late.iter().position(|&p| p == payload) {
+            late.swap_remove(i);
+            return lbio::Outcome::Failed(lbio::PieceError::Errno(EIO));
+        }
+        drop(late);
+        self.mem.outcome_of(payload, res, len)
+    }
+    unsafe fn start(
+        &self,
+        engine: &Engine,
+        sink: aios_core::SinkId,
+        tag: u64,
+        piece: &lbio::Piece,
+    ) -> Result<lbio::Started, aios_core::CoreError> {
+        if piece.op == lbio::Op::Flush && self.fail_late.get() > 0 {
+            self.fail_late.set(self.fail_late.get() - 1);
+            self.late.borrow_mut().push(tag);
+            // SAFETY: a NOP refers to no memory.
+            unsafe {
+                engine.push(aios_core::RingKind::Main, sink, tag, aios_core::nop_sqe())?;
+            }
+            return Ok(lbio::Started::Queued);
+        }
+        // SAFETY: the caller's contract on `piece` is passed on unchanged.
+        unsafe { self.mem.start(engine, sink, tag, piece) }
+    }
+}
+
+fn late_target(lbio: &Rc<LbioArray>) -> (lbio::Device, Rc<Cell<u32>>) {
+    let fail_late = Rc::new(Cell::new(0));
+    let late = Rc::new(RefCell::new(Vec::new()));
+    let backend = || {
+        Box::new(LateFailFlush {
+            mem: lbio::MemBackend::new(DISK as usize),
+            fail_late: Rc::clone(&fail_late),
+            late: Rc::clone(&late),
+        })
+    };
+    let geometry = lbio::Geometry {
+        capacity_bytes: DISK,
+        logical_block: 512,
+        mem_align: 512,
+        offset_align: 512,
+        max_transfer_bytes: 128 << 10,
+    };
+    let dev = lbio::Device::from_backends(lbio, backend(), backend(), geometry, true).unwrap();
+    (dev, fail_late)
+}
+
+fn write(engine: &Engine, target: u16, offset: u64, fill: u8) -> Write {
+    let mut buf = engine.alloc_blocking(4096).unwrap();
+    buf.fill(fill);
+    Write {
+        target,
+        offset,
+        buf,
+        ipu: false,
+    }
+}
+
+#[test]
+fn a_background_flush_failing_after_waits_own_flush_is_not_vouched_for() {
+    // As `a_background_flush_failing_during_wait_is_not_vouched_for_by_its_entry`, but the
+    // failing background FLUSH on target 1 completes after `wait`'s own FLUSH of target 1.
+    let engine = Engine::new(EngineConfig {
+        ring_entries: 256,
+        arena_bytes: 8 << 20,
+        huge_pages: false,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let (a, _) = late_target(&lbio);
+    let (b, fail_b) = late_target(&lbio);
+    let log = AttrLog::format(MemPmr::new(16 << 10), 2).unwrap();
+    let cfg = OrderedConfig {
+        flush_ahead: 2,
+        ..OrderedConfig::default()
+    };
+    let mut od = OrderedDevice::new(lbio, vec![a, b], log, &[1, 1], cfg).unwrap();
+    od.submit(0, write(&engine, 0, 0, 1), true).unwrap();
+    od.poll().unwrap();
+    od.submit(0, write(&engine, 1, 0, 2), true).unwrap();
+    od.poll().unwrap();
+    od.submit(1, write(&engine, 1, 65536, 3), true).unwrap();
+    fail_b.set(1);
+    let e = od.wait(0).unwrap_err().to_string();
+    assert!(e.contains("FLUSH on target 1"), "{e}");
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert!(
+        rec.streams[0].prefix_end <= 2,
+        "recovery keeps group 2, which a failed FLUSH covered (wait said so): {:?}",
+        rec.streams[0]
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+
+/// Bytes of one header copy (room for 64 streams' marks, whole 64-byte slots).
+const COPY: usize = (24 + 8 * 64usize).div_ceil(64) * 64;
+
+/// Rewrite header copy `k`'s version (as 2^32 header writes over the region's life would).
+fn set_version(pmr: &mut MemPmr, k: usize, version: u32) {
+    let b = &mut pmr.bytes_mut()[k * COPY..(k + 1) * COPY];
+    b[20..24].copy_from_slice(&version.to_le_bytes());
+    let crc = crc32c::crc32c(&b[8..]);
+    b[4..8].copy_from_slice(&crc.to_le_bytes());
+}
+
+#[test]
+fn the_header_version_wrapping_keeps_the_newer_copy() {
+    let mut pmr = AttrLog::format(MemPmr::new(1152 + 4 * 64), 1)
+        .unwrap()
+        .into_pmr();
+    // The region has seen 2^32 - 2 header writes: copy 1 holds the newest.
+    set_version(&mut pmr, 1, u32::MAX - 1);
+    let mut log = AttrLog::reopen(pmr, &[1]).unwrap(); // version u32::MAX
+    assert_eq!(log.slots(), 4);
+    // Groups 1..=5 on a power-loss-protected target, each durable at its completion.
+    for g in 1..=5u64 {
+        let s = log.append(&one(g, g * 4096)).unwrap();
+        log.set_persist(s, g).unwrap();
+        log.durable(0, g + 1);
+    }
+    // Group 5 reused slot 0 after a header write (version 0, marks [5]).
+    assert_eq!(log.header_writes(), 1);
+    let r = recover(&scan(log.pmr()).unwrap(), &|_| true);
+    assert_eq!(
+        r.streams[0].prefix_end, 6,
+        "every group was durable: {:?}",
+        r.streams[0]
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+
+/// A group holds at most 65,535 writes (its boundary entry counts them in 16 bits): the next
+/// write is refused, and the group of 65,535 is acknowledged and recovered whole. (A group of
+/// 65,536 used to be acknowledged by `wait` and then dropped by recovery: its count read 0.)
+#[test]
+fn a_group_of_the_most_writes_recovers_and_one_more_is_refused() {
+    let n = rio_ordering::MAX_GROUP_WRITES as u64;
+    let engine = Engine::new(EngineConfig {
+        ring_entries: 256,
+        arena_bytes: (n as usize + 64) * 512,
+        frame_bytes: 512,
+        huge_pages: false,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let fail_late = Rc::new(Cell::new(0));
+    let late = Rc::new(RefCell::new(Vec::new()));
+    let disk = 64u64 << 20;
+    let backend = || {
+        Box::new(LateFailFlush {
+            mem: lbio::MemBackend::new(disk as usize),
+            fail_late: Rc::clone(&fail_late),
+            late: Rc::clone(&late),
+        })
+    };
+    let geometry = lbio::Geometry {
+        capacity_bytes: disk,
+        logical_block: 512,
+        mem_align: 512,
+        offset_align: 512,
+        max_transfer_bytes: 128 << 10,
+    };
+    let dev = lbio::Device::from_backends(&lbio, backend(), backend(), geometry, true).unwrap();
+    // A log with room for the group (a bit over 4 MiB).
+    let log = AttrLog::format(MemPmr::new(((n as usize) + 1024) * 64 + 4096), 1).unwrap();
+    let cfg = OrderedConfig {
+        merge: false,
+        ..OrderedConfig::default()
+    };
+    let mut od = OrderedDevice::new(lbio, vec![dev], log, &[1], cfg).unwrap();
+    let write_at = |i: u64| {
+        let mut buf = engine.alloc_blocking(512).unwrap();
+        buf.fill(i as u8);
+        Write {
+            target: 0,
+            offset: i * 512,
+            buf,
+            ipu: false,
+        }
+    };
+    for i in 0..n {
+        od.submit(0, write_at(i), false).unwrap();
+    }
+    let e = od.submit(0, write_at(n), true).unwrap_err().to_string();
+    assert!(e.contains("65535 writes"), "{e}");
+    // `wait` ends the open group.
+    od.wait(0).expect("the group is durable");
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert_eq!(
+        rec.streams[0].prefix_end, 2,
+        "{:?}",
+        rec.streams[0].stopped_by
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+
+/// Entries whose checksum holds but whose values no device writes: a merged range ending at
+/// the largest id (recovery's `seq_end + 1` overflowed: a panic in a debug build, a prefix of 0
+/// in a release build) and a byte range past 2^64. Both are damage, skipped by recovery.
+#[test]
+fn checksummed_entries_with_impossible_values_are_damage() {
+    for (seq_end, offset) in [
+        (u64::MAX, 0),
+        (rio_ordering::MAX_SEQ + 1, 0),
+        (1, u64::MAX - 100),
+    ] {
+        let mut log = AttrLog::format(MemPmr::new(64 << 10), 1).unwrap();
+        let slots_at = scan(log.pmr()).unwrap().header.slots_at;
+        let a = Attr {
+            epoch: log.epoch(),
+            seq: 1,
+            seq_end,
+            merged: seq_end > 1,
+            members: 2,
+            persist: true,
+            ..one(1, offset)
+        };
+        let mut b = [0u8; 64];
+        a.encode(&mut b);
+        log.pmr_mut().bytes_mut()[slots_at..slots_at + 64].copy_from_slice(&b);
+        let sc = scan(log.pmr()).unwrap();
+        assert!(
+            sc.entries.is_empty(),
+            "seq_end {seq_end}, offset {offset}: {sc:?}"
+        );
+        assert_eq!(sc.damaged.len(), 1, "seq_end {seq_end}, offset {offset}");
+        let r = recover(&sc, &|_| true);
+        assert_eq!(
+            r.streams[0].prefix_end, 1,
+            "seq_end {seq_end}: {:?}",
+            r.streams[0]
+        );
+    }
+    // A header mark past the largest group is a damaged header.
+    let mut pmr = AttrLog::format(MemPmr::new(64 << 10), 1)
+        .unwrap()
+        .into_pmr();
+    for k in 0..2 {
+        let b = &mut pmr.bytes_mut()[k * COPY..(k + 1) * COPY];
+        b[24..32].copy_from_slice(&u64::MAX.to_le_bytes());
+        let crc = crc32c::crc32c(&b[8..]);
+        b[4..8].copy_from_slice(&crc.to_le_bytes());
+    }
+    let e = scan(&pmr).unwrap_err().to_string();
+    assert!(e.contains("past the largest group"), "{e}");
+}
