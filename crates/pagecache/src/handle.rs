@@ -114,7 +114,14 @@ pub struct CacheHandle {
     hazard_block: Option<usize>,
     /// Bit `i` set: slot `i` of the block is free.
     hazard_free: Cell<u16>,
+    /// Frames this handle's guards pin by count (one entry per guard): a write from this handle
+    /// to one of them is refused ([`CacheError::GuardHeld`]) rather than waited for forever.
+    own_pins: RefCell<Vec<u32>>,
 }
+
+/// Guards pinned by count a handle holds before its list of them grows (guards pin by count
+/// once the handle's hazard slots are taken).
+const OWN_PINS_PREALLOCATED: usize = 64;
 
 /// A page pinned in the cache: its bytes, without a copy. Dropping it unpins the page.
 pub struct PageGuard<'a> {
@@ -138,7 +145,14 @@ impl Drop for PageGuard<'_> {
     fn drop(&mut self) {
         match self.slot {
             Some(slot) => self.handle.release_slot(slot),
-            None => self.handle.unpin(self.frame, self.abandoned),
+            None => {
+                let mut own = self.handle.own_pins.borrow_mut();
+                if let Some(i) = own.iter().rposition(|&f| f == self.frame) {
+                    own.swap_remove(i);
+                }
+                drop(own);
+                self.handle.unpin(self.frame, self.abandoned);
+            }
         }
     }
 }
@@ -189,6 +203,7 @@ impl CacheHandle {
             read_error: RefCell::new(None),
             hazard_block: cache.hazards.claim(),
             hazard_free: Cell::new(((1u32 << hazard::SLOTS) - 1) as u16),
+            own_pins: RefCell::new(Vec::with_capacity(OWN_PINS_PREALLOCATED)),
         };
         if mode.pool {
             h.refill()?;
@@ -421,8 +436,10 @@ impl CacheHandle {
         // scattered read (one request per page without `vectored_reads`). Pages raced by
         // another reader or refused for lack of a frame or a slot are read one by one afterwards.
         let vectored = self.cache.cfg.vectored_reads;
-        // (page, frame, tag, abandoned) per page read; the pages of a run share a tag.
-        let mut reads = [(0u64, 0u32, Tag(0), false); MISS_BATCH];
+        // (page, frame, run, abandoned) per page read: the pages of a run share its number (not
+        // its tag: lbio may hand a finished run's tag to the next run at once).
+        let mut reads = [(0u64, 0u32, 0usize, false); MISS_BATCH];
+        let mut runs = 0usize;
         let mut n_reads = 0;
         let mut retry = [0u64; MISS_BATCH];
         let mut n_retry = 0;
@@ -437,10 +454,11 @@ impl CacheHandle {
             if run_len > 0 && !extends {
                 let first = Key::new(file.0, run_page);
                 match self.submit_read(first, run_at, run_len, &dev) {
-                    Ok(tag) => {
+                    Ok(_) => {
+                        runs += 1;
                         let run = self.run_frames.borrow();
                         for k in 0..run_len {
-                            reads[n_reads] = (run_page + k as u64, run[run_at + k], tag, false);
+                            reads[n_reads] = (run_page + k as u64, run[run_at + k], runs, false);
                             n_reads += 1;
                         }
                     }
@@ -503,10 +521,10 @@ impl CacheHandle {
         if let Err(e) = self.after_submit(file, first, last, &dev) {
             failure.get_or_insert(e);
         }
-        let mut waited: Option<(Tag, bool)> = None;
-        for &(page, frame, tag, abandoned) in &reads[..n_reads] {
+        let mut waited: Option<(usize, bool)> = None;
+        for &(page, frame, run, abandoned) in &reads[..n_reads] {
             let failed = match waited {
-                Some((t, failed)) if t == tag => failed,
+                Some((r, failed)) if r == run => failed,
                 _ => {
                     let failed = match self.wait_frame(frame) {
                         Ok(f) => f,
@@ -519,7 +537,7 @@ impl CacheHandle {
                         let e = self.take_error();
                         failure.get_or_insert(e);
                     }
-                    waited = Some((tag, failed));
+                    waited = Some((run, failed));
                     failed
                 }
             };
@@ -545,7 +563,8 @@ impl CacheHandle {
     /// Pin page `page` of `file` and return it without copying.
     pub fn get(&self, file: FileId, page: u64) -> Result<PageGuard<'_>, CacheError> {
         let entry = self.entry_clock();
-        self.check_range(file, page * PAGE_BYTES as u64, 1)?;
+        // A page past 2^52 has no byte offset (saturated: refused as past the end).
+        self.check_range(file, page.saturating_mul(PAGE_BYTES as u64), 1)?;
         let key = Key::new(file.0, page);
         loop {
             if let Some(frame) = self.lookup(key) {
@@ -563,12 +582,7 @@ impl CacheHandle {
                 };
                 self.cache.frames.mark(frame, frames::REFERENCED);
                 self.count_hit();
-                return Ok(PageGuard {
-                    handle: self,
-                    frame,
-                    abandoned: false,
-                    slot,
-                });
+                return Ok(self.guard(frame, false, slot));
             }
             match self.miss(key, entry)? {
                 Some((frame, abandoned)) => {
@@ -585,15 +599,24 @@ impl CacheHandle {
                         }
                         _ => None,
                     };
-                    return Ok(PageGuard {
-                        handle: self,
-                        frame,
-                        abandoned,
-                        slot,
-                    });
+                    return Ok(self.guard(frame, abandoned, slot));
                 }
                 None => continue,
             }
+        }
+    }
+
+    /// A guard on `frame`, held through hazard slot `slot` or (`None`) by a pin count this
+    /// handle notes as its own.
+    fn guard(&self, frame: u32, abandoned: bool, slot: Option<u8>) -> PageGuard<'_> {
+        if slot.is_none() {
+            self.own_pins.borrow_mut().push(frame);
+        }
+        PageGuard {
+            handle: self,
+            frame,
+            abandoned,
+            slot,
         }
     }
 
@@ -695,6 +718,9 @@ impl CacheHandle {
             let s1 = frames.state(frame);
             if s1.has(frames::VALID) && !s1.has(frames::BUSY) && frames.key(frame) == key.0 {
                 copy(self.cache.frame_ptr(frame));
+                // The copy's loads are ordered before the second state load (on x86-64 only
+                // the compiler needed telling; weaker CPUs could take them after it).
+                std::sync::atomic::fence(Ordering::Acquire);
                 let s2 = frames.state(frame);
                 // Optimistic read: valid only if nobody changed the frame meanwhile.
                 if s2.version() == s1.version() && s2.has(frames::VALID) && !s2.has(frames::BUSY) {
@@ -990,6 +1016,13 @@ impl CacheHandle {
             return false;
         }
         let cache = &*self.cache;
+        // Completions are taken on this thread only: a read that already failed (its completion
+        // taken by a poll since the submit, a pool refill's writeback say) stays out of the
+        // index, where its completion could not remove it; one still in flight is removed by
+        // its completion.
+        if cache.frames.state(frame).has(frames::FAILED) {
+            return false;
+        }
         match cache.index.insert(key, frame, &cache.frames) {
             Insert::Inserted => {
                 cache.frames.mark(frame, frames::INDEXED);
@@ -1299,6 +1332,10 @@ impl CacheHandle {
                     .then(|| s.with_flags(s.flags() | frames::BUSY).bumped())
             });
             if claimed.is_none() {
+                // Pinned by a guard of this handle's own: it would never go.
+                if frames.state(frame).pins() > 0 && self.own_pins.borrow().contains(&frame) {
+                    return Err(CacheError::GuardHeld { file, page });
+                }
                 self.wait_for(frame)?;
                 continue;
             }
@@ -1386,13 +1423,28 @@ impl CacheHandle {
                     {
                         continue;
                     }
-                    // Pin a dirty, valid, settled frame: writers wait for the pin to go.
-                    let pinned = frames.update(frame, |s| {
-                        (s.has(frames::DIRTY | frames::VALID)
-                            && s.flags() & (frames::BUSY | frames::IO) == 0
-                            && frames.key(frame) == key.0)
-                            .then(|| s.with_pins(s.pins() + 1))
-                    });
+                    // Pin a dirty, valid, settled frame: writers wait for the pin to go. One a
+                    // writer holds this moment (BUSY: copying in, or backing off a guard) is
+                    // waited for, not skipped: the bytes written into it before this call must
+                    // go out too. (A writer holds it for a copy; none waits on this thread.)
+                    let pinned = loop {
+                        let pinned = frames.update(frame, |s| {
+                            (s.has(frames::DIRTY | frames::VALID)
+                                && s.flags() & (frames::BUSY | frames::IO) == 0
+                                && s.pins() < u16::MAX
+                                && frames.key(frame) == key.0)
+                                .then(|| s.with_pins(s.pins() + 1))
+                        });
+                        let s = frames.state(frame);
+                        if pinned.is_none()
+                            && s.has(frames::DIRTY | frames::VALID | frames::BUSY)
+                            && frames.key(frame) == key.0
+                        {
+                            std::thread::yield_now();
+                            continue;
+                        }
+                        break pinned;
+                    };
                     if pinned.is_some() {
                         wb.keys[n] = (key.0, frame);
                         n += 1;

@@ -231,6 +231,19 @@ impl Index {
         false
     }
 
+    /// Slots holding an entry (for tests).
+    #[cfg(test)]
+    pub fn occupied(&self) -> usize {
+        self.lines
+            .iter()
+            .map(|l| {
+                l.0.iter()
+                    .filter(|s| s.load(Ordering::Relaxed) != EMPTY)
+                    .count()
+            })
+            .sum()
+    }
+
     /// How many lines a search for `key` reads (for tests).
     #[cfg(test)]
     fn lines_read(&self, key: Key) -> usize {

@@ -948,3 +948,95 @@ fn a_store_racing_a_miss_that_read_the_old_bytes_leaves_the_new_bytes_cached() {
         "the cache kept the bytes read before the write"
     );
 }
+
+/// A write from a handle to a page one of its own guards pins by count (its hazard slots all
+/// taken) is refused with `GuardHeld`, as for a page a slot holds: it used to wait forever for
+/// a pin that could not go (found by a review, 2026-11-27). Run on a thread with a deadline so
+/// that the old behaviour fails the test instead of hanging it.
+#[test]
+fn a_write_under_a_guard_of_its_own_pinned_by_count_is_refused() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let Setup { lbio, file, h, .. } = setup(64, 4, 0, 1 << 20, Mode::AIOS);
+        h.attach(file, Device::memory(&lbio, 1 << 20).unwrap())
+            .unwrap();
+        let held = crate::hazard::SLOTS as u64 + 1;
+        for page in 0..held {
+            h.write(file, page * 4096, &[7; 4096]).unwrap();
+        }
+        let guards: Vec<_> = (0..held).map(|p| h.get(file, p).unwrap()).collect();
+        // The last guard pins by count: the slots are all taken.
+        let r = h.write(file, (held - 1) * 4096, b"x");
+        let ok = matches!(r, Err(CacheError::GuardHeld { page, .. }) if page == held - 1);
+        drop(guards);
+        // With the guards gone the write goes through, and reads back.
+        h.write(file, (held - 1) * 4096, b"x").unwrap();
+        let mut b = [0u8; 2];
+        h.read(file, (held - 1) * 4096, &mut b).unwrap();
+        tx.send((ok, format!("{r:?}"), b)).unwrap();
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(20)) {
+        Ok((ok, r, b)) => {
+            assert!(ok, "the write gave {r}");
+            assert_eq!(b, [b'x', 7]);
+        }
+        Err(_) => panic!("the write under the handle's own guard hung"),
+    }
+}
+
+/// A page number whose byte offset does not fit 64 bits is past the end, not a panic (debug)
+/// or another file's page (release: the page bits spilled into the key's file field).
+#[test]
+fn a_page_number_past_any_offset_is_past_the_end() {
+    let Setup { lbio, file, h, .. } = setup(64, 4, 0, 1 << 20, Mode::AIOS);
+    h.attach(file, Device::memory(&lbio, 1 << 20).unwrap())
+        .unwrap();
+    for page in [1u64 << 52, u64::MAX, 256] {
+        assert!(
+            matches!(h.get(file, page), Err(CacheError::PastEnd { .. })),
+            "page {page}"
+        );
+    }
+}
+
+/// A run read that fails, with its completion taken before the read's lazy indexing (a pool
+/// refill's writeback polls in between), stays out of the index: it used to be indexed after
+/// its failure, leaving an entry its completion had already tried to remove.
+#[test]
+fn a_run_read_that_failed_before_its_indexing_is_not_indexed() {
+    let Setup {
+        cache,
+        engine: _e,
+        lbio,
+        file,
+        h,
+    } = setup(8, 1, 0, 64 * 4096, Mode::AIOS);
+    let (dev, backend) = faulty_device(&lbio, 64 * 4096);
+    h.attach(file, dev).unwrap();
+    // Dirty pages fill the cache, so claiming frames for the read writes them back.
+    for p in [1u64, 10, 11, 12, 13, 14, 15] {
+        h.write(file, p * 4096, &[p as u8; 4096]).unwrap();
+    }
+    let indexed_frames = |c: &PageCache| {
+        (0..c.frames.len())
+            .filter(|&f| c.frames.state(f).has(frames::INDEXED))
+            .count()
+    };
+    assert_eq!(cache.index.occupied(), indexed_frames(&cache));
+    backend.fail_reads.set(Some((0, 4096)));
+    let mut buf = vec![0u8; 3 * 4096];
+    assert!(h.read(file, 0, &mut buf).is_err());
+    assert!(
+        cache.metrics().writebacks > 0,
+        "no writeback ran during the read"
+    );
+    assert_eq!(
+        cache.index.occupied(),
+        indexed_frames(&cache),
+        "the index holds an entry no indexed frame accounts for"
+    );
+    // The page reads once the device is well again.
+    backend.fail_reads.set(None);
+    h.read(file, 0, &mut buf).unwrap();
+    assert_eq!(buf[4096], 1);
+}
