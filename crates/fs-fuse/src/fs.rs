@@ -111,6 +111,9 @@ struct AfterCommit {
     /// [`Fs::build_commit`]); empty otherwise.
     data_marks: Vec<Option<u64>>,
     file: bool,
+    /// Xattrs this commit had to leave for a later one (no block for them) belong to the file
+    /// it commits, or it commits everything: the caller gets ENOSPC once it is applied.
+    short: bool,
 }
 
 /// A commit whose device work runs with the state lock released.
@@ -1171,12 +1174,17 @@ impl Fs {
         self.finish_inflight(st, ctx)?;
         self.writable(st)?;
         let after = self.build_commit(st, ctx, file)?;
+        let short = after.short;
         let result = if after.tx.is_empty() {
             Ok(None)
         } else {
             journal_commit(ctx, &after.tx)
         };
-        self.apply_commit(st, ctx, after, result)
+        self.apply_commit(st, ctx, after, result)?;
+        if short {
+            return Err(libc::ENOSPC);
+        }
+        Ok(())
     }
 
     /// Commit as [`Self::commit_locked`] does, with the state lock released while the device
@@ -1198,8 +1206,13 @@ impl Fs {
         self.finish_inflight(&mut st, ctx)?;
         self.writable(&st)?;
         let after = self.build_commit(&mut st, ctx, file)?;
+        let short = if after.short {
+            Err(libc::ENOSPC)
+        } else {
+            Ok(())
+        };
         if after.tx.is_empty() {
-            return self.apply_commit(&mut st, ctx, after, Ok(None));
+            return self.apply_commit(&mut st, ctx, after, Ok(None)).and(short);
         }
         let signal = Arc::new(CommitSignal::default());
         let tx = Arc::clone(&after.tx);
@@ -1236,10 +1249,10 @@ impl Fs {
             .is_some_and(|c| Arc::ptr_eq(&c.signal, &signal))
         {
             let c = st.committing.take().expect("checked");
-            return self.apply_commit(&mut st, ctx, c.after, result);
+            return self.apply_commit(&mut st, ctx, c.after, result).and(short);
         }
         // Another thread finished it (and reported a failure the same way).
-        result.map(|_| ()).map_err(|_| libc::EIO)
+        result.map(|_| ()).map_err(|_| libc::EIO).and(short)
     }
 
     /// Finish the commit in flight without the lock, if there is one: wait for the device's
@@ -1318,9 +1331,14 @@ impl Fs {
             }
         }
         // Inodes: extent leaves (may allocate or free leaf blocks), xattr blocks.
+        // What this commit takes out of the state goes back when it stops short of the device
+        // (no block left for an extent leaf): the next commit writes it. Dropped, an inode
+        // could name an xattr block never written, and a symlink's target or an fsynced xattr
+        // would be lost.
         let mut metas: BTreeMap<u64, Vec<u8>> = std::mem::take(&mut st.new_meta);
         let xattrs: Vec<u64> = std::mem::take(&mut st.dirty_xattrs).into_iter().collect();
-        for ino in xattrs {
+        let mut deferred: SmallVec<[u64; 4]> = SmallVec::new();
+        for &ino in &xattrs {
             let Some(n) = st.nodes.get(&ino) else {
                 continue;
             };
@@ -1329,16 +1347,26 @@ impl Fs {
             if list.is_empty() {
                 if old != 0 {
                     self.free_block(st, old);
+                    // (A copy an earlier commit left for this one must not reach a free block.)
+                    metas.remove(&old);
                     st.nodes.get_mut(&ino).expect("node").attr.xattr = 0;
                 }
             } else {
-                let b = if old != 0 {
-                    old
-                } else {
-                    self.alloc_block(st, None)?
-                };
                 let mut blk = vec![0u8; BLOCK];
-                encode_xattrs(&list, &mut blk).map_err(|_| libc::ENOSPC)?;
+                let b = match encode_xattrs(&list, &mut blk) {
+                    Ok(()) if old != 0 => Some(old),
+                    Ok(()) => self.alloc_block(st, None).ok(),
+                    Err(_) => None,
+                };
+                let Some(b) = b else {
+                    // No block for it now (the disk is full; the blocks this commit frees are
+                    // free only once it is durable): the xattrs wait for a later commit, the
+                    // rest goes ahead, and an fsync of this file (or of everything) says
+                    // ENOSPC, since they are not durable.
+                    st.dirty_xattrs.insert(ino);
+                    deferred.push(ino);
+                    continue;
+                };
                 metas.insert(b, blk);
                 st.nodes.get_mut(&ino).expect("node").attr.xattr = b;
             }
@@ -1367,10 +1395,23 @@ impl Fs {
             while leaves.len() > need_leaves {
                 let b = leaves.pop().expect("leaf");
                 self.free_block(st, b);
+                metas.remove(&b);
             }
+            let had = leaves.len();
             while leaves.len() < need_leaves {
                 let goal = leaves.last().map(|b| b + 1);
-                leaves.push(self.alloc_block(st, goal)?);
+                match self.alloc_block(st, goal) {
+                    Ok(b) => leaves.push(b),
+                    Err(e) => {
+                        // The leaves taken for this inode go back; the inode stays dirty.
+                        for &b in &leaves[had..] {
+                            self.free_block(st, b);
+                            st.quarantine.remove(&b);
+                        }
+                        st.new_meta = metas;
+                        return Err(e);
+                    }
+                }
             }
             let n = st.nodes.get_mut(&ino).expect("node");
             if need_leaves == 0 {
@@ -1483,6 +1524,7 @@ impl Fs {
             quarantined: st.quarantine.iter().copied().collect(),
             data_marks,
             file: file.is_some(),
+            short: deferred.iter().any(|&i| file.is_none_or(|f| f == i)),
         })
     }
 
@@ -2479,9 +2521,14 @@ impl Fs {
         from: usize,
         to: usize,
     ) -> FsResult<()> {
+        // The zeroed block goes with whichever commit comes next (as a fresh block does), not
+        // only with this file's fsync: that commit carries the size or the freed blocks that
+        // the zeroing belongs with, and without it the old bytes would come back past the
+        // new end after a crash.
         let n = st.nodes.get_mut(&ino).expect("node");
         if let Some(buf) = n.dirty.get_mut(&l) {
             buf[from..to].fill(0);
+            n.fresh.insert(l);
             return Ok(());
         }
         let Some(p) = n.phys(l) else { return Ok(()) };
@@ -2489,6 +2536,7 @@ impl Fs {
         ctx.read_data(self, p, &mut b, false)?;
         b[from..to].fill(0);
         let n = st.nodes.get_mut(&ino).expect("node");
+        n.fresh.insert(l);
         n.dirty.insert(l, b.into_boxed_slice());
         st.dirty_bytes += BLOCK;
         st.dirty_data.insert(ino);
@@ -2750,32 +2798,64 @@ impl Fs {
                 }
             }
         } else {
+            // The inode is re-encoded by any commit from here on, so a block it maps is never
+            // left allocated with no owner, even when the loop stops part way (out of space,
+            // too many extents, an I/O error): the blocks allocated so far stay the file's,
+            // past its size when the size does not grow.
+            st.nodes.get_mut(&ino).expect("node").layout_dirty = true;
+            Self::touch(&mut st, ino);
             let zeros = vec![0u8; BLOCK];
-            for l in offset / B..end.div_ceil(B) {
-                let n = st.nodes.get(&ino).expect("node");
-                if n.phys(l).is_some() || n.dirty.contains_key(&l) {
-                    continue;
-                }
-                let goal = l.checked_sub(1).and_then(|pl| n.phys(pl)).map(|p| p + 1);
-                let p = match self.alloc_block(&mut st, goal) {
-                    Ok(p) => p,
-                    Err(libc::ENOSPC) if !st.quarantine.is_empty() => {
-                        self.commit_locked(&mut st, &ctx, None)?;
-                        self.alloc_block(&mut st, goal)?
+            // Zeros written since the last FLUSH: durable before any commit maps their blocks
+            // (a commit with FUA writes sends no FLUSH of its own).
+            let mut zeroed = false;
+            let r: FsResult<()> = 'alloc: {
+                for l in offset / B..end.div_ceil(B) {
+                    let n = st.nodes.get(&ino).expect("node");
+                    if n.phys(l).is_some() || n.dirty.contains_key(&l) {
+                        continue;
                     }
-                    Err(e) => return Err(e),
-                };
-                let n = st.nodes.get_mut(&ino).expect("node");
-                if n.map.len() >= MAX_EXTENTS && !n.joins(l, p) {
-                    self.free_block(&mut st, p);
-                    st.quarantine.remove(&p);
-                    return Err(libc::EFBIG);
+                    let goal = l.checked_sub(1).and_then(|pl| n.phys(pl)).map(|p| p + 1);
+                    let p = match self.alloc_block(&mut st, goal) {
+                        Ok(p) => p,
+                        Err(libc::ENOSPC) if !st.quarantine.is_empty() => {
+                            if zeroed {
+                                if let Err(e) = ctx.dev().flush_blocking().map_err(io_err) {
+                                    break 'alloc Err(e);
+                                }
+                                zeroed = false;
+                            }
+                            if let Err(e) = self.commit_locked(&mut st, &ctx, None) {
+                                break 'alloc Err(e);
+                            }
+                            match self.alloc_block(&mut st, goal) {
+                                Ok(p) => p,
+                                Err(e) => break 'alloc Err(e),
+                            }
+                        }
+                        Err(e) => break 'alloc Err(e),
+                    };
+                    let n = st.nodes.get_mut(&ino).expect("node");
+                    if n.map.len() >= MAX_EXTENTS && !n.joins(l, p) {
+                        self.free_block(&mut st, p);
+                        st.quarantine.remove(&p);
+                        break 'alloc Err(libc::EFBIG);
+                    }
+                    // Zeros reach the block before any commit maps it.
+                    if let Err(e) = ctx.write_block(p, &zeros) {
+                        self.free_block(&mut st, p);
+                        st.quarantine.remove(&p);
+                        break 'alloc Err(e);
+                    }
+                    zeroed = true;
+                    ctx.stored(self, p, &zeros);
+                    st.nodes.get_mut(&ino).expect("node").map_block(l, p);
                 }
-                // Zeros reach the block before any commit maps it.
-                ctx.write_block(p, &zeros)?;
-                ctx.stored(self, p, &zeros);
-                st.nodes.get_mut(&ino).expect("node").map_block(l, p);
+                Ok(())
+            };
+            if zeroed {
+                ctx.dev().flush_blocking().map_err(io_err)?;
             }
+            r?;
             let n = st.nodes.get_mut(&ino).expect("node");
             if !keep && end > n.attr.size {
                 n.attr.size = end;

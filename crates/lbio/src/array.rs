@@ -143,7 +143,7 @@ struct Lbio {
     issued_all: bool,
     dev: u16,
     /// Pieces started and not completed.
-    outstanding: u16,
+    outstanding: u32,
     offset: u64,
     len: u32,
     /// Bytes handed to the backend so far (pieces go out in LBA order).
@@ -682,7 +682,11 @@ impl LbioArray {
     fn pump(&self, inner: &mut Inner, dev: u16, after_wait: bool) {
         let split = self.cfg.split_bytes;
         loop {
-            let d = inner.devs[dev as usize].as_mut().expect("device is open");
+            // A closing device goes away when its last request finishes, which a piece that
+            // completes at once (a failed start) can do inside this loop.
+            let Some(d) = inner.devs[dev as usize].as_mut() else {
+                return;
+            };
             if d.tokens == 0 {
                 return;
             }

@@ -249,10 +249,14 @@ impl Device {
     ) -> Result<Device, LbioError> {
         let g = geometry;
         let ok = |v: u32| v.is_power_of_two();
-        if !ok(g.mem_align) || !ok(g.offset_align) || g.max_transfer_bytes % g.offset_align != 0 {
+        if !ok(g.mem_align)
+            || !ok(g.offset_align)
+            || g.max_transfer_bytes == 0
+            || g.max_transfer_bytes % g.offset_align != 0
+        {
             return Err(LbioError::Config(format!(
-                "geometry {g:?}: alignments must be powers of two and max transfer a multiple of \
-                 the offset alignment"
+                "geometry {g:?}: alignments must be powers of two and max transfer a non-zero \
+                 multiple of the offset alignment"
             )));
         }
         let caps = (critical.caps(), background.caps());

@@ -1630,3 +1630,85 @@ fn scattered_requests_on_the_sync_route_use_preadv_and_pwritev() {
         "one preadv, one pwritev"
     );
 }
+
+/// A critical request of 65,536 pieces (a 512-byte max transfer, 32 MiB) on an asynchronous
+/// backend finishes only when every piece has: its count of pieces in flight was 16 bits and
+/// wrapped to 0, so the request finished (and freed its slot and buffer) while the pieces
+/// were still queued (found by a review, 2026-11-27).
+#[test]
+fn a_request_of_65536_pieces_finishes_after_all_of_them() {
+    let bytes: u64 = 32 << 20;
+    // Declared first: dropped last, after the engine has drained.
+    let region = aios_core::SharedRegion::map(bytes as usize, false).unwrap();
+    let engine = engine();
+    let lbio = array(&engine, LbioConfig::default());
+    let mut cfg = SimConfig::new(bytes, 1);
+    cfg.max_transfer_bytes = 512;
+    let disk = SimDisk::new(cfg).unwrap();
+    let dev = disk.open(&lbio).unwrap();
+    let base = std::ptr::NonNull::new(region.as_ptr()).unwrap();
+    // SAFETY: the region outlives the request (waited for below); unregistered memory.
+    let raw = unsafe { RawBuf::new(base, bytes as u32, None) };
+    // SAFETY: as above.
+    let tag = dev
+        .submit(unsafe { Io::read_raw(0, raw) })
+        .map_err(|e| e.0)
+        .unwrap();
+    assert_eq!(
+        lbio.done_len(),
+        0,
+        "request {tag:?} finished while its 65,536 pieces are queued"
+    );
+    lbio.wait_done(1).unwrap();
+    let c = lbio.take_done().unwrap();
+    assert_eq!(c.tag, tag);
+    c.result.unwrap();
+}
+
+/// A device dropped with a background request still waiting for a token, whose piece then
+/// fails at once (a SimDisk after a power cut refuses new pieces at start): both requests fail
+/// and the device closes. The device used to go away inside the token pump, which then
+/// panicked looking for it ("device is open").
+#[test]
+fn a_closing_device_whose_queued_background_request_fails_at_once_closes() {
+    let engine = engine();
+    let lbio = array(
+        &engine,
+        LbioConfig {
+            max_inflight_background: 1,
+            ..LbioConfig::default()
+        },
+    );
+    let disk = SimDisk::new(SimConfig::new(1 << 20, 3)).unwrap();
+    let dev = disk.open(&lbio).unwrap();
+    for i in 0..2u64 {
+        let mut b = engine.try_alloc(4096).unwrap();
+        b.fill(1);
+        dev.submit(Io::write(i * 4096, b).class(Class::Background))
+            .map_err(|e| e.0)
+            .unwrap();
+    }
+    drop(dev);
+    disk.cut_power();
+    let mut failed = 0;
+    while failed < 2 {
+        lbio.wait_done(1).unwrap();
+        while let Some(c) = lbio.take_done() {
+            assert!(c.result.is_err());
+            failed += 1;
+        }
+    }
+}
+
+/// A geometry with a max transfer of 0 is refused (requests would split into endless
+/// zero-length pieces).
+#[test]
+fn a_zero_max_transfer_is_refused() {
+    let engine = engine();
+    let lbio = array(&engine, LbioConfig::default());
+    let mut cfg = SimConfig::new(1 << 20, 1);
+    cfg.max_transfer_bytes = 0;
+    let disk = SimDisk::new(cfg).unwrap();
+    let e = disk.open(&lbio).unwrap_err().to_string();
+    assert!(e.contains("max transfer a non-zero multiple"), "{e}");
+}
