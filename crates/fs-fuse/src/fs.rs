@@ -60,6 +60,10 @@ pub static IN_PLACE_TEST_PAUSES: AtomicU64 = AtomicU64::new(0);
 /// work beside it (that commit sets it back to 0). 0 (no sleep) unless a test sets it.
 #[doc(hidden)]
 pub static COMMIT_TEST_PAUSE_US: AtomicU64 = AtomicU64::new(0);
+/// Tests only: microseconds the next read sleeps between finding its blocks (under the state
+/// lock) and reading them (that read sets it back to 0). 0 (no sleep) unless a test sets it.
+#[doc(hidden)]
+pub static READ_TEST_PAUSE_US: AtomicU64 = AtomicU64::new(0);
 /// The journaled-block mark of a block whose commit is in flight (its id is not known yet).
 const TID_IN_FLIGHT: u64 = u64::MAX;
 
@@ -574,6 +578,11 @@ pub struct Fs {
     /// the state lock held, and an fsync lets go of it before it takes the lock again, so the
     /// two cannot deadlock.
     in_place_gate: std::sync::RwLock<()>,
+    /// A read holds this shared from finding its blocks (under the state lock) until it has
+    /// read them (without it); blocks a commit frees become allocatable only once it has been
+    /// held exclusively, so no read can get the bytes of a block's next owner. Taken with the
+    /// state lock held, and a read lets go of the state lock before it reads.
+    read_gate: std::sync::RwLock<()>,
     opts: FsOptions,
     log_len: u64,
     /// The page cache for clean file data (keyed by physical block: file 0 is the device).
@@ -714,6 +723,7 @@ impl Fs {
             next_area: AtomicUsize::new(0),
             rio_pick: Mutex::new(()),
             in_place_gate: std::sync::RwLock::new(()),
+            read_gate: std::sync::RwLock::new(()),
             opts,
             log_len,
             cache,
@@ -1561,6 +1571,10 @@ impl Fs {
         self.stats
             .meta_blocks_written
             .fetch_add(after.meta_blocks.len() as u64, Ordering::Relaxed);
+        if !after.quarantined.is_empty() {
+            // Reads that found one of these blocks before it was freed have read it.
+            drop(self.read_gate.write().unwrap_or_else(|p| p.into_inner()));
+        }
         for b in &after.quarantined {
             st.quarantine.remove(b);
         }
@@ -2594,6 +2608,7 @@ impl Fs {
         // byte, length): found under the lock, read after it.
         let mut runs: SmallVec<[(usize, u64, usize); READ_RUNS_INLINE]> = SmallVec::new();
         let len;
+        let _reading;
         {
             let mut st = self.lock()?;
             let n = self.node(&mut st, &ctx, ino)?;
@@ -2623,6 +2638,12 @@ impl Fs {
                     dst[at..at + k].fill(0);
                 }
             }
+            _reading = (!runs.is_empty())
+                .then(|| self.read_gate.read().unwrap_or_else(|p| p.into_inner()));
+        }
+        if READ_TEST_PAUSE_US.load(Ordering::Relaxed) != 0 {
+            let pause = READ_TEST_PAUSE_US.swap(0, Ordering::Relaxed);
+            std::thread::sleep(std::time::Duration::from_micros(pause));
         }
         for &(at, byte, k) in &runs {
             ctx.read_bytes(self, byte, &mut dst[at..at + k], direct)?;

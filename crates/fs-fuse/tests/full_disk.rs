@@ -224,3 +224,53 @@ fn a_truncated_tail_is_zeroed_by_another_files_fsync() {
         got[100]
     );
 }
+
+/// A read that found its blocks and has not read them yet, while the file is truncated, the
+/// freeing commit lands, and another file's write takes the freed block (the only free one)
+/// and is fsynced: the read returns the truncated file's old bytes, never the new owner's.
+/// (From the same review, by reading; before the fix the freed block was allocatable at once,
+/// and this test read the other file's bytes.) Tests in this binary share the pause switch,
+/// so this is the only one that sets it.
+#[test]
+fn a_read_in_flight_never_returns_the_next_owners_bytes() {
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+    let (_disk, fs) = common::open(fresh_image(8 << 20), 1).unwrap();
+    let f = mk(&fs, b"f");
+    let g = mk(&fs, b"g");
+    fs.write(f, 0, &[0x5au8; 4096]).unwrap();
+    fs.sync_all().unwrap();
+    // Nothing else is free: g's block can only be the one f frees.
+    let _fill = fill_leaving(&fs, 0);
+    fs_fuse::fs::READ_TEST_PAUSE_US.store(300_000, Ordering::Relaxed);
+    let read = std::thread::scope(|s| {
+        let r = s.spawn(|| fs.read(f, 0, 4096).unwrap());
+        let t0 = std::time::Instant::now();
+        while fs_fuse::fs::READ_TEST_PAUSE_US.load(Ordering::Relaxed) != 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "the read took no pause"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // The read has its block and sleeps: free it, commit, give it to g.
+        fs.setattr(
+            f,
+            &SetAttr {
+                size: Some(0),
+                ..SetAttr::default()
+            },
+        )
+        .unwrap();
+        fs.sync_all().unwrap();
+        fs.write(g, 0, &[0xc3u8; 4096]).unwrap();
+        fs.fsync(g).unwrap();
+        r.join().unwrap()
+    });
+    assert_eq!(read.len(), 4096);
+    assert!(
+        read.iter().all(|&b| b == 0x5a),
+        "the read returned another file's bytes ({:#x}…)",
+        read[0]
+    );
+}
