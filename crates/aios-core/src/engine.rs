@@ -944,7 +944,11 @@ impl Engine {
         ring.inflight.set(ring.inflight.get() + 1);
         self.bump(|m| m.sqes += 1);
         if self.plug_depth.get() == 0 {
-            self.submit_ring(ring, 0)?;
+            // The SQE is queued and counted: an `io_uring_enter` failing now leaves it for the
+            // next one (which reports the error). Failing the push instead would tell the
+            // caller the SQE never went out, and it would free the SQE's buffer while the
+            // kernel could still take it.
+            let _ = self.submit_ring(ring, 0);
         }
         Ok(())
     }

@@ -181,7 +181,12 @@ fn read_block0(
         )
     }?;
     while sink.0.get().is_none() {
-        engine.wait(1)?;
+        if let Err(e) = engine.wait(1) {
+            // The command may still be in the kernel's hands: its buffer must not go back to
+            // the arena for another use (a leak of one block, on a failing engine).
+            std::mem::forget(buf);
+            return Err(e);
+        }
     }
     Ok(sink.0.get().expect("completed"))
 }

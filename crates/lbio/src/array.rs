@@ -806,6 +806,10 @@ impl LbioArray {
 
     /// If request `tag` is done, free its slot and return its completion.
     pub(crate) fn try_take(&self, tag: Tag) -> Option<Completion> {
+        // Completions that came in while the array was busy (a reap nested in a push) first:
+        // the engine has counted their CQEs already, so a caller waiting on one of them would
+        // otherwise find nothing left to wait for.
+        self.apply_deferred();
         self.take_in(&mut self.inner.borrow_mut(), tag)
     }
 
