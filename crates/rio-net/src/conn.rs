@@ -181,7 +181,14 @@ impl Conn {
             }
         };
         let mut total = 0;
+        // Whole PDUs the other side's own state keeps us from acting on (a target starved of
+        // request slots) stay in the socket once this much is pending: its flow control then
+        // holds the sender back, where the buffer used to grow with everything it sent.
+        let backlog = (self.max_pdu as usize).max(256 << 10) * 2;
         loop {
+            if self.rx.pending().len() >= backlog {
+                return Ok(total);
+            }
             let room = self.rx.room();
             let want = room.len();
             let r = sock.read(room);

@@ -299,6 +299,10 @@ struct Req {
     completed: u32,
     durable: u32,
     failed: Option<String>,
+    /// An in-place update ([`Volume::submit_in_place`]): recovery leaves it where it lies
+    /// beyond the durable prefix instead of zeroing it (zeroing would take the block's earlier,
+    /// acknowledged contents with it).
+    ipu: bool,
 }
 
 /// A group's requests (most groups hold one: no heap allocation for those).
@@ -871,12 +875,42 @@ impl Volume {
     /// Queue an ordered write on `stream`; `end_of_group` closes its group (the writes of one
     /// group may become durable in any order among themselves; groups in order). Waits while
     /// the stream has `window` writes not yet handed back.
+    ///
+    /// For writes to blocks not written since they were last made durable (a log, fresh
+    /// space): after a crash, recovery zeroes such a write when it lies beyond the durable
+    /// prefix. A write over a block whose earlier contents were acknowledged goes through
+    /// [`Volume::submit_in_place`] instead.
     pub fn submit(
         &mut self,
         stream: u16,
         offset: u64,
         buf: FixedBuf,
         end_of_group: bool,
+    ) -> Result<u64, NetError> {
+        self.submit_with(stream, offset, buf, end_of_group, false)
+    }
+
+    /// [`Volume::submit`] for an in-place update: a write over a block whose earlier contents
+    /// were acknowledged. Rio's IPU flag goes with it, and recovery leaves it as it lies when it
+    /// falls beyond the durable prefix (reported in `RecoveryReport::in_place`): zeroing it,
+    /// as for other writes there, would also erase those earlier contents.
+    pub fn submit_in_place(
+        &mut self,
+        stream: u16,
+        offset: u64,
+        buf: FixedBuf,
+        end_of_group: bool,
+    ) -> Result<u64, NetError> {
+        self.submit_with(stream, offset, buf, end_of_group, true)
+    }
+
+    fn submit_with(
+        &mut self,
+        stream: u16,
+        offset: u64,
+        buf: FixedBuf,
+        end_of_group: bool,
+        ipu: bool,
     ) -> Result<u64, NetError> {
         self.check_stream(stream)?;
         if self.targets.iter().any(|t| !t.rio) {
@@ -899,6 +933,7 @@ impl Volume {
             completed: 0,
             durable: 0,
             failed: None,
+            ipu,
         });
         if end_of_group {
             self.close_group(stream)?;
@@ -1045,12 +1080,14 @@ impl Volume {
         let st = &self.streams[s];
         let mut at = 0usize;
         let mut members = 0u16;
+        let mut ipu = false;
         for q in first..=last {
             for r in &st.group(q).expect("held until durable").reqs {
                 let b = r.buf.as_ref().expect("held until durable");
                 copy[at..at + b.len()].copy_from_slice(b);
                 at += b.len();
                 members += 1;
+                ipu |= r.ipu;
             }
         }
         let mark = self.take_mark(stream, t);
@@ -1064,6 +1101,8 @@ impl Volume {
             members,
             boundary: true,
             merged: true,
+            // One in-place update among them: the command is left as it lies by recovery.
+            ipu,
             mark,
             ..WireAttr::default()
         };
@@ -1120,6 +1159,7 @@ impl Volume {
                 num: if last { num } else { 0 },
                 members: 1,
                 boundary: last,
+                ipu: self.streams[s].groups[gi].reqs[ri as usize].ipu,
                 mark,
                 ..WireAttr::default()
             };

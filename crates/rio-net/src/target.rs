@@ -504,6 +504,11 @@ struct TConn {
     /// Ordered FLUSHes waiting for the ordered writes that were out when they arrived (later
     /// writes go on meanwhile: a FLUSH certifies only groups up to its own).
     flushes_waiting: VecDeque<WaitingFlush>,
+    /// Ordered FLUSHes that arrived while writes before them still waited for their data (by
+    /// R2T or RDMA READ), with those writes' command ids: a FLUSH joins `held` only once they
+    /// have (so it goes after them), or it would certify groups whose data is not on the
+    /// device yet.
+    parked_flushes: VecDeque<(Held, smallvec::SmallVec<[u16; 8]>)>,
     /// Controller registers (admin queue).
     cc: u32,
     csts: u32,
@@ -570,6 +575,7 @@ fn serve_conn(shared: Arc<Shared>, conn: Conn, peer: SocketAddr) {
         ordered_sent: 0,
         ordered_out: 0,
         flushes_waiting: VecDeque::new(),
+        parked_flushes: VecDeque::new(),
         cc: 0,
         csts: 0,
         aers: Vec::new(),
@@ -627,6 +633,7 @@ impl TConn {
             progress |= n > 0;
             progress |= self.pulled()?;
             progress |= self.decode()?;
+            progress |= self.release_parked_flushes();
             progress |= self.advance_held()?;
             progress |= self.start_flushes()?;
             if let Some(io) = &self.io {
@@ -1420,7 +1427,21 @@ impl TConn {
                 self.respond(cid, Status::RIO_BAD_ATTR, 0, 0);
                 return Ok(());
             }
-            self.held.push_back(Held { sqe, data, attr: a });
+            let held = Held { sqe, data, attr: a };
+            if opc == op::FLUSH {
+                // Writes that arrived before this FLUSH and still wait for their data.
+                let before: smallvec::SmallVec<[u16; 8]> = self
+                    .collecting
+                    .keys()
+                    .chain(self.pulling.keys())
+                    .copied()
+                    .collect();
+                if !before.is_empty() || !self.parked_flushes.is_empty() {
+                    self.parked_flushes.push_back((held, before));
+                    return Ok(());
+                }
+            }
+            self.held.push_back(held);
             return Ok(());
         }
         match opc {
@@ -1521,6 +1542,24 @@ impl TConn {
                 false
             }
         }
+    }
+
+    /// Move parked FLUSHes whose earlier writes have all left `collecting` and `pulling` (their
+    /// data in, so they are in `held` ahead of the FLUSH, or answered) into `held`, in order.
+    fn release_parked_flushes(&mut self) -> bool {
+        let mut any = false;
+        while let Some((_, before)) = self.parked_flushes.front() {
+            if before
+                .iter()
+                .any(|c| self.collecting.contains_key(c) || self.pulling.contains_key(c))
+            {
+                break;
+            }
+            let (held, _) = self.parked_flushes.pop_front().expect("front");
+            self.held.push_back(held);
+            any = true;
+        }
+        any
     }
 
     /// Submit held ordered commands whose turn has come. Returns whether any went.
