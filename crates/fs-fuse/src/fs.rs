@@ -2848,6 +2848,10 @@ impl Fs {
                             if let Err(e) = self.commit_locked(&mut st, &ctx, None) {
                                 break 'alloc Err(e);
                             }
+                            // That commit took the inode; the blocks mapped from here on go
+                            // with the next one.
+                            st.nodes.get_mut(&ino).expect("node").layout_dirty = true;
+                            Self::touch(&mut st, ino);
                             match self.alloc_block(&mut st, goal) {
                                 Ok(p) => p,
                                 Err(e) => break 'alloc Err(e),
@@ -2873,6 +2877,10 @@ impl Fs {
                 }
                 Ok(())
             };
+            // Whatever the loop did, the inode goes with the next commit (it maps every block
+            // allocated, and a commit inside the loop may have taken it since).
+            st.nodes.get_mut(&ino).expect("node").layout_dirty = true;
+            Self::touch(&mut st, ino);
             if zeroed {
                 ctx.dev().flush_blocking().map_err(io_err)?;
             }

@@ -840,14 +840,31 @@ impl Mounted {
         let fs = Arc::clone(&self.fs);
         std::thread::Builder::new()
             .name("aiosfs-flusher".into())
-            .spawn(move || loop {
-                std::thread::sleep(crate::fs::COMMIT_INTERVAL);
-                if Arc::strong_count(&fs) == 1 {
-                    return;
-                }
-                if let Err(e) = fs.sync_if_dirty() {
-                    eprintln!("aiosfs: periodic commit failed: errno {e}");
-                    return;
+            .spawn(move || {
+                let mut full = false;
+                loop {
+                    std::thread::sleep(crate::fs::COMMIT_INTERVAL);
+                    if Arc::strong_count(&fs) == 1 {
+                        return;
+                    }
+                    match fs.sync_if_dirty() {
+                        Ok(_) => full = false,
+                        // A full disk: the commit went through except for what waits for a
+                        // free block (new xattr blocks), so the next ones go on.
+                        Err(libc::ENOSPC) => {
+                            if !full {
+                                eprintln!(
+                                    "aiosfs: periodic commit: the disk is full; some changes \
+                                     wait for free blocks"
+                                );
+                            }
+                            full = true;
+                        }
+                        Err(e) => {
+                            eprintln!("aiosfs: periodic commit failed: errno {e}");
+                            return;
+                        }
+                    }
                 }
             })
             .map_err(|e| FsError::Config(format!("flusher thread: {e}")))?;

@@ -274,3 +274,29 @@ fn a_read_in_flight_never_returns_the_next_owners_bytes() {
         read[0]
     );
 }
+
+/// As above, with blocks freed and not yet committed when fallocate runs out: it commits to
+/// free them, takes them, and runs out again. The blocks taken after that commit stay owned by
+/// the file too (the inode, taken by that commit, is marked again).
+#[test]
+fn fallocate_out_of_space_after_a_commit_inside_it_leaves_its_blocks_owned() {
+    let (disk, fs) = common::open(fresh_image(8 << 20), 1).unwrap();
+    let c = mk(&fs, b"c");
+    let x = mk(&fs, b"x");
+    fs.write(x, 0, &[0x77u8; 3 * 4096]).unwrap();
+    fs.sync_all().unwrap();
+    let _fill = fill_leaving(&fs, 2);
+    // x's three blocks are freed, and wait for a commit before they can be taken again.
+    fs.remove(ROOT_INO, b"x", false).unwrap();
+    fs.forget(x, 1);
+    let r = fs.fallocate(c, 0, 10 * 4096, 0);
+    assert_eq!(r, Err(libc::ENOSPC));
+    fs.unmount().unwrap();
+    drop(fs);
+    let rep = fsck_image(&disk.media()).unwrap();
+    assert!(
+        rep.clean(),
+        "fsck after a clean unmount: {:?}",
+        rep.problems
+    );
+}

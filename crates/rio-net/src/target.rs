@@ -428,6 +428,8 @@ struct Collecting {
     sqe: Sqe,
     data: Data,
     got: u32,
+    /// Its place among the connection's commands ([`TConn::arrivals`] when it came).
+    arrived: u64,
 }
 
 /// What a device request in flight belongs to.
@@ -505,10 +507,13 @@ struct TConn {
     /// writes go on meanwhile: a FLUSH certifies only groups up to its own).
     flushes_waiting: VecDeque<WaitingFlush>,
     /// Ordered FLUSHes that arrived while writes before them still waited for their data (by
-    /// R2T or RDMA READ), with those writes' command ids: a FLUSH joins `held` only once they
-    /// have (so it goes after them), or it would certify groups whose data is not on the
-    /// device yet.
-    parked_flushes: VecDeque<(Held, smallvec::SmallVec<[u16; 8]>)>,
+    /// R2T or RDMA READ), with the arrival number of the last such write: a FLUSH joins `held`
+    /// only once they have their data (so it goes after them), or it would certify groups
+    /// whose data is not on the device yet. (Numbers, not command ids: a host may reuse an id
+    /// for a write sent after the FLUSH.)
+    parked_flushes: VecDeque<(Held, u64)>,
+    /// Commands that waited for their data so far (numbering `Collecting::arrived`).
+    arrivals: u64,
     /// Controller registers (admin queue).
     cc: u32,
     csts: u32,
@@ -576,6 +581,7 @@ fn serve_conn(shared: Arc<Shared>, conn: Conn, peer: SocketAddr) {
         ordered_out: 0,
         flushes_waiting: VecDeque::new(),
         parked_flushes: VecDeque::new(),
+        arrivals: 0,
         cc: 0,
         csts: 0,
         aers: Vec::new(),
@@ -829,6 +835,7 @@ impl TConn {
         if let (Some(io), Queue::Io { .. }) = (&self.io, &self.queue) {
             let reserved = self.held.len()
                 + self.flushes_waiting.len()
+                + self.parked_flushes.len()
                 + self.collecting.len()
                 + self.pulling.len();
             if sqe.opcode() != op::RIO_MARK && io.lbio.free_slots() as usize <= reserved {
@@ -909,8 +916,17 @@ impl TConn {
         } else {
             pdu::put_r2t(&mut self.conn.tx, cid, cid, 0, sgl_len, self.conn.dg);
             self.shared.r2ts.fetch_add(1, Ordering::Relaxed);
-            self.collecting
-                .insert(cid, Collecting { sqe, data, got: 0 });
+            self.arrivals += 1;
+            let arrived = self.arrivals;
+            self.collecting.insert(
+                cid,
+                Collecting {
+                    sqe,
+                    data,
+                    got: 0,
+                    arrived,
+                },
+            );
         }
         Ok(true)
     }
@@ -946,7 +962,17 @@ impl TConn {
         #[allow(unsafe_code)]
         let r = unsafe { link.read(cid as u64, local, len, lkey, addr, key) };
         r.map_err(|e| format!("posting an RDMA READ: {e}"))?;
-        self.pulling.insert(cid, Collecting { sqe, data, got: 0 });
+        self.arrivals += 1;
+        let arrived = self.arrivals;
+        self.pulling.insert(
+            cid,
+            Collecting {
+                sqe,
+                data,
+                got: 0,
+                arrived,
+            },
+        );
         self.shared.rdma_reads.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -1428,18 +1454,15 @@ impl TConn {
                 return Ok(());
             }
             let held = Held { sqe, data, attr: a };
-            if opc == op::FLUSH {
-                // Writes that arrived before this FLUSH and still wait for their data.
-                let before: smallvec::SmallVec<[u16; 8]> = self
-                    .collecting
-                    .keys()
-                    .chain(self.pulling.keys())
-                    .copied()
-                    .collect();
-                if !before.is_empty() || !self.parked_flushes.is_empty() {
-                    self.parked_flushes.push_back((held, before));
-                    return Ok(());
-                }
+            if opc == op::FLUSH
+                && (!self.collecting.is_empty()
+                    || !self.pulling.is_empty()
+                    || !self.parked_flushes.is_empty())
+            {
+                // Writes that arrived before this FLUSH still wait for their data: it waits for
+                // those (numbered up to `arrivals`), not for ones that come after it.
+                self.parked_flushes.push_back((held, self.arrivals));
+                return Ok(());
             }
             self.held.push_back(held);
             return Ok(());
@@ -1548,10 +1571,12 @@ impl TConn {
     /// data in, so they are in `held` ahead of the FLUSH, or answered) into `held`, in order.
     fn release_parked_flushes(&mut self) -> bool {
         let mut any = false;
-        while let Some((_, before)) = self.parked_flushes.front() {
-            if before
-                .iter()
-                .any(|c| self.collecting.contains_key(c) || self.pulling.contains_key(c))
+        while let Some(&(_, before)) = self.parked_flushes.front() {
+            if self
+                .collecting
+                .values()
+                .chain(self.pulling.values())
+                .any(|c| c.arrived <= before)
             {
                 break;
             }

@@ -19,11 +19,12 @@
 //! | 56..58 | members: requests of the group this entry carries (merges within a group) |
 //! | 58 | split index |
 //! | 59 | split count (0: not split) |
-//! | 60..64 | persist word: `PERSISTED ^ (seq as u32)` once the data is durable, else 0 |
+//! | 60..64 | persist word: a checksum of stream, epoch and seq (never 0) once the data is durable, else 0 |
 //!
 //! The persist word sits outside the checksum: it is written after the entry, by itself, when
 //! the data becomes durable (a 4-byte write, atomic on persistent memory), and a torn or foreign
-//! value is not mistaken for it because it depends on the entry's seq.
+//! value is not mistaken for it because it depends on the entry's stream, epoch and seq (the
+//! word a torn append leaves from the slot's previous entry is another entry's).
 
 use crate::error::RioError;
 
