@@ -17,12 +17,15 @@
 //! `AIOS_SIM_SEED=N` replays one seed. A failure prints its seed. A proptest draws 200 more
 //! workloads from fresh random seeds each run (`AIOS_SIM_RANDOM_CASES`).
 
+mod common;
+use common::{block_of, SimPmr};
+
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 
 use aios_core::{Engine, EngineConfig};
-use journal::rio_ordering::{self, AttrLog, MemPmr, OrderedConfig, Pmr, RioError};
+use journal::rio_ordering::{self, AttrLog, MemPmr, OrderedConfig, Pmr};
 use journal::{
     recover_image, recover_image_rio, rio_prefix, CommitMode, Durability, Journal, JournalSet,
     Layout, LogEnd, Tx,
@@ -33,38 +36,6 @@ const AREA_BLOCKS: u64 = 16;
 const META_BLOCKS: u64 = 16;
 const DATA_BLOCKS: u64 = 32;
 const IMAGES_PER_CUT: usize = 50;
-
-fn block_of(v: u64) -> Vec<u8> {
-    let mut b = vec![0u8; 4096];
-    for c in b.chunks_mut(8) {
-        c.copy_from_slice(&v.to_le_bytes());
-    }
-    b
-}
-
-/// Persistent memory emulated in RAM for the attribute log of a Rio-ordered area: a write lands
-/// at once, and nothing lands once the SimDisk's power is cut (the crash keeps what is there).
-struct SimPmr {
-    bytes: Rc<RefCell<Vec<u8>>>,
-    disk: SimDisk,
-}
-
-impl Pmr for SimPmr {
-    fn len(&self) -> usize {
-        self.bytes.borrow().len()
-    }
-    fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
-        if !self.disk.powered() {
-            return Err(RioError::Config("power cut".into()));
-        }
-        self.bytes.borrow_mut()[offset..offset + bytes.len()].copy_from_slice(bytes);
-        Ok(())
-    }
-    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError> {
-        out.copy_from_slice(&self.bytes.borrow()[offset..offset + out.len()]);
-        Ok(())
-    }
-}
 
 const RIO_LOG_BYTES: usize = 16 << 10;
 /// A log of 4 slots after its two 576-byte header copies: every write of a commit is a group

@@ -10,12 +10,15 @@
 //! the older commit's copy durable), and recovery in the Rio test kept one of its four
 //! acknowledged commits.
 
+mod common;
+use common::{block_of, SimPmr};
+
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::{Arc, Barrier, Mutex};
 
 use aios_core::{Engine, EngineConfig};
-use journal::rio_ordering::{self, AttrLog, OrderedConfig, Pmr, RioError};
+use journal::rio_ordering::{self, AttrLog, OrderedConfig, Pmr};
 use journal::{
     recover_image, recover_image_rio, rio_prefix, CommitMode, Journal, JournalError, JournalSet,
     Layout, Tx,
@@ -31,14 +34,6 @@ fn lbio() -> Rc<LbioArray> {
     })
     .unwrap();
     LbioArray::new(engine, LbioConfig::default()).unwrap()
-}
-
-fn block_of(v: u64) -> Vec<u8> {
-    let mut b = vec![0u8; 4096];
-    for c in b.chunks_mut(8) {
-        c.copy_from_slice(&v.to_le_bytes());
-    }
-    b
 }
 
 fn value_at(img: &[u8], block: u64) -> u64 {
@@ -158,29 +153,6 @@ fn a_revoke_racing_a_journaled_copy_agrees_with_recovery() {
 #[test]
 fn a_revoke_with_in_place_data_racing_a_journaled_copy_agrees_with_recovery() {
     race(Race::RevokeWithData, rounds());
-}
-
-/// Persistent memory for an attribute log that loses power with the SimDisk.
-struct SimPmr {
-    bytes: Rc<RefCell<Vec<u8>>>,
-    disk: SimDisk,
-}
-
-impl Pmr for SimPmr {
-    fn len(&self) -> usize {
-        self.bytes.borrow().len()
-    }
-    fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
-        if !self.disk.powered() {
-            return Err(RioError::Config("power cut".into()));
-        }
-        self.bytes.borrow_mut()[offset..offset + bytes.len()].copy_from_slice(bytes);
-        Ok(())
-    }
-    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError> {
-        out.copy_from_slice(&self.bytes.borrow()[offset..offset + out.len()]);
-        Ok(())
-    }
 }
 
 /// A Rio-ordered handle is dropped and the next one on its area starts a fresh attribute log

@@ -1,0 +1,40 @@
+//! Helpers shared by the journal's integration tests.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use journal::rio_ordering::{Pmr, RioError};
+use lbio::SimDisk;
+
+/// A 4 KiB block filled with the 8-byte little-endian `v`.
+pub fn block_of(v: u64) -> Vec<u8> {
+    let mut b = vec![0u8; 4096];
+    for c in b.chunks_mut(8) {
+        c.copy_from_slice(&v.to_le_bytes());
+    }
+    b
+}
+
+/// Persistent memory emulated in RAM for the attribute log of a Rio-ordered area: a write lands
+/// at once, and nothing lands once the SimDisk's power is cut (the crash keeps what is there).
+pub struct SimPmr {
+    pub bytes: Rc<RefCell<Vec<u8>>>,
+    pub disk: SimDisk,
+}
+
+impl Pmr for SimPmr {
+    fn len(&self) -> usize {
+        self.bytes.borrow().len()
+    }
+    fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
+        if !self.disk.powered() {
+            return Err(RioError::Config("power cut".into()));
+        }
+        self.bytes.borrow_mut()[offset..offset + bytes.len()].copy_from_slice(bytes);
+        Ok(())
+    }
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError> {
+        out.copy_from_slice(&self.bytes.borrow()[offset..offset + out.len()]);
+        Ok(())
+    }
+}
