@@ -916,19 +916,21 @@ impl TConn {
         } else {
             pdu::put_r2t(&mut self.conn.tx, cid, cid, 0, sgl_len, self.conn.dg);
             self.shared.r2ts.fetch_add(1, Ordering::Relaxed);
-            self.arrivals += 1;
-            let arrived = self.arrivals;
-            self.collecting.insert(
-                cid,
-                Collecting {
-                    sqe,
-                    data,
-                    got: 0,
-                    arrived,
-                },
-            );
+            let c = self.awaiting_data(sqe, data);
+            self.collecting.insert(cid, c);
         }
         Ok(true)
+    }
+
+    /// A write whose data comes later (by R2T or RDMA READ), numbered among such writes.
+    fn awaiting_data(&mut self, sqe: Sqe, data: Data) -> Collecting {
+        self.arrivals += 1;
+        Collecting {
+            sqe,
+            data,
+            got: 0,
+            arrived: self.arrivals,
+        }
     }
 
     /// Whether another RDMA READ may go out now.
@@ -962,17 +964,8 @@ impl TConn {
         #[allow(unsafe_code)]
         let r = unsafe { link.read(cid as u64, local, len, lkey, addr, key) };
         r.map_err(|e| format!("posting an RDMA READ: {e}"))?;
-        self.arrivals += 1;
-        let arrived = self.arrivals;
-        self.pulling.insert(
-            cid,
-            Collecting {
-                sqe,
-                data,
-                got: 0,
-                arrived,
-            },
-        );
+        let c = self.awaiting_data(sqe, data);
+        self.pulling.insert(cid, c);
         self.shared.rdma_reads.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
