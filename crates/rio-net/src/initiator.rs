@@ -65,8 +65,12 @@ pub struct VolumeConfig {
     /// command (their data copied into one buffer of the arena). [`Volume::poll`], [`Volume::wait`],
     /// [`Volume::wait_any`] and a full window send what is held.
     pub batch: u32,
-    /// Largest merged command (bytes).
+    /// Largest merged command (bytes): at most a target's [`MAX_DATA`].
     pub max_merge_bytes: u32,
+    /// Commands a stream's requests not yet handed back may take in all (one per stripe a
+    /// request touches): a request past it waits, and one that alone takes more is refused.
+    /// At most (and by default) [`MAX_PIECES`].
+    pub max_commands: u32,
 }
 
 impl VolumeConfig {
@@ -86,12 +90,20 @@ impl VolumeConfig {
             transport: Transport::Tcp,
             batch: 1,
             max_merge_bytes: 128 << 10,
+            max_commands: MAX_PIECES,
         }
     }
 }
 
 /// Writes a stream may hold (completed, waiting to become durable) per unit of window.
 pub const HELD_PER_WINDOW: u32 = 8;
+
+/// Commands a stream may have taken and not handed back, over all its requests (one per stripe
+/// a request touches). Each of a stream's connections names a command by a 16-bit id, and a
+/// group counts its commands in 16 bits: this keeps both in range, with room left for the
+/// FLUSHes and marks a connection sends besides. A request that alone would take more is
+/// refused; otherwise a request waits until enough of the ones before it are handed back.
+pub const MAX_PIECES: u32 = 65_536 - 1_024;
 
 /// The largest window the volume's lists are sized for at open (see [`Volume::open`]).
 const PREALLOCATED_WINDOW: usize = 1024;
@@ -136,6 +148,9 @@ pub struct VolumeStats {
     pub marks: u64,
     pub recoveries: u64,
     pub replayed: u64,
+    /// The most commands one stream's requests took at once (bounded by
+    /// `VolumeConfig::max_commands`).
+    pub peak_commands: u32,
 }
 
 struct TargetInfo {
@@ -228,6 +243,11 @@ impl IoConn {
         let cid = match self.free.pop() {
             Some(c) => c,
             None => {
+                // `MAX_PIECES` keeps a connection's commands well under this.
+                assert!(
+                    self.cmds.len() < 1 << 16,
+                    "command ids of a connection ran out"
+                );
                 self.cmds.push(None);
                 (self.cmds.len() - 1) as u16
             }
@@ -332,6 +352,9 @@ struct Stream {
     not_done: u32,
     /// Requests not yet completed by the targets (the window).
     in_flight: u32,
+    /// Commands the requests not yet handed back take (one per stripe a request touches): a
+    /// bound on the command ids the stream's connections have in use (see [`MAX_PIECES`]).
+    pieces_out: u32,
     /// Closed groups held, not yet sent (the last `held` of `groups`; `VolumeConfig::batch`).
     held: u32,
 }
@@ -423,6 +446,18 @@ impl Volume {
         if cfg.window == 0 {
             return Err(NetError::Config("window must be at least 1".into()));
         }
+        if cfg.max_commands == 0 || cfg.max_commands > MAX_PIECES {
+            return Err(NetError::Config(format!(
+                "max_commands {}: 1 to {MAX_PIECES}",
+                cfg.max_commands
+            )));
+        }
+        if cfg.batch > 1 && cfg.max_merge_bytes > MAX_DATA {
+            return Err(NetError::Config(format!(
+                "max_merge_bytes {} is more than a target takes in one command ({MAX_DATA})",
+                cfg.max_merge_bytes
+            )));
+        }
         let engine = Engine::new(EngineConfig {
             arena_bytes: cfg.arena_bytes,
             huge_pages: false,
@@ -475,6 +510,7 @@ impl Volume {
                     next_id: 1,
                     not_done: 0,
                     in_flight: 0,
+                    pieces_out: 0,
                     held: 0,
                 })
                 .collect(),
@@ -847,6 +883,15 @@ impl Volume {
         out
     }
 
+    /// How many pieces [`Volume::pieces`] cuts `offset..offset+len` into (no list built).
+    fn piece_count(&self, offset: u64, len: u32) -> u32 {
+        if len == 0 {
+            return 0;
+        }
+        let stripe = self.cfg.stripe as u64;
+        ((offset + len as u64 - 1) / stripe - offset / stripe + 1) as u32
+    }
+
     fn check_stream(&self, stream: u16) -> Result<(), NetError> {
         if stream >= self.cfg.streams {
             return Err(NetError::Config(format!(
@@ -919,17 +964,33 @@ impl Volume {
             ));
         }
         self.check_range(offset, buf.len())?;
-        self.wait_for_room(stream)?;
+        let pieces = self.piece_count(offset, buf.len() as u32);
+        let open: u32 = self.streams[stream as usize]
+            .open
+            .iter()
+            .map(|r| r.pieces)
+            .sum();
+        if open + pieces > self.cfg.max_commands {
+            return Err(NetError::Config(format!(
+                "an ordered write of {} bytes at {offset} is {pieces} commands (one per {}-byte stripe) and its group already has {open}: a stream takes at most {} at once; write less per group",
+                buf.len(),
+                self.cfg.stripe,
+                self.cfg.max_commands
+            )));
+        }
+        self.wait_for_room(stream, pieces)?;
         let st = &mut self.streams[stream as usize];
         let id = st.next_id;
         st.next_id += 1;
         st.not_done += 1;
         st.in_flight += 1;
+        st.pieces_out += pieces;
+        self.stats.peak_commands = self.stats.peak_commands.max(st.pieces_out);
         st.open.push(Req {
             id,
             offset,
             buf: Some(buf),
-            pieces: 0,
+            pieces,
             completed: 0,
             durable: 0,
             failed: None,
@@ -944,18 +1005,32 @@ impl Volume {
     /// Wait until the stream has room in its window and may hold another write. Once full, it
     /// waits until a quarter of the window is free, so the requests that follow go out in a
     /// burst and each turn of the connections serves several of them.
-    fn wait_for_room(&mut self, stream: u16) -> Result<(), NetError> {
+    ///
+    /// `pieces`: the commands the new request takes. The stream's requests not handed back may
+    /// take `VolumeConfig::max_commands` in all; past that it waits until they are under it again
+    /// with the new request's (the caller refuses a request that could never fit).
+    fn wait_for_room(&mut self, stream: u16, pieces: u32) -> Result<(), NetError> {
         let held = self.cfg.window.saturating_mul(HELD_PER_WINDOW);
         let st = &self.streams[stream as usize];
-        if st.in_flight < self.cfg.window && st.not_done < held {
+        let max = self.cfg.max_commands;
+        let fits = |st: &Stream| st.pieces_out + pieces <= max;
+        if st.in_flight < self.cfg.window && st.not_done < held && fits(st) {
             return Ok(());
         }
         let window_low = self.cfg.window - self.cfg.window.div_ceil(4);
         let held_low = held - held.div_ceil(4);
         loop {
+            let st = &self.streams[stream as usize];
+            if !fits(st) && st.pieces_out == st.open.iter().map(|r| r.pieces).sum::<u32>() {
+                // Waiting cannot help: all the stream has out is its own open group.
+                return Err(NetError::Config(format!(
+                    "the stream's open group takes {} commands and a request of {pieces} more would pass {max}: close the group first",
+                    self.streams[stream as usize].pieces_out
+                )));
+            }
             self.drive(true)?;
             let st = &self.streams[stream as usize];
-            if st.in_flight <= window_low && st.not_done <= held_low {
+            if st.in_flight <= window_low && st.not_done <= held_low && fits(st) {
                 return Ok(());
             }
         }
@@ -969,12 +1044,7 @@ impl Volume {
         }
         let seq = self.streams[s].next_seq;
         self.streams[s].next_seq += 1;
-        let mut g = Group { seq, reqs };
-        for r in &mut g.reqs {
-            r.pieces = self
-                .pieces(r.offset, r.buf.as_ref().map_or(0, |b| b.len() as u32))
-                .len() as u32;
-        }
+        let g = Group { seq, reqs };
         self.streams[s].groups.push_back(g);
         if self.cfg.batch <= 1 {
             return self.send_group(stream, seq);
@@ -1230,13 +1300,24 @@ impl Volume {
     ) -> Result<u64, NetError> {
         self.check_stream(stream)?;
         self.check_range(offset, buf.len())?;
-        self.wait_for_room(stream)?;
+        let n = self.piece_count(offset, buf.len() as u32);
+        if n > self.cfg.max_commands {
+            return Err(NetError::Config(format!(
+                "a request of {} bytes at {offset} is {n} commands (one per {}-byte stripe): a stream takes at most {} at once",
+                buf.len(),
+                self.cfg.stripe,
+                self.cfg.max_commands
+            )));
+        }
+        self.wait_for_room(stream, n)?;
         let s = stream as usize;
         let nt = self.targets.len();
         let id = self.streams[s].next_id;
         self.streams[s].next_id += 1;
         self.streams[s].not_done += 1;
         self.streams[s].in_flight += 1;
+        self.streams[s].pieces_out += n;
+        self.stats.peak_commands = self.stats.peak_commands.max(self.streams[s].pieces_out);
         let pieces = self.pieces(offset, buf.len() as u32);
         let slot = match self.plain_free.pop() {
             Some(x) => x,
@@ -1715,6 +1796,7 @@ impl Volume {
                     .as_mut()
                     .ok_or("completion for a finished request")?;
                 p.pieces -= 1;
+                self.streams[p.stream as usize].pieces_out -= 1;
                 if let Some(e) = err {
                     p.failed.get_or_insert(e);
                 }
@@ -1777,6 +1859,7 @@ impl Volume {
             st.durable_below = g.seq + 1;
             for r in g.reqs {
                 st.not_done -= 1;
+                st.pieces_out -= r.pieces;
                 self.ready.push_back(Done {
                     stream: s as u16,
                     seq: g.seq,
@@ -1847,6 +1930,7 @@ impl Volume {
         for slot in 0..self.plain.len() {
             if let Some(p) = self.plain[slot].take() {
                 self.plain_free.push(slot as u32);
+                self.streams[p.stream as usize].pieces_out -= p.pieces;
                 self.streams[p.stream as usize].not_done -= 1;
                 self.streams[p.stream as usize].in_flight -= 1;
                 self.ready.push_back(Done {
@@ -1949,6 +2033,7 @@ impl Volume {
                 let g = st.groups.pop_front().expect("front");
                 for r in g.reqs {
                     st.not_done -= 1;
+                    st.pieces_out -= r.pieces;
                     self.ready.push_back(Done {
                         stream: s as u16,
                         seq: g.seq,

@@ -19,5 +19,7 @@ pub mod target;
 
 pub use conn::Transport;
 pub use error::NetError;
-pub use initiator::{Done, RecoveryReport, Volume, VolumeConfig, VolumeStats, HELD_PER_WINDOW};
+pub use initiator::{
+    Done, RecoveryReport, Volume, VolumeConfig, VolumeStats, HELD_PER_WINDOW, MAX_PIECES,
+};
 pub use target::{Target, TargetConfig, TargetLogKind, TargetStats, TargetStatsHandle};

@@ -327,3 +327,62 @@ fn recovery_keeps_an_acknowledged_block_under_an_unflushed_overwrite_in_place() 
         "acknowledged group 1's block reads {x:#x} (recovery: {rep:?})"
     );
 }
+
+/// What a connection or a group counts in 16 bits is bounded before anything is sent: a merged
+/// command no larger than a target takes, and no more commands out per stream than
+/// `max_commands` (one per stripe a request touches). A request that alone (or with its open
+/// group) would pass it is refused with the figures; one that only has to wait for earlier
+/// requests waits, and everything still lands (from a review: these used to wrap silently).
+#[test]
+fn limits_on_commands_are_refused_up_front_or_waited_for() {
+    let _serial = one_at_a_time();
+    let (addr, _rm) = target("limits", 128 << 10);
+    let mut cfg = VolumeConfig::new(vec![addr], 1);
+    cfg.batch = 4;
+    cfg.max_merge_bytes = 256 << 10;
+    let e = Volume::open(cfg).err().expect("a merge past MAX_DATA is refused");
+    assert!(e.to_string().contains("max_merge_bytes 262144"), "{e}");
+    let mut cfg = VolumeConfig::new(vec![addr], 1);
+    cfg.max_commands = rio_net::MAX_PIECES + 1;
+    assert!(Volume::open(cfg).is_err());
+
+    let mut cfg = VolumeConfig::new(vec![addr], 1);
+    cfg.max_commands = 8;
+    let (mut v, _) = Volume::open(cfg).unwrap();
+    // 16 stripes at once: never fits.
+    let b = v.alloc(64 << 10).unwrap();
+    let e = v.submit(0, 0, b, true).unwrap_err().to_string();
+    assert!(e.contains("16 commands") && e.contains("at most 8"), "{e}");
+    let b = v.alloc(64 << 10).unwrap();
+    let e = v.read(0, 0, b).unwrap_err().to_string();
+    assert!(e.contains("16 commands"), "{e}");
+    // An open group of 6 stripes, and 4 more in the same group: refused, the group stays.
+    let mut b = v.alloc(6 * 4096).unwrap();
+    b.fill(0x5a);
+    v.submit(0, 1 << 20, b, false).unwrap();
+    let b = v.alloc(4 * 4096).unwrap();
+    let e = v.submit(0, 2 << 20, b, false).unwrap_err().to_string();
+    assert!(e.contains("write less per group"), "{e}");
+    v.wait(0).unwrap();
+    assert!(v.poll().unwrap().iter().all(|d| d.result.is_ok()));
+    // 40 groups of 3 stripes each, one after another: each waits for room, and all land.
+    for i in 0..40u64 {
+        let mut b = v.alloc(3 * 4096).unwrap();
+        b.fill(i as u8 + 1);
+        v.submit(0, i * 3 * 4096, b, true).unwrap();
+    }
+    v.wait(0).unwrap();
+    let done = v.poll().unwrap();
+    assert!(done.iter().all(|d| d.result.is_ok()));
+    let peak = v.stats().peak_commands;
+    assert!((3..=8).contains(&peak), "peak commands {peak}");
+    for i in 0..40u64 {
+        let b = v.alloc(3 * 4096).unwrap();
+        v.read(0, i * 3 * 4096, b).unwrap();
+        let d = v.wait_any().unwrap();
+        assert!(
+            d[0].buf.iter().all(|&x| x == i as u8 + 1),
+            "group {i} reads back"
+        );
+    }
+}
