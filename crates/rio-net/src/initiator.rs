@@ -355,6 +355,11 @@ struct Stream {
     /// Commands the requests not yet handed back take (one per stripe a request touches): a
     /// bound on the command ids the stream's connections have in use (see [`MAX_PIECES`]).
     pieces_out: u32,
+    /// The lowest group that failed (a write the target failed, or one a failed FLUSH may
+    /// have dropped); `u64::MAX`: none since the last recovery. It and every group after it
+    /// come back failed, the mark told the targets stays below it, and no FLUSH entry vouches
+    /// for it: recovery's prefix ends before it.
+    failed_from: u64,
     /// Closed groups held, not yet sent (the last `held` of `groups`; `VolumeConfig::batch`).
     held: u32,
 }
@@ -511,6 +516,7 @@ impl Volume {
                     not_done: 0,
                     in_flight: 0,
                     pieces_out: 0,
+                    failed_from: u64::MAX,
                     held: 0,
                 })
                 .collect(),
@@ -1268,9 +1274,10 @@ impl Volume {
     /// The mark to piggyback on the next ordered command to `t` (0: nothing new).
     fn take_mark(&mut self, stream: u16, t: usize) -> u64 {
         let st = &mut self.streams[stream as usize];
-        if st.durable_below > st.mark_told[t].max(1) {
-            st.mark_told[t] = st.durable_below;
-            st.durable_below
+        let durable = st.durable_below.min(st.failed_from);
+        if durable > st.mark_told[t].max(1) {
+            st.mark_told[t] = durable;
+            durable
         } else {
             0
         }
@@ -1426,6 +1433,8 @@ impl Volume {
         // The last group sent: held groups go out after this FLUSH, so it must not cover
         // them (recovery counts an entry durable when a FLUSH at or after its group is).
         let last = self.streams[s].next_seq - 1 - self.streams[s].held as u64;
+        // Nor any group from the first that failed on.
+        let last = last.min(self.streams[s].failed_from.saturating_sub(1));
         for t in 0..nt {
             if self.targets[t].plp || self.conns[s * nt + t].volatile == 0 {
                 continue;
@@ -1713,6 +1722,8 @@ impl Volume {
             Kind::Ordered { seq, req } => {
                 self.piece_completed(s, seq, req);
                 if let Some(e) = err {
+                    let st = &mut self.streams[s];
+                    st.failed_from = st.failed_from.min(seq);
                     self.conns[i].order.retain(|&c| c != cqe.cid);
                     self.conns[i].release(cqe.cid);
                     self.piece_durable(s, seq, req, Some(e));
@@ -1729,6 +1740,10 @@ impl Volume {
                     for r in 0..self.streams[s].group_len(q) {
                         self.piece_completed(s, q, r);
                     }
+                }
+                if err.is_some() {
+                    let st = &mut self.streams[s];
+                    st.failed_from = st.failed_from.min(seq);
                 }
                 if err.is_some() || self.targets[t].plp {
                     self.conns[i].order.retain(|&c| c != cqe.cid);
@@ -1747,8 +1762,24 @@ impl Volume {
                 ic.release(cqe.cid);
                 ic.flush_out = false;
                 if let Some(e) = err {
-                    // Nothing became durable; the next flush tries again.
+                    // Nothing it covered is durable, and a later FLUSH that succeeds says
+                    // nothing about what this one may have dropped: the groups of every piece
+                    // still waiting on this connection, and all after them, fail.
                     eprintln!("aios initiator: ordered FLUSH failed: {e}");
+                    let ic = &self.conns[i];
+                    let lowest =
+                        ic.order
+                            .iter()
+                            .filter_map(|&c| match ic.cmds[c as usize].as_ref().map(|c| c.kind) {
+                                Some(Kind::Ordered { seq, .. })
+                                | Some(Kind::Merged { seq, .. }) => Some(seq),
+                                _ => None,
+                            })
+                            .min();
+                    if let Some(low) = lowest {
+                        let st = &mut self.streams[s];
+                        st.failed_from = st.failed_from.min(low);
+                    }
                     return Ok(());
                 }
                 // Scratch lists kept for their allocations.
@@ -1857,14 +1888,23 @@ impl Volume {
             }
             let g = st.groups.pop_front().expect("front");
             st.durable_below = g.seq + 1;
+            let after_failure = g.seq >= st.failed_from;
             for r in g.reqs {
                 st.not_done -= 1;
                 st.pieces_out -= r.pieces;
+                let failed = r.failed.or_else(|| {
+                    after_failure.then(|| {
+                        format!(
+                            "group {} of stream {s} failed: this later group is not durable in order until recovery",
+                            st.failed_from
+                        )
+                    })
+                });
                 self.ready.push_back(Done {
                     stream: s as u16,
                     seq: g.seq,
                     id: r.id,
-                    result: r.failed.map_or(Ok(()), Err),
+                    result: failed.map_or(Ok(()), Err),
                     buf: r.buf.expect("held until durable"),
                 });
             }
@@ -2028,6 +2068,8 @@ impl Volume {
             let st = &mut self.streams[s];
             st.prev.iter_mut().for_each(|x| *x = 0);
             st.mark_told.iter_mut().for_each(|x| *x = p);
+            // The targets' logs are reset to the prefix: earlier failures are behind it.
+            st.failed_from = u64::MAX;
             // Groups now known durable are handed back.
             while st.groups.front().is_some_and(|g| g.seq < p) {
                 let g = st.groups.pop_front().expect("front");

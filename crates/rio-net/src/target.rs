@@ -22,7 +22,7 @@ use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -123,9 +123,29 @@ struct LogState {
     generation: u64,
     /// Per stream: the highest group submitted to the device (the in-order gate).
     submitted: Vec<u64>,
+    /// Per stream: the lowest group whose write failed on the device, or that a failed FLUSH
+    /// may have dropped (`u64::MAX`: none) since the last reset. No FLUSH entry vouches for it
+    /// or anything after it, and no mark frees its entries: recovery must not count it durable.
+    failed_from: Vec<u64>,
+    /// Per stream: the highest group a completed ordered FLUSH made durable here.
+    flushed_to: Vec<u64>,
     streams: u16,
     slots: u32,
     log_full: u64,
+}
+
+/// Test hooks: while non-zero, each ordered write (or ordered FLUSH) the device completes in
+/// this process takes one from the count and is failed as if the device had failed it (EIO).
+/// For tests of what a failing device does to the log and to recovery; 0 in normal use.
+#[doc(hidden)]
+pub static TEST_FAIL_ORDERED_WRITES: AtomicU32 = AtomicU32::new(0);
+#[doc(hidden)]
+pub static TEST_FAIL_ORDERED_FLUSHES: AtomicU32 = AtomicU32::new(0);
+
+fn take_test_fault(count: &AtomicU32) -> bool {
+    count
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+        .is_ok()
 }
 
 /// Counters of a target.
@@ -275,6 +295,8 @@ impl Target {
                     log,
                     generation: 1,
                     submitted: vec![0; streams as usize],
+                    failed_from: vec![u64::MAX; streams as usize],
+                    flushed_to: vec![0; streams as usize],
                     streams,
                     slots,
                     log_full: 0,
@@ -436,14 +458,14 @@ struct Collecting {
 enum InFlight {
     Write {
         cid: u16,
-        ordered: Option<(Slot, u64)>,
+        ordered: Option<(Slot, u16, u64)>,
         /// An ordered write's number on its connection ([`TConn::ordered_sent`] when it went
         /// out); 0 for the others.
         order_no: u64,
     },
     Flush {
         cid: u16,
-        ordered: Option<(Slot, u64)>,
+        ordered: Option<(Slot, u16, u64)>,
     },
     Read {
         cid: u16,
@@ -1326,6 +1348,8 @@ impl TConn {
                 st.log = LogSlot::Live(l);
                 st.generation += 1;
                 st.submitted = marks.iter().map(|m| m - 1).collect();
+                st.flushed_to = st.submitted.clone();
+                st.failed_from = vec![u64::MAX; streams];
                 Ok(())
             }
             Err(e) => {
@@ -1394,13 +1418,20 @@ impl TConn {
         if opc == op::RIO_MARK {
             let stream = sqe.cdw(10) as u16;
             let mark = sqe.cdw(11) as u64 | (sqe.cdw(12) as u64) << 32;
-            let mut st = self.shared.lock();
+            let mut guard = self.shared.lock();
+            let st = &mut *guard;
+            if st.generation != self.generation {
+                drop(guard);
+                // Its marks name groups of a log that recovery has since reset.
+                self.respond(cid, Status::RIO_BAD_ATTR, 0, 0);
+                return Ok(());
+            }
             if let LogSlot::Live(l) = &mut st.log {
                 if stream < l.streams() {
-                    l.durable(stream, mark);
+                    l.durable(stream, mark.min(st.failed_from[stream as usize]));
                 }
             }
-            drop(st);
+            drop(guard);
             self.respond(cid, Status::SUCCESS, 0, 0);
             return Ok(());
         }
@@ -1432,9 +1463,9 @@ impl TConn {
             let a = WireAttr::get(&sqe, |s| st.submitted.get(s as usize).copied().unwrap_or(0))
                 .expect("an ordered command carries an attribute");
             let ok = matches!(opc, op::WRITE | op::FLUSH) && a.stream < streams;
-            if ok && a.mark > 0 {
+            if ok && a.mark > 0 && st.generation == self.generation {
                 if let LogSlot::Live(l) = &mut st.log {
-                    l.durable(a.stream, a.mark);
+                    l.durable(a.stream, a.mark.min(st.failed_from[a.stream as usize]));
                 }
             }
             drop(guard);
@@ -1539,6 +1570,22 @@ impl TConn {
 
     /// Send `io` to the device, to be completed as `what`. Whether it went (a refusal is
     /// answered to the host here).
+    /// An ordered write of group `write` (`None`: an ordered FLUSH) of `stream` failed after its
+    /// entry went into the log. A failed write fails its group; a failed FLUSH, every group
+    /// after the last one a FLUSH made durable here (it may have dropped any of them: a FLUSH
+    /// that succeeds later says nothing about what this one lost). No later FLUSH entry
+    /// vouches for those groups, and no mark frees their entries.
+    fn ordered_failed(&self, stream: u16, write: Option<u64>) {
+        let mut guard = self.shared.lock();
+        let g = &mut *guard;
+        if g.generation != self.generation {
+            return; // the log it wrote to has been reset since
+        }
+        let s = stream as usize;
+        let from = write.unwrap_or(g.flushed_to[s] + 1);
+        g.failed_from[s] = g.failed_from[s].min(from);
+    }
+
     fn submit(&mut self, io: Io, what: InFlight) -> bool {
         let side = self.io.as_ref().expect("I/O queue");
         match side.dev.submit(io) {
@@ -1548,6 +1595,17 @@ impl TConn {
             }
             Err((e, _)) => {
                 eprintln!("aios target: {}: device refused a request: {e}", self.peer);
+                match what {
+                    InFlight::Write {
+                        ordered: Some((_, stream, seq)),
+                        ..
+                    } => self.ordered_failed(stream, Some(seq)),
+                    InFlight::Flush {
+                        ordered: Some((_, stream, _)),
+                        ..
+                    } => self.ordered_failed(stream, None),
+                    _ => {}
+                }
                 let cid = match what {
                     InFlight::Write { cid, .. }
                     | InFlight::Flush { cid, .. }
@@ -1664,11 +1722,13 @@ impl TConn {
                     Io::flush(),
                     InFlight::Flush {
                         cid,
-                        ordered: Some((slot, a.seq)),
+                        ordered: Some((slot, a.stream, a.seq)),
                     },
                 );
             } else {
                 let Data::Fixed(buf) = h.data else {
+                    // Its entry is in the log, but its data never goes to the device.
+                    self.ordered_failed(a.stream, Some(a.seq));
                     self.respond(cid, Status::SGL_INVALID, 0, 0);
                     continue;
                 };
@@ -1676,7 +1736,7 @@ impl TConn {
                 let io = Io::write(offset, buf).fua(h.sqe.fua());
                 let write = InFlight::Write {
                     cid,
-                    ordered: Some((slot, a.seq)),
+                    ordered: Some((slot, a.stream, a.seq)),
                     order_no: self.ordered_sent,
                 };
                 if self.submit(io, write) {
@@ -1706,10 +1766,17 @@ impl TConn {
                 self.respond(cid, Status::RIO_BAD_ATTR, 0, 0);
                 continue;
             };
+            // A FLUSH entry vouches for every earlier group of its stream here: never for one
+            // whose write failed or that an earlier failed FLUSH may have dropped.
+            let seq = a.seq.min(
+                st.failed_from
+                    .get(a.stream as usize)
+                    .map_or(u64::MAX, |f| f.saturating_sub(1)),
+            );
             let entry = Attr {
                 stream: a.stream,
-                seq: a.seq,
-                seq_end: a.seq_end,
+                seq,
+                seq_end: seq,
                 prev: a.prev,
                 flush: true,
                 ..Attr::default()
@@ -1740,7 +1807,7 @@ impl TConn {
                 Io::flush(),
                 InFlight::Flush {
                     cid,
-                    ordered: Some((slot, a.seq)),
+                    ordered: Some((slot, a.stream, seq)),
                 },
             );
             any = true;
@@ -1783,6 +1850,24 @@ impl TConn {
             InFlight::Write { order_no, .. } => *order_no,
             _ => 0,
         };
+        let mut result = result;
+        let injected = match &what {
+            InFlight::Write {
+                ordered: Some(_), ..
+            } => take_test_fault(&TEST_FAIL_ORDERED_WRITES).then_some(lbio::Op::Write),
+            InFlight::Flush {
+                ordered: Some(_), ..
+            } => take_test_fault(&TEST_FAIL_ORDERED_FLUSHES).then_some(lbio::Op::Flush),
+            _ => None,
+        };
+        if let (Some(op), Ok(())) = (injected, &result) {
+            result = Err(lbio::LbioError::Io {
+                op,
+                offset: 0,
+                len: 0,
+                source: std::io::Error::from_raw_os_error(5), // EIO,
+            });
+        }
         match what {
             InFlight::Write { cid, ordered, .. } | InFlight::Flush { cid, ordered } => {
                 let was_write = buf.is_some();
@@ -1798,19 +1883,32 @@ impl TConn {
                     Ok(()) => {
                         // The data is durable: at once with power-loss protection, and
                         // always for a completed FLUSH.
-                        if let Some((slot, seq)) = ordered {
+                        if let Some((slot, stream, seq)) = ordered {
                             if !was_write || self.shared.plp {
-                                let mut g = self.shared.lock();
-                                if let LogSlot::Live(l) = &mut g.log {
-                                    if let Err(e) = l.set_persist(slot, seq) {
-                                        eprintln!("aios target: setting a persist word: {e}");
+                                let mut guard = self.shared.lock();
+                                let g = &mut *guard;
+                                // A slot of a log that recovery has reset since may hold
+                                // another entry now: its persist word is not this one's.
+                                if g.generation == self.generation {
+                                    if let LogSlot::Live(l) = &mut g.log {
+                                        if let Err(e) = l.set_persist(slot, seq) {
+                                            eprintln!("aios target: setting a persist word: {e}");
+                                        } else if !was_write {
+                                            let f = &mut g.flushed_to[stream as usize];
+                                            *f = (*f).max(seq);
+                                        }
                                     }
                                 }
                             }
                         }
                         Status::SUCCESS
                     }
-                    Err(e) => failed(self.peer, e),
+                    Err(e) => {
+                        if let Some((_, stream, seq)) = ordered {
+                            self.ordered_failed(stream, was_write.then_some(seq));
+                        }
+                        failed(self.peer, e)
+                    }
                 };
                 self.respond(cid, st, 0, 0);
             }
