@@ -10,6 +10,7 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::ptr::NonNull;
 use std::sync::Arc;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
@@ -24,10 +25,31 @@ const CMD_COMMIT_AND_FETCH: u32 = 2;
 /// (flags, commit id, payload size: 32).
 pub const HEADER_BYTES: usize = 128 + 128 + 32;
 
+/// An entry's buffers are raw allocations, not `Box`es: the kernel writes them through the
+/// addresses it was given while the queue is moved and used, which a `Box` (a unique owner)
+/// does not allow. References to them exist only while the entry is in user space's hands:
+/// from its command's completion until it is handed back (`with_kernel`).
 struct Entry {
-    header: Box<[u8]>,
-    payload: Box<[u8]>,
+    header: NonNull<[u8]>,
+    payload: NonNull<[u8]>,
     iov: Box<[libc::iovec; 2]>,
+    /// A command of this entry is with the kernel, which may write its buffers.
+    with_kernel: bool,
+}
+
+/// A zeroed heap buffer of `len` bytes, owned through the returned pointer (freed with
+/// [`free_buffer`]).
+fn alloc_buffer(len: usize) -> NonNull<[u8]> {
+    NonNull::from(Box::leak(vec![0u8; len].into_boxed_slice()))
+}
+
+/// Free a buffer of [`alloc_buffer`].
+///
+/// # Safety
+/// `b` came from `alloc_buffer`, is freed once, and nothing (the kernel included) uses it after.
+unsafe fn free_buffer(b: NonNull<[u8]>) {
+    // SAFETY: per the contract, `b` is the leaked box of `alloc_buffer`, now unused.
+    drop(unsafe { Box::from_raw(b.as_ptr()) });
 }
 
 /// One FUSE queue's io_uring and its entries' buffers.
@@ -40,8 +62,8 @@ pub struct FuseQueue {
     outstanding: usize,
 }
 
-// SAFETY: the iovecs' raw pointers point into the entries' own boxed buffers, which move with
-// the queue and are only touched by the thread that owns it.
+// SAFETY: the buffers and iovecs are the queue's own allocations, which move with it and are
+// only touched by the thread that owns it (and by the kernel, for this queue's commands).
 unsafe impl Send for FuseQueue {}
 
 /// A completion: the entry it belongs to and the kernel's result (0 when the entry holds a
@@ -60,15 +82,15 @@ impl FuseQueue {
         let ring = IoUring::builder().build((depth as u32).next_power_of_two().max(2))?;
         let ents = (0..depth)
             .map(|_| {
-                let mut header = vec![0u8; HEADER_BYTES].into_boxed_slice();
-                let mut payload = vec![0u8; payload].into_boxed_slice();
+                let header = alloc_buffer(HEADER_BYTES);
+                let payload = alloc_buffer(payload);
                 let iov = Box::new([
                     libc::iovec {
-                        iov_base: header.as_mut_ptr().cast(),
+                        iov_base: header.as_ptr().cast(),
                         iov_len: header.len(),
                     },
                     libc::iovec {
-                        iov_base: payload.as_mut_ptr().cast(),
+                        iov_base: payload.as_ptr().cast(),
                         iov_len: payload.len(),
                     },
                 ]);
@@ -76,6 +98,7 @@ impl FuseQueue {
                     header,
                     payload,
                     iov,
+                    with_kernel: false,
                 }
             })
             .collect();
@@ -121,6 +144,7 @@ impl FuseQueue {
         unsafe { self.ring.submission().push(&e) }
             .map_err(|_| io::Error::other("FUSE queue: submission queue full"))?;
         self.outstanding += 1;
+        self.ents[i].with_kernel = true;
         Ok(())
     }
 
@@ -188,6 +212,11 @@ impl FuseQueue {
             })
             .collect();
         self.outstanding -= out.len().min(self.outstanding);
+        for c in &out {
+            if let Some(e) = self.ents.get_mut(c.entry) {
+                e.with_kernel = false;
+            }
+        }
         out
     }
 
@@ -196,18 +225,41 @@ impl FuseQueue {
         self.ring.submit().map(|_| ())
     }
 
+    /// Entry `i`, which must be in user space's hands (its command completed, and it has not
+    /// been handed back since): a programming error otherwise, as the kernel may be writing it.
+    fn own(&self, i: usize) -> &Entry {
+        let e = &self.ents[i];
+        assert!(
+            !e.with_kernel,
+            "FUSE entry {i} is the kernel's until its command completes"
+        );
+        e
+    }
+
+    /// Entry `i`'s header buffer (the entry must be out of the kernel's hands: see
+    /// [`FuseQueue::buffers_mut`]).
     pub fn header(&self, i: usize) -> &[u8] {
-        &self.ents[i].header
+        let e = self.own(i);
+        // SAFETY: a live allocation of the queue's; the kernel holds no command of this entry,
+        // so nothing writes it while the shared borrow of `self` lasts.
+        unsafe { e.header.as_ref() }
     }
 
     pub fn header_mut(&mut self, i: usize) -> &mut [u8] {
-        &mut self.ents[i].header
+        self.buffers_mut(i).0
     }
 
-    /// Entry `i`'s header and payload buffers, both writable.
+    /// Entry `i`'s header and payload buffers, both writable. Only between the completion of
+    /// the entry's command and the call that hands it back (`commit_and_fetch`); panics
+    /// otherwise.
     pub fn buffers_mut(&mut self, i: usize) -> (&mut [u8], &mut [u8]) {
-        let e = &mut self.ents[i];
-        (&mut e.header, &mut e.payload)
+        let (mut h, mut p) = {
+            let e = self.own(i);
+            (e.header, e.payload)
+        };
+        // SAFETY: two distinct live allocations of the queue's; the kernel holds no command of
+        // this entry, and the exclusive borrow of `self` keeps every other reference away.
+        unsafe { (h.as_mut(), p.as_mut()) }
     }
 }
 
@@ -218,6 +270,15 @@ impl Drop for FuseQueue {
             // (when the ring's teardown gets to them): keep them alive for good.
             for e in std::mem::take(&mut self.ents) {
                 std::mem::forget(e);
+            }
+            return;
+        }
+        for e in std::mem::take(&mut self.ents) {
+            // SAFETY: no command is with the kernel, and the queue is going: nothing uses
+            // the buffers after this.
+            unsafe {
+                free_buffer(e.header);
+                free_buffer(e.payload);
             }
         }
     }

@@ -535,7 +535,12 @@ impl Device {
             if let Some(c) = self.lbio.try_take(tag) {
                 return c.result.map(|_| c.buf);
             }
-            engine.wait(1)?;
+            if let Err(e) = engine.wait(1) {
+                // The request may still be in flight, its buffer the kernel's: nobody will
+                // take it now, so its slot (and buffer) go back when it ends.
+                self.lbio.orphan(tag);
+                return Err(e.into());
+            }
         }
     }
 }

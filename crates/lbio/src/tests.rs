@@ -1712,3 +1712,49 @@ fn a_zero_max_transfer_is_refused() {
     let e = disk.open(&lbio).unwrap_err().to_string();
     assert!(e.contains("max transfer a non-zero multiple"), "{e}");
 }
+
+/// A soft device that fails the engine's next wait (its `advance` errs once).
+struct FailingWait(Cell<bool>);
+
+impl aios_core::SoftDevice for FailingWait {
+    fn pending(&self) -> u32 {
+        u32::from(self.0.get())
+    }
+    fn advance(&self, _engine: &Engine) -> Result<(), CoreError> {
+        self.0.set(false);
+        Err(CoreError::Sys {
+            op: "io_uring_enter",
+            source: std::io::Error::from_raw_os_error(libc::EBUSY),
+        })
+    }
+}
+
+/// A blocking request whose wait fails gives its slot back once the I/O ends: nobody is left
+/// to take its completion. (It stayed taken for good: a review found it by reading.)
+#[test]
+fn a_blocking_request_whose_wait_fails_frees_its_slot_when_it_ends() {
+    let engine = engine();
+    let lbio = array(&engine, LbioConfig::default());
+    let file = TempFile::new("waitfail", 1 << 20);
+    let dev = Device::open(
+        &lbio,
+        file.path(),
+        DeviceConfig {
+            write: true,
+            route: RouteChoice::Ring,
+            ..DeviceConfig::default()
+        },
+    )
+    .unwrap();
+    let slots = lbio.free_slots();
+    let soft: Rc<dyn aios_core::SoftDevice> = Rc::new(FailingWait(Cell::new(true)));
+    engine.attach_soft_device(Rc::downgrade(&soft));
+    let buf = engine.try_alloc(4096).unwrap();
+    let e = dev.run_blocking(Io::read(0, buf));
+    assert!(e.is_err(), "the wait failed: {e:?}");
+    drain(&engine);
+    assert_eq!(lbio.free_slots(), slots, "the slot came back");
+    // And the device goes on working.
+    let buf = engine.try_alloc(4096).unwrap();
+    assert!(dev.run_blocking(Io::read(0, buf)).is_ok());
+}
