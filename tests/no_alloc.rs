@@ -325,6 +325,7 @@ impl CacheOnFile {
             readahead_pages: 0,
             huge_pages: false,
             vectored_reads: true,
+            ..CacheConfig::default()
         })
         .unwrap();
         let id = cache.add_file(DEVICE_BYTES as u64).unwrap();

@@ -674,6 +674,7 @@ impl Fs {
                 readahead_pages: 0,
                 huge_pages: true,
                 vectored_reads: true,
+                ..CacheConfig::default()
             };
             let pc = PageCache::new(cfg).map_err(|e| {
                 FsError::Config(format!("page cache of {} bytes: {e}", opts.cache_bytes))

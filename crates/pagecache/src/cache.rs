@@ -90,6 +90,11 @@ pub struct CacheConfig {
     /// into their frames (one device command per max transfer where the device takes vectored
     /// commands); otherwise one request per page.
     pub vectored_reads: bool,
+    /// Microseconds a reader waits for a page that another handle is reading before it reads
+    /// the page itself (lazy-indexing modes only; its frame is then abandoned as a duplicate).
+    /// A handle's reads complete only when that handle next drives its engine: a readahead
+    /// whose handle has gone idle would otherwise hold its pages' readers for as long.
+    pub foreign_read_wait_us: u32,
 }
 
 impl Default for CacheConfig {
@@ -100,6 +105,7 @@ impl Default for CacheConfig {
             readahead_pages: 16,
             huge_pages: true,
             vectored_reads: true,
+            foreign_read_wait_us: 500,
         }
     }
 }
@@ -118,6 +124,9 @@ pub struct Counters {
     pub writebacks: AtomicU64,
     pub readahead_pages: AtomicU64,
     pub read_errors: AtomicU64,
+    /// Waits for another handle's read that ran past `foreign_read_wait_us`: the reader read
+    /// the page itself.
+    pub foreign_waits_cut: AtomicU64,
 }
 
 /// A snapshot of the cache's shared counters.
@@ -131,6 +140,7 @@ pub struct CacheMetrics {
     pub writebacks: u64,
     pub readahead_pages: u64,
     pub read_errors: u64,
+    pub foreign_waits_cut: u64,
     /// Frames in the shared free list now (frames in handles' pools are not counted).
     pub free_frames: u32,
     pub frames: u32,
@@ -246,6 +256,7 @@ impl PageCache {
             writebacks: l(&c.writebacks),
             readahead_pages: l(&c.readahead_pages),
             read_errors: l(&c.read_errors),
+            foreign_waits_cut: l(&c.foreign_waits_cut),
             free_frames: self.lock_free().len() as u32,
             frames: self.frames.len(),
         }

@@ -7,12 +7,13 @@
 //! (lazy release).
 
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::ops::Deref;
 use std::ptr::NonNull;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use aios_core::Engine;
 use lbio::{Class, Device, Io, LbioArray, LbioError, RawBuf, RawIov, Tag};
@@ -114,12 +115,14 @@ pub struct CacheHandle {
     hazard_block: Option<usize>,
     /// Bit `i` set: slot `i` of the block is free.
     hazard_free: Cell<u16>,
-    /// Frames this handle's guards pin by count (one entry per guard): a write from this handle
-    /// to one of them is refused ([`CacheError::GuardHeld`]) rather than waited for forever.
-    own_pins: RefCell<Vec<u32>>,
+    /// Frames this handle's guards pin by count, each with the number of such guards: a write
+    /// from this handle to one of them is refused ([`CacheError::GuardHeld`]) rather than
+    /// waited for forever. (A map: a list searched at each drop cost time quadratic in the
+    /// guards held.)
+    own_pins: RefCell<HashMap<u32, u32>>,
 }
 
-/// Guards pinned by count a handle holds before its list of them grows (guards pin by count
+/// Frames held by guards pinned by count a handle holds before its map of them grows (guards pin by count
 /// once the handle's hazard slots are taken).
 const OWN_PINS_PREALLOCATED: usize = 64;
 
@@ -147,8 +150,11 @@ impl Drop for PageGuard<'_> {
             Some(slot) => self.handle.release_slot(slot),
             None => {
                 let mut own = self.handle.own_pins.borrow_mut();
-                if let Some(i) = own.iter().rposition(|&f| f == self.frame) {
-                    own.swap_remove(i);
+                if let Some(n) = own.get_mut(&self.frame) {
+                    *n -= 1;
+                    if *n == 0 {
+                        own.remove(&self.frame);
+                    }
                 }
                 drop(own);
                 self.handle.unpin(self.frame, self.abandoned);
@@ -203,7 +209,7 @@ impl CacheHandle {
             read_error: RefCell::new(None),
             hazard_block: cache.hazards.claim(),
             hazard_free: Cell::new(((1u32 << hazard::SLOTS) - 1) as u16),
-            own_pins: RefCell::new(Vec::with_capacity(OWN_PINS_PREALLOCATED)),
+            own_pins: RefCell::new(HashMap::with_capacity(OWN_PINS_PREALLOCATED)),
         };
         if mode.pool {
             h.refill()?;
@@ -569,20 +575,19 @@ impl CacheHandle {
         loop {
             if let Some(frame) = self.lookup(key) {
                 let slot = match self.protect(frame, key) {
-                    Protect::Held(slot) => Some(slot),
-                    Protect::Changed => {
-                        self.wait_for(frame)?;
-                        continue;
-                    }
-                    Protect::NoSlot if self.cache.frames.pin(frame, key) => None,
-                    Protect::NoSlot => {
-                        self.wait_for(frame)?;
-                        continue;
-                    }
+                    Protect::Held(slot) => Some(Some(slot)),
+                    Protect::NoSlot if self.cache.frames.pin(frame, key) => Some(None),
+                    Protect::Changed | Protect::NoSlot => None,
                 };
-                self.cache.frames.mark(frame, frames::REFERENCED);
-                self.count_hit();
-                return Ok(self.guard(frame, false, slot));
+                if let Some(slot) = slot {
+                    self.cache.frames.mark(frame, frames::REFERENCED);
+                    self.count_hit();
+                    return Ok(self.guard(frame, false, slot));
+                }
+                if self.wait_for(frame, true)? {
+                    continue;
+                }
+                // Another handle's read is slow to complete: the miss below reads it here.
             }
             match self.miss(key, entry)? {
                 Some((frame, abandoned)) => {
@@ -610,7 +615,7 @@ impl CacheHandle {
     /// handle notes as its own.
     fn guard(&self, frame: u32, abandoned: bool, slot: Option<u8>) -> PageGuard<'_> {
         if slot.is_none() {
-            self.own_pins.borrow_mut().push(frame);
+            *self.own_pins.borrow_mut().entry(frame).or_insert(0) += 1;
         }
         PageGuard {
             handle: self,
@@ -730,20 +735,41 @@ impl CacheHandle {
                 }
                 continue;
             }
-            self.wait_for(frame)?;
+            if !self.wait_for(frame, true)? {
+                // Another handle's read is slow to complete: a miss reads it here.
+                return Ok(false);
+            }
         }
     }
 
     /// A frame found in the index but not readable yet (being read, being written): wait for it
-    /// to settle, driving this handle's I/O meanwhile (it may be ours).
-    fn wait_for(&self, frame: u32) -> Result<(), CacheError> {
+    /// to settle, driving this handle's I/O meanwhile (it may be ours). `Ok(false)`: a reader
+    /// (`reader`) in a lazy-indexing mode waited `foreign_read_wait_us` for a read that is
+    /// another handle's (ours would have completed by the polls), and should read the page
+    /// itself: that handle's read completes only when it next drives its engine.
+    fn wait_for(&self, frame: u32, reader: bool) -> Result<bool, CacheError> {
         let before = self.cache.frames.state(frame);
         self.cache.counters.waited.fetch_add(1, Ordering::Relaxed);
+        let limit = (reader && self.mode.lazy_index).then(|| {
+            Instant::now() + Duration::from_micros(self.cache.cfg.foreign_read_wait_us as u64)
+        });
+        let mut rounds = 0u32;
         loop {
             self.poll()?;
             let now = self.cache.frames.state(frame);
             if now != before || !now.has(frames::IO) {
-                return Ok(());
+                return Ok(true);
+            }
+            rounds += 1;
+            if let Some(limit) = limit {
+                // A read (not a writeback: its bytes are valid and newer than the device's).
+                if !now.has(frames::VALID) && rounds % 8 == 0 && Instant::now() >= limit {
+                    self.cache
+                        .counters
+                        .foreign_waits_cut
+                        .fetch_add(1, Ordering::Relaxed);
+                    return Ok(false);
+                }
             }
             if self.engine.has_work() {
                 self.engine.wait(1)?;
@@ -1333,10 +1359,10 @@ impl CacheHandle {
             });
             if claimed.is_none() {
                 // Pinned by a guard of this handle's own: it would never go.
-                if frames.state(frame).pins() > 0 && self.own_pins.borrow().contains(&frame) {
+                if frames.state(frame).pins() > 0 && self.own_pins.borrow().contains_key(&frame) {
                     return Err(CacheError::GuardHeld { file, page });
                 }
-                self.wait_for(frame)?;
+                self.wait_for(frame, false)?;
                 continue;
             }
             if frames.key(frame) != key.0 {

@@ -155,6 +155,7 @@ fn setup_with(
         readahead_pages,
         huge_pages: false,
         vectored_reads,
+        ..CacheConfig::default()
     })
     .unwrap();
     let engine = engine();
@@ -624,6 +625,7 @@ fn guards_on_one_thread_never_see_another_threads_writes_or_evictions() {
         readahead_pages: 0,
         huge_pages: false,
         vectored_reads: true,
+        ..CacheConfig::default()
     })
     .unwrap();
     let file = cache.add_file(1 << 20).unwrap();
@@ -699,6 +701,7 @@ fn threads_missing_the_same_pages_get_correct_data_and_no_frame_leaks() {
         readahead_pages: 0,
         huge_pages: false,
         vectored_reads: true,
+        ..CacheConfig::default()
     })
     .unwrap();
     let file = cache.add_file(bytes as u64).unwrap();
@@ -787,6 +790,7 @@ fn two_readers_missing_one_page_both_read_it_and_the_loser_is_abandoned() {
             readahead_pages: 0,
             huge_pages: false,
             vectored_reads: true,
+            ..CacheConfig::default()
         })
         .unwrap();
         let file = cache.add_file(PAGES * 4096).unwrap();
@@ -1039,4 +1043,97 @@ fn a_run_read_that_failed_before_its_indexing_is_not_indexed() {
     backend.fail_reads.set(None);
     h.read(file, 0, &mut buf).unwrap();
     assert_eq!(buf[4096], 1);
+}
+
+/// A page another thread's readahead is reading, while that thread does not drive its engine,
+/// is read by the thread that wants it after `foreign_read_wait_us` (its frame abandoned as a
+/// duplicate), in the zero-copy and copy-out paths alike. It used to wait until the other
+/// thread next called into the cache: here, never, until it timed out.
+#[test]
+fn a_reader_does_not_wait_on_a_readahead_whose_handle_is_idle() {
+    const PAGES: u64 = 64;
+    let path = std::env::temp_dir().join(format!("pagecache-ra-{}", std::process::id()));
+    let bytes = (PAGES * 4096) as usize;
+    let content: Vec<u8> = (0..bytes)
+        .map(|i| (i / 4096 * 29 + i % 241) as u8)
+        .collect();
+    std::fs::write(&path, &content).unwrap();
+    let cache = PageCache::new(CacheConfig {
+        capacity_bytes: 64 * PAGE_BYTES,
+        pool_batch: 4,
+        readahead_pages: 24,
+        huge_pages: false,
+        ..CacheConfig::default()
+    })
+    .unwrap();
+    let file = cache.add_file(bytes as u64).unwrap();
+    let open_path = path.clone();
+    let open = move |cache: &Arc<PageCache>| {
+        let path = &open_path;
+        let engine = engine();
+        let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+        let dev = lbio::Device::open(
+            &lbio,
+            path,
+            lbio::DeviceConfig {
+                route: lbio::RouteChoice::Ring,
+                probe: aios_core::ProbeOptions {
+                    latency_samples: 0,
+                    try_iopoll: false,
+                },
+                ..lbio::DeviceConfig::default()
+            },
+        )
+        .unwrap();
+        let h = CacheHandle::new(cache, &engine, &lbio, Mode::AIOS).unwrap();
+        h.attach(file, dev).unwrap();
+        (engine, lbio, h)
+    };
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let idle = {
+        let cache = Arc::clone(&cache);
+        let open = open.clone();
+        std::thread::spawn(move || {
+            let (_e, _l, h) = open(&cache);
+            let mut buf = vec![0u8; 4096];
+            // Two sequential pages: pages 2..26 are read ahead, as background requests of
+            // which at most 8 are out at once (the rest wait for this engine to pump them).
+            h.read(file, 0, &mut buf).unwrap();
+            h.read(file, 4096, &mut buf).unwrap();
+            started_tx.send(()).unwrap();
+            // Idle: no call into the cache until the other thread is done (or gives up).
+            let r = done_rx.recv_timeout(std::time::Duration::from_secs(30));
+            drop(h);
+            r.is_ok()
+        })
+    };
+    started_rx.recv().unwrap();
+    let (_e, _l, h) = open(&cache);
+    let m = cache.metrics();
+    assert!(m.readahead_pages >= 20, "{m:?}");
+    let mut buf = vec![0u8; 4096];
+    for page in [25u64, 24] {
+        h.read(file, page * 4096, &mut buf).unwrap();
+        let at = page as usize * 4096;
+        assert!(buf[..] == content[at..at + 4096], "page {page} differs");
+    }
+    {
+        let g = h.get(file, 23).unwrap();
+        assert!(g[..] == content[23 * 4096..24 * 4096], "page 23 differs");
+    }
+    done_tx.send(()).unwrap();
+    assert!(
+        idle.join().unwrap(),
+        "the reader waited for the idle thread"
+    );
+    drop(h);
+    std::fs::remove_file(&path).unwrap();
+    let m = cache.metrics();
+    assert!(m.foreign_waits_cut >= 3, "{m:?}");
+    for f in 0..cache.frames.len() {
+        let s = cache.frames.state(f);
+        assert_eq!(s.pins(), 0, "frame {f} still pinned");
+        assert!(!s.has(frames::ABANDONED), "frame {f}: {s:?}");
+    }
 }
