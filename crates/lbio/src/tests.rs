@@ -160,6 +160,20 @@ impl Drop for TempFile {
     }
 }
 
+/// `file` opened for writing, its critical requests on the io_uring route.
+fn ring_device(lbio: &Rc<LbioArray>, file: &TempFile) -> Device {
+    Device::open(
+        lbio,
+        file.path(),
+        DeviceConfig {
+            write: true,
+            route: RouteChoice::Ring,
+            ..DeviceConfig::default()
+        },
+    )
+    .unwrap()
+}
+
 /// Takes the completions of [`Tracked`] pieces (so it sees each one end), then hands them to the
 /// lbio array, whose sink they were meant for.
 struct Tracker {
@@ -1145,16 +1159,7 @@ fn raw_buffers_in_a_registered_shared_region_and_in_plain_memory_round_trip() {
     let engine = engine();
     let lbio = array(&engine, LbioConfig::default());
     let file = TempFile::new("raw", 1 << 20);
-    let dev = Device::open(
-        &lbio,
-        file.path(),
-        DeviceConfig {
-            write: true,
-            route: RouteChoice::Ring,
-            ..DeviceConfig::default()
-        },
-    )
-    .unwrap();
+    let dev = ring_device(&lbio, &file);
     let region = std::sync::Arc::new(aios_core::SharedRegion::map(64 * KIB, false).unwrap());
     let index = engine.register_region(&region).unwrap();
     assert_eq!(index, 1, "slot 0 is the arena");
@@ -1736,16 +1741,7 @@ fn a_blocking_request_whose_wait_fails_frees_its_slot_when_it_ends() {
     let engine = engine();
     let lbio = array(&engine, LbioConfig::default());
     let file = TempFile::new("waitfail", 1 << 20);
-    let dev = Device::open(
-        &lbio,
-        file.path(),
-        DeviceConfig {
-            write: true,
-            route: RouteChoice::Ring,
-            ..DeviceConfig::default()
-        },
-    )
-    .unwrap();
+    let dev = ring_device(&lbio, &file);
     let slots = lbio.free_slots();
     let soft: Rc<dyn aios_core::SoftDevice> = Rc::new(FailingWait(Cell::new(true)));
     engine.attach_soft_device(Rc::downgrade(&soft));

@@ -121,6 +121,33 @@ fn device_over(lbio: &Rc<LbioArray>, f: &Rc<Faulty>) -> Device {
     .unwrap()
 }
 
+/// A file of `pages` pages in the temp directory whose every page differs, and its bytes.
+fn patterned_file(name: &str, pages: u64) -> (std::path::PathBuf, Vec<u8>) {
+    let path = std::env::temp_dir().join(format!("pagecache-{name}-{}", std::process::id()));
+    let content: Vec<u8> = (0..(pages * 4096) as usize)
+        .map(|i| (i / 4096 * 31 + i % 251) as u8)
+        .collect();
+    std::fs::write(&path, &content).unwrap();
+    (path, content)
+}
+
+/// The file at `path`, read on the io_uring route (no latency probe).
+fn ring_device(lbio: &Rc<LbioArray>, path: &std::path::Path) -> Device {
+    lbio::Device::open(
+        lbio,
+        path,
+        lbio::DeviceConfig {
+            route: lbio::RouteChoice::Ring,
+            probe: aios_core::ProbeOptions {
+                latency_samples: 0,
+                try_iopoll: false,
+            },
+            ..lbio::DeviceConfig::default()
+        },
+    )
+    .unwrap()
+}
+
 /// A cache of `frames` frames with one file of `file_bytes`, and a `mode` handle on a fresh
 /// engine (no device attached yet).
 struct Setup {
@@ -689,12 +716,8 @@ fn threads_missing_the_same_pages_get_correct_data_and_no_frame_leaks() {
     const THREADS: usize = 2;
     const PAGES: u64 = 64;
     const ROUNDS: usize = 20;
-    let path = std::env::temp_dir().join(format!("pagecache-stress-{}", std::process::id()));
-    let bytes = (PAGES * 4096) as usize;
-    let content: Vec<u8> = (0..bytes)
-        .map(|i| (i / 4096 * 31 + i % 251) as u8)
-        .collect();
-    std::fs::write(&path, &content).unwrap();
+    let (path, content) = patterned_file("stress", PAGES);
+    let bytes = content.len();
     let cache = PageCache::new(CacheConfig {
         capacity_bytes: 32 * PAGE_BYTES,
         pool_batch: 4,
@@ -715,19 +738,7 @@ fn threads_missing_the_same_pages_get_correct_data_and_no_frame_leaks() {
             std::thread::spawn(move || {
                 let engine = engine();
                 let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
-                let dev = lbio::Device::open(
-                    &lbio,
-                    &path,
-                    lbio::DeviceConfig {
-                        route: lbio::RouteChoice::Ring,
-                        probe: aios_core::ProbeOptions {
-                            latency_samples: 0,
-                            try_iopoll: false,
-                        },
-                        ..lbio::DeviceConfig::default()
-                    },
-                )
-                .unwrap();
+                let dev = ring_device(&lbio, &path);
                 let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
                 h.attach(file, dev).unwrap();
                 let mut buf = vec![0u8; 4 * 4096];
@@ -1052,12 +1063,8 @@ fn a_run_read_that_failed_before_its_indexing_is_not_indexed() {
 #[test]
 fn a_reader_does_not_wait_on_a_readahead_whose_handle_is_idle() {
     const PAGES: u64 = 64;
-    let path = std::env::temp_dir().join(format!("pagecache-ra-{}", std::process::id()));
-    let bytes = (PAGES * 4096) as usize;
-    let content: Vec<u8> = (0..bytes)
-        .map(|i| (i / 4096 * 29 + i % 241) as u8)
-        .collect();
-    std::fs::write(&path, &content).unwrap();
+    let (path, content) = patterned_file("ra", PAGES);
+    let bytes = content.len();
     let cache = PageCache::new(CacheConfig {
         capacity_bytes: 64 * PAGE_BYTES,
         pool_batch: 4,
@@ -1072,19 +1079,7 @@ fn a_reader_does_not_wait_on_a_readahead_whose_handle_is_idle() {
         let path = &open_path;
         let engine = engine();
         let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
-        let dev = lbio::Device::open(
-            &lbio,
-            path,
-            lbio::DeviceConfig {
-                route: lbio::RouteChoice::Ring,
-                probe: aios_core::ProbeOptions {
-                    latency_samples: 0,
-                    try_iopoll: false,
-                },
-                ..lbio::DeviceConfig::default()
-            },
-        )
-        .unwrap();
+        let dev = ring_device(&lbio, path);
         let h = CacheHandle::new(cache, &engine, &lbio, Mode::AIOS).unwrap();
         h.attach(file, dev).unwrap();
         (engine, lbio, h)

@@ -898,6 +898,26 @@ impl Volume {
         ((offset + len as u64 - 1) / stripe - offset / stripe + 1) as u32
     }
 
+    /// The commands a request of `len` bytes at `offset` takes, refused when with `open` more
+    /// (its open group's) they could never fit `VolumeConfig::max_commands`.
+    fn commands_for(&self, offset: u64, len: usize, open: u32) -> Result<u32, NetError> {
+        let n = self.piece_count(offset, len as u32);
+        if open + n <= self.cfg.max_commands {
+            return Ok(n);
+        }
+        let group = if open > 0 {
+            format!(" and its open group already has {open}")
+        } else {
+            String::new()
+        };
+        Err(NetError::Config(format!(
+            "a request of {len} bytes at {offset} is {n} commands (one per {}-byte stripe){group}: a stream takes at most {} at once{}",
+            self.cfg.stripe,
+            self.cfg.max_commands,
+            if open > 0 { "; write less per group" } else { "" }
+        )))
+    }
+
     fn check_stream(&self, stream: u16) -> Result<(), NetError> {
         if stream >= self.cfg.streams {
             return Err(NetError::Config(format!(
@@ -970,20 +990,12 @@ impl Volume {
             ));
         }
         self.check_range(offset, buf.len())?;
-        let pieces = self.piece_count(offset, buf.len() as u32);
         let open: u32 = self.streams[stream as usize]
             .open
             .iter()
             .map(|r| r.pieces)
             .sum();
-        if open + pieces > self.cfg.max_commands {
-            return Err(NetError::Config(format!(
-                "an ordered write of {} bytes at {offset} is {pieces} commands (one per {}-byte stripe) and its group already has {open}: a stream takes at most {} at once; write less per group",
-                buf.len(),
-                self.cfg.stripe,
-                self.cfg.max_commands
-            )));
-        }
+        let pieces = self.commands_for(offset, buf.len(), open)?;
         self.wait_for_room(stream, pieces)?;
         let st = &mut self.streams[stream as usize];
         let id = st.next_id;
@@ -1307,15 +1319,7 @@ impl Volume {
     ) -> Result<u64, NetError> {
         self.check_stream(stream)?;
         self.check_range(offset, buf.len())?;
-        let n = self.piece_count(offset, buf.len() as u32);
-        if n > self.cfg.max_commands {
-            return Err(NetError::Config(format!(
-                "a request of {} bytes at {offset} is {n} commands (one per {}-byte stripe): a stream takes at most {} at once",
-                buf.len(),
-                self.cfg.stripe,
-                self.cfg.max_commands
-            )));
-        }
+        let n = self.commands_for(offset, buf.len(), 0)?;
         self.wait_for_room(stream, n)?;
         let s = stream as usize;
         let nt = self.targets.len();

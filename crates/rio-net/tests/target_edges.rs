@@ -148,6 +148,21 @@ fn write_cmd(cid: u16, slba: u64, in_capsule: bool) -> Sqe {
     sqe
 }
 
+/// The attribute of stream 0's group `seq` of one write, after group `seq - 1`, carrying `mark`.
+fn one_write_group(seq: u64, mark: u64) -> WireAttr {
+    WireAttr {
+        stream: 0,
+        seq,
+        seq_end: seq,
+        prev: seq - 1,
+        num: 1,
+        members: 1,
+        boundary: true,
+        mark,
+        ..WireAttr::default()
+    }
+}
+
 fn fetch_log(a: &mut Raw) -> rio_ordering::LogScan {
     let mut image = Vec::new();
     let mut total = usize::MAX;
@@ -181,17 +196,7 @@ fn an_ordered_flush_waits_for_an_earlier_write_still_awaiting_its_data() {
     let (mut admin, mut q) = queues(addr);
     // Group 1: one write of 4 KiB at block 0, data by R2T.
     let mut w = write_cmd(10, 0, false);
-    WireAttr {
-        stream: 0,
-        seq: 1,
-        seq_end: 1,
-        prev: 0,
-        num: 1,
-        members: 1,
-        boundary: true,
-        ..WireAttr::default()
-    }
-    .put(&mut w);
+    one_write_group(1, 0).put(&mut w);
     q.send_cmd(&w, &[]);
     let (ty, _, cid, _) = q.next();
     assert_eq!((ty, cid), (pdu::R2T, 10));
@@ -409,9 +414,9 @@ fn read_block(v: &mut Volume, block: u64) -> u8 {
 }
 
 /// Groups 2 and 3 after an acknowledged group 1, with the target's device failing what
-/// `fail` says; then the initiator goes away and a new one recovers. Returns the results of
-/// groups 2 and 3 and the recovered prefix.
-fn fail_then_recover(fail: &std::sync::atomic::AtomicU32, name: &str) -> (Vec<bool>, u64) {
+/// `fail` says; then the initiator goes away and a new one recovers. Groups 2 and 3 must come
+/// back failed, and the recovered prefix must end before group 2.
+fn fail_then_recover(fail: &std::sync::atomic::AtomicU32, name: &str) {
     let (addr, _rm) = target(name, 128 << 10);
     let (mut v, _) = Volume::open(VolumeConfig::new(vec![addr], 1)).unwrap();
     put(&mut v, 0, 0x11);
@@ -436,7 +441,8 @@ fn fail_then_recover(fail: &std::sync::atomic::AtomicU32, name: &str) -> (Vec<bo
             "block {b} reads {x:#x} beyond the prefix (recovery: {rep:?})"
         );
     }
-    (ok, rep.prefix_end[0])
+    assert_eq!(ok, vec![false, false], "groups 2 and 3 come back failed");
+    assert_eq!(rep.prefix_end[0], 2, "recovery keeps group 1 only");
 }
 
 /// A write the target's device failed is not durable, whatever FLUSH comes after it: its
@@ -446,9 +452,7 @@ fn fail_then_recover(fail: &std::sync::atomic::AtomicU32, name: &str) -> (Vec<bo
 #[test]
 fn a_write_the_device_failed_is_never_counted_durable() {
     let _serial = one_at_a_time();
-    let (ok, prefix) = fail_then_recover(&rio_net::target::TEST_FAIL_ORDERED_WRITES, "failw");
-    assert_eq!(ok, vec![false, false], "groups 2 and 3 come back failed");
-    assert_eq!(prefix, 2, "recovery keeps group 1 only");
+    fail_then_recover(&rio_net::target::TEST_FAIL_ORDERED_WRITES, "failw");
 }
 
 /// A FLUSH the target's device failed may have dropped the writes before it: a FLUSH that
@@ -457,9 +461,7 @@ fn a_write_the_device_failed_is_never_counted_durable() {
 #[test]
 fn a_failed_flush_is_final_for_what_it_covered() {
     let _serial = one_at_a_time();
-    let (ok, prefix) = fail_then_recover(&rio_net::target::TEST_FAIL_ORDERED_FLUSHES, "failf");
-    assert_eq!(ok, vec![false, false], "groups 2 and 3 come back failed");
-    assert_eq!(prefix, 2, "recovery keeps group 1 only");
+    fail_then_recover(&rio_net::target::TEST_FAIL_ORDERED_FLUSHES, "failf");
 }
 
 /// The target side of a failed write: a FLUSH that an initiator sent before it heard of the
@@ -471,17 +473,6 @@ fn a_flush_sent_behind_a_failing_write_does_not_vouch_for_it() {
     let _serial = one_at_a_time();
     let (addr, _rm) = target("failraw", 128 << 10);
     let (mut admin, mut q) = queues(addr);
-    let attr = |seq: u64, mark: u64| WireAttr {
-        stream: 0,
-        seq,
-        seq_end: seq,
-        prev: seq - 1,
-        num: 1,
-        members: 1,
-        boundary: true,
-        mark,
-        ..WireAttr::default()
-    };
     let flush = |cid: u16, seq: u64, mark: u64| {
         let mut f = Sqe::default();
         f.set_opcode(op::FLUSH);
@@ -501,7 +492,7 @@ fn a_flush_sent_behind_a_failing_write_does_not_vouch_for_it() {
     };
     // Group 1, flushed.
     let mut w = write_cmd(10, 0, true);
-    attr(1, 0).put(&mut w);
+    one_write_group(1, 0).put(&mut w);
     q.send_cmd(&w, &[0x11; 4096]);
     q.send_cmd(&flush(11, 1, 0), &[]);
     for _ in 0..2 {
@@ -512,10 +503,10 @@ fn a_flush_sent_behind_a_failing_write_does_not_vouch_for_it() {
     // claiming group 2 durable) follows.
     rio_net::target::TEST_FAIL_ORDERED_WRITES.store(1, std::sync::atomic::Ordering::Relaxed);
     let mut w = write_cmd(12, 1, true);
-    attr(2, 2).put(&mut w);
+    one_write_group(2, 2).put(&mut w);
     q.send_cmd(&w, &[0x22; 4096]);
     let mut w = write_cmd(13, 2, true);
-    attr(3, 0).put(&mut w);
+    one_write_group(3, 0).put(&mut w);
     q.send_cmd(&w, &[0x33; 4096]);
     q.send_cmd(&flush(14, 3, 3), &[]);
     let mut status = std::collections::HashMap::new();
@@ -553,17 +544,7 @@ fn a_mark_from_before_the_last_reset_is_refused() {
     // The new generation: group 1 written, not flushed.
     let (_admin2, mut q) = queues(addr);
     let mut w = write_cmd(10, 0, true);
-    WireAttr {
-        stream: 0,
-        seq: 1,
-        seq_end: 1,
-        prev: 0,
-        num: 1,
-        members: 1,
-        boundary: true,
-        ..WireAttr::default()
-    }
-    .put(&mut w);
+    one_write_group(1, 0).put(&mut w);
     let (cqe, _) = q.command(&w, &[0x11; 4096]);
     assert!(cqe.ok());
     // The old connection's mark says group 1 is durable.
