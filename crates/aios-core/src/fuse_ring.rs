@@ -60,6 +60,9 @@ pub struct FuseQueue {
     ents: Vec<Entry>,
     /// Commands the kernel holds (registered or committed, not yet completed).
     outstanding: usize,
+    /// The last [`FuseQueue::submit_and_spin`] found its completions while spinning (it did
+    /// not sleep).
+    caught_spinning: bool,
 }
 
 // SAFETY: the buffers and iovecs are the queue's own allocations, which move with it and are
@@ -108,6 +111,7 @@ impl FuseQueue {
             qid,
             ents,
             outstanding: 0,
+            caught_spinning: false,
         })
     }
 
@@ -175,6 +179,7 @@ impl FuseQueue {
     /// `spin` (yielding the CPU every few empty looks, so the thread whose request is on its way
     /// can run on it), and sleep in the kernel only when nothing came by then.
     pub fn submit_and_spin(&mut self, spin: std::time::Duration) -> io::Result<Vec<Completion>> {
+        self.caught_spinning = false;
         if spin.is_zero() {
             return self.submit_and_wait();
         }
@@ -198,7 +203,14 @@ impl FuseQueue {
                 std::hint::spin_loop();
             }
         }
+        self.caught_spinning = true;
         Ok(self.take_completions())
+    }
+
+    /// Whether the last [`FuseQueue::submit_and_spin`] got its completions by spinning (`false`:
+    /// it slept, or was told not to spin).
+    pub fn caught_spinning(&self) -> bool {
+        self.caught_spinning
     }
 
     /// Every completion posted, taken off the queue.

@@ -231,8 +231,11 @@ fn serve_queue(
         q.register(i).map_err(io)?;
     }
     let started = Instant::now();
+    let mut budget = SpinBudget::new(spin);
     loop {
-        for c in q.submit_and_spin(spin).map_err(io)? {
+        let done = q.submit_and_spin(budget.next()).map_err(io)?;
+        budget.saw(q.caught_spinning());
+        for c in done {
             let i = c.entry;
             if c.result < 0 {
                 let errno = -c.result;
@@ -265,6 +268,67 @@ fn serve_queue(
                 return Ok(());
             }
         }
+    }
+}
+
+/// How long a queue thread spins for its next request, adapted to whether spinning pays.
+///
+/// A spin that times out halves the next one; a spin that catches a request doubles it, up to
+/// the configured spin. Below 8 µs the thread sleeps at once, trying a spin again every 64th
+/// wait. Where requests come back to the queue soon after each answer (one process issuing them
+/// one after another from this CPU), spins catch them and the full spin is kept. Where they do
+/// not, the spinning is dropped. On a 16-vCPU VM, one unpinned fio job reading at QD1 took
+/// 100-117 µs a read through a mount spinning 500 µs at every wait, 31 µs through one that
+/// slept at once, and 19.5 µs spinning with fio pinned to one CPU (its requests then all come
+/// to one queue): the spinning thread, on the CPU the reader had run on, cost the reader more
+/// than it saved once the reader moved.
+struct SpinBudget {
+    max: Duration,
+    cur: Duration,
+    waits: u32,
+    spun: bool,
+}
+
+impl SpinBudget {
+    const FLOOR: Duration = Duration::from_micros(8);
+
+    fn new(max: Duration) -> SpinBudget {
+        SpinBudget {
+            max,
+            cur: max,
+            waits: 0,
+            spun: false,
+        }
+    }
+
+    /// The spin for the next wait.
+    fn next(&mut self) -> Duration {
+        self.waits = self.waits.wrapping_add(1);
+        let spin = if self.cur.is_zero() && self.waits % 64 == 0 {
+            // A probe: does spinning pay again?
+            (self.max / 4).max(Self::FLOOR).min(self.max)
+        } else {
+            self.cur
+        };
+        self.spun = !spin.is_zero();
+        spin
+    }
+
+    /// How the wait went: `caught` when a request came while spinning.
+    fn saw(&mut self, caught: bool) {
+        if !self.spun {
+            return;
+        }
+        self.cur = if caught {
+            (self.cur * 2).max(Self::FLOOR * 2).min(self.max)
+        } else {
+            let half = self.cur / 2;
+            if half < Self::FLOOR {
+                Duration::ZERO
+            } else {
+                half
+            }
+        };
     }
 }
 
