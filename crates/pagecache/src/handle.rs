@@ -745,8 +745,9 @@ impl CacheHandle {
     /// A frame found in the index but not readable yet (being read, being written): wait for it
     /// to settle, driving this handle's I/O meanwhile (it may be ours). `Ok(false)`: a reader
     /// (`reader`) in a lazy-indexing mode waited `foreign_read_wait_us` for a read that is
-    /// another handle's (ours would have completed by the polls), and should read the page
-    /// itself: that handle's read completes only when it next drives its engine.
+    /// another handle's, and should read the page itself: that handle's read completes only
+    /// when it next drives its engine. A read of this handle's own is waited for however long
+    /// the device takes (reading it again would only add to the device's load).
     fn wait_for(&self, frame: u32, reader: bool) -> Result<bool, CacheError> {
         let before = self.cache.frames.state(frame);
         self.cache.counters.waited.fetch_add(1, Ordering::Relaxed);
@@ -764,6 +765,9 @@ impl CacheHandle {
             if let Some(limit) = limit {
                 // A read (not a writeback: its bytes are valid and newer than the device's).
                 if !now.has(frames::VALID) && rounds % 8 == 0 && Instant::now() >= limit {
+                    if self.reads_frame(frame) {
+                        return self.wait_for(frame, false);
+                    }
                     self.cache
                         .counters
                         .foreign_waits_cut
@@ -777,6 +781,17 @@ impl CacheHandle {
                 std::thread::yield_now();
             }
         }
+    }
+
+    /// Whether one of this handle's reads in flight (readahead included) reads into `frame`.
+    /// A scan of the pending table: only for a wait that has run long.
+    fn reads_frame(&self, frame: u32) -> bool {
+        let run = self.run_frames.borrow();
+        self.pending.borrow().iter().flatten().any(|p| {
+            matches!(p.kind, Kind::Read | Kind::Readahead)
+                && (p.frame == frame
+                    || run[p.run_at as usize..(p.run_at + p.run_len) as usize].contains(&frame))
+        })
     }
 
     /// A frame for a miss: from the pool (refilled later, off the critical path) or, without a

@@ -105,6 +105,9 @@ pub const HELD_PER_WINDOW: u32 = 8;
 /// refused; otherwise a request waits until enough of the ones before it are handed back.
 pub const MAX_PIECES: u32 = 65_536 - 1_024;
 
+/// Zeroing commands recovery keeps out on one connection at once.
+const ZEROES_OUT: u32 = 4096;
+
 /// The largest window the volume's lists are sized for at open (see [`Volume::open`]).
 const PREALLOCATED_WINDOW: usize = 1024;
 
@@ -1027,30 +1030,39 @@ impl Volume {
     /// `pieces`: the commands the new request takes. The stream's requests not handed back may
     /// take `VolumeConfig::max_commands` in all; past that it waits until they are under it again
     /// with the new request's (the caller refuses a request that could never fit).
+    ///
+    /// Only requests that are out can be waited for: those of the open group go out when it
+    /// closes, so they are left out of the window's and the held writes' low marks, and the
+    /// low mark of a limit applies only when that limit is what the call waits for.
     fn wait_for_room(&mut self, stream: u16, pieces: u32) -> Result<(), NetError> {
-        let held = self.cfg.window.saturating_mul(HELD_PER_WINDOW);
-        let st = &self.streams[stream as usize];
+        let window = self.cfg.window;
+        let held = window.saturating_mul(HELD_PER_WINDOW);
         let max = self.cfg.max_commands;
-        let fits = |st: &Stream| st.pieces_out + pieces <= max;
-        if st.in_flight < self.cfg.window && st.not_done < held && fits(st) {
+        let st = &self.streams[stream as usize];
+        let window_full = st.in_flight >= window;
+        let held_full = st.not_done >= held;
+        if !window_full && !held_full && st.pieces_out + pieces <= max {
             return Ok(());
         }
-        let window_low = self.cfg.window - self.cfg.window.div_ceil(4);
+        let window_low = window - window.div_ceil(4);
         let held_low = held - held.div_ceil(4);
         loop {
             let st = &self.streams[stream as usize];
-            if !fits(st) && st.pieces_out == st.open.iter().map(|r| r.pieces).sum::<u32>() {
+            let open = st.open.len() as u32;
+            let open_pieces: u32 = st.open.iter().map(|r| r.pieces).sum();
+            let window_ok = !window_full || st.in_flight - open <= window_low;
+            let held_ok = !held_full || st.not_done - open <= held_low;
+            let fits = st.pieces_out + pieces <= max;
+            if window_ok && held_ok && fits {
+                return Ok(());
+            }
+            if !fits && st.pieces_out == open_pieces {
                 // Waiting cannot help: all the stream has out is its own open group.
                 return Err(NetError::Config(format!(
-                    "the stream's open group takes {} commands and a request of {pieces} more would pass {max}: close the group first",
-                    self.streams[stream as usize].pieces_out
+                    "the stream's open group takes {open_pieces} commands and a request of {pieces} more would pass {max}: close the group first"
                 )));
             }
             self.drive(true)?;
-            let st = &self.streams[stream as usize];
-            if st.in_flight <= window_low && st.not_done <= held_low && fits(st) {
-                return Ok(());
-            }
         }
     }
 
@@ -1497,7 +1509,7 @@ impl Volume {
             self.send_held(stream)?;
         }
         match self.drive_once(block) {
-            Ok(()) => Ok(()),
+            Ok(()) => self.recover_after_failure(),
             Err((t, why)) => {
                 if self.cfg.verbose {
                     eprintln!(
@@ -1509,6 +1521,24 @@ impl Volume {
                 Ok(())
             }
         }
+    }
+
+    /// Recover once a stream's failed group has been handed back. Until then the stream's
+    /// later groups cannot become durable in order, and the targets keep every log entry from
+    /// the failed group on (no mark passes it), which would fill their logs for all streams.
+    /// Recovery zeroes the failed groups' writes, resets the logs and sends again the groups
+    /// the stream still holds.
+    fn recover_after_failure(&mut self) -> Result<(), NetError> {
+        let due = self.streams.iter().any(|st| {
+            st.failed_from != u64::MAX && st.groups.front().is_none_or(|g| g.seq > st.failed_from)
+        });
+        if !due {
+            return Ok(());
+        }
+        if self.cfg.verbose {
+            eprintln!("aios initiator: a group failed on a target's device; recovering");
+        }
+        self.recover().map(|_| ())
     }
 
     fn drive_once(&mut self, block: bool) -> Result<(), (usize, String)> {
@@ -2012,15 +2042,28 @@ impl Volume {
         let merged = LogScan::merge(&scans)?;
         let plp: Vec<bool> = self.targets.iter().map(|t| t.plp).collect();
         let rec = recover(&merged, &|t| plp.get(t as usize).copied().unwrap_or(false));
-        let marks = rec.resume_marks();
-        // Acknowledged writes must be inside the prefix.
+        let prefix = rec.resume_marks();
+        let mut marks = prefix.clone();
+        // Acknowledged writes must be inside the prefix (groups from a stream's first failure
+        // on were handed back failed, not acknowledged).
         for (s, st) in self.streams.iter().enumerate() {
-            if marks.get(s).copied().unwrap_or(1) < st.durable_below {
+            let acked_below = st.durable_below.min(st.failed_from);
+            if marks.get(s).copied().unwrap_or(1) < acked_below {
                 return Err(NetError::Config(format!(
                     "stream {s}: the targets' logs end the durable prefix at group {}, but groups up to {} were acknowledged durable (a target lost its attribute log?)",
                     marks[s],
-                    st.durable_below - 1
+                    acked_below - 1
                 )));
+            }
+        }
+        // Groups handed back failed are gone from the stream: it resumes at the first group it
+        // still holds (or its next one), so the targets' in-order gate does not wait for
+        // groups nobody will send again. Their writes lie beyond the prefix and are zeroed
+        // below like any other.
+        for (s, st) in self.streams.iter().enumerate() {
+            if let Some(m) = marks.get_mut(s) {
+                let resume = st.groups.front().map_or(st.next_seq, |g| g.seq);
+                *m = (*m).max(resume);
             }
         }
         // 3. Zero what lies beyond the prefixes (out-of-place writes), flush.
@@ -2030,7 +2073,7 @@ impl Volume {
             }
         }
         let mut report = RecoveryReport {
-            prefix_end: marks.clone(),
+            prefix_end: prefix,
             ..RecoveryReport::default()
         };
         for sr in &rec.streams {
@@ -2038,7 +2081,7 @@ impl Volume {
                 if a.ipu {
                     report.in_place.push(*a);
                 } else if a.len > 0 {
-                    self.zero(a.target as usize, a.offset, a.len);
+                    self.zero(a.target as usize, a.offset, a.len)?;
                     report.discarded += 1;
                 }
             }
@@ -2144,11 +2187,18 @@ impl Volume {
         Ok(())
     }
 
-    fn zero(&mut self, t: usize, offset: u64, len: u32) {
+    /// Zero `len` bytes at `offset` of target `t` (over stream 0's connection), first waiting
+    /// for the zeroing already out when it holds [`ZEROES_OUT`] commands: a log's worth of
+    /// entries beyond the prefixes would otherwise run out of command ids.
+    fn zero(&mut self, t: usize, offset: u64, len: u32) -> Result<(), NetError> {
+        if self.conns[t].outstanding >= ZEROES_OUT {
+            self.settle()?;
+        }
         let ic = &mut self.conns[t];
         let cid = ic.alloc(Kind::PlainFlush, (0, 0));
         let shift = self.targets[t % self.targets.len()].lba_shift;
         ic.queue(&lba_cmd(op::WRITE_ZEROES, cid, offset, len, shift), &[]);
+        Ok(())
     }
 
     /// Read target `t`'s whole attribute log.

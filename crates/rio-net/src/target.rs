@@ -1586,6 +1586,19 @@ impl TConn {
         g.failed_from[s] = g.failed_from[s].min(from);
     }
 
+    /// A plain FLUSH failed: for every stream, as [`TConn::ordered_failed`] for a failed
+    /// ordered FLUSH.
+    fn flush_failed_for_all(&self) {
+        let mut guard = self.shared.lock();
+        let g = &mut *guard;
+        if g.generation != self.generation {
+            return;
+        }
+        for s in 0..g.failed_from.len() {
+            g.failed_from[s] = g.failed_from[s].min(g.flushed_to[s] + 1);
+        }
+    }
+
     fn submit(&mut self, io: Io, what: InFlight) -> bool {
         let side = self.io.as_ref().expect("I/O queue");
         match side.dev.submit(io) {
@@ -1888,8 +1901,12 @@ impl TConn {
                                 let mut guard = self.shared.lock();
                                 let g = &mut *guard;
                                 // A slot of a log that recovery has reset since may hold
-                                // another entry now: its persist word is not this one's.
-                                if g.generation == self.generation {
+                                // another entry now: its persist word is not this one's. And
+                                // nothing from the stream's first failure on is vouched for,
+                                // though this FLUSH's entry went in before it was known (another
+                                // FLUSH that was out with this one failed, say).
+                                let s = stream as usize;
+                                if g.generation == self.generation && seq < g.failed_from[s] {
                                     if let LogSlot::Live(l) = &mut g.log {
                                         if let Err(e) = l.set_persist(slot, seq) {
                                             eprintln!("aios target: setting a persist word: {e}");
@@ -1904,8 +1921,14 @@ impl TConn {
                         Status::SUCCESS
                     }
                     Err(e) => {
-                        if let Some((_, stream, seq)) = ordered {
-                            self.ordered_failed(stream, was_write.then_some(seq));
+                        match ordered {
+                            Some((_, stream, seq)) => {
+                                self.ordered_failed(stream, was_write.then_some(seq))
+                            }
+                            // A plain FLUSH that failed may have dropped any stream's writes
+                            // (the device lost them, not this connection).
+                            None if !was_write => self.flush_failed_for_all(),
+                            None => {}
                         }
                         failed(self.peer, e)
                     }
