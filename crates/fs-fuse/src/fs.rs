@@ -20,7 +20,7 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use aios_core::{Engine, EngineConfig};
@@ -60,10 +60,17 @@ pub static IN_PLACE_TEST_PAUSES: AtomicU64 = AtomicU64::new(0);
 /// work beside it (that commit sets it back to 0). 0 (no sleep) unless a test sets it.
 #[doc(hidden)]
 pub static COMMIT_TEST_PAUSE_US: AtomicU64 = AtomicU64::new(0);
-/// Tests only: microseconds the next read sleeps between finding its blocks (under the state
-/// lock) and reading them (that read sets it back to 0). 0 (no sleep) unless a test sets it.
+thread_local! {
+    /// Tests only: microseconds this thread's next read sleeps between finding its blocks
+    /// (under the state lock) and reading them (that read sets it back to 0, and sets
+    /// [`READ_TEST_PAUSED`]). Per thread: the other tests of a binary read beside the one
+    /// that sets it. 0 (no sleep) unless a test sets it.
+    #[doc(hidden)]
+    pub static READ_TEST_PAUSE_US: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+/// Tests only: a read took its [`READ_TEST_PAUSE_US`] pause (the test clears it).
 #[doc(hidden)]
-pub static READ_TEST_PAUSE_US: AtomicU64 = AtomicU64::new(0);
+pub static READ_TEST_PAUSED: AtomicBool = AtomicBool::new(false);
 /// The journaled-block mark of a block whose commit is in flight (its id is not known yet).
 const TID_IN_FLIGHT: u64 = u64::MAX;
 
@@ -2642,8 +2649,9 @@ impl Fs {
             _reading = (!runs.is_empty())
                 .then(|| self.read_gate.read().unwrap_or_else(|p| p.into_inner()));
         }
-        if READ_TEST_PAUSE_US.load(Ordering::Relaxed) != 0 {
-            let pause = READ_TEST_PAUSE_US.swap(0, Ordering::Relaxed);
+        let pause = READ_TEST_PAUSE_US.with(|p| p.replace(0));
+        if pause != 0 {
+            READ_TEST_PAUSED.store(true, Ordering::Relaxed);
             std::thread::sleep(std::time::Duration::from_micros(pause));
         }
         for &(at, byte, k) in &runs {

@@ -229,8 +229,9 @@ fn a_truncated_tail_is_zeroed_by_another_files_fsync() {
 /// freeing commit lands, and another file's write takes the freed block (the only free one)
 /// and is fsynced: the read returns the truncated file's old bytes, never the new owner's.
 /// (From the same review, by reading; before the fix the freed block was allocatable at once,
-/// and this test read the other file's bytes.) Tests in this binary share the pause switch,
-/// so this is the only one that sets it.
+/// and this test read the other file's bytes.) The pause is the reading thread's own: the
+/// other tests in this binary read beside it (when it was a global switch, one of them once
+/// took the pause, and this read then came after the truncate).
 #[test]
 fn a_read_in_flight_never_returns_the_next_owners_bytes() {
     use std::sync::atomic::Ordering;
@@ -242,11 +243,14 @@ fn a_read_in_flight_never_returns_the_next_owners_bytes() {
     fs.sync_all().unwrap();
     // Nothing else is free: g's block can only be the one f frees.
     let _fill = fill_leaving(&fs, 0);
-    fs_fuse::fs::READ_TEST_PAUSE_US.store(300_000, Ordering::Relaxed);
+    fs_fuse::fs::READ_TEST_PAUSED.store(false, Ordering::Relaxed);
     let read = std::thread::scope(|s| {
-        let r = s.spawn(|| fs.read(f, 0, 4096).unwrap());
+        let r = s.spawn(|| {
+            fs_fuse::fs::READ_TEST_PAUSE_US.with(|p| p.set(300_000));
+            fs.read(f, 0, 4096).unwrap()
+        });
         let t0 = std::time::Instant::now();
-        while fs_fuse::fs::READ_TEST_PAUSE_US.load(Ordering::Relaxed) != 0 {
+        while !fs_fuse::fs::READ_TEST_PAUSED.load(Ordering::Relaxed) {
             assert!(
                 t0.elapsed() < Duration::from_secs(30),
                 "the read took no pause"

@@ -125,7 +125,9 @@ pub struct Done {
 /// What recovery found and did.
 #[derive(Clone, Debug, Default)]
 pub struct RecoveryReport {
-    /// Per stream: groups below this are durable on every target (the stream resumes here).
+    /// Per stream: groups below this are settled on every target: durable, or given up by an
+    /// earlier recovery (handed back failed then). The stream resumes here, or, after a group
+    /// of its own failed, at its next group (those it held beyond this come back failed).
     pub prefix_end: Vec<u64>,
     /// Writes beyond the prefixes whose data was zeroed.
     pub discarded: usize,
@@ -194,7 +196,10 @@ enum Kind {
     Plain {
         slot: u32,
     },
+    /// Recovery's own commands (its zeroing and FLUSH): a failure fails the recovery.
     PlainFlush,
+    /// [`Volume::flush_all`]'s FLUSH: a failure is that call's error.
+    CallerFlush,
 }
 
 struct ICmd {
@@ -407,6 +412,10 @@ pub struct Volume {
     bytes: u64,
     stats: VolumeStats,
     hostid: [u8; 16],
+    /// Why a FLUSH of [`Volume::flush_all`] failed (taken by that call).
+    caller_flush_error: Option<String>,
+    /// What the last recovery found and did (the volume's own ones included).
+    last_recovery: Option<RecoveryReport>,
 }
 
 impl Drop for Volume {
@@ -530,6 +539,8 @@ impl Volume {
             order_scratch: VecDeque::with_capacity(cmds),
             bytes: 0,
             stats: VolumeStats::default(),
+            caller_flush_error: None,
+            last_recovery: None,
             engine,
             hostid,
             cfg,
@@ -1386,16 +1397,20 @@ impl Volume {
     pub fn flush_all(&mut self, stream: u16) -> Result<(), NetError> {
         let s = stream as usize;
         let nt = self.targets.len();
+        self.caller_flush_error = None;
         for t in 0..nt {
             let ic = &mut self.conns[s * nt + t];
-            let cid = ic.alloc(Kind::PlainFlush, (0, 0));
+            let cid = ic.alloc(Kind::CallerFlush, (0, 0));
             ic.queue(&ns_cmd(op::FLUSH, cid), &[]);
             self.stats.flushes += 1;
         }
         while (0..nt).any(|t| self.conns[s * nt + t].outstanding > 0) {
             self.drive(true)?;
         }
-        Ok(())
+        match self.caller_flush_error.take() {
+            Some(e) => Err(NetError::Config(format!("FLUSH: {e}"))),
+            None => Ok(()),
+        }
     }
 
     /// Close the open group, make everything the stream wrote durable, and wait until it is all
@@ -1539,6 +1554,14 @@ impl Volume {
             eprintln!("aios initiator: a group failed on a target's device; recovering");
         }
         self.recover().map(|_| ())
+    }
+
+    /// What the last recovery found and did, whoever started it: [`Volume::open`], a caller's
+    /// [`Volume::recover`], a failed connection or a group that failed on a target. Its
+    /// `in_place` lists the in-place updates beyond the prefixes, which recovery leaves as
+    /// they lie (they may be torn across targets): the upper layer's to repair.
+    pub fn last_recovery(&self) -> Option<&RecoveryReport> {
+        self.last_recovery.as_ref()
     }
 
     fn drive_once(&mut self, block: bool) -> Result<(), (usize, String)> {
@@ -1855,6 +1878,13 @@ impl Volume {
                     return Err(e);
                 }
             }
+            Kind::CallerFlush => {
+                self.conns[i].release(cqe.cid);
+                // The target marks its streams failed; their next ordered FLUSH says so.
+                if let Some(e) = err {
+                    self.caller_flush_error.get_or_insert(e);
+                }
+            }
             Kind::Plain { slot } => {
                 self.conns[i].release(cqe.cid);
                 let p = self.plain[slot as usize]
@@ -2056,14 +2086,17 @@ impl Volume {
                 )));
             }
         }
-        // Groups handed back failed are gone from the stream: it resumes at the first group it
-        // still holds (or its next one), so the targets' in-order gate does not wait for
-        // groups nobody will send again. Their writes lie beyond the prefix and are zeroed
-        // below like any other.
+        // A stream that failed gives up every group beyond its prefix (step 5 hands them back
+        // failed): groups sent after a failed one must not become durable without it, and
+        // those before it that are not durable yet cannot be told apart from the rest in a
+        // later recovery once the failed ones are gone. It resumes at its next group, so the
+        // targets' in-order gate does not wait for groups nobody will send again; the writes
+        // of the groups given up lie beyond the prefix and are zeroed below like any other.
         for (s, st) in self.streams.iter().enumerate() {
-            if let Some(m) = marks.get_mut(s) {
-                let resume = st.groups.front().map_or(st.next_seq, |g| g.seq);
-                *m = (*m).max(resume);
+            if st.failed_from != u64::MAX {
+                if let Some(m) = marks.get_mut(s) {
+                    *m = (*m).max(st.next_seq);
+                }
             }
         }
         // 3. Zero what lies beyond the prefixes (out-of-place writes), flush.
@@ -2109,17 +2142,27 @@ impl Volume {
                 self.connect_io(s, t)?;
             }
         }
-        // 5. Streams resume at their prefix; groups held beyond it are sent again.
+        // 5. Streams resume at their prefix; groups held beyond it are sent again (a stream
+        // that failed resumes after them, and they come back failed).
         for s in 0..self.cfg.streams as usize {
             let p = marks.get(s).copied().unwrap_or(1).max(1);
+            let durable = report.prefix_end.get(s).copied().unwrap_or(1).max(1);
             let st = &mut self.streams[s];
             st.prev.iter_mut().for_each(|x| *x = 0);
             st.mark_told.iter_mut().for_each(|x| *x = p);
-            // The targets' logs are reset to the prefix: earlier failures are behind it.
-            st.failed_from = u64::MAX;
+            let failed_from = std::mem::replace(&mut st.failed_from, u64::MAX);
             // Groups now known durable are handed back.
-            while st.groups.front().is_some_and(|g| g.seq < p) {
-                let g = st.groups.pop_front().expect("front");
+            while let Some(g) = st.groups.pop_front() {
+                let result = if g.seq < durable {
+                    Ok(())
+                } else if failed_from != u64::MAX {
+                    Err(format!(
+                        "group {failed_from} of stream {s} failed on a target: recovery discarded the stream's groups from {durable} on"
+                    ))
+                } else {
+                    st.groups.push_front(g);
+                    break;
+                };
                 for r in g.reqs {
                     st.not_done -= 1;
                     st.pieces_out -= r.pieces;
@@ -2127,7 +2170,7 @@ impl Volume {
                         stream: s as u16,
                         seq: g.seq,
                         id: r.id,
-                        result: Ok(()),
+                        result: result.clone(),
                         buf: r.buf.expect("held"),
                     });
                 }
@@ -2158,6 +2201,7 @@ impl Volume {
             }
         }
         report.took = started.elapsed();
+        self.last_recovery = Some(report.clone());
         if self.cfg.verbose {
             eprintln!(
                 "aios initiator: recovered in {:.1} ms: prefixes {:?}, {} writes zeroed, {} replayed, {} in-place updates reported",

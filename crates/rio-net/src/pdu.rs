@@ -292,6 +292,10 @@ impl Status {
     pub const RIO_BAD_ATTR: Status = Status { sct: 7, sc: 0x01 };
     /// Vendor specific: the target's attribute log failed.
     pub const RIO_LOG: Status = Status { sct: 7, sc: 0x02 };
+    /// Vendor specific: the command completed on the device, but the target's log cannot
+    /// vouch for it (an earlier write or FLUSH of the stream failed there since the last
+    /// recovery, or the log could not take its persist word): not durable as ordered.
+    pub const RIO_NOT_DURABLE: Status = Status { sct: 7, sc: 0x03 };
 
     pub fn field(self) -> u16 {
         if self == Status::SUCCESS {

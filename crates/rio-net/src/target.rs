@@ -141,6 +141,9 @@ struct LogState {
 pub static TEST_FAIL_ORDERED_WRITES: AtomicU32 = AtomicU32::new(0);
 #[doc(hidden)]
 pub static TEST_FAIL_ORDERED_FLUSHES: AtomicU32 = AtomicU32::new(0);
+/// As [`TEST_FAIL_ORDERED_WRITES`], for plain (orderless) FLUSHes.
+#[doc(hidden)]
+pub static TEST_FAIL_PLAIN_FLUSHES: AtomicU32 = AtomicU32::new(0);
 
 fn take_test_fault(count: &AtomicU32) -> bool {
     count
@@ -466,6 +469,10 @@ enum InFlight {
     Flush {
         cid: u16,
         ordered: Option<(Slot, u16, u64)>,
+        /// An ordered FLUSH whose entry was capped below the group it was sent for (a failure
+        /// came before): it cannot vouch for what its host asked, and is answered with an
+        /// error once the device has flushed.
+        short: bool,
     },
     Read {
         cid: u16,
@@ -1524,7 +1531,14 @@ impl TConn {
             }
             op::FLUSH => {
                 self.shared.orderless.fetch_add(1, Ordering::Relaxed);
-                self.submit(Io::flush(), InFlight::Flush { cid, ordered: None });
+                self.submit(
+                    Io::flush(),
+                    InFlight::Flush {
+                        cid,
+                        ordered: None,
+                        short: false,
+                    },
+                );
             }
             op::WRITE_ZEROES => {
                 let off = sqe.slba() * LBA as u64;
@@ -1736,6 +1750,7 @@ impl TConn {
                     InFlight::Flush {
                         cid,
                         ordered: Some((slot, a.stream, a.seq)),
+                        short: false,
                     },
                 );
             } else {
@@ -1821,6 +1836,7 @@ impl TConn {
                 InFlight::Flush {
                     cid,
                     ordered: Some((slot, a.stream, seq)),
+                    short: seq < a.seq,
                 },
             );
             any = true;
@@ -1871,6 +1887,9 @@ impl TConn {
             InFlight::Flush {
                 ordered: Some(_), ..
             } => take_test_fault(&TEST_FAIL_ORDERED_FLUSHES).then_some(lbio::Op::Flush),
+            InFlight::Flush { ordered: None, .. } => {
+                take_test_fault(&TEST_FAIL_PLAIN_FLUSHES).then_some(lbio::Op::Flush)
+            }
             _ => None,
         };
         if let (Some(op), Ok(())) = (injected, &result) {
@@ -1881,8 +1900,9 @@ impl TConn {
                 source: std::io::Error::from_raw_os_error(5), // EIO,
             });
         }
+        let short = matches!(what, InFlight::Flush { short: true, .. });
         match what {
-            InFlight::Write { cid, ordered, .. } | InFlight::Flush { cid, ordered } => {
+            InFlight::Write { cid, ordered, .. } | InFlight::Flush { cid, ordered, .. } => {
                 let was_write = buf.is_some();
                 if ordered.is_some() && was_write {
                     self.ordered_out -= 1;
@@ -1894,31 +1914,45 @@ impl TConn {
                 }
                 let st = match &result {
                     Ok(()) => {
+                        let mut st = Status::SUCCESS;
                         // The data is durable: at once with power-loss protection, and
-                        // always for a completed FLUSH.
+                        // always for a completed FLUSH. Its entry's persist word says so; when
+                        // it cannot be set, the host is told the command failed, so that it
+                        // never counts durable what recovery will not.
                         if let Some((slot, stream, seq)) = ordered {
                             if !was_write || self.shared.plp {
                                 let mut guard = self.shared.lock();
                                 let g = &mut *guard;
+                                let s = stream as usize;
                                 // A slot of a log that recovery has reset since may hold
                                 // another entry now: its persist word is not this one's. And
                                 // nothing from the stream's first failure on is vouched for,
-                                // though this FLUSH's entry went in before it was known (another
-                                // FLUSH that was out with this one failed, say).
-                                let s = stream as usize;
-                                if g.generation == self.generation && seq < g.failed_from[s] {
-                                    if let LogSlot::Live(l) = &mut g.log {
-                                        if let Err(e) = l.set_persist(slot, seq) {
-                                            eprintln!("aios target: setting a persist word: {e}");
-                                        } else if !was_write {
-                                            let f = &mut g.flushed_to[stream as usize];
-                                            *f = (*f).max(seq);
-                                        }
-                                    }
+                                // though this entry went in before the failure was known
+                                // (another FLUSH out with this one failed, say).
+                                let vouched = g.generation == self.generation
+                                    && seq < g.failed_from[s]
+                                    && !short
+                                    && match &mut g.log {
+                                        LogSlot::Live(l) => match l.set_persist(slot, seq) {
+                                            Ok(()) => true,
+                                            Err(e) => {
+                                                eprintln!(
+                                                    "aios target: setting a persist word: {e}"
+                                                );
+                                                false
+                                            }
+                                        },
+                                        _ => false,
+                                    };
+                                if vouched && !was_write {
+                                    g.flushed_to[s] = g.flushed_to[s].max(seq);
+                                }
+                                if !vouched {
+                                    st = Status::RIO_NOT_DURABLE;
                                 }
                             }
                         }
-                        Status::SUCCESS
+                        st
                     }
                     Err(e) => {
                         match ordered {
