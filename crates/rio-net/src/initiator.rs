@@ -414,6 +414,8 @@ pub struct Volume {
     hostid: [u8; 16],
     /// Why a FLUSH of [`Volume::flush_all`] failed (taken by that call).
     caller_flush_error: Option<String>,
+    /// FLUSHes of [`Volume::flush_all`] not answered yet.
+    caller_flushes_out: u32,
     /// What the last recovery found and did (the volume's own ones included).
     last_recovery: Option<RecoveryReport>,
 }
@@ -540,6 +542,7 @@ impl Volume {
             bytes: 0,
             stats: VolumeStats::default(),
             caller_flush_error: None,
+            caller_flushes_out: 0,
             last_recovery: None,
             engine,
             hostid,
@@ -1398,6 +1401,7 @@ impl Volume {
         let s = stream as usize;
         let nt = self.targets.len();
         self.caller_flush_error = None;
+        self.caller_flushes_out = nt as u32;
         for t in 0..nt {
             let ic = &mut self.conns[s * nt + t];
             let cid = ic.alloc(Kind::CallerFlush, (0, 0));
@@ -1407,10 +1411,17 @@ impl Volume {
         while (0..nt).any(|t| self.conns[s * nt + t].outstanding > 0) {
             self.drive(true)?;
         }
-        match self.caller_flush_error.take() {
-            Some(e) => Err(NetError::Config(format!("FLUSH: {e}"))),
-            None => Ok(()),
+        if let Some(e) = self.caller_flush_error.take() {
+            return Err(NetError::Config(format!("FLUSH: {e}")));
         }
+        if std::mem::take(&mut self.caller_flushes_out) > 0 {
+            // Some went unanswered with a failed connection; its target may have lost what
+            // they were to make durable.
+            return Err(NetError::Config(
+                "a connection failed while the FLUSH was out (a recovery ran): orderless writes handed back before it may not be durable; write them again".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Close the open group, make everything the stream wrote durable, and wait until it is all
@@ -1818,10 +1829,12 @@ impl Volume {
                 let ic = &mut self.conns[i];
                 ic.release(cqe.cid);
                 ic.flush_out = false;
-                if let Some(e) = err {
+                if let Some(e) = &err {
                     // Nothing it covered is durable, and a later FLUSH that succeeds says
                     // nothing about what this one may have dropped: the groups of every piece
-                    // still waiting on this connection, and all after them, fail.
+                    // still waiting on this connection, and all after them, fail. Those that
+                    // have completed are handed back failed now (a later FLUSH could only be
+                    // refused too: the target keeps the failure until a recovery).
                     eprintln!("aios initiator: ordered FLUSH failed: {e}");
                     let ic = &self.conns[i];
                     let lowest =
@@ -1837,7 +1850,6 @@ impl Volume {
                         let st = &mut self.streams[s];
                         st.failed_from = st.failed_from.min(low);
                     }
-                    return Ok(());
                 }
                 // Scratch lists kept for their allocations.
                 let mut now_durable = std::mem::take(&mut self.durable_scratch);
@@ -1845,7 +1857,7 @@ impl Volume {
                 let ic = &mut self.conns[i];
                 while let Some(cid) = ic.order.pop_front() {
                     let c = ic.cmds[cid as usize].as_ref().expect("ordered piece");
-                    if c.completed && c.sent_no <= covers {
+                    if c.completed && (err.is_some() || c.sent_no <= covers) {
                         match c.kind {
                             Kind::Ordered { seq, req } => now_durable.push((seq, req)),
                             Kind::Merged { seq, seq_end } => {
@@ -1864,7 +1876,7 @@ impl Volume {
                 }
                 self.order_scratch = std::mem::replace(&mut ic.order, keep);
                 for &(seq, req) in &now_durable {
-                    self.piece_durable(s, seq, req, None);
+                    self.piece_durable(s, seq, req, err.clone());
                 }
                 now_durable.clear();
                 self.durable_scratch = now_durable;
@@ -1880,6 +1892,7 @@ impl Volume {
             }
             Kind::CallerFlush => {
                 self.conns[i].release(cqe.cid);
+                self.caller_flushes_out = self.caller_flushes_out.saturating_sub(1);
                 // The target marks its streams failed; their next ordered FLUSH says so.
                 if let Some(e) = err {
                     self.caller_flush_error.get_or_insert(e);
@@ -2092,12 +2105,40 @@ impl Volume {
         // later recovery once the failed ones are gone. It resumes at its next group, so the
         // targets' in-order gate does not wait for groups nobody will send again; the writes
         // of the groups given up lie beyond the prefix and are zeroed below like any other.
-        for (s, st) in self.streams.iter().enumerate() {
-            if st.failed_from != u64::MAX {
-                if let Some(m) = marks.get_mut(s) {
-                    *m = (*m).max(st.next_seq);
+        // They are handed back now, before anything is zeroed or reset: a retry of this
+        // recovery after a reset finds the logs' prefix moved to the stream's next group, and
+        // must not take the groups below it for durable.
+        for s in 0..self.streams.len() {
+            let st = &mut self.streams[s];
+            if st.failed_from == u64::MAX {
+                continue;
+            }
+            if let Some(m) = marks.get_mut(s) {
+                *m = (*m).max(st.next_seq);
+            }
+            let durable = prefix.get(s).copied().unwrap_or(1).max(1);
+            let failed_from = st.failed_from;
+            while let Some(g) = st.groups.pop_front() {
+                let result = if g.seq < durable {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "group {failed_from} of stream {s} failed on a target: recovery discarded the stream's groups from {durable} on"
+                    ))
+                };
+                for r in g.reqs {
+                    st.not_done -= 1;
+                    st.pieces_out -= r.pieces;
+                    self.ready.push_back(Done {
+                        stream: s as u16,
+                        seq: g.seq,
+                        id: r.id,
+                        result: result.clone(),
+                        buf: r.buf.expect("held"),
+                    });
                 }
             }
+            st.held = 0;
         }
         // 3. Zero what lies beyond the prefixes (out-of-place writes), flush.
         for s in 0..self.cfg.streams {
@@ -2150,19 +2191,11 @@ impl Volume {
             let st = &mut self.streams[s];
             st.prev.iter_mut().for_each(|x| *x = 0);
             st.mark_told.iter_mut().for_each(|x| *x = p);
-            let failed_from = std::mem::replace(&mut st.failed_from, u64::MAX);
-            // Groups now known durable are handed back.
-            while let Some(g) = st.groups.pop_front() {
-                let result = if g.seq < durable {
-                    Ok(())
-                } else if failed_from != u64::MAX {
-                    Err(format!(
-                        "group {failed_from} of stream {s} failed on a target: recovery discarded the stream's groups from {durable} on"
-                    ))
-                } else {
-                    st.groups.push_front(g);
-                    break;
-                };
+            // The targets' logs are reset: earlier failures are behind the marks.
+            st.failed_from = u64::MAX;
+            // Groups now known durable are handed back (a failed stream has none left).
+            while st.groups.front().is_some_and(|g| g.seq < durable) {
+                let g = st.groups.pop_front().expect("front");
                 for r in g.reqs {
                     st.not_done -= 1;
                     st.pieces_out -= r.pieces;
@@ -2170,7 +2203,7 @@ impl Volume {
                         stream: s as u16,
                         seq: g.seq,
                         id: r.id,
-                        result: result.clone(),
+                        result: Ok(()),
                         buf: r.buf.expect("held"),
                     });
                 }

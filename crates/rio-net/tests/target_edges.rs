@@ -781,3 +781,40 @@ fn flush_all_reports_a_failed_flush() {
     assert!(r.is_err(), "flush_all after its FLUSH failed: {r:?}");
     assert!(v.flush_all(0).is_ok(), "and the next one succeeds");
 }
+
+/// A FLUSH that fails on one of two targets, where that target has vouched for fewer of the
+/// stream's groups than the other: its group comes back failed, and the volume recovers. (The
+/// pieces waited on that connection for a FLUSH that would succeed, and every later one was
+/// refused: 1,916 refused FLUSHes in 10 s and no hand-back. From a fourth review.)
+#[test]
+fn a_failed_flush_on_one_of_two_targets_hands_its_group_back() {
+    let _serial = one_at_a_time();
+    let (a, _ra) = target("two-a", 128 << 10);
+    let (b, _rb) = target("two-b", 128 << 10);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (mut v, _) = Volume::open(VolumeConfig::new(vec![a, b], 1)).unwrap();
+        put(&mut v, 0, 0x11); // group 1, on a
+        v.wait(0).unwrap();
+        put(&mut v, 1, 0x22); // group 2, on b
+        v.wait(0).unwrap();
+        assert!(v.poll().unwrap().iter().all(|d| d.result.is_ok()));
+        rio_net::target::TEST_FAIL_ORDERED_FLUSHES.store(1, std::sync::atomic::Ordering::Relaxed);
+        let flushes = v.stats().flushes;
+        put(&mut v, 2, 0x33); // group 3, on a: its FLUSH fails
+        let _ = v.wait(0);
+        let done = v.poll().unwrap();
+        rio_net::target::TEST_FAIL_ORDERED_FLUSHES.store(0, std::sync::atomic::Ordering::Relaxed);
+        // Handed back at the failure, not after a storm of refused FLUSHes ended by the
+        // connection's time-out.
+        let sent = v.stats().flushes - flushes;
+        let failed = done.len() == 1 && done[0].result.is_err() && sent < 100;
+        put(&mut v, 3, 0x44);
+        v.wait(0).unwrap();
+        let after = v.poll().unwrap().iter().all(|d| d.result.is_ok());
+        let _ = tx.send((failed, after, v.stats().recoveries));
+    });
+    let (failed, after, recoveries) = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert!(failed, "group 3 comes back failed, after a few FLUSHes");
+    assert!(after && recoveries >= 1, "the volume recovered and goes on");
+}
