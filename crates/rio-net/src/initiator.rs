@@ -1965,27 +1965,40 @@ impl Volume {
             }
             let g = st.groups.pop_front().expect("front");
             st.durable_below = g.seq + 1;
-            let after_failure = g.seq >= st.failed_from;
-            for r in g.reqs {
-                st.not_done -= 1;
-                st.pieces_out -= r.pieces;
-                let failed = r.failed.or_else(|| {
-                    after_failure.then(|| {
-                        format!(
-                            "group {} of stream {s} failed: this later group is not durable in order until recovery",
-                            st.failed_from
-                        )
-                    })
-                });
-                self.ready.push_back(Done {
-                    stream: s as u16,
-                    seq: g.seq,
-                    id: r.id,
-                    result: failed.map_or(Ok(()), Err),
-                    buf: r.buf.expect("held until durable"),
-                });
+            let failed_from = st.failed_from;
+            let after_failure = g.seq >= failed_from;
+            hand_back(&mut self.ready, st, s, g, |r| {
+                match r.failed.take() {
+                Some(e) => Err(e),
+                None if after_failure => Err(format!(
+                    "group {failed_from} of stream {s} failed: this later group is not durable in order until recovery"
+                )),
+                None => Ok(()),
             }
+            });
         }
+    }
+}
+
+/// Hand back every request of group `g` of stream `s` (no longer held) with `result(request)`.
+fn hand_back(
+    ready: &mut VecDeque<Done>,
+    st: &mut Stream,
+    s: usize,
+    g: Group,
+    result: impl Fn(&mut Req) -> Result<(), String>,
+) {
+    for mut r in g.reqs {
+        st.not_done -= 1;
+        st.pieces_out -= r.pieces;
+        let result = result(&mut r);
+        ready.push_back(Done {
+            stream: s as u16,
+            seq: g.seq,
+            id: r.id,
+            result,
+            buf: r.buf.expect("held until handed back"),
+        });
     }
 }
 
@@ -2126,17 +2139,7 @@ impl Volume {
                         "group {failed_from} of stream {s} failed on a target: recovery discarded the stream's groups from {durable} on"
                     ))
                 };
-                for r in g.reqs {
-                    st.not_done -= 1;
-                    st.pieces_out -= r.pieces;
-                    self.ready.push_back(Done {
-                        stream: s as u16,
-                        seq: g.seq,
-                        id: r.id,
-                        result: result.clone(),
-                        buf: r.buf.expect("held"),
-                    });
-                }
+                hand_back(&mut self.ready, st, s, g, |_| result.clone());
             }
             st.held = 0;
         }
@@ -2196,17 +2199,7 @@ impl Volume {
             // Groups now known durable are handed back (a failed stream has none left).
             while st.groups.front().is_some_and(|g| g.seq < durable) {
                 let g = st.groups.pop_front().expect("front");
-                for r in g.reqs {
-                    st.not_done -= 1;
-                    st.pieces_out -= r.pieces;
-                    self.ready.push_back(Done {
-                        stream: s as u16,
-                        seq: g.seq,
-                        id: r.id,
-                        result: Ok(()),
-                        buf: r.buf.expect("held"),
-                    });
-                }
+                hand_back(&mut self.ready, st, s, g, |_| Ok(()));
             }
             st.durable_below = p;
             // Held groups too: the replay below sends every group there is.

@@ -163,6 +163,42 @@ fn one_write_group(seq: u64, mark: u64) -> WireAttr {
     }
 }
 
+/// A plain FLUSH of namespace 1.
+fn plain_flush(cid: u16) -> Sqe {
+    let mut f = Sqe::default();
+    f.set_opcode(op::FLUSH);
+    f.set_cid(cid);
+    f.set_cdw(1, 1);
+    f.set_sgl(0, false);
+    f
+}
+
+/// Stream 0's ordered FLUSH for groups up to `seq`, carrying `mark`.
+fn ordered_flush(cid: u16, seq: u64, mark: u64) -> Sqe {
+    let mut f = plain_flush(cid);
+    WireAttr {
+        stream: 0,
+        seq,
+        seq_end: seq,
+        flush: true,
+        mark,
+        ..WireAttr::default()
+    }
+    .put(&mut f);
+    f
+}
+
+/// Recovery over the target's log ends stream 0's durable prefix at `want`.
+fn assert_prefix(admin: &mut Raw, want: u64) {
+    let sc = fetch_log(admin);
+    let r = rio_ordering::recover(&sc, &|_| false);
+    assert_eq!(
+        r.streams[0].prefix_end, want,
+        "{:?} / {:?}",
+        r.streams[0], sc.entries
+    );
+}
+
 fn fetch_log(a: &mut Raw) -> rio_ordering::LogScan {
     let mut image = Vec::new();
     let mut total = usize::MAX;
@@ -201,20 +237,7 @@ fn an_ordered_flush_waits_for_an_earlier_write_still_awaiting_its_data() {
     let (ty, _, cid, _) = q.next();
     assert_eq!((ty, cid), (pdu::R2T, 10));
     // The initiator's ordered FLUSH covering group 1.
-    let mut f = Sqe::default();
-    f.set_opcode(op::FLUSH);
-    f.set_cid(11);
-    f.set_cdw(1, 1);
-    f.set_sgl(0, false);
-    WireAttr {
-        stream: 0,
-        seq: 1,
-        seq_end: 1,
-        flush: true,
-        ..WireAttr::default()
-    }
-    .put(&mut f);
-    q.send_cmd(&f, &[]);
+    q.send_cmd(&ordered_flush(11, 1, 0), &[]);
     assert!(
         q.next_pdu(Duration::from_millis(300)).is_none(),
         "the FLUSH was answered before the write's data came"
@@ -489,23 +512,7 @@ fn a_flush_sent_behind_a_failing_write_does_not_vouch_for_it() {
     let _serial = one_at_a_time();
     let (addr, _rm) = target("failraw", 128 << 10);
     let (mut admin, mut q) = queues(addr);
-    let flush = |cid: u16, seq: u64, mark: u64| {
-        let mut f = Sqe::default();
-        f.set_opcode(op::FLUSH);
-        f.set_cid(cid);
-        f.set_cdw(1, 1);
-        f.set_sgl(0, false);
-        WireAttr {
-            stream: 0,
-            seq,
-            seq_end: seq,
-            flush: true,
-            mark,
-            ..WireAttr::default()
-        }
-        .put(&mut f);
-        f
-    };
+    let flush = ordered_flush;
     // Group 1, flushed.
     let mut w = write_cmd(10, 0, true);
     one_write_group(1, 0).put(&mut w);
@@ -532,13 +539,7 @@ fn a_flush_sent_behind_a_failing_write_does_not_vouch_for_it() {
     }
     rio_net::target::TEST_FAIL_ORDERED_WRITES.store(0, std::sync::atomic::Ordering::Relaxed);
     assert_eq!(status.get(&12), Some(&false), "group 2's write failed");
-    let sc = fetch_log(&mut admin);
-    let r = rio_ordering::recover(&sc, &|_| false);
-    assert_eq!(
-        r.streams[0].prefix_end, 2,
-        "{:?} / {:?}",
-        r.streams[0], sc.entries
-    );
+    assert_prefix(&mut admin, 2);
 }
 
 /// A connection from before a recovery's reset speaks of a log that is gone: its marks are
@@ -573,9 +574,7 @@ fn a_mark_from_before_the_last_reset_is_refused() {
     m.set_cdw(12, 0);
     let (cqe, _) = old.command(&m, &[]);
     assert!(!cqe.ok(), "a mark from the old generation is refused");
-    let sc = fetch_log(&mut admin);
-    let r = rio_ordering::recover(&sc, &|_| false);
-    assert_eq!(r.streams[0].prefix_end, 1, "{:?}", r.streams[0]);
+    assert_prefix(&mut admin, 1);
 }
 
 /// An ordered FLUSH of group 1 that goes into the log before another FLUSH out with it fails:
@@ -587,22 +586,7 @@ fn a_flush_out_with_a_failing_one_does_not_vouch_for_what_it_may_have_dropped() 
     let _serial = one_at_a_time();
     let (addr, _rm) = target("cflush", 0);
     let (mut admin, mut q) = queues(addr);
-    let flush = |cid: u16| {
-        let mut f = Sqe::default();
-        f.set_opcode(op::FLUSH);
-        f.set_cid(cid);
-        f.set_cdw(1, 1);
-        f.set_sgl(0, false);
-        WireAttr {
-            stream: 0,
-            seq: 1,
-            seq_end: 1,
-            flush: true,
-            ..WireAttr::default()
-        }
-        .put(&mut f);
-        f
-    };
+    let flush = |cid: u16| ordered_flush(cid, 1, 0);
     let mut w = write_cmd(10, 0, false);
     one_write_group(1, 0).put(&mut w);
     q.send_cmd(&w, &[]);
@@ -629,13 +613,7 @@ fn a_flush_out_with_a_failing_one_does_not_vouch_for_what_it_may_have_dropped() 
         2,
         "both FLUSHes fail: {ok:?}"
     );
-    let sc = fetch_log(&mut admin);
-    let r = rio_ordering::recover(&sc, &|_| false);
-    assert_eq!(
-        r.streams[0].prefix_end, 1,
-        "{:?} / {:?}",
-        r.streams[0], sc.entries
-    );
+    assert_prefix(&mut admin, 1);
 }
 
 /// A request that waits for the command bound while the stream's open group holds more
@@ -739,11 +717,7 @@ fn after_a_failed_plain_flush_no_group_is_acknowledged_that_the_log_does_not_vou
     let (mut v, _) = Volume::open(cfg.clone()).unwrap();
     // Another host's plain FLUSH fails on the device.
     let (_admin, mut q) = queues(addr);
-    let mut f = Sqe::default();
-    f.set_opcode(op::FLUSH);
-    f.set_cid(7);
-    f.set_cdw(1, 1);
-    f.set_sgl(0, false);
+    let f = plain_flush(7);
     rio_net::target::TEST_FAIL_PLAIN_FLUSHES.store(1, std::sync::atomic::Ordering::Relaxed);
     let (cqe, _) = q.command(&f, &[]);
     rio_net::target::TEST_FAIL_PLAIN_FLUSHES.store(0, std::sync::atomic::Ordering::Relaxed);
