@@ -1552,8 +1552,9 @@ impl Volume {
     /// Recover once a stream's failed group has been handed back. Until then the stream's
     /// later groups cannot become durable in order, and the targets keep every log entry from
     /// the failed group on (no mark passes it), which would fill their logs for all streams.
-    /// Recovery zeroes the failed groups' writes, resets the logs and sends again the groups
-    /// the stream still holds.
+    /// Recovery hands back the stream's groups beyond the durable prefix failed, zeroes their
+    /// writes and resets the logs so the stream resumes at its next group; other streams'
+    /// held groups are sent again.
     fn recover_after_failure(&mut self) -> Result<(), NetError> {
         let due = self.streams.iter().any(|st| {
             st.failed_from != u64::MAX && st.groups.front().is_none_or(|g| g.seq > st.failed_from)
