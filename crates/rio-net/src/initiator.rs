@@ -348,6 +348,8 @@ struct Group {
 struct Stream {
     next_seq: u64,
     open: Reqs,
+    /// Commands the open group's requests take (the sum of their `pieces`).
+    open_pieces: u32,
     /// Groups sent and not yet handed back, oldest first (`groups[0].seq == durable_below`).
     groups: VecDeque<Group>,
     /// Per target: the stream's last group sent there.
@@ -522,6 +524,7 @@ impl Volume {
                 .map(|_| Stream {
                     next_seq: 1,
                     open: Reqs::new(),
+                    open_pieces: 0,
                     groups: VecDeque::with_capacity(held),
                     prev: vec![0; nt],
                     mark_told: vec![0; nt],
@@ -1007,11 +1010,7 @@ impl Volume {
             ));
         }
         self.check_range(offset, buf.len())?;
-        let open: u32 = self.streams[stream as usize]
-            .open
-            .iter()
-            .map(|r| r.pieces)
-            .sum();
+        let open = self.streams[stream as usize].open_pieces;
         let pieces = self.commands_for(offset, buf.len(), open)?;
         self.wait_for_room(stream, pieces)?;
         let st = &mut self.streams[stream as usize];
@@ -1020,6 +1019,7 @@ impl Volume {
         st.not_done += 1;
         st.in_flight += 1;
         st.pieces_out += pieces;
+        st.open_pieces += pieces;
         self.stats.peak_commands = self.stats.peak_commands.max(st.pieces_out);
         st.open.push(Req {
             id,
@@ -1063,7 +1063,7 @@ impl Volume {
         loop {
             let st = &self.streams[stream as usize];
             let open = st.open.len() as u32;
-            let open_pieces: u32 = st.open.iter().map(|r| r.pieces).sum();
+            let open_pieces = st.open_pieces;
             let window_ok = !window_full || st.in_flight - open <= window_low;
             let held_ok = !held_full || st.not_done - open <= held_low;
             let fits = st.pieces_out + pieces <= max;
@@ -1083,6 +1083,7 @@ impl Volume {
     fn close_group(&mut self, stream: u16) -> Result<(), NetError> {
         let s = stream as usize;
         let reqs = std::mem::take(&mut self.streams[s].open);
+        self.streams[s].open_pieces = 0;
         if reqs.is_empty() {
             return Ok(());
         }

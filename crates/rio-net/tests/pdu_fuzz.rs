@@ -338,7 +338,12 @@ impl Raw {
             match self.s.read(&mut buf) {
                 Ok(0) => return None,
                 Ok(n) => self.rx.extend_from_slice(&buf[..n]),
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+                // A signal is not the end of the connection.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                    ) => {}
                 Err(_) => return None,
             }
         }

@@ -188,6 +188,16 @@ fn ordered_flush(cid: u16, seq: u64, mark: u64) -> Sqe {
     f
 }
 
+/// The next `n` answers on `q`: command id → whether it succeeded.
+fn answers(q: &mut Raw, n: usize) -> std::collections::HashMap<u16, bool> {
+    (0..n)
+        .map(|_| {
+            let (_, cqe, cid, _) = q.next();
+            (cid, cqe.expect("an answer").ok())
+        })
+        .collect()
+}
+
 /// Recovery over the target's log ends stream 0's durable prefix at `want`.
 fn assert_prefix(admin: &mut Raw, want: u64) {
     let sc = fetch_log(admin);
@@ -532,11 +542,7 @@ fn a_flush_sent_behind_a_failing_write_does_not_vouch_for_it() {
     one_write_group(3, 0).put(&mut w);
     q.send_cmd(&w, &[0x33; 4096]);
     q.send_cmd(&flush(14, 3, 3), &[]);
-    let mut status = std::collections::HashMap::new();
-    for _ in 0..3 {
-        let (_, cqe, cid, _) = q.next();
-        status.insert(cid, cqe.unwrap().ok());
-    }
+    let status = answers(&mut q, 3);
     rio_net::target::TEST_FAIL_ORDERED_WRITES.store(0, std::sync::atomic::Ordering::Relaxed);
     assert_eq!(status.get(&12), Some(&false), "group 2's write failed");
     assert_prefix(&mut admin, 2);
@@ -600,11 +606,7 @@ fn a_flush_out_with_a_failing_one_does_not_vouch_for_what_it_may_have_dropped() 
     let mut h = Vec::new();
     pdu::put_h2c_data(&mut h, 10, 10, 0, &[0x5a; 4096], true, Digests::default());
     q.s.write_all(&h).unwrap();
-    let mut ok = std::collections::HashMap::new();
-    for _ in 0..3 {
-        let (_, cqe, cid, _) = q.next();
-        ok.insert(cid, cqe.unwrap().ok());
-    }
+    let ok = answers(&mut q, 3);
     rio_net::target::TEST_FAIL_ORDERED_FLUSHES.store(0, std::sync::atomic::Ordering::Relaxed);
     // One failed on the device; the other is answered RIO_NOT_DURABLE.
     assert_eq!(ok.get(&10), Some(&true), "the write: {ok:?}");
