@@ -314,3 +314,55 @@ pub fn pin_current_thread(cpu: usize) -> io::Result<()> {
         Err(io::Error::last_os_error())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+
+    /// An entry's buffers are lent out only while none of its commands is with the kernel:
+    /// from the push of a command until its completion is taken, `header`, `header_mut` and
+    /// `buffers_mut` refuse (a panic: the kernel may be writing the buffers), for that entry
+    /// only; once the completion is taken they lend the same buffers again, unchanged. The
+    /// command goes to `/dev/null`, which completes a `URING_CMD` at once (with 0 where, as on
+    /// 6.18, it takes them and leaves the buffers alone; with an error where it has no handler),
+    /// so no FUSE mount is needed. The entries were `Box`es lent at any time before (no check:
+    /// this fails there).
+    #[test]
+    fn an_entry_is_not_lent_while_its_command_is_with_the_kernel() {
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let mut q = FuseQueue::new(Arc::new(OwnedFd::from(null)), 0, 2, 4096).unwrap();
+        q.buffers_mut(0).0[..4].copy_from_slice(b"mine");
+        q.buffers_mut(0).1[..4].copy_from_slice(b"data");
+        q.register(0).unwrap();
+        // Pushed, so the kernel's as far as the queue knows (its submission may happen at any
+        // call): no reference to it.
+        let refused = |q: &mut FuseQueue, what: &str, f: &dyn Fn(&mut FuseQueue)| {
+            let r = catch_unwind(AssertUnwindSafe(|| f(q)));
+            assert!(
+                r.is_err(),
+                "{what} lent entry 0 while its command was pushed"
+            );
+        };
+        refused(&mut q, "header", &|q| {
+            let _ = q.header(0);
+        });
+        refused(&mut q, "header_mut", &|q| {
+            let _ = q.header_mut(0);
+        });
+        refused(&mut q, "buffers_mut", &|q| {
+            let _ = q.buffers_mut(0);
+        });
+        // The other entry is still user space's.
+        q.buffers_mut(1).0[0] = 1;
+        // Submitted and completed: lent again, the same bytes.
+        let done = q.submit_and_wait().unwrap();
+        assert_eq!(done.len(), 1, "{done:?}");
+        assert_eq!(done[0].entry, 0);
+        assert_eq!(&q.header(0)[..4], b"mine");
+        let (h, p) = q.buffers_mut(0);
+        assert_eq!((&h[..4], &p[..4]), (&b"mine"[..], &b"data"[..]));
+        assert_eq!(q.header(1)[0], 1);
+    }
+}

@@ -1132,3 +1132,194 @@ fn a_reader_does_not_wait_on_a_readahead_whose_handle_is_idle() {
         assert!(!s.has(frames::ABANDONED), "frame {f}: {s:?}");
     }
 }
+
+/// A slow device that answers in order: a request completes only when its engine asks the
+/// device for progress (a [`aios_core::SoftDevice`]), one request each time, after `delay`. So a
+/// read queued behind others stays in flight over as many of a waiter's rounds as there are
+/// requests ahead of it. Counts the reads of each page.
+struct SlowDisk {
+    mem: Vec<u8>,
+    delay: std::time::Duration,
+    /// The reads started and not yet answered, oldest first.
+    queue: std::cell::RefCell<std::collections::VecDeque<SlowRead>>,
+    page_reads: std::cell::RefCell<Vec<u32>>,
+}
+
+/// A read a [`SlowDisk`] holds: where its completion goes, and its memory.
+struct SlowRead {
+    sink: SinkId,
+    payload: u64,
+    offset: usize,
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl SlowDisk {
+    fn new(mem: Vec<u8>, delay: std::time::Duration) -> Rc<SlowDisk> {
+        let pages = mem.len() / 4096;
+        Rc::new(SlowDisk {
+            mem,
+            delay,
+            queue: std::cell::RefCell::new(std::collections::VecDeque::new()),
+            page_reads: std::cell::RefCell::new(vec![0; pages]),
+        })
+    }
+
+    /// A read-only device over it, counted as the engine's work.
+    fn device(self: &Rc<SlowDisk>, lbio: &Rc<LbioArray>) -> Device {
+        let soft: Rc<dyn aios_core::SoftDevice> = Rc::clone(self) as _;
+        lbio.engine().attach_soft_device(Rc::downgrade(&soft));
+        let g = Geometry {
+            capacity_bytes: self.mem.len() as u64,
+            logical_block: 512,
+            mem_align: 512,
+            offset_align: 512,
+            max_transfer_bytes: 1 << 20,
+        };
+        Device::from_backends(
+            lbio,
+            Box::new(SlowPort(Rc::clone(self))),
+            Box::new(SlowPort(Rc::clone(self))),
+            g,
+            false,
+        )
+        .unwrap()
+    }
+}
+
+impl aios_core::SoftDevice for SlowDisk {
+    fn pending(&self) -> u32 {
+        self.queue.borrow().len() as u32
+    }
+
+    fn advance(&self, engine: &Engine) -> Result<(), CoreError> {
+        std::thread::sleep(self.delay);
+        let Some(r) = self.queue.borrow_mut().pop_front() else {
+            return Ok(());
+        };
+        // SAFETY: `r.ptr` is the started piece's memory, `r.len` bytes, untouched by anyone
+        // else until its completion (pushed below) is dispatched; `start` checked the range.
+        unsafe { std::ptr::copy_nonoverlapping(self.mem[r.offset..].as_ptr(), r.ptr, r.len) };
+        // SAFETY: a NOP refers to no memory or file.
+        unsafe {
+            engine.push(
+                aios_core::RingKind::Main,
+                r.sink,
+                r.payload,
+                aios_core::nop_sqe(),
+            )
+        }
+    }
+}
+
+struct SlowPort(Rc<SlowDisk>);
+
+impl Backend for SlowPort {
+    fn caps(&self) -> Caps {
+        Caps {
+            name: "slow",
+            asynchronous: true,
+            fua: false,
+            flush: false,
+            iopoll: false,
+            power_loss_protected: false,
+            vectored: false,
+        }
+    }
+
+    /// A NOP's 0 stands for the whole piece.
+    fn outcome(&self, res: i32, len: u32) -> Outcome {
+        if res < 0 {
+            Outcome::Failed(lbio::PieceError::Errno(-res))
+        } else {
+            Outcome::Bytes(len)
+        }
+    }
+
+    unsafe fn start(
+        &self,
+        _engine: &Engine,
+        sink: SinkId,
+        payload: u64,
+        piece: &Piece,
+    ) -> Result<Started, CoreError> {
+        let (offset, len) = (piece.offset as usize, piece.len as usize);
+        if piece.op != Op::Read || piece.iov_count != 0 || offset + len > self.0.mem.len() {
+            return Ok(Started::Done(-libc::EINVAL));
+        }
+        for page in offset / 4096..(offset + len).div_ceil(4096) {
+            self.0.page_reads.borrow_mut()[page] += 1;
+        }
+        self.0.queue.borrow_mut().push_back(SlowRead {
+            sink,
+            payload,
+            offset,
+            ptr: piece.ptr,
+            len,
+        });
+        Ok(Started::Queued)
+    }
+}
+
+/// A page this handle's own readahead is reading is waited for however long the device takes,
+/// in the zero-copy and copy-out paths alike: never cut after `foreign_read_wait_us` (that is for
+/// other handles' reads, which complete only when their handle drives its engine), so the page
+/// is read from the device once. The device answers one request a millisecond, in order: the
+/// two pages waited for have 18 and 20 of the readahead's reads ahead of them, so each wait
+/// goes round well past the cut-off's check. With the cut applied to own reads too, both waits
+/// were cut and each page read twice (a duplicate, abandoned frame).
+#[test]
+fn a_reader_waits_for_its_own_readahead_however_long_the_device_takes() {
+    const PAGES: u64 = 64;
+    const AHEAD: u64 = 40;
+    let content: Vec<u8> = (0..(PAGES * 4096) as usize)
+        .map(|i| (i / 4096 * 31 + i % 251) as u8)
+        .collect();
+    let cache = PageCache::new(CacheConfig {
+        capacity_bytes: 64 * PAGE_BYTES,
+        pool_batch: 4,
+        readahead_pages: AHEAD as u32,
+        huge_pages: false,
+        foreign_read_wait_us: 500,
+        ..CacheConfig::default()
+    })
+    .unwrap();
+    let file = cache.add_file(PAGES * 4096).unwrap();
+    let engine = engine();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let disk = SlowDisk::new(content.clone(), std::time::Duration::from_millis(1));
+    let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+    h.attach(file, disk.device(&lbio)).unwrap();
+    let mut buf = vec![0u8; 4096];
+    // Two sequential pages: pages 2..=41 are read ahead, one background request each, 8 at the
+    // device at once and the rest queued behind them.
+    h.read(file, 0, &mut buf).unwrap();
+    h.read(file, 4096, &mut buf).unwrap();
+    assert_eq!(cache.metrics().readahead_pages, AHEAD);
+    {
+        let g = h.get(file, 20).unwrap();
+        assert!(g[..] == content[20 * 4096..21 * 4096], "page 20 differs");
+    }
+    let last = AHEAD + 1;
+    h.read(file, last * 4096, &mut buf).unwrap();
+    let at = last as usize * 4096;
+    assert!(buf[..] == content[at..at + 4096], "page {last} differs");
+    let m = cache.metrics();
+    assert_eq!(m.foreign_waits_cut, 0, "an own read's wait was cut: {m:?}");
+    assert_eq!(m.duplicates, 0, "{m:?}");
+    assert!(m.waited >= 2, "{m:?}");
+    let reads = disk.page_reads.borrow().clone();
+    for (page, &n) in reads.iter().enumerate() {
+        let want = u32::from(page as u64 <= last);
+        assert_eq!(n, want, "page {page} read {n} times from the device: {m:?}");
+    }
+    assert!(disk.queue.borrow().is_empty());
+    for f in 0..cache.frames.len() {
+        let s = cache.frames.state(f);
+        assert_eq!(s.pins(), 0, "frame {f} still pinned");
+        assert!(
+            !s.has(frames::IO) && !s.has(frames::ABANDONED),
+            "frame {f}: {s:?}"
+        );
+    }
+}
