@@ -145,6 +145,26 @@ pub static TEST_FAIL_ORDERED_FLUSHES: AtomicU32 = AtomicU32::new(0);
 #[doc(hidden)]
 pub static TEST_FAIL_PLAIN_FLUSHES: AtomicU32 = AtomicU32::new(0);
 
+/// Test hook: set to 1, the next ordered FLUSH the device completes in this process is held
+/// before anything is done with its completion (no persist word set, the host not answered)
+/// until the hook is set back to 0; it reads 2 while it holds one. For tests of a completion
+/// that lands after a reset; 0 in normal use.
+#[doc(hidden)]
+pub static TEST_HOLD_ORDERED_FLUSH: AtomicU32 = AtomicU32::new(0);
+
+fn hold_test_completion(hook: &AtomicU32) {
+    // A plain load first: in normal use the hook costs no locked instruction.
+    if hook.load(Ordering::Relaxed) == 1
+        && hook
+            .compare_exchange(1, 2, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    {
+        while hook.load(Ordering::Relaxed) == 2 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
 fn take_test_fault(count: &AtomicU32) -> bool {
     count
         .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
@@ -1879,6 +1899,15 @@ impl TConn {
             InFlight::Write { order_no, .. } => *order_no,
             _ => 0,
         };
+        if matches!(
+            what,
+            InFlight::Flush {
+                ordered: Some(_),
+                ..
+            }
+        ) {
+            hold_test_completion(&TEST_HOLD_ORDERED_FLUSH);
+        }
         let mut result = result;
         let injected = match &what {
             InFlight::Write {
