@@ -48,7 +48,8 @@ pub struct VolumeConfig {
     pub digests: Digests,
     /// A connection with commands out that receives nothing this long counts as failed.
     pub io_timeout: Duration,
-    /// How long to keep trying to reach a failed target.
+    /// How long to keep trying to reach a failed target, and to retry a recovery that fails
+    /// (one started by a failed connection or by a group that failed on a target's device).
     pub reconnect_for: Duration,
     pub subnqn: String,
     pub hostnqn: String,
@@ -1566,7 +1567,7 @@ impl Volume {
         if self.cfg.verbose {
             eprintln!("aios initiator: a group failed on a target's device; recovering");
         }
-        self.recover().map(|_| ())
+        self.recover_retrying().map(|_| ())
     }
 
     /// What the last recovery found and did, whoever started it: [`Volume::open`], a caller's
@@ -2010,25 +2011,33 @@ enum Reply {
 }
 
 impl Volume {
+    /// Recovery after target `failed`'s connection failed: [`Volume::recover_retrying`], its
+    /// error naming that target.
     fn recover_with_retry(&mut self, failed: usize) -> Result<RecoveryReport, NetError> {
         let start = Instant::now();
-        let mut last;
+        self.recover_retrying().map_err(|e| NetError::Unreachable {
+            peer: self.targets[failed].addr.to_string(),
+            secs: start.elapsed().as_secs_f64(),
+            why: e.to_string(),
+        })
+    }
+
+    /// Run [`Volume::recover`], and again every 100 ms while it fails (a target restarting, a
+    /// link coming back, a connection lost during the recovery itself), for up to
+    /// `reconnect_for`; then its last error.
+    fn recover_retrying(&mut self) -> Result<RecoveryReport, NetError> {
+        let start = Instant::now();
         loop {
             match self.recover() {
                 Ok(r) => return Ok(r),
                 Err(e) => {
-                    last = e.to_string();
                     if self.cfg.verbose {
-                        eprintln!("aios initiator: recovery attempt failed: {last}");
+                        eprintln!("aios initiator: recovery attempt failed: {e}");
+                    }
+                    if start.elapsed() > self.cfg.reconnect_for {
+                        return Err(e);
                     }
                 }
-            }
-            if start.elapsed() > self.cfg.reconnect_for {
-                return Err(NetError::Unreachable {
-                    peer: self.targets[failed].addr.to_string(),
-                    secs: start.elapsed().as_secs_f64(),
-                    why: last,
-                });
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -2243,10 +2252,14 @@ impl Volume {
         Ok(report)
     }
 
-    /// Wait until every connection has no command out.
+    /// Wait until every connection has no command out. It gives up after `io_timeout` with no
+    /// command answered (not `io_timeout` for all of them: a batch of [`ZEROES_OUT`] large
+    /// zeroing commands may take longer than that on a slow device).
     fn settle(&mut self) -> Result<(), NetError> {
-        let deadline = Instant::now() + self.cfg.io_timeout;
-        while self.conns.iter().any(|c| c.outstanding > 0) {
+        let out = |v: &Volume| v.conns.iter().map(|c| c.outstanding as u64).sum::<u64>();
+        let mut left = out(self);
+        let mut deadline = Instant::now() + self.cfg.io_timeout;
+        while left > 0 {
             if Instant::now() > deadline {
                 return Err(NetError::Config(
                     "recovery: targets did not answer in time".into(),
@@ -2254,6 +2267,11 @@ impl Volume {
             }
             if let Err((t, why)) = self.drive_once(true) {
                 return Err(NetError::peer(self.targets[t].addr, why));
+            }
+            let n = out(self);
+            if n < left {
+                left = n;
+                deadline = Instant::now() + self.cfg.io_timeout;
             }
         }
         Ok(())

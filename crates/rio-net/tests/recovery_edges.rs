@@ -533,7 +533,8 @@ fn read_block(v: &mut Volume, block: u64) -> u8 {
 /// recovery zeroes groups 2 and 3 and resets the log to the stream's next group (4), then fails
 /// to reconnect; its retry finds a prefix ending at 4. Group 3 must come back failed (its
 /// write was zeroed), and a new initiator finds what was acknowledged. (The retry handed group
-/// 3 back `Ok`: a failed stream's held groups were handed back only after the reset.)
+/// 3 back `Ok`: a failed stream's held groups were handed back only after the reset. And the
+/// recovery after a failed group was not retried: `wait` returned the reconnection's error.)
 #[test]
 fn a_recovery_retried_after_its_reset_does_not_take_the_reset_prefix_for_durable() {
     let _serial = one_at_a_time();
@@ -551,11 +552,15 @@ fn a_recovery_retried_after_its_reset_does_not_take_the_reset_prefix_for_durable
     TEST_FAIL_ORDERED_WRITES.store(1, Relaxed);
     put(&mut v, 1, 0x22);
     put(&mut v, 2, 0x33);
-    // The recovery fails after its reset; the volume retries it at once (`reconnect_for`), or,
-    // when it had started as the recovery after a failed group (the cut not seen yet), at the
-    // next call.
+    // The recovery fails after its reset; the volume retries it within the call, for up to
+    // `reconnect_for`, whether it started for the failed connection or for the failed group
+    // (the cut not seen yet). The second used to try once and hand the error to the caller.
     let first = v.wait(0);
     TEST_FAIL_ORDERED_WRITES.store(0, Relaxed);
+    assert!(
+        first.is_ok(),
+        "a recovery that failed once is retried within reconnect_for: {first:?}"
+    );
     let mut done = v.poll().unwrap();
     assert_eq!(
         (proxy.cut.load(Relaxed), proxy.refused.load(Relaxed)),
