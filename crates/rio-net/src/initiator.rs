@@ -421,6 +421,9 @@ pub struct Volume {
     caller_flushes_out: u32,
     /// What the last recovery found and did (the volume's own ones included).
     last_recovery: Option<RecoveryReport>,
+    /// A recovery started and has not succeeded since: the connections it dropped took the
+    /// held groups' commands with them, so the next call runs it again before anything else.
+    recovery_due: bool,
 }
 
 impl Drop for Volume {
@@ -548,6 +551,7 @@ impl Volume {
             caller_flush_error: None,
             caller_flushes_out: 0,
             last_recovery: None,
+            recovery_due: false,
             engine,
             hostid,
             cfg,
@@ -1533,6 +1537,9 @@ impl Volume {
     /// Move everything along: send, receive, complete. `block`: wait for the network when there
     /// is nothing to do. A failed target starts recovery.
     fn drive(&mut self, block: bool) -> Result<(), NetError> {
+        if self.recovery_due {
+            self.recover_retrying()?;
+        }
         for stream in 0..self.cfg.streams {
             self.send_held(stream)?;
         }
@@ -1581,10 +1588,12 @@ impl Volume {
     fn drive_once(&mut self, block: bool) -> Result<(), (usize, String)> {
         let nt = self.targets.len();
         let mut progress = false;
+        let mut gone = None;
         for i in 0..self.conns.len() {
             let t = i % nt;
             let Some(c) = self.conns[i].conn.as_mut() else {
-                return Err((t, "not connected".into()));
+                gone.get_or_insert(t);
+                continue;
             };
             c.flush().map_err(|e| (t, format!("send: {e}")))?;
             let n = c.fill().map_err(|e| (t, format!("receive: {e}")))?;
@@ -1600,6 +1609,9 @@ impl Volume {
             if ic.outstanding > 0 && ic.last_progress.elapsed() > self.cfg.io_timeout {
                 return Err((t, format!("no answer for {:?}", self.cfg.io_timeout)));
             }
+        }
+        if let Some(t) = gone {
+            return Err((t, "not connected".into()));
         }
         for s in 0..self.cfg.streams {
             self.maybe_flush(s);
@@ -2044,8 +2056,19 @@ impl Volume {
     }
 
     /// Recovery across the targets (see the module docs). Safe to run at any time; runs by
-    /// itself when a target fails.
+    /// itself when a target fails. One that fails part way is run again by the volume's next
+    /// call that drives I/O (it may have dropped connections holding commands of groups not
+    /// yet durable, which only a recovery sends again).
     pub fn recover(&mut self) -> Result<RecoveryReport, NetError> {
+        self.recovery_due = true;
+        let r = self.recover_steps();
+        if r.is_ok() {
+            self.recovery_due = false;
+        }
+        r
+    }
+
+    fn recover_steps(&mut self) -> Result<RecoveryReport, NetError> {
         let started = Instant::now();
         let nt = self.targets.len();
         self.stats.recoveries += 1;
