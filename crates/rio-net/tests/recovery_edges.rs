@@ -6,19 +6,22 @@
 //! The last two run the volume through a small TCP proxy that refuses connections, or cuts one,
 //! at a given command (a link lost at a known point, without network namespaces).
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, AtomicU8, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rio_net::pdu::{self, op, Cqe, Digests, Pdu, Sqe, WireAttr};
+use rio_net::pdu::{self, op, Cqe, Sqe, WireAttr};
 use rio_net::target::{
     TEST_FAIL_ORDERED_FLUSHES, TEST_FAIL_ORDERED_WRITES, TEST_HOLD_ORDERED_FLUSH,
 };
 use rio_net::{Target, TargetConfig, TargetLogKind, TargetStatsHandle, Volume, VolumeConfig};
 use rio_ordering::{Attr, AttrLog, MemPmr, Pmr};
+
+mod common;
+use common::{queues, Raw};
 
 const BLOCK: u64 = 4096;
 /// Device bytes of each target.
@@ -77,97 +80,6 @@ fn target(
     (addr, stats)
 }
 
-/// A host speaking raw PDUs: commands go out as built, answers are read one by one.
-struct Host {
-    sock: TcpStream,
-    rx: Vec<u8>,
-}
-
-impl Host {
-    fn connect(addr: SocketAddr) -> Host {
-        let sock = TcpStream::connect(addr).unwrap();
-        sock.set_read_timeout(Some(Duration::from_millis(50)))
-            .unwrap();
-        let mut h = Host {
-            sock,
-            rx: Vec::new(),
-        };
-        let mut icreq = Vec::new();
-        pdu::put_icreq(&mut icreq, Digests::default(), 0);
-        h.sock.write_all(&icreq).unwrap();
-        let (ty, _) = h.next_pdu();
-        assert_eq!(ty, pdu::ICRESP);
-        h
-    }
-
-    /// An admin queue, and an I/O queue of its controller.
-    fn queues(addr: SocketAddr) -> (Host, Host) {
-        let data =
-            |cntlid| pdu::connect_data(&[7; 16], cntlid, "nqn.2026-11.io.aios:target", "nqn.edges");
-        let mut admin = Host::connect(addr);
-        let (cqe, _) = admin.command(&pdu::connect_command(0, 31), &data(0xffff));
-        assert!(cqe.ok(), "admin Connect");
-        let mut io = Host::connect(addr);
-        let (cqe2, _) = io.command(&pdu::connect_command(1, 127), &data(cqe.dw0 as u16));
-        assert!(cqe2.ok(), "I/O Connect");
-        (admin, io)
-    }
-
-    /// The next whole PDU: its type and bytes.
-    fn next_pdu(&mut self) -> (u8, Vec<u8>) {
-        let deadline = Instant::now() + HANG;
-        loop {
-            if self.rx.len() >= 8 {
-                let plen = u32::from_le_bytes(self.rx[4..8].try_into().unwrap()) as usize;
-                if self.rx.len() >= plen {
-                    let p: Vec<u8> = self.rx.drain(..plen).collect();
-                    return (p[0], p);
-                }
-            }
-            assert!(Instant::now() < deadline, "the target did not answer");
-            let mut buf = [0u8; 64 << 10];
-            match self.sock.read(&mut buf) {
-                Ok(0) => panic!("the target closed the connection"),
-                Ok(n) => self.rx.extend_from_slice(&buf[..n]),
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
-                    ) => {}
-                Err(e) => panic!("reading from the target: {e}"),
-            }
-        }
-    }
-
-    fn send(&mut self, sqe: &Sqe, data: &[u8]) {
-        let mut b = Vec::new();
-        pdu::put_cmd(&mut b, sqe, data, Digests::default());
-        self.sock.write_all(&b).unwrap();
-    }
-
-    /// The next answer, with the data sent before it.
-    fn answer(&mut self) -> (Cqe, Vec<u8>) {
-        let mut data = Vec::new();
-        loop {
-            let (_, p) = self.next_pdu();
-            match pdu::decode(&p, Digests::default(), u32::MAX)
-                .unwrap()
-                .unwrap()
-                .0
-            {
-                Pdu::Resp { cqe } => return (cqe, data),
-                Pdu::C2HData { data: d, .. } => data.extend_from_slice(d),
-                other => panic!("unexpected {other:?}"),
-            }
-        }
-    }
-
-    fn command(&mut self, sqe: &Sqe, data: &[u8]) -> (Cqe, Vec<u8>) {
-        self.send(sqe, data);
-        self.answer()
-    }
-}
-
 /// An ordered write of one block at `block`: group `seq` of `stream`, after group `seq - 1`.
 fn ordered_write(cid: u16, stream: u16, seq: u64, block: u64) -> Sqe {
     let mut w = Sqe::default();
@@ -211,7 +123,7 @@ fn ordered_flush(cid: u16, stream: u16, seq: u64) -> Sqe {
 
 /// Where recovery over the target's log ends each stream's durable prefix (no power-loss
 /// protection: only a FLUSH entry with its persist word set vouches for a write).
-fn prefixes(admin: &mut Host) -> Vec<u64> {
+fn prefixes(admin: &mut Raw) -> Vec<u64> {
     let mut image = Vec::new();
     let mut total = usize::MAX;
     while image.len() < total {
@@ -245,12 +157,12 @@ fn a_flush_completing_after_a_reset_sets_no_persist_word_in_the_new_log() {
     let _serial = one_at_a_time();
     let mut cleanup = Cleanup(Vec::new());
     let (addr, _) = target("hold", TargetLogKind::Mem(1 << 20), &mut cleanup);
-    let (mut admin, mut old) = Host::queues(addr);
+    let (mut admin, mut old) = queues(addr);
     // The old generation: stream 1's group 1 in slot 0, its FLUSH in slot 1, held at completion.
     let (cqe, _) = old.command(&ordered_write(10, 1, 1, 100), &[0x11; BLOCK as usize]);
     assert!(cqe.ok(), "the old connection's write");
     TEST_HOLD_ORDERED_FLUSH.store(1, Relaxed);
-    old.send(&ordered_flush(11, 1, 1), &[]);
+    old.send_cmd(&ordered_flush(11, 1, 1), &[]);
     let deadline = Instant::now() + HANG;
     while TEST_HOLD_ORDERED_FLUSH.load(Relaxed) != 2 {
         assert!(Instant::now() < deadline, "the old FLUSH never completed");
@@ -265,7 +177,7 @@ fn a_flush_completing_after_a_reset_sets_no_persist_word_in_the_new_log() {
     let (cqe, _) = admin.command(&reset, &marks);
     assert!(cqe.ok(), "RIO_RESET");
     // The new generation: stream 0's group 1 in slot 0, its FLUSH in slot 1 failing.
-    let (_admin2, mut new) = Host::queues(addr);
+    let (_admin2, mut new) = queues(addr);
     let (cqe, _) = new.command(&ordered_write(10, 0, 1, 0), &[0x22; BLOCK as usize]);
     assert!(cqe.ok(), "the new connection's write");
     TEST_FAIL_ORDERED_FLUSHES.store(1, Relaxed);

@@ -1,0 +1,112 @@
+//! A host speaking raw NVMe/TCP PDUs to a target, for the tests that drive a target below the
+//! initiator (`target_edges.rs`, `recovery_edges.rs`).
+#![allow(dead_code)]
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use rio_net::pdu::{self, Cqe, Digests, Pdu, Sqe};
+
+/// One connection: commands go out as built, PDUs are read one by one.
+pub struct Raw {
+    /// The socket, for tests that write raw bytes.
+    pub s: TcpStream,
+    rx: Vec<u8>,
+}
+
+impl Raw {
+    pub fn open(addr: SocketAddr) -> Raw {
+        let s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+        s.set_nodelay(true).unwrap();
+        let mut r = Raw { s, rx: Vec::new() };
+        let mut b = Vec::new();
+        pdu::put_icreq(&mut b, Digests::default(), 0);
+        r.s.write_all(&b).unwrap();
+        assert_eq!(r.next_pdu(Duration::from_secs(5)).unwrap()[0], pdu::ICRESP);
+        r
+    }
+    pub fn next_pdu(&mut self, limit: Duration) -> Option<Vec<u8>> {
+        let t0 = Instant::now();
+        loop {
+            if self.rx.len() >= 8 {
+                let plen = u32::from_le_bytes(self.rx[4..8].try_into().unwrap()) as usize;
+                if self.rx.len() >= plen {
+                    return Some(self.rx.drain(..plen).collect());
+                }
+            }
+            if t0.elapsed() > limit {
+                return None;
+            }
+            let mut buf = [0u8; 65536];
+            match self.s.read(&mut buf) {
+                Ok(0) => return None,
+                Ok(n) => self.rx.extend_from_slice(&buf[..n]),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                    ) => {}
+                Err(e) => panic!("reading from the target: {e}"),
+            }
+        }
+    }
+    pub fn send_cmd(&mut self, sqe: &Sqe, data: &[u8]) {
+        let mut b = Vec::new();
+        pdu::put_cmd(&mut b, sqe, data, Digests::default());
+        self.s.write_all(&b).unwrap();
+    }
+    /// Next decoded PDU as a debug-able owned form: (type, cid, data).
+    pub fn next(&mut self) -> (u8, Option<Cqe>, u16, Vec<u8>) {
+        let p = self
+            .next_pdu(Duration::from_secs(5))
+            .unwrap_or_else(|| panic!("a PDU (rx {} bytes buffered)", self.rx.len()));
+        match pdu::decode(&p, Digests::default(), u32::MAX)
+            .unwrap()
+            .unwrap()
+            .0
+        {
+            Pdu::Resp { cqe } => (pdu::RSP, Some(cqe), cqe.cid, vec![]),
+            Pdu::R2T { cccid, .. } => (pdu::R2T, None, cccid, vec![]),
+            Pdu::C2HData { cccid, data, .. } => (pdu::C2H_DATA, None, cccid, data.to_vec()),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    /// Send a command and take its answer.
+    pub fn command(&mut self, sqe: &Sqe, data: &[u8]) -> (Cqe, Vec<u8>) {
+        self.send_cmd(sqe, data);
+        self.answer()
+    }
+    /// The next answer, with the data sent before it.
+    pub fn answer(&mut self) -> (Cqe, Vec<u8>) {
+        let mut got = Vec::new();
+        loop {
+            match self.next() {
+                (_, Some(cqe), _, _) => return (cqe, got),
+                (pdu::C2H_DATA, _, _, d) => got.extend_from_slice(&d),
+                other => panic!("unexpected {:?}", other.0),
+            }
+        }
+    }
+}
+
+pub fn cdata(cntlid: u16) -> Vec<u8> {
+    pdu::connect_data(&[0; 16], cntlid, "nqn.2026-11.io.aios:target", "nqn.review")
+}
+
+pub fn queues(addr: SocketAddr) -> (Raw, Raw) {
+    let mut a = Raw::open(addr);
+    let mut c = pdu::connect_command(0, 31);
+    c.set_cid(1);
+    let (cqe, _) = a.command(&c, &cdata(0xffff));
+    assert!(cqe.ok());
+    let cntlid = cqe.dw0 as u16;
+    let mut q = Raw::open(addr);
+    let mut c = pdu::connect_command(1, 127);
+    c.set_cid(1);
+    let (cqe, _) = q.command(&c, &cdata(cntlid));
+    assert!(cqe.ok());
+    (a, q)
+}
