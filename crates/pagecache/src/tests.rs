@@ -102,20 +102,24 @@ fn faulty_device(lbio: &Rc<LbioArray>, bytes: usize) -> (Device, Rc<Faulty>) {
     (device_over(lbio, &f), f)
 }
 
-/// Another device over the same RAM (to read it around the cache).
-fn device_over(lbio: &Rc<LbioArray>, f: &Rc<Faulty>) -> Device {
-    let g = Geometry {
-        capacity_bytes: f.mem.len() as u64,
+/// The geometry of the tests' RAM devices: 512-byte blocks, 1 MiB transfers.
+fn ram_geometry(capacity_bytes: u64) -> Geometry {
+    Geometry {
+        capacity_bytes,
         logical_block: 512,
         mem_align: 512,
         offset_align: 512,
         max_transfer_bytes: 1 << 20,
-    };
+    }
+}
+
+/// Another device over the same RAM (to read it around the cache).
+fn device_over(lbio: &Rc<LbioArray>, f: &Rc<Faulty>) -> Device {
     Device::from_backends(
         lbio,
         Box::new(Shared(Rc::clone(f))),
         Box::new(Shared(Rc::clone(f))),
-        g,
+        ram_geometry(f.mem.len() as u64),
         true,
     )
     .unwrap()
@@ -1169,18 +1173,11 @@ impl SlowDisk {
     fn device(self: &Rc<SlowDisk>, lbio: &Rc<LbioArray>) -> Device {
         let soft: Rc<dyn aios_core::SoftDevice> = Rc::clone(self) as _;
         lbio.engine().attach_soft_device(Rc::downgrade(&soft));
-        let g = Geometry {
-            capacity_bytes: self.mem.len() as u64,
-            logical_block: 512,
-            mem_align: 512,
-            offset_align: 512,
-            max_transfer_bytes: 1 << 20,
-        };
         Device::from_backends(
             lbio,
             Box::new(SlowPort(Rc::clone(self))),
             Box::new(SlowPort(Rc::clone(self))),
-            g,
+            ram_geometry(self.mem.len() as u64),
             false,
         )
         .unwrap()

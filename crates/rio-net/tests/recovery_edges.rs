@@ -21,7 +21,7 @@ use rio_net::{Target, TargetConfig, TargetLogKind, TargetStatsHandle, Volume, Vo
 use rio_ordering::{Attr, AttrLog, MemPmr, Pmr};
 
 mod common;
-use common::{queues, Raw};
+use common::{put, queues, read_block, Raw};
 
 const BLOCK: u64 = 4096;
 /// Device bytes of each target.
@@ -425,20 +425,6 @@ fn pump(mut from: TcpStream, mut to: TcpStream, watch: impl Fn(&[u8]) -> Pass) {
 }
 
 /// Submit one block of `byte` at `block` on stream 0, as its own group.
-fn put(v: &mut Volume, block: u64, byte: u8) {
-    let mut b = v.alloc(BLOCK as usize).unwrap();
-    b.fill(byte);
-    v.submit(0, block * BLOCK, b, true).unwrap();
-}
-
-fn read_block(v: &mut Volume, block: u64) -> u8 {
-    let b = v.alloc(BLOCK as usize).unwrap();
-    v.read(0, block * BLOCK, b).unwrap();
-    let d = v.wait_any().unwrap();
-    assert!(d[0].result.is_ok(), "{:?}", d[0].result);
-    d[0].buf[0]
-}
-
 /// A recovery retried after its reset step must not take the reset log's prefix for durable.
 /// Group 2's write fails on the device and group 3 goes out after it; the link drops right
 /// after group 2's failure comes back, so group 3 is still held when the volume recovers. That

@@ -11,7 +11,7 @@ use rio_net::pdu::{self, op, Digests, Sqe, WireAttr};
 use rio_net::{Target, TargetConfig, TargetLogKind, Volume, VolumeConfig};
 
 mod common;
-use common::{queues, Raw};
+use common::{put, queues, read_block, Raw};
 
 const LBA: u32 = 4096;
 
@@ -335,24 +335,6 @@ fn limits_on_commands_are_refused_up_front_or_waited_for() {
 }
 
 /// Submit one 4 KiB group of `byte` at block `block`, as its own group.
-fn put(v: &mut Volume, block: u64, byte: u8) {
-    let mut b = v.alloc(4096).unwrap();
-    b.fill(byte);
-    v.submit(0, block * 4096, b, true).unwrap();
-}
-
-fn read_block(v: &mut Volume, block: u64) -> u8 {
-    let b = v.alloc(4096).unwrap();
-    v.read(0, block * 4096, b).unwrap();
-    loop {
-        let d = v.wait_any().unwrap();
-        if let Some(d) = d.into_iter().find(|d| d.seq == 0) {
-            assert!(d.result.is_ok(), "{:?}", d.result);
-            return d.buf[0];
-        }
-    }
-}
-
 /// Groups 2 and 3 after an acknowledged group 1, with the target's device failing what
 /// `fail` says. Both come back failed (group 3 was sent after group 2, and must not become
 /// durable without it); the volume then recovers by itself (their writes zeroed, the logs

@@ -7,6 +7,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use rio_net::pdu::{self, Cqe, Digests, Pdu, Sqe};
+use rio_net::Volume;
 
 /// One connection: commands go out as built, PDUs are read one by one.
 pub struct Raw {
@@ -109,4 +110,24 @@ pub fn queues(addr: SocketAddr) -> (Raw, Raw) {
     let (cqe, _) = q.command(&c, &cdata(cntlid));
     assert!(cqe.ok());
     (a, q)
+}
+
+/// Stream 0's ordered write of one 4 KiB block of `byte` at block `block`, in its open group.
+pub fn put(v: &mut Volume, block: u64, byte: u8) {
+    let mut b = v.alloc(4096).unwrap();
+    b.fill(byte);
+    v.submit(0, block * 4096, b, true).unwrap();
+}
+
+/// The first byte of 4 KiB block `block`, read through the volume.
+pub fn read_block(v: &mut Volume, block: u64) -> u8 {
+    let b = v.alloc(4096).unwrap();
+    v.read(0, block * 4096, b).unwrap();
+    loop {
+        let d = v.wait_any().unwrap();
+        if let Some(d) = d.into_iter().find(|d| d.seq == 0) {
+            assert!(d.result.is_ok(), "{:?}", d.result);
+            return d.buf[0];
+        }
+    }
 }
