@@ -2121,6 +2121,16 @@ impl Volume {
         if self.targets.iter().any(|t| !t.rio) {
             return Err(NetError::Config("recovery needs Rio targets".into()));
         }
+        // Fence every target before reading its log: a connection dropped above, or one of
+        // an initiator that crashed, may still deliver writes (bytes the network held, a
+        // target slow to act on what it received). A write landing after its log was read
+        // and its group zeroed would tear the group; after the fence none can land, and the
+        // ones already sent are complete and in the log.
+        for t in 0..nt {
+            let mut fence = Sqe::default();
+            fence.set_opcode(op::RIO_FENCE);
+            self.admin(t, fence, &[], "RIO_FENCE")?;
+        }
         let mut scans = Vec::new();
         for t in 0..nt {
             let mut sc = self.fetch_log(t)?;

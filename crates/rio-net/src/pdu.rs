@@ -286,6 +286,9 @@ impl Status {
     pub const SGL_INVALID: Status = Status { sct: 0, sc: 0x0f };
     pub const SGL_TYPE_INVALID: Status = Status { sct: 0, sc: 0x11 };
     pub const LBA_OUT_OF_RANGE: Status = Status { sct: 0, sc: 0x80 };
+    /// Reservation Conflict: the write came on a connection opened before a recovery fenced
+    /// the target (`RIO_FENCE`); it never reached the device.
+    pub const FENCED: Status = Status { sct: 0, sc: 0x83 };
     pub const CONNECT_INVALID_PARAM: Status = Status { sct: 1, sc: 0x82 };
     pub const CONNECT_INVALID_HOST: Status = Status { sct: 1, sc: 0x84 };
     /// Vendor specific (SCT 7): the ordering attribute is refused.
@@ -671,6 +674,9 @@ pub mod op {
     pub const RIO_INFO: u8 = 0xc0;
     pub const RIO_RESET: u8 = 0xc1;
     pub const RIO_GET_LOG: u8 = 0xc2;
+    /// Start a recovery: connections opened before it may write no more, and their writes
+    /// already sent are complete when it is answered.
+    pub const RIO_FENCE: u8 = 0xc3;
     // Fabrics command types.
     pub const FC_PROPERTY_SET: u8 = 0x00;
     pub const FC_CONNECT: u8 = 0x01;

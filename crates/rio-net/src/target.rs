@@ -195,6 +195,11 @@ struct Shared {
     ns_bytes: u64,
     plp: bool,
     state: Mutex<LogState>,
+    /// `LogState::generation`, stored under the lock whenever it changes: read without the
+    /// lock by a connection about to send a request to the device (see [`Gate`]).
+    generation: AtomicU64,
+    /// One per connection serving now.
+    gates: Mutex<Vec<Arc<Gate>>>,
     next_cntlid: AtomicU16,
     live_cntlids: Mutex<Vec<u16>>,
     ordered_writes: AtomicU64,
@@ -214,6 +219,54 @@ impl Shared {
         // A connection thread that panicked leaves the log as it was: keep serving.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    fn gates(&self) -> MutexGuard<'_, Vec<Arc<Gate>>> {
+        self.gates.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Publish `st.generation`, just changed by the caller (who holds the lock).
+    fn publish_generation(&self, st: &LogState) {
+        self.generation.store(st.generation, Ordering::SeqCst);
+    }
+
+    /// Wait until no connection from a generation before `generation` has a request on the
+    /// device (those connections may send no more: [`TConn::submit`] refuses them). Gives up
+    /// after [`FENCE_WAIT`] with the number still out.
+    fn drain_older(&self, generation: u64) -> Result<(), u64> {
+        let deadline = Instant::now() + FENCE_WAIT;
+        loop {
+            let out: u64 = self
+                .gates()
+                .iter()
+                .filter(|g| g.generation.load(Ordering::SeqCst) < generation)
+                .map(|g| g.out.load(Ordering::SeqCst))
+                .sum();
+            if out == 0 {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(out);
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+}
+
+/// How long a fence or reset waits for older connections' device requests to complete.
+const FENCE_WAIT: Duration = Duration::from_secs(10);
+
+/// What the target's fence needs to know of a connection, without taking the log's lock on
+/// its orderless path: its generation, and how many of its requests the device holds.
+///
+/// A connection counts a request in `out` before it reads the target's generation, and sends
+/// it to the device only if that generation is still its own; a fence stores the new
+/// generation before it reads the counts (all `SeqCst`). So either the fence sees the request
+/// counted and waits for it, or the connection sees the new generation and refuses it: no
+/// request of an older connection reaches the device after a fence has drained them.
+#[derive(Default)]
+struct Gate {
+    generation: AtomicU64,
+    out: AtomicU64,
 }
 
 enum Listener {
@@ -314,6 +367,8 @@ impl Target {
             shared: Arc::new(Shared {
                 ns_bytes,
                 plp,
+                generation: AtomicU64::new(1),
+                gates: Mutex::new(Vec::new()),
                 state: Mutex::new(LogState {
                     log,
                     generation: 1,
@@ -542,6 +597,8 @@ struct TConn {
     icreq_done: bool,
     queue: Queue,
     generation: u64,
+    /// This connection's generation and device requests, as the fence sees them.
+    gate: Arc<Gate>,
     io: Option<IoSide>,
     collecting: HashMap<u16, Collecting>,
     /// Writes whose data is being pulled by RDMA READ (RDMA connections only).
@@ -614,8 +671,12 @@ fn serve_conn(shared: Arc<Shared>, conn: Conn, peer: SocketAddr) {
         eprintln!("aios target: {peer}: connected");
     }
     let generation = shared.lock().generation;
+    let gate = Arc::new(Gate::default());
+    gate.generation.store(generation, Ordering::SeqCst);
+    shared.gates().push(Arc::clone(&gate));
     let mut c = TConn {
         generation,
+        gate,
         shared,
         peer,
         conn,
@@ -644,10 +705,13 @@ fn serve_conn(shared: Arc<Shared>, conn: Conn, peer: SocketAddr) {
                 break;
             }
             while let Some(done) = io.lbio.take_done() {
-                c.inflight.remove(&done.tag.0);
+                if c.inflight.remove(&done.tag.0).is_some() {
+                    c.gate.out.fetch_sub(1, Ordering::SeqCst);
+                }
             }
         }
     }
+    c.shared.gates().retain(|g| !Arc::ptr_eq(g, &c.gate));
     if let Queue::Admin { cntlid } = c.queue {
         let mut live = c
             .shared
@@ -1126,6 +1190,9 @@ impl TConn {
                         .map_err(|e| format!("opening the device: {e}"))?;
                     self.queue = Queue::Io { qid };
                     self.generation = self.shared.lock().generation;
+                    self.gate
+                        .generation
+                        .store(self.generation, Ordering::SeqCst);
                     self.respond(cid, Status::SUCCESS, want_cntlid as u32, 0);
                 }
             }
@@ -1333,6 +1400,30 @@ impl TConn {
                     }
                 }
             }
+            op::RIO_FENCE => {
+                // A recovery starts: connections opened before it (an initiator that crashed
+                // or lost them) may still deliver commands. From here on they can send the
+                // device nothing, and what they already sent is complete before the answer,
+                // so the log the recovery reads next holds every write they made and no write
+                // of theirs lands after the recovery's zeroing.
+                let generation = {
+                    let mut st = self.shared.lock();
+                    st.generation += 1;
+                    self.shared.publish_generation(&st);
+                    st.generation
+                };
+                match self.shared.drain_older(generation) {
+                    Ok(()) => self.respond(cid, Status::SUCCESS, 0, 0),
+                    Err(out) => {
+                        eprintln!(
+                            "aios target: {}: fence: {out} requests of older connections still on the device after {} s",
+                            self.peer,
+                            FENCE_WAIT.as_secs()
+                        );
+                        self.respond(cid, Status::INTERNAL, 0, 0);
+                    }
+                }
+            }
             other => {
                 eprintln!(
                     "aios target: {}: admin opcode {other:#04x} not supported",
@@ -1374,6 +1465,7 @@ impl TConn {
                 st.slots = l.slots();
                 st.log = LogSlot::Live(l);
                 st.generation += 1;
+                self.shared.publish_generation(&st);
                 st.submitted = marks.iter().map(|m| m - 1).collect();
                 st.flushed_to = st.submitted.clone();
                 st.failed_from = vec![u64::MAX; streams];
@@ -1635,13 +1727,35 @@ impl TConn {
 
     fn submit(&mut self, io: Io, what: InFlight) -> bool {
         let side = self.io.as_ref().expect("I/O queue");
-        match side.dev.submit(io) {
+        // Counted first, then the generation read: see `Gate`.
+        self.gate.out.fetch_add(1, Ordering::SeqCst);
+        let fenced = !matches!(what, InFlight::Read { .. })
+            && self.shared.generation.load(Ordering::SeqCst) != self.generation;
+        let sent = if fenced {
+            Err(None)
+        } else {
+            side.dev.submit(io).map_err(|(e, _)| Some(e))
+        };
+        match sent {
             Ok(tag) => {
                 self.inflight.insert(tag.0, what);
                 true
             }
-            Err((e, _)) => {
-                eprintln!("aios target: {}: device refused a request: {e}", self.peer);
+            Err(e) => {
+                self.gate.out.fetch_sub(1, Ordering::SeqCst);
+                match &e {
+                    Some(e) => {
+                        eprintln!("aios target: {}: device refused a request: {e}", self.peer)
+                    }
+                    None => {
+                        if self.shared.cfg.verbose {
+                            eprintln!(
+                                "aios target: {}: write refused: a recovery started after this connection opened",
+                                self.peer
+                            );
+                        }
+                    }
+                }
                 match what {
                     InFlight::Write {
                         ordered: Some((_, stream, seq)),
@@ -1659,7 +1773,12 @@ impl TConn {
                     | InFlight::Read { cid }
                     | InFlight::Zeroes { cid, .. } => cid,
                 };
-                self.respond(cid, Status::INTERNAL, 0, 0);
+                let st = if e.is_none() {
+                    Status::FENCED
+                } else {
+                    Status::INTERNAL
+                };
+                self.respond(cid, st, 0, 0);
                 false
             }
         }
@@ -1880,6 +1999,7 @@ impl TConn {
             let Some(what) = self.inflight.remove(&done.tag.0) else {
                 continue;
             };
+            self.gate.out.fetch_sub(1, Ordering::SeqCst);
             self.complete(what, done.result.map(|_| ()), done.buf)?;
         }
         Ok(any)

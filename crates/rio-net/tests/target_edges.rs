@@ -683,3 +683,72 @@ fn a_failed_flush_on_one_of_two_targets_hands_its_group_back() {
     assert!(failed, "group 3 comes back failed, after a few FLUSHes");
     assert!(after && recoveries >= 1, "the volume recovered and goes on");
 }
+
+/// `RIO_FENCE` (sent by every recovery before it reads the logs): a connection opened before it
+/// can no longer write — its orderless writes and zeroing are refused with Reservation
+/// Conflict and never reach the device, an ordered write closes it without entering the log —
+/// while it can still read, and connections opened after the fence write as before.
+#[test]
+fn a_fence_shuts_older_connections_out_of_the_device() {
+    let _serial = one_at_a_time();
+    let (addr, _rm) = target("fence", 128 << 10);
+    let (mut admin, mut old) = queues(addr);
+    let (cqe, _) = old.command(&write_cmd(1, 3, true), &[0x11; 4096]);
+    assert!(cqe.ok());
+    let mut fence = Sqe::default();
+    fence.set_opcode(op::RIO_FENCE);
+    fence.set_cid(2);
+    fence.ensure_sgl();
+    let (cqe, _) = admin.command(&fence, &[]);
+    assert!(
+        cqe.ok(),
+        "the fence is answered once older connections are idle"
+    );
+
+    // Reservation Conflict.
+    let refused = |cqe: pdu::Cqe| cqe.sct_sc() == (0, 0x83);
+    let (cqe, _) = old.command(&write_cmd(3, 3, true), &[0x22; 4096]);
+    assert!(
+        refused(cqe),
+        "an older connection's write: {:?}",
+        cqe.sct_sc()
+    );
+    let mut z = write_cmd(4, 3, false);
+    z.set_opcode(op::WRITE_ZEROES);
+    z.set_sgl(0, false);
+    let (cqe, _) = old.command(&z, &[]);
+    assert!(
+        refused(cqe),
+        "an older connection's zeroing: {:?}",
+        cqe.sct_sc()
+    );
+    let read_block_3 = |q: &mut Raw, cid: u16| {
+        let mut r = write_cmd(cid, 3, false);
+        r.set_opcode(op::READ);
+        let (cqe, data) = q.command(&r, &[]);
+        assert!(cqe.ok());
+        data[0]
+    };
+    assert_eq!(
+        read_block_3(&mut old, 5),
+        0x11,
+        "neither reached the device"
+    );
+
+    let mut w = write_cmd(6, 4, true);
+    one_write_group(1, 0).put(&mut w);
+    old.send_cmd(&w, &[0x33; 4096]);
+    assert!(
+        old.next_pdu(Duration::from_secs(5)).is_none(),
+        "an older connection's ordered write closes it"
+    );
+    assert!(
+        fetch_log(&mut admin).entries.is_empty(),
+        "and leaves nothing in the log"
+    );
+
+    let (_admin2, mut new) = queues(addr);
+    let (cqe, _) = new.command(&write_cmd(7, 3, true), &[0x44; 4096]);
+    assert!(cqe.ok(), "a connection opened after the fence writes");
+    assert_eq!(read_block_3(&mut new, 8), 0x44);
+}
