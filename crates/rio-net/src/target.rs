@@ -152,6 +152,12 @@ pub static TEST_FAIL_PLAIN_FLUSHES: AtomicU32 = AtomicU32::new(0);
 #[doc(hidden)]
 pub static TEST_HOLD_ORDERED_FLUSH: AtomicU32 = AtomicU32::new(0);
 
+/// Test hook: as [`TEST_HOLD_ORDERED_FLUSH`], for the next write (ordered or not) the device
+/// completes, held before the connection takes it off its list of requests on the device. For
+/// tests of what waits for such writes (`RIO_FENCE`); 0 in normal use.
+#[doc(hidden)]
+pub static TEST_HOLD_WRITE_COMPLETION: AtomicU32 = AtomicU32::new(0);
+
 fn hold_test_completion(hook: &AtomicU32) {
     // A plain load first: in normal use the hook costs no locked instruction.
     if hook.load(Ordering::Relaxed) == 1
@@ -1996,6 +2002,11 @@ impl TConn {
                 break;
             };
             any = true;
+            if TEST_HOLD_WRITE_COMPLETION.load(Ordering::Relaxed) != 0
+                && matches!(self.inflight.get(&done.tag.0), Some(InFlight::Write { .. }))
+            {
+                hold_test_completion(&TEST_HOLD_WRITE_COMPLETION);
+            }
             let Some(what) = self.inflight.remove(&done.tag.0) else {
                 continue;
             };

@@ -752,3 +752,35 @@ fn a_fence_shuts_older_connections_out_of_the_device() {
     assert!(cqe.ok(), "a connection opened after the fence writes");
     assert_eq!(read_block_3(&mut new, 8), 0x44);
 }
+
+/// A fence is answered only once the writes older connections already sent have completed
+/// on the device: the log the recovery reads next holds them, and its zeroing cannot race
+/// them to the same blocks.
+#[test]
+fn a_fence_waits_for_older_connections_writes_on_the_device() {
+    use rio_net::target::TEST_HOLD_WRITE_COMPLETION as HOLD;
+    use std::sync::atomic::Ordering::Relaxed;
+    let _serial = one_at_a_time();
+    let (addr, _rm) = target("fence-wait", 128 << 10);
+    let (mut admin, mut old) = queues(addr);
+    HOLD.store(1, Relaxed);
+    old.send_cmd(&write_cmd(1, 5, true), &[0x55; 4096]);
+    let t0 = std::time::Instant::now();
+    while HOLD.load(Relaxed) != 2 {
+        assert!(t0.elapsed() < Duration::from_secs(5), "the write completes");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut fence = Sqe::default();
+    fence.set_opcode(op::RIO_FENCE);
+    fence.set_cid(2);
+    fence.ensure_sgl();
+    admin.send_cmd(&fence, &[]);
+    let early = admin.next_pdu(Duration::from_millis(300));
+    HOLD.store(0, Relaxed);
+    assert!(
+        early.is_none(),
+        "the fence was answered with an older connection's write on the device"
+    );
+    assert!(admin.answer().0.ok());
+    assert!(old.answer().0.ok(), "the write sent before the fence");
+}
