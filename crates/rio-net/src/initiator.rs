@@ -12,7 +12,8 @@
 //!   failed target lost. A stream whose writes have all completed but are not yet durable
 //!   sends the FLUSHes itself; [`Volume::wait`] does so at once.
 //! - A connection that fails, or goes quiet with commands out for `io_timeout`, starts
-//!   recovery: reconnect (retrying for `reconnect_for`), collect every target's attribute log,
+//!   recovery: reconnect (retrying for `reconnect_for`), fence every target (connections from
+//!   before may write no more), collect every target's attribute log,
 //!   build the global order ([`rio_ordering::recover`] over the merged logs), zero the data of
 //!   writes beyond each stream's durable prefix, reset the targets' logs to the prefix, and
 //!   replay the writes this initiator still holds. [`Volume::open`] runs the same recovery for

@@ -14,7 +14,10 @@
 //!
 //! A target that starts on an existing log keeps it for recovery and refuses ordered writes
 //! until the initiator has collected the log and reset it (`RIO_RESET`); every reset starts a
-//! new generation, and connections from before it may no longer send ordered writes.
+//! new generation, and connections from before it may no longer send ordered writes. A
+//! recovery's `RIO_FENCE`, before it reads the log, starts one too and shuts older connections
+//! out of the device altogether (writes refused, reads served), answering once their requests
+//! already on the device are done.
 //! Malformed, oversized or out-of-sequence PDUs close only their connection, with the reason
 //! logged; commands outside the namespace fail with LBA Out of Range.
 
