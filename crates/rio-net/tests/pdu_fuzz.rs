@@ -15,14 +15,16 @@
 //!
 //! `AIOS_FUZZ_SECONDS` (default 8) bounds each part; `AIOS_FUZZ_SEED` picks the seed (printed).
 
-use std::io::{ErrorKind, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use rio_net::pdu::{self, op, Cqe, Digests, Pdu, Sqe};
 use rio_net::target::LBA;
 use rio_net::{Target, TargetConfig, TargetLogKind, Volume, VolumeConfig};
+
+mod common;
+use common::{queues, Raw};
 
 struct Rng(u64);
 impl Rng {
@@ -295,118 +297,6 @@ const NS_BYTES: u64 = 4 << 20;
 const FILE_BYTES: u64 = 8 << 20;
 const SENTINEL: u8 = 0xa5;
 
-/// A raw host connection speaking PDUs by hand.
-struct Raw {
-    s: TcpStream,
-    rx: Vec<u8>,
-}
-
-impl Raw {
-    fn open(addr: SocketAddr) -> Raw {
-        let s = TcpStream::connect(addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_millis(100)))
-            .unwrap();
-        s.set_nodelay(true).unwrap();
-        Raw { s, rx: Vec::new() }
-    }
-    fn send(&mut self, b: &[u8]) -> bool {
-        self.s.write_all(b).is_ok()
-    }
-    fn icreq(&mut self) {
-        let mut b = Vec::new();
-        pdu::put_icreq(&mut b, Digests::default(), 0);
-        assert!(self.send(&b));
-        match self.next_pdu(Duration::from_secs(5)) {
-            Some(b) => assert_eq!(b[0], pdu::ICRESP),
-            None => panic!("no ICResp"),
-        }
-    }
-    /// The next PDU's bytes, or `None` once the target closed the connection (or `limit`).
-    fn next_pdu(&mut self, limit: Duration) -> Option<Vec<u8>> {
-        let t0 = Instant::now();
-        loop {
-            if self.rx.len() >= 8 {
-                let plen = u32::from_le_bytes(self.rx[4..8].try_into().unwrap()) as usize;
-                if self.rx.len() >= plen {
-                    return Some(self.rx.drain(..plen).collect());
-                }
-            }
-            if t0.elapsed() > limit {
-                return None;
-            }
-            let mut buf = [0u8; 65536];
-            match self.s.read(&mut buf) {
-                Ok(0) => return None,
-                Ok(n) => self.rx.extend_from_slice(&buf[..n]),
-                // A signal is not the end of the connection.
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
-                    ) => {}
-                Err(_) => return None,
-            }
-        }
-    }
-    /// Whether the target closes the connection within `limit` (PDUs it sends first, such as
-    /// a C2HTermReq, are read and returned).
-    fn closed_within(&mut self, limit: Duration) -> (bool, Vec<u8>) {
-        let t0 = Instant::now();
-        let mut types = Vec::new();
-        while t0.elapsed() < limit {
-            match self.next_pdu(limit.saturating_sub(t0.elapsed())) {
-                Some(b) => types.push(b[0]),
-                None => return (t0.elapsed() < limit, types),
-            }
-        }
-        (false, types)
-    }
-    fn command(&mut self, sqe: &Sqe, data: &[u8]) -> Cqe {
-        let mut b = Vec::new();
-        pdu::put_cmd(&mut b, sqe, data, Digests::default());
-        assert!(self.send(&b));
-        loop {
-            let p = self
-                .next_pdu(Duration::from_secs(5))
-                .expect("an answer to the command");
-            match pdu::decode(&p, Digests::default(), u32::MAX).unwrap() {
-                Some((Pdu::Resp { cqe }, _)) => return cqe,
-                Some((Pdu::C2HData { .. }, _)) => continue,
-                other => panic!("unexpected answer {other:?}"),
-            }
-        }
-    }
-}
-
-fn connect_sqe(qid: u16, cid: u16) -> Sqe {
-    let mut sqe = pdu::connect_command(qid, 31);
-    sqe.set_cid(cid);
-    sqe
-}
-
-fn connect_data(cntlid: u16) -> Vec<u8> {
-    pdu::connect_data(
-        &[0; 16],
-        cntlid,
-        "nqn.2026-11.io.aios:target",
-        "nqn.2026-11.io.aios:fuzz",
-    )
-}
-
-/// An I/O queue connection, ready for commands.
-fn io_queue(addr: SocketAddr) -> (Raw, Raw) {
-    let mut a = Raw::open(addr);
-    a.icreq();
-    let cqe = a.command(&connect_sqe(0, 1), &connect_data(0xffff));
-    assert!(cqe.ok(), "admin connect: {cqe:?}");
-    let cntlid = cqe.dw0 as u16;
-    let mut q = Raw::open(addr);
-    q.icreq();
-    let cqe = q.command(&connect_sqe(1, 1), &connect_data(cntlid));
-    assert!(cqe.ok(), "I/O connect: {cqe:?}");
-    (a, q)
-}
-
 fn rw(opcode: u8, cid: u16, slba: u64, nlb: u32, in_capsule: Option<u32>) -> Sqe {
     let mut sqe = Sqe::default();
     sqe.set_opcode(opcode);
@@ -530,7 +420,7 @@ fn live_fuzz(rng: &mut Rng, budget: Duration) {
     let mut closed = 0u64;
     for (name, after_icreq, pdus) in &cases {
         let before = stats.stats().closed_on_error;
-        let mut r = Raw::open(addr);
+        let mut r = Raw::connect(addr);
         if *after_icreq {
             r.icreq();
         }
@@ -554,7 +444,7 @@ fn live_fuzz(rng: &mut Rng, budget: Duration) {
 
     // I/O outside the namespace: refused with LBA Out of Range, the connection stays.
     let ns_blocks = NS_BYTES / LBA as u64;
-    let (_admin, mut q) = io_queue(addr);
+    let (_admin, mut q) = queues(addr);
     for (what, sqe, data) in [
         (
             "write past the end",
@@ -586,7 +476,7 @@ fn live_fuzz(rng: &mut Rng, budget: Duration) {
             vec![],
         ),
     ] {
-        let cqe = q.command(&sqe, &data);
+        let cqe = q.command(&sqe, &data).0;
         assert_eq!(
             cqe.sct_sc(),
             (0, 0x80),
@@ -594,10 +484,12 @@ fn live_fuzz(rng: &mut Rng, budget: Duration) {
         );
         println!("live: {what}: LBA Out of Range");
     }
-    let cqe = q.command(
-        &rw(op::WRITE, 15, ns_blocks - 1, 1, Some(4096)),
-        &[0x44; 4096],
-    );
+    let cqe = q
+        .command(
+            &rw(op::WRITE, 15, ns_blocks - 1, 1, Some(4096)),
+            &[0x44; 4096],
+        )
+        .0;
     assert!(
         cqe.ok(),
         "the last block of the namespace is writable: {cqe:?}"
@@ -644,14 +536,14 @@ fn live_fuzz(rng: &mut Rng, budget: Duration) {
         // A fresh connection, one past ICReq, or an I/O queue past Connect (with its admin
         // queue), so the mutations reach every state of a connection.
         let (mut r, _admin) = match rng.below(3) {
-            0 => (Raw::open(addr), None),
+            0 => (Raw::connect(addr), None),
             1 => {
-                let mut r = Raw::open(addr);
+                let mut r = Raw::connect(addr);
                 r.icreq();
                 (r, None)
             }
             _ => {
-                let (a, q) = io_queue(addr);
+                let (a, q) = queues(addr);
                 (q, Some(a))
             }
         };

@@ -1,5 +1,5 @@
 //! A host speaking raw NVMe/TCP PDUs to a target, for the tests that drive a target below the
-//! initiator (`target_edges.rs`, `recovery_edges.rs`).
+//! initiator (`target_edges.rs`, `recovery_edges.rs`, `pdu_fuzz.rs`).
 #![allow(dead_code)]
 
 use std::io::{ErrorKind, Read, Write};
@@ -17,18 +17,32 @@ pub struct Raw {
 }
 
 impl Raw {
+    /// A connection that has exchanged ICReq/ICResp.
     pub fn open(addr: SocketAddr) -> Raw {
+        let mut r = Raw::connect(addr);
+        r.icreq();
+        r
+    }
+    /// A bare TCP connection: nothing sent yet.
+    pub fn connect(addr: SocketAddr) -> Raw {
         let s = TcpStream::connect(addr).unwrap();
         s.set_read_timeout(Some(Duration::from_millis(100)))
             .unwrap();
         s.set_nodelay(true).unwrap();
-        let mut r = Raw { s, rx: Vec::new() };
+        Raw { s, rx: Vec::new() }
+    }
+    pub fn icreq(&mut self) {
         let mut b = Vec::new();
         pdu::put_icreq(&mut b, Digests::default(), 0);
-        r.s.write_all(&b).unwrap();
-        assert_eq!(r.next_pdu(Duration::from_secs(5)).unwrap()[0], pdu::ICRESP);
-        r
+        assert!(self.send(&b), "sending ICReq");
+        let r = self.next_pdu(Duration::from_secs(5)).expect("an ICResp");
+        assert_eq!(r[0], pdu::ICRESP);
     }
+    /// Send raw bytes: whether they went (the target may have closed the connection).
+    pub fn send(&mut self, b: &[u8]) -> bool {
+        self.s.write_all(b).is_ok()
+    }
+    /// The next PDU's bytes, or `None` once the target closed the connection (or `limit`).
     pub fn next_pdu(&mut self, limit: Duration) -> Option<Vec<u8>> {
         let t0 = Instant::now();
         loop {
@@ -45,19 +59,34 @@ impl Raw {
             match self.s.read(&mut buf) {
                 Ok(0) => return None,
                 Ok(n) => self.rx.extend_from_slice(&buf[..n]),
+                // A signal is not the end of the connection.
                 Err(e)
                     if matches!(
                         e.kind(),
                         ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
                     ) => {}
-                Err(e) => panic!("reading from the target: {e}"),
+                // Reset by the target: closed.
+                Err(_) => return None,
             }
         }
+    }
+    /// Whether the target closes the connection within `limit` (PDUs it sends first, such as
+    /// a C2HTermReq, are read: their types are returned).
+    pub fn closed_within(&mut self, limit: Duration) -> (bool, Vec<u8>) {
+        let t0 = Instant::now();
+        let mut types = Vec::new();
+        while t0.elapsed() < limit {
+            match self.next_pdu(limit.saturating_sub(t0.elapsed())) {
+                Some(b) => types.push(b[0]),
+                None => return (t0.elapsed() < limit, types),
+            }
+        }
+        (false, types)
     }
     pub fn send_cmd(&mut self, sqe: &Sqe, data: &[u8]) {
         let mut b = Vec::new();
         pdu::put_cmd(&mut b, sqe, data, Digests::default());
-        self.s.write_all(&b).unwrap();
+        assert!(self.send(&b), "sending a command");
     }
     /// Next decoded PDU as a debug-able owned form: (type, cid, data).
     pub fn next(&mut self) -> (u8, Option<Cqe>, u16, Vec<u8>) {
