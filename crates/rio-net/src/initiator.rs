@@ -1352,6 +1352,11 @@ impl Volume {
     ) -> Result<u64, NetError> {
         self.check_stream(stream)?;
         self.check_range(offset, buf.len())?;
+        if self.recovery_due {
+            // A recovery that failed part way may have fenced or reset a target: the
+            // connections left from before it would be refused writes there.
+            self.recover_retrying()?;
+        }
         let n = self.commands_for(offset, buf.len(), 0)?;
         self.wait_for_room(stream, n)?;
         let s = stream as usize;

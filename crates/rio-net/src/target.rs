@@ -13,11 +13,11 @@
 //! here. The durability mark the initiator piggybacks on commands releases log slots.
 //!
 //! A target that starts on an existing log keeps it for recovery and refuses ordered writes
-//! until the initiator has collected the log and reset it (`RIO_RESET`); every reset starts a
-//! new generation, and connections from before it may no longer send ordered writes. A
-//! recovery's `RIO_FENCE`, before it reads the log, starts one too and shuts older connections
-//! out of the device altogether (writes refused, reads served), answering once their requests
-//! already on the device are done.
+//! until the initiator has collected the log and reset it (`RIO_RESET`). A recovery's
+//! `RIO_FENCE`, before it reads the log, and every reset start a new generation: connections
+//! from before it may no longer write (reads are served), and a fence answers once their
+//! writes already on the device are done. An I/O queue takes its controller's generation:
+//! the one current at the admin queue's Connect, moved on by the fences and resets it sends.
 //! Malformed, oversized or out-of-sequence PDUs close only their connection, with the reason
 //! logged; commands outside the namespace fail with LBA Out of Range.
 
@@ -210,7 +210,11 @@ struct Shared {
     /// One per connection serving now.
     gates: Mutex<Vec<Arc<Gate>>>,
     next_cntlid: AtomicU16,
-    live_cntlids: Mutex<Vec<u16>>,
+    /// Controllers (admin connections) open now, each with the generation its I/O queues
+    /// take: the generation current at its Connect, moved on by each fence and reset it sends.
+    /// So an I/O queue opened after a fence belongs to the fenced past unless its controller
+    /// is the one that fenced (an old initiator's Connect the network held is refused writes).
+    live_cntlids: Mutex<Vec<(u16, u64)>>,
     ordered_writes: AtomicU64,
     ordered_flushes: AtomicU64,
     orderless: AtomicU64,
@@ -233,12 +237,23 @@ impl Shared {
         self.gates.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn controllers(&self) -> MutexGuard<'_, Vec<(u16, u64)>> {
+        self.live_cntlids.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Controller `cntlid`'s I/O queues opened from now on take `generation`.
+    fn move_controller(&self, cntlid: u16, generation: u64) {
+        if let Some(c) = self.controllers().iter_mut().find(|c| c.0 == cntlid) {
+            c.1 = generation;
+        }
+    }
+
     /// Publish `st.generation`, just changed by the caller (who holds the lock).
     fn publish_generation(&self, st: &LogState) {
         self.generation.store(st.generation, Ordering::SeqCst);
     }
 
-    /// Wait until no connection from a generation before `generation` has a request on the
+    /// Wait until no connection from a generation before `generation` has a write on the
     /// device (those connections may send no more: [`TConn::submit`] refuses them). Gives up
     /// after [`FENCE_WAIT`] with the number still out.
     fn drain_older(&self, generation: u64) -> Result<(), u64> {
@@ -261,8 +276,10 @@ impl Shared {
     }
 }
 
-/// How long a fence or reset waits for older connections' device requests to complete.
-const FENCE_WAIT: Duration = Duration::from_secs(10);
+/// How long a fence waits for older connections' device writes to complete before it answers
+/// with an error. Under the initiator's default `io_timeout` (5 s), so that the initiator
+/// hears why, and retries, rather than time out first.
+const FENCE_WAIT: Duration = Duration::from_secs(4);
 
 /// What the target's fence needs to know of a connection, without taking the log's lock on
 /// its orderless path: its generation, and how many of its requests the device holds.
@@ -275,7 +292,23 @@ const FENCE_WAIT: Duration = Duration::from_secs(10);
 #[derive(Default)]
 struct Gate {
     generation: AtomicU64,
+    /// Requests on the device that change it (everything but reads: a read changes nothing a
+    /// recovery reads, and a connection that keeps reading would hold a fence up).
     out: AtomicU64,
+}
+
+impl Gate {
+    /// Whether `what` is counted in `out`.
+    fn counts(what: &InFlight) -> bool {
+        !matches!(what, InFlight::Read { .. })
+    }
+
+    /// `what`, taken off the device.
+    fn done(&self, what: &InFlight) {
+        if Gate::counts(what) {
+            self.out.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
 }
 
 enum Listener {
@@ -706,28 +739,36 @@ fn serve_conn(shared: Arc<Shared>, conn: Conn, peer: SocketAddr) {
         aers: Vec::new(),
         starved: false,
     };
-    let end = c.run();
+    // A panic in the connection's loop (a bug) ends only the connection, and still goes
+    // through the drain below: a fence must keep seeing the writes it left on the device.
+    let end = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.run()))
+        .unwrap_or_else(|_| Err("the connection's thread panicked".into()));
     // Let the device finish what it holds before the buffers go.
+    let mut abandoned = false;
     if let Some(io) = &c.io {
         while !c.inflight.is_empty() {
-            if io.lbio.wait_done(1).is_err() {
+            if let Err(e) = io.lbio.wait_done(1) {
+                eprintln!(
+                    "aios target: {peer}: waiting for {} device requests at close: {e}",
+                    c.inflight.len()
+                );
+                abandoned = true;
                 break;
             }
             while let Some(done) = io.lbio.take_done() {
-                if c.inflight.remove(&done.tag.0).is_some() {
-                    c.gate.out.fetch_sub(1, Ordering::SeqCst);
+                if let Some(what) = c.inflight.remove(&done.tag.0) {
+                    c.gate.done(&what);
                 }
             }
         }
     }
-    c.shared.gates().retain(|g| !Arc::ptr_eq(g, &c.gate));
+    // A gate whose writes may still be on the device stays: fences go on waiting for them (and
+    // fail, naming them) rather than let a recovery read a log they may yet change.
+    if !abandoned || c.gate.out.load(Ordering::SeqCst) == 0 {
+        c.shared.gates().retain(|g| !Arc::ptr_eq(g, &c.gate));
+    }
     if let Queue::Admin { cntlid } = c.queue {
-        let mut live = c
-            .shared
-            .live_cntlids
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        live.retain(|&x| x != cntlid);
+        c.shared.controllers().retain(|x| x.0 != cntlid);
     }
     match end {
         Ok(()) => {
@@ -1177,28 +1218,25 @@ impl TConn {
                         .next_cntlid
                         .fetch_add(1, Ordering::Relaxed)
                         .max(1);
-                    self.shared
-                        .live_cntlids
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .push(cntlid);
+                    let generation = self.shared.lock().generation;
+                    self.shared.controllers().push((cntlid, generation));
                     self.queue = Queue::Admin { cntlid };
                     self.respond(cid, Status::SUCCESS, cntlid as u32, 0);
                 } else {
-                    let known = self
+                    let controller = self
                         .shared
-                        .live_cntlids
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .contains(&want_cntlid);
-                    if !known {
+                        .controllers()
+                        .iter()
+                        .find(|c| c.0 == want_cntlid)
+                        .map(|c| c.1);
+                    let Some(generation) = controller else {
                         self.respond(cid, Status::CONNECT_INVALID_PARAM, 0, 0);
                         return Ok(());
-                    }
+                    };
                     self.open_io()
                         .map_err(|e| format!("opening the device: {e}"))?;
                     self.queue = Queue::Io { qid };
-                    self.generation = self.shared.lock().generation;
+                    self.generation = generation;
                     self.gate
                         .generation
                         .store(self.generation, Ordering::SeqCst);
@@ -1402,7 +1440,12 @@ impl TConn {
                 };
                 let r = self.reset(&d);
                 match r {
-                    Ok(()) => self.respond(cid, Status::SUCCESS, 0, 0),
+                    Ok(generation) => {
+                        if let Queue::Admin { cntlid } = self.queue {
+                            self.shared.move_controller(cntlid, generation);
+                        }
+                        self.respond(cid, Status::SUCCESS, 0, 0)
+                    }
                     Err(e) => {
                         eprintln!("aios target: {}: reset refused: {e}", self.peer);
                         self.respond(cid, Status::RIO_LOG, 0, 0);
@@ -1421,6 +1464,9 @@ impl TConn {
                     self.shared.publish_generation(&st);
                     st.generation
                 };
+                if let Queue::Admin { cntlid } = self.queue {
+                    self.shared.move_controller(cntlid, generation);
+                }
                 match self.shared.drain_older(generation) {
                     Ok(()) => self.respond(cid, Status::SUCCESS, 0, 0),
                     Err(out) => {
@@ -1445,7 +1491,8 @@ impl TConn {
     }
 
     /// Start a new log epoch with the initiator's marks (one u64 per log stream).
-    fn reset(&mut self, d: &[u8]) -> Result<(), String> {
+    /// The new generation, or why the reset was refused.
+    fn reset(&mut self, d: &[u8]) -> Result<u64, String> {
         let mut st = self.shared.lock();
         let streams = st.streams as usize;
         if d.len() != streams * 8 {
@@ -1478,7 +1525,7 @@ impl TConn {
                 st.submitted = marks.iter().map(|m| m - 1).collect();
                 st.flushed_to = st.submitted.clone();
                 st.failed_from = vec![u64::MAX; streams];
-                Ok(())
+                Ok(st.generation)
             }
             Err(e) => {
                 // The region is gone with the failed reopen: reopen it from its source.
@@ -1737,9 +1784,11 @@ impl TConn {
     fn submit(&mut self, io: Io, what: InFlight) -> bool {
         let side = self.io.as_ref().expect("I/O queue");
         // Counted first, then the generation read: see `Gate`.
-        self.gate.out.fetch_add(1, Ordering::SeqCst);
-        let fenced = !matches!(what, InFlight::Read { .. })
-            && self.shared.generation.load(Ordering::SeqCst) != self.generation;
+        let counted = Gate::counts(&what);
+        if counted {
+            self.gate.out.fetch_add(1, Ordering::SeqCst);
+        }
+        let fenced = counted && self.shared.generation.load(Ordering::SeqCst) != self.generation;
         let sent = if fenced {
             Err(None)
         } else {
@@ -1751,7 +1800,7 @@ impl TConn {
                 true
             }
             Err(e) => {
-                self.gate.out.fetch_sub(1, Ordering::SeqCst);
+                self.gate.done(&what);
                 match &e {
                     Some(e) => {
                         eprintln!("aios target: {}: device refused a request: {e}", self.peer)
@@ -2013,7 +2062,7 @@ impl TConn {
             let Some(what) = self.inflight.remove(&done.tag.0) else {
                 continue;
             };
-            self.gate.out.fetch_sub(1, Ordering::SeqCst);
+            self.gate.done(&what);
             self.complete(what, done.result.map(|_| ()), done.buf)?;
         }
         Ok(any)

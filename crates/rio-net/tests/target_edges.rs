@@ -784,3 +784,33 @@ fn a_fence_waits_for_older_connections_writes_on_the_device() {
     assert!(admin.answer().0.ok());
     assert!(old.answer().0.ok(), "the write sent before the fence");
 }
+
+/// An I/O queue takes its controller's generation, not the target's: one opened after a fence
+/// under an older controller (an old initiator's Connect that the network held until then)
+/// cannot write, while the fencing controller's new queues can. (It took the target's
+/// generation at its Connect: the held Connect came through as current, and its writes could
+/// land after the recovery's zeroing.)
+#[test]
+fn an_io_queue_of_a_controller_from_before_a_fence_cannot_write() {
+    use common::{admin_queue, io_queue};
+    let _serial = one_at_a_time();
+    let (addr, _rm) = target("fence-ctrl", 128 << 10);
+    let (_old_admin, old_cntlid) = admin_queue(addr);
+    let (mut admin, cntlid) = admin_queue(addr);
+    let mut fence = Sqe::default();
+    fence.set_opcode(op::RIO_FENCE);
+    fence.set_cid(2);
+    fence.ensure_sgl();
+    assert!(admin.command(&fence, &[]).0.ok());
+
+    let mut late = io_queue(addr, old_cntlid);
+    let (cqe, _) = late.command(&write_cmd(3, 6, true), &[0x66; 4096]);
+    assert_eq!(
+        cqe.sct_sc(),
+        (0, 0x83),
+        "a queue of the older controller, opened after the fence, is refused writes"
+    );
+    let mut q = io_queue(addr, cntlid);
+    let (cqe, _) = q.command(&write_cmd(4, 6, true), &[0x77; 4096]);
+    assert!(cqe.ok(), "the fencing controller's queue writes");
+}

@@ -126,19 +126,30 @@ pub fn cdata(cntlid: u16) -> Vec<u8> {
     pdu::connect_data(&[0; 16], cntlid, "nqn.2026-11.io.aios:target", "nqn.review")
 }
 
-pub fn queues(addr: SocketAddr) -> (Raw, Raw) {
+/// An admin queue, and its controller's id.
+pub fn admin_queue(addr: SocketAddr) -> (Raw, u16) {
     let mut a = Raw::open(addr);
     let mut c = pdu::connect_command(0, 31);
     c.set_cid(1);
     let (cqe, _) = a.command(&c, &cdata(0xffff));
     assert!(cqe.ok());
-    let cntlid = cqe.dw0 as u16;
+    (a, cqe.dw0 as u16)
+}
+
+/// I/O queue 1 of controller `cntlid`.
+pub fn io_queue(addr: SocketAddr, cntlid: u16) -> Raw {
     let mut q = Raw::open(addr);
     let mut c = pdu::connect_command(1, 127);
     c.set_cid(1);
     let (cqe, _) = q.command(&c, &cdata(cntlid));
     assert!(cqe.ok());
-    (a, q)
+    q
+}
+
+/// An admin queue and an I/O queue of its controller.
+pub fn queues(addr: SocketAddr) -> (Raw, Raw) {
+    let (a, cntlid) = admin_queue(addr);
+    (a, io_queue(addr, cntlid))
 }
 
 /// Stream 0's ordered write of one 4 KiB block of `byte` at block `block`, in its open group.
