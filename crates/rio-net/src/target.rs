@@ -1467,11 +1467,21 @@ impl TConn {
                 if let Queue::Admin { cntlid } = self.queue {
                     self.shared.move_controller(cntlid, generation);
                 }
+                let t0 = Instant::now();
                 match self.shared.drain_older(generation) {
-                    Ok(()) => self.respond(cid, Status::SUCCESS, 0, 0),
+                    Ok(()) => {
+                        if self.shared.cfg.verbose {
+                            eprintln!(
+                                "aios target: {}: fence: generation {generation}; older connections' writes done after {:.1} ms",
+                                self.peer,
+                                t0.elapsed().as_secs_f64() * 1e3
+                            );
+                        }
+                        self.respond(cid, Status::SUCCESS, 0, 0)
+                    }
                     Err(out) => {
                         eprintln!(
-                            "aios target: {}: fence: {out} requests of older connections still on the device after {} s",
+                            "aios target: {}: fence: {out} writes of older connections still on the device after {} s",
                             self.peer,
                             FENCE_WAIT.as_secs()
                         );
