@@ -1410,6 +1410,12 @@ impl Volume {
     /// Plain FLUSH of every target on `stream`'s connections, waited for (synchronous ordering:
     /// what a stack without Rio does between dependent writes).
     pub fn flush_all(&mut self, stream: u16) -> Result<(), NetError> {
+        self.check_stream(stream)?;
+        if self.recovery_due {
+            // As for orderless requests: a recovery that failed part way may have fenced the
+            // connections this FLUSH would go on.
+            self.recover_retrying()?;
+        }
         let s = stream as usize;
         let nt = self.targets.len();
         self.caller_flush_error = None;

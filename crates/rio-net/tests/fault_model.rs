@@ -3,11 +3,14 @@
 //! every later group of its stream sent before the automatic recovery, comes back failed (and
 //! its writes are zeroed by that recovery); the volume recovers by itself after a failure; a
 //! lost connection costs nothing acknowledged and fails no ordered write (recovery replays what
-//! the volume holds); recovery zeroes every write beyond the durable prefix.
+//! the volume holds); recovery zeroes every write beyond the durable prefix. Orderless writes:
+//! one handed back `Ok` and then made durable by a `flush_all` is kept; the others land or
+//! not, per command, once and for good; none fails for a fence of the volume's own recovery.
 //!
 //! Each seed starts two in-process targets, each behind a TCP proxy of this test, opens a
 //! volume of two streams over the proxies and runs random steps: ordered writes of 4 or 8 KiB
-//! to fresh blocks (each block is written once, so what it must hold is exact), group ends,
+//! to fresh blocks (each block is written once, so what it must hold is exact), orderless ones
+//! (`Volume::write_orderless`, a quarter of the write steps, to fresh blocks too), group ends,
 //! `wait`, `poll`, `flush_all`, one-shot device faults (`TEST_FAIL_*`; sometimes fired at once
 //! by a `recover()` or by a lost connection's recovery, which replay what is held), explicit
 //! `recover()`, initiator crashes (the volume dropped and opened again) and network faults:
@@ -33,6 +36,30 @@
 //! since the last recovery that succeeded before it, and never twice for the same fault (the
 //! volume must recover: a seed that keeps failing ends there).
 //!
+//! Orderless writes join no group and are handed back at completion (`Done::seq` 0), in no
+//! order with anything; every hand-back the model takes (`poll`, `wait_any`, a read's wait)
+//! may carry them. Their blocks are checked at the same times:
+//!
+//! - handed back `Ok`, then covered by a `flush_all` of its stream that returned `Ok` (called
+//!   after the hand-back, in the same volume instance; the end of a seed flushes both
+//!   streams): its bytes for good, across recoveries and crashes, and in live reads;
+//! - handed back failed, never handed back before a crash, or handed back `Ok` and covered by
+//!   no such `flush_all`: each 4 KiB block its bytes or zeros, the blocks of one stripe unit
+//!   (one command to one target) alike (a write split over the two targets may land on one:
+//!   counted, `ol-writes-partly-landed`), and at every later check what the block read at
+//!   its first: by then the write is out of the volume's hands and a recovery has fenced the
+//!   connection it went on, so nothing of it may land later (`ol-acked-blocks-zero` counts
+//!   acknowledged blocks read as zeros, allowed but not expected: no target loses its cache
+//!   here); `write_orderless` returning an error sent nothing: zeros;
+//! - one may come back failed only where a link was cut or a device fault fired since the
+//!   last recovery that succeeded before its submit, and never with Reservation Conflict
+//!   (status 0x83), however explained: the model runs one initiator at a time, so only the
+//!   volume's own recoveries fenced the targets, and it must write over its latest one's
+//!   connections (a recovery that failed part way is run again first). To reach that case,
+//!   the call after an explicit `recover()` that failed is sometimes an orderless write, or a
+//!   `flush_all`, which must not fail with 0x83 either (it did, until it too ran a due
+//!   recovery first: found by this schedule on 2026-11-27).
+//!
 //! Environment: `AIOS_NET_FAULT_SEEDS`: `N` (seeds 1..=N, default 4), `A..B` (A..B, exclusive)
 //! or `a,b,c`. `AIOS_NET_FAULT_STEPS`: steps per seed (default 300). `AIOS_NET_FAULT_LOG_KIB`:
 //! each target's in-memory attribute log (default 256 KiB: 4,096 entries).
@@ -49,7 +76,11 @@
 //! `AIOS_NET_FAULT_STALE=0` turns off another (on by default): what a lost connection carried
 //! toward a target is delivered late: after a crash, during the next open's recovery (after
 //! some bytes, or just before its `RIO_FENCE`, `RIO_GET_LOG`, zeroing or `RIO_RESET`, waiting
-//! until the target is done with it); on a live volume, some bytes after the cut. It found
+//! until the target is done with it), or only after the reopen's check (a later check sees
+//! what landed; then half the writes before the crash are orderless, on the held target;
+//! `crashes-stale-commands-past-check`); on a live volume, some bytes after the cut. What the
+//! network still holds after a reopen is delivered before its check or, half the time, after
+//! it. It found
 //! writes landing after recovery had read the logs and zeroed what lies beyond the prefix,
 //! zeroed by no one: a torn group, or a group handed back failed keeping its bytes (19 of 30
 //! seeds failed). Fixed on 2026-11-27: recovery fences each target first (`RIO_FENCE`), and
@@ -699,6 +730,16 @@ enum WState {
     Refused,
     /// Found torn by a check (a violation already reported): no longer checked.
     Torn,
+    /// Orderless, handed back `Ok`, not covered by a `flush_all` of its stream (in its
+    /// instance) that returned `Ok`: each of its blocks its bytes or zeros.
+    OlAcked,
+    /// Orderless, handed back `Ok` and then covered by a `flush_all` of its stream that
+    /// returned `Ok`: its bytes for good.
+    OlFlushed,
+    /// Orderless, handed back failed: each block its bytes or zeros.
+    OlFailed,
+    /// Orderless, pending when the initiator crashed: each block its bytes or zeros.
+    OlLost,
 }
 
 #[derive(Debug)]
@@ -713,6 +754,11 @@ struct W {
     inst: u32,
     /// The group's seq handed back, if any.
     seq: Option<u64>,
+    /// An orderless write (`Volume::write_orderless`): in no group (`group` is `u64::MAX`).
+    orderless: bool,
+    /// Model clock of the last recovery that succeeded before its submit: a cut or device
+    /// fault from then on may fail it (orderless writes).
+    epoch: u64,
 }
 
 #[derive(Debug, Default)]
@@ -758,17 +804,26 @@ fn fill(seed: u64, w: usize, wr: &W, blk: u64, out: &mut [u8]) {
     }
 }
 
+/// A target's Reservation Conflict (NVMe status 0x83): a write on a connection that a recovery
+/// fenced (or that a reset left behind).
+fn is_fenced(e: &str) -> bool {
+    e.contains("status type 0x0 code 0x83")
+}
+
 fn describe(b: &[u8]) -> String {
     if b.iter().all(|&x| x == 0) {
         return "zeros".into();
     }
     let w = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
     if w(0) == 0x5249_4f46_4155_4c54 {
+        let group = match w(3) {
+            u64::MAX => "orderless".to_string(),
+            g => format!("group {g}"),
+        };
         format!(
-            "pattern of seed {} stream {} group {} write {} block {}",
+            "pattern of seed {} stream {} {group} write {} block {}",
             w(1),
             w(2),
-            w(3),
             w(4),
             w(5)
         )
@@ -821,6 +876,14 @@ struct Model {
     at_last_error: Option<(u64, usize)>,
     /// The volume keeps failing: the seed ends early.
     stuck: bool,
+    /// The volume's stripe unit in bytes: the blocks of one orderless write in one stripe unit
+    /// are one command to one target.
+    stripe: u64,
+    /// What each block of an orderless write whose fate is open (`OlAcked`, `OlFailed`,
+    /// `OlLost`) read at its first check (true: its bytes, false: zeros). Once its write is
+    /// out of the volume's hands and a recovery has fenced the connections it went on, nothing
+    /// may change it, so later checks must read the same.
+    ol_fate: HashMap<u64, bool>,
 }
 
 impl Model {
@@ -854,6 +917,8 @@ impl Model {
             time: HashMap::new(),
             at_last_error: None,
             stuck: false,
+            stripe: BLK,
+            ol_fate: HashMap::new(),
         }
     }
 
@@ -974,9 +1039,19 @@ impl Model {
 
     /// Take `n` fresh blocks of `stream`: sequential from the cursor sometimes, else random.
     fn fresh(&mut self, rng: &mut Rng, stream: u16, n: u64) -> Option<u64> {
+        self.fresh_on(rng, stream, n, None)
+    }
+
+    /// As [`Model::fresh`]; with `target`, the first block lies on that target (of two).
+    fn fresh_on(&mut self, rng: &mut Rng, stream: u16, n: u64, target: Option<u64>) -> Option<u64> {
         let lo = stream as u64 * PER_STREAM;
         let hi = lo + PER_STREAM;
-        let free = |m: &Model, b: u64| b + n <= hi && (b..b + n).all(|x| !m.used[x as usize]);
+        let stripe = self.stripe;
+        let free = |m: &Model, b: u64| {
+            b + n <= hi
+                && (b..b + n).all(|x| !m.used[x as usize])
+                && target.is_none_or(|t| b * BLK / stripe % 2 == t)
+        };
         let c = self.cursor[stream as usize];
         let pick = if rng.chance(50) && free(self, c) {
             Some(c)
@@ -997,6 +1072,10 @@ impl Model {
             return; // a read: the caller looks for it
         };
         self.ids.remove(&(d.stream, d.id));
+        if self.writes[w].orderless {
+            self.handle_orderless(w, d);
+            return;
+        }
         let s = d.stream as usize;
         let g = self.writes[w].group;
         if self.writes[w].state != WState::Pending {
@@ -1070,6 +1149,57 @@ impl Model {
             self.violation(format!(
                 "stream {s} group {g}: its writes were handed back with different results"
             ));
+        }
+    }
+
+    /// An orderless write handed back: at completion, in no order with anything else.
+    fn handle_orderless(&mut self, w: usize, d: Done) {
+        let s = d.stream;
+        if self.writes[w].state != WState::Pending {
+            self.violation(format!(
+                "orderless write {w} (stream {s}) handed back twice (now {:?}, was {:?})",
+                d.result, self.writes[w].state
+            ));
+            return;
+        }
+        if d.seq != 0 {
+            self.violation(format!(
+                "orderless write {w} (stream {s}) handed back with seq {} (orderless writes have none)",
+                d.seq
+            ));
+        }
+        match &d.result {
+            Ok(()) => {
+                self.writes[w].state = WState::OlAcked;
+                self.count("ol-acked");
+            }
+            Err(e) => {
+                self.writes[w].state = WState::OlFailed;
+                self.count("ol-failed");
+                self.note(format!("orderless write {w} (stream {s}) failed: {e}"));
+                let ep = self.writes[w].epoch;
+                let explained = self.last_cut_at.is_some_and(|c| c >= ep) || self.fault_since(ep);
+                if is_fenced(e) {
+                    // The model runs one initiator at a time: only this volume's own
+                    // recoveries fenced the targets, and it must write over connections of
+                    // its latest one (a recovery that failed part way runs again first).
+                    self.count("ol-failed-0x83");
+                    self.violation(format!(
+                        "orderless write {w} (stream {s}, blocks {}+{}) failed with Reservation Conflict: the volume sent it on a connection one of its own recoveries had fenced ({}): {e}",
+                        self.writes[w].block,
+                        self.writes[w].nblocks,
+                        if explained {
+                            "a link was cut or a device fault fired since the last recovery that succeeded before it"
+                        } else {
+                            "and no link was cut and no device fault fired since the last recovery that succeeded before it"
+                        }
+                    ));
+                } else if !explained {
+                    self.violation(format!(
+                        "orderless write {w} (stream {s}) handed back failed, but no link was cut and no device fault fired since the last recovery that succeeded before its submit (clock {ep}): {e}"
+                    ));
+                }
+            }
         }
     }
 
@@ -1245,6 +1375,8 @@ fn check_all(v: &mut Volume, m: &mut Model, what: &str, prefix: Option<&[u64]>) 
     // Lost writes: fate per write (true: survived).
     let mut fate: HashMap<usize, bool> = HashMap::new();
     let mut torn: Vec<usize> = Vec::new();
+    // Blocks of orderless writes whose fate is open: (write, block, read its bytes).
+    let mut ol_seen: Vec<(usize, u64, bool)> = Vec::new();
     for &(b, _s, w) in &blocks {
         let Some(got) = data.get(&b) else { continue };
         let wr = &m.writes[w];
@@ -1256,6 +1388,19 @@ fn check_all(v: &mut Volume, m: &mut Model, what: &str, prefix: Option<&[u64]>) 
             WState::Acked | WState::Survived => (is_pat, "its acknowledged bytes"),
             WState::Failed | WState::Zeroed | WState::Refused => (is_zero, "zeros"),
             WState::Torn => (true, ""),
+            WState::OlFlushed => (
+                is_pat,
+                "its bytes (an orderless write handed back Ok, then a flush_all of its stream returned Ok)",
+            ),
+            WState::OlAcked | WState::OlFailed | WState::OlLost => {
+                if is_pat || is_zero {
+                    ol_seen.push((w, b, is_pat));
+                }
+                (
+                    is_pat || is_zero,
+                    "its bytes or zeros (an orderless write no flush_all covered)",
+                )
+            }
             WState::Lost => match lost_expect(m, w) {
                 Expect::Bytes => (is_pat, "its bytes (its group is below the durable prefix)"),
                 Expect::Zeros => (
@@ -1268,12 +1413,19 @@ fn check_all(v: &mut Volume, m: &mut Model, what: &str, prefix: Option<&[u64]>) 
         };
         if !ok {
             let (stream, group, seq, inst) = (wr.stream, wr.group, wr.seq, wr.inst);
-            let gi = &m.groups[stream as usize][group as usize];
-            let gseq = gi.seq;
-            m.violation(format!(
-                "[{what}] block {b} (write {w}, stream {stream}, model group {group}, group seq {gseq:?}, handed-back seq {seq:?}, instance {inst}, {st:?}, prefixes {prefix:?}): expected {want}, read {}",
-                describe(got)
-            ));
+            if wr.orderless {
+                m.violation(format!(
+                    "[{what}] block {b} (orderless write {w}, stream {stream}, instance {inst}, {st:?}): expected {want}, read {}",
+                    describe(got)
+                ));
+            } else {
+                let gi = &m.groups[stream as usize][group as usize];
+                let gseq = gi.seq;
+                m.violation(format!(
+                    "[{what}] block {b} (write {w}, stream {stream}, model group {group}, group seq {gseq:?}, handed-back seq {seq:?}, instance {inst}, {st:?}, prefixes {prefix:?}): expected {want}, read {}",
+                    describe(got)
+                ));
+            }
         }
         if st == WState::Lost {
             if let Some(&prev) = fate.get(&w) {
@@ -1329,6 +1481,7 @@ fn check_all(v: &mut Volume, m: &mut Model, what: &str, prefix: Option<&[u64]>) 
     for x in msgs {
         m.violation(x);
     }
+    check_orderless_fates(m, what, &ol_seen);
     for (w, f) in fate {
         m.writes[w].state = if torn.contains(&w) {
             WState::Torn
@@ -1341,13 +1494,80 @@ fn check_all(v: &mut Volume, m: &mut Model, what: &str, prefix: Option<&[u64]>) 
     m.count("checks");
 }
 
+/// Orderless writes whose fate is open (`seen`: their blocks read this check, as (write,
+/// block, read its bytes)): a block reads what it read at its first check (its write is out of
+/// the volume's hands, and the recovery since it failed or was lost fenced the connections it
+/// went on: nothing of it can land later); the blocks of one stripe unit, one command to one
+/// target, landed together.
+fn check_orderless_fates(m: &mut Model, what: &str, seen: &[(usize, u64, bool)]) {
+    let mut pieces: HashMap<(usize, u64), bool> = HashMap::new();
+    let mut per_write: HashMap<usize, (bool, bool, bool)> = HashMap::new();
+    for &(w, b, landed) in seen {
+        let (st, inst) = (m.writes[w].state, m.writes[w].inst);
+        let say = |x: bool| if x { "its bytes" } else { "zeros" };
+        let fresh = match m.ol_fate.get(&b) {
+            Some(&prev) => {
+                if prev != landed {
+                    m.violation(format!(
+                        "[{what}] block {b} (orderless write {w}, instance {inst}, {st:?}): read {} but {} at an earlier check (a write landed late, or something zeroed it)",
+                        say(landed),
+                        say(prev)
+                    ));
+                    // Reported once: later checks compare with what it reads now.
+                    m.ol_fate.insert(b, landed);
+                }
+                false
+            }
+            None => {
+                m.ol_fate.insert(b, landed);
+                m.count(if landed {
+                    "ol-open-blocks-landed"
+                } else {
+                    "ol-open-blocks-zero"
+                });
+                if st == WState::OlAcked && !landed {
+                    // Allowed (not durable), but this model loses no target's cache.
+                    m.count("ol-acked-blocks-zero");
+                }
+                true
+            }
+        };
+        let unit = b * BLK / m.stripe;
+        if let Some(&other) = pieces.get(&(w, unit)) {
+            if other != landed {
+                m.violation(format!(
+                    "[{what}] orderless write {w} ({st:?}) torn inside one command: block {b} read {}, another block of its stripe unit {unit} {}",
+                    say(landed),
+                    say(other)
+                ));
+                m.writes[w].state = WState::Torn;
+            }
+        }
+        pieces.insert((w, unit), landed);
+        let e = per_write.entry(w).or_insert((false, false, false));
+        e.0 |= landed;
+        e.1 |= !landed;
+        e.2 |= fresh;
+    }
+    for (_, (some, not_all, fresh)) in per_write {
+        if fresh && some && not_all {
+            // Its pieces lie on two targets: one landed, the other did not.
+            m.count("ol-writes-partly-landed");
+        }
+    }
+}
+
 fn crash(v: Volume, m: &mut Model) {
     m.merged += v.stats().merged_cmds;
     m.recoveries += v.stats().recoveries;
     drop(v);
     for w in m.writes.iter_mut() {
         if w.state == WState::Pending {
-            w.state = WState::Lost;
+            w.state = if w.orderless {
+                WState::OlLost
+            } else {
+                WState::Lost
+            };
         }
     }
     m.ids.clear();
@@ -1440,6 +1660,8 @@ fn write(v: &mut Volume, m: &mut Model, rng: &mut Rng, s: u16, eog: bool) {
         state: WState::Pending,
         inst: m.inst,
         seq: None,
+        orderless: false,
+        epoch: m.good_recovery_at,
     });
     let mut buf = loop {
         if let Some(x) = v.alloc((n * BLK) as usize) {
@@ -1477,6 +1699,9 @@ fn write(v: &mut Volume, m: &mut Model, rng: &mut Rng, s: u16, eog: bool) {
     }
 }
 
+/// Percent of the write steps that write orderless.
+const ORDERLESS_PCT: u64 = 25;
+
 /// `wait(s)`: closes the stream's group first (its seq is the stream's next one now).
 fn wait(v: &mut Volume, m: &mut Model, s: u16) -> Result<(), NetError> {
     let (seq, rc) = (v.next_seq(s), v.stats().recoveries);
@@ -1485,6 +1710,133 @@ fn wait(v: &mut Volume, m: &mut Model, s: u16) -> Result<(), NetError> {
     m.after_call(Some(v));
     r
 }
+
+/// An orderless write (`Volume::write_orderless`) of 1 or 2 fresh blocks to stream `s`: in no
+/// group, handed back at completion. `target`: its first block on that target.
+fn write_orderless(v: &mut Volume, m: &mut Model, rng: &mut Rng, s: u16, target: Option<u64>) {
+    let n = if rng.chance(70) { 1 } else { 2 };
+    let Some(blk) = m.fresh_on(rng, s, n, target) else {
+        return;
+    };
+    let w = m.writes.len();
+    m.writes.push(W {
+        stream: s,
+        block: blk,
+        nblocks: n,
+        group: u64::MAX,
+        state: WState::Pending,
+        inst: m.inst,
+        seq: None,
+        orderless: true,
+        epoch: m.good_recovery_at,
+    });
+    let mut buf = loop {
+        if let Some(x) = v.alloc((n * BLK) as usize) {
+            break x;
+        }
+        drain(v, m);
+    };
+    for i in 0..n {
+        let mut blkbuf = vec![0u8; BLK as usize];
+        fill(m.seed, w, &m.writes[w], blk + i, &mut blkbuf);
+        buf[(i * BLK) as usize..((i + 1) * BLK) as usize].copy_from_slice(&blkbuf);
+    }
+    let r = v.write_orderless(s, blk * BLK, buf);
+    m.after_call(Some(v));
+    match r {
+        Ok(id) => {
+            m.ids.insert((s, id), w);
+            m.note(format!("write_orderless w{w} s{s} blk {blk}+{n} id {id}"));
+            m.count("ol-writes");
+        }
+        Err(e) => {
+            // Refused before anything was sent: zeros.
+            m.call_failed("write_orderless", &e);
+            m.writes[w].state = WState::Refused;
+            m.count("ol-refused");
+        }
+    }
+}
+
+/// `flush_all(s)`. When it returns `Ok`, the orderless writes of `s` handed back `Ok` in this
+/// instance before it are durable: their bytes for good.
+fn flush_all(v: &mut Volume, m: &mut Model, s: u16) -> Result<(), NetError> {
+    let covered: Vec<usize> = (0..m.writes.len())
+        .filter(|&w| {
+            let wr = &m.writes[w];
+            wr.orderless && wr.stream == s && wr.state == WState::OlAcked && wr.inst == m.inst
+        })
+        .collect();
+    let r = v.flush_all(s);
+    m.after_call(Some(v));
+    match &r {
+        Ok(()) => {
+            for &w in &covered {
+                m.writes[w].state = WState::OlFlushed;
+            }
+            *m.counts.entry("ol-flushed").or_default() += covered.len() as u64;
+        }
+        Err(e) if is_fenced(&e.to_string()) => {
+            // A FLUSH sent on a connection one of the volume's own recoveries fenced.
+            m.count("flush_all-0x83");
+            m.violation(format!(
+                "flush_all of stream {s} failed with Reservation Conflict: the volume sent it on a connection one of its own recoveries had fenced: {e}"
+            ));
+        }
+        Err(_) => {}
+    }
+    r
+}
+/// Right after a `recover()` that failed, before anything else drives I/O: sometimes an
+/// orderless write (half the time) or a `flush_all` (a quarter). The recovery is due, and it
+/// may have fenced and reset a target under the connections it left: both must run it before
+/// they go (a 0x83 is a violation).
+fn after_failed_recover(v: &mut Volume, m: &mut Model, rng: &mut Rng) {
+    let s = rng.below(2) as u16;
+    match rng.below(4) {
+        0 | 1 => {
+            write_orderless(v, m, rng, s, None);
+            m.count("ol-after-failed-recover");
+        }
+        2 => {
+            m.note(format!("flush_all({s}) after the failed recover()"));
+            if let Err(e) = flush_all(v, m, s) {
+                m.call_failed(&format!("flush_all({s}) after a failed recover()"), &e);
+            }
+            m.count("flush_all-after-failed-recover");
+        }
+        _ => {}
+    }
+}
+
+/// Wait until every orderless write out is handed back (bounded).
+fn settle_orderless(v: &mut Volume, m: &mut Model) {
+    let t0 = Instant::now();
+    while !m.stuck
+        && m.writes
+            .iter()
+            .any(|w| w.orderless && w.state == WState::Pending)
+    {
+        if t0.elapsed() > Duration::from_secs(30) {
+            m.violation("orderless writes not handed back in 30 s".into());
+            m.stuck = true;
+            return;
+        }
+        let r = v.wait_any();
+        m.after_call(Some(v));
+        match r {
+            Ok(ds) if ds.is_empty() => {
+                m.violation(
+                    "orderless writes never handed back, and the volume has nothing out".into(),
+                );
+                return;
+            }
+            Ok(ds) => m.handle_all(ds),
+            Err(e) => m.call_failed("wait_any", &e),
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // A seed.
 // ---------------------------------------------------------------------------------------------
@@ -1526,6 +1878,7 @@ fn run_seed(seed: u64, steps: u64, trace: Arc<Mutex<Vec<String>>>) -> SeedResult
     ];
     let cfg = config(&mut rng, &[proxies[0].addr, proxies[1].addr]);
     let mut m = Model::new(seed, net.clone(), trace);
+    m.stripe = cfg.stripe as u64;
     m.note(format!(
         "config: batch {} stripe {} window {}",
         cfg.batch, cfg.stripe, cfg.window
@@ -1551,9 +1904,15 @@ fn run_seed(seed: u64, steps: u64, trace: Arc<Mutex<Vec<String>>>) -> SeedResult
         let s = rng.below(2) as u16;
         let t0 = Instant::now();
         let kind: &'static str = if r < 520 {
-            let eog = rng.chance(55);
-            write(&mut v, &mut m, &mut rng, s, eog);
-            "write"
+            // A quarter of the writes orderless.
+            if rng.chance(ORDERLESS_PCT) {
+                write_orderless(&mut v, &mut m, &mut rng, s, None);
+                "write-orderless"
+            } else {
+                let eog = rng.chance(55);
+                write(&mut v, &mut m, &mut rng, s, eog);
+                "write"
+            }
         } else if r < 590 {
             m.note(format!("wait({s})"));
             if let Err(e) = wait(&mut v, &mut m, s) {
@@ -1566,8 +1925,7 @@ fn run_seed(seed: u64, steps: u64, trace: Arc<Mutex<Vec<String>>>) -> SeedResult
             "poll"
         } else if r < 715 {
             m.note(format!("flush_all({s})"));
-            let res = v.flush_all(s);
-            m.after_call(Some(&v));
+            let res = flush_all(&mut v, &mut m, s);
             if let Err(e) = res {
                 m.call_failed(&format!("flush_all({s})"), &e);
             }
@@ -1581,8 +1939,7 @@ fn run_seed(seed: u64, steps: u64, trace: Arc<Mutex<Vec<String>>>) -> SeedResult
                 if k == 2 {
                     // A plain FLUSH fails only where one is sent: send one now.
                     let cuts = net.cuts.load(Relaxed);
-                    let res = v.flush_all(s);
-                    m.after_call(Some(&v));
+                    let res = flush_all(&mut v, &mut m, s);
                     m.note(format!("flush_all({s}) with plain-flush fault -> {res:?}"));
                     if res.is_ok()
                         && TEST_FAIL_PLAIN_FLUSHES.load(Relaxed) == 0
@@ -1620,7 +1977,10 @@ fn run_seed(seed: u64, steps: u64, trace: Arc<Mutex<Vec<String>>>) -> SeedResult
                     "recover: prefixes {:?} discarded {} replayed {}",
                     rep.prefix_end, rep.discarded, rep.replayed
                 )),
-                Err(e) => m.call_failed("recover()", &e),
+                Err(e) => {
+                    m.call_failed("recover()", &e);
+                    after_failed_recover(&mut v, &mut m, &mut rng);
+                }
             }
             m.count("recovers");
             "recover"
@@ -1632,6 +1992,9 @@ fn run_seed(seed: u64, steps: u64, trace: Arc<Mutex<Vec<String>>>) -> SeedResult
             }
             let variant = rng.below(100);
             let stale = variant < 35 && stale_schedule() && mix != Mix::Device;
+            // Sometimes they arrive only after the reopen's check: a later check sees
+            // whether any of them landed (an orderless write the fence let through).
+            let past_check = stale && rng.chance(30);
             if stale {
                 // Its last commands reach one target only during the next initiator's
                 // recovery.
@@ -1641,10 +2004,20 @@ fn run_seed(seed: u64, steps: u64, trace: Arc<Mutex<Vec<String>>>) -> SeedResult
                     "holding what {n} links carry toward target {}",
                     proxies[p].name
                 ));
+                // Past the check, orderless writes to the held target half the time.
+                let (ol_pct, ol_on) = if past_check {
+                    (50, Some(p as u64))
+                } else {
+                    (ORDERLESS_PCT, None)
+                };
                 for _ in 0..1 + rng.below(3) {
                     let s = rng.below(2) as u16;
-                    let eog = rng.chance(70);
-                    write(&mut v, &mut m, &mut rng, s, eog);
+                    if rng.chance(ol_pct) {
+                        write_orderless(&mut v, &mut m, &mut rng, s, ol_on);
+                    } else {
+                        let eog = rng.chance(70);
+                        write(&mut v, &mut m, &mut rng, s, eog);
+                    }
                 }
                 let res = v.poll();
                 m.after_call(Some(&v));
@@ -1657,7 +2030,10 @@ fn run_seed(seed: u64, steps: u64, trace: Arc<Mutex<Vec<String>>>) -> SeedResult
             m.count("crashes");
             crash(v, &mut m);
             m.disarm_unfired();
-            if stale {
+            if past_check {
+                m.note("the held commands arrive only after the reopen's check".into());
+                m.count("crashes-stale-commands-past-check");
+            } else if stale {
                 let when = recovery_moment(&mut rng);
                 let settle = matches!(when, When::Capsule { .. });
                 m.note(format!(
@@ -1690,10 +2066,20 @@ fn run_seed(seed: u64, steps: u64, trace: Arc<Mutex<Vec<String>>>) -> SeedResult
                 return fail(m);
             };
             v = nv;
-            // What the network still holds arrives now, after the reset.
-            net.clear_releases();
-            net.release(true);
+            // What the network still holds arrives now, after the reset: before this check,
+            // or after it (then a later check sees whether anything landed since: an
+            // orderless write of the crashed initiator that the fence let through).
+            let late = past_check || rng.chance(50);
+            if !late {
+                net.clear_releases();
+                net.release(true);
+            }
             check_all(&mut v, &mut m, "after crash", Some(&prefix));
+            if late {
+                net.clear_releases();
+                net.release(true);
+                m.note("what the network held arrived after the check".into());
+            }
             "crash"
         } else if r < 820 {
             let p = rng.below(2) as usize;
@@ -1750,6 +2136,7 @@ fn run_seed(seed: u64, steps: u64, trace: Arc<Mutex<Vec<String>>>) -> SeedResult
                         if let Err(e) = res {
                             m.call_failed("recover()", &e);
                             m.count("recover-failed-by-cut");
+                            after_failed_recover(&mut v, &mut m, &mut rng);
                         }
                         m.note(format!("wait({s})"));
                         if let Err(e) = wait(&mut v, &mut m, s) {
@@ -1767,7 +2154,12 @@ fn run_seed(seed: u64, steps: u64, trace: Arc<Mutex<Vec<String>>>) -> SeedResult
         } else if r < 920 {
             // Read an acknowledged block through the live volume.
             let acked: Vec<usize> = (0..m.writes.len())
-                .filter(|&w| matches!(m.writes[w].state, WState::Acked | WState::Survived))
+                .filter(|&w| {
+                    matches!(
+                        m.writes[w].state,
+                        WState::Acked | WState::Survived | WState::OlFlushed
+                    )
+                })
                 .collect();
             if !acked.is_empty() {
                 let w = acked[rng.below(acked.len() as u64) as usize];
@@ -1816,6 +2208,13 @@ fn run_seed(seed: u64, steps: u64, trace: Arc<Mutex<Vec<String>>>) -> SeedResult
         }
     }
     drain(&mut v, &mut m);
+    // Orderless writes still out: handed back, then made durable.
+    settle_orderless(&mut v, &mut m);
+    for s in 0..2u16 {
+        if let Err(e) = flush_all(&mut v, &mut m, s) {
+            m.call_failed(&format!("final flush_all({s})"), &e);
+        }
+    }
     let pending = m
         .writes
         .iter()
