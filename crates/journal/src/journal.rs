@@ -716,6 +716,11 @@ const VERSIONS_PREALLOCATED: usize = 1 << 16;
 struct Versions {
     map: HashMap<u64, (u64, Vec<u8>)>,
     spare: Vec<Vec<u8>>,
+    /// Blocks revoked by a commit whose writes are still going out: block → that commit's id.
+    /// Until the revoke is durable, the journaled copy it drops may still be replayed, so an
+    /// in-place write to the block is refused as if the copy were still kept (unless it
+    /// revokes the block itself).
+    revoking: HashMap<u64, u64>,
 }
 
 impl Versions {
@@ -723,7 +728,29 @@ impl Versions {
         Versions {
             map: HashMap::with_capacity(n),
             spare: Vec::new(),
+            revoking: HashMap::with_capacity(n.min(1 << 12)),
         }
+    }
+
+    /// Commit `tid` revokes `block`: no version of it is kept, and until [`Self::revoked`]
+    /// the revoke is in flight.
+    fn revoke(&mut self, block: u64, tid: u64) {
+        self.remove(block);
+        self.revoking.insert(block, tid);
+    }
+
+    /// Commit `tid`'s revoke of `block` is durable (a later commit's in-flight revoke of the
+    /// same block stays).
+    fn revoked(&mut self, block: u64, tid: u64) {
+        if self.revoking.get(&block) == Some(&tid) {
+            self.revoking.remove(&block);
+        }
+    }
+
+    /// Whether an in-place write to `block` could be overwritten by a replay: a journaled copy
+    /// is kept, or a revoke of one is not durable yet.
+    fn replayable(&self, block: &u64) -> bool {
+        self.map.get(block).is_some_and(|(_, d)| !d.is_empty()) || self.revoking.contains_key(block)
     }
 
     fn get(&self, block: &u64) -> Option<&(u64, Vec<u8>)> {
@@ -764,11 +791,13 @@ impl Versions {
         kept.extend_from_slice(bytes);
     }
 
-    /// Everything is home: drop every entry, keeping the copies.
+    /// Everything is home: drop every entry, keeping the copies. (No commit is in flight, so
+    /// no revoke is either.)
     fn clear(&mut self) {
         for (_, (_, d)) in self.map.drain() {
             Versions::keep(&mut self.spare, d);
         }
+        self.revoking.clear();
     }
 }
 
@@ -1350,6 +1379,12 @@ impl Journal {
     /// commits: recovery trusts those only as far as this handle's attribute log shows them
     /// durable, and the next Rio handle on the area starts a fresh log (a crash does not drop
     /// the handle, and leaves the log to recovery).
+    ///
+    /// This call refuses an area that still has a Rio handle ([`JournalSet::rio_owned`]) or
+    /// whose last handle's drop could not checkpoint, and it can only do so after the caller
+    /// has formatted `log`. Where the new log takes the old one's place, check first: a log
+    /// formatted over one that still vouches for commits not yet home loses them at the next
+    /// crash.
     pub fn with_rio(
         set: &std::sync::Arc<JournalSet>,
         area: usize,
@@ -1608,7 +1643,7 @@ impl Journal {
                     self.check_aborted()?;
                     let tid = self.set.next_tid.fetch_add(1, Ordering::Relaxed);
                     for &b in tx.revokes.as_slice() {
-                        versions.remove(b);
+                        versions.revoke(b, tid);
                     }
                     // One-write data goes home in the commit's own write: the checkpoint's FLUSH
                     // is all it needs, so only its id is kept (no bytes).
@@ -1625,6 +1660,12 @@ impl Journal {
                     if let Err(e) = self.write_tx(tx, tid, head) {
                         self.set.aborted.store(true, Ordering::SeqCst);
                         return Err(e);
+                    }
+                    if !tx.revokes.as_slice().is_empty() {
+                        let mut versions = self.set.lock_versions();
+                        for &b in tx.revokes.as_slice() {
+                            versions.revoked(b, tid);
+                        }
                     }
                     // Durable: advance the head.
                     {
@@ -1689,9 +1730,7 @@ impl Journal {
         }
         tx.data
             .iter()
-            .find(|(b, _)| {
-                versions.get(b).is_some_and(|(_, d)| !d.is_empty()) && !tx.revokes.contains(*b)
-            })
+            .find(|(b, _)| versions.replayable(b) && !tx.revokes.contains(*b))
             .map(|(b, _)| *b)
     }
 

@@ -339,16 +339,22 @@ fn parse_tx<'a>(
 /// other in an area, so nothing after it can be either. `None`: no attribute logs were given,
 /// and a Rio-ordered commit is an error rather than replayed on trust. Returns how many
 /// transactions were dropped.
+///
+/// Transactions below [`home_below`] are not looked at: a checkpoint wrote them home and made
+/// that durable, so they need no log to vouch for them. (An area whose superblock a crash kept
+/// from moving past them still lists them; they used to make `open` demand attribute logs.)
 pub fn apply_rio_prefix(
     logs: &mut [AreaLog],
     prefix_end: Option<&[u64]>,
 ) -> Result<usize, JournalError> {
     check_rio_prefix(logs.len(), prefix_end)?;
+    let home = home_below(logs.iter());
     let mut dropped = 0;
     for (i, l) in logs.iter_mut().enumerate() {
         let Some(cut) = l.txs.iter().position(|t| {
-            t.rio_group
-                .is_some_and(|g| prefix_end.is_none_or(|p| g >= p[i]))
+            t.tid >= home
+                && t.rio_group
+                    .is_some_and(|g| prefix_end.is_none_or(|p| g >= p[i]))
         }) else {
             continue;
         };
@@ -439,4 +445,75 @@ pub fn merge(logs: &[AreaLog], from_tid: u64) -> Vec<(u64, &[u8])> {
         .collect();
     out.sort_by_key(|(b, _)| *b);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn area(index: u32, tail_tid: u64, txs: &[(u64, Option<u64>)]) -> AreaLog {
+        AreaLog {
+            superblock: Superblock {
+                area_blocks: 64,
+                area_index: index,
+                area_count: 2,
+                tail_pos: 0,
+                tail_tid,
+                generation: 1,
+            },
+            txs: txs
+                .iter()
+                .enumerate()
+                .map(|(k, &(tid, rio_group))| RecoveredTx {
+                    tid,
+                    area: index,
+                    file: None,
+                    metas: Vec::new(),
+                    revokes: Vec::new(),
+                    pos: 2 * k as u64,
+                    blocks: 2,
+                    rio_group,
+                })
+                .collect(),
+            end: LogEnd::Clean,
+            end_pos: 2 * txs.len() as u64,
+            max_tid_seen: txs.iter().map(|t| t.0).max().unwrap_or(0),
+        }
+    }
+
+    /// A checkpoint moved area 1's superblock past its Rio-ordered commits (tail id 4), and a
+    /// crash kept area 0's from moving: area 0 still lists Rio commits 1 and 3, though they are
+    /// home. Opening without attribute logs must not ask for them (it returned
+    /// `RioLogsNeeded`), and with them must not cut area 0's log at them.
+    #[test]
+    fn rio_commits_below_the_checkpoint_need_no_attribute_log() {
+        let logs = || {
+            vec![
+                area(0, 1, &[(1, Some(1)), (3, Some(2)), (5, None)]),
+                area(1, 4, &[(4, None)]),
+            ]
+        };
+        let mut l = logs();
+        assert_eq!(apply_rio_prefix(&mut l, None).unwrap(), 0);
+        assert_eq!(l[0].txs.len(), 3);
+        // Fresh attribute logs (nothing durable on them): still nothing to cut.
+        let mut l = logs();
+        assert_eq!(apply_rio_prefix(&mut l, Some(&[1, 1])).unwrap(), 0);
+        assert_eq!(l[0].txs.len(), 3);
+        // A Rio commit at or past the checkpoint still needs its log.
+        let mut l = vec![
+            area(0, 1, &[(1, Some(1)), (5, Some(2))]),
+            area(1, 4, &[(4, None)]),
+        ];
+        assert!(matches!(
+            apply_rio_prefix(&mut l, None),
+            Err(JournalError::RioLogsNeeded { area: 0, tid: 5 })
+        ));
+        let mut l = vec![
+            area(0, 1, &[(1, Some(1)), (5, Some(2))]),
+            area(1, 4, &[(4, None)]),
+        ];
+        assert_eq!(apply_rio_prefix(&mut l, Some(&[2, 1])).unwrap(), 1);
+        assert_eq!(l[0].txs.len(), 1);
+    }
 }

@@ -1,4 +1,5 @@
-//! Helpers shared by the journal's integration tests.
+//! Helpers shared by the journal's integration tests (each uses some of them).
+#![allow(dead_code)]
 
 use std::cell::RefCell;
 use std::rc::Rc;
