@@ -3,22 +3,13 @@
 
 use std::rc::Rc;
 
-use aios_core::{Engine, EngineConfig};
 use journal::{
     format, recover_image, recovery, CommitMode, Journal, JournalError, JournalSet, Layout, Tx,
 };
-use lbio::{LbioArray, LbioConfig, SimConfig, SimDisk, SimRng};
+use lbio::{SimConfig, SimDisk, SimRng};
 
-fn lbio() -> Rc<LbioArray> {
-    let engine = Engine::new(EngineConfig {
-        ring_entries: 128,
-        arena_bytes: 4 << 20,
-        huge_pages: false,
-        ..EngineConfig::default()
-    })
-    .unwrap();
-    LbioArray::new(engine, LbioConfig::default()).unwrap()
-}
+mod common;
+use common::lbio;
 
 #[test]
 fn layouts_and_transactions_that_cannot_work_are_refused() {

@@ -10,28 +10,16 @@
 //! log (a `Pmr` of this test) blocks on its first write until released.
 
 mod common;
-use common::block_of;
+use common::{block_of, lbio, SimPmr};
 
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use aios_core::{Engine, EngineConfig};
 use journal::rio_ordering::{AttrLog, OrderedConfig, Pmr, RioError};
 use journal::{recover_image, CommitMode, Journal, JournalError, JournalSet, Layout, Tx};
 use lbio::{LbioArray, LbioConfig, SimConfig, SimDisk};
-
-fn lbio() -> Rc<LbioArray> {
-    let engine = Engine::new(EngineConfig {
-        ring_entries: 128,
-        arena_bytes: 4 << 20,
-        huge_pages: false,
-        ..EngineConfig::default()
-    })
-    .unwrap();
-    LbioArray::new(engine, LbioConfig::default()).unwrap()
-}
 
 fn value_at(img: &[u8], block: u64) -> u64 {
     u64::from_le_bytes(img[(block * 4096) as usize..][..8].try_into().unwrap())
@@ -40,16 +28,16 @@ fn value_at(img: &[u8], block: u64) -> u64 {
 /// (entered, released)
 type Gate = Arc<(Mutex<(bool, bool)>, Condvar)>;
 
+/// A [`SimPmr`] whose next write, once armed, blocks until the test releases it.
 struct PausingPmr {
-    bytes: Rc<RefCell<Vec<u8>>>,
-    disk: SimDisk,
+    inner: SimPmr,
     armed: Arc<AtomicBool>,
     gate: Gate,
 }
 
 impl Pmr for PausingPmr {
     fn len(&self) -> usize {
-        self.bytes.borrow().len()
+        self.inner.len()
     }
     fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
         if self.armed.swap(false, Ordering::SeqCst) {
@@ -61,15 +49,10 @@ impl Pmr for PausingPmr {
                 g = cv.wait(g).unwrap();
             }
         }
-        if !self.disk.powered() {
-            return Err(RioError::Config("power cut".into()));
-        }
-        self.bytes.borrow_mut()[offset..offset + bytes.len()].copy_from_slice(bytes);
-        Ok(())
+        self.inner.persist(offset, bytes)
     }
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError> {
-        out.copy_from_slice(&self.bytes.borrow()[offset..offset + out.len()]);
-        Ok(())
+        self.inner.read(offset, out)
     }
 }
 
@@ -111,8 +94,10 @@ fn an_in_flight_revoke_keeps_unrevoked_data_writes_to_its_block_out() {
         let a = s.spawn(move || {
             let lbio0 = lbio();
             let pmr: Box<dyn Pmr> = Box::new(PausingPmr {
-                bytes: Rc::new(RefCell::new(vec![0u8; 16 << 10])),
-                disk: disk2.clone(),
+                inner: SimPmr {
+                    bytes: Rc::new(RefCell::new(vec![0u8; 16 << 10])),
+                    disk: disk2.clone(),
+                },
                 armed: Arc::clone(&armed2),
                 gate: gate2,
             });

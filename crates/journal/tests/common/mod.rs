@@ -4,8 +4,21 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
+use aios_core::{Engine, EngineConfig};
 use journal::rio_ordering::{Pmr, RioError};
-use lbio::SimDisk;
+use lbio::{LbioArray, LbioConfig, SimDisk};
+
+/// An engine of its own (4 MiB arena) with an lbio array over it.
+pub fn lbio() -> Rc<LbioArray> {
+    let engine = Engine::new(EngineConfig {
+        ring_entries: 128,
+        arena_bytes: 4 << 20,
+        huge_pages: false,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    LbioArray::new(engine, LbioConfig::default()).unwrap()
+}
 
 /// A 4 KiB block filled with the 8-byte little-endian `v`.
 pub fn block_of(v: u64) -> Vec<u8> {
