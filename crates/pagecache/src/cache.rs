@@ -127,6 +127,8 @@ pub struct Counters {
     /// Waits for another handle's read that ran past `foreign_read_wait_us`: the reader read
     /// the page itself.
     pub foreign_waits_cut: AtomicU64,
+    /// Another handle's readahead frames a writer took out of the index after such a wait.
+    pub readahead_stolen: AtomicU64,
 }
 
 /// A snapshot of the cache's shared counters.
@@ -141,6 +143,7 @@ pub struct CacheMetrics {
     pub readahead_pages: u64,
     pub read_errors: u64,
     pub foreign_waits_cut: u64,
+    pub readahead_stolen: u64,
     /// Frames in the shared free list now (frames in handles' pools are not counted).
     pub free_frames: u32,
     pub frames: u32,
@@ -257,6 +260,7 @@ impl PageCache {
             readahead_pages: l(&c.readahead_pages),
             read_errors: l(&c.read_errors),
             foreign_waits_cut: l(&c.foreign_waits_cut),
+            readahead_stolen: l(&c.readahead_stolen),
             free_frames: self.lock_free().len() as u32,
             frames: self.frames.len(),
         }

@@ -1092,6 +1092,40 @@ impl CacheHandle {
         self.readahead(file, first, last, dev)
     }
 
+    /// Take another handle's readahead of `key`, still in flight in `frame`, out of the index
+    /// (a writer's wait for it was cut: see [`Self::put`]). The frame is marked abandoned, so
+    /// its completion leaves it invalid; of this call and that completion, the second to find
+    /// the frame both out of the index and done with its I/O frees it. Nothing happens when the
+    /// frame is no longer such a read (its completion came first: the caller looks again).
+    fn steal_readahead(&self, key: Key, frame: u32) {
+        let frames = &self.cache.frames;
+        // A readahead frame: indexed, in flight, never valid, and unpinned (a miss's frame
+        // carries its reader's pin, and that reader drives the read).
+        let stolen = frames.update(frame, |s| {
+            (s.has(frames::IO | frames::INDEXED)
+                && s.flags() & (frames::VALID | frames::ABANDONED) == 0
+                && s.pins() == 0
+                && frames.key(frame) == key.0)
+                .then(|| s.with_flags(s.flags() | frames::ABANDONED).bumped())
+        });
+        if stolen.is_none() {
+            return;
+        }
+        self.cache.index.remove(key, frame);
+        let now = frames
+            .update(frame, |s| {
+                Some(s.with_flags(s.flags() & !frames::INDEXED).bumped())
+            })
+            .expect("always updated");
+        self.cache
+            .counters
+            .readahead_stolen
+            .fetch_add(1, Ordering::Relaxed);
+        if !now.has(frames::IO) {
+            self.free_frame(frame);
+        }
+    }
+
     /// Wait for a miss's read; on failure the frame is released and the error returned.
     fn finish_read(&self, frame: u32) -> Result<(), CacheError> {
         if self.wait_frame(frame)? {
@@ -1208,7 +1242,12 @@ impl CacheHandle {
                 &run[at..at + len]
             }
         };
+        let mut stolen = false;
         for &frame in list {
+            if p.kind == Kind::Readahead && self.finish_stolen(frame) {
+                stolen = true;
+                continue;
+            }
             match (p.kind, &error) {
                 (Kind::Read, None) | (Kind::Readahead, None) => {
                     frames.update(frame, |s| {
@@ -1262,7 +1301,8 @@ impl CacheHandle {
                 let failed = error.is_some();
                 pending[tag.0 as usize] = None;
                 drop(pending);
-                if failed {
+                // A stolen frame was dealt with above.
+                if failed && !stolen {
                     self.free_frame(frame);
                 }
             }
@@ -1273,6 +1313,24 @@ impl CacheHandle {
                 }
             }
         }
+    }
+
+    /// The completion of a readahead into `frame` that a writer stole
+    /// ([`Self::steal_readahead`]): the I/O flag goes, the frame stays invalid, and it is freed
+    /// here when the writer has taken it out of the index already. `false`: not stolen.
+    fn finish_stolen(&self, frame: u32) -> bool {
+        let frames = &self.cache.frames;
+        let mut stolen = false;
+        let now = frames.update(frame, |s| {
+            stolen = s.has(frames::ABANDONED);
+            stolen.then(|| s.with_flags(s.flags() & !frames::IO).bumped())
+        });
+        if let Some(now) = now {
+            if !now.has(frames::INDEXED) {
+                self.free_frame(frame);
+            }
+        }
+        stolen
     }
 
     /// Drive I/O until the read into `frame` (pinned by the caller) completes; whether it
@@ -1377,7 +1435,13 @@ impl CacheHandle {
                 if frames.state(frame).pins() > 0 && self.own_pins.borrow().contains_key(&frame) {
                     return Err(CacheError::GuardHeld { file, page });
                 }
-                self.wait_for(frame, false)?;
+                // Waited for as a reader is: a read that is another handle's completes only
+                // when that handle next drives its engine, which may be never (it may be
+                // waiting for this very write). Cut, a readahead's frame is taken out of the
+                // index, and the page is written into a frame of its own.
+                if !self.wait_for(frame, true)? {
+                    self.steal_readahead(key, frame);
+                }
                 continue;
             }
             if frames.key(frame) != key.0 {

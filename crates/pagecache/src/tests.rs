@@ -1137,6 +1137,94 @@ fn a_reader_does_not_wait_on_a_readahead_whose_handle_is_idle() {
     }
 }
 
+/// The writer's side of the test above (found by a review on 2026-11-27). A write to a page
+/// another thread's readahead is reading, while that thread does not drive its engine, used
+/// to wait for it with no limit: here until the idle thread gave up, and for good had that
+/// thread been waiting for the write. Now, after `foreign_read_wait_us`, the writer takes the
+/// readahead's frame out of the index (the frame is freed when its read completes) and writes
+/// the page into a frame of its own: a whole page, and part of one (read first). Afterwards
+/// no frame is left pinned, in flight, abandoned or unaccounted for.
+#[test]
+fn a_writer_does_not_wait_on_a_readahead_whose_handle_is_idle() {
+    const PAGES: u64 = 64;
+    let (path, content) = patterned_file("ra-w", PAGES);
+    let bytes = content.len();
+    let cache = PageCache::new(CacheConfig {
+        capacity_bytes: 64 * PAGE_BYTES,
+        pool_batch: 4,
+        readahead_pages: 24,
+        huge_pages: false,
+        ..CacheConfig::default()
+    })
+    .unwrap();
+    let file = cache.add_file(bytes as u64).unwrap();
+    let open_path = path.clone();
+    let open = move |cache: &Arc<PageCache>| {
+        let path = &open_path;
+        let engine = engine();
+        let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+        let dev = ring_device(&lbio, path);
+        let h = CacheHandle::new(cache, &engine, &lbio, Mode::AIOS).unwrap();
+        h.attach(file, dev).unwrap();
+        (engine, lbio, h)
+    };
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let idle = {
+        let cache = Arc::clone(&cache);
+        let open = open.clone();
+        std::thread::spawn(move || {
+            let (_e, _l, h) = open(&cache);
+            let mut buf = vec![0u8; 4096];
+            h.read(file, 0, &mut buf).unwrap();
+            h.read(file, 4096, &mut buf).unwrap();
+            started_tx.send(()).unwrap();
+            // Idle until the writer is done (or gives up).
+            let r = done_rx.recv_timeout(std::time::Duration::from_secs(30));
+            drop(h);
+            r.is_ok()
+        })
+    };
+    started_rx.recv().unwrap();
+    let (_e, _l, h) = open(&cache);
+    assert!(
+        cache.metrics().readahead_pages >= 20,
+        "{:?}",
+        cache.metrics()
+    );
+    h.write(file, 25 * 4096, &[0xab; 4096]).unwrap();
+    h.write(file, 24 * 4096 + 100, &[0xcd; 50]).unwrap();
+    done_tx.send(()).unwrap();
+    assert!(
+        idle.join().unwrap(),
+        "the writer waited for the idle thread"
+    );
+    let mut buf = vec![0u8; 4096];
+    h.read(file, 25 * 4096, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 0xab), "page 25");
+    h.read(file, 24 * 4096, &mut buf).unwrap();
+    let mut want = content[24 * 4096..25 * 4096].to_vec();
+    want[100..150].fill(0xcd);
+    assert!(buf == want, "page 24");
+    drop(h);
+    std::fs::remove_file(&path).unwrap();
+    let m = cache.metrics();
+    assert!(m.readahead_stolen >= 2, "{m:?}");
+    let mut accounted = m.free_frames;
+    for f in 0..cache.frames.len() {
+        let s = cache.frames.state(f);
+        assert_eq!(s.pins(), 0, "frame {f} still pinned");
+        assert!(
+            !s.has(frames::IO) && !s.has(frames::ABANDONED),
+            "frame {f}: {s:?}"
+        );
+        if s.has(frames::VALID | frames::INDEXED) {
+            accounted += 1;
+        }
+    }
+    assert_eq!(accounted, cache.frames.len(), "{m:?}");
+}
+
 /// A slow device that answers in order: a request completes only when its engine asks the
 /// device for progress (a [`aios_core::SoftDevice`]), one request each time, after `delay`. So a
 /// read queued behind others stays in flight over as many of a waiter's rounds as there are
