@@ -1242,38 +1242,41 @@ impl CacheHandle {
                 &run[at..at + len]
             }
         };
+        // A readahead a writer stole ([`Self::steal_readahead`]): its frame only leaves I/O,
+        // invalid, and the index is the writer's to change. Decided in the same update that
+        // ends the I/O, so a steal cannot slip in between.
         let mut stolen = false;
         for &frame in list {
-            if p.kind == Kind::Readahead && self.finish_stolen(frame) {
-                stolen = true;
-                continue;
-            }
-            match (p.kind, &error) {
-                (Kind::Read, None) | (Kind::Readahead, None) => {
-                    frames.update(frame, |s| {
-                        Some(
-                            s.with_flags((s.flags() & !frames::IO) | frames::VALID)
-                                .bumped(),
-                        )
-                    });
-                }
+            let readahead = p.kind == Kind::Readahead;
+            let now = match (p.kind, &error) {
+                (Kind::Read, None) | (Kind::Readahead, None) => frames.update(frame, |s| {
+                    stolen = readahead && s.has(frames::ABANDONED);
+                    Some(if stolen {
+                        s.with_flags(s.flags() & !frames::IO).bumped()
+                    } else {
+                        s.with_flags((s.flags() & !frames::IO) | frames::VALID)
+                            .bumped()
+                    })
+                }),
                 (Kind::Read, Some(_)) | (Kind::Readahead, Some(_)) => {
                     // Leave no poisoned page behind: out of the index before anyone can wait
-                    // on it.
+                    // on it. (Of a stolen frame's removal and this one, the second finds
+                    // nothing: the frame is not freed before both are done.)
                     let key = Key(frames.key(frame));
                     self.cache.index.remove(key, frame);
-                    frames.update(frame, |s| {
-                        Some(
-                            s.with_flags(
-                                (s.flags() & !(frames::IO | frames::INDEXED)) | frames::FAILED,
-                            )
-                            .bumped(),
-                        )
-                    });
                     self.cache
                         .counters
                         .read_errors
                         .fetch_add(1, Ordering::Relaxed);
+                    frames.update(frame, |s| {
+                        stolen = readahead && s.has(frames::ABANDONED);
+                        let gone = if stolen {
+                            frames::IO
+                        } else {
+                            frames::IO | frames::INDEXED
+                        };
+                        Some(s.with_flags((s.flags() & !gone) | frames::FAILED).bumped())
+                    })
                 }
                 (Kind::Writeback, None) => {
                     frames.update(frame, |s| Some(s.with_flags(s.flags() & !frames::DIRTY)));
@@ -1282,10 +1285,17 @@ impl CacheHandle {
                         .counters
                         .writebacks
                         .fetch_add(1, Ordering::Relaxed);
+                    None
                 }
                 (Kind::Writeback, Some(_)) => {
                     frames.unpin(frame);
+                    None
                 }
+            };
+            // A stolen frame the writer has taken out of the index already: freed here (else
+            // by the writer, once it has).
+            if stolen && now.is_some_and(|n| !n.has(frames::INDEXED)) {
+                self.free_frame(frame);
             }
         }
         match p.kind {
@@ -1313,24 +1323,6 @@ impl CacheHandle {
                 }
             }
         }
-    }
-
-    /// The completion of a readahead into `frame` that a writer stole
-    /// ([`Self::steal_readahead`]): the I/O flag goes, the frame stays invalid, and it is freed
-    /// here when the writer has taken it out of the index already. `false`: not stolen.
-    fn finish_stolen(&self, frame: u32) -> bool {
-        let frames = &self.cache.frames;
-        let mut stolen = false;
-        let now = frames.update(frame, |s| {
-            stolen = s.has(frames::ABANDONED);
-            stolen.then(|| s.with_flags(s.flags() & !frames::IO).bumped())
-        });
-        if let Some(now) = now {
-            if !now.has(frames::INDEXED) {
-                self.free_frame(frame);
-            }
-        }
-        stolen
     }
 
     /// Drive I/O until the read into `frame` (pinned by the caller) completes; whether it
