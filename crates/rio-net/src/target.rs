@@ -282,13 +282,13 @@ impl Shared {
 const FENCE_WAIT: Duration = Duration::from_secs(4);
 
 /// What the target's fence needs to know of a connection, without taking the log's lock on
-/// its orderless path: its generation, and how many of its requests the device holds.
+/// its orderless path: its generation, and how many of its writes the device holds.
 ///
-/// A connection counts a request in `out` before it reads the target's generation, and sends
-/// it to the device only if that generation is still its own; a fence stores the new
-/// generation before it reads the counts (all `SeqCst`). So either the fence sees the request
-/// counted and waits for it, or the connection sees the new generation and refuses it: no
-/// request of an older connection reaches the device after a fence has drained them.
+/// A connection counts a write in `out` before it reads the target's generation, and sends it
+/// to the device only if that generation is still its own; a fence stores the new generation
+/// before it reads the counts (all `SeqCst`). So either the fence sees the write counted and
+/// waits for it, or the connection sees the new generation and refuses it: no write of an
+/// older connection reaches the device after a fence has drained them.
 #[derive(Default)]
 struct Gate {
     generation: AtomicU64,
@@ -639,7 +639,7 @@ struct TConn {
     icreq_done: bool,
     queue: Queue,
     generation: u64,
-    /// This connection's generation and device requests, as the fence sees them.
+    /// This connection's generation and writes on the device, as the fence sees them.
     gate: Arc<Gate>,
     io: Option<IoSide>,
     collecting: HashMap<u16, Collecting>,
