@@ -135,6 +135,24 @@ fn patterned_file(name: &str, pages: u64) -> (std::path::PathBuf, Vec<u8>) {
     (path, content)
 }
 
+/// Every frame is either free or holds an indexed page, none pinned, in flight or abandoned:
+/// none lost in a pool, a release batch or an abandoned state.
+fn assert_frames_free_or_cached(cache: &PageCache, m: &CacheMetrics) {
+    let mut accounted = m.free_frames;
+    for f in 0..cache.frames.len() {
+        let s = cache.frames.state(f);
+        assert_eq!(s.pins(), 0, "frame {f} still pinned");
+        assert!(
+            !s.has(frames::IO) && !s.has(frames::ABANDONED),
+            "frame {f}: {s:?}"
+        );
+        if s.has(frames::VALID | frames::INDEXED) {
+            accounted += 1;
+        }
+    }
+    assert_eq!(accounted, cache.frames.len(), "{m:?}");
+}
+
 /// The file at `path`, read on the io_uring route (no latency probe).
 fn ring_device(lbio: &Rc<LbioArray>, path: &std::path::Path) -> Device {
     lbio::Device::open(
@@ -778,19 +796,7 @@ fn threads_missing_the_same_pages_get_correct_data_and_no_frame_leaks() {
     // Every frame is either free or holds a clean page: none lost in a pool, a release batch or
     // an abandoned state.
     assert_eq!(cache.hazards.in_use(), 0, "a hazard slot left set");
-    let mut accounted = m.free_frames;
-    for f in 0..cache.frames.len() {
-        let s = cache.frames.state(f);
-        assert_eq!(s.pins(), 0, "frame {f} still pinned");
-        assert!(
-            !s.has(frames::IO) && !s.has(frames::ABANDONED),
-            "frame {f}: {s:?}"
-        );
-        if s.has(frames::VALID | frames::INDEXED) {
-            accounted += 1;
-        }
-    }
-    assert_eq!(accounted, cache.frames.len(), "{m:?}");
+    assert_frames_free_or_cached(&cache, &m);
 }
 
 #[test]
@@ -1060,55 +1066,91 @@ fn a_run_read_that_failed_before_its_indexing_is_not_indexed() {
     assert_eq!(buf[4096], 1);
 }
 
+/// A handle of the calling thread's own on `file`, read from `path` on the io_uring route.
+fn open_ring_handle(
+    cache: &Arc<PageCache>,
+    file: FileId,
+    path: &std::path::Path,
+) -> (Rc<Engine>, Rc<LbioArray>, CacheHandle) {
+    let engine = engine();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let dev = ring_device(&lbio, path);
+    let h = CacheHandle::new(cache, &engine, &lbio, Mode::AIOS).unwrap();
+    h.attach(file, dev).unwrap();
+    (engine, lbio, h)
+}
+
+/// A 64-page cache over a 64-page patterned file, and a thread whose handle has read pages 0
+/// and 1 and then stays idle: no call into the cache until `done` is sent (or 30 s pass).
+/// Its two sequential reads start readahead of pages 2..26, as background requests of which
+/// at most 8 are out at once (the rest wait for that thread's engine to pump them). Joining
+/// `idle` says whether `done` came.
+struct IdleReadahead {
+    path: std::path::PathBuf,
+    content: Vec<u8>,
+    cache: Arc<PageCache>,
+    file: FileId,
+    done: std::sync::mpsc::Sender<()>,
+    idle: std::thread::JoinHandle<bool>,
+}
+
+impl IdleReadahead {
+    /// Returns once the idle thread's reads are done.
+    fn start(name: &str) -> IdleReadahead {
+        const PAGES: u64 = 64;
+        let (path, content) = patterned_file(name, PAGES);
+        let cache = PageCache::new(CacheConfig {
+            capacity_bytes: 64 * PAGE_BYTES,
+            pool_batch: 4,
+            readahead_pages: 24,
+            huge_pages: false,
+            ..CacheConfig::default()
+        })
+        .unwrap();
+        let file = cache.add_file(content.len() as u64).unwrap();
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let (done, done_rx) = std::sync::mpsc::channel();
+        let idle = {
+            let cache = Arc::clone(&cache);
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let (_e, _l, h) = open_ring_handle(&cache, file, &path);
+                let mut buf = vec![0u8; 4096];
+                h.read(file, 0, &mut buf).unwrap();
+                h.read(file, 4096, &mut buf).unwrap();
+                started_tx.send(()).unwrap();
+                let r = done_rx.recv_timeout(std::time::Duration::from_secs(30));
+                drop(h);
+                r.is_ok()
+            })
+        };
+        started_rx.recv().unwrap();
+        IdleReadahead {
+            path,
+            content,
+            cache,
+            file,
+            done,
+            idle,
+        }
+    }
+}
+
 /// A page another thread's readahead is reading, while that thread does not drive its engine,
 /// is read by the thread that wants it after `foreign_read_wait_us` (its frame abandoned as a
 /// duplicate), in the zero-copy and copy-out paths alike. It used to wait until the other
 /// thread next called into the cache: here, never, until it timed out.
 #[test]
 fn a_reader_does_not_wait_on_a_readahead_whose_handle_is_idle() {
-    const PAGES: u64 = 64;
-    let (path, content) = patterned_file("ra", PAGES);
-    let bytes = content.len();
-    let cache = PageCache::new(CacheConfig {
-        capacity_bytes: 64 * PAGE_BYTES,
-        pool_batch: 4,
-        readahead_pages: 24,
-        huge_pages: false,
-        ..CacheConfig::default()
-    })
-    .unwrap();
-    let file = cache.add_file(bytes as u64).unwrap();
-    let open_path = path.clone();
-    let open = move |cache: &Arc<PageCache>| {
-        let path = &open_path;
-        let engine = engine();
-        let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
-        let dev = ring_device(&lbio, path);
-        let h = CacheHandle::new(cache, &engine, &lbio, Mode::AIOS).unwrap();
-        h.attach(file, dev).unwrap();
-        (engine, lbio, h)
-    };
-    let (started_tx, started_rx) = std::sync::mpsc::channel();
-    let (done_tx, done_rx) = std::sync::mpsc::channel();
-    let idle = {
-        let cache = Arc::clone(&cache);
-        let open = open.clone();
-        std::thread::spawn(move || {
-            let (_e, _l, h) = open(&cache);
-            let mut buf = vec![0u8; 4096];
-            // Two sequential pages: pages 2..26 are read ahead, as background requests of
-            // which at most 8 are out at once (the rest wait for this engine to pump them).
-            h.read(file, 0, &mut buf).unwrap();
-            h.read(file, 4096, &mut buf).unwrap();
-            started_tx.send(()).unwrap();
-            // Idle: no call into the cache until the other thread is done (or gives up).
-            let r = done_rx.recv_timeout(std::time::Duration::from_secs(30));
-            drop(h);
-            r.is_ok()
-        })
-    };
-    started_rx.recv().unwrap();
-    let (_e, _l, h) = open(&cache);
+    let IdleReadahead {
+        path,
+        content,
+        cache,
+        file,
+        done: done_tx,
+        idle,
+    } = IdleReadahead::start("ra");
+    let (_e, _l, h) = open_ring_handle(&cache, file, &path);
     let m = cache.metrics();
     assert!(m.readahead_pages >= 20, "{m:?}");
     let mut buf = vec![0u8; 4096];
@@ -1146,47 +1188,15 @@ fn a_reader_does_not_wait_on_a_readahead_whose_handle_is_idle() {
 /// no frame is left pinned, in flight, abandoned or unaccounted for.
 #[test]
 fn a_writer_does_not_wait_on_a_readahead_whose_handle_is_idle() {
-    const PAGES: u64 = 64;
-    let (path, content) = patterned_file("ra-w", PAGES);
-    let bytes = content.len();
-    let cache = PageCache::new(CacheConfig {
-        capacity_bytes: 64 * PAGE_BYTES,
-        pool_batch: 4,
-        readahead_pages: 24,
-        huge_pages: false,
-        ..CacheConfig::default()
-    })
-    .unwrap();
-    let file = cache.add_file(bytes as u64).unwrap();
-    let open_path = path.clone();
-    let open = move |cache: &Arc<PageCache>| {
-        let path = &open_path;
-        let engine = engine();
-        let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
-        let dev = ring_device(&lbio, path);
-        let h = CacheHandle::new(cache, &engine, &lbio, Mode::AIOS).unwrap();
-        h.attach(file, dev).unwrap();
-        (engine, lbio, h)
-    };
-    let (started_tx, started_rx) = std::sync::mpsc::channel();
-    let (done_tx, done_rx) = std::sync::mpsc::channel();
-    let idle = {
-        let cache = Arc::clone(&cache);
-        let open = open.clone();
-        std::thread::spawn(move || {
-            let (_e, _l, h) = open(&cache);
-            let mut buf = vec![0u8; 4096];
-            h.read(file, 0, &mut buf).unwrap();
-            h.read(file, 4096, &mut buf).unwrap();
-            started_tx.send(()).unwrap();
-            // Idle until the writer is done (or gives up).
-            let r = done_rx.recv_timeout(std::time::Duration::from_secs(30));
-            drop(h);
-            r.is_ok()
-        })
-    };
-    started_rx.recv().unwrap();
-    let (_e, _l, h) = open(&cache);
+    let IdleReadahead {
+        path,
+        content,
+        cache,
+        file,
+        done: done_tx,
+        idle,
+    } = IdleReadahead::start("ra-w");
+    let (_e, _l, h) = open_ring_handle(&cache, file, &path);
     assert!(
         cache.metrics().readahead_pages >= 20,
         "{:?}",
@@ -1210,19 +1220,7 @@ fn a_writer_does_not_wait_on_a_readahead_whose_handle_is_idle() {
     std::fs::remove_file(&path).unwrap();
     let m = cache.metrics();
     assert!(m.readahead_stolen >= 2, "{m:?}");
-    let mut accounted = m.free_frames;
-    for f in 0..cache.frames.len() {
-        let s = cache.frames.state(f);
-        assert_eq!(s.pins(), 0, "frame {f} still pinned");
-        assert!(
-            !s.has(frames::IO) && !s.has(frames::ABANDONED),
-            "frame {f}: {s:?}"
-        );
-        if s.has(frames::VALID | frames::INDEXED) {
-            accounted += 1;
-        }
-    }
-    assert_eq!(accounted, cache.frames.len(), "{m:?}");
+    assert_frames_free_or_cached(&cache, &m);
 }
 
 /// A slow device that answers in order: a request completes only when its engine asks the
