@@ -123,6 +123,36 @@ fn ordered_flush(cid: u16, stream: u16, seq: u64) -> Sqe {
     f
 }
 
+/// Write to `path` the image of a two-stream attribute log of `log_bytes` holding, as an
+/// initiator crash could leave it, one unflushed entry per `(stream, seq, block)`: a group of
+/// one 4 KiB write at `block`, after group `seq - 1`. Returns the log's slots.
+fn unflushed_log(
+    path: &std::path::Path,
+    log_bytes: usize,
+    writes: impl Iterator<Item = (u16, u64, u64)>,
+) -> u32 {
+    let mut log = AttrLog::format(MemPmr::new(log_bytes), 2).unwrap();
+    for (stream, seq, block) in writes {
+        log.append(&Attr {
+            stream,
+            seq,
+            seq_end: seq,
+            prev: seq - 1,
+            offset: block * BLOCK,
+            len: BLOCK as u32,
+            boundary: true,
+            num: 1,
+            members: 1,
+            ..Attr::default()
+        })
+        .unwrap();
+    }
+    let mut image = vec![0u8; log_bytes];
+    log.pmr().read(0, &mut image).unwrap();
+    std::fs::write(path, &image).unwrap();
+    log.slots()
+}
+
 /// Where recovery over the target's log ends each stream's durable prefix (no power-loss
 /// protection: only a FLUSH entry with its persist word set vouches for a write).
 fn prefixes(admin: &mut Raw) -> Vec<u64> {
@@ -223,27 +253,12 @@ fn recovery_zeroes_more_writes_than_a_connection_has_command_ids() {
     let log_path = scratch("zero-log");
     cleanup.0.push(log_path.clone());
     let log_bytes = 5 << 20;
-    let mut log = AttrLog::format(MemPmr::new(log_bytes), 2).unwrap();
-    assert!(log.slots() as u64 > WRITES);
-    for i in 0..WRITES {
-        let seq = i / 2 + 1;
-        log.append(&Attr {
-            stream: (i % 2) as u16,
-            seq,
-            seq_end: seq,
-            prev: seq - 1,
-            offset: (i % SPAN) * BLOCK,
-            len: BLOCK as u32,
-            boundary: true,
-            num: 1,
-            members: 1,
-            ..Attr::default()
-        })
-        .unwrap();
-    }
-    let mut image = vec![0u8; log_bytes];
-    log.pmr().read(0, &mut image).unwrap();
-    std::fs::write(&log_path, &image).unwrap();
+    let slots = unflushed_log(
+        &log_path,
+        log_bytes,
+        (0..WRITES).map(|i| ((i % 2) as u16, i / 2 + 1, i % SPAN)),
+    );
+    assert!(slots as u64 > WRITES);
     let (addr, stats) = target(
         "zero",
         TargetLogKind::File(log_path, log_bytes),
@@ -541,25 +556,7 @@ fn recovery_zeroing_longer_than_io_timeout_in_all_waits_while_answers_come() {
     let log_path = scratch("slow-log");
     cleanup.0.push(log_path.clone());
     let log_bytes = 1 << 20;
-    let mut log = AttrLog::format(MemPmr::new(log_bytes), 2).unwrap();
-    for seq in 1..=WRITES {
-        log.append(&Attr {
-            stream: 0,
-            seq,
-            seq_end: seq,
-            prev: seq - 1,
-            offset: seq * BLOCK,
-            len: BLOCK as u32,
-            boundary: true,
-            num: 1,
-            members: 1,
-            ..Attr::default()
-        })
-        .unwrap();
-    }
-    let mut image = vec![0u8; log_bytes];
-    log.pmr().read(0, &mut image).unwrap();
-    std::fs::write(&log_path, &image).unwrap();
+    unflushed_log(&log_path, log_bytes, (1..=WRITES).map(|seq| (0, seq, seq)));
     let (addr, _) = target(
         "slow",
         TargetLogKind::File(log_path, log_bytes),
