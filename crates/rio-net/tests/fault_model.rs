@@ -1644,23 +1644,26 @@ fn close_group(m: &mut Model, s: usize, rc: u64, seq: Option<u64>) {
 }
 
 /// An ordered write of 1 or 2 fresh blocks to stream `s`, ending its group with `eog`.
-fn write(v: &mut Volume, m: &mut Model, rng: &mut Rng, s: u16, eog: bool) {
-    let si = s as usize;
-    let n = if rng.chance(70) { 1 } else { 2 };
-    let Some(blk) = m.fresh(rng, s, n) else {
-        return;
-    };
+/// Record a write of `n` blocks at `blk` of stream `s` in model group `group` (`u64::MAX`: an
+/// orderless write), and fill a buffer with its bytes: its index in `m.writes`, and the buffer.
+fn new_write(
+    v: &mut Volume,
+    m: &mut Model,
+    s: u16,
+    blk: u64,
+    n: u64,
+    group: u64,
+) -> (usize, aios_core::FixedBuf) {
     let w = m.writes.len();
-    let g = m.open_group[si];
     m.writes.push(W {
         stream: s,
         block: blk,
         nblocks: n,
-        group: g,
+        group,
         state: WState::Pending,
         inst: m.inst,
         seq: None,
-        orderless: false,
+        orderless: group == u64::MAX,
         epoch: m.good_recovery_at,
     });
     let mut buf = loop {
@@ -1674,6 +1677,17 @@ fn write(v: &mut Volume, m: &mut Model, rng: &mut Rng, s: u16, eog: bool) {
         fill(m.seed, w, &m.writes[w], blk + i, &mut blkbuf);
         buf[(i * BLK) as usize..((i + 1) * BLK) as usize].copy_from_slice(&blkbuf);
     }
+    (w, buf)
+}
+
+fn write(v: &mut Volume, m: &mut Model, rng: &mut Rng, s: u16, eog: bool) {
+    let si = s as usize;
+    let n = if rng.chance(70) { 1 } else { 2 };
+    let Some(blk) = m.fresh(rng, s, n) else {
+        return;
+    };
+    let g = m.open_group[si];
+    let (w, buf) = new_write(v, m, s, blk, n, g);
     let r = v.submit(s, blk * BLK, buf, eog);
     m.after_call(Some(v));
     match r {
@@ -1718,29 +1732,7 @@ fn write_orderless(v: &mut Volume, m: &mut Model, rng: &mut Rng, s: u16, target:
     let Some(blk) = m.fresh_on(rng, s, n, target) else {
         return;
     };
-    let w = m.writes.len();
-    m.writes.push(W {
-        stream: s,
-        block: blk,
-        nblocks: n,
-        group: u64::MAX,
-        state: WState::Pending,
-        inst: m.inst,
-        seq: None,
-        orderless: true,
-        epoch: m.good_recovery_at,
-    });
-    let mut buf = loop {
-        if let Some(x) = v.alloc((n * BLK) as usize) {
-            break x;
-        }
-        drain(v, m);
-    };
-    for i in 0..n {
-        let mut blkbuf = vec![0u8; BLK as usize];
-        fill(m.seed, w, &m.writes[w], blk + i, &mut blkbuf);
-        buf[(i * BLK) as usize..((i + 1) * BLK) as usize].copy_from_slice(&blkbuf);
-    }
+    let (w, buf) = new_write(v, m, s, blk, n, u64::MAX);
     let r = v.write_orderless(s, blk * BLK, buf);
     m.after_call(Some(v));
     match r {
