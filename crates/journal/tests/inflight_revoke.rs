@@ -10,7 +10,7 @@
 //! log (a `Pmr` of this test) blocks on its first write until released.
 
 mod common;
-use common::{block_of, lbio, SimPmr};
+use common::{block_of, lbio, value_at, SimPmr};
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -20,10 +20,6 @@ use std::sync::{Arc, Condvar, Mutex};
 use journal::rio_ordering::{AttrLog, OrderedConfig, Pmr, RioError};
 use journal::{recover_image, CommitMode, Journal, JournalError, JournalSet, Layout, Tx};
 use lbio::{LbioArray, LbioConfig, SimConfig, SimDisk};
-
-fn value_at(img: &[u8], block: u64) -> u64 {
-    u64::from_le_bytes(img[(block * 4096) as usize..][..8].try_into().unwrap())
-}
 
 /// (entered, released)
 type Gate = Arc<(Mutex<(bool, bool)>, Condvar)>;

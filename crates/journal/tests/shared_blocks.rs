@@ -11,34 +11,18 @@
 //! acknowledged commits.
 
 mod common;
-use common::{block_of, SimPmr};
+use common::{block_of, lbio, value_at, SimPmr};
 
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::{Arc, Barrier, Mutex};
 
-use aios_core::{Engine, EngineConfig};
 use journal::rio_ordering::{self, AttrLog, OrderedConfig, Pmr};
 use journal::{
     recover_image, recover_image_rio, rio_prefix, CommitMode, Journal, JournalError, JournalSet,
     Layout, Tx,
 };
 use lbio::{LbioArray, LbioConfig, SimConfig, SimDisk};
-
-fn lbio() -> Rc<LbioArray> {
-    let engine = Engine::new(EngineConfig {
-        ring_entries: 128,
-        arena_bytes: 4 << 20,
-        huge_pages: false,
-        ..EngineConfig::default()
-    })
-    .unwrap();
-    LbioArray::new(engine, LbioConfig::default()).unwrap()
-}
-
-fn value_at(img: &[u8], block: u64) -> u64 {
-    u64::from_le_bytes(img[(block * 4096) as usize..][..8].try_into().unwrap())
-}
 
 /// What thread 0's transaction does to the shared block (thread 1 journals it every time).
 #[derive(Clone, Copy, Debug)]

@@ -20,6 +20,11 @@ pub fn lbio() -> Rc<LbioArray> {
     LbioArray::new(engine, LbioConfig::default()).unwrap()
 }
 
+/// The 8-byte little-endian value at the start of 4 KiB block `block` of `img`.
+pub fn value_at(img: &[u8], block: u64) -> u64 {
+    u64::from_le_bytes(img[(block * 4096) as usize..][..8].try_into().unwrap())
+}
+
 /// A 4 KiB block filled with the 8-byte little-endian `v`.
 pub fn block_of(v: u64) -> Vec<u8> {
     let mut b = vec![0u8; 4096];
