@@ -443,6 +443,9 @@ pub struct Engine {
     _thread_bound: std::marker::PhantomData<*const ()>,
     /// Opcodes the kernel's io_uring supports (`IORING_REGISTER_PROBE`), one bit each.
     ops: [u64; 4],
+    /// `io_uring_enter` calls still to fail (see [`Engine::fail_next_enters`]).
+    #[cfg(any(test, feature = "fault-injection"))]
+    failing_enters: Cell<u32>,
 }
 
 const FLAG_NAMES: [&str; 3] = ["SINGLE_ISSUER", "DEFER_TASKRUN", "COOP_TASKRUN"];
@@ -691,6 +694,8 @@ impl Engine {
             soft: RefCell::new(Vec::new()),
             _thread_bound: std::marker::PhantomData,
             ops,
+            #[cfg(any(test, feature = "fault-injection"))]
+            failing_enters: Cell::new(0),
         }))
     }
 
@@ -986,8 +991,21 @@ impl Engine {
         Ok(())
     }
 
+    /// Test hook (cargo feature `fault-injection`, for other crates' tests): the next `n`
+    /// `io_uring_enter` calls fail with `ENOMEM` without reaching the kernel, leaving their SQEs
+    /// queued, as a call the kernel refuses does. A later call submits them.
+    #[cfg(any(test, feature = "fault-injection"))]
+    pub fn fail_next_enters(&self, n: u32) {
+        self.failing_enters.set(n);
+    }
+
     #[inline]
     fn enter(&self, ring: &Ring, want: u32, getevents: bool) -> io::Result<usize> {
+        #[cfg(any(test, feature = "fault-injection"))]
+        if self.failing_enters.get() > 0 {
+            self.failing_enters.set(self.failing_enters.get() - 1);
+            return Err(io::Error::from_raw_os_error(libc::ENOMEM));
+        }
         self.bump(|m| m.enters += 1);
         let to_submit = ring.pending.get();
         let mut flags = if getevents || want > 0 || ring.iopoll {
@@ -1546,6 +1564,31 @@ mod tests {
         engine.wait(10).unwrap();
         assert_eq!(sink.0.get(), 10);
         assert_eq!(sink.1.get(), 0);
+        assert!(!engine.has_work());
+    }
+
+    /// A push whose `io_uring_enter` fails has still queued its SQE, which the next enter
+    /// submits: the push reports success (the caller keeps the SQE's memory until its
+    /// completion), and the completion comes. A push that returned the enter's error told its
+    /// caller the SQE never went out, and the caller could free memory the kernel then used.
+    #[test]
+    fn a_push_whose_enter_fails_is_still_submitted_by_the_next_one() {
+        let engine = Engine::new(EngineConfig {
+            arena_bytes: 64 << 10,
+            huge_pages: false,
+            ..EngineConfig::default()
+        })
+        .unwrap();
+        let sink = Rc::new(Count(Cell::new(0), Cell::new(-1)));
+        let weak: Weak<dyn CompletionSink> = Rc::downgrade(&sink) as Weak<dyn CompletionSink>;
+        let id = engine.register_sink(weak).unwrap();
+        engine.fail_next_enters(1);
+        // SAFETY: a NOP refers to no memory.
+        unsafe { engine.push(RingKind::Main, id, 7, io_uring::opcode::Nop::new().build()) }
+            .expect("the SQE is queued: the push succeeded");
+        assert!(engine.has_work());
+        engine.wait(1).unwrap();
+        assert_eq!((sink.0.get(), sink.1.get()), (1, 0));
         assert!(!engine.has_work());
     }
 

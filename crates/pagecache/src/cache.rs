@@ -1,6 +1,6 @@
 //! The shared part of the cache: frames, index, the global free list, files and counters.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use aios_core::SharedRegion;
@@ -144,6 +144,8 @@ pub struct CacheMetrics {
     pub read_errors: u64,
     pub foreign_waits_cut: u64,
     pub readahead_stolen: u64,
+    /// Readahead pages in flight now, over all handles (at most [`PageCache::readahead_limit`]).
+    pub readahead_in_flight: u32,
     /// Frames in the shared free list now (frames in handles' pools are not counted).
     pub free_frames: u32,
     pub frames: u32,
@@ -164,6 +166,8 @@ pub struct PageCache {
     clock: AtomicUsize,
     files: Mutex<Vec<FileInfo>>,
     pub(crate) counters: Counters,
+    /// Frames held by readahead in flight, over all handles: see [`PageCache::readahead_limit`].
+    readahead_in_flight: AtomicU32,
 }
 
 impl std::fmt::Debug for PageCache {
@@ -214,6 +218,7 @@ impl PageCache {
             clock: AtomicUsize::new(0),
             files: Mutex::new(Vec::new()),
             counters: Counters::default(),
+            readahead_in_flight: AtomicU32::new(0),
         }))
     }
 
@@ -261,9 +266,33 @@ impl PageCache {
             read_errors: l(&c.read_errors),
             foreign_waits_cut: l(&c.foreign_waits_cut),
             readahead_stolen: l(&c.readahead_stolen),
+            readahead_in_flight: self.readahead_in_flight.load(Ordering::Relaxed),
             free_frames: self.lock_free().len() as u32,
             frames: self.frames.len(),
         }
+    }
+
+    /// The most frames readahead in flight may hold at once, over all handles: half the cache.
+    /// Only the handle that issued a readahead completes it, when it next drives its engine, so
+    /// until then its frames can be neither read from nor evicted; without a bound, an idle
+    /// handle's readahead could leave other handles no frame to take.
+    pub fn readahead_limit(&self) -> u32 {
+        self.frames.len() / 2
+    }
+
+    /// Reserve one frame for a readahead: false when the limit is reached (read no further).
+    pub(crate) fn reserve_readahead(&self) -> bool {
+        let limit = self.readahead_limit();
+        self.readahead_in_flight
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < limit).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    /// A readahead reserved with [`Self::reserve_readahead`] completed or was not issued.
+    pub(crate) fn end_readahead(&self) {
+        self.readahead_in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 
     fn lock_free(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {

@@ -943,11 +943,17 @@ impl CacheHandle {
         };
         // The SQE is in the ring: what is timed ends here, as it enters the kernel.
         self.record_submit(entry);
-        self.engine.submit()?;
+        // A failed submit leaves the read queued in the ring (nothing takes an SQE back): it
+        // goes in with the next call, so the frame is the read's until it completes. Wait for
+        // it like any other, then report the failure.
+        let submitted = self.engine.submit();
         self.count_misses(1);
         // The work the reader does not need before the device answers.
         let abandoned = self.index_late(key, frame);
-        let after = self.after_submit(file, key.page(), key.page(), &dev);
+        let after = match submitted {
+            Ok(()) => self.after_submit(file, key.page(), key.page(), &dev),
+            Err(e) => Err(e.into()),
+        };
         self.finish_read(frame)?;
         if let Err(e) = after {
             self.unpin(frame, abandoned);
@@ -1172,7 +1178,12 @@ impl CacheHandle {
             if self.cache.index.get(k, frames).is_some() {
                 continue;
             }
+            // Readahead is optional: none past its share of the cache, or without a frame.
+            if !self.cache.reserve_readahead() {
+                return Ok(());
+            }
             let Ok(frame) = self.take_frame() else {
+                self.cache.end_readahead();
                 return Ok(());
             };
             frames.meta(frame).key.store(k.0, Ordering::Release);
@@ -1181,6 +1192,7 @@ impl CacheHandle {
             });
             if let Insert::Present(_) = self.cache.index.insert(k, frame, frames) {
                 self.free_frame(frame);
+                self.cache.end_readahead();
                 continue;
             }
             frames.mark(frame, frames::INDEXED);
@@ -1206,6 +1218,7 @@ impl CacheHandle {
                     // No slot: readahead is optional. Undo.
                     self.cache.index.remove(k, frame);
                     self.free_frame(frame);
+                    self.cache.end_readahead();
                     return Ok(());
                 }
             }
@@ -1311,6 +1324,7 @@ impl CacheHandle {
                 let failed = error.is_some();
                 pending[tag.0 as usize] = None;
                 drop(pending);
+                self.cache.end_readahead();
                 // A stolen frame was dealt with above.
                 if failed && !stolen {
                     self.free_frame(frame);

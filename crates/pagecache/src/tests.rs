@@ -136,8 +136,9 @@ fn patterned_file(name: &str, pages: u64) -> (std::path::PathBuf, Vec<u8>) {
 }
 
 /// Every frame is either free or holds an indexed page, none pinned, in flight or abandoned:
-/// none lost in a pool, a release batch or an abandoned state.
+/// none lost in a pool, a release batch or an abandoned state; no readahead counted in flight.
 fn assert_frames_free_or_cached(cache: &PageCache, m: &CacheMetrics) {
+    assert_eq!(m.readahead_in_flight, 0, "{m:?}");
     let mut accounted = m.free_frames;
     for f in 0..cache.frames.len() {
         let s = cache.frames.state(f);
@@ -1223,6 +1224,108 @@ fn a_writer_does_not_wait_on_a_readahead_whose_handle_is_idle() {
     assert_frames_free_or_cached(&cache, &m);
 }
 
+/// Readahead in flight, which only its own handle can complete, holds at most half the cache
+/// (found by a review on 2026-11-27). An idle thread's readahead asks for 48 pages of a 64-frame
+/// cache; another thread then holds zero-copy guards on 20 pages out of that readahead's reach.
+/// Before the cap, the idle readahead's 48 frames in flight, its two pages and its pool left
+/// too few frames for those guards, and a `get` answered `NoEvictableFrame`.
+#[test]
+fn an_idle_handles_readahead_leaves_frames_for_other_handles() {
+    const PAGES: u64 = 64;
+    let (path, content) = patterned_file("ra-cap", PAGES);
+    let cache = PageCache::new(CacheConfig {
+        capacity_bytes: 64 * PAGE_BYTES,
+        pool_batch: 4,
+        readahead_pages: 48,
+        huge_pages: false,
+        ..CacheConfig::default()
+    })
+    .unwrap();
+    let file = cache.add_file(content.len() as u64).unwrap();
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let idle = {
+        let cache = Arc::clone(&cache);
+        let path = path.clone();
+        std::thread::spawn(move || {
+            let (_e, _l, h) = open_ring_handle(&cache, file, &path);
+            let mut buf = vec![0u8; 4096];
+            h.read(file, 0, &mut buf).unwrap();
+            h.read(file, 4096, &mut buf).unwrap();
+            started_tx.send(()).unwrap();
+            let _ = done_rx.recv_timeout(std::time::Duration::from_secs(30));
+        })
+    };
+    started_rx.recv().unwrap();
+    let in_flight = cache.metrics().readahead_pages;
+    assert!(
+        (16..=32).contains(&in_flight),
+        "readahead of {in_flight} pages"
+    );
+    let (_e, _l, h) = open_ring_handle(&cache, file, &path);
+    // Descending, so this thread's reads are never a sequential stream (no readahead of its own).
+    let pages: Vec<u64> = (44..PAGES).rev().collect();
+    let guards: Vec<_> = pages
+        .iter()
+        .map(|&p| {
+            let g = h.get(file, p).unwrap_or_else(|e| panic!("page {p}: {e}"));
+            let at = p as usize * 4096;
+            assert!(g[..] == content[at..at + 4096], "page {p} differs");
+            g
+        })
+        .collect();
+    drop(guards);
+    done_tx.send(()).unwrap();
+    idle.join().unwrap();
+    drop(h);
+    std::fs::remove_file(&path).unwrap();
+    assert_frames_free_or_cached(&cache, &cache.metrics());
+}
+
+/// A miss whose `io_uring_enter` fails (found by a review on 2026-11-27) returns the error and
+/// loses no frame. Its read is already queued in the ring, where no call can take it back, and
+/// goes to the kernel with the next call: the miss waits for it. It used to return at once,
+/// leaving the frame pinned and out of the index, lost to the pool once that read completed.
+/// A single-page read, a zero-copy `get` and a three-page read each fail once, then read right.
+#[test]
+fn a_miss_whose_submit_fails_loses_no_frame() {
+    const PAGES: u64 = 16;
+    let (path, content) = patterned_file("enter-fails", PAGES);
+    let cache = PageCache::new(CacheConfig {
+        capacity_bytes: 64 * PAGE_BYTES,
+        pool_batch: 4,
+        readahead_pages: 0,
+        huge_pages: false,
+        ..CacheConfig::default()
+    })
+    .unwrap();
+    let file = cache.add_file(content.len() as u64).unwrap();
+    let (engine, _l, h) = open_ring_handle(&cache, file, &path);
+    let page = |p: u64| &content[p as usize * 4096..(p as usize + 1) * 4096];
+    let mut buf = vec![0u8; 4096];
+    engine.fail_next_enters(1);
+    let e = h.read(file, 3 * 4096, &mut buf).unwrap_err();
+    assert!(matches!(e, CacheError::Core(_)), "{e}");
+    h.read(file, 3 * 4096, &mut buf).unwrap();
+    assert!(buf == page(3), "page 3 differs");
+    engine.fail_next_enters(1);
+    let e = h.get(file, 5).map(|_| ()).unwrap_err();
+    assert!(matches!(e, CacheError::Core(_)), "{e}");
+    assert!(h.get(file, 5).unwrap()[..] == *page(5), "page 5 differs");
+    let mut run = vec![0u8; 3 * 4096];
+    engine.fail_next_enters(1);
+    let e = h.read(file, 8 * 4096, &mut run).unwrap_err();
+    assert!(matches!(e, CacheError::Core(_)), "{e}");
+    h.read(file, 8 * 4096, &mut run).unwrap();
+    assert!(
+        run[..] == content[8 * 4096..11 * 4096],
+        "pages 8..11 differ"
+    );
+    drop(h);
+    std::fs::remove_file(&path).unwrap();
+    assert_frames_free_or_cached(&cache, &cache.metrics());
+}
+
 /// A slow device that answers in order: a request completes only when its engine asks the
 /// device for progress (a [`aios_core::SoftDevice`]), one request each time, after `delay`. So a
 /// read queued behind others stays in flight over as many of a waiter's rounds as there are
@@ -1358,8 +1461,9 @@ fn a_reader_waits_for_its_own_readahead_however_long_the_device_takes() {
     let content: Vec<u8> = (0..(PAGES * 4096) as usize)
         .map(|i| (i / 4096 * 31 + i % 251) as u8)
         .collect();
+    // Room for the readahead: it may hold at most half the frames.
     let cache = PageCache::new(CacheConfig {
-        capacity_bytes: 64 * PAGE_BYTES,
+        capacity_bytes: 128 * PAGE_BYTES,
         pool_batch: 4,
         readahead_pages: AHEAD as u32,
         huge_pages: false,
