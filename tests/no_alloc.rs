@@ -485,13 +485,12 @@ fn journal_commits_and_checkpoints_allocate_nothing() {
         let j = if rio {
             let own = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
             let pmr: Box<dyn rio_ordering::Pmr> = Box::new(rio_ordering::MemPmr::new(256 << 10));
-            let log = rio_ordering::AttrLog::format(pmr, 1).unwrap();
             Journal::with_rio(
                 &set,
                 0,
                 open_file(&lbio, &file),
                 open_file(&own, &file),
-                log,
+                pmr,
                 rio_ordering::OrderedConfig::default(),
             )
             .unwrap()

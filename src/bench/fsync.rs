@@ -26,7 +26,7 @@ use std::rc::Rc;
 
 use aios_core::CompletionMode;
 use hdrhistogram::Histogram;
-use journal::rio_ordering::{self, AttrLog, BlockPmr, MemPmr, OrderedConfig, Pmr};
+use journal::rio_ordering::{self, BlockPmr, MemPmr, OrderedConfig, Pmr};
 use journal::{CommitMode, Journal, JournalSet, Layout, Tx};
 use lbio::{LbioArray, LbioConfig};
 use serde::Serialize;
@@ -432,14 +432,13 @@ impl FsyncBench {
                         } else {
                             Box::new(MemPmr::new(bytes))
                         };
-                        let log = AttrLog::format(pmr, areas as u16).map_err(rio_err)?;
                         // A commit closes two groups: send them together (one block-log sync
                         // in front of the data instead of two).
                         let cfg = OrderedConfig {
                             batch: 2,
                             ..OrderedConfig::default()
                         };
-                        Journal::with_rio(set, area, dev, target, log, cfg).map_err(journal_err)?
+                        Journal::with_rio(set, area, dev, target, pmr, cfg).map_err(journal_err)?
                     }
                     _ => Journal::new(set, area, dev, mode).map_err(journal_err)?,
                 };

@@ -822,7 +822,7 @@ impl Fs {
     }
 
     /// A worker's journal handle in a Rio mount: Rio-ordered on the first area (from its turn
-    /// on) that has no Rio handle yet, with the area's attribute log formatted afresh (the one
+    /// on) that has no Rio handle yet, whose attribute log `with_rio` formats afresh (the one
     /// recovery read is spent); when every area has one, a `commit_mode` handle on its turn's
     /// area.
     fn rio_journal(
@@ -845,7 +845,7 @@ impl Fs {
         let own = LbioArray::new(Rc::clone(engine), LbioConfig::default()).map_err(io_err)?;
         let target = (self.factory)(&own).map_err(io_err)?;
         let log =
-            crate::rio::format_log(&self.sb, area as u32, (self.factory)(lbio).map_err(io_err)?)
+            crate::rio::log_region(&self.sb, area as u32, (self.factory)(lbio).map_err(io_err)?)
                 .map_err(io_err)?;
         let j = Journal::with_rio(
             &self.set,

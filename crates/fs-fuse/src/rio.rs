@@ -30,11 +30,16 @@ pub fn ordered_config() -> OrderedConfig {
     }
 }
 
+/// Area `area`'s attribute log region, on `dev` (opened writable; the region keeps it), as it
+/// is: [`journal::Journal::with_rio`] formats it once the area is the handle's.
+pub fn log_region(sb: &Superblock, area: u32, dev: Device) -> Result<Box<dyn Pmr>, FsError> {
+    let (at, len) = sb.rio_log(area).ok_or_else(no_logs)?;
+    Ok(Box::new(BlockPmr::on_device(dev, at, len)?))
+}
+
 /// Format area `area`'s attribute log empty, on `dev` (opened writable; the log keeps it).
 pub fn format_log(sb: &Superblock, area: u32, dev: Device) -> Result<RioLog, FsError> {
-    let (at, len) = sb.rio_log(area).ok_or_else(no_logs)?;
-    let pmr: Box<dyn Pmr> = Box::new(BlockPmr::on_device(dev, at, len)?);
-    let log = AttrLog::format(pmr, sb.journal_areas as u16)?;
+    let log = AttrLog::format(log_region(sb, area, dev)?, sb.journal_areas as u16)?;
     Ok(log)
 }
 

@@ -1370,8 +1370,9 @@ impl Journal {
     /// a block freed by one is reused only after a real FLUSH.
     ///
     /// `target` is the journal's device opened on an lbio array of its own (the ordered device
-    /// takes that array); `log` is a fresh attribute log with one stream per journal area
-    /// (format it after every [`JournalSet::open_rio`]: the logs it recovered from are spent).
+    /// takes that array); `log` is the memory of the handle's attribute log, which this call
+    /// formats afresh with one stream per journal area, once the area is this handle's (the
+    /// logs [`JournalSet::open_rio`] recovered from are spent).
     /// At most one Rio handle per area. Preparation is overlapped-style; group commit still lets
     /// other handles' commits join this one.
     ///
@@ -1380,17 +1381,15 @@ impl Journal {
     /// durable, and the next Rio handle on the area starts a fresh log (a crash does not drop
     /// the handle, and leaves the log to recovery).
     ///
-    /// This call refuses an area that still has a Rio handle ([`JournalSet::rio_owned`]) or
-    /// whose last handle's drop could not checkpoint, and it can only do so after the caller
-    /// has formatted `log`. Where the new log takes the old one's place, check first: a log
-    /// formatted over one that still vouches for commits not yet home loses them at the next
-    /// crash.
+    /// This call refuses, leaving `log` untouched, an area that still has a Rio handle
+    /// ([`JournalSet::rio_owned`]) or whose last handle's drop could not checkpoint: its log
+    /// still vouches for commits not yet home, so a new log in its place must wait.
     pub fn with_rio(
         set: &std::sync::Arc<JournalSet>,
         area: usize,
         dev: Device,
         target: Device,
-        log: AttrLog<Box<dyn Pmr>>,
+        log: Box<dyn Pmr>,
         cfg: OrderedConfig,
     ) -> Result<Journal, JournalError> {
         let mut j = Journal::new(set, area, dev, CommitMode::Overlapped)?;
@@ -1409,15 +1408,14 @@ impl Journal {
             )));
         }
         let areas = set.layout.areas.len();
-        if log.streams() as usize != areas {
-            return Err(JournalError::Layout(format!(
-                "an attribute log of {} streams; the journal has {areas} areas (one stream each)",
-                log.streams()
-            )));
-        }
-        let start: Vec<u64> = (0..areas).map(|a| (a == area) as u64).collect();
-        let lbio = Rc::clone(target.lbio());
-        let ordered = OrderedDevice::new(lbio, vec![target], log, &start, cfg)?;
+        let streams = u16::try_from(areas).map_err(|_| {
+            JournalError::Layout(format!(
+                "{areas} journal areas: an attribute log has at most {} streams",
+                u16::MAX
+            ))
+        })?;
+        // The area first, then the log: formatting `log` over a log that still vouches for
+        // commits not yet home would lose them at the next crash.
         {
             let mut a = set.lock_area(area);
             if a.rio_owned {
@@ -1434,6 +1432,18 @@ impl Journal {
             }
             a.rio_owned = true;
         }
+        let start: Vec<u64> = (0..areas).map(|a| (a == area) as u64).collect();
+        let lbio = Rc::clone(target.lbio());
+        let ordered = AttrLog::format(log, streams)
+            .map_err(JournalError::from)
+            .and_then(|log| Ok(OrderedDevice::new(lbio, vec![target], log, &start, cfg)?));
+        let ordered = match ordered {
+            Ok(o) => o,
+            Err(e) => {
+                set.lock_area(area).rio_owned = false;
+                return Err(e);
+            }
+        };
         j.rio = Some(RioStream {
             dev: std::cell::RefCell::new(ordered),
             stream: area as u16,
@@ -1445,6 +1455,11 @@ impl Journal {
     /// Whether commits go out Rio-ordered ([`Journal::with_rio`]).
     pub fn rio_ordered(&self) -> bool {
         self.rio.is_some()
+    }
+
+    /// The attribute slots of a Rio handle's log ([`Journal::with_rio`] formats it).
+    pub fn rio_log_slots(&self) -> Option<u32> {
+        self.rio.as_ref().map(|r| r.dev.borrow().log().slots())
     }
 
     /// The Rio ordered device's counters (commands, FLUSHes, log syncs), for a Rio handle.

@@ -121,12 +121,11 @@ fn run_seed(seed: u64, lbio: &Rc<LbioArray>) -> Result<Outcome, String> {
                     bytes: Rc::clone(&bytes),
                     disk: disk.clone(),
                 });
-                let log = AttrLog::format(pmr, areas as u16).unwrap();
                 let own = LbioArray::new(Rc::clone(lbio.engine()), LbioConfig::default()).unwrap();
                 let target = disk.open(&own).unwrap();
                 rio_logs.push(Some(bytes));
                 let cfg = OrderedConfig::default();
-                return Journal::with_rio(&set, a, disk.open(lbio).unwrap(), target, log, cfg)
+                return Journal::with_rio(&set, a, disk.open(lbio).unwrap(), target, pmr, cfg)
                     .unwrap();
             }
             rio_logs.push(None);

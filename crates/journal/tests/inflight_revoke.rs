@@ -17,7 +17,7 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use journal::rio_ordering::{AttrLog, OrderedConfig, Pmr, RioError};
+use journal::rio_ordering::{OrderedConfig, Pmr, RioError};
 use journal::{recover_image, CommitMode, Journal, JournalError, JournalSet, Layout, Tx};
 use lbio::{LbioArray, LbioConfig, SimConfig, SimDisk};
 
@@ -97,14 +97,13 @@ fn an_in_flight_revoke_keeps_unrevoked_data_writes_to_its_block_out() {
                 armed: Arc::clone(&armed2),
                 gate: gate2,
             });
-            let log = AttrLog::format(pmr, areas as u16).unwrap();
             let own = LbioArray::new(Rc::clone(lbio0.engine()), LbioConfig::default()).unwrap();
             let j0 = Journal::with_rio(
                 &set2,
                 0,
                 disk2.open(&lbio0).unwrap(),
                 disk2.open(&own).unwrap(),
-                log,
+                pmr,
                 OrderedConfig::default(),
             )
             .unwrap();

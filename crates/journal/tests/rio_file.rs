@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
 use aios_core::{Engine, EngineConfig};
-use journal::rio_ordering::{self, AttrLog, BlockPmr, OrderedConfig, Pmr};
+use journal::rio_ordering::{self, BlockPmr, OrderedConfig, Pmr};
 use journal::{rio_prefix, CommitMode, Journal, JournalError, JournalSet, Layout, Tx};
 use lbio::{Device, DeviceConfig, LbioArray, LbioConfig};
 
@@ -64,7 +64,7 @@ fn setup(name: &str, blocks: u64, arena: usize) -> (PathBuf, PathBuf, Rc<Engine>
 }
 
 /// A Rio handle on `area` (its ordered device on an lbio array of its own), with a fresh
-/// attribute log of `streams` streams in the `LOG_BLOCKS` blocks at byte `log_at`; and the
+/// attribute log (one stream per journal area) in the `LOG_BLOCKS` blocks at byte `log_at`; and the
 /// log's slot count.
 fn rio_handle(
     set: &std::sync::Arc<JournalSet>,
@@ -72,19 +72,17 @@ fn rio_handle(
     lbio: &Rc<LbioArray>,
     path: &Path,
     log_at: u64,
-    streams: u16,
 ) -> (Journal, u32) {
     let engine = lbio.engine();
     let own = LbioArray::new(Rc::clone(engine), LbioConfig::default()).unwrap();
     let len = (LOG_BLOCKS * 4096) as usize;
     let pmr: Box<dyn Pmr> = Box::new(BlockPmr::open(engine, path, log_at, len).unwrap());
-    let log = AttrLog::format(pmr, streams).unwrap();
-    let slots = log.slots();
     let cfg = OrderedConfig {
         batch: 2,
         ..OrderedConfig::default()
     };
-    let j = Journal::with_rio(set, area, open(lbio, path), open(&own, path), log, cfg).unwrap();
+    let j = Journal::with_rio(set, area, open(lbio, path), open(&own, path), pmr, cfg).unwrap();
+    let slots = j.rio_log_slots().unwrap();
     (j, slots)
 }
 
@@ -99,7 +97,7 @@ fn rio_ordered_commits_on_a_file_recover_with_their_block_log() {
         // One Rio handle per area, each with its own lbio array for the ordered device.
         let mut handles = Vec::new();
         for a in 0..AREAS {
-            let (j, _) = rio_handle(&set, a as usize, &lbio, &path, log_at(a), AREAS as u16);
+            let (j, _) = rio_handle(&set, a as usize, &lbio, &path, log_at(a));
             assert!(j.rio_ordered());
             handles.push(j);
         }
@@ -111,7 +109,7 @@ fn rio_ordered_commits_on_a_file_recover_with_their_block_log() {
             0,
             open(&lbio, &path),
             open(&own, &path),
-            AttrLog::format(pmr, AREAS as u16).unwrap(),
+            pmr,
             OrderedConfig::default(),
         )
         .err()
@@ -200,7 +198,7 @@ fn a_transaction_larger_than_the_attribute_log_commits_and_recovers() {
     let log_bytes = (LOG_BLOCKS * 4096) as usize;
     let slots;
     {
-        let (j, n) = rio_handle(&set, 0, &lbio, &path, log_at, 1);
+        let (j, n) = rio_handle(&set, 0, &lbio, &path, log_at);
         slots = n as u64;
         // Every other block: nothing merges, one write per block.
         let mut tx = Tx::for_file(1);
@@ -229,6 +227,58 @@ fn a_transaction_larger_than_the_attribute_log_commits_and_recovers() {
     assert_eq!(at(home + 1), 7, "the metadata block, replayed");
     for i in 0..DATA / 2 {
         assert_eq!(at(home + 2 * i), 1000 + i, "data block {}", home + 2 * i);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A second Rio handle asked for on an area whose handle is still live, with its attribute log
+/// in the same place as that handle's (a caller's slip, or two threads racing for the area),
+/// is refused before the log is touched: every commit the first handle's log vouches for
+/// recovers. `with_rio` takes the log's memory unformatted and formats it only once the area
+/// is its own; it used to take a log the caller had already formatted, over the live one, and
+/// the refusal came after the damage (found by a review on 2026-11-27).
+#[test]
+fn a_refused_rio_handle_leaves_the_live_handles_attribute_log_alone() {
+    let (dir, path, engine, lbio) = setup("refused", BLOCKS, 4 << 20);
+    let layout = Layout::per_core(0, AREA_BLOCKS, 1);
+    let plp = open(&lbio, &path).critical_route().0.power_loss_protected;
+    let set = JournalSet::format(&open(&lbio, &path), layout.clone()).unwrap();
+    let (j, _) = rio_handle(&set, 0, &lbio, &path, log_at(0));
+    for i in 0..8u64 {
+        let mut tx = Tx::for_file(1);
+        tx.write_meta(HOME + i, &block_of(100 + i)).unwrap();
+        j.commit(&tx).unwrap();
+    }
+    let own = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let len = (LOG_BLOCKS * 4096) as usize;
+    let pmr: Box<dyn Pmr> = Box::new(BlockPmr::open(&engine, &path, log_at(0), len).unwrap());
+    let e = Journal::with_rio(
+        &set,
+        0,
+        open(&lbio, &path),
+        open(&own, &path),
+        pmr,
+        OrderedConfig::default(),
+    )
+    .err()
+    .expect("a second Rio handle on area 0");
+    assert!(
+        e.to_string().contains("already has a Rio-ordered handle"),
+        "{e}"
+    );
+    // As a crash leaves it (dropping it would checkpoint the area).
+    std::mem::forget(j);
+    let dev = open(&lbio, &path);
+    let log = BlockPmr::open(&engine, &path, log_at(0), len).unwrap();
+    let prefix = rio_prefix(&[rio_ordering::scan(&log).unwrap()], plp).unwrap();
+    let (_set, report) = JournalSet::open_rio(&dev, layout, &prefix).unwrap();
+    assert_eq!(report.replayed.iter().map(Vec::len).sum::<usize>(), 8);
+    drop(dev);
+    let raw = std::fs::read(&path).unwrap();
+    for i in 0..8u64 {
+        let b = (HOME + i) as usize * 4096;
+        let got = u64::from_le_bytes(raw[b..b + 8].try_into().unwrap());
+        assert_eq!(got, 100 + i, "block {}", HOME + i);
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

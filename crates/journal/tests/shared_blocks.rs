@@ -162,14 +162,13 @@ fn a_replaced_rio_handle_leaves_its_commits_recoverable() {
             bytes: Rc::clone(&bytes),
             disk: disk.clone(),
         });
-        let log = AttrLog::format(pmr, areas as u16).unwrap();
         let own = LbioArray::new(Rc::clone(lbio.engine()), LbioConfig::default()).unwrap();
         Journal::with_rio(
             &set,
             0,
             disk.open(&lbio).unwrap(),
             disk.open(&own).unwrap(),
-            log,
+            pmr,
             OrderedConfig::default(),
         )
     };
