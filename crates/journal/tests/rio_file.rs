@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
 use aios_core::{Engine, EngineConfig};
-use journal::rio_ordering::{self, BlockPmr, OrderedConfig, Pmr};
+use journal::rio_ordering::{self, BlockPmr, MemPmr, OrderedConfig, Pmr};
 use journal::{rio_prefix, CommitMode, Journal, JournalError, JournalSet, Layout, Tx};
 use lbio::{Device, DeviceConfig, LbioArray, LbioConfig};
 
@@ -86,6 +86,24 @@ fn rio_handle(
     (j, slots)
 }
 
+/// A second Rio handle on area 0, its attribute log in `log`, is refused: the area has one.
+fn assert_second_rio_handle_refused(
+    set: &std::sync::Arc<JournalSet>,
+    lbio: &Rc<LbioArray>,
+    path: &Path,
+    log: Box<dyn Pmr>,
+) {
+    let own = LbioArray::new(Rc::clone(lbio.engine()), LbioConfig::default()).unwrap();
+    let cfg = OrderedConfig::default();
+    let e = Journal::with_rio(set, 0, open(lbio, path), open(&own, path), log, cfg)
+        .err()
+        .expect("a second Rio handle on area 0");
+    assert!(
+        e.to_string().contains("already has a Rio-ordered handle"),
+        "{e}"
+    );
+}
+
 #[test]
 fn rio_ordered_commits_on_a_file_recover_with_their_block_log() {
     let (dir, path, engine, lbio) = setup("file", BLOCKS, 4 << 20);
@@ -102,22 +120,7 @@ fn rio_ordered_commits_on_a_file_recover_with_their_block_log() {
             handles.push(j);
         }
         // A second Rio handle on an area is refused.
-        let own = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
-        let pmr: Box<dyn Pmr> = Box::new(rio_ordering::MemPmr::new(4096));
-        let e = Journal::with_rio(
-            &set,
-            0,
-            open(&lbio, &path),
-            open(&own, &path),
-            pmr,
-            OrderedConfig::default(),
-        )
-        .err()
-        .expect("a second Rio handle on area 0");
-        assert!(
-            e.to_string().contains("already has a Rio-ordered handle"),
-            "{e}"
-        );
+        assert_second_rio_handle_refused(&set, &lbio, &path, Box::new(MemPmr::new(4096)));
 
         let mut v = 0;
         for i in 0..40u64 {
@@ -249,23 +252,9 @@ fn a_refused_rio_handle_leaves_the_live_handles_attribute_log_alone() {
         tx.write_meta(HOME + i, &block_of(100 + i)).unwrap();
         j.commit(&tx).unwrap();
     }
-    let own = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
     let len = (LOG_BLOCKS * 4096) as usize;
-    let pmr: Box<dyn Pmr> = Box::new(BlockPmr::open(&engine, &path, log_at(0), len).unwrap());
-    let e = Journal::with_rio(
-        &set,
-        0,
-        open(&lbio, &path),
-        open(&own, &path),
-        pmr,
-        OrderedConfig::default(),
-    )
-    .err()
-    .expect("a second Rio handle on area 0");
-    assert!(
-        e.to_string().contains("already has a Rio-ordered handle"),
-        "{e}"
-    );
+    let pmr = BlockPmr::open(&engine, &path, log_at(0), len).unwrap();
+    assert_second_rio_handle_refused(&set, &lbio, &path, Box::new(pmr));
     // As a crash leaves it (dropping it would checkpoint the area).
     std::mem::forget(j);
     let dev = open(&lbio, &path);

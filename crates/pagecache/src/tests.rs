@@ -1083,8 +1083,8 @@ fn open_ring_handle(
 
 /// A 64-page cache over a 64-page patterned file, and a thread whose handle has read pages 0
 /// and 1 and then stays idle: no call into the cache until `done` is sent (or 30 s pass).
-/// Its two sequential reads start readahead of pages 2..26, as background requests of which
-/// at most 8 are out at once (the rest wait for that thread's engine to pump them). Joining
+/// Its two sequential reads start readahead of the next pages (2..26 for 24 pages; at most
+/// half the cache), as background requests of which at most 8 are out at once (the rest wait for that thread's engine to pump them). Joining
 /// `idle` says whether `done` came.
 struct IdleReadahead {
     path: std::path::PathBuf,
@@ -1095,19 +1095,25 @@ struct IdleReadahead {
     idle: std::thread::JoinHandle<bool>,
 }
 
+/// A 64-frame cache taking frames four at a time, reading `readahead_pages` ahead.
+fn cache_of_64_frames(readahead_pages: u32) -> Arc<PageCache> {
+    PageCache::new(CacheConfig {
+        capacity_bytes: 64 * PAGE_BYTES,
+        pool_batch: 4,
+        readahead_pages,
+        huge_pages: false,
+        ..CacheConfig::default()
+    })
+    .unwrap()
+}
+
 impl IdleReadahead {
-    /// Returns once the idle thread's reads are done.
-    fn start(name: &str) -> IdleReadahead {
+    /// Returns once the idle thread's reads are done: they start a readahead of
+    /// `readahead_pages` (24 in the tests that do not say).
+    fn start(name: &str, readahead_pages: u32) -> IdleReadahead {
         const PAGES: u64 = 64;
         let (path, content) = patterned_file(name, PAGES);
-        let cache = PageCache::new(CacheConfig {
-            capacity_bytes: 64 * PAGE_BYTES,
-            pool_batch: 4,
-            readahead_pages: 24,
-            huge_pages: false,
-            ..CacheConfig::default()
-        })
-        .unwrap();
+        let cache = cache_of_64_frames(readahead_pages);
         let file = cache.add_file(content.len() as u64).unwrap();
         let (started_tx, started_rx) = std::sync::mpsc::channel();
         let (done, done_rx) = std::sync::mpsc::channel();
@@ -1150,7 +1156,7 @@ fn a_reader_does_not_wait_on_a_readahead_whose_handle_is_idle() {
         file,
         done: done_tx,
         idle,
-    } = IdleReadahead::start("ra");
+    } = IdleReadahead::start("ra", 24);
     let (_e, _l, h) = open_ring_handle(&cache, file, &path);
     let m = cache.metrics();
     assert!(m.readahead_pages >= 20, "{m:?}");
@@ -1196,7 +1202,7 @@ fn a_writer_does_not_wait_on_a_readahead_whose_handle_is_idle() {
         file,
         done: done_tx,
         idle,
-    } = IdleReadahead::start("ra-w");
+    } = IdleReadahead::start("ra-w", 24);
     let (_e, _l, h) = open_ring_handle(&cache, file, &path);
     assert!(
         cache.metrics().readahead_pages >= 20,
@@ -1232,31 +1238,14 @@ fn a_writer_does_not_wait_on_a_readahead_whose_handle_is_idle() {
 #[test]
 fn an_idle_handles_readahead_leaves_frames_for_other_handles() {
     const PAGES: u64 = 64;
-    let (path, content) = patterned_file("ra-cap", PAGES);
-    let cache = PageCache::new(CacheConfig {
-        capacity_bytes: 64 * PAGE_BYTES,
-        pool_batch: 4,
-        readahead_pages: 48,
-        huge_pages: false,
-        ..CacheConfig::default()
-    })
-    .unwrap();
-    let file = cache.add_file(content.len() as u64).unwrap();
-    let (started_tx, started_rx) = std::sync::mpsc::channel();
-    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
-    let idle = {
-        let cache = Arc::clone(&cache);
-        let path = path.clone();
-        std::thread::spawn(move || {
-            let (_e, _l, h) = open_ring_handle(&cache, file, &path);
-            let mut buf = vec![0u8; 4096];
-            h.read(file, 0, &mut buf).unwrap();
-            h.read(file, 4096, &mut buf).unwrap();
-            started_tx.send(()).unwrap();
-            let _ = done_rx.recv_timeout(std::time::Duration::from_secs(30));
-        })
-    };
-    started_rx.recv().unwrap();
+    let IdleReadahead {
+        path,
+        content,
+        cache,
+        file,
+        done: done_tx,
+        idle,
+    } = IdleReadahead::start("ra-cap", 48);
     let in_flight = cache.metrics().readahead_pages;
     assert!(
         (16..=32).contains(&in_flight),
@@ -1276,7 +1265,7 @@ fn an_idle_handles_readahead_leaves_frames_for_other_handles() {
         .collect();
     drop(guards);
     done_tx.send(()).unwrap();
-    idle.join().unwrap();
+    assert!(idle.join().unwrap(), "the idle thread timed out");
     drop(h);
     std::fs::remove_file(&path).unwrap();
     assert_frames_free_or_cached(&cache, &cache.metrics());
@@ -1291,14 +1280,7 @@ fn an_idle_handles_readahead_leaves_frames_for_other_handles() {
 fn a_miss_whose_submit_fails_loses_no_frame() {
     const PAGES: u64 = 16;
     let (path, content) = patterned_file("enter-fails", PAGES);
-    let cache = PageCache::new(CacheConfig {
-        capacity_bytes: 64 * PAGE_BYTES,
-        pool_batch: 4,
-        readahead_pages: 0,
-        huge_pages: false,
-        ..CacheConfig::default()
-    })
-    .unwrap();
+    let cache = cache_of_64_frames(0);
     let file = cache.add_file(content.len() as u64).unwrap();
     let (engine, _l, h) = open_ring_handle(&cache, file, &path);
     let page = |p: u64| &content[p as usize * 4096..(p as usize + 1) * 4096];
