@@ -23,7 +23,7 @@ pub struct LbioConfig {
     pub slots: u32,
     /// Background pieces in flight per device (the token budget).
     pub max_inflight_background: u32,
-    /// Background requests are cut into pieces of this many bytes.
+    /// Background requests are cut into pieces of this many bytes (at least a device's block).
     pub split_bytes: u32,
     /// Devices that can be open on this array at once.
     pub max_devices: u16,
@@ -190,6 +190,9 @@ struct DevState {
     critical: Box<dyn Backend>,
     background: Box<dyn Backend>,
     max_transfer: u32,
+    /// The size background requests are cut into: `split_bytes`, but never below the device's
+    /// block (a piece must stay aligned) nor above its max transfer.
+    bg_piece: u32,
     /// Whether the critical and the background backend take vectored pieces.
     vectored: [bool; 2],
     tokens: u32,
@@ -432,12 +435,14 @@ impl LbioArray {
         n * std::mem::size_of::<Lbio>() + n * 4 + n * 4 + n * 2 * std::mem::size_of::<(u64, i32)>()
     }
 
-    /// Give a device a slot in the array, with a full token budget.
+    /// Give a device a slot in the array, with a full token budget. `block` is the alignment
+    /// its offsets and lengths need (`max_transfer` is a multiple of it).
     pub(crate) fn add_device(
         &self,
         critical: Box<dyn Backend>,
         background: Box<dyn Backend>,
         max_transfer: u32,
+        block: u32,
     ) -> Result<u16, LbioError> {
         let mut inner = self.inner.borrow_mut();
         let idx = inner
@@ -452,6 +457,7 @@ impl LbioArray {
             critical,
             background,
             max_transfer,
+            bg_piece: self.cfg.split_bytes.max(block).min(max_transfer),
             vectored,
             tokens: self.cfg.max_inflight_background,
             bg_queue: VecDeque::with_capacity(self.cfg.slots as usize),
@@ -680,7 +686,6 @@ impl LbioArray {
     /// Issue queued background pieces while the device has tokens. `after_wait` marks a pump
     /// run by a completion: the pieces it issues had been waiting for a token.
     fn pump(&self, inner: &mut Inner, dev: u16, after_wait: bool) {
-        let split = self.cfg.split_bytes;
         loop {
             // A closing device goes away when its last request finishes, which a piece that
             // completes at once (a failed start) can do inside this loop.
@@ -694,7 +699,7 @@ impl LbioArray {
                 return;
             };
             d.tokens -= 1;
-            let max = split.min(d.max_transfer);
+            let max = d.bg_piece;
             if after_wait {
                 inner.metrics.throttled_pieces += 1;
             }

@@ -260,7 +260,7 @@ impl Device {
             )));
         }
         let caps = (critical.caps(), background.caps());
-        let idx = lbio.add_device(critical, background, g.max_transfer_bytes)?;
+        let idx = lbio.add_device(critical, background, g.max_transfer_bytes, g.offset_align)?;
         Ok(Device {
             lbio: Rc::clone(lbio),
             idx,

@@ -89,9 +89,10 @@ pub struct SimConfig {
     pub seed: u64,
     /// Power-loss protection: completed writes survive a crash, and FLUSH costs little.
     pub plp: bool,
-    /// Start this many requests, then cut the power (a crash at a chosen point); `None`: never.
+    /// Start this many requests, then cut the power (a crash at a chosen point; `Some(0)`: the
+    /// power is off from the start); `None`: never.
     pub power_cut_after: Option<u64>,
-    /// Per million writes, how many land at a wrong offset.
+    /// Per million writes, how many land at a wrong offset (never their own).
     pub misdirect_per_million: u32,
     pub latency: SimLatency,
     /// The largest request the device takes (an NVMe controller's MDTS); lbio splits larger
@@ -134,7 +135,7 @@ pub struct SimStats {
 pub struct CrashOptions {
     /// Let multi-sector writes that were not durable survive in part.
     pub torn: bool,
-    /// Bits to flip at random places in the image (bit rot).
+    /// Bits to flip at random places in the image (bit rot): distinct ones, at most all.
     pub bit_flips: u32,
 }
 
@@ -265,7 +266,7 @@ impl SimDisk {
                 cut_in_flight: Vec::new(),
                 started: 0,
                 completed: 0,
-                powered: true,
+                powered: cfg.power_cut_after != Some(0),
                 now_ns: 0,
                 units: vec![0; cfg.latency.parallelism.max(1) as usize],
                 stats: SimStats::default(),
@@ -306,10 +307,14 @@ impl SimDisk {
         self.0.lock().powered = false;
     }
 
-    /// Cut the power once `n` more requests have been started (a crash at a chosen point).
+    /// Cut the power once `n` more requests have been started (a crash at a chosen point); `0`
+    /// cuts it now.
     pub fn cut_power_after(&self, n: u64) {
         let mut s = self.0.lock();
         s.cfg.power_cut_after = Some(s.started + n);
+        if n == 0 {
+            s.powered = false;
+        }
     }
 
     /// Whether the power is still on.
@@ -319,14 +324,22 @@ impl SimDisk {
 
     /// An image a power cut now could leave (see the module docs). Each call draws anew.
     pub fn crash_image(&self, opts: CrashOptions) -> Vec<u8> {
-        let mut img = self.0.lock().media.clone();
-        self.crash_draw(opts.torn, &mut |at, bytes| {
+        // One lock for the media and the draw: a FLUSH completing on another thread in between
+        // would move writes out of the cache after the media was copied, and the image would
+        // lose them while keeping later writes that depended on them.
+        let mut guard = self.0.lock();
+        let mut img = guard.media.clone();
+        guard.crash_draw(opts.torn, &mut |at, bytes| {
             img[at as usize..at as usize + bytes.len()].copy_from_slice(bytes)
         });
-        let mut guard = self.0.lock();
-        for _ in 0..opts.bit_flips {
-            let bit = guard.rng.below(img.len() as u64 * 8);
-            img[(bit / 8) as usize] ^= 1 << (bit % 8);
+        // Distinct bits (two flips of one bit would undo each other), at most every bit.
+        let bits = img.len() as u64 * 8;
+        let mut flipped = std::collections::BTreeSet::new();
+        while (flipped.len() as u64) < bits.min(opts.bit_flips as u64) {
+            let bit = guard.rng.below(bits);
+            if flipped.insert(bit) {
+                img[(bit / 8) as usize] ^= 1 << (bit % 8);
+            }
         }
         img
     }
@@ -344,30 +357,7 @@ impl SimDisk {
     /// it keeps, in order (a later one wins where two overlap), over [`SimDisk::media`];
     /// `torn` lets multi-sector writes survive in part.
     pub fn crash_draw(&self, torn: bool, put: &mut dyn FnMut(u64, &[u8])) {
-        let mut guard = self.0.lock();
-        let Sim {
-            cfg,
-            rng,
-            volatile,
-            queue,
-            cut_in_flight,
-            ..
-        } = &mut *guard;
-        let sector = cfg.sector_bytes as usize;
-        if !cfg.plp {
-            for v in volatile.iter() {
-                choose_sectors(rng, put, v.offset, &v.data, Some(&v.live), sector, torn);
-            }
-        }
-        let in_flight = cut_in_flight.iter().map(|(o, d)| (*o, d)).chain(
-            queue
-                .iter()
-                .filter(|q| q.op == Op::Write)
-                .map(|q| (q.offset, &q.data)),
-        );
-        for (offset, data) in in_flight {
-            choose_sectors(rng, put, offset, data, None, sector, torn);
-        }
+        self.0.lock().crash_draw(torn, put);
     }
 
     /// The durable bytes only (what survives if no volatile write does).
@@ -425,6 +415,33 @@ fn choose_sectors(
 }
 
 impl Sim {
+    /// See [`SimDisk::crash_draw`].
+    fn crash_draw(&mut self, torn: bool, put: &mut dyn FnMut(u64, &[u8])) {
+        let Sim {
+            cfg,
+            rng,
+            volatile,
+            queue,
+            cut_in_flight,
+            ..
+        } = self;
+        let sector = cfg.sector_bytes as usize;
+        if !cfg.plp {
+            for v in volatile.iter() {
+                choose_sectors(rng, put, v.offset, &v.data, Some(&v.live), sector, torn);
+            }
+        }
+        let in_flight = cut_in_flight.iter().map(|(o, d)| (*o, d)).chain(
+            queue
+                .iter()
+                .filter(|q| q.op == Op::Write)
+                .map(|q| (q.offset, &q.data)),
+        );
+        for (offset, data) in in_flight {
+            choose_sectors(rng, put, offset, data, None, sector, torn);
+        }
+    }
+
     /// Account a request issued at `issued` taking `cost` on the first free unit (a barrier
     /// waits for all units and holds them all); the host sees it done at its end.
     fn run_for(&mut self, issued: u64, cost: u64, barrier: bool) {
@@ -468,13 +485,18 @@ impl Sim {
                 self.stats.writes += 1;
                 self.run_for(q.issued_ns, lat.write_ns + kib4 * lat.per_4k_ns, false);
                 let mut offset = q.offset;
+                // Where a write of this length can start; a misdirected one lands at any of
+                // them but its own (none where there is no other).
+                let places = (self.cfg.bytes - q.len as u64) / sector as u64 + 1;
                 if self.cfg.misdirect_per_million > 0
                     && self
                         .rng
                         .chance(self.cfg.misdirect_per_million as u64, 1_000_000)
+                    && places > 1
                 {
-                    let sectors = (self.cfg.bytes - q.len as u64) / sector as u64;
-                    offset = self.rng.below(sectors + 1) * sector as u64;
+                    let own = q.offset / sector as u64;
+                    let other = self.rng.below(places - 1);
+                    offset = (other + u64::from(other >= own)) * sector as u64;
                     self.stats.misdirected += 1;
                 }
                 let at = offset as usize;
@@ -645,6 +667,13 @@ impl Backend for SimBackend {
         }
         let end = piece.offset.checked_add(piece.len as u64);
         if end.is_none_or(|e| e > s.cfg.bytes) {
+            return Ok(Started::Done(-libc::EINVAL));
+        }
+        // A read or write moves whole sectors (the crash model keeps or loses each whole).
+        let sector = s.cfg.sector_bytes as u64;
+        if piece.op != Op::Flush
+            && (piece.len == 0 || piece.offset % sector != 0 || piece.len as u64 % sector != 0)
+        {
             return Ok(Started::Done(-libc::EINVAL));
         }
         let data = if piece.op == Op::Write {
@@ -894,6 +923,57 @@ mod tests {
         let media = disk.media();
         assert!(media.iter().filter(|&&b| b == 3).count() == 4096);
         assert!(!media[..4096].iter().all(|&b| b == 3));
+    }
+
+    /// A read or write the disk's sectors cannot hold is refused, as a device with that LBA
+    /// size would: it was queued, and a crash draw then indexed past the write's sectors (or
+    /// tore a sector). lbio aligns what it sends; this is the device's own check.
+    #[test]
+    fn a_piece_not_in_whole_sectors_is_refused() {
+        let mut cfg = SimConfig::new(64 << 10, 1);
+        cfg.sector_bytes = 4096;
+        let disk = SimDisk::new(cfg).unwrap();
+        let engine = Engine::new(EngineConfig {
+            ring_entries: 8,
+            arena_bytes: 1 << 20,
+            huge_pages: false,
+            ..EngineConfig::default()
+        })
+        .unwrap();
+        let backend = SimBackend(Rc::new(Port {
+            disk: Arc::clone(&disk.0),
+            id: 1,
+        }));
+        let mut data = vec![1u8; 8192];
+        let mut start = |op, offset, len| {
+            let piece = Piece {
+                op,
+                offset,
+                ptr: data.as_mut_ptr(),
+                len,
+                fua: false,
+                buf_index: None,
+                iov: std::ptr::null(),
+                iov_count: 0,
+            };
+            // SAFETY: `data` outlives the queued piece (the disk is dropped first, unadvanced).
+            unsafe { backend.start(&engine, SinkId(0), 0, &piece) }.unwrap()
+        };
+        for op in [Op::Write, Op::Read] {
+            for (offset, len) in [(512, 4096), (0, 512), (0, 4608), (0, 0)] {
+                assert_eq!(
+                    start(op, offset, len),
+                    Started::Done(-libc::EINVAL),
+                    "{op:?} of {len} at {offset}"
+                );
+            }
+        }
+        assert_eq!(start(Op::Write, 4096, 8192), Started::Queued);
+        assert_eq!(start(Op::Flush, 0, 0), Started::Queued);
+        assert_eq!(disk.started(), 2);
+        disk.cut_power();
+        let img = disk.crash_image(CrashOptions::default());
+        assert!(img[..4096].iter().all(|&b| b == 0));
     }
 
     #[test]
