@@ -612,7 +612,9 @@ impl<P: Pmr> OrderedDevice<P> {
         if len == 0
             || !lbio::aligned(w.offset, g.offset_align)
             || !lbio::aligned(len, g.offset_align)
-            || w.offset + len > g.capacity_bytes
+            || w.offset
+                .checked_add(len)
+                .is_none_or(|end| end > g.capacity_bytes)
         {
             return Err(RioError::Config(format!(
                 "write of {len} bytes at {} on target {}: must be a non-empty multiple of {} \
@@ -1041,6 +1043,7 @@ impl<P: Pmr> OrderedDevice<P> {
     #[cold]
     #[inline(never)]
     fn append_entry_slow(&mut self, a: &Attr) -> Result<Slot, RioError> {
+        self.slot_for_log_write()?;
         match self.log.append(a) {
             Err(RioError::LogFull { .. }) => {}
             r => return r,
@@ -1048,11 +1051,46 @@ impl<P: Pmr> OrderedDevice<P> {
         loop {
             self.stats.log_full_waits += 1;
             self.make_room()?;
+            self.slot_for_log_write()?;
             match self.log.append(a) {
                 Err(RioError::LogFull { .. }) => continue,
                 r => return r,
             }
         }
+    }
+
+    /// Take completions until a request slot of the array is free, waiting for one while
+    /// something of this device's is out (its requests hold their slots until taken, done or
+    /// not). `false`: none is, and nothing here frees one (another user holds them); the
+    /// submission that needed it then reports the full array.
+    fn await_free_slot(&mut self) -> Result<bool, RioError> {
+        while self.lbio.free_slots() == 0 {
+            let before = self.reaped;
+            self.reap()?;
+            if self.reaped != before {
+                continue;
+            }
+            if self.inflight_n == 0 && self.flushes_out == 0 && self.log_writes_out == 0 {
+                return Ok(false);
+            }
+            self.lbio.wait_done(1)?;
+            self.reap()?;
+            if self.reaped == before {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// A log writing through this device's own array ([`Pmr::async_array`]) writes its header,
+    /// and `wait`'s sync, with a blocking request on the array: make a request slot free for it
+    /// first. (Held by this device's own writes, every slot refused it, and the append failed
+    /// its group for good.)
+    fn slot_for_log_write(&mut self) -> Result<(), RioError> {
+        if self.log_async {
+            self.await_free_slot()?;
+        }
+        Ok(())
     }
 
     /// A buffer for a copy (a merged command, a piece of a split request): when the arena is
@@ -1297,6 +1335,7 @@ impl<P: Pmr> OrderedDevice<P> {
             self.reap()?;
         }
         // A deferred log: the persist words (and FLUSH entries) set above become durable now.
+        self.slot_for_log_write()?;
         self.log.sync()?;
         if let Some((_, f)) = self.streams[s].failures.first() {
             return Err(RioError::Config(format!(
@@ -1906,9 +1945,18 @@ impl<P: Pmr> OrderedDevice<P> {
         // this FLUSH completed (two FLUSHes on one device may complete in either order), the
         // entry below would already vouch for the groups it covered. Taken now, its failure
         // lowers `vouch_cap` before the entry is written.
-        while self.targets[t as usize].flushing.is_some() {
-            self.lbio.wait_done(1)?;
-            self.reap()?;
+        // The FLUSH also needs a request slot, which other streams' writes may all hold: as a
+        // data write does, it waits for one (taking completions may start a background FLUSH
+        // here, which is then taken first too).
+        loop {
+            while self.targets[t as usize].flushing.is_some() {
+                self.lbio.wait_done(1)?;
+                self.reap()?;
+            }
+            self.await_free_slot()?;
+            if self.targets[t as usize].flushing.is_none() {
+                break;
+            }
         }
         let slot = match marker.map(|(stream, seq)| (stream, self.vouch_cap(stream, seq))) {
             Some((stream, seq)) if seq > 0 => {
@@ -2059,6 +2107,7 @@ impl<P: Pmr> OrderedDevice<P> {
 
     fn append_marker(&mut self, m: &Attr) -> Result<Slot, RioError> {
         loop {
+            self.slot_for_log_write()?;
             match self.log.append(m) {
                 Ok(s) => return Ok(s),
                 Err(RioError::LogFull { .. }) => {

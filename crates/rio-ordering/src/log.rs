@@ -395,7 +395,6 @@ pub struct AttrLog<P: Pmr> {
     tail: u32,
     /// Per stream, in memory: every group below is durable.
     durable_below: Vec<u64>,
-    live: u32,
     header_writes: u64,
     /// The next header and its encoding, built in place when an append moves the header's
     /// marks (allocated once, so the write path allocates nothing).
@@ -454,7 +453,6 @@ impl<P: Pmr> AttrLog<P> {
             used: vec![Used::default(); header.slots as usize],
             pmr,
             tail: 0,
-            live: 0,
             header_writes: 0,
             durable_below,
             header,
@@ -495,9 +493,14 @@ impl<P: Pmr> AttrLog<P> {
     pub fn epoch(&self) -> u32 {
         self.header.epoch
     }
-    /// Entries not yet released.
+    /// Entries not yet released: slots whose groups are not all durable yet (a walk over the
+    /// slot table; for inspection, not for the write path).
     pub fn live(&self) -> u32 {
-        self.live
+        self.used
+            .iter()
+            .filter_map(|u| u.get())
+            .filter(|&(stream, seq)| seq >= self.durable_below[stream as usize])
+            .count() as u32
     }
     /// Header rewrites so far (one per lap at most).
     pub fn header_writes(&self) -> u64 {
@@ -601,7 +604,7 @@ impl<P: Pmr> AttrLog<P> {
         let off = self.slot_offset(s);
         self.pmr
             .persist(off, &attr.entry_bytes(self.header.epoch, false))?;
-        Ok(self.took(s, used, reused.is_none()))
+        Ok(self.took(s, used))
     }
 
     /// [`AttrLog::append`] when nothing stands in the way: the slot is free or holds a durable
@@ -629,16 +632,13 @@ impl<P: Pmr> AttrLog<P> {
         self.pmr
             .persist(off, &attr.entry_bytes(self.header.epoch, false))
             .map_err(Box::new)?;
-        Ok(Some(self.took(s, used, reused.is_none())))
+        Ok(Some(self.took(s, used)))
     }
 
     /// Slot `s` now holds an entry of `used`: the tail moves on.
     #[inline]
-    fn took(&mut self, s: u32, used: Used, was_free: bool) -> Slot {
+    fn took(&mut self, s: u32, used: Used) -> Slot {
         self.used[s as usize] = used;
-        if was_free {
-            self.live += 1;
-        }
         // (A compare, not a division: one append per ordered write.)
         let next = if s + 1 == self.header.slots { 0 } else { s + 1 };
         self.tail = next;
@@ -835,6 +835,26 @@ mod tests {
         assert!(log.append(&attr(0, 7)).is_err());
         assert_eq!(log.header_writes(), 1);
         assert_eq!(Header::read(log.pmr()).unwrap().durable_below, vec![3]);
+    }
+
+    #[test]
+    fn live_counts_the_entries_not_yet_released() {
+        let region = header_bytes(1) + 4 * ATTR_BYTES;
+        let mut log = AttrLog::format(MemPmr::new(region), 1).unwrap();
+        for seq in 1..=3 {
+            log.append(&attr(0, seq)).unwrap();
+        }
+        assert_eq!(log.live(), 3);
+        // Groups 1 and 2 durable: their slots are released (it used to stay at 3, and at the
+        // slot count for good once the log had come round).
+        log.durable(0, 3);
+        assert_eq!(log.live(), 1);
+        log.durable(0, 4);
+        assert_eq!(log.live(), 0);
+        for seq in 4..=6 {
+            log.append(&attr(0, seq)).unwrap();
+        }
+        assert_eq!(log.live(), 3);
     }
 
     #[test]

@@ -191,7 +191,10 @@ fn check_region(
              {block}-byte logical block"
         )));
     }
-    if start + len as u64 > capacity {
+    if start
+        .checked_add(len as u64)
+        .is_none_or(|end| end > capacity)
+    {
         return Err(RioError::Config(format!(
             "a block log at {start}+{len} does not fit {name}'s {capacity} bytes"
         )));

@@ -3,7 +3,10 @@
 //! 2026-11-27; each test failed before its fix): a torn append leaving an older entry's persist
 //! word behind, a background FLUSH failing after `wait`'s own FLUSH of the same target, the
 //! header's version wrapping, a group of more writes than its entries can count, and
-//! checksummed entries with values no device writes.
+//! checksummed entries with values no device writes. Then (a later review; each test failed
+//! before its fix too): byte ranges past 2^64 taken as writes or block log regions, and a full
+//! request array failing `wait`'s FLUSH and an asynchronous block log's header write instead of
+//! being waited out.
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -385,4 +388,164 @@ fn checksummed_entries_with_impossible_values_are_damage() {
     }
     let e = scan(&pmr).unwrap_err().to_string();
     assert!(e.contains("past the largest group"), "{e}");
+}
+
+// ---------------------------------------------------------------------------------------------
+
+/// A RAM target of `DISK` bytes without power-loss protection, one stream per log stream, on an
+/// lbio array of `slots` request slots.
+fn ram_rig(slots: u32, streams: u16) -> (Rc<Engine>, OrderedDevice<MemPmr>) {
+    let engine = Engine::new(EngineConfig {
+        ring_entries: 256,
+        arena_bytes: 1 << 20,
+        huge_pages: false,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let lbio = LbioArray::new(
+        Rc::clone(&engine),
+        LbioConfig {
+            slots,
+            ..LbioConfig::default()
+        },
+    )
+    .unwrap();
+    let dev = lbio::Device::memory(&lbio, DISK as usize).unwrap();
+    let log = AttrLog::format(MemPmr::new(64 << 10), streams).unwrap();
+    let cfg = OrderedConfig {
+        flush_ahead: 0,
+        ..OrderedConfig::default()
+    };
+    let start = vec![1; streams as usize];
+    let od = OrderedDevice::new(lbio, vec![dev], log, &start, cfg).unwrap();
+    (engine, od)
+}
+
+/// A write whose end lies past 2^64 is bad input, refused by `submit` like any other write past
+/// the target's end. (`offset + len` wrapped: a debug build panicked, and a release build took
+/// the write, logged an entry that recovery reports as damage, and failed the stream for good.)
+#[test]
+fn a_write_ending_past_the_address_space_is_refused_and_the_stream_goes_on() {
+    let (engine, mut od) = ram_rig(64, 1);
+    let e = od
+        .submit(0, write(&engine, 0, u64::MAX - 4095, 1), true)
+        .expect_err("a write past the end of the target is refused");
+    assert!(e.to_string().contains("inside its"), "{e}");
+    assert_eq!(od.next_seq(0), 1, "the refused write took no group");
+    od.submit(0, write(&engine, 0, 0, 2), true).unwrap();
+    od.wait(0)
+        .expect("the stream is not failed by a write it refused");
+    let sc = scan(od.log().pmr()).unwrap();
+    assert!(sc.damaged.is_empty(), "{:?}", sc.damaged);
+    let rec = recover(&sc, &|_| false);
+    assert_eq!(rec.streams[0].prefix_end, 2, "{:?}", rec.streams[0]);
+}
+
+/// `wait` FLUSHes while another stream's writes hold every request slot of the array: it waits
+/// for one of them to complete, as a data write does, instead of failing. (It returned "all 4
+/// request slots are in flight" although nothing had failed.)
+#[test]
+fn wait_flushes_while_another_streams_writes_hold_every_request_slot() {
+    let (engine, mut od) = ram_rig(4, 2);
+    od.submit(0, write(&engine, 0, 0, 1), true).unwrap();
+    let mut back = Vec::new();
+    while back.is_empty() {
+        back = od.wait_any().unwrap();
+    }
+    assert_eq!(back.len(), 1);
+    for i in 0..4 {
+        od.submit(1, write(&engine, 0, 65536 + i * 4096, 2), true)
+            .unwrap();
+    }
+    assert_eq!(od.in_flight(), 4, "stream 1 holds every request slot");
+    od.wait(0)
+        .expect("stream 0's write is durable once a slot frees for its FLUSH");
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert_eq!(rec.streams[0].prefix_end, 2, "{:?}", rec.streams[0]);
+    od.wait(1).unwrap();
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert_eq!(rec.streams[1].prefix_end, 5, "{:?}", rec.streams[1]);
+}
+
+/// A block log whose region ends past 2^64 is refused as not fitting the device (`start + len`
+/// wrapped: a panic in a debug build).
+#[test]
+fn a_block_log_ending_past_the_address_space_is_refused() {
+    let engine = Engine::new(EngineConfig {
+        arena_bytes: 1 << 20,
+        huge_pages: false,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let dev = lbio::Device::memory(&lbio, DISK as usize).unwrap();
+    let e = rio_ordering::BlockPmr::on_device(dev, u64::MAX - 4095, 4096).unwrap_err();
+    assert!(e.to_string().contains("does not fit"), "{e}");
+}
+
+/// A block log on the ordered device's own lbio array (asynchronous sync) rewrites its header,
+/// once per lap, with a blocking request on that array. With every request slot held by the
+/// device's own writes it waits for one of them, instead of failing the group whose entry
+/// needed the header (which used to fail for good: "all 3 request slots are in flight", and
+/// every later `wait` of the stream said so).
+#[test]
+fn an_async_block_logs_header_write_waits_for_a_request_slot_instead_of_failing_the_group() {
+    let engine = Engine::new(EngineConfig {
+        ring_entries: 256,
+        arena_bytes: 1 << 20,
+        huge_pages: false,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let lbio = LbioArray::new(
+        Rc::clone(&engine),
+        LbioConfig {
+            slots: 3,
+            ..LbioConfig::default()
+        },
+    )
+    .unwrap();
+    // Data on a SimDisk (its writes stay out until the engine is polled again); the log in 8
+    // slots after a 1,536-byte header, on a RAM device of the same array.
+    let disk = lbio::SimDisk::new(lbio::SimConfig::new(DISK, 7)).unwrap();
+    let dev = disk.open(&lbio).unwrap();
+    let log_dev = lbio::Device::memory(&lbio, 64 << 10).unwrap();
+    let log = AttrLog::format(
+        rio_ordering::BlockPmr::on_device(log_dev, 0, 2048).unwrap(),
+        1,
+    )
+    .unwrap();
+    assert_eq!(log.slots(), 8);
+    let cfg = OrderedConfig {
+        batch: 3,
+        merge: false,
+        flush_ahead: 0,
+        ..OrderedConfig::default()
+    };
+    let mut od = OrderedDevice::new(Rc::clone(&lbio), vec![dev], log, &[1], cfg).unwrap();
+    // Groups 1..=4 and wait's FLUSH entry take slots 0..=4; all durable, the header still at 1.
+    for i in 0..4 {
+        od.submit(0, write(&engine, 0, i * 4096, i as u8), true)
+            .unwrap();
+    }
+    od.wait(0).unwrap();
+    // Groups 5..=7 take slots 5..=7, and their writes every request slot.
+    for i in 4..7 {
+        od.submit(0, write(&engine, 0, i * 4096, i as u8), true)
+            .unwrap();
+    }
+    od.poll().unwrap();
+    assert_eq!(od.in_flight(), 3);
+    assert_eq!(lbio.free_slots(), 0, "the device's writes hold every slot");
+    // Group 8 reuses slot 0, whose entry the header's mark does not cover yet.
+    assert_eq!(od.log().header_writes(), 0);
+    od.submit(0, write(&engine, 0, 7 * 4096, 7), true).unwrap();
+    od.flush_queue(0)
+        .expect("group 8's entry waits for a slot to write the header");
+    assert_eq!(od.log().header_writes(), 1);
+    od.wait(0).expect("nothing failed");
+    let done = od.poll().unwrap();
+    assert!(done.iter().all(|d| d.result.is_ok()), "{done:?}");
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert_eq!(rec.streams[0].prefix_end, 9, "{:?}", rec.streams[0]);
 }
