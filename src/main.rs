@@ -285,7 +285,7 @@ struct TargetArgs {
     subnqn: String,
     /// Write data taken inside the command capsule (larger writes' data follows an R2T);
     /// 0 makes every write use R2T.
-    #[arg(long, default_value = "128k", value_parser = parse_size)]
+    #[arg(long, default_value = "128k", value_parser = parse_size_or_zero)]
     in_capsule: u64,
     /// One line per connection opened and closed.
     #[arg(long)]
@@ -846,13 +846,25 @@ fn main() -> ExitCode {
 }
 
 fn cmd_mkfs(a: MkfsArgs) -> Result<(), BenchError> {
+    // A file `--size` creates is removed again when mkfs fails.
+    let mut created = None;
     if let Some(size) = a.size {
+        let existed = a.image.exists();
         let f = std::fs::OpenOptions::new()
             .write(true)
             .create(true)
             .truncate(false)
             .open(&a.image)
             .map_err(|e| BenchError::Setup(about(&a.image, e)))?;
+        if !existed {
+            let p = a.image.clone();
+            created = Some(aios::bench::cleanup::register(
+                "the image file mkfs created",
+                move || {
+                    let _ = std::fs::remove_file(&p);
+                },
+            ));
+        }
         let len = f.metadata().map_err(io_err)?.len();
         if len < size {
             f.set_len(size)
@@ -869,6 +881,10 @@ fn cmd_mkfs(a: MkfsArgs) -> Result<(), BenchError> {
         opts.journals = j;
     }
     let sb = fs_fuse::mkfs(&a.image, &opts).map_err(|e| BenchError::Setup(e.to_string()))?;
+    // Made: keep the file.
+    if let Some(undo) = created {
+        undo.cancel();
+    }
     println!(
         "aiosfs on {}: {} blocks of 4 KiB ({} MiB), {} inodes, {} journal areas of {} blocks, data from block {}",
         a.image.display(),
@@ -886,6 +902,7 @@ fn cmd_bench_fs(a: FsBenchArgs) -> Result<(), BenchError> {
     use aios::bench::fsbench::{medians, FsBench, FsBenchSetup};
     let _qos = hold_cpu_latency(a.qos)?;
     check_seconds(a.seconds)?;
+    check_mount_cache(a.cache_size)?;
     const KNOWN: [&str; 5] = ["randread", "fsync", "createsync", "postmark", "append"];
     if let Some(w) = a.workloads.iter().find(|w| !KNOWN.contains(&w.as_str())) {
         return Err(BenchError::Invalid(format!(
@@ -978,7 +995,27 @@ fn is_mounted(mountpoint: &Path) -> bool {
     })
 }
 
+/// The smallest page cache a mount takes (two 4 KiB frames: one pool batch per handle).
+const MIN_MOUNT_CACHE: u64 = 8 << 10;
+
+/// `--cache-size`: 0 (none) or at least [`MIN_MOUNT_CACHE`]. Checked before the mount starts:
+/// the file system refuses a smaller cache only after marking the image mounted.
+fn check_mount_cache(bytes: u64) -> Result<(), BenchError> {
+    if bytes > 0 && bytes < MIN_MOUNT_CACHE {
+        return Err(BenchError::Invalid(format!(
+            "--cache-size {bytes}: at least 8k (two 4 KiB pages), or 0 for no page cache"
+        )));
+    }
+    Ok(())
+}
+
 fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
+    if a.threads == Some(0) {
+        return Err(BenchError::Invalid(
+            "--threads 0: at least one worker".into(),
+        ));
+    }
+    check_mount_cache(a.cache_size)?;
     if !a.foreground {
         // The file system runs as a child in its own process group (a Ctrl-C at this terminal
         // does not reach it); this process waits until the mount is there or the child fails.
@@ -1055,11 +1092,6 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
     }
     let mut opts = fs_fuse::MountOptions::default();
     if let Some(t) = a.threads {
-        if t == 0 {
-            return Err(BenchError::Invalid(
-                "--threads 0: at least one worker".into(),
-            ));
-        }
         opts.threads = t;
     }
     opts.fs.commit_mode = match a.commit {
@@ -1522,14 +1554,50 @@ fn about(path: &Path, e: impl std::fmt::Display) -> String {
     }
 }
 
+/// `--qd` must fit the lbio request slots (`--slots`).
+fn check_qd_slots(qd: u32, slots: u32) -> Result<(), BenchError> {
+    if qd == 0 || qd > slots {
+        return Err(BenchError::Invalid(format!(
+            "--qd {qd} exceeds the {slots} request slots (--slots {slots}): lower --qd or raise \
+             --slots to at least {qd}"
+        )));
+    }
+    Ok(())
+}
+
+/// A `--plot` path must end in `.png` or `.svg` (the format goes by the extension); checked
+/// before the bench runs, not after.
+fn check_plot_path(p: &Path) -> Result<(), BenchError> {
+    match p.extension().and_then(|e| e.to_str()) {
+        Some(e) if e.eq_ignore_ascii_case("png") || e.eq_ignore_ascii_case("svg") => Ok(()),
+        _ => Err(BenchError::Invalid(format!(
+            "--plot {}: name a .png or .svg file (the plot's format goes by the extension)",
+            p.display()
+        ))),
+    }
+}
+
+/// Create the directory `p` goes in, if it has one.
+fn create_plot_dir(p: &Path) -> Result<(), BenchError> {
+    if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| {
+            BenchError::Setup(format!("creating {} for the plot: {e}", dir.display()))
+        })?;
+    }
+    Ok(())
+}
+
 fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
     check_seconds(a.seconds)?;
-    if a.qd == 0 || a.qd > a.slots {
-        return Err(lbio::LbioError::QueueDepth {
-            qd: a.qd,
-            slots: a.slots,
-        }
-        .into());
+    check_qd_slots(a.qd, a.slots)?;
+    if let Some(span) = a.span.filter(|&s| s < a.bs as u64) {
+        return Err(BenchError::Invalid(format!(
+            "--span {span} is less than one --bs {} block: give a --span of at least {}",
+            a.bs, a.bs
+        )));
+    }
+    if let Some(p) = &a.plot {
+        check_plot_path(p)?;
     }
     let fio = if a.vs_fio {
         Some(fio_version().ok_or_else(|| {
@@ -1650,6 +1718,7 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
         }
     }
     if let Some(p) = &a.plot {
+        create_plot_dir(p)?;
         let refs: Vec<&Sample> = meds.iter().collect();
         plot_cdf(
             p,
@@ -1675,12 +1744,9 @@ fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
 fn cmd_bench_scale(a: ScaleArgs) -> Result<(), BenchError> {
     use aios::bench::scale::{run_scale, ScaleConfig, ScaleDevices, ScaleSample};
     check_seconds(a.seconds)?;
-    if a.qd > a.slots {
-        return Err(lbio::LbioError::QueueDepth {
-            qd: a.qd,
-            slots: a.slots,
-        }
-        .into());
+    check_qd_slots(a.qd, a.slots)?;
+    if let Some(p) = &a.plot {
+        check_plot_path(p)?;
     }
     let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
     let threads = if a.threads.is_empty() {
@@ -1831,11 +1897,7 @@ fn cmd_bench_scale(a: ScaleArgs) -> Result<(), BenchError> {
         }
     }
     if let Some(p) = &a.plot {
-        if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|e| {
-                BenchError::Setup(format!("creating {} for the plot: {e}", dir.display()))
-            })?;
-        }
+        create_plot_dir(p)?;
         let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
         for s in &meds {
             let name = if s.engine.starts_with("fio") {
@@ -1871,6 +1933,11 @@ fn cmd_bench_pagecache(a: PagecacheArgs) -> Result<(), BenchError> {
     let _qos = hold_cpu_latency(a.qos)?;
     check_seconds(a.seconds)?;
     pc::check_block_sizes(&a.bs, None)?;
+    if let Some(h) = a.hot.iter().find(|&&h| h < 4096).filter(|_| !a.no_hits) {
+        return Err(BenchError::Invalid(format!(
+            "--hot {h}: a hot set holds at least one 4 KiB page (4k or more)"
+        )));
+    }
     let target = Target::prepare(&a.device, a.size)?;
     let bench = PagecacheBench {
         path: target.path().to_path_buf(),
@@ -1957,10 +2024,13 @@ fn cmd_target(a: TargetArgs) -> Result<(), BenchError> {
 
 fn cmd_bench_net(a: &OrderedArgs, spec: &str) -> Result<(), BenchError> {
     use aios::bench::net::{self as nb, NetBench};
+    check_seconds(a.seconds)?;
     let mut _lab = None;
     let (targets, pids) = if let Some(n) = spec.strip_prefix("netns:") {
-        let n: usize = n.parse().map_err(|_| {
-            BenchError::Invalid(format!("--targets {spec}: netns:N wants a number"))
+        let n: usize = n.parse().ok().filter(|&n| n > 0).ok_or_else(|| {
+            BenchError::Invalid(format!(
+                "--targets {spec}: netns:N wants a number of targets, 1 or more"
+            ))
         })?;
         let exe = std::env::current_exe().map_err(io_err)?;
         eprintln!("starting {n} targets in network namespaces (veth pairs, files in /dev/shm)");
@@ -2152,6 +2222,12 @@ fn cmd_bench_fsync(a: FsyncArgs) -> Result<(), BenchError> {
              or leave them out with --modes vanilla,overlapped"
                 .into(),
         ));
+    }
+    if let Some(d) = a.ext4_dir.as_ref().filter(|d| ext4_wanted && !d.is_dir()) {
+        return Err(BenchError::Invalid(format!(
+            "--ext4-dir {}: not a directory (name one on an ext4 file system)",
+            d.display()
+        )));
     }
     let targets = prepare_fsync_targets(
         &a.device,

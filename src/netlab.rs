@@ -2,7 +2,8 @@
 //! the host by a veth pair (`10.77.N.1` on the host, `10.77.N.2` in namespace `aios-tN`), so a
 //! benchmark or fault test can kill a target or take its link down. (Delay and loss with
 //! `tc netem` are exercised in the lab guest instead, step `tcp-netem`: this host's kernel has
-//! no `sch_netem`.) Needs root and iproute2. Everything created is removed on drop.
+//! no `sch_netem`.) Needs root and iproute2. Everything created is removed on drop, or on
+//! SIGINT/SIGTERM.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -30,6 +31,9 @@ pub struct NetLab {
     streams: u16,
     mem_log: bool,
     tag: String,
+    /// Per target: deletes its link and namespace and removes its files (when the lab is
+    /// dropped, or on SIGINT/SIGTERM once the target processes are stopped).
+    undo: Vec<crate::bench::cleanup::Undo>,
 }
 
 fn run(args: &[&str]) -> Result<(), String> {
@@ -67,6 +71,7 @@ impl NetLab {
             streams,
             mem_log,
             tag: tag.clone(),
+            undo: Vec::new(),
         };
         if !Path::new("/run/netns").exists() {
             std::fs::create_dir_all("/run/netns").map_err(|e| format!("/run/netns: {e}"))?;
@@ -89,6 +94,16 @@ impl NetLab {
                 log: log.clone(),
                 child: None,
             });
+            let (n, h, d, l) = (ns.clone(), host_if.clone(), device.clone(), log.clone());
+            lab.undo.push(crate::bench::cleanup::register(
+                "a target's network namespace, link and files",
+                move || {
+                    let _ = run(&["ip", "link", "del", &h]);
+                    let _ = run(&["ip", "netns", "del", &n]);
+                    let _ = std::fs::remove_file(&d);
+                    let _ = std::fs::remove_file(&l);
+                },
+            ));
             run(&["ip", "netns", "add", &ns])?;
             run(&[
                 "ip", "link", "add", &host_if, "type", "veth", "peer", "name", &ns_if,
@@ -209,12 +224,8 @@ impl Drop for NetLab {
         for i in 0..self.targets.len() {
             self.kill(i);
         }
-        for t in &self.targets {
-            let _ = run(&["ip", "link", "del", &t.host_if]);
-            let _ = run(&["ip", "netns", "del", &t.ns]);
-            let _ = std::fs::remove_file(&t.device);
-            let _ = std::fs::remove_file(&t.log);
-        }
+        // Each runs its target's undo: link, namespace, device and log file.
+        self.undo.clear();
     }
 }
 

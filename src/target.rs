@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::bench::cleanup::{self, Undo};
 use crate::bench::ull::{fill_file, UllDevice, ULL_BYTES};
 use crate::bench::BenchError;
 
@@ -11,10 +12,21 @@ use crate::bench::BenchError;
 pub enum Target {
     /// The loop-over-/dev/shm device (detached on drop).
     Ull(UllDevice),
-    /// A file this run created and filled (removed on drop).
-    Created(PathBuf),
+    /// A file this run created and filled (removed on drop, or on SIGINT/SIGTERM).
+    Created(PathBuf, Undo),
     /// A path the user named; never removed.
     Existing(PathBuf),
+}
+
+/// Create `path` with `bytes` of data, removed when the returned [`Target`] is dropped, when
+/// the filling fails, or when the process is interrupted (also while it is being filled).
+fn created(path: PathBuf, bytes: u64) -> Result<Target, BenchError> {
+    let p = path.clone();
+    let undo = cleanup::register("a file the bench created", move || {
+        let _ = std::fs::remove_file(&p);
+    });
+    fill_file(&path, bytes)?;
+    Ok(Target::Created(path, undo))
 }
 
 impl Target {
@@ -38,22 +50,22 @@ impl Target {
                 parent.display()
             )));
         }
-        fill_file(&path, create_bytes)?;
-        Ok(Target::Created(path))
+        created(path, create_bytes)
     }
 
     /// A scratch file of `bytes` in `dir`, created and filled now.
     pub fn scratch(dir: &Path, name: &str, bytes: u64) -> Result<Target, BenchError> {
-        let path = dir.join(format!("{name}-{}.img", std::process::id()));
-        fill_file(&path, bytes)?;
-        Ok(Target::Created(path))
+        created(
+            dir.join(format!("{name}-{}.img", std::process::id())),
+            bytes,
+        )
     }
 
     /// The path to open.
     pub fn path(&self) -> &Path {
         match self {
             Target::Ull(u) => u.path(),
-            Target::Created(p) | Target::Existing(p) => p,
+            Target::Created(p, _) | Target::Existing(p) => p,
         }
     }
 
@@ -69,16 +81,8 @@ impl Target {
                 "ull: {} (loop, direct-io, over a 1 GiB image in /dev/shm)",
                 u.path().display()
             ),
-            Target::Created(p) => format!("{} (scratch file created for this run)", p.display()),
+            Target::Created(p, _) => format!("{} (scratch file created for this run)", p.display()),
             Target::Existing(p) => p.display().to_string(),
-        }
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        if let Target::Created(p) = self {
-            let _ = std::fs::remove_file(p);
         }
     }
 }

@@ -727,3 +727,274 @@ fn probe_sees_io_uring_punt_to_io_wq_on_tmpfs_and_not_on_a_loop_device() {
         assert_eq!(v["critical_route"], "io_uring", "{v}");
     }
 }
+
+/// Settings that cannot work are refused up front, naming the option and what it takes: not
+/// taken for another value (a block size past u64), not blamed on the device, not found out
+/// after the whole bench ran (the plot), not run anyway (zero seconds over the network).
+#[test]
+fn bench_refuses_settings_naming_the_option_not_something_else() {
+    let f = Scratch::new("refuse", 1 << 20);
+    let path = f.0.to_str().unwrap();
+    let fails = |args: &[&str]| {
+        let out = aios().args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} should fail");
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    // 2^54 + 4 KiB wrapped to 4 KiB in the multiplication.
+    let e = fails(&[
+        "bench",
+        "lbio",
+        "--bs",
+        "18014398509481988k",
+        "--device",
+        "/nonexistent-dir/x.img",
+    ]);
+    assert!(e.contains("18014398509481988k"), "{e}");
+    let e = fails(&[
+        "bench",
+        "lbio",
+        "--device",
+        path,
+        "--span",
+        "1k",
+        "--seconds",
+        "0.1",
+    ]);
+    assert!(e.contains("--span 1024") && e.contains("4096"), "{e}");
+    let e = fails(&["bench", "scale", "--device", "mem", "--qd", "300"]);
+    assert!(e.contains("--qd 300") && e.contains("--slots"), "{e}");
+    let e = fails(&["bench", "lbio", "--seconds", "inf"]);
+    assert!(e.contains("--seconds inf") && e.contains("finite"), "{e}");
+    let plot = format!("/var/tmp/aios-cli-plot-{}.txt", std::process::id());
+    for args in [
+        &["bench", "lbio", "--device", "/nonexistent-dir/x.img"][..],
+        &[
+            "bench",
+            "scale",
+            "--device",
+            "mem",
+            "--size",
+            "4m",
+            "--threads",
+            "1",
+            "--rounds",
+            "1",
+            "--seconds",
+            "0.1",
+        ][..],
+    ] {
+        let out = aios().args(args).args(["--plot", &plot]).output().unwrap();
+        let _ = std::fs::remove_file(&plot);
+        assert!(!out.status.success(), "{args:?} should fail");
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(e.contains("--plot") && e.contains(".png"), "{args:?}: {e}");
+        assert!(out.stdout.is_empty(), "{args:?} ran the bench: {e}");
+    }
+    // A hot set under a page is not blamed on the device, after the cold runs.
+    let e = fails(&["bench", "pagecache", "--device", path, "--hot", "1k"]);
+    assert!(e.contains("--hot 1024"), "{e}");
+    assert!(!e.contains("device:"), "{e}");
+    let e = fails(&[
+        "bench",
+        "fsync",
+        "--device",
+        path,
+        "--destructive",
+        "--modes",
+        "ext4",
+        "--ext4-dir",
+        "/nonexistent-dir",
+    ]);
+    assert!(e.contains("--ext4-dir /nonexistent-dir"), "{e}");
+    // Over the network: the checks of the local bench apply too.
+    let e = fails(&[
+        "bench",
+        "ordered",
+        "--targets",
+        "127.0.0.1:1",
+        "--seconds",
+        "0",
+    ]);
+    assert!(e.contains("--seconds 0"), "{e}");
+    let e = fails(&["bench", "ordered", "--targets", "netns:0"]);
+    assert!(e.contains("netns:0") && e.contains("1 or more"), "{e}");
+}
+
+/// `--in-capsule 0` is what its help says: every write's data follows an R2T.
+#[test]
+fn target_takes_in_capsule_0() {
+    use std::io::BufRead;
+    let f = Scratch::new("target-r2t", 1 << 20);
+    let mut child = aios()
+        .args([
+            "target",
+            "--listen",
+            "127.0.0.1:0",
+            "--in-capsule",
+            "0",
+            "--device",
+        ])
+        .arg(&f.0)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    let _ = std::io::BufReader::new(child.stderr.take().unwrap()).read_line(&mut first);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(first.contains("aios target: serving"), "{first}");
+}
+
+/// A failed mkfs removes the file its --size created; a mount refused for its --cache-size
+/// leaves the image as it was (not marked mounted).
+#[test]
+fn failed_mkfs_and_mount_leave_nothing_behind() {
+    let new = PathBuf::from(format!(
+        "/var/tmp/aios-cli-mkfs-new-{}.img",
+        std::process::id()
+    ));
+    let out = aios()
+        .args(["mkfs", "--size", "1k"])
+        .arg(&new)
+        .output()
+        .unwrap();
+    let left = new.exists();
+    let _ = std::fs::remove_file(&new);
+    assert!(!out.status.success());
+    assert!(!left, "the failed mkfs left {}", new.display());
+
+    let img = Scratch::new("mount-cache", 0);
+    let out = aios()
+        .args(["mkfs", "--size", "32m"])
+        .arg(&img.0)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let before = std::fs::read(&img.0).unwrap();
+    let mp = std::env::temp_dir().join(format!("aios-cli-mnt-cache-{}", std::process::id()));
+    std::fs::create_dir_all(&mp).unwrap();
+    let m = aios()
+        .args(["mount", "--foreground", "--cache-size", "1k"])
+        .arg(&img.0)
+        .arg(&mp)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir(&mp);
+    assert!(!m.status.success());
+    let e = String::from_utf8_lossy(&m.stderr);
+    assert!(e.contains("--cache-size") && e.contains("8k"), "{e}");
+    assert!(
+        std::fs::read(&img.0).unwrap() == before,
+        "a refused mount wrote to the image"
+    );
+}
+
+/// Run `aios ARGS`, send it SIGINT once a line of its stderr holds `ready`, and wait for it:
+/// its process id, exit code and stderr up to that line (not read to its end: a process the
+/// bench left running would hold it open).
+fn interrupt_when(args: &[&str], ready: &str) -> (u32, Option<i32>, String) {
+    use std::io::BufRead;
+    let mut child = aios()
+        .args(args)
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    let mut line = String::new();
+    while err.read_line(&mut line).unwrap_or(0) > 0 {
+        seen.push_str(&line);
+        if line.contains(ready) {
+            let _ = Command::new("kill")
+                .args(["-INT", &child.id().to_string()])
+                .status();
+            break;
+        }
+        line.clear();
+    }
+    let st = child.wait().unwrap();
+    assert!(seen.contains(ready), "never saw {ready:?}: {seen}");
+    (child.id(), st.code(), seen)
+}
+
+/// Ctrl-C in the middle of a run removes the file the bench created for it.
+#[test]
+fn an_interrupted_bench_removes_the_file_it_created() {
+    let p = format!("/var/tmp/aios-cli-sigint-{}.img", std::process::id());
+    let (_, code, err) = interrupt_when(
+        &[
+            "bench",
+            "lbio",
+            "--device",
+            &p,
+            "--size",
+            "16m",
+            "--seconds",
+            "60",
+            "--completion",
+            "wait",
+            "--settle-ms",
+            "0",
+        ],
+        "bench round 1/1",
+    );
+    let left = std::path::Path::new(&p).exists();
+    let _ = std::fs::remove_file(&p);
+    assert!(!left, "the interrupted bench left {p}: {err}");
+    assert_eq!(code, Some(130), "{err}");
+}
+
+/// Ctrl-C in a run over network namespaces removes the namespaces and the targets' files.
+#[test]
+fn an_interrupted_network_bench_removes_its_namespaces() {
+    if !aios::core::sys::is_root() {
+        eprintln!("SKIPPED: network namespaces need root");
+        return;
+    }
+    let (pid, code, err) = interrupt_when(
+        &[
+            "bench",
+            "ordered",
+            "--targets",
+            "netns:1",
+            "--size",
+            "16m",
+            "--seconds",
+            "60",
+            "--rounds",
+            "1",
+            "--modes",
+            "orderless",
+        ],
+        "round 1/1",
+    );
+    // The names aios::netlab gives the first target's namespace, link and device.
+    let tag = pid % 10000;
+    let (ns, link, img) = (
+        format!("aios-t0-{tag}"),
+        format!("aih0-{tag}"),
+        format!("/dev/shm/aios-netlab-{tag}-0.img"),
+    );
+    let netns = Command::new("ip").args(["netns", "list"]).output().unwrap();
+    let left_ns = String::from_utf8_lossy(&netns.stdout).contains(&ns);
+    let left_img = std::path::Path::new(&img).exists();
+    // Whatever the bench left, this test does not: the target process, link, namespace, file.
+    if let Ok(pids) = Command::new("ip").args(["netns", "pids", &ns]).output() {
+        for pid in String::from_utf8_lossy(&pids.stdout).split_whitespace() {
+            let _ = Command::new("kill").arg(pid).status();
+        }
+    }
+    let _ = Command::new("ip").args(["link", "del", &link]).output();
+    let _ = Command::new("ip").args(["netns", "del", &ns]).output();
+    let _ = std::fs::remove_file(&img);
+    assert!(
+        !left_ns && !left_img,
+        "left {ns}: {left_ns}, {img}: {left_img}; {err}"
+    );
+    assert_eq!(code, Some(130), "{err}");
+}

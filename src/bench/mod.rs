@@ -524,7 +524,7 @@ pub fn xorshift(x: &mut u64) -> u64 {
 pub fn check_seconds(seconds: f64) -> Result<(), BenchError> {
     if seconds <= 0.0 || !seconds.is_finite() {
         return Err(BenchError::Invalid(format!(
-            "--seconds {seconds} must be > 0"
+            "--seconds {seconds}: a finite number of seconds above 0 (e.g. 0.5 or 5)"
         )));
     }
     Ok(())

@@ -91,11 +91,10 @@ pub fn parse_bytes(s: &str) -> Result<u32, String> {
     let n: u64 = num
         .parse()
         .map_err(|_| format!("'{s}' is not a size like 4096, 4k or 1m"))?;
-    let v = n * mul;
-    u32::try_from(v)
-        .ok()
+    n.checked_mul(mul)
+        .and_then(|v| u32::try_from(v).ok())
         .filter(|v| *v > 0)
-        .ok_or_else(|| format!("size '{s}' must be between 1 byte and 4 GiB"))
+        .ok_or_else(|| format!("size '{s}' must be at least 1 byte and below 4 GiB"))
 }
 
 const FONT: &[u8] = include_bytes!("../../assets/DejaVuSans.ttf");
@@ -132,7 +131,7 @@ pub fn plot_cdf(path: &Path, title: &str, samples: &[&Sample]) -> Result<(), Ben
         .fold(0.0, f64::max)
         .max(lo * 2.0);
     match path.extension().and_then(|e| e.to_str()) {
-        Some("svg") => draw_cdf(
+        Some(e) if e.eq_ignore_ascii_case("svg") => draw_cdf(
             SVGBackend::new(path, (900, 560)).into_drawing_area(),
             title,
             &series,
@@ -217,7 +216,7 @@ pub fn plot_lines(
     }
     let ranges = (xmax * 1.05, ymax * 1.1);
     match path.extension().and_then(|e| e.to_str()) {
-        Some("svg") => draw_lines(
+        Some(e) if e.eq_ignore_ascii_case("svg") => draw_lines(
             SVGBackend::new(path, (900, 560)).into_drawing_area(),
             title,
             axes,

@@ -13,8 +13,10 @@ pub const ULL_BYTES: u64 = 1 << 30;
 /// A loop device created for a benchmark; detached and its image removed on drop.
 pub struct UllDevice {
     loop_dev: PathBuf,
-    /// Detaches the device and removes its image (when dropped, or on SIGINT/SIGTERM).
+    /// Detaches the device (when dropped, or on SIGINT/SIGTERM). Dropped before `_image`.
     _undo: crate::bench::cleanup::Undo,
+    /// Removes the image (when dropped, or on SIGINT/SIGTERM, also while it is being filled).
+    _image: crate::bench::cleanup::Undo,
 }
 
 impl std::fmt::Debug for UllDevice {
@@ -39,17 +41,18 @@ impl UllDevice {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let image = PathBuf::from(format!("/dev/shm/aios-ull-{}-{n}.img", std::process::id()));
+        // Registered before the image is written: a failed or interrupted fill removes it too.
+        let i = image.clone();
+        let image_undo = crate::bench::cleanup::register("the ull device's image", move || {
+            let _ = std::fs::remove_file(&i);
+        });
         fill_file(&image, bytes)?;
         let out = Command::new("losetup")
             .args(["-f", "--show", "--direct-io=on"])
             .arg(&image)
             .output()
-            .map_err(|e| {
-                let _ = std::fs::remove_file(&image);
-                BenchError::Setup(format!("running losetup (util-linux): {e}"))
-            })?;
+            .map_err(|e| BenchError::Setup(format!("running losetup (util-linux): {e}")))?;
         if !out.status.success() {
-            let _ = std::fs::remove_file(&image);
             return Err(BenchError::Setup(format!(
                 "losetup -f --show --direct-io=on {} failed: {}",
                 image.display(),
@@ -57,17 +60,16 @@ impl UllDevice {
             )));
         }
         let loop_dev = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim().to_string());
-        let (l, i) = (loop_dev.clone(), image.clone());
-        let undo =
-            crate::bench::cleanup::register("the ull loop device and its image", move || {
-                // Leave the loop device as it was found (the setting outlives the attachment).
-                let _ = set_write_cache(&l, "write back");
-                let _ = Command::new("losetup").arg("-d").arg(&l).status();
-                let _ = std::fs::remove_file(&i);
-            });
+        let l = loop_dev.clone();
+        let undo = crate::bench::cleanup::register("the ull loop device", move || {
+            // Leave the loop device as it was found (the setting outlives the attachment).
+            let _ = set_write_cache(&l, "write back");
+            let _ = Command::new("losetup").arg("-d").arg(&l).status();
+        });
         let dev = UllDevice {
             loop_dev,
             _undo: undo,
+            _image: image_undo,
         };
         // The kernel keeps a loop device's write-cache setting across detach and attach: start
         // from the ull device's definition (a volatile cache, like a loop device's default).
