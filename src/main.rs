@@ -998,8 +998,9 @@ fn is_mounted(mountpoint: &Path) -> bool {
 /// The smallest page cache a mount takes (two 4 KiB frames: one pool batch per handle).
 const MIN_MOUNT_CACHE: u64 = 8 << 10;
 
-/// `--cache-size`: 0 (none) or at least [`MIN_MOUNT_CACHE`]. Checked before the mount starts:
-/// the file system refuses a smaller cache only after marking the image mounted.
+/// `--cache-size`: 0 (none) or at least [`MIN_MOUNT_CACHE`]. Checked before the mount starts,
+/// so the error comes before a background file system or a bench's devices are set up (the
+/// file system itself refuses such a cache before it writes anything).
 fn check_mount_cache(bytes: u64) -> Result<(), BenchError> {
     if bytes > 0 && bytes < MIN_MOUNT_CACHE {
         return Err(BenchError::Invalid(format!(

@@ -637,6 +637,31 @@ impl Fs {
         if opts.rio && sb.rio_log(0).is_none() {
             return Err(crate::rio::no_logs());
         }
+        // The page cache before anything is written: a cache the settings cannot build refuses
+        // the mount with the image as it was (not marked mounted, its journal not replayed).
+        let cache = if opts.cache_bytes > 0 {
+            let frames = (opts.cache_bytes / pagecache::PAGE_BYTES) as u32;
+            let cfg = CacheConfig {
+                capacity_bytes: opts.cache_bytes,
+                pool_batch: (frames / 16).clamp(1, 32),
+                // The kernel already reads ahead of a sequential reader (FUSE sends reads of
+                // up to 128 KiB); and a read still in flight when a request returns would be
+                // completed only by that worker's next request.
+                readahead_pages: 0,
+                huge_pages: true,
+                vectored_reads: true,
+                ..CacheConfig::default()
+            };
+            let pc = PageCache::new(cfg).map_err(|e| {
+                FsError::Config(format!("page cache of {} bytes: {e}", opts.cache_bytes))
+            })?;
+            let file = pc
+                .add_file(bytes)
+                .map_err(|e| FsError::Config(format!("page cache: {e}")))?;
+            Some((pc, file))
+        } else {
+            None
+        };
         let was_mounted = sb.mounted;
         let areas = (0..sb.journal_areas).map(|i| sb.journal_area(i)).collect();
         // A version-2 image's attribute logs say which Rio-ordered commits are durable.
@@ -670,29 +695,6 @@ impl Fs {
         for i in 1..sb.inodes {
             free_inodes += !bit(&ibm, i) as u64;
         }
-        let cache = if opts.cache_bytes > 0 {
-            let frames = (opts.cache_bytes / pagecache::PAGE_BYTES) as u32;
-            let cfg = CacheConfig {
-                capacity_bytes: opts.cache_bytes,
-                pool_batch: (frames / 16).clamp(1, 32),
-                // The kernel already reads ahead of a sequential reader (FUSE sends reads of
-                // up to 128 KiB); and a read still in flight when a request returns would be
-                // completed only by that worker's next request.
-                readahead_pages: 0,
-                huge_pages: true,
-                vectored_reads: true,
-                ..CacheConfig::default()
-            };
-            let pc = PageCache::new(cfg).map_err(|e| {
-                FsError::Config(format!("page cache of {} bytes: {e}", opts.cache_bytes))
-            })?;
-            let file = pc
-                .add_file(bytes)
-                .map_err(|e| FsError::Config(format!("page cache: {e}")))?;
-            Some((pc, file))
-        } else {
-            None
-        };
         let probe = set.durability_probe();
         let durability = format!("{} ({})", probe.chosen.name(), probe.why);
         let log_len = sb.journal_blocks - 1;

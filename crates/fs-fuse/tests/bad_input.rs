@@ -271,3 +271,32 @@ fn a_full_disk_says_enospc_and_loses_nothing() {
         "full disk: ENOSPC after {off} bytes of an 8 MiB file system; the fsynced file intact, fsck clean after freeing and unmounting"
     );
 }
+
+/// A mount with a page cache too small to build is refused before anything is written: the
+/// image is byte for byte what it was, so the next mount finds no unclean stop. The cache used
+/// to be built after the superblock was marked mounted (found by a review of the CLI on
+/// 2026-11-28, where `aios mount --cache-size 1k` left the image marked).
+#[test]
+fn a_mount_refused_for_its_cache_size_writes_nothing() {
+    let image = fresh_image(8 << 20);
+    let disk =
+        lbio::SimDisk::from_image(lbio::SimConfig::new(image.len() as u64, 1), image.clone())
+            .unwrap();
+    let opts = fs_fuse::fs::FsOptions {
+        cache_bytes: 1024,
+        ..common::opts()
+    };
+    let e = Fs::open(common::factory(&disk), opts)
+        .err()
+        .expect("a 1 KiB cache");
+    assert!(e.to_string().contains("page cache of 1024 bytes"), "{e}");
+    assert!(
+        disk.media() == image,
+        "the refused mount wrote to the image"
+    );
+    let again =
+        lbio::SimDisk::from_image(lbio::SimConfig::new(image.len() as u64, 2), disk.media())
+            .unwrap();
+    let (_fs, report) = Fs::open(common::factory(&again), common::opts()).unwrap();
+    assert!(!report.was_mounted, "the next mount found an unclean stop");
+}
