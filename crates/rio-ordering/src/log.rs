@@ -299,6 +299,11 @@ impl Header {
             }
             at => at,
         };
+        if slots < 2 {
+            return Err(RioError::Corrupt(format!(
+                "log header claims {slots} slots; a log has at least 2"
+            )));
+        }
         if slots_at + slots as usize * ATTR_BYTES > pmr.len() {
             return Err(RioError::Corrupt(format!(
                 "log header claims {slots} slots, more than the region holds"
@@ -772,6 +777,28 @@ pub fn scan(pmr: &dyn Pmr) -> Result<LogScan, RioError> {
 mod tests {
     use super::*;
     use crate::recover;
+
+    /// A header that checks out but claims fewer than two slots (a log needs two) is refused
+    /// as corrupt. With zero, `reopen` took it and the next `append` indexed an empty slot
+    /// table: a panic.
+    #[test]
+    fn a_header_claiming_too_few_slots_is_corrupt() {
+        for slots in [0u32, 1] {
+            let log = AttrLog::format(MemPmr::new(64 << 10), 1).unwrap();
+            let mut pmr = log.into_pmr();
+            for copy in 0..2 {
+                let at = copy * header_copy_bytes(1);
+                let b = &mut pmr.bytes_mut()[at..at + header_copy_bytes(1)];
+                b[12..16].copy_from_slice(&slots.to_le_bytes());
+                let crc = crc32c::crc32c(&b[8..]);
+                b[4..8].copy_from_slice(&crc.to_le_bytes());
+            }
+            let e = AttrLog::reopen(pmr, &[1])
+                .err()
+                .unwrap_or_else(|| panic!("a header of {slots} slots was taken"));
+            assert!(matches!(e, RioError::Corrupt(_)), "{e}");
+        }
+    }
 
     #[test]
     fn a_slot_word_gives_back_what_was_packed_and_refuses_what_does_not_fit() {
