@@ -475,6 +475,17 @@ impl<P: Pmr> OrderedDevice<P> {
                 log.streams()
             )));
         }
+        if let Some((stream, &g)) = start
+            .iter()
+            .enumerate()
+            .find(|&(_, &g)| g > crate::attr::MAX_SEQ)
+        {
+            return Err(RioError::Config(format!(
+                "stream {stream} starts at group {g}, past the largest group {} (0 means the \
+                 stream lives on another device)",
+                crate::attr::MAX_SEQ
+            )));
+        }
         if cfg.batch == 0 {
             return Err(RioError::Config("batch must be at least 1".into()));
         }
@@ -780,6 +791,14 @@ impl<P: Pmr> OrderedDevice<P> {
                  need the same targets)",
                 h.stream,
                 self.targets.len()
+            )));
+        }
+        if !(1..=crate::attr::MAX_SEQ).contains(&h.next_seq) {
+            return Err(RioError::Config(format!(
+                "stream {}: the handoff's next group is group {}, outside 1..={}",
+                h.stream,
+                h.next_seq,
+                crate::attr::MAX_SEQ
             )));
         }
         let mut prev = vec![0; self.targets.len()];

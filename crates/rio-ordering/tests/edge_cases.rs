@@ -6,7 +6,7 @@
 //! checksummed entries with values no device writes. Then (a later review; each test failed
 //! before its fix too): byte ranges past 2^64 taken as writes or block log regions, and a full
 //! request array failing `wait`'s FLUSH and an asynchronous block log's header write instead of
-//! being waited out.
+//! being waited out; and start or handed-off group numbers outside the range entries carry.
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -548,4 +548,36 @@ fn an_async_block_logs_header_write_waits_for_a_request_slot_instead_of_failing_
     assert!(done.iter().all(|d| d.result.is_ok()), "{done:?}");
     let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
     assert_eq!(rec.streams[0].prefix_end, 9, "{:?}", rec.streams[0]);
+}
+
+/// A start group or a handed-off next group outside 1..=`MAX_SEQ` is bad input, refused with a
+/// typed error (0 in `start` means "the stream lives elsewhere" and stays allowed). A start of
+/// `u64::MAX` was taken, and the stream's second group number overflowed; a handoff's
+/// `next_seq` of 0 made the next group 0, which no entry may carry.
+#[test]
+fn start_groups_and_handoffs_outside_the_group_range_are_refused() {
+    let (engine, mut od) = ram_rig(64, 2);
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let new = |start: &[u64]| {
+        let dev = lbio::Device::memory(&lbio, DISK as usize).unwrap();
+        let log = AttrLog::format(MemPmr::new(64 << 10), 2).unwrap();
+        OrderedDevice::new(
+            Rc::clone(&lbio),
+            vec![dev],
+            log,
+            start,
+            OrderedConfig::default(),
+        )
+    };
+    for bad in [rio_ordering::MAX_SEQ + 1, u64::MAX] {
+        let e = new(&[1, bad])
+            .err()
+            .expect("a start past the largest group");
+        assert!(e.to_string().contains(&bad.to_string()), "{e}");
+    }
+    let mut other = new(&[1, 0]).unwrap();
+    let (mut h, _) = od.detach(1).unwrap();
+    h.next_seq = 0;
+    let e = other.attach(h).err().expect("a handoff of group 0");
+    assert!(e.to_string().contains("group 0"), "{e}");
 }
