@@ -570,14 +570,14 @@ fn start_groups_and_handoffs_outside_the_group_range_are_refused() {
         )
     };
     for bad in [rio_ordering::MAX_SEQ + 1, u64::MAX] {
-        let e = new(&[1, bad])
-            .err()
-            .expect("a start past the largest group");
+        let Err(e) = new(&[1, bad]) else {
+            panic!("a start of group {bad} was taken");
+        };
         assert!(e.to_string().contains(&bad.to_string()), "{e}");
     }
     let mut other = new(&[1, 0]).unwrap();
     let (mut h, _) = od.detach(1).unwrap();
     h.next_seq = 0;
-    let e = other.attach(h).err().expect("a handoff of group 0");
+    let e = other.attach(h).expect_err("a handoff of group 0");
     assert!(e.to_string().contains("group 0"), "{e}");
 }
