@@ -380,8 +380,9 @@ struct ScaleArgs {
 struct OrderedArgs {
     /// `ull` (a loop device over /dev/shm, created and removed; needs root), `sim` (a SimDisk
     /// per stream without power-loss protection: throughput in simulated device time), or a
-    /// block device or file (overwritten: --destructive when it existed before).
-    #[arg(long, default_value = "ull")]
+    /// block device or file (overwritten: --destructive when it existed before). Not with
+    /// --targets.
+    #[arg(long, default_value = "ull", conflicts_with = "targets")]
     device: String,
     /// Stream counts (a thread per stream).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..), value_delimiter = ',', default_value = "1,2")]
@@ -393,8 +394,14 @@ struct OrderedArgs {
     #[arg(long, value_delimiter = ',', default_value = "rio,sync,orderless")]
     modes: Vec<aios::bench::ordered::OrderedMode>,
     /// Rio's attribute log: `pmr` (persistent memory, emulated in RAM) and/or `block` (blocks at
-    /// the end of the device, written with FUA ahead of each batch's data; not on sim).
-    #[arg(long, value_delimiter = ',', default_value = "pmr")]
+    /// the end of the device, written with FUA ahead of each batch's data; not on sim). Not
+    /// with --targets (each target keeps its own log: `aios target --attr-log`).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "pmr",
+        conflicts_with = "targets"
+    )]
     log: Vec<aios::bench::ordered::LogKind>,
     /// Writes in flight per stream (rio, orderless).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = 32)]
@@ -407,28 +414,31 @@ struct OrderedArgs {
     seconds: f64,
     /// Run over the network instead: a volume striped over these Rio targets (`ADDR,ADDR…`,
     /// each an `aios target`), or `netns:N` to start N targets in network namespaces of their
-    /// own on this machine (root; their CPU time is reported too). --device is then unused.
+    /// own on this machine (root; their CPU time is reported too). --device, --log,
+    /// --sim-writes, --flush-ahead and --destructive are for the local device and refused here.
     #[arg(long)]
     targets: Option<String>,
     /// Over the network: the volume's stripe unit (a multiple of 4 KiB). Groups merge only
     /// within one target's stripe, so sequential runs with --batch above 1 want a large one.
-    #[arg(long, default_value = "4k", value_parser = parse_size)]
-    stripe: u64,
+    /// [default: 4k] (only with --targets)
+    #[arg(long, value_parser = parse_size)]
+    stripe: Option<u64>,
     /// Writes per stream per run on `sim`.
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..), default_value_t = 20_000)]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..), default_value_t = 20_000, conflicts_with = "targets")]
     sim_writes: u64,
     /// Rounds (alternating order; figures are medians).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = 3)]
     rounds: u32,
     /// Rio: send a background FLUSH once this many completed writes wait for one (0: only
-    /// `wait` and a full log FLUSH). Capped at half the attribute log's slots.
-    #[arg(long, default_value_t = aios::rio::OrderedConfig::default().flush_ahead)]
+    /// `wait` and a full log FLUSH). Capped at half the attribute log's slots. Not with
+    /// --targets.
+    #[arg(long, default_value_t = aios::rio::OrderedConfig::default().flush_ahead, conflicts_with = "targets")]
     flush_ahead: usize,
     /// Size of a file the bench creates (when --device names a path that does not exist).
     #[arg(long, default_value = "256m", value_parser = parse_size)]
     size: u64,
     /// Allow overwriting an existing device or file.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "targets")]
     destructive: bool,
     /// One JSON object per line instead of a table.
     #[arg(long)]
@@ -2059,15 +2069,17 @@ fn cmd_bench_net(a: &OrderedArgs, spec: &str) -> Result<(), BenchError> {
         rounds: a.rounds.max(1),
         batch: a.batch.first().copied().unwrap_or(1),
         seq: a.seq,
-        stripe: u32::try_from(a.stripe)
-            .ok()
-            .filter(|s| s % 4096 == 0)
-            .ok_or_else(|| {
-                BenchError::Invalid(format!(
-                    "--stripe {}: a multiple of 4 KiB below 4 GiB",
-                    a.stripe
-                ))
-            })?,
+        stripe: {
+            let stripe = a.stripe.unwrap_or(4096);
+            u32::try_from(stripe)
+                .ok()
+                .filter(|s| s % 4096 == 0)
+                .ok_or_else(|| {
+                    BenchError::Invalid(format!(
+                        "--stripe {stripe}: a multiple of 4 KiB below 4 GiB"
+                    ))
+                })?
+        },
     };
     if a.batch.len() > 1 || a.streams.len() > 1 {
         eprintln!(
@@ -2101,6 +2113,11 @@ fn cmd_bench_ordered(a: OrderedArgs) -> Result<(), BenchError> {
     let _qos = hold_cpu_latency(a.qos)?;
     if let Some(spec) = a.targets.clone() {
         return cmd_bench_net(&a, &spec);
+    }
+    if let Some(stripe) = a.stripe {
+        return Err(BenchError::Invalid(format!(
+            "--stripe {stripe}: a stripe unit is for a volume over --targets; a local device has none"
+        )));
     }
     let progress = Progress::new(false);
     // The settings are checked before a device is made or written.

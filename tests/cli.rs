@@ -818,6 +818,25 @@ fn bench_refuses_settings_naming_the_option_not_something_else() {
     assert!(e.contains("--seconds 0"), "{e}");
     let e = fails(&["bench", "ordered", "--targets", "netns:0"]);
     assert!(e.contains("netns:0") && e.contains("1 or more"), "{e}");
+    // Local-device options over the network, and a stripe without a volume, are refused rather
+    // than ignored.
+    for opt in [
+        &["--log", "block"][..],
+        &["--sim-writes", "100"],
+        &["--flush-ahead", "8"],
+        &["--device", "sim"],
+        &["--destructive"],
+    ] {
+        let mut args = vec!["bench", "ordered", "--targets", "127.0.0.1:1"];
+        args.extend_from_slice(opt);
+        let e = fails(&args);
+        assert!(
+            e.contains(opt[0]) && e.contains("--targets"),
+            "{opt:?}: {e}"
+        );
+    }
+    let e = fails(&["bench", "ordered", "--device", "sim", "--stripe", "64k"]);
+    assert!(e.contains("--stripe") && e.contains("--targets"), "{e}");
 }
 
 /// `--in-capsule 0` is what its help says: every write's data follows an R2T.
