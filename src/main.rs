@@ -1028,6 +1028,24 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
         ));
     }
     check_mount_cache(a.cache_size)?;
+    // Both paths are checked here, before a background file system and its log exist, each
+    // error naming the path it is about.
+    std::fs::metadata(&a.image).map_err(|e| BenchError::Setup(about(&a.image, e)))?;
+    match std::fs::metadata(&a.mountpoint) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return Err(BenchError::Invalid(format!(
+                "mountpoint {}: not a directory",
+                a.mountpoint.display()
+            )))
+        }
+        Err(e) => {
+            return Err(BenchError::Setup(format!(
+                "mountpoint {}: {e}",
+                a.mountpoint.display()
+            )))
+        }
+    }
     if !a.foreground {
         // The file system runs as a child in its own process group (a Ctrl-C at this terminal
         // does not reach it); this process waits until the mount is there or the child fails.

@@ -915,6 +915,26 @@ fn failed_mkfs_and_mount_leave_nothing_behind() {
         std::fs::read(&img.0).unwrap() == before,
         "a refused mount wrote to the image"
     );
+    // A missing mountpoint is named as the mountpoint (it read "IMAGE: MOUNTPOINT: …"), and
+    // refused before a background file system and its log are made.
+    let missing = mp.join("missing");
+    let name = img.0.file_name().unwrap().to_string_lossy().to_string();
+    let log = PathBuf::from(format!("/var/tmp/aios-mount-{name}.log"));
+    let m = aios()
+        .arg("mount")
+        .arg(&img.0)
+        .arg(&missing)
+        .output()
+        .unwrap();
+    let made_log = log.exists();
+    let _ = std::fs::remove_file(&log);
+    assert!(!m.status.success());
+    let e = String::from_utf8_lossy(&m.stderr);
+    assert!(
+        e.contains(&format!("mountpoint {}", missing.display())),
+        "{e}"
+    );
+    assert!(!made_log, "the refused mount left {}", log.display());
 }
 
 /// Run `aios ARGS`, send it SIGINT once a line of its stderr holds `ready`, and wait for it:
