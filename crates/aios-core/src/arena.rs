@@ -718,4 +718,18 @@ mod tests {
         assert!(b.iter().all(|&x| x == 7));
         assert_eq!(b.as_ptr() as usize % 4096, 0);
     }
+
+    /// A range whose end overflows is a typed error with a message that names it: the message
+    /// once added start and length, which panicked (debug) or printed a wrapped end (release).
+    #[test]
+    fn an_overflowing_range_is_an_error_that_can_be_printed() {
+        let a = arena(1);
+        let mut b = a.try_alloc(4096).unwrap();
+        let e = b.set_range(usize::MAX, 3).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&format!("of 3 bytes at {}", usize::MAX)),
+            "{msg}"
+        );
+    }
 }

@@ -157,6 +157,13 @@ impl EngineConfig {
                 self.max_files
             )));
         }
+        // Checked here, before `Engine::new` divides by it to size the memlock check.
+        if !self.frame_bytes.is_power_of_two() || !(512..=1 << 30).contains(&self.frame_bytes) {
+            return Err(CoreError::Config(format!(
+                "frame_bytes {} must be a power of two in 512..=1 GiB",
+                self.frame_bytes
+            )));
+        }
         if self.arena_bytes == 0 || self.arena_bytes > 1 << 30 {
             return Err(CoreError::Config(format!(
                 "arena_bytes {} must be in 1..=1 GiB (one registered buffer)",
@@ -785,14 +792,32 @@ impl Engine {
     }
 
     /// Register a completion sink; its SQEs carry the returned id.
+    ///
+    /// A never-used id is taken first. The id of a sink that is gone is reused only once
+    /// nothing is in flight on the rings (waiting for that here): a CQE of the old sink's
+    /// still to come would otherwise be handed to the new one.
     pub fn register_sink(&self, sink: Weak<dyn CompletionSink>) -> Result<SinkId, CoreError> {
-        let mut sinks = self.sinks.borrow_mut();
-        let free = sinks
-            .iter()
-            .position(|s| s.as_ref().is_none_or(|w| w.strong_count() == 0))
-            .ok_or(CoreError::SinksExhausted(MAX_COMPLETION_SINKS))?;
-        sinks[free] = Some(sink);
-        Ok(SinkId(free as u8))
+        loop {
+            let mut sinks = self.sinks.borrow_mut();
+            let free = match sinks.iter().position(Option::is_none) {
+                Some(free) => free,
+                None => {
+                    let dead = sinks
+                        .iter()
+                        .position(|s| s.as_ref().is_some_and(|w| w.strong_count() == 0))
+                        .ok_or(CoreError::SinksExhausted(MAX_COMPLETION_SINKS))?;
+                    if self.rings().any(|r| r.inflight.get() > 0) {
+                        // Dispatch (as orphans, for the dead sink) what is out, then look again.
+                        drop(sinks);
+                        self.wait(1)?;
+                        continue;
+                    }
+                    dead
+                }
+            };
+            sinks[free] = Some(sink);
+            return Ok(SinkId(free as u8));
+        }
     }
 
     /// Register `region` with every ring as a fixed buffer; returns its buffer index (1..). The
@@ -900,9 +925,9 @@ impl Engine {
         payload: u64,
         sqe: squeue::Entry,
     ) -> Result<(), CoreError> {
-        let sqe = sqe.user_data(((sink.0 as u64) << SINK_SHIFT) | payload);
+        let sqe = sqe.user_data(tag(sink, payload)?);
         // SAFETY: forwarded to the caller.
-        unsafe { self.push_any(kind, payload, Sqe::Std(sqe)) }
+        unsafe { self.push_any(kind, Sqe::Std(sqe)) }
     }
 
     /// Queue one 128-byte SQE (e.g. an NVMe passthrough `UringCmd80`) for `sink` with `payload`
@@ -925,16 +950,15 @@ impl Engine {
                     .into(),
             ));
         }
-        let sqe = sqe.user_data(((sink.0 as u64) << SINK_SHIFT) | payload);
+        let sqe = sqe.user_data(tag(sink, payload)?);
         // SAFETY: forwarded to the caller.
-        unsafe { self.push_any(kind, payload, Sqe::Big(sqe)) }
+        unsafe { self.push_any(kind, Sqe::Big(sqe)) }
     }
 
     /// # Safety
     /// As [`Engine::push`].
     #[inline]
-    unsafe fn push_any(&self, kind: RingKind, payload: u64, sqe: Sqe) -> Result<(), CoreError> {
-        debug_assert!(payload <= PAYLOAD_MASK);
+    unsafe fn push_any(&self, kind: RingKind, sqe: Sqe) -> Result<(), CoreError> {
         let ring = self.ring(kind);
         loop {
             // SAFETY: the caller's contract covers the SQE's buffers and files.
@@ -1348,6 +1372,21 @@ impl Drop for Plug<'_> {
     }
 }
 
+/// An SQE's `user_data`: `sink` in the top byte, `payload` below. A sink past the table (its
+/// CQE would panic the dispatch, losing the rest of the batch) or a payload reaching into the
+/// sink's bits (its CQE would go to another sink) is refused.
+#[inline]
+fn tag(sink: SinkId, payload: u64) -> Result<u64, CoreError> {
+    if sink.0 as usize >= MAX_COMPLETION_SINKS || payload > PAYLOAD_MASK {
+        return Err(CoreError::Config(format!(
+            "sink {} with payload {payload:#x}: sinks are 0..{MAX_COMPLETION_SINKS}, payloads \
+             at most {PAYLOAD_MASK:#x}",
+            sink.0
+        )));
+    }
+    Ok(((sink.0 as u64) << SINK_SHIFT) | payload)
+}
+
 /// Check that `needed` bytes can be pinned under memlock `limit` (`None` = unlimited).
 pub fn check_memlock(limit: Option<u64>, needed: u64, cap_ipc_lock: bool) -> Result<(), CoreError> {
     match limit {
@@ -1590,6 +1629,107 @@ mod tests {
         engine.wait(1).unwrap();
         assert_eq!((sink.0.get(), sink.1.get()), (1, 0));
         assert!(!engine.has_work());
+    }
+
+    fn sink(engine: &Engine) -> (Rc<Count>, SinkId) {
+        let sink = Rc::new(Count(Cell::new(0), Cell::new(-1)));
+        let weak: Weak<dyn CompletionSink> = Rc::downgrade(&sink) as Weak<dyn CompletionSink>;
+        let id = engine.register_sink(weak).unwrap();
+        (sink, id)
+    }
+
+    fn small() -> Rc<Engine> {
+        Engine::new(EngineConfig {
+            arena_bytes: 64 << 10,
+            huge_pages: false,
+            ..EngineConfig::default()
+        })
+        .unwrap()
+    }
+
+    /// A sink dropped while one of its SQEs is still out: a sink registered next must not be
+    /// handed that SQE's completion (with a payload that meant something to the old sink only),
+    /// whether a never-used id is left or the dead sink's id is the only one.
+    #[test]
+    fn a_dead_sinks_id_is_not_reused_while_its_completions_can_still_come() {
+        for fill in [false, true] {
+            let engine = small();
+            let mut keep = Vec::new();
+            if fill {
+                for _ in 0..MAX_COMPLETION_SINKS - 1 {
+                    keep.push(sink(&engine));
+                }
+            }
+            let (old, old_id) = sink(&engine);
+            {
+                let _plug = engine.plug();
+                // SAFETY: a NOP refers to no memory.
+                unsafe {
+                    engine.push(
+                        RingKind::Main,
+                        old_id,
+                        5,
+                        io_uring::opcode::Nop::new().build(),
+                    )
+                }
+                .unwrap();
+                drop(old);
+                let (new, _) = sink(&engine);
+                drop(_plug);
+                while engine.has_work() {
+                    engine.wait(1).unwrap();
+                }
+                assert_eq!(new.0.get(), 0, "the new sink got the dead one's completion");
+            }
+            assert_eq!(engine.metrics().orphan_cqes, 1);
+            drop(keep);
+        }
+    }
+
+    /// A sink id past the table, or a payload that spills into the sink's bits, is refused at
+    /// the push (it would panic the dispatch, losing the batch's other completions, or route
+    /// the completion to another sink).
+    #[test]
+    fn a_push_with_a_bad_sink_or_payload_is_refused() {
+        let engine = small();
+        let (a, a_id) = sink(&engine);
+        let (b, _) = sink(&engine);
+        for (id, payload) in [
+            (SinkId(MAX_COMPLETION_SINKS as u8), 0),
+            (a_id, 1 << SINK_SHIFT),
+        ] {
+            // SAFETY: a NOP refers to no memory.
+            let r = unsafe {
+                engine.push(
+                    RingKind::Main,
+                    id,
+                    payload,
+                    io_uring::opcode::Nop::new().build(),
+                )
+            };
+            assert!(matches!(r, Err(CoreError::Config(_))), "{r:?}");
+        }
+        while engine.has_work() {
+            engine.wait(1).unwrap();
+        }
+        assert_eq!((a.0.get(), b.0.get()), (0, 0));
+        assert_eq!(engine.metrics().sqes, 0);
+    }
+
+    #[test]
+    fn a_zero_frame_size_is_a_config_error() {
+        for frame_bytes in [0, 100, usize::MAX / 2 + 1] {
+            let cfg = EngineConfig {
+                frame_bytes,
+                arena_bytes: 64 << 10,
+                huge_pages: false,
+                ..EngineConfig::default()
+            };
+            assert!(
+                matches!(Engine::new(cfg), Err(CoreError::Config(_))),
+                "{frame_bytes}"
+            );
+        }
     }
 
     #[test]

@@ -68,7 +68,10 @@ pub enum CoreError {
     SinksExhausted(usize),
 
     /// A buffer range does not fit the buffer.
-    #[error("buffer range {start}..{} does not fit the buffer's {capacity}-byte capacity", start + len)]
+    // The end is not computed: `start + len` may overflow (which `set_range` reports as this).
+    #[error(
+        "buffer range of {len} bytes at {start} does not fit the buffer's {capacity}-byte capacity"
+    )]
     BufferRange {
         start: usize,
         len: usize,

@@ -122,6 +122,14 @@ impl FuseQueue {
     /// The command for entry `i`: `cmd_op`, the `fuse_uring_cmd_req` (flags 0, commit id,
     /// queue id) in the command area, and for registration the entry's two iovecs.
     fn push(&mut self, i: usize, cmd_op: u32, commit_id: u64) -> io::Result<()> {
+        // A second command on an entry the kernel holds: the first one's completion would mark
+        // the entry user space's, and its buffers would be lent while the other command is
+        // still with the kernel.
+        if self.ents[i].with_kernel {
+            return Err(io::Error::other(format!(
+                "FUSE entry {i} already has a command with the kernel"
+            )));
+        }
         let mut cmd = [0u8; 80];
         cmd[8..16].copy_from_slice(&commit_id.to_le_bytes());
         cmd[16..18].copy_from_slice(&self.qid.to_le_bytes());
@@ -354,6 +362,10 @@ mod tests {
         refused(&mut q, "buffers_mut", &|q| {
             let _ = q.buffers_mut(0);
         });
+        // A second command on it is refused: the first one's completion would lend the
+        // buffers while the second was still with the kernel.
+        assert!(q.register(0).is_err());
+        assert!(q.commit_and_fetch(0, 1).is_err());
         // The other entry is still user space's.
         q.buffers_mut(1).0[0] = 1;
         // Submitted and completed: lent again, the same bytes.
