@@ -392,9 +392,8 @@ fn checksummed_entries_with_impossible_values_are_damage() {
 
 // ---------------------------------------------------------------------------------------------
 
-/// A RAM target of `DISK` bytes without power-loss protection, one stream per log stream, on an
-/// lbio array of `slots` request slots.
-fn ram_rig(slots: u32, streams: u16) -> (Rc<Engine>, OrderedDevice<MemPmr>) {
+/// An engine and an lbio array of `slots` request slots on it.
+fn engine_and_array(slots: u32) -> (Rc<Engine>, Rc<LbioArray>) {
     let engine = Engine::new(EngineConfig {
         ring_entries: 256,
         arena_bytes: 1 << 20,
@@ -410,6 +409,13 @@ fn ram_rig(slots: u32, streams: u16) -> (Rc<Engine>, OrderedDevice<MemPmr>) {
         },
     )
     .unwrap();
+    (engine, lbio)
+}
+
+/// A RAM target of `DISK` bytes without power-loss protection, one stream per log stream, on an
+/// lbio array of `slots` request slots.
+fn ram_rig(slots: u32, streams: u16) -> (Rc<Engine>, OrderedDevice<MemPmr>) {
+    let (engine, lbio) = engine_and_array(slots);
     let dev = lbio::Device::memory(&lbio, DISK as usize).unwrap();
     let log = AttrLog::format(MemPmr::new(64 << 10), streams).unwrap();
     let cfg = OrderedConfig {
@@ -490,21 +496,7 @@ fn a_block_log_ending_past_the_address_space_is_refused() {
 /// every later `wait` of the stream said so).
 #[test]
 fn an_async_block_logs_header_write_waits_for_a_request_slot_instead_of_failing_the_group() {
-    let engine = Engine::new(EngineConfig {
-        ring_entries: 256,
-        arena_bytes: 1 << 20,
-        huge_pages: false,
-        ..EngineConfig::default()
-    })
-    .unwrap();
-    let lbio = LbioArray::new(
-        Rc::clone(&engine),
-        LbioConfig {
-            slots: 3,
-            ..LbioConfig::default()
-        },
-    )
-    .unwrap();
+    let (engine, lbio) = engine_and_array(3);
     // Data on a SimDisk (its writes stay out until the engine is polled again); the log in 8
     // slots after a 1,536-byte header, on a RAM device of the same array.
     let disk = lbio::SimDisk::new(lbio::SimConfig::new(DISK, 7)).unwrap();
