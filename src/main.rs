@@ -868,12 +868,9 @@ fn cmd_mkfs(a: MkfsArgs) -> Result<(), BenchError> {
             .open(&a.image)
             .map_err(|e| BenchError::Setup(about(&a.image, e)))?;
         if !existed {
-            let p = a.image.clone();
-            created = Some(aios::bench::cleanup::register(
+            created = Some(aios::bench::cleanup::remove_file(
                 "the image file mkfs created",
-                move || {
-                    let _ = std::fs::remove_file(&p);
-                },
+                &a.image,
             ));
         }
         let len = f.metadata().map_err(io_err)?.len();

@@ -21,10 +21,7 @@ pub enum Target {
 /// Create `path` with `bytes` of data, removed when the returned [`Target`] is dropped, when
 /// the filling fails, or when the process is interrupted (also while it is being filled).
 fn created(path: PathBuf, bytes: u64) -> Result<Target, BenchError> {
-    let p = path.clone();
-    let undo = cleanup::register("a file the bench created", move || {
-        let _ = std::fs::remove_file(&p);
-    });
+    let undo = cleanup::remove_file("a file the bench created", &path);
     fill_file(&path, bytes)?;
     Ok(Target::Created(path, undo))
 }

@@ -30,6 +30,14 @@ pub fn register(what: &'static str, action: impl FnOnce() + Send + 'static) -> U
     Undo(id)
 }
 
+/// Register the removal of the file at `path` (`what` names it on interruption).
+pub fn remove_file(what: &'static str, path: &std::path::Path) -> Undo {
+    let path = path.to_path_buf();
+    register(what, move || {
+        let _ = std::fs::remove_file(&path);
+    })
+}
+
 fn pending() -> std::sync::MutexGuard<'static, Vec<(u64, &'static str, Action)>> {
     PENDING.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -42,10 +42,7 @@ impl UllDevice {
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let image = PathBuf::from(format!("/dev/shm/aios-ull-{}-{n}.img", std::process::id()));
         // Registered before the image is written: a failed or interrupted fill removes it too.
-        let i = image.clone();
-        let image_undo = crate::bench::cleanup::register("the ull device's image", move || {
-            let _ = std::fs::remove_file(&i);
-        });
+        let image_undo = crate::bench::cleanup::remove_file("the ull device's image", &image);
         fill_file(&image, bytes)?;
         let out = Command::new("losetup")
             .args(["-f", "--show", "--direct-io=on"])
