@@ -1434,14 +1434,13 @@ impl Journal {
         }
         let start: Vec<u64> = (0..areas).map(|a| (a == area) as u64).collect();
         let lbio = Rc::clone(target.lbio());
-        let ordered = AttrLog::format(log, streams)
-            .map_err(JournalError::from)
-            .and_then(|log| Ok(OrderedDevice::new(lbio, vec![target], log, &start, cfg)?));
-        let ordered = match ordered {
+        let ordered = match AttrLog::format(log, streams)
+            .and_then(|log| OrderedDevice::new(lbio, vec![target], log, &start, cfg))
+        {
             Ok(o) => o,
             Err(e) => {
                 set.lock_area(area).rio_owned = false;
-                return Err(e);
+                return Err(e.into());
             }
         };
         j.rio = Some(RioStream {
