@@ -847,15 +847,19 @@ impl<P: Pmr> OrderedDevice<P> {
                 let target = run[0].1[0].w.target;
                 let mut bytes = group_bytes(&run[0].1);
                 let mut end = group_end(&run[0].1);
+                // The merged entry counts its requests in 16 bits, as a group's entry does.
+                let mut members = run[0].1.len();
                 while let Some(next) = queued.front() {
                     let nb = group_bytes(&next.1);
                     if next.1[0].w.target != target
                         || !mergeable(&next.1, Some(end))
                         || bytes + nb > max
+                        || members + next.1.len() > MAX_GROUP_WRITES
                     {
                         break;
                     }
                     bytes += nb;
+                    members += next.1.len();
                     end = group_end(&next.1);
                     run.push(queued.pop_front().expect("front"));
                 }

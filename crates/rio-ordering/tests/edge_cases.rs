@@ -339,6 +339,64 @@ fn a_group_of_the_most_writes_recovers_and_one_more_is_refused() {
 
 // ---------------------------------------------------------------------------------------------
 
+/// Merged groups count their requests in the same 16 bits: a run of 65,536 contiguous
+/// one-sector groups that a 64 MiB merge limit would take whole goes out as a merged command of
+/// 65,535 and the last group alone, and every group recovers. (The count used to overflow: a panic in a debug build, a count of 0,
+/// and so the loss of every group of the run, in a release build.)
+#[test]
+fn a_merge_stops_at_the_most_requests_an_entry_counts() {
+    let n = rio_ordering::MAX_GROUP_WRITES as u64 + 1;
+    let engine = Engine::new(EngineConfig {
+        ring_entries: 256,
+        // The writes, and the merged copies of them.
+        arena_bytes: 2 * (n as usize + 64) * 512,
+        frame_bytes: 512,
+        huge_pages: false,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let disk = 64u64 << 20;
+    let geometry = lbio::Geometry {
+        capacity_bytes: disk,
+        logical_block: 512,
+        mem_align: 512,
+        offset_align: 512,
+        max_transfer_bytes: 64 << 20,
+    };
+    let backend = || Box::new(lbio::MemBackend::new(disk as usize));
+    let dev = lbio::Device::from_backends(&lbio, backend(), backend(), geometry, true).unwrap();
+    let log = AttrLog::format(MemPmr::new(64 << 10), 1).unwrap();
+    let cfg = OrderedConfig {
+        batch: n as usize,
+        max_merge_bytes: 64 << 20,
+        ..OrderedConfig::default()
+    };
+    let mut od = OrderedDevice::new(lbio, vec![dev], log, &[1], cfg).unwrap();
+    for i in 0..n {
+        let mut buf = engine.alloc_blocking(512).unwrap();
+        buf.fill(i as u8);
+        let w = Write {
+            target: 0,
+            offset: i * 512,
+            buf,
+            ipu: false,
+        };
+        od.submit(0, w, true).unwrap();
+    }
+    od.wait(0).expect("every group is durable");
+    assert_eq!(od.stats().merged_cmds, 1);
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert_eq!(
+        rec.streams[0].prefix_end,
+        n + 1,
+        "{:?}",
+        rec.streams[0].stopped_by
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+
 /// Entries whose checksum holds but whose values no device writes: a merged range ending at
 /// the largest id (recovery's `seq_end + 1` overflowed: a panic in a debug build, a prefix of 0
 /// in a release build) and a byte range past 2^64. Both are damage, skipped by recovery.
