@@ -456,7 +456,8 @@ impl<P: Pmr> OrderedDevice<P> {
     /// An ordered device over `targets` (devices opened on `lbio`, which this device then owns:
     /// every detached completion on it is taken as its own) with the attribute log `log` (one
     /// stream per log stream). Streams start at group `start[s]` (1 on a fresh log; a
-    /// recovery's [`crate::Recovery::resume_marks`] after a crash); `start[s] == 0` means the
+    /// recovery's [`crate::Recovery::resume_marks`] after a crash, the log reopened with them);
+    /// a start other than the log header's mark is refused. `start[s] == 0` means the
     /// stream lives on another device until a [`StreamHandoff`] brings it here.
     pub fn new(
         lbio: Rc<LbioArray>,
@@ -484,6 +485,21 @@ impl<P: Pmr> OrderedDevice<P> {
                 "stream {stream} starts at group {g}, past the largest group {} (0 means the \
                  stream lives on another device)",
                 crate::attr::MAX_SEQ
+            )));
+        }
+        // Recovery starts each stream at the header's mark: groups below it count as durable,
+        // and a stream starting past it leaves a gap that ends its prefix there (every group
+        // written here would be beyond it).
+        if let Some((stream, (&g, &mark))) = start
+            .iter()
+            .zip(log.header_marks())
+            .enumerate()
+            .find(|&(_, (&g, &mark))| g != 0 && g != mark)
+        {
+            return Err(RioError::Config(format!(
+                "stream {stream} starts at group {g}, but the log's header marks it at group \
+                 {mark}, where its recovery starts: start it there, or reopen the log with the \
+                 marks to start at (AttrLog::reopen)"
             )));
         }
         if cfg.batch == 0 {

@@ -490,6 +490,11 @@ impl<P: Pmr> AttrLog<P> {
     pub fn streams(&self) -> u16 {
         self.header.durable_below.len() as u16
     }
+    /// Per stream, the group below which the log's header (as last written) vouches that
+    /// everything is durable: where recovery starts each stream.
+    pub fn header_marks(&self) -> &[u64] {
+        &self.header.durable_below
+    }
     /// Attribute slots.
     pub fn slots(&self) -> u32 {
         self.header.slots

@@ -631,3 +631,48 @@ fn start_groups_and_handoffs_outside_the_group_range_are_refused() {
     let e = other.attach(h).expect_err("a handoff of group 0");
     assert!(e.to_string().contains("group 0"), "{e}");
 }
+
+// ---------------------------------------------------------------------------------------------
+
+/// Recovery starts a stream at its log header's mark, so a device must start it there: past the
+/// mark, a crash left every acknowledged group beyond the prefix (the groups in between never
+/// exist); below it, recovery took groups for durable that were not. Both are refused; the
+/// mark itself, and a log reopened at another mark, are taken.
+#[test]
+fn a_stream_starts_at_its_log_marks_group() {
+    let cfg = OrderedConfig::default();
+    for start in [5, 0, 1] {
+        let (_engine, lbio) = engine_and_array(8);
+        let dev = lbio::Device::memory(&lbio, DISK as usize).unwrap();
+        let log = AttrLog::format(MemPmr::new(64 << 10), 2).unwrap();
+        let r = OrderedDevice::new(lbio, vec![dev], log, &[start, 1], cfg);
+        match start {
+            5 => {
+                let e = r.err().expect("refused").to_string();
+                assert!(e.contains("starts at group 5") && e.contains("at group 1"), "{e}");
+            }
+            _ => assert!(r.is_ok(), "start {start}"),
+        }
+    }
+    // A log reopened at group 7: the device starts there, not below, and what it writes
+    // recovers.
+    let pmr = AttrLog::format(MemPmr::new(64 << 10), 1)
+        .unwrap()
+        .into_pmr();
+    for start in [3, 7] {
+        let (engine, lbio) = engine_and_array(8);
+        let dev = lbio::Device::memory(&lbio, DISK as usize).unwrap();
+        let log = AttrLog::reopen(pmr.clone(), &[7]).unwrap();
+        let r = OrderedDevice::new(lbio, vec![dev], log, &[start], cfg);
+        if start == 3 {
+            let e = r.err().expect("refused").to_string();
+            assert!(e.contains("starts at group 3") && e.contains("at group 7"), "{e}");
+            continue;
+        }
+        let mut od = r.unwrap();
+        od.submit(0, write(&engine, 0, 0, 1), true).unwrap();
+        od.wait(0).unwrap();
+        let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+        assert_eq!(rec.streams[0].prefix_end, 8, "{:?}", rec.streams[0]);
+    }
+}
