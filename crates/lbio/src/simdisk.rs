@@ -223,6 +223,9 @@ impl Shared {
 struct Port {
     disk: Arc<Shared>,
     id: u64,
+    /// Requests the disk completed whose NOPs a failed push left unsent (sink, payload): they
+    /// stay pending and go first at the next advance.
+    unsent: std::cell::RefCell<Vec<(SinkId, u64)>>,
 }
 
 /// A read's destination, used only on the thread whose engine started the read.
@@ -279,6 +282,7 @@ impl SimDisk {
     pub fn open(&self, lbio: &Rc<LbioArray>) -> Result<Device, LbioError> {
         let cfg = self.0.lock().cfg;
         let port = Rc::new(Port {
+            unsent: Default::default(),
             disk: Arc::clone(&self.0),
             id: self
                 .0
@@ -561,15 +565,22 @@ impl Sim {
 impl SoftDevice for Port {
     fn pending(&self) -> u32 {
         let id = self.id;
-        self.disk
+        let queued = self
+            .disk
             .lock()
             .queue
             .iter()
             .filter(|q| q.port == id)
-            .count() as u32
+            .count();
+        (queued + self.unsent.borrow().len()) as u32
     }
 
     fn advance(&self, engine: &Engine) -> Result<(), CoreError> {
+        // Completions a failed push left unsent go first (they are progress enough).
+        let unsent = std::mem::take(&mut *self.unsent.borrow_mut());
+        if !unsent.is_empty() {
+            return self.send(engine, unsent);
+        }
         // Pick and apply under the lock; push completions after it (a push may dispatch
         // completions, whose handlers may start new requests here).
         let done: Vec<(SinkId, u64)> = {
@@ -609,9 +620,22 @@ impl SoftDevice for Port {
             s.queue.extend(mine);
             out
         };
-        for (sink, payload) in done {
+        self.send(engine, done)
+    }
+}
+
+impl Port {
+    /// Push the NOPs that hand `done`'s completions to their sinks. A push that fails (the
+    /// submission queue full and the kernel refusing the `io_uring_enter` that would make room)
+    /// leaves its completion and those after it for the next advance: the disk has applied
+    /// them, so dropping them would leave their requests waiting for ever.
+    fn send(&self, engine: &Engine, done: Vec<(SinkId, u64)>) -> Result<(), CoreError> {
+        for (i, &(sink, payload)) in done.iter().enumerate() {
             // SAFETY: a NOP refers to no memory or file.
-            unsafe { engine.push(RingKind::Main, sink, payload, nop_sqe())? };
+            if let Err(e) = unsafe { engine.push(RingKind::Main, sink, payload, nop_sqe()) } {
+                self.unsent.borrow_mut().extend_from_slice(&done[i..]);
+                return Err(e);
+            }
         }
         Ok(())
     }
@@ -941,6 +965,7 @@ mod tests {
         })
         .unwrap();
         let backend = SimBackend(Rc::new(Port {
+            unsent: Default::default(),
             disk: Arc::clone(&disk.0),
             id: 1,
         }));

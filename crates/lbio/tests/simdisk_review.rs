@@ -344,3 +344,47 @@ fn crash_images_never_hold_a_write_a_durable_one_superseded() {
         }
     }
 }
+
+/// A completion the disk applied is delivered even when pushing its NOP fails: the push that
+/// finds the submission queue full and cannot enter the kernel leaves it (and those after it)
+/// for the next advance. They were dropped: the disk had completed the requests, the engine
+/// no longer counted them, and `wait_done` returned with them never done.
+#[test]
+fn completions_a_failed_push_left_are_delivered_later() {
+    const N: usize = 64;
+    // A small ring, so that a batch of completions fills its submission queue.
+    let engine = Engine::new(EngineConfig {
+        ring_entries: 4,
+        arena_bytes: 1 << 20,
+        huge_pages: false,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let mut failed = 0;
+    for seed in 1..=8 {
+        let disk = SimDisk::new(SimConfig::new(1 << 20, seed)).unwrap();
+        let (lbio, dev) = open(&engine, &disk, LbioConfig::default());
+        for i in 0..N {
+            dev.submit(Io::write(i as u64 * 4096, buf(&engine, 4096, i as u8)))
+                .map_err(|e| e.0)
+                .unwrap();
+        }
+        // Each push's own enter fails (its NOP stays queued) until the queue is full; the push
+        // that then needs the kernel to make room fails.
+        engine.fail_next_enters(5);
+        if lbio.wait_done(N).is_err() {
+            failed += 1;
+        }
+        engine.fail_next_enters(0);
+        let mut rounds = 0;
+        while lbio.done_len() < N && rounds < 10 * N {
+            lbio.wait_done(N).unwrap();
+            rounds += 1;
+        }
+        assert_eq!(lbio.done_len(), N, "seed {seed}: requests never completed");
+        while let Some(c) = lbio.take_done() {
+            c.result.expect("the write succeeds");
+        }
+    }
+    assert!(failed > 0, "no push failed: the test did not reach the case");
+}
