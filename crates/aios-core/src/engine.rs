@@ -1332,13 +1332,33 @@ impl Engine {
     }
 }
 
+/// Failed waits in a row after which a dropping engine gives up on its outstanding I/O (and
+/// leaks its memory instead of unmapping it, see `Drop for Engine`).
+const DROP_WAIT_TRIES: u32 = 64;
+
 impl Drop for Engine {
     fn drop(&mut self) {
         // Buffers in flight would be written by the kernel after the arena is unmapped: wait for
         // every outstanding completion first (their sinks may be gone; the CQEs are discarded).
+        // A failed wait is tried again (an enter refused for want of memory, say): stopping at
+        // the first error unmapped memory that reads still in flight could land in.
+        let mut failures = 0;
         while self.has_work() {
-            if self.wait(1).is_err() {
-                break;
+            match self.wait(1) {
+                Ok(_) => failures = 0,
+                Err(_) => {
+                    failures += 1;
+                    if failures >= DROP_WAIT_TRIES {
+                        // The I/O still out may be written into the arena or a region at any
+                        // time: never unmap them (nor hand their memory to anyone else).
+                        std::mem::forget(Rc::clone(&self.arena));
+                        for region in self.regions.borrow().iter() {
+                            std::mem::forget(Arc::clone(region));
+                        }
+                        return;
+                    }
+                    thread::sleep(Duration::from_millis(1));
+                }
             }
         }
     }
@@ -1714,6 +1734,55 @@ mod tests {
         }
         assert_eq!((a.0.get(), b.0.get()), (0, 0));
         assert_eq!(engine.metrics().sqes, 0);
+    }
+
+    /// A dropping engine whose wait fails once keeps waiting: its SQE out still completes (and
+    /// is dispatched) before the arena goes. The drop used to stop at the first failed wait,
+    /// unmapping memory that a read still in flight could land in.
+    #[test]
+    fn a_dropping_engine_waits_past_a_failed_wait() {
+        let engine = small();
+        let (sink, id) = sink(&engine);
+        engine.fail_next_enters(1);
+        // SAFETY: a NOP refers to no memory.
+        unsafe { engine.push(RingKind::Main, id, 3, io_uring::opcode::Nop::new().build()) }
+            .expect("queued");
+        assert!(engine.has_work());
+        // The drop's first wait fails; the second submits the NOP and reaps it.
+        engine.fail_next_enters(1);
+        drop(engine);
+        assert_eq!(
+            (sink.0.get(), sink.1.get()),
+            (1, 0),
+            "the drop gave up on the SQE still out"
+        );
+    }
+
+    /// A dropping engine whose waits keep failing cannot know when the kernel is done with its
+    /// memory: it leaks the arena and the shared regions rather than unmap them.
+    #[test]
+    fn a_dropping_engine_that_cannot_wait_leaks_its_memory_rather_than_unmap_it() {
+        let engine = small();
+        let (sink, id) = sink(&engine);
+        let region = Arc::new(SharedRegion::map(64 << 10, false).unwrap());
+        engine.register_region(&region).unwrap();
+        let arena = Rc::downgrade(engine.arena());
+        engine.fail_next_enters(1);
+        // SAFETY: a NOP refers to no memory.
+        unsafe { engine.push(RingKind::Main, id, 3, io_uring::opcode::Nop::new().build()) }
+            .expect("queued");
+        engine.fail_next_enters(u32::MAX);
+        drop(engine);
+        assert_eq!(sink.0.get(), 0);
+        assert!(
+            arena.upgrade().is_some(),
+            "the arena was unmapped with I/O possibly in flight"
+        );
+        assert_eq!(
+            Arc::strong_count(&region),
+            2,
+            "the region was let go with I/O possibly in flight"
+        );
     }
 
     #[test]

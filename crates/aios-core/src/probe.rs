@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::rc::{Rc, Weak};
 use std::time::Instant;
 
+use crate::arena::FixedBuf;
 use crate::engine::{
     self, CompletionMode, CompletionSink, Engine, EngineConfig, LastResult, RingKind,
 };
@@ -513,12 +514,20 @@ fn passthrough_reads(
         );
         let t = Instant::now();
         sink.0.set(None);
-        // SAFETY: `buf` and the registered file outlive the wait, which dispatches this CQE.
+        // SAFETY: `buf` and the registered file outlive the wait, which dispatches this CQE
+        // (or, when it fails, keeps `buf` out of the arena for good).
         let pushed = unsafe { engine.push_cmd(ring, id, 0, nvme::uring_cmd(file, &cmd, Some(0))) };
-        if let Err(e) = pushed.and_then(|()| engine.wait(1).map(|_| ())) {
+        if let Err(e) = pushed {
             outcome = Err(e.to_string());
             break;
         }
+        buf = match wait_for_read(&engine, buf) {
+            Ok(b) => b,
+            Err(e) => {
+                outcome = Err(e.to_string());
+                break;
+            }
+        };
         times.push(t.elapsed().as_nanos() as f64);
         match sink.0.get() {
             Some(0) => {}
@@ -575,9 +584,10 @@ fn try_iopoll(direct: &std::os::fd::OwnedFd, read_len: u32, at: u64) -> Result<(
         .try_alloc(read_len as usize)
         .ok_or("arena exhausted")?;
     let sqe = engine::read_sqe(file, buf.as_mut_ptr(), read_len, at, Some(0));
-    // SAFETY: `buf` and the file outlive the wait below, which dispatches this SQE's completion.
+    // SAFETY: `buf` and the file outlive the wait below, which dispatches this SQE's completion
+    // (or, when it fails, keeps `buf` out of the arena for good).
     unsafe { engine.push(RingKind::Iopoll, id, 0, sqe) }.map_err(|e| e.to_string())?;
-    engine.wait(1).map_err(|e| e.to_string())?;
+    let _buf = wait_for_read(&engine, buf).map_err(|e| e.to_string())?;
     let result = sink.0.get();
     engine.unregister_file(file);
     match result {
@@ -590,6 +600,20 @@ fn try_iopoll(direct: &std::os::fd::OwnedFd, read_len: u32, at: u64) -> Result<(
             std::io::Error::from_raw_os_error(-n)
         )),
         None => Err("polled read produced no completion".to_string()),
+    }
+}
+
+/// Wait for the one read in flight into `buf` and give `buf` back. When the wait fails, the
+/// read may still be in the kernel's hands: `buf` is then leaked (its frames never go back to
+/// the arena, and the arena is never unmapped) instead of dropped, where another allocation
+/// could take memory the read still writes.
+fn wait_for_read(engine: &Engine, buf: FixedBuf) -> Result<FixedBuf, CoreError> {
+    match engine.wait(1) {
+        Ok(_) => Ok(buf),
+        Err(e) => {
+            std::mem::forget(buf);
+            Err(e)
+        }
     }
 }
 
@@ -659,9 +683,10 @@ fn measure_here(
         let off = next_offset();
         let t = Instant::now();
         let sqe = engine::read_sqe(file, buf.as_mut_ptr(), read_len, off, Some(0));
-        // SAFETY: `buf` and the file stay alive and untouched until `wait` dispatches the CQE.
+        // SAFETY: `buf` and the file stay alive and untouched until `wait` dispatches the CQE
+        // (or, when it fails, `buf` is kept out of the arena for good).
         unsafe { engine.push(RingKind::Main, id, 0, sqe) }?;
-        engine.wait(1)?;
+        buf = wait_for_read(&engine, buf)?;
         let u = t.elapsed().as_nanos() as f64;
         if let Some(r) = sink.0.get().filter(|r| *r < 0) {
             engine.unregister_file(file);
@@ -693,4 +718,39 @@ fn measure_here(
         samples,
         io_wq_workers,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A probe read whose wait fails may still be in flight: its buffer must stay out of the
+    /// arena (the probes dropped it, freeing frames the kernel could still write).
+    #[test]
+    fn a_failed_wait_keeps_the_reads_buffer_out_of_the_arena() {
+        let zero = std::fs::File::open("/dev/zero").unwrap();
+        let engine = small_engine(false).unwrap();
+        let sink = Rc::new(LastResult(Cell::new(None)));
+        let id = engine
+            .register_sink(Rc::downgrade(&sink) as Weak<dyn CompletionSink>)
+            .unwrap();
+        let file = engine.register_file(zero.as_raw_fd()).unwrap();
+        let frames = engine.arena().frames();
+        let mut buf = engine.try_alloc(4096).unwrap();
+        let sqe = engine::read_sqe(file, buf.as_mut_ptr(), 4096, 0, Some(0));
+        // The push's enter fails, leaving the read queued, and so does the wait's.
+        engine.fail_next_enters(2);
+        // SAFETY: `buf` is kept (or leaked) by `wait_for_read`; the engine's drop waits for
+        // the read.
+        unsafe { engine.push(RingKind::Main, id, 0, sqe) }.unwrap();
+        assert!(wait_for_read(&engine, buf).is_err());
+        assert!(engine.has_work(), "the read is still out");
+        assert_eq!(
+            engine.arena().free_frames(),
+            frames - 1,
+            "the buffer of a read still out went back to the arena"
+        );
+        drop(engine);
+        assert_eq!(sink.0.get(), Some(4096), "the engine's drop waited for the read");
+    }
 }

@@ -358,17 +358,54 @@ pub fn block_queue_attr(major: u32, minor: u32, attr: &str) -> Option<String> {
 pub fn fs_type_of(path: &Path) -> Option<String> {
     let canon = std::fs::canonicalize(path).ok()?;
     let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    fs_type_in(&info, &canon)
+}
+
+/// [`fs_type_of`] on the text of a `mountinfo` file, for the canonical path `canon`: the
+/// deepest mount point holding it (the last one listed, where mounts stack).
+fn fs_type_in(mountinfo: &str, canon: &Path) -> Option<String> {
     let mut best: Option<(usize, String)> = None;
-    for line in info.lines() {
-        let (left, right) = line.split_once(" - ")?;
-        let mount_point = left.split(' ').nth(4)?;
-        let fstype = right.split(' ').next()?;
-        if canon.starts_with(mount_point) && best.as_ref().is_none_or(|b| mount_point.len() >= b.0)
+    for line in mountinfo.lines() {
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
+        let (Some(mount_point), Some(fstype)) = (left.split(' ').nth(4), right.split(' ').next())
+        else {
+            continue;
+        };
+        // The kernel writes a space, tab, newline or backslash in a mount point as an octal
+        // escape (`\040`): compared as written, such a mount never held anything.
+        let mount_point = unescape_octal(mount_point);
+        let depth = mount_point.len();
+        if canon.starts_with(Path::new(std::ffi::OsStr::from_bytes(&mount_point)))
+            && best.as_ref().is_none_or(|b| depth >= b.0)
         {
-            best = Some((mount_point.len(), fstype.to_string()));
+            best = Some((depth, fstype.to_string()));
         }
     }
     best.map(|b| b.1)
+}
+
+/// A `mountinfo` field with its `\ooo` escapes turned back into the bytes they stand for.
+fn unescape_octal(field: &str) -> Vec<u8> {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let digits = b.get(i + 1..i + 4);
+        match digits {
+            Some(d) if b[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)) => {
+                let v = d.iter().fold(0u32, |v, c| v * 8 + u32::from(c - b'0'));
+                out.push(v as u8);
+                i += 4;
+            }
+            _ => {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+    }
+    out
 }
 
 /// The calling thread's id (what `/proc/self/task` lists it under).
@@ -482,10 +519,13 @@ pub fn guest_halt_poll_ns() -> Option<u64> {
         .and_then(|s| s.trim().parse().ok())
 }
 
-/// Send SIGTERM to process `pid` (asking it to finish and exit).
+/// Send SIGTERM to process `pid` (asking it to finish and exit). Pid 0, which `kill(2)` takes
+/// for every process of the caller's process group (the caller included), is refused.
 pub fn terminate(pid: u32) -> io::Result<()> {
     let pid = libc::pid_t::try_from(pid)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, format!("pid {pid}")))?;
+        .ok()
+        .filter(|&p| p > 0)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("pid {pid}")))?;
     // SAFETY: kill(2) takes plain integers and touches no memory of ours.
     if unsafe { libc::kill(pid, libc::SIGTERM) } != 0 {
         return Err(io::Error::last_os_error());
@@ -537,6 +577,32 @@ pub fn interrupt_pipe() -> io::Result<std::fs::File> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Pid 0 names no process: `kill(0, SIGTERM)` would end the caller's whole process group,
+    /// this test run included. Pids past `pid_t` are refused too.
+    #[test]
+    fn terminate_refuses_pids_that_name_no_single_process() {
+        for pid in [0, u32::MAX, i32::MAX as u32 + 1] {
+            let e = terminate(pid).expect_err("refused");
+            assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "pid {pid}");
+        }
+    }
+
+    /// A mount point with a space in its name (written `\040` in mountinfo) holds the paths
+    /// below it: they were reported on the file system of the mount underneath.
+    #[test]
+    fn a_mount_point_with_an_escaped_space_holds_its_paths() {
+        let info = "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n\
+                    40 22 0:35 / /mnt/my\\040disk rw,relatime shared:20 - tmpfs tmpfs rw\n\
+                    41 22 0:36 / /mnt/b\\134s rw shared:21 - xfs /dev/sdb rw\n";
+        let at = |p: &str| fs_type_in(info, Path::new(p));
+        assert_eq!(at("/mnt/my disk/f").as_deref(), Some("tmpfs"));
+        assert_eq!(at("/mnt/my disk").as_deref(), Some("tmpfs"));
+        assert_eq!(at("/mnt/b\\s/x").as_deref(), Some("xfs"));
+        assert_eq!(at("/mnt/my\\040disk/f").as_deref(), Some("ext4"));
+        assert_eq!(at("/mnt/my").as_deref(), Some("ext4"));
+        assert_eq!(at("/etc").as_deref(), Some("ext4"));
+    }
 
     #[test]
     fn a_cpu_latency_request_holds_while_it_lives() {
