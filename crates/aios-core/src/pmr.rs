@@ -427,7 +427,8 @@ impl NvmePmr {
     /// the write, then the reads that complete it).
     pub fn persist(&self, offset: usize, bytes: &[u8]) -> Result<(), CoreError> {
         self.write(offset, bytes)?;
-        self.barrier(offset + bytes.len().saturating_sub(4));
+        // The read back is of the word holding the last byte written (`barrier` aligns down).
+        self.barrier(offset + bytes.len().saturating_sub(1));
         Ok(())
     }
 

@@ -539,14 +539,23 @@ static INTERRUPT_WAKE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI
 extern "C" fn on_interrupt(sig: libc::c_int) {
     let fd = INTERRUPT_WAKE.load(std::sync::atomic::Ordering::Relaxed);
     let b = sig as u8;
-    // SAFETY: write(2) is async-signal-safe; `b` lives for the call.
-    unsafe { libc::write(fd, (&b as *const u8).cast(), 1) };
+    // The handler runs in whatever thread took the signal, between any two of its
+    // instructions: it leaves that thread's errno as it found it. The pipe's write end does
+    // not block: with the pipe full (signals nobody read), the byte is dropped, and the
+    // reader still has plenty to wake on; a blocking write would stop the interrupted thread
+    // inside the handler for good.
+    // SAFETY: write(2) is async-signal-safe; `b` lives for the call; errno's location is the
+    // calling thread's own.
+    unsafe {
+        let errno = *libc::__errno_location();
+        libc::write(fd, (&b as *const u8).cast(), 1);
+        *libc::__errno_location() = errno;
+    }
 }
 
-/// Catch SIGINT and SIGTERM: from now on each writes its signal number (one byte) to a pipe
-/// instead of ending the process; returns the pipe's read end, for a thread that reads it and
-/// decides what to do. Call once per process (a second call replaces the first pipe).
-pub fn interrupt_pipe() -> io::Result<std::fs::File> {
+/// The pipe [`interrupt_pipe`]'s handler writes to: (read end, write end). Only the write end
+/// is non-blocking (the handler's); the reader may block on its end.
+fn wake_pipe() -> io::Result<(std::fs::File, OwnedFd)> {
     let mut fds = [0 as libc::c_int; 2];
     // SAFETY: `fds` has room for the two descriptors pipe2 writes.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
@@ -554,6 +563,18 @@ pub fn interrupt_pipe() -> io::Result<std::fs::File> {
     }
     // SAFETY: pipe2 just returned these two descriptors, owned by nothing else.
     let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: F_SETFL on a descriptor this function owns.
+    if unsafe { libc::fcntl(write.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((std::fs::File::from(read), write))
+}
+
+/// Catch SIGINT and SIGTERM: from now on each writes its signal number (one byte) to a pipe
+/// instead of ending the process; returns the pipe's read end, for a thread that reads it and
+/// decides what to do. Call once per process (a second call replaces the first pipe).
+pub fn interrupt_pipe() -> io::Result<std::fs::File> {
+    let (read, write) = wake_pipe()?;
     use std::os::fd::IntoRawFd;
     // The write end stays open for the process's life: the handler may run at any time.
     INTERRUPT_WAKE.store(write.into_raw_fd(), std::sync::atomic::Ordering::Relaxed);
@@ -571,12 +592,44 @@ pub fn interrupt_pipe() -> io::Result<std::fs::File> {
             return Err(io::Error::last_os_error());
         }
     }
-    Ok(std::fs::File::from(read))
+    Ok(read)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A burst of signals nobody reads fills the pipe: the handler then drops its byte instead
+    /// of blocking (its write end blocked: the thread the signal interrupted stopped in the
+    /// handler for good once 64 KiB of signals were unread), and leaves errno as it was.
+    #[test]
+    fn the_interrupt_handler_neither_blocks_on_a_full_pipe_nor_touches_errno() {
+        // The handler's pipe, without installing the handler (the test process keeps its own
+        // SIGINT and SIGTERM).
+        let (read, write) = wake_pipe().unwrap();
+        INTERRUPT_WAKE.store(write.as_raw_fd(), std::sync::atomic::Ordering::Relaxed);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            // SAFETY: errno's location is this thread's own.
+            unsafe { *libc::__errno_location() = libc::EINTR };
+            for _ in 0..(1 << 18) {
+                on_interrupt(libc::SIGINT);
+            }
+            // SAFETY: as above.
+            let _ = tx.send(unsafe { *libc::__errno_location() });
+        });
+        // A hang guard, not a timing check: a full pipe blocked the handler for ever.
+        let errno = rx
+            .recv_timeout(std::time::Duration::from_secs(120))
+            .expect("the handler blocked on the full pipe");
+        assert_eq!(errno, libc::EINTR, "the handler changed errno");
+        let mut b = [0u8; 1];
+        use std::io::Read;
+        (&read).read_exact(&mut b).unwrap();
+        assert_eq!(b[0], libc::SIGINT as u8);
+        INTERRUPT_WAKE.store(-1, std::sync::atomic::Ordering::Relaxed);
+        drop(write);
+    }
 
     /// Pid 0 names no process: `kill(0, SIGTERM)` would end the caller's whole process group,
     /// this test run included. Pids past `pid_t` are refused too.
