@@ -261,7 +261,7 @@ impl Conn {
 
     /// Send everything queued, waiting for the socket as needed (up to `timeout`).
     pub fn flush_blocking(&mut self, timeout: Duration) -> io::Result<()> {
-        let deadline = std::time::Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         while !self.flush()? {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
@@ -271,6 +271,15 @@ impl Conn {
         }
         Ok(())
     }
+}
+
+/// The instant `timeout` from now. A timeout the clock cannot add (`Duration::MAX`, for one:
+/// a caller's "no limit") gives a deadline a century away instead of a panic.
+pub fn deadline_after(timeout: Duration) -> std::time::Instant {
+    let now = std::time::Instant::now();
+    now.checked_add(timeout)
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 86_400)))
+        .unwrap_or(now)
 }
 
 /// Descriptors a wait covers without a heap allocation.

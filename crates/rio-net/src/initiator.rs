@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use aios_core::{Engine, EngineConfig, FixedBuf};
 use rio_ordering::{recover, scan, Attr, LogScan, MemPmr};
 
-use crate::conn::{wait_fds, Conn, Transport};
+use crate::conn::{deadline_after, wait_fds, Conn, Transport};
 use crate::error::NetError;
 use crate::pdu::{self, op, Cqe, Digests, Pdu, Sqe, WireAttr};
 use crate::target::{LBA, MAX_DATA, MAX_PDU};
@@ -47,7 +47,8 @@ pub struct VolumeConfig {
     /// stream, until they are handed back.
     pub window: u32,
     pub digests: Digests,
-    /// A connection with commands out that receives nothing this long counts as failed.
+    /// A connection with commands out that receives nothing this long counts as failed
+    /// (`Duration::MAX`: never).
     pub io_timeout: Duration,
     /// How long to keep trying to reach a failed target, and to retry a recovery that fails
     /// (one started by a failed connection or by a group that failed on a target's device).
@@ -651,7 +652,7 @@ impl Volume {
         addr: SocketAddr,
         done: impl Fn(&Pdu) -> bool,
     ) -> Result<Reply, NetError> {
-        let deadline = Instant::now() + self.cfg.io_timeout;
+        let deadline = deadline_after(self.cfg.io_timeout);
         c.flush_blocking(self.cfg.io_timeout)
             .map_err(|e| NetError::io("send to", addr, e))?;
         let mut data = Vec::new();
@@ -784,7 +785,7 @@ impl Volume {
         set.0[44..48].copy_from_slice(&0x14u32.to_le_bytes());
         set.0[48..56].copy_from_slice(&(1u64 | 6 << 16 | 4 << 20).to_le_bytes());
         self.admin(t, set, &[], "Property Set CC")?;
-        let deadline = Instant::now() + self.cfg.io_timeout;
+        let deadline = deadline_after(self.cfg.io_timeout);
         loop {
             let mut get = Sqe::default();
             get.set_opcode(op::FABRICS);
@@ -960,7 +961,12 @@ impl Volume {
                 "volume I/O at byte {offset} of {len} bytes: offset and length must be multiples of {LBA}"
             )));
         }
-        if offset + len as u64 > self.bytes {
+        // Checked: an offset near `u64::MAX` wrapped past the end and went out as I/O (a
+        // panic in a debug build).
+        if offset
+            .checked_add(len as u64)
+            .is_none_or(|end| end > self.bytes)
+        {
             return Err(NetError::Config(format!(
                 "volume I/O at byte {offset} of {len} bytes ends past the volume ({} bytes)",
                 self.bytes
@@ -1442,9 +1448,11 @@ impl Volume {
         Ok(())
     }
 
-    /// Close the open group, make everything the stream wrote durable, and wait until it is all
-    /// handed back.
+    /// Close the open group, make every ordered write of the stream durable, and wait until
+    /// they are all handed back. Orderless writes and reads are not waited for (they are handed
+    /// back at completion; [`Volume::flush_all`] makes orderless writes durable).
     pub fn wait(&mut self, stream: u16) -> Result<(), NetError> {
+        self.check_stream(stream)?;
         self.close_group(stream)?;
         let s = stream as usize;
         loop {
@@ -2070,7 +2078,8 @@ impl Volume {
     /// Recovery across the targets (see the module docs). Safe to run at any time; runs by
     /// itself when a target fails. One that fails part way is run again by the volume's next
     /// call that drives I/O (it may have dropped connections holding commands of groups not
-    /// yet durable, which only a recovery sends again).
+    /// yet durable, which only a recovery sends again). Over a standard NVMe/TCP target (one
+    /// that refuses `RIO_INFO`: no log, no ordered writes) it reconnects, and nothing more.
     pub fn recover(&mut self) -> Result<RecoveryReport, NetError> {
         self.recovery_due = true;
         let r = self.recover_steps();
@@ -2086,7 +2095,7 @@ impl Volume {
         self.stats.recoveries += 1;
         // 1. Let connections that still work answer what they hold (bounded), then drop them:
         //    nothing sent before the reset may land after it.
-        let deadline = Instant::now() + self.cfg.io_timeout;
+        let deadline = deadline_after(self.cfg.io_timeout);
         while Instant::now() < deadline
             && self
                 .conns
@@ -2123,7 +2132,12 @@ impl Volume {
             let alive = self.targets[t].admin.is_some() && {
                 let mut info = Sqe::default();
                 info.set_opcode(op::RIO_INFO);
-                self.admin(t, info, &[], "RIO_INFO").is_ok()
+                // Any answer shows the queue works: a standard target refuses RIO_INFO (it
+                // was taken for a dead connection, dropped and dialled again).
+                match self.admin(t, info, &[], "RIO_INFO") {
+                    Ok(_) | Err(NetError::Status { .. }) => true,
+                    Err(_) => false,
+                }
             };
             if !alive {
                 self.targets[t].admin = None;
@@ -2131,7 +2145,31 @@ impl Volume {
             }
         }
         if self.targets.iter().any(|t| !t.rio) {
-            return Err(NetError::Config("recovery needs Rio targets".into()));
+            // A standard target keeps no log, and the volume then takes no ordered writes:
+            // recovery is a reconnection (the orderless requests in flight failed above). It
+            // used to fail here, so one lost connection left a volume over a standard target
+            // failing every later call.
+            if self
+                .streams
+                .iter()
+                .any(|st| !st.groups.is_empty() || !st.open.is_empty())
+            {
+                return Err(NetError::Config(
+                    "recovery needs Rio targets: the volume holds ordered writes and one of its targets is a plain NVMe/TCP target".into(),
+                ));
+            }
+            for s in 0..self.cfg.streams {
+                for t in 0..nt {
+                    self.connect_io(s, t)?;
+                }
+            }
+            let report = RecoveryReport {
+                prefix_end: self.streams.iter().map(|st| st.next_seq).collect(),
+                took: started.elapsed(),
+                ..RecoveryReport::default()
+            };
+            self.last_recovery = Some(report.clone());
+            return Ok(report);
         }
         // Fence every target before reading its log: a connection dropped above, or one of
         // an initiator that crashed, may still deliver writes (bytes the network held, a
@@ -2303,7 +2341,7 @@ impl Volume {
     fn settle(&mut self) -> Result<(), NetError> {
         let out = |v: &Volume| v.conns.iter().map(|c| c.outstanding as u64).sum::<u64>();
         let mut left = out(self);
-        let mut deadline = Instant::now() + self.cfg.io_timeout;
+        let mut deadline = deadline_after(self.cfg.io_timeout);
         while left > 0 {
             if Instant::now() > deadline {
                 return Err(NetError::Config(
@@ -2316,7 +2354,7 @@ impl Volume {
             let n = out(self);
             if n < left {
                 left = n;
-                deadline = Instant::now() + self.cfg.io_timeout;
+                deadline = deadline_after(self.cfg.io_timeout);
             }
         }
         Ok(())

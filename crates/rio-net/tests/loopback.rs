@@ -105,6 +105,66 @@ fn out_of_range_and_misaligned_io_is_refused() {
     assert!(v.submit(0, 100, buf, true).is_err());
 }
 
+/// An offset so large that offset + length passes `u64::MAX` is refused like any other range
+/// past the volume. (The sum overflowed: a panic in a debug build, and in a release build it
+/// wrapped to a small number, passed the check and went out to the targets.)
+#[test]
+fn an_offset_whose_end_passes_u64_max_is_refused() {
+    let (a, _ra) = start_target("wrap", TargetLogKind::Mem(1 << 20));
+    let (mut v, _) = Volume::open(VolumeConfig::new(vec![a], 1)).unwrap();
+    let off = u64::MAX - 4095; // a multiple of 4 KiB: only the end is wrong
+    let buf = v.alloc(4096).unwrap();
+    assert!(matches!(
+        v.submit(0, off, buf, true),
+        Err(rio_net::NetError::Config(_))
+    ));
+    let buf = v.alloc(4096).unwrap();
+    assert!(matches!(
+        v.read(0, off, buf),
+        Err(rio_net::NetError::Config(_))
+    ));
+    let buf = v.alloc(4096).unwrap();
+    assert!(matches!(
+        v.write_orderless(0, off, buf),
+        Err(rio_net::NetError::Config(_))
+    ));
+    // Nothing went out, and the volume goes on.
+    v.wait(0).unwrap();
+    assert!(v.poll().unwrap().is_empty());
+    assert_eq!(v.stats().recoveries, 1, "only the open's recovery ran");
+}
+
+/// `wait` on a stream the volume does not have is an error, as for the other calls that take
+/// a stream. (It indexed the stream list: a panic.)
+#[test]
+fn wait_on_a_stream_the_volume_does_not_have_is_an_error() {
+    let (a, _ra) = start_target("nostream", TargetLogKind::Mem(1 << 20));
+    let (mut v, _) = Volume::open(VolumeConfig::new(vec![a], 2)).unwrap();
+    assert!(matches!(v.wait(2), Err(rio_net::NetError::Config(_))));
+    assert!(matches!(v.flush_all(2), Err(rio_net::NetError::Config(_))));
+    v.wait(1).unwrap();
+}
+
+/// `io_timeout: Duration::MAX` ("never give a connection up") works. (Every wait added it to
+/// `Instant::now()`: the open panicked with an overflow.)
+#[test]
+fn an_io_timeout_of_duration_max_means_no_limit() {
+    let (a, _ra) = start_target("notimeout", TargetLogKind::Mem(1 << 20));
+    let mut cfg = VolumeConfig::new(vec![a], 1);
+    cfg.io_timeout = std::time::Duration::MAX;
+    let (mut v, _) = Volume::open(cfg).unwrap();
+    let mut buf = v.alloc(4096).unwrap();
+    buf.fill(0x5a);
+    v.submit(0, 0, buf, true).unwrap();
+    v.wait(0).unwrap();
+    assert!(v.poll().unwrap().iter().all(|d| d.result.is_ok()));
+    v.recover().unwrap();
+    let buf = v.alloc(4096).unwrap();
+    v.read(0, 0, buf).unwrap();
+    let d = v.wait_any().unwrap();
+    assert!(d[0].result.is_ok() && d[0].buf.iter().all(|&b| b == 0x5a));
+}
+
 #[test]
 fn writes_larger_than_the_capsule_go_by_r2t() {
     // A target that takes no write data in the capsule: every write waits for its R2T.

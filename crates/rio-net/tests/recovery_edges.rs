@@ -11,7 +11,7 @@
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU32, AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -317,6 +317,9 @@ const CUT_AT_FLUSH: u8 = 4;
 /// Forward, holding each of the target's answers for [`SLOW_ANSWER`] first.
 const SLOW_ANSWERS: u8 = 5;
 const SLOW_ANSWER: Duration = Duration::from_millis(10);
+/// An admin opcode no target knows (vendor specific, unused): what [`Proxy::hide_rio`] turns
+/// RIO_INFO into.
+const UNKNOWN_ADMIN_OPCODE: u8 = 0xcf;
 
 /// A TCP proxy in front of a target that loses links where a test says.
 struct Proxy {
@@ -325,6 +328,9 @@ struct Proxy {
     /// Connections refused, and connections cut.
     refused: Arc<AtomicU32>,
     cut: Arc<AtomicU32>,
+    /// Pass RIO_INFO on as an opcode the target does not know: it then answers as a standard
+    /// NVMe/TCP target (Invalid Opcode).
+    hide_rio: Arc<AtomicBool>,
 }
 
 /// What a proxy does with one PDU.
@@ -343,8 +349,10 @@ impl Proxy {
             mode: Arc::new(AtomicU8::new(FORWARD)),
             refused: Arc::new(AtomicU32::new(0)),
             cut: Arc::new(AtomicU32::new(0)),
+            hide_rio: Arc::new(AtomicBool::new(false)),
         };
         let (mode, refused, cut) = (p.mode.clone(), p.refused.clone(), p.cut.clone());
+        let hide_rio = p.hide_rio.clone();
         std::thread::spawn(move || {
             for host in listener.incoming() {
                 let Ok(host) = host else { continue };
@@ -361,6 +369,7 @@ impl Proxy {
                 let (host2, up2) = (host.try_clone().unwrap(), up.try_clone().unwrap());
                 let (mode2, cut2) = (mode.clone(), cut.clone());
                 let (mode, cut) = (mode.clone(), cut.clone());
+                let hide_rio = hide_rio.clone();
                 std::thread::spawn(move || {
                     pump(host, up, |p| {
                         if p[0] != pdu::CMD || p.len() < pdu::CMD_HLEN {
@@ -368,6 +377,10 @@ impl Proxy {
                         }
                         let mut sqe = Sqe::default();
                         sqe.0.copy_from_slice(&p[pdu::CH_BYTES..pdu::CMD_HLEN]);
+                        if sqe.opcode() == op::RIO_INFO && hide_rio.load(Relaxed) {
+                            // No header digests here: the opcode byte is all that changes.
+                            p[pdu::CH_BYTES] = UNKNOWN_ADMIN_OPCODE;
+                        }
                         if sqe.opcode() == op::RIO_RESET {
                             let _ = mode.compare_exchange(
                                 REFUSE_AFTER_RESET,
@@ -419,7 +432,7 @@ impl Proxy {
 }
 
 /// Pass whole PDUs from `from` to `to` as `watch` says; a cut closes both.
-fn pump(mut from: TcpStream, mut to: TcpStream, watch: impl Fn(&[u8]) -> Pass) {
+fn pump(mut from: TcpStream, mut to: TcpStream, watch: impl Fn(&mut [u8]) -> Pass) {
     let mut pending = Vec::new();
     let mut buf = vec![0u8; 256 << 10];
     'conn: loop {
@@ -433,7 +446,7 @@ fn pump(mut from: TcpStream, mut to: TcpStream, watch: impl Fn(&[u8]) -> Pass) {
             if pending.len() < plen {
                 break;
             }
-            let pass = watch(&pending[..plen]);
+            let pass = watch(&mut pending[..plen]);
             if pass == Pass::Cut || to.write_all(&pending[..plen]).is_err() {
                 break 'conn;
             }
@@ -540,6 +553,50 @@ fn flush_all_reports_a_connection_lost_under_its_flush() {
     assert!(e.to_string().contains("connection failed"), "{e}");
     v.flush_all(0).expect("the next flush_all");
     assert_eq!(read_block(&mut v, 0), 0x55);
+}
+
+/// A volume over a standard NVMe/TCP target (one that refuses RIO_INFO: orderless I/O only)
+/// reconnects when a connection is lost, and goes on. Its recovery failed ("recovery needs Rio
+/// targets") and stayed due, so after one lost connection every later call retried it for
+/// `reconnect_for` and failed.
+#[test]
+fn a_volume_over_a_standard_target_reconnects_after_a_lost_connection() {
+    let _serial = one_at_a_time();
+    let mut cleanup = Cleanup(Vec::new());
+    let (addr, _) = target("standard", TargetLogKind::Mem(1 << 20), &mut cleanup);
+    let proxy = Proxy::start(addr);
+    proxy.hide_rio.store(true, Relaxed);
+    let mut cfg = VolumeConfig::new(vec![proxy.addr], 1);
+    cfg.reconnect_for = Duration::from_secs(1);
+    let mut v = Volume::connect(cfg).unwrap();
+    let b = v.alloc(BLOCK as usize).unwrap();
+    assert!(
+        v.submit(0, 0, b, true).is_err(),
+        "ordered writes are refused: the target looks standard"
+    );
+    let mut b = v.alloc(BLOCK as usize).unwrap();
+    b.fill(0x55);
+    v.write_orderless(0, 0, b).unwrap();
+    let d = v.wait_any().unwrap();
+    assert!(d.len() == 1 && d[0].result.is_ok(), "the orderless write");
+    v.flush_all(0).unwrap();
+    proxy.mode.store(CUT_AT_FLUSH, Relaxed);
+    let lost = v.flush_all(0);
+    assert_eq!(proxy.cut.load(Relaxed), 1, "the FLUSH's connection was cut");
+    let e = lost.expect_err("a FLUSH lost with its connection is an error");
+    assert!(e.to_string().contains("connection failed"), "{e}");
+    v.flush_all(0)
+        .expect("the FLUSH on the connection made again");
+    assert_eq!(read_block(&mut v, 0), 0x55);
+    let mut b = v.alloc(BLOCK as usize).unwrap();
+    b.fill(0x66);
+    v.write_orderless(0, BLOCK, b).unwrap();
+    let d = v.wait_any().unwrap();
+    assert!(
+        d.len() == 1 && d[0].result.is_ok(),
+        "an orderless write after it"
+    );
+    assert_eq!(read_block(&mut v, 1), 0x66);
 }
 
 /// Recovery waits for its zeroing as long as answers keep coming: its time-out runs from the
