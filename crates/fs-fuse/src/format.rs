@@ -32,6 +32,9 @@ pub const INODE_BYTES: usize = 256;
 pub const INODES_PER_BLOCK: usize = BLOCK / INODE_BYTES;
 pub const ROOT_INO: u64 = 1;
 pub const INLINE_EXTENTS: usize = 8;
+/// The largest file (16 TiB, as ext4's with 4 KiB blocks): writes, fallocate and truncate past
+/// it get EFBIG, and an extent mapping file blocks past it is damage.
+pub const MAX_FILE_BYTES: u64 = 1 << 44;
 /// Flag in an inode: its eight extent slots point at extent leaf blocks instead of holding
 /// extents (`logical` = first file block the leaf maps, `physical` = the leaf block, `len` =
 /// extents in it).

@@ -135,6 +135,18 @@ struct Committing {
 
 /// Extents a file can have: eight leaves of [`LEAF_EXTENTS`].
 pub const MAX_EXTENTS: usize = INLINE_EXTENTS * LEAF_EXTENTS;
+
+pub use crate::format::MAX_FILE_BYTES;
+
+/// Extent leaf blocks a map of `extents` extents takes (none while they fit the inode).
+fn leaves_for(extents: usize) -> usize {
+    if extents <= INLINE_EXTENTS {
+        0
+    } else {
+        extents.div_ceil(LEAF_EXTENTS)
+    }
+}
+
 /// Changes older than this are committed by the next operation (or the mount's flusher).
 pub const COMMIT_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
 /// Slots of a directory block (the smallest entry takes 11 bytes).
@@ -937,6 +949,13 @@ impl Fs {
                 if e.len == 0 {
                     continue;
                 }
+                if e.logical.saturating_add(e.len as u64) > MAX_FILE_BYTES / B {
+                    eprintln!(
+                        "aiosfs: inode {ino} maps file block {} on, past the largest file (run aios fsck)",
+                        e.logical
+                    );
+                    return Err(libc::EIO);
+                }
                 self.check_data_block(e.physical, ino)?;
                 self.check_data_block(e.physical + e.len as u64 - 1, ino)?;
                 node.map.insert(e.logical, (e.physical, e.len));
@@ -1082,6 +1101,86 @@ impl Fs {
             st.revokes.insert(b);
         }
         st.new_meta.remove(&b);
+    }
+
+    /// Give `ino` the extent leaf blocks a map of `extents` extents needs, before its map grows
+    /// to that: a commit that found no block for a leaf could commit nothing, and the blocks
+    /// freed meanwhile become allocatable only through a commit, so the file system could never
+    /// commit again. ENOSPC (nothing taken) when there is no block; EFBIG past
+    /// [`MAX_EXTENTS`]. The inode is marked: a leaf taken here is written with it.
+    fn reserve_leaves(&self, st: &mut State, ino: u64, extents: usize) -> FsResult<()> {
+        let need = leaves_for(extents);
+        if need > INLINE_EXTENTS {
+            return Err(libc::EFBIG);
+        }
+        let had = st.nodes[&ino].leaves.len();
+        while st.nodes[&ino].leaves.len() < need {
+            let goal = st.nodes[&ino].leaves.last().map(|b| b + 1);
+            match self.alloc_block(st, goal) {
+                Ok(b) => st.nodes.get_mut(&ino).expect("node").leaves.push(b),
+                Err(e) => {
+                    let taken = st.nodes.get_mut(&ino).expect("node").leaves.split_off(had);
+                    for b in taken {
+                        self.free_block(st, b);
+                        st.quarantine.remove(&b);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        if st.nodes[&ino].leaves.len() > had {
+            Self::touch(st, ino);
+        }
+        Ok(())
+    }
+
+    /// Take back block `p`, allocated by the operation under way and never committed: it is
+    /// allocatable again at once.
+    fn unalloc(&self, st: &mut State, p: u64) {
+        self.free_block(st, p);
+        st.quarantine.remove(&p);
+    }
+
+    /// A block to map at file block `l` of `ino` (a hole), with the extent leaf the map then
+    /// needs, if any, taken too (see [`Self::reserve_leaves`]). Out of blocks with some freed
+    /// since the last commit, it commits once to make them allocatable; that commit carries the
+    /// inode, since it maps the blocks the operation under way took before this one (the
+    /// caller marks the inode again afterwards).
+    fn alloc_for_map(&self, st: &mut State, ctx: &Ctx, ino: u64, l: u64) -> FsResult<u64> {
+        let mut committed = false;
+        loop {
+            let n = &st.nodes[&ino];
+            let goal = l.checked_sub(1).and_then(|pl| n.phys(pl)).map(|p| p + 1);
+            let r = self.alloc_block(st, goal).and_then(|p| {
+                let n = &st.nodes[&ino];
+                if n.joins(l, p) {
+                    return Ok(p);
+                }
+                let more = n.map.len() + 1;
+                let r = if more > MAX_EXTENTS {
+                    Err(libc::EFBIG)
+                } else {
+                    self.reserve_leaves(st, ino, more)
+                };
+                match r {
+                    Ok(()) => Ok(p),
+                    Err(e) => {
+                        self.unalloc(st, p);
+                        Err(e)
+                    }
+                }
+            });
+            match r {
+                Err(libc::ENOSPC) if !committed && !st.quarantine.is_empty() => {
+                    // Blocks freed since the last commit come back once it is durable.
+                    st.nodes.get_mut(&ino).expect("node").layout_dirty = true;
+                    Self::touch(st, ino);
+                    self.commit_locked(st, ctx, None)?;
+                    committed = true;
+                }
+                r => return r,
+            }
+        }
     }
 
     fn alloc_inode(&self, st: &mut State, ctx: &Ctx) -> FsResult<u64> {
@@ -1406,11 +1505,7 @@ impl Fs {
                     len,
                 })
                 .collect();
-            let need_leaves = if extents.len() <= INLINE_EXTENTS {
-                0
-            } else {
-                extents.len().div_ceil(LEAF_EXTENTS)
-            };
+            let need_leaves = leaves_for(extents.len());
             let mut leaves = n.leaves.clone();
             while leaves.len() > need_leaves {
                 let b = leaves.pop().expect("leaf");
@@ -1985,6 +2080,14 @@ impl Fs {
             }
             let goal = nb.checked_sub(1).and_then(|l| n.phys(l)).map(|p| p + 1);
             let p = self.alloc_block(st, goal)?;
+            let n = &st.nodes[&parent];
+            if !n.joins(nb, p) {
+                // A new extent: the extent leaf it needs, if any, is taken now.
+                if let Err(e) = self.reserve_leaves(st, parent, n.map.len() + 1) {
+                    self.unalloc(st, p);
+                    return Err(if e == libc::EFBIG { libc::ENOSPC } else { e });
+                }
+            }
             let n = st.nodes.get_mut(&parent).expect("parent");
             n.map_block(nb, p);
             n.attr.size = (nb + 1) * B;
@@ -2439,6 +2542,9 @@ impl Fs {
         self.writable(&st)?;
         let t = now();
         if let Some(size) = set.size {
+            if size > MAX_FILE_BYTES {
+                return Err(libc::EFBIG);
+            }
             let n = self.node(&mut st, &ctx, ino)?;
             if n.attr.is_dir() {
                 return Err(libc::EISDIR);
@@ -2628,12 +2734,13 @@ impl Fs {
             if offset >= n.attr.size || dst.is_empty() {
                 return Ok(0);
             }
-            let end = n.attr.size.min(offset + dst.len() as u64);
+            // (A damaged inode may claim any size: nothing here may overflow.)
+            let end = n.attr.size.min(offset.saturating_add(dst.len() as u64));
             len = (end - offset) as usize;
             for l in offset / B..=(end - 1) / B {
                 // The part of block `l` in the read: [from, to) in file bytes.
                 let from = (l * B).max(offset);
-                let to = ((l + 1) * B).min(end);
+                let to = (l * B).saturating_add(B).min(end);
                 let (at, k, in_block) = ((from - offset) as usize, (to - from) as usize, from % B);
                 if let Some(d) = n.dirty.get(&l) {
                     let i = in_block as usize;
@@ -2683,7 +2790,7 @@ impl Fs {
             return Ok(0);
         }
         let end = offset.checked_add(data.len() as u64).ok_or(libc::EFBIG)?;
-        if end > (1u64 << 44) {
+        if end > MAX_FILE_BYTES {
             return Err(libc::EFBIG);
         }
         let ctx = self.ctx()?;
@@ -2715,30 +2822,13 @@ impl Fs {
                 st.dirty_bytes += BLOCK;
                 st.dirty_data.insert(ino);
             } else {
-                let goal = l.checked_sub(1).and_then(|pl| n.phys(pl)).map(|p| p + 1);
-                let p = match self.alloc_block(&mut st, goal) {
+                let p = match self.alloc_for_map(&mut st, &ctx, ino, l) {
                     Ok(p) => p,
-                    Err(libc::ENOSPC) if !st.quarantine.is_empty() => {
-                        // Blocks freed since the last commit come back once it is durable.
-                        self.commit_locked(&mut st, &ctx, None)?;
-                        self.alloc_block(&mut st, goal)?
-                    }
-                    Err(e) => {
-                        if done > 0 {
-                            break;
-                        }
-                        return Err(e);
-                    }
+                    // Out of space or extents part way: the bytes so far are written.
+                    Err(libc::ENOSPC | libc::EFBIG) if done > 0 => break,
+                    Err(e) => return Err(e),
                 };
                 let n = st.nodes.get_mut(&ino).expect("node");
-                if n.map.len() >= MAX_EXTENTS && !n.joins(l, p) {
-                    self.free_block(&mut st, p);
-                    st.quarantine.remove(&p);
-                    if done > 0 {
-                        break;
-                    }
-                    return Err(libc::EFBIG);
-                }
                 n.map_block(l, p);
                 n.fresh.insert(l);
                 allocated = true;
@@ -2781,7 +2871,7 @@ impl Fs {
         if len == 0 {
             return Err(libc::EINVAL);
         }
-        if end > (1u64 << 44) {
+        if end > MAX_FILE_BYTES {
             return Err(libc::EFBIG);
         }
         let keep = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
@@ -2802,6 +2892,26 @@ impl Fs {
             let end = end.min(size);
             if offset < end {
                 let (a, b) = (offset.div_ceil(B), end / B);
+                // A hole inside one extent splits it in two: the map grows by one, and may
+                // need another extent leaf first (refused past the most a file can have).
+                let n = &st.nodes[&ino];
+                let splits = a < b
+                    && n.map
+                        .range(..a)
+                        .next_back()
+                        .is_some_and(|(&s, &(_, len))| s.saturating_add(len as u64) > b);
+                if splits {
+                    let more = n.map.len() + 1;
+                    let r = match self.reserve_leaves(&mut st, ino, more) {
+                        Err(libc::ENOSPC) if !st.quarantine.is_empty() => {
+                            // Blocks freed since the last commit come back once it is durable.
+                            self.commit_locked(&mut st, &ctx, None)?;
+                            self.reserve_leaves(&mut st, ino, more)
+                        }
+                        r => r,
+                    };
+                    r.map_err(|_| libc::ENOSPC)?;
+                }
                 if a < b {
                     let n = st.nodes.get_mut(&ino).expect("node");
                     let gone: Vec<u64> = n.dirty.range(a..b).map(|(&l, _)| l).collect();
@@ -2870,11 +2980,19 @@ impl Fs {
                         }
                         Err(e) => break 'alloc Err(e),
                     };
-                    let n = st.nodes.get_mut(&ino).expect("node");
-                    if n.map.len() >= MAX_EXTENTS && !n.joins(l, p) {
-                        self.free_block(&mut st, p);
-                        st.quarantine.remove(&p);
-                        break 'alloc Err(libc::EFBIG);
+                    let n = &st.nodes[&ino];
+                    if !n.joins(l, p) {
+                        // A new extent: the extent leaf it needs, if any, is taken now.
+                        let more = n.map.len() + 1;
+                        let r = if more > MAX_EXTENTS {
+                            Err(libc::EFBIG)
+                        } else {
+                            self.reserve_leaves(&mut st, ino, more)
+                        };
+                        if let Err(e) = r {
+                            self.unalloc(&mut st, p);
+                            break 'alloc Err(e);
+                        }
                     }
                     // Zeros reach the block before any commit maps it.
                     if let Err(e) = ctx.write_block(p, &zeros) {

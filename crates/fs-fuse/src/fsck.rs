@@ -8,7 +8,7 @@ use std::path::Path;
 use crate::error::FsError;
 use crate::format::{
     bit, decode_dir_block, decode_leaf, decode_xattrs, Inode, Superblock, BLOCK, INODE_BYTES,
-    INODE_LEAVES, ROOT_INO, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG,
+    INODE_LEAVES, MAX_FILE_BYTES, ROOT_INO, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG,
 };
 
 /// What `fsck` found.
@@ -362,6 +362,12 @@ fn check(img: Img<'_>, plp: bool) -> Result<Report, FsError> {
                 ));
             }
             last_end = e.logical.saturating_add(e.len as u64);
+            if last_end > MAX_FILE_BYTES / BLOCK as u64 {
+                problems.push(format!(
+                    "inode {ino}: extent {k} maps file blocks {}.. past the largest file",
+                    e.logical
+                ));
+            }
             let end = e.physical.saturating_add(e.len as u64);
             if e.physical < sb.data.start || end > sb.data.end() {
                 problems.push(format!(

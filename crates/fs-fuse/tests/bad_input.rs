@@ -300,3 +300,101 @@ fn a_mount_refused_for_its_cache_size_writes_nothing() {
     let (_fs, report) = Fs::open(common::factory(&again), common::opts()).unwrap();
     assert!(!report.was_mounted, "the next mount found an unclean stop");
 }
+
+/// An image with one file "f" of three blocks, cleanly unmounted, with `patch` applied to that
+/// file's inode (its checksum resealed); and the file's inode number.
+fn with_patched_inode(patch: impl FnOnce(&mut fs_fuse::format::Inode)) -> (Vec<u8>, u64) {
+    let (disk, fs) = common::open(fresh_image(8 << 20), 1).unwrap();
+    let f = fs
+        .mknod(ROOT_INO, b"f", S_IFREG | 0o644, 0, ROOT, None)
+        .unwrap()
+        .ino;
+    fs.write(f, 0, &[0x33u8; 3 * 4096]).unwrap();
+    fs.unmount().unwrap();
+    drop(fs);
+    let mut img = disk.media();
+    let sb = Superblock::decode(&img, img.len() as u64 / BLOCK as u64).unwrap();
+    let at = sb.inode_table.start as usize * BLOCK + f as usize * INODE_BYTES;
+    let slot = &mut img[at..at + INODE_BYTES];
+    let mut inode = fs_fuse::format::Inode::decode(slot).unwrap().unwrap();
+    patch(&mut inode);
+    inode.encode(slot);
+    (img, f)
+}
+
+/// A damaged inode claiming the largest size there is: reads near the end of it answer, with
+/// no overflow (one used to panic the read, in a debug build, and return a bogus length in a
+/// release one).
+#[test]
+fn a_file_claiming_the_largest_size_reads_without_overflow() {
+    let (img, f) = with_patched_inode(|i| i.size = u64::MAX);
+    let (_d, fs) = common::open(img, 1).unwrap();
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        (
+            fs.read(f, u64::MAX - 10, 4096),
+            fs.read(f, u64::MAX - 5000, 4096),
+        )
+    }));
+    let (near_end, before) = r.expect("a read near the end of a huge file panicked");
+    assert_eq!(near_end, Ok(vec![0u8; 10]));
+    assert_eq!(before, Ok(vec![0u8; 4096]));
+    assert_eq!(fs.read(f, 0, 4096), Ok(vec![0x33u8; 4096]));
+}
+
+/// A truncate past the largest file a write can make is refused with EFBIG, as on ext4 (it used
+/// to set any size, u64::MAX included).
+#[test]
+fn a_truncate_past_the_largest_file_says_efbig() {
+    let (_disk, fs) = common::open(fresh_image(8 << 20), 1).unwrap();
+    let f = fs
+        .mknod(ROOT_INO, b"f", S_IFREG | 0o644, 0, ROOT, None)
+        .unwrap()
+        .ino;
+    let to = |size: u64| {
+        fs.setattr(
+            f,
+            &SetAttr {
+                size: Some(size),
+                ..SetAttr::default()
+            },
+        )
+        .map(|a| a.size)
+    };
+    let max = fs_fuse::fs::MAX_FILE_BYTES;
+    assert_eq!(to(max), Ok(max));
+    assert_eq!(to(max + 1), Err(libc::EFBIG));
+    assert_eq!(to(u64::MAX), Err(libc::EFBIG));
+    assert_eq!(fs.getattr(f).unwrap().size, max);
+}
+
+/// A damaged extent whose logical end lies past the largest file (here past u64::MAX): fsck
+/// calls the image damaged (it called it clean, so the mount took it), and the file system
+/// refuses it (it loads every inode at open, to free orphans) instead of panicking on an
+/// overflow when the file was deleted or truncated.
+#[test]
+fn an_extent_past_the_largest_file_is_damage_not_a_panic() {
+    let (img, f) = with_patched_inode(|i| i.extents[0].logical = u64::MAX - 1);
+    let rep = fsck_image(&img).unwrap();
+    assert!(
+        !rep.clean(),
+        "fsck found an extent at logical block u64::MAX - 1 clean"
+    );
+    let r = catch_unwind(AssertUnwindSafe(|| match common::open(img, 1) {
+        Err(e) => Err(e.to_string()),
+        Ok((_d, fs)) => {
+            let truncate = fs.setattr(
+                f,
+                &SetAttr {
+                    size: Some(0),
+                    ..SetAttr::default()
+                },
+            );
+            Ok((truncate.map(|_| ()), fs.remove(ROOT_INO, b"f", false)))
+        }
+    }));
+    let r = r.expect("opening, truncating or deleting the damaged file panicked");
+    assert!(
+        matches!(&r, Err(e) if e.contains("damaged")),
+        "the damaged image was opened: {r:?}"
+    );
+}
