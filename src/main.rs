@@ -1965,9 +1965,9 @@ fn cmd_bench_pagecache(a: PagecacheArgs) -> Result<(), BenchError> {
             "--hot {h}: a hot set holds at least one 4 KiB page (4k or more)"
         )));
     }
-    let target = Target::prepare(&a.device, a.size)?;
-    let bench = PagecacheBench {
-        path: target.path().to_path_buf(),
+    let mut bench = PagecacheBench {
+        // Set once the device is ready (the arguments are checked first).
+        path: PathBuf::new(),
         device_name: a.device.clone(),
         cold_bs: a.bs.clone(),
         threads: a.threads.clone(),
@@ -1979,6 +1979,9 @@ fn cmd_bench_pagecache(a: PagecacheArgs) -> Result<(), BenchError> {
         hot_sets: a.hot.clone(),
         completion: a.completion.mode(),
     };
+    bench.check_cache()?;
+    let target = Target::prepare(&a.device, a.size)?;
+    bench.path = target.path().to_path_buf();
     if !a.json {
         eprintln!("device: {}", target.describe());
         let c = aios::core::copy::calibrate();

@@ -264,6 +264,10 @@ fn bench_refuses_bad_input_with_the_value_and_the_fix() {
         (&["bench", "pagecache", "--bs", "6k"][..], "6144"),
         (&["bench", "pagecache", "--seconds", "0"][..], "--seconds"),
         (
+            &["bench", "pagecache", "--cache", "128k"][..],
+            "--cache 128k: the page cache under test needs at least 256k",
+        ),
+        (
             &["bench", "fs", "--workloads", "randread,bogus"][..],
             "bogus",
         ),

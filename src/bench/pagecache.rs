@@ -427,6 +427,28 @@ impl PagecacheBench {
         v
     }
 
+    /// The cold cases' page caches are `cache_bytes` (the hit cases size their own): too small
+    /// a one is refused before anything runs (the CLI asks before it sets up the device).
+    pub fn check_cache(&self) -> Result<(), BenchError> {
+        let cold_cache = self.cases().iter().any(|c| {
+            !c.hot
+                && matches!(
+                    c.reader,
+                    Reader::Cache(_) | Reader::CachePerPage | Reader::CacheZeroCopy
+                )
+        });
+        let least = CacheConfig::default().min_capacity_bytes();
+        if cold_cache && self.cache_bytes < least {
+            return Err(BenchError::Invalid(format!(
+                "--cache {}: the page cache under test needs at least {} (two pool batches of \
+                 4 KiB frames)",
+                human_bytes(self.cache_bytes as u64),
+                human_bytes(least as u64)
+            )));
+        }
+        Ok(())
+    }
+
     /// Run every case for `rounds` rounds; `emit` sees each sample as it is measured (with its
     /// ratios filled in once its round's anchors are in). Returns all samples and the medians.
     pub fn run(
@@ -441,6 +463,7 @@ impl PagecacheBench {
             return Err(BenchError::Invalid("--threads needs counts >= 1".into()));
         }
         let cases = self.cases();
+        self.check_cache()?;
         let mut all = Vec::new();
         for round in 0..self.rounds.max(1) {
             let mut order = cases.clone();

@@ -110,6 +110,13 @@ impl Default for CacheConfig {
     }
 }
 
+impl CacheConfig {
+    /// The smallest `capacity_bytes` [`PageCache::new`] takes with this `pool_batch`.
+    pub fn min_capacity_bytes(&self) -> usize {
+        self.pool_batch as usize * MIN_HANDLE_FRAMES_FACTOR as usize * PAGE_BYTES
+    }
+}
+
 /// Counters, shared by all handles.
 #[derive(Debug, Default)]
 pub struct Counters {
