@@ -1812,6 +1812,8 @@ fn cmd_bench_scale(a: ScaleArgs) -> Result<(), BenchError> {
                 .map_err(|_| BenchError::Invalid(format!("--size {} is too large", a.size)))?,
         },
         "ull" => {
+            // All of them, before the first is made (each checks only itself).
+            aios::bench::ull::check_room(most as u64, a.size, "--threads and --size")?;
             for i in 0..most {
                 progress.step(&format!("creating ull device {}/{most}", i + 1));
                 targets.push(Target::Ull(aios::bench::ull::UllDevice::create(a.size)?));

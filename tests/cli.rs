@@ -286,6 +286,20 @@ fn bench_refuses_bad_input_with_the_value_and_the_fix() {
     }
 }
 
+/// ull devices that would not fit in /dev/shm (memory) are refused before the first is made:
+/// `bench scale` made one per thread and filled the machine's memory part way.
+#[test]
+fn ull_devices_larger_than_memory_are_refused_up_front() {
+    {
+        let args = &["bench", "scale", "--threads", "4", "--size", "4096g"][..];
+        let out = aios().args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} should fail");
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(e.contains("--size") && e.contains("/dev/shm"), "{args:?}: {e}");
+        assert!(!e.contains("creating ull") && !e.contains("device:"), "{args:?}: {e}");
+    }
+}
+
 #[test]
 fn bench_writes_to_a_file_it_created_and_cleans_up() {
     let p = format!("/var/tmp/aios-cli-created-{}.img", std::process::id());

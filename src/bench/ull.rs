@@ -5,6 +5,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use crate::bench::report::human_bytes;
 use crate::bench::BenchError;
 
 /// Default size of the `ull` image.
@@ -27,6 +28,41 @@ impl std::fmt::Debug for UllDevice {
     }
 }
 
+/// Refuse `count` ull devices of `bytes` each when their images would not fit the free space
+/// of /dev/shm (with a tenth of it kept free): the fill would run the memory-backed file system
+/// dry part way, squeezing everything else on the machine, before failing. `what` names the
+/// options that set the sizes, for the message.
+pub fn check_room(count: u64, bytes: u64, what: &str) -> Result<(), BenchError> {
+    // /dev/shm's pages are memory: its free space and the memory available, whichever is less.
+    let free = shm_free_bytes()?.min(mem_available_bytes().unwrap_or(u64::MAX));
+    let need = count.saturating_mul(bytes);
+    if need > free / 10 * 9 {
+        return Err(BenchError::Invalid(format!(
+            "{what}: {count} ull device(s) of {} need {} of /dev/shm and memory; {:.1} GiB is \
+             free (at most nine tenths of it is taken): use fewer or smaller devices",
+            human_bytes(bytes),
+            human_bytes(need),
+            free as f64 / (1u64 << 30) as f64
+        )));
+    }
+    Ok(())
+}
+
+/// `MemAvailable` of /proc/meminfo, in bytes.
+fn mem_available_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Bytes free in /dev/shm (tmpfs keeps no reserve for root).
+fn shm_free_bytes() -> Result<u64, BenchError> {
+    aios_core::sys::free_bytes(Path::new("/dev/shm")).map_err(|e| {
+        BenchError::Setup(format!("statvfs /dev/shm (where ull devices live): {e}"))
+    })
+}
+
 impl UllDevice {
     /// Create the image (filled with non-zero data, so reads are not served from holes) and attach
     /// it with `losetup --direct-io=on`. Needs root.
@@ -37,6 +73,7 @@ impl UllDevice {
                     .into(),
             ));
         }
+        check_room(1, bytes, "the ull device")?;
         // Unique per device: a run may hold several at once (the fsync bench's journal and ext4).
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

@@ -533,6 +533,20 @@ pub fn terminate(pid: u32) -> io::Result<()> {
     Ok(())
 }
 
+/// Bytes free to this process on the file system holding `path` (`statvfs`: available blocks
+/// times the fragment size).
+pub fn free_bytes(path: &Path) -> io::Result<u64> {
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a path with a NUL byte"))?;
+    // SAFETY: a zeroed statvfs is a valid output buffer; `c` is NUL-terminated and outlives
+    // the call.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+}
+
 /// The write end of the pipe [`interrupt_pipe`]'s handler writes to.
 static INTERRUPT_WAKE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
 
@@ -629,6 +643,21 @@ mod tests {
         assert_eq!(b[0], libc::SIGINT as u8);
         INTERRUPT_WAKE.store(-1, std::sync::atomic::Ordering::Relaxed);
         drop(write);
+    }
+
+    /// Free space is reported for a directory that exists, an error for one that does not.
+    #[test]
+    fn free_bytes_of_a_real_and_a_missing_path() {
+        let dir = std::env::temp_dir();
+        let free = free_bytes(&dir).unwrap();
+        // A file of a few bytes fits in what is reported free (a tmp with no room at all
+        // would fail the write below as well).
+        let f = dir.join(format!("aios-free-bytes-{}", std::process::id()));
+        std::fs::write(&f, b"x").unwrap();
+        std::fs::remove_file(&f).unwrap();
+        assert!(free > 0);
+        let e = free_bytes(Path::new("/nonexistent/aios/dir")).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
     }
 
     /// Pid 0 names no process: `kill(0, SIGTERM)` would end the caller's whole process group,
