@@ -191,7 +191,7 @@ struct DevState {
     background: Box<dyn Backend>,
     max_transfer: u32,
     /// The size background requests are cut into: `split_bytes`, but never below the device's
-    /// block (a piece must stay aligned) nor above its max transfer.
+    /// block or memory alignment (a piece must stay aligned) nor above its max transfer.
     bg_piece: u32,
     /// Whether the critical and the background backend take vectored pieces.
     vectored: [bool; 2],
@@ -362,6 +362,8 @@ struct Inner {
     slots: Box<[Lbio]>,
     free: Vec<u32>,
     done: VecDeque<u32>,
+    /// Detached requests submitted and not yet finished.
+    detached: u32,
     devs: Vec<Option<DevState>>,
     slot_waiters: Vec<Waker>,
     metrics: LbioMetrics,
@@ -398,6 +400,7 @@ impl LbioArray {
                     slots: slots.into_boxed_slice(),
                     free: (0..cfg.slots).rev().collect(),
                     done: VecDeque::with_capacity(n),
+                    detached: 0,
                     devs: (0..cfg.max_devices).map(|_| None).collect(),
                     slot_waiters: Vec::with_capacity(64),
                     metrics: LbioMetrics::default(),
@@ -436,7 +439,8 @@ impl LbioArray {
     }
 
     /// Give a device a slot in the array, with a full token budget. `block` is the alignment
-    /// its offsets and lengths need (`max_transfer` is a multiple of it).
+    /// a piece boundary needs: in offsets and lengths, and in memory, since a split request's
+    /// pieces start that far into its buffer (`max_transfer` is a multiple of it).
     pub(crate) fn add_device(
         &self,
         critical: Box<dyn Backend>,
@@ -531,6 +535,9 @@ impl LbioArray {
             waker: None,
         };
         inner.metrics.requests += 1;
+        if owner == Owner::Detached {
+            inner.detached += 1;
+        }
         let d = inner.devs[dev as usize]
             .as_mut()
             .expect("a Device handle keeps its slot open");
@@ -756,7 +763,10 @@ impl LbioArray {
                 }
             }
             Owner::Blocking => {}
-            Owner::Detached => inner.done.push_back(tag),
+            Owner::Detached => {
+                inner.detached -= 1;
+                inner.done.push_back(tag);
+            }
             Owner::Orphaned => self.release(inner, tag),
         }
         let d = inner.devs[dev].as_mut().expect("device is open");
@@ -874,11 +884,16 @@ impl LbioArray {
     }
 
     /// Submit what is queued and wait until at least `min` detached requests are done (fewer if
-    /// fewer are in flight).
+    /// fewer are in flight: once none is left in flight it returns, whatever other work the
+    /// engine carries).
     pub fn wait_done(&self, min: usize) -> Result<(), LbioError> {
         loop {
             self.apply_deferred();
-            if self.done_len() >= min || !self.engine.has_work() {
+            let (done, detached) = {
+                let inner = self.inner.borrow();
+                (inner.done.len(), inner.detached)
+            };
+            if done >= min || detached == 0 || !self.engine.has_work() {
                 return Ok(());
             }
             self.engine.wait(1)?;
@@ -929,6 +944,10 @@ impl LbioArray {
     }
 }
 
+/// Failed waits in a row after which a dropping array gives up on its requests in flight (and
+/// leaks their buffers rather than hand them back while the kernel may still use them).
+const DROP_WAIT_TRIES: u32 = 64;
+
 impl Drop for LbioArray {
     fn drop(&mut self) {
         // Slot buffers still targeted by in-flight SQEs must not go back to the arena before the
@@ -940,16 +959,27 @@ impl Drop for LbioArray {
             .slots
             .iter()
             .any(|s| s.state == State::Active && s.outstanding > 0);
+        // A failed wait is tried again (an enter refused for want of memory leaves the SQEs
+        // queued for the next one); only a ring that keeps failing is given up on.
+        let mut failures = 0;
         while busy && self.engine.has_work() {
-            if self.engine.wait(1).is_err() {
-                // The ring is unusable: leak the buffers rather than let the kernel write into
-                // frames someone else owns.
-                for slot in self.inner.get_mut().slots.iter_mut() {
-                    if let Some(b) = slot.buf.take() {
-                        std::mem::forget(b);
+            match self.engine.wait(1) {
+                Ok(_) => failures = 0,
+                Err(_) => {
+                    failures += 1;
+                    if failures < DROP_WAIT_TRIES {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                        continue;
                     }
+                    // The ring is unusable: leak the buffers rather than let the kernel write
+                    // into frames someone else owns.
+                    for slot in self.inner.get_mut().slots.iter_mut() {
+                        if let Some(b) = slot.buf.take() {
+                            std::mem::forget(b);
+                        }
+                    }
+                    return;
                 }
-                return;
             }
         }
     }
@@ -958,7 +988,15 @@ impl Drop for LbioArray {
 impl CompletionSink for LbioArray {
     fn complete(&self, payload: u64, result: i32, _flags: u32) {
         match self.inner.try_borrow_mut() {
-            Ok(mut inner) => self.complete_piece(&mut inner, payload, result),
+            Ok(mut inner) => {
+                self.complete_piece(&mut inner, payload, result);
+                drop(inner);
+                // A piece the token pump started for this completion may have made the engine
+                // reap inside its push, deferring those completions. Nobody else need come by to
+                // apply them: a future waiting on one would never be woken, and `block_on` would
+                // park with nothing in flight.
+                self.apply_deferred();
+            }
             Err(_) => {
                 // The engine reaped inside one of our own pushes: apply it when that borrow
                 // ends.

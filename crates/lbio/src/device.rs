@@ -125,11 +125,12 @@ impl Device {
         let max_transfer = cfg
             .max_transfer_bytes
             .map_or(p.max_transfer_bytes, |m| m.min(p.max_transfer_bytes));
-        if max_transfer < dio.offset_align || max_transfer % dio.offset_align != 0 {
+        // Split pieces must start aligned in memory too (see `from_backends`).
+        let align = dio.offset_align.max(dio.mem_align);
+        if max_transfer < align || max_transfer % align != 0 {
             return Err(LbioError::Config(format!(
-                "max transfer {max_transfer} must be a positive multiple of the device's {}-byte \
-                 alignment",
-                dio.offset_align
+                "max transfer {max_transfer} must be a positive multiple of the device's {align}-byte \
+                 alignment"
             )));
         }
         let geometry = Geometry {
@@ -249,18 +250,22 @@ impl Device {
     ) -> Result<Device, LbioError> {
         let g = geometry;
         let ok = |v: u32| v.is_power_of_two();
+        // Pieces of a split request start at multiples of the max transfer (or the background
+        // piece size) into its memory: they must keep the memory alignment too. Both are powers
+        // of two, so the larger is a multiple of the other.
+        let align = g.offset_align.max(g.mem_align);
         if !ok(g.mem_align)
             || !ok(g.offset_align)
             || g.max_transfer_bytes == 0
-            || g.max_transfer_bytes % g.offset_align != 0
+            || g.max_transfer_bytes % align != 0
         {
             return Err(LbioError::Config(format!(
                 "geometry {g:?}: alignments must be powers of two and max transfer a non-zero \
-                 multiple of the offset alignment"
+                 multiple of the offset alignment and of the memory alignment"
             )));
         }
         let caps = (critical.caps(), background.caps());
-        let idx = lbio.add_device(critical, background, g.max_transfer_bytes, g.offset_align)?;
+        let idx = lbio.add_device(critical, background, g.max_transfer_bytes, align)?;
         Ok(Device {
             lbio: Rc::clone(lbio),
             idx,

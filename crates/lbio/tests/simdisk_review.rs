@@ -386,5 +386,8 @@ fn completions_a_failed_push_left_are_delivered_later() {
             c.result.expect("the write succeeds");
         }
     }
-    assert!(failed > 0, "no push failed: the test did not reach the case");
+    assert!(
+        failed > 0,
+        "no push failed: the test did not reach the case"
+    );
 }
