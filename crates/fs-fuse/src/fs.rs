@@ -432,9 +432,13 @@ impl Dir {
         });
         self.dirty.insert(bi);
     }
-    /// Entries other than "." and "..".
+    /// Entries other than "." and ".." (a damaged directory may lack either).
     fn children(&self) -> usize {
-        self.index.len().saturating_sub(2)
+        let dots = [&b"."[..], &b".."[..]]
+            .into_iter()
+            .filter(|d| self.index.contains_key(*d))
+            .count();
+        self.index.len() - dots
     }
 }
 
@@ -2177,10 +2181,11 @@ impl Fs {
         if is_dir && st.nodes[&parent].attr.nlink >= u32::MAX - 1 {
             return Err(libc::EMLINK);
         }
-        // Blocks this needs at most: a directory block for the parent, one for a new
-        // directory or symlink target.
+        // Blocks this needs at most: a directory block for the parent and the extent leaf
+        // its map may then need, and one for a new directory or symlink target.
         // Blocks freed since the last commit count as free but come back only after it.
-        if st.free_blocks < st.quarantine.len() as u64 + 2 {
+        let need = 2 + (is_dir || symlink.is_some()) as u64;
+        if st.free_blocks < st.quarantine.len() as u64 + need {
             self.commit_locked(&mut st, &ctx, None)?;
         }
         let ino = self.alloc_inode(&mut st, &ctx)?;
@@ -2372,12 +2377,15 @@ impl Fs {
         newname: &[u8],
         flags: u32,
     ) -> FsResult<()> {
+        // Flags first, as Linux checks them: unknown ones (`RENAME_WHITEOUT` too, which aiosfs
+        // does not offer) and `RENAME_EXCHANGE` with `RENAME_NOREPLACE` are EINVAL.
+        let exchange_noreplace = libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE;
+        if flags & !exchange_noreplace != 0 || flags & exchange_noreplace == exchange_noreplace {
+            return Err(libc::EINVAL);
+        }
         Self::check_name(newname)?;
         if name.len() > NAME_MAX {
             return Err(libc::ENAMETOOLONG);
-        }
-        if flags & !(libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE) != 0 {
-            return Err(libc::EINVAL);
         }
         let ctx = self.ctx()?;
         let mut st = self.lock()?;
@@ -2888,9 +2896,11 @@ impl Fs {
         }
         let t = now();
         if punch {
+            // Whole blocks are freed up to the end of the range, past the size too (blocks
+            // that `FALLOC_FL_KEEP_SIZE` allocated there), as on Linux. Partial blocks are
+            // zeroed only below the size: past it a block reads as zeros already.
             let size = st.nodes[&ino].attr.size;
-            let end = end.min(size);
-            if offset < end {
+            {
                 let (a, b) = (offset.div_ceil(B), end / B);
                 // A hole inside one extent splits it in two: the map grows by one, and may
                 // need another extent leaf first (refused past the most a file can have).
@@ -2925,6 +2935,9 @@ impl Fs {
                         self.free_block(&mut st, p);
                     }
                 }
+            }
+            let end = end.min(size);
+            if offset < end {
                 // Partial blocks at either end are zeroed in place.
                 let (fl, ll) = (offset / B, (end - 1) / B);
                 if offset % B != 0 || fl == ll {
@@ -2957,43 +2970,51 @@ impl Fs {
                         continue;
                     }
                     let goal = l.checked_sub(1).and_then(|pl| n.phys(pl)).map(|p| p + 1);
-                    let p = match self.alloc_block(&mut st, goal) {
-                        Ok(p) => p,
-                        Err(libc::ENOSPC) if !st.quarantine.is_empty() => {
-                            if zeroed {
-                                if let Err(e) = ctx.dev().flush_blocking().map_err(io_err) {
+                    // The block, and for a new extent the extent leaf it needs, if any. Out of
+                    // blocks for either with some freed since the last commit, commit once to
+                    // make those allocatable (as a write does).
+                    let mut committed = false;
+                    let p = loop {
+                        let r = self.alloc_block(&mut st, goal).and_then(|p| {
+                            let n = &st.nodes[&ino];
+                            if n.joins(l, p) {
+                                return Ok(p);
+                            }
+                            let more = n.map.len() + 1;
+                            let r = if more > MAX_EXTENTS {
+                                Err(libc::EFBIG)
+                            } else {
+                                self.reserve_leaves(&mut st, ino, more)
+                            };
+                            match r {
+                                Ok(()) => Ok(p),
+                                Err(e) => {
+                                    self.unalloc(&mut st, p);
+                                    Err(e)
+                                }
+                            }
+                        });
+                        match r {
+                            Ok(p) => break p,
+                            Err(libc::ENOSPC) if !committed && !st.quarantine.is_empty() => {
+                                if zeroed {
+                                    if let Err(e) = ctx.dev().flush_blocking().map_err(io_err) {
+                                        break 'alloc Err(e);
+                                    }
+                                    zeroed = false;
+                                }
+                                if let Err(e) = self.commit_locked(&mut st, &ctx, None) {
                                     break 'alloc Err(e);
                                 }
-                                zeroed = false;
+                                committed = true;
+                                // That commit took the inode; the blocks mapped from here on
+                                // go with the next one.
+                                st.nodes.get_mut(&ino).expect("node").layout_dirty = true;
+                                Self::touch(&mut st, ino);
                             }
-                            if let Err(e) = self.commit_locked(&mut st, &ctx, None) {
-                                break 'alloc Err(e);
-                            }
-                            // That commit took the inode; the blocks mapped from here on go
-                            // with the next one.
-                            st.nodes.get_mut(&ino).expect("node").layout_dirty = true;
-                            Self::touch(&mut st, ino);
-                            match self.alloc_block(&mut st, goal) {
-                                Ok(p) => p,
-                                Err(e) => break 'alloc Err(e),
-                            }
+                            Err(e) => break 'alloc Err(e),
                         }
-                        Err(e) => break 'alloc Err(e),
                     };
-                    let n = &st.nodes[&ino];
-                    if !n.joins(l, p) {
-                        // A new extent: the extent leaf it needs, if any, is taken now.
-                        let more = n.map.len() + 1;
-                        let r = if more > MAX_EXTENTS {
-                            Err(libc::EFBIG)
-                        } else {
-                            self.reserve_leaves(&mut st, ino, more)
-                        };
-                        if let Err(e) = r {
-                            self.unalloc(&mut st, p);
-                            break 'alloc Err(e);
-                        }
-                    }
                     // Zeros reach the block before any commit maps it.
                     if let Err(e) = ctx.write_block(p, &zeros) {
                         self.free_block(&mut st, p);
