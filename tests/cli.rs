@@ -295,8 +295,14 @@ fn ull_devices_larger_than_memory_are_refused_up_front() {
         let out = aios().args(args).output().unwrap();
         assert!(!out.status.success(), "{args:?} should fail");
         let e = String::from_utf8_lossy(&out.stderr);
-        assert!(e.contains("--size") && e.contains("/dev/shm"), "{args:?}: {e}");
-        assert!(!e.contains("creating ull") && !e.contains("device:"), "{args:?}: {e}");
+        assert!(
+            e.contains("--size") && e.contains("/dev/shm"),
+            "{args:?}: {e}"
+        );
+        assert!(
+            !e.contains("creating ull") && !e.contains("device:"),
+            "{args:?}: {e}"
+        );
     }
 }
 

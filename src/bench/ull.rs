@@ -58,9 +58,8 @@ fn mem_available_bytes() -> Option<u64> {
 
 /// Bytes free in /dev/shm (tmpfs keeps no reserve for root).
 fn shm_free_bytes() -> Result<u64, BenchError> {
-    aios_core::sys::free_bytes(Path::new("/dev/shm")).map_err(|e| {
-        BenchError::Setup(format!("statvfs /dev/shm (where ull devices live): {e}"))
-    })
+    aios_core::sys::free_bytes(Path::new("/dev/shm"))
+        .map_err(|e| BenchError::Setup(format!("statvfs /dev/shm (where ull devices live): {e}")))
 }
 
 impl UllDevice {

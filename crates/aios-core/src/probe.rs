@@ -751,6 +751,10 @@ mod tests {
             "the buffer of a read still out went back to the arena"
         );
         drop(engine);
-        assert_eq!(sink.0.get(), Some(4096), "the engine's drop waited for the read");
+        assert_eq!(
+            sink.0.get(),
+            Some(4096),
+            "the engine's drop waited for the read"
+        );
     }
 }

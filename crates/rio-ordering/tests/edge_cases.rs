@@ -649,7 +649,10 @@ fn a_stream_starts_at_its_log_marks_group() {
         match start {
             5 => {
                 let e = r.err().expect("refused").to_string();
-                assert!(e.contains("starts at group 5") && e.contains("at group 1"), "{e}");
+                assert!(
+                    e.contains("starts at group 5") && e.contains("at group 1"),
+                    "{e}"
+                );
             }
             _ => assert!(r.is_ok(), "start {start}"),
         }
@@ -666,7 +669,10 @@ fn a_stream_starts_at_its_log_marks_group() {
         let r = OrderedDevice::new(lbio, vec![dev], log, &[start], cfg);
         if start == 3 {
             let e = r.err().expect("refused").to_string();
-            assert!(e.contains("starts at group 3") && e.contains("at group 7"), "{e}");
+            assert!(
+                e.contains("starts at group 3") && e.contains("at group 7"),
+                "{e}"
+            );
             continue;
         }
         let mut od = r.unwrap();
