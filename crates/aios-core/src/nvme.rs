@@ -317,15 +317,17 @@ pub struct NvmeNamespace {
 
 impl NvmeNamespace {
     /// Largest data transfer one command may carry: the smaller of MDTS and the block layer's
-    /// limit, rounded down to whole blocks.
+    /// limit, rounded down to whole blocks, and at most the 65,536 blocks a read or write
+    /// command's 16-bit (0's based) block count can say.
     pub fn max_transfer_bytes(&self) -> u32 {
+        let lba = self.lba_bytes as u64;
         let lim = [self.mdts_bytes, self.max_hw_bytes]
             .into_iter()
             .flatten()
             .min()
             .unwrap_or(1 << 20)
-            .min(1 << 30);
-        let lba = self.lba_bytes as u64;
+            .min(1 << 30)
+            .min(lba.saturating_mul(1 << 16));
         (lim / lba * lba).max(lba) as u32
     }
 
@@ -522,6 +524,34 @@ pub fn open_namespace(path: &Path) -> Result<(OwnedFd, NvmeNamespace), CoreError
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A controller reporting a large MDTS (or none) with the block layer's limit unreadable:
+    /// one command still carries at most 65,536 blocks, the most its block count says (past
+    /// it the count wrapped and the command moved fewer blocks than its buffer held).
+    #[test]
+    fn a_command_carries_at_most_the_blocks_its_count_says() {
+        let ns = |lba_bytes, mdts_bytes, max_hw_bytes| NvmeNamespace {
+            char_device: PathBuf::from("/dev/ng0n1"),
+            nsid: 1,
+            model: String::new(),
+            serial: String::new(),
+            lba_bytes,
+            capacity_lbas: 1 << 30,
+            mdts_bytes,
+            max_hw_bytes,
+            volatile_write_cache: false,
+        };
+        assert_eq!(ns(512, Some(1 << 31), None).max_transfer_bytes(), 32 << 20);
+        assert_eq!(ns(512, Some(1 << 20), None).max_transfer_bytes(), 1 << 20);
+        assert_eq!(
+            ns(4096, Some(1 << 31), None).max_transfer_bytes(),
+            256 << 20
+        );
+        assert_eq!(
+            ns(4096, None, Some(128 << 10)).max_transfer_bytes(),
+            128 << 10
+        );
+    }
 
     #[test]
     fn ioctl_numbers_match_the_kernel_abi() {
