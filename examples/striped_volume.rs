@@ -154,7 +154,7 @@ fn run(dir: &Path) -> Res<()> {
     let mut back_after = None;
     for q in 1..=RECORDS {
         for s in 0..STREAMS {
-            let seq = v.next_seq(s);
+            let seq = v.next_seq(s)?;
             if seq != q {
                 return Err(format!("stream {s} is at group {seq}, expected {q}").into());
             }

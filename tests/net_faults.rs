@@ -54,7 +54,7 @@ fn workload(v: &mut Volume, n: u64, mut on_ack: impl FnMut(u64)) -> Result<u64, 
     let every = v.batch() as u64;
     let mut acked = 0;
     for i in 0..n {
-        let seq = v.next_seq(0);
+        let seq = v.next_seq(0).map_err(|e| e.to_string())?;
         let mut b = v.alloc(4096).ok_or("arena exhausted")?;
         pattern(seq, &mut b);
         v.submit(0, (seq % blocks) * 4096, b, true)
@@ -202,13 +202,13 @@ fn target_kill(lab: &Arc<Mutex<NetLab>>, runs: u32, seed: &mut u64) -> Result<()
             std::thread::sleep(down);
             l.lock().unwrap().spawn(victim, false)
         });
-        let from = v.next_seq(0);
+        let from = v.next_seq(0).map_err(|e| e.to_string())?;
         let recoveries_before = v.stats().recoveries;
         // Keep writing until the fault is over, then a little more.
         let (acked, straddling) = write_through_fault(&mut v, killer, &started, &fired)
             .map_err(|e| format!("target-kill run {run}: {e}"))?;
         // Everything written was waited for: the whole run is the prefix.
-        let prefix = v.next_seq(0);
+        let prefix = v.next_seq(0).map_err(|e| e.to_string())?;
         if acked + 1 != prefix {
             return Err(format!(
                 "run {run}: acknowledged up to {acked}, stream at {prefix}"
@@ -273,12 +273,12 @@ fn link_cut(lab: &Arc<Mutex<NetLab>>, runs: u32, seed: &mut u64) -> Result<(), S
             std::thread::sleep(down);
             l.lock().unwrap().link(victim, true)
         });
-        let from = v.next_seq(0);
+        let from = v.next_seq(0).map_err(|e| e.to_string())?;
         let recoveries_before = v.stats().recoveries;
         // Keep writing until the fault is over, then a little more.
         let (acked, straddling) = write_through_fault(&mut v, cutter, &started, &fired)
             .map_err(|e| format!("link-cut run {run}: {e}"))?;
-        let prefix = v.next_seq(0);
+        let prefix = v.next_seq(0).map_err(|e| e.to_string())?;
         if acked + 1 != prefix {
             return Err(format!(
                 "run {run}: acknowledged up to {acked}, stream at {prefix}"

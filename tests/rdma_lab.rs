@@ -362,7 +362,7 @@ fn integrity(
             acked.push(d.seq);
         }
     }
-    let first_seq = v.next_seq(0) - 200;
+    let first_seq = v.next_seq(0).map_err(|e| e.to_string())? - 200;
     drop(v);
     let (mut v, rep) = Volume::open(volume_cfg(transport, &targets))
         .map_err(|e| format!("recovery after the initiator vanished: {e}"))?;

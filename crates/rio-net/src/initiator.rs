@@ -111,6 +111,18 @@ pub const MAX_PIECES: u32 = 65_536 - 1_024;
 /// Zeroing commands recovery keeps out on one connection at once.
 const ZEROES_OUT: u32 = 4096;
 
+/// I/O queue entries asked for beyond the window: the FLUSH, mark and `flush_all` FLUSH a
+/// stream may have out on a connection besides its requests.
+const QUEUE_EXTRA: u32 = 8;
+
+/// The largest attribute log recovery reads from a target.
+pub const MAX_LOG_BYTES: u64 = 1 << 30;
+
+/// Bytes of a log image besides its slots: the header's two copies, rounded up to the
+/// persistent region's block (at most 2 MiB: see `rio_ordering::AttrLog::format`), and the
+/// tail shorter than a slot.
+const LOG_HEADER_ALLOWANCE: u64 = 4 << 20;
+
 /// The largest window the volume's lists are sized for at open (see [`Volume::open`]).
 const PREALLOCATED_WINDOW: usize = 1024;
 
@@ -159,6 +171,9 @@ pub struct VolumeStats {
     /// The most commands one stream's requests took at once (bounded by
     /// `VolumeConfig::max_commands`).
     pub peak_commands: u32,
+    /// Turns of the connections (a receive on each, then a wait for the network when nothing
+    /// came): what a wait costs the CPU.
+    pub turns: u64,
 }
 
 struct TargetInfo {
@@ -169,12 +184,17 @@ struct TargetInfo {
     plp: bool,
     rio: bool,
     log_streams: u16,
+    /// Attribute slots of its log (`RIO_INFO`): bounds the log image recovery reads.
+    log_slots: u32,
     next_cid: u16,
     /// The namespace's block size, as a shift (512 to 4096 bytes).
     lba_shift: u8,
     /// In-capsule data the I/O queues take (Identify Controller IOCCSZ); larger writes wait
     /// for the target's R2T.
     incap: u32,
+    /// Entries of each I/O queue (Connect's SQSIZE + 1): what the window asks for, within
+    /// the target's CAP.MQES + 1 and MAXCMD.
+    queue_entries: u32,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -217,6 +237,15 @@ struct ICmd {
 
 struct IoConn {
     conn: Option<Conn>,
+    /// Commands this queue may have out at once (its SQSIZE, one below its entries): past it,
+    /// commands wait in `deferred` (encoded, in order) until answers free room.
+    cap: u32,
+    /// Commands sent (or in `conn`'s send buffer) and not answered.
+    wire: u32,
+    /// Command capsules waiting for room on the queue, from `deferred_at` on.
+    deferred: Vec<u8>,
+    deferred_at: usize,
+    deferred_cmds: u32,
     /// The key of the volume's arena on this connection (RDMA): writes carry a keyed SGL.
     rkey: Option<u32>,
     cmds: Vec<Option<ICmd>>,
@@ -239,6 +268,11 @@ impl IoConn {
     fn new(cmds: usize) -> IoConn {
         IoConn {
             conn: None,
+            cap: 1,
+            wire: 0,
+            deferred: Vec::new(),
+            deferred_at: 0,
+            deferred_cmds: 0,
             rkey: None,
             cmds: Vec::with_capacity(cmds),
             free: Vec::with_capacity(cmds),
@@ -279,10 +313,38 @@ impl IoConn {
         });
         cid
     }
-    /// Queue a command capsule (dropped when the connection is gone: recovery resends).
+    /// Queue a command capsule (dropped when the connection is gone: recovery resends): to
+    /// the wire while the queue has room, else behind the commands already waiting for it.
     fn queue(&mut self, sqe: &Sqe, data: &[u8]) {
-        if let Some(c) = self.conn.as_mut() {
+        let Some(c) = self.conn.as_mut() else {
+            return;
+        };
+        if self.wire < self.cap && self.deferred_cmds == 0 {
             pdu::put_cmd(&mut c.tx, sqe, data, c.dg);
+            self.wire += 1;
+        } else {
+            pdu::put_cmd(&mut self.deferred, sqe, data, c.dg);
+            self.deferred_cmds += 1;
+        }
+    }
+    /// A command was answered: send those waiting for its room.
+    fn answered(&mut self) {
+        self.wire = self.wire.saturating_sub(1);
+        let Some(c) = self.conn.as_mut() else {
+            return;
+        };
+        while self.wire < self.cap && self.deferred_cmds > 0 {
+            let at = self.deferred_at;
+            let plen =
+                u32::from_le_bytes(self.deferred[at + 4..at + 8].try_into().expect("4")) as usize;
+            c.tx.extend_from_slice(&self.deferred[at..at + plen]);
+            self.deferred_at += plen;
+            self.deferred_cmds -= 1;
+            self.wire += 1;
+        }
+        if self.deferred_cmds == 0 {
+            self.deferred.clear();
+            self.deferred_at = 0;
         }
     }
     fn release(&mut self, cid: u16) {
@@ -291,6 +353,10 @@ impl IoConn {
     }
     fn reset(&mut self) {
         self.conn = None;
+        self.wire = 0;
+        self.deferred.clear();
+        self.deferred_at = 0;
+        self.deferred_cmds = 0;
         self.rkey = None;
         self.cmds.clear();
         self.free.clear();
@@ -394,6 +460,8 @@ impl Stream {
 struct Plain {
     stream: u16,
     id: u64,
+    /// A read (data comes back as C2HData); otherwise an orderless write (data goes out).
+    read: bool,
     buf: Option<FixedBuf>,
     pieces: u32,
     failed: Option<String>,
@@ -518,9 +586,11 @@ impl Volume {
                     plp: false,
                     rio: false,
                     log_streams: 0,
+                    log_slots: 0,
                     next_cid: 0,
                     lba_shift: 12,
                     incap: 0,
+                    queue_entries: 0,
                 })
                 .collect(),
             conns: (0..cfg.streams as usize * nt)
@@ -608,9 +678,11 @@ impl Volume {
     pub fn block_size(&self) -> Vec<u32> {
         self.targets.iter().map(|t| 1 << t.lba_shift).collect()
     }
-    /// The group the stream's next write joins.
-    pub fn next_seq(&self, stream: u16) -> u64 {
-        self.streams[stream as usize].next_seq
+    /// The group the stream's next write joins (a stream the volume does not have is an
+    /// error, as for the calls that take a stream).
+    pub fn next_seq(&self, stream: u16) -> Result<u64, NetError> {
+        self.check_stream(stream)?;
+        Ok(self.streams[stream as usize].next_seq)
     }
 
     /// A new connection to target `t`, past ICReq/ICResp.
@@ -632,7 +704,7 @@ impl Volume {
             Transport::Rdma => return Err(NetError::Config(crate::conn::NO_RDMA.into())),
         };
         pdu::put_icreq(&mut c.tx, self.cfg.digests, 0);
-        let p = self.exchange(&mut c, addr, |p| matches!(p, Pdu::ICResp { .. }))?;
+        let p = self.exchange(&mut c, addr, 0, |p| matches!(p, Pdu::ICResp { .. }))?;
         let Reply::IcResp { dgst, maxh2cdata } = p else {
             return Err(NetError::peer(addr, "no ICResp"));
         };
@@ -645,11 +717,14 @@ impl Volume {
         Ok(c)
     }
 
-    /// Send what `c` holds and read until `done` matches a PDU; data PDUs are collected.
+    /// Send what `c` holds and read until `done` matches a PDU; data PDUs are collected, at
+    /// most `max_data` bytes (what the command asked for): a target that sends more is a
+    /// protocol error, not memory this side allocates for it.
     fn exchange(
         &self,
         c: &mut Conn,
         addr: SocketAddr,
+        max_data: usize,
         done: impl Fn(&Pdu) -> bool,
     ) -> Result<Reply, NetError> {
         let deadline = deadline_after(self.cfg.io_timeout);
@@ -672,6 +747,14 @@ impl Volume {
                     } => Some(Reply::IcResp { dgst, maxh2cdata }),
                     Pdu::Resp { cqe } => Some(Reply::Resp(cqe, std::mem::take(&mut data))),
                     Pdu::C2HData { data: d, .. } => {
+                        if data.len() + d.len() > max_data {
+                            return Err(NetError::peer(
+                                addr,
+                                format!(
+                                    "sent more data than the command asked for ({max_data} bytes)"
+                                ),
+                            ));
+                        }
                         data.extend_from_slice(d);
                         None
                     }
@@ -727,9 +810,17 @@ impl Volume {
             .take()
             .ok_or_else(|| NetError::peer(addr, "no admin connection"))?;
         pdu::put_cmd(&mut c.tx, &sqe, out, c.dg);
+        // Data in the capsule goes out; otherwise the descriptor's length comes back at most.
+        let (_, len, id) = sqe.sgl();
+        let max_data = if id == pdu::SGL_IN_CAPSULE {
+            0
+        } else {
+            len as usize
+        };
         let r = self.exchange(
             &mut c,
             addr,
+            max_data,
             |p| matches!(p, Pdu::Resp { cqe } if cqe.cid == cid),
         );
         match r {
@@ -818,6 +909,18 @@ impl Volume {
         let page = self.identify(t, 1, 0, "Identify Controller")?;
         let ioccsz = u32::from_le_bytes(page[1792..1796].try_into().expect("4"));
         self.targets[t].incap = ioccsz.saturating_mul(16).saturating_sub(64);
+        // I/O queue size: what the window asks for (at least the 128 entries it always was),
+        // within the target's CAP.MQES (0's based) and MAXCMD (0: not said).
+        let mut cap = Sqe::default();
+        cap.set_opcode(op::FABRICS);
+        cap.0[4] = op::FC_PROPERTY_GET;
+        cap.0[40] = 1; // an 8-byte property
+        let (cqe, _) = self.admin(t, cap, &[], "Property Get CAP")?;
+        let mqes = (cqe.dw0 & 0xffff) + 1;
+        let maxcmd = u16::from_le_bytes([page[514], page[515]]) as u32;
+        let maxcmd = if maxcmd == 0 { u32::MAX } else { maxcmd };
+        let want = self.cfg.window.saturating_add(QUEUE_EXTRA).max(128);
+        self.targets[t].queue_entries = want.min(mqes).min(maxcmd).clamp(2, 1 << 16);
         let mut info = Sqe::default();
         info.set_opcode(op::RIO_INFO);
         match self.admin(t, info, &[], "RIO_INFO") {
@@ -831,6 +934,7 @@ impl Volume {
                         self.targets[t].addr, self.targets[t].log_streams, self.cfg.streams
                     )));
                 }
+                self.targets[t].log_slots = cqe.dw0;
                 let slots = cqe.dw0 as u64;
                 let need = 4 * self.cfg.streams as u64 * (self.cfg.window as u64 + 2);
                 if slots < need {
@@ -854,10 +958,13 @@ impl Volume {
         let mut c = self.dial(t)?;
         let rkey = self.register_arena(&mut c)?;
         let data = self.connect_data(self.targets[t].cntlid);
-        let mut sqe = pdu::connect_command(s + 1, 127);
+        // SQSIZE is 0's based: the queue has `queue_entries`, and at most one fewer
+        // commands go out on it at once (`IoConn::cap`).
+        let entries = self.targets[t].queue_entries.max(2);
+        let mut sqe = pdu::connect_command(s + 1, (entries - 1) as u16);
         sqe.set_cid(0);
         pdu::put_cmd(&mut c.tx, &sqe, &data, c.dg);
-        match self.exchange(&mut c, addr, |p| matches!(p, Pdu::Resp { .. }))? {
+        match self.exchange(&mut c, addr, 0, |p| matches!(p, Pdu::Resp { .. }))? {
             Reply::Resp(cqe, _) if cqe.ok() => {}
             Reply::Resp(cqe, _) => return Err(status_err(addr, "Connect (I/O queue)", &cqe)),
             _ => return Err(NetError::peer(addr, "no Connect response")),
@@ -865,6 +972,7 @@ impl Volume {
         let ic = &mut self.conns[s as usize * self.targets.len() + t];
         ic.reset();
         ic.conn = Some(c);
+        ic.cap = entries - 1;
         ic.rkey = rkey;
         ic.last_progress = Instant::now();
         Ok(())
@@ -1022,6 +1130,12 @@ impl Volume {
             ));
         }
         self.check_range(offset, buf.len())?;
+        if self.recovery_due {
+            // As for orderless requests: a recovery that failed part way left connections it
+            // had not finished with (fenced, or opened before a reset), and stream state (the
+            // `prev` of each target, the marks) it had not brought to the targets' logs.
+            self.recover_retrying()?;
+        }
         let open = self.streams[stream as usize].open_pieces;
         let pieces = self.commands_for(offset, buf.len(), open)?;
         self.wait_for_room(stream, pieces)?;
@@ -1249,10 +1363,7 @@ impl Volume {
             Some(key) => sqe.set_keyed_sgl(copy.as_ptr() as u64, len, key),
             None => sqe.set_sgl(len, incap),
         }
-        if let Some(c) = ic.conn.as_mut() {
-            let data = if incap { &copy[..] } else { &[][..] };
-            pdu::put_cmd(&mut c.tx, &sqe, data, c.dg);
-        }
+        ic.queue(&sqe, if incap { &copy[..] } else { &[][..] });
         ic.cmds[cid as usize].as_mut().expect("just allocated").copy = Some(copy);
         self.streams[s].prev[t] = last;
         self.stats.ordered_cmds += 1;
@@ -1306,14 +1417,12 @@ impl Volume {
                 Some(key) => sqe.set_keyed_sgl(buf.as_ptr() as u64 + range.0 as u64, len, key),
                 None => sqe.set_sgl(len, incap),
             }
-            if let Some(c) = ic.conn.as_mut() {
-                let data = if incap {
-                    &buf[range.0 as usize..range.1 as usize]
-                } else {
-                    &[][..]
-                };
-                pdu::put_cmd(&mut c.tx, &sqe, data, c.dg);
-            }
+            let data = if incap {
+                &buf[range.0 as usize..range.1 as usize]
+            } else {
+                &[][..]
+            };
+            ic.queue(&sqe, data);
             self.stats.ordered_cmds += 1;
         }
         for &(_, t, _, _) in &plan {
@@ -1394,18 +1503,17 @@ impl Volume {
                 }
                 _ => sqe.set_sgl(len, incap),
             }
-            if let Some(c) = ic.conn.as_mut() {
-                let data = if !incap {
-                    &[][..]
-                } else {
-                    &buf[range.0 as usize..range.1 as usize]
-                };
-                pdu::put_cmd(&mut c.tx, &sqe, data, c.dg);
-            }
+            let data = if !incap {
+                &[][..]
+            } else {
+                &buf[range.0 as usize..range.1 as usize]
+            };
+            ic.queue(&sqe, data);
         }
         self.plain[slot as usize] = Some(Plain {
             stream,
             id,
+            read,
             buf: Some(buf),
             pieces: pieces.len() as u32,
             failed: None,
@@ -1453,6 +1561,10 @@ impl Volume {
     /// back at completion; [`Volume::flush_all`] makes orderless writes durable).
     pub fn wait(&mut self, stream: u16) -> Result<(), NetError> {
         self.check_stream(stream)?;
+        if self.recovery_due {
+            // Before the open group goes out (see `submit`).
+            self.recover_retrying()?;
+        }
         self.close_group(stream)?;
         let s = stream as usize;
         loop {
@@ -1557,13 +1669,16 @@ impl Volume {
     /// Move everything along: send, receive, complete. `block`: wait for the network when there
     /// is nothing to do. A failed target starts recovery.
     fn drive(&mut self, block: bool) -> Result<(), NetError> {
+        let ready = self.ready.len();
         if self.recovery_due {
             self.recover_retrying()?;
         }
         for stream in 0..self.cfg.streams {
             self.send_held(stream)?;
         }
-        match self.drive_once(block) {
+        // What a recovery just handed back is news for the caller: no wait for the network.
+        let block = block && self.ready.len() == ready;
+        match self.drive_once(block, false) {
             Ok(()) => self.recover_after_failure(),
             Err((t, why)) => {
                 if self.cfg.verbose {
@@ -1605,14 +1720,21 @@ impl Volume {
         self.last_recovery.as_ref()
     }
 
-    fn drive_once(&mut self, block: bool) -> Result<(), (usize, String)> {
+    /// One turn of every connection. `block`: wait (up to 100 ms) for the network when the
+    /// turn got nothing. `skip_gone`: a connection already dropped is passed over, not
+    /// reported (recovery's first step, waiting on the connections still up: it returned at
+    /// once, and the step spun the CPU until the others answered).
+    fn drive_once(&mut self, block: bool, skip_gone: bool) -> Result<(), (usize, String)> {
         let nt = self.targets.len();
+        self.stats.turns += 1;
         let mut progress = false;
         let mut gone = None;
         for i in 0..self.conns.len() {
             let t = i % nt;
             let Some(c) = self.conns[i].conn.as_mut() else {
-                gone.get_or_insert(t);
+                if !skip_gone {
+                    gone.get_or_insert(t);
+                }
                 continue;
             };
             c.flush().map_err(|e| (t, format!("send: {e}")))?;
@@ -1644,7 +1766,10 @@ impl Volume {
                 c.flush().map_err(|e| (i % nt, format!("send: {e}")))?;
             }
         }
-        if progress || !block || !self.ready.is_empty() {
+        // Requests handed back before this turn are no reason not to wait: `wait`, `flush_all`
+        // and recovery wait on the network whether or not the caller has taken them (they
+        // spun the CPU until it had).
+        if progress || !block {
             return Ok(());
         }
         let fds: crate::conn::WaitFds<'_> = self
@@ -1703,6 +1828,11 @@ impl Volume {
                     let p = self.plain[slot as usize]
                         .as_mut()
                         .ok_or("data for a finished read")?;
+                    // A target's data aimed at an orderless write would land in the write's
+                    // buffer (the caller's data, still to go out after an R2T).
+                    if !p.read {
+                        return Err(format!("data for command {cccid}, a write"));
+                    }
                     let buf = p.buf.as_mut().expect("held until done");
                     let at = a as usize + datao as usize;
                     buf[at..at + data.len()].copy_from_slice(data);
@@ -1771,10 +1901,12 @@ impl Volume {
                     .and_then(|r| r.buf.as_ref())
                     .ok_or("R2T for a write already handed back")?
             }
-            Kind::Plain { slot } => self.plain[slot as usize]
-                .as_ref()
-                .and_then(|p| p.buf.as_ref())
-                .ok_or("R2T for a finished write")?,
+            Kind::Plain { slot } => match self.plain[slot as usize].as_ref() {
+                Some(p) if p.read => return Err(format!("R2T for command {cccid}, a read")),
+                p => p
+                    .and_then(|p| p.buf.as_ref())
+                    .ok_or("R2T for a finished write")?,
+            },
             Kind::Merged { .. } => cmd
                 .copy
                 .as_ref()
@@ -1813,7 +1945,9 @@ impl Volume {
             return Err(format!("second completion for command {}", cqe.cid));
         }
         cmd.completed = true;
+        let kind = cmd.kind;
         ic.outstanding -= 1;
+        ic.answered();
         let err = (!cqe.ok()).then(|| {
             let (sct, sc) = cqe.sct_sc();
             format!(
@@ -1821,7 +1955,7 @@ impl Volume {
                 self.targets[t].addr
             )
         });
-        match cmd.kind {
+        match kind {
             Kind::Ordered { seq, req } => {
                 self.piece_completed(s, seq, req);
                 if let Some(e) = err {
@@ -2102,7 +2236,7 @@ impl Volume {
                 .iter()
                 .any(|c| c.conn.is_some() && c.outstanding > 0)
         {
-            if let Err((t, _)) = self.drive_once(true) {
+            if let Err((t, _)) = self.drive_once(true, true) {
                 for s in 0..self.cfg.streams as usize {
                     self.conns[s * nt + t].conn = None;
                 }
@@ -2348,7 +2482,7 @@ impl Volume {
                     "recovery: targets did not answer in time".into(),
                 ));
             }
-            if let Err((t, why)) = self.drive_once(true) {
+            if let Err((t, why)) = self.drive_once(true, false) {
                 return Err(NetError::peer(self.targets[t].addr, why));
             }
             let n = out(self);
@@ -2363,37 +2497,84 @@ impl Volume {
     /// Zero `len` bytes at `offset` of target `t` (over stream 0's connection), first waiting
     /// for the zeroing already out when it holds [`ZEROES_OUT`] commands: a log's worth of
     /// entries beyond the prefixes would otherwise run out of command ids.
+    ///
+    /// The range comes from the target's log: one that is not whole blocks of its namespace
+    /// (or more than one command may name) is the target's protocol error.
     fn zero(&mut self, t: usize, offset: u64, len: u32) -> Result<(), NetError> {
+        let ti = &self.targets[t];
+        let shift = ti.lba_shift;
+        let mask = (1u64 << shift) - 1;
+        let blocks = len as u64 >> shift;
+        if offset & mask != 0
+            || len as u64 & mask != 0
+            || blocks == 0
+            || blocks > 1 << 16
+            || offset
+                .checked_add(len as u64)
+                .is_none_or(|end| end > ti.ns_bytes)
+        {
+            return Err(NetError::peer(
+                ti.addr,
+                format!(
+                    "its attribute log names a write of {len} bytes at byte {offset}: not whole {}-byte blocks inside its {}-byte namespace (at most 65,536 blocks)",
+                    1u64 << shift,
+                    ti.ns_bytes
+                ),
+            ));
+        }
         if self.conns[t].outstanding >= ZEROES_OUT {
             self.settle()?;
         }
         let ic = &mut self.conns[t];
         let cid = ic.alloc(Kind::PlainFlush, (0, 0));
-        let shift = self.targets[t % self.targets.len()].lba_shift;
         ic.queue(&lba_cmd(op::WRITE_ZEROES, cid, offset, len, shift), &[]);
         Ok(())
     }
 
-    /// Read target `t`'s whole attribute log.
+    /// Read target `t`'s whole attribute log. The size it gives must fit the slots it told
+    /// at connect (and [`MAX_LOG_BYTES`]) and stay the same from one piece to the next: a
+    /// target that says otherwise is a protocol error, not memory allocated on its word.
     fn fetch_log(&mut self, t: usize) -> Result<LogScan, NetError> {
+        let addr = self.targets[t].addr;
+        let most = (self.targets[t].log_slots as u64 * rio_ordering::ATTR_BYTES as u64
+            + LOG_HEADER_ALLOWANCE)
+            .min(MAX_LOG_BYTES);
         let mut image = Vec::new();
-        let mut total = usize::MAX;
-        while image.len() < total {
+        let mut total = None;
+        while total.is_none_or(|n| image.len() < n) {
             let mut sqe = Sqe::default();
             sqe.set_opcode(op::RIO_GET_LOG);
             sqe.set_cdw(10, image.len() as u32);
             sqe.set_cdw(11, (image.len() as u64 >> 32) as u32);
             sqe.set_sgl(MAX_DATA, false);
             let (cqe, data) = self.admin(t, sqe, &[], "RIO_GET_LOG")?;
-            total = cqe.dw0 as usize | (cqe.dw1 as usize) << 32;
-            if data.is_empty() && image.len() < total {
+            let said = cqe.dw0 as u64 | (cqe.dw1 as u64) << 32;
+            if said > most {
                 return Err(NetError::peer(
-                    self.targets[t].addr,
-                    "attribute log read returned nothing",
+                    addr,
+                    format!(
+                        "its attribute log of {} slots is {said} bytes (at most {most})",
+                        self.targets[t].log_slots
+                    ),
                 ));
+            }
+            if total.is_some_and(|n| n as u64 != said) {
+                return Err(NetError::peer(
+                    addr,
+                    format!(
+                        "its attribute log changed size while read ({} then {said} bytes)",
+                        total.unwrap_or(0)
+                    ),
+                ));
+            }
+            let n = said as usize;
+            total = Some(n);
+            if data.is_empty() && image.len() < n {
+                return Err(NetError::peer(addr, "attribute log read returned nothing"));
             }
             image.extend_from_slice(&data);
         }
+        let total = total.unwrap_or(0);
         image.truncate(total);
         let mut pmr = MemPmr::new(total);
         pmr.bytes_mut().copy_from_slice(&image);

@@ -1700,7 +1700,7 @@ fn write(v: &mut Volume, m: &mut Model, rng: &mut Rng, s: u16, eog: bool) {
             m.count("writes");
             if eog {
                 // The group closed inside `submit`, after anything it waited for.
-                let seq = v.next_seq(s) - 1;
+                let seq = v.next_seq(s).unwrap() - 1;
                 let rc = v.stats().recoveries;
                 close_group(m, si, rc, Some(seq));
             }
@@ -1718,7 +1718,7 @@ const ORDERLESS_PCT: u64 = 25;
 
 /// `wait(s)`: closes the stream's group first (its seq is the stream's next one now).
 fn wait(v: &mut Volume, m: &mut Model, s: u16) -> Result<(), NetError> {
-    let (seq, rc) = (v.next_seq(s), v.stats().recoveries);
+    let (seq, rc) = (v.next_seq(s).unwrap(), v.stats().recoveries);
     close_group(m, s as usize, rc, Some(seq));
     let r = v.wait(s);
     m.after_call(Some(v));

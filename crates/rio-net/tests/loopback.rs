@@ -92,7 +92,7 @@ fn ordered_writes_land_striped_and_read_back() {
     let (v2, rep) = Volume::open(cfg).unwrap();
     assert_eq!(rep.prefix_end[..2], [301, 301]);
     assert_eq!(rep.discarded, 0);
-    assert_eq!(v2.next_seq(0), 301);
+    assert_eq!(v2.next_seq(0).unwrap(), 301);
 }
 
 #[test]
@@ -143,6 +143,16 @@ fn wait_on_a_stream_the_volume_does_not_have_is_an_error() {
     assert!(matches!(v.wait(2), Err(rio_net::NetError::Config(_))));
     assert!(matches!(v.flush_all(2), Err(rio_net::NetError::Config(_))));
     v.wait(1).unwrap();
+}
+
+/// `next_seq` of a stream the volume does not have is an error, as for the other calls that
+/// take a stream. (It indexed the stream list: a panic.)
+#[test]
+fn next_seq_of_a_stream_the_volume_does_not_have_is_an_error() {
+    let (a, _ra) = start_target("noseq", TargetLogKind::Mem(1 << 20));
+    let (v, _) = Volume::open(VolumeConfig::new(vec![a], 2)).unwrap();
+    assert!(matches!(v.next_seq(2), Err(rio_net::NetError::Config(_))));
+    assert_eq!(v.next_seq(1).unwrap(), 1);
 }
 
 /// `io_timeout: Duration::MAX` ("never give a connection up") works. (Every wait added it to

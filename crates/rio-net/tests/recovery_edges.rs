@@ -19,7 +19,9 @@ use rio_net::pdu::{self, op, Cqe, Sqe, WireAttr};
 use rio_net::target::{
     TEST_FAIL_ORDERED_FLUSHES, TEST_FAIL_ORDERED_WRITES, TEST_HOLD_ORDERED_FLUSH,
 };
-use rio_net::{Target, TargetConfig, TargetLogKind, TargetStatsHandle, Volume, VolumeConfig};
+use rio_net::{
+    NetError, Target, TargetConfig, TargetLogKind, TargetStatsHandle, Volume, VolumeConfig,
+};
 use rio_ordering::{Attr, AttrLog, MemPmr, Pmr};
 
 mod common;
@@ -131,15 +133,28 @@ fn unflushed_log(
     log_bytes: usize,
     writes: impl Iterator<Item = (u16, u64, u64)>,
 ) -> u32 {
+    log_of(
+        path,
+        log_bytes,
+        writes.map(|(stream, seq, block)| (stream, seq, block * BLOCK, BLOCK as u32)),
+    )
+}
+
+/// [`unflushed_log`] of entries `(stream, seq, byte offset, length)`, whatever they say.
+fn log_of(
+    path: &std::path::Path,
+    log_bytes: usize,
+    writes: impl Iterator<Item = (u16, u64, u64, u32)>,
+) -> u32 {
     let mut log = AttrLog::format(MemPmr::new(log_bytes), 2).unwrap();
-    for (stream, seq, block) in writes {
+    for (stream, seq, offset, len) in writes {
         log.append(&Attr {
             stream,
             seq,
             seq_end: seq,
             prev: seq - 1,
-            offset: block * BLOCK,
-            len: BLOCK as u32,
+            offset,
+            len,
             boundary: true,
             num: 1,
             members: 1,
@@ -314,9 +329,24 @@ const REFUSE_ONE: u8 = 3;
 /// Forward, but cut the connection that carries the next plain FLUSH (the FLUSH is not sent
 /// on), then forward again.
 const CUT_AT_FLUSH: u8 = 4;
-/// Forward, holding each of the target's answers for [`SLOW_ANSWER`] first.
+/// Forward, holding each of the target's answers for [`Proxy::slow_ms`] first (10 ms unless
+/// the test says).
 const SLOW_ANSWERS: u8 = 5;
-const SLOW_ANSWER: Duration = Duration::from_millis(10);
+/// Forward, and send the target's data for a RIO_GET_LOG twice (a target sending more data
+/// than the command asked for).
+const DOUBLE_LOG_DATA: u8 = 6;
+/// Forward, and once: put 4 KiB of C2HData for the next orderless write (a command that reads
+/// nothing) in front of its answer.
+const DATA_FOR_A_WRITE: u8 = 7;
+/// Forward, but pass RIO_RESET on as an opcode the target does not know (the target refuses
+/// it: a recovery fails at its reset step). Ordered writes forwarded while a reset has been
+/// refused and none gone through since are counted in [`Proxy::before_reset`].
+const REFUSE_RESET: u8 = 8;
+/// Forward, but drop the next READ command (never answered), then forward.
+const DROP_READ: u8 = 9;
+/// Forward, but cut the connection that carries the next READ command, then forward.
+const CUT_AT_READ: u8 = 10;
+const SLOW_ANSWER_MS: u32 = 10;
 /// An admin opcode no target knows (vendor specific, unused): what [`Proxy::hide_rio`] turns
 /// RIO_INFO into.
 const UNKNOWN_ADMIN_OPCODE: u8 = 0xcf;
@@ -331,6 +361,18 @@ struct Proxy {
     /// Pass RIO_INFO on as an opcode the target does not know: it then answers as a standard
     /// NVMe/TCP target (Invalid Opcode).
     hide_rio: Arc<AtomicBool>,
+    /// [`SLOW_ANSWERS`]' delay, in milliseconds.
+    slow_ms: Arc<AtomicU32>,
+    /// [`REFUSE_RESET`]: a RIO_RESET was refused and none has gone through since; ordered
+    /// writes forwarded meanwhile.
+    reset_refused: Arc<AtomicBool>,
+    before_reset: Arc<AtomicU32>,
+    /// The most commands out at once on one I/O queue (sent by the host, not yet answered), and
+    /// the most by which that passed the queue's entries (its Connect's SQSIZE + 1).
+    peak_out: Arc<AtomicU32>,
+    over_queue: Arc<AtomicU32>,
+    /// The most entries an I/O queue Connect asked for.
+    queue_entries: Arc<AtomicU32>,
 }
 
 /// What a proxy does with one PDU.
@@ -339,7 +381,14 @@ enum Pass {
     On,
     OnThenCut,
     Cut,
+    /// Not passed on (the connection goes on).
+    Drop,
+    /// These bytes first, then the PDU.
+    After(Vec<u8>),
 }
+
+/// Flags of a C2HData PDU that ends a read which succeeded (no CapsuleResp follows).
+const READ_DONE: u8 = pdu::F_DATA_LAST | pdu::F_DATA_SUCCESS;
 
 impl Proxy {
     fn start(target: SocketAddr) -> Proxy {
@@ -350,9 +399,19 @@ impl Proxy {
             refused: Arc::new(AtomicU32::new(0)),
             cut: Arc::new(AtomicU32::new(0)),
             hide_rio: Arc::new(AtomicBool::new(false)),
+            slow_ms: Arc::new(AtomicU32::new(SLOW_ANSWER_MS)),
+            reset_refused: Arc::new(AtomicBool::new(false)),
+            before_reset: Arc::new(AtomicU32::new(0)),
+            peak_out: Arc::new(AtomicU32::new(0)),
+            over_queue: Arc::new(AtomicU32::new(0)),
+            queue_entries: Arc::new(AtomicU32::new(0)),
         };
         let (mode, refused, cut) = (p.mode.clone(), p.refused.clone(), p.cut.clone());
         let hide_rio = p.hide_rio.clone();
+        let slow_ms = p.slow_ms.clone();
+        let (reset_refused, before_reset) = (p.reset_refused.clone(), p.before_reset.clone());
+        let (peak_out, over_queue) = (p.peak_out.clone(), p.over_queue.clone());
+        let queue_entries = p.queue_entries.clone();
         std::thread::spawn(move || {
             for host in listener.incoming() {
                 let Ok(host) = host else { continue };
@@ -370,6 +429,22 @@ impl Proxy {
                 let (mode2, cut2) = (mode.clone(), cut.clone());
                 let (mode, cut) = (mode.clone(), cut.clone());
                 let hide_rio = hide_rio.clone();
+                let slow_ms = slow_ms.clone();
+                let (reset_refused, before_reset) = (reset_refused.clone(), before_reset.clone());
+                let (peak_out, over_queue) = (peak_out.clone(), over_queue.clone());
+                let queue_entries = queue_entries.clone();
+                // This connection: its queue's entries once its I/O queue Connect is answered
+                // (0: admin, or not yet), the commands out on it, an answer to RIO_GET_LOG
+                // awaited, the cid of the orderless write to put data in front of (0: none; cid
+                // + 1).
+                let entries = Arc::new(AtomicU32::new(0));
+                let connect_entries = Arc::new(AtomicU32::new(0));
+                let out = Arc::new(AtomicU32::new(0));
+                let get_log = Arc::new(AtomicBool::new(false));
+                let write_cid = Arc::new(AtomicU32::new(0));
+                let (entries2, connect_entries2, out2) =
+                    (entries.clone(), connect_entries.clone(), out.clone());
+                let (get_log2, write_cid2) = (get_log.clone(), write_cid.clone());
                 std::thread::spawn(move || {
                     pump(host, up, |p| {
                         if p[0] != pdu::CMD || p.len() < pdu::CMD_HLEN {
@@ -377,9 +452,65 @@ impl Proxy {
                         }
                         let mut sqe = Sqe::default();
                         sqe.0.copy_from_slice(&p[pdu::CH_BYTES..pdu::CMD_HLEN]);
+                        if sqe.opcode() == op::FABRICS && sqe.fctype() == op::FC_CONNECT {
+                            let qid = u16::from_le_bytes([sqe.0[42], sqe.0[43]]);
+                            let sqsize = u16::from_le_bytes([sqe.0[44], sqe.0[45]]);
+                            if qid != 0 {
+                                connect_entries.store(sqsize as u32 + 1, Relaxed);
+                                queue_entries.fetch_max(sqsize as u32 + 1, Relaxed);
+                            }
+                        } else if entries.load(Relaxed) != 0 {
+                            // Counted before it goes on: its answer cannot pass it.
+                            let n = out.fetch_add(1, Relaxed) + 1;
+                            peak_out.fetch_max(n, Relaxed);
+                            over_queue.fetch_max(n.saturating_sub(entries.load(Relaxed)), Relaxed);
+                        }
+                        let io = entries.load(Relaxed) != 0;
                         if sqe.opcode() == op::RIO_INFO && hide_rio.load(Relaxed) {
                             // No header digests here: the opcode byte is all that changes.
                             p[pdu::CH_BYTES] = UNKNOWN_ADMIN_OPCODE;
+                        }
+                        if !io && sqe.opcode() == op::RIO_GET_LOG {
+                            get_log.store(true, Relaxed);
+                        }
+                        if io
+                            && sqe.opcode() == op::WRITE
+                            && sqe.rio_op() == 0
+                            && mode
+                                .compare_exchange(DATA_FOR_A_WRITE, FORWARD, Relaxed, Relaxed)
+                                .is_ok()
+                        {
+                            write_cid.store(sqe.cid() as u32 + 1, Relaxed);
+                        }
+                        if io
+                            && sqe.opcode() == op::WRITE
+                            && sqe.rio_op() != 0
+                            && reset_refused.load(Relaxed)
+                        {
+                            before_reset.fetch_add(1, Relaxed);
+                        }
+                        if !io && sqe.opcode() == op::RIO_RESET {
+                            if mode.load(Relaxed) == REFUSE_RESET {
+                                reset_refused.store(true, Relaxed);
+                                p[pdu::CH_BYTES] = UNKNOWN_ADMIN_OPCODE;
+                            } else {
+                                reset_refused.store(false, Relaxed);
+                            }
+                        }
+                        if io && sqe.opcode() == op::READ {
+                            if mode
+                                .compare_exchange(DROP_READ, FORWARD, Relaxed, Relaxed)
+                                .is_ok()
+                            {
+                                return Pass::Drop;
+                            }
+                            if mode
+                                .compare_exchange(CUT_AT_READ, FORWARD, Relaxed, Relaxed)
+                                .is_ok()
+                            {
+                                cut.fetch_add(1, Relaxed);
+                                return Pass::Cut;
+                            }
                         }
                         if sqe.opcode() == op::RIO_RESET {
                             let _ = mode.compare_exchange(
@@ -404,7 +535,42 @@ impl Proxy {
                 std::thread::spawn(move || {
                     pump(up2, host2, |p| {
                         if p[0] == pdu::RSP && mode2.load(Relaxed) == SLOW_ANSWERS {
-                            std::thread::sleep(SLOW_ANSWER);
+                            std::thread::sleep(Duration::from_millis(slow_ms.load(Relaxed) as u64));
+                        }
+                        let read_done = p[0] == pdu::C2H_DATA && p[1] & READ_DONE == READ_DONE;
+                        if p[0] == pdu::RSP || read_done {
+                            if entries2.load(Relaxed) != 0 {
+                                let _ = out2.fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1));
+                            } else {
+                                // The I/O queue's Connect answered: its commands count from now.
+                                entries2.store(connect_entries2.load(Relaxed), Relaxed);
+                            }
+                        }
+                        if p[0] == pdu::C2H_DATA
+                            && get_log2.load(Relaxed)
+                            && mode2.load(Relaxed) == DOUBLE_LOG_DATA
+                        {
+                            return Pass::After(p.to_vec());
+                        }
+                        if p[0] == pdu::RSP {
+                            get_log2.store(false, Relaxed);
+                        }
+                        let w = write_cid2.load(Relaxed);
+                        if p[0] == pdu::RSP && p.len() >= pdu::RSP_HLEN && w != 0 {
+                            let cqe = Cqe::decode(&p[pdu::CH_BYTES..pdu::RSP_HLEN]);
+                            if cqe.cid as u32 + 1 == w {
+                                write_cid2.store(0, Relaxed);
+                                let mut data = Vec::new();
+                                pdu::put_c2h_data(
+                                    &mut data,
+                                    cqe.cid,
+                                    0,
+                                    &[0xee; BLOCK as usize],
+                                    false,
+                                    pdu::Digests::default(),
+                                );
+                                return Pass::After(data);
+                            }
                         }
                         let failed = p[0] == pdu::RSP
                             && p.len() >= pdu::RSP_HLEN
@@ -447,10 +613,15 @@ fn pump(mut from: TcpStream, mut to: TcpStream, watch: impl Fn(&mut [u8]) -> Pas
                 break;
             }
             let pass = watch(&mut pending[..plen]);
-            if pass == Pass::Cut || to.write_all(&pending[..plen]).is_err() {
-                break 'conn;
-            }
-            if pass == Pass::OnThenCut {
+            let sent = match &pass {
+                Pass::Cut => false,
+                Pass::Drop => true,
+                Pass::After(first) => {
+                    to.write_all(first).is_ok() && to.write_all(&pending[..plen]).is_ok()
+                }
+                Pass::On | Pass::OnThenCut => to.write_all(&pending[..plen]).is_ok(),
+            };
+            if !sent || pass == Pass::OnThenCut {
                 break 'conn;
             }
             pending.drain(..plen);
@@ -634,4 +805,261 @@ fn recovery_zeroing_longer_than_io_timeout_in_all_waits_while_answers_come() {
         took > Duration::from_secs(1),
         "the zeroing outlasted io_timeout ({took:?})"
     );
+}
+
+/// The initiator takes nothing a target sends on trust. A log entry that names a range that
+/// is not whole blocks of the namespace is the target's protocol error: an entry shorter than
+/// a block made recovery's zeroing compute its block count as 0 - 1 (a panic in a debug
+/// build, a huge range in release), and one at an offset inside a block was zeroed from the
+/// start of that block (here block 0, which no entry names, lost its data).
+#[test]
+fn a_log_entry_that_is_not_whole_blocks_is_the_targets_protocol_error() {
+    let _serial = one_at_a_time();
+    for (name, offset, len) in [("short", 0, 512u32), ("inside", 100, BLOCK as u32)] {
+        let mut cleanup = Cleanup(Vec::new());
+        let log_path = scratch(&format!("{name}-log"));
+        cleanup.0.push(log_path.clone());
+        let log_bytes = 1 << 20;
+        log_of(&log_path, log_bytes, [(0, 1, offset, len)].into_iter());
+        let (addr, _) = target(name, TargetLogKind::File(log_path, log_bytes), &mut cleanup);
+        {
+            let dev = std::fs::OpenOptions::new()
+                .write(true)
+                .open(scratch(name))
+                .unwrap();
+            std::os::unix::fs::FileExt::write_all_at(&dev, &[0xab; BLOCK as usize], 0).unwrap();
+        }
+        let e = Volume::open(VolumeConfig::new(vec![addr], 1))
+            .err()
+            .unwrap_or_else(|| panic!("{name}: a log entry of {len} bytes at {offset} was taken"));
+        assert!(
+            matches!(e, NetError::Peer { .. }) && e.to_string().contains("attribute log names"),
+            "{name}: {e}"
+        );
+        let mut block = [0u8; BLOCK as usize];
+        let dev = std::fs::File::open(scratch(name)).unwrap();
+        std::os::unix::fs::FileExt::read_exact_at(&dev, &mut block, 0).unwrap();
+        assert!(
+            block.iter().all(|&b| b == 0xab),
+            "{name}: block 0 was zeroed"
+        );
+    }
+}
+
+/// A target that sends more data than a command asked for is a protocol error: the initiator
+/// allocated whatever came (here each piece of the attribute log came twice, and the open
+/// went on over an image that was not the target's log).
+#[test]
+fn a_target_sending_more_data_than_asked_for_is_a_protocol_error() {
+    let _serial = one_at_a_time();
+    let mut cleanup = Cleanup(Vec::new());
+    let (addr, _) = target("double", TargetLogKind::Mem(1 << 20), &mut cleanup);
+    let proxy = Proxy::start(addr);
+    proxy.mode.store(DOUBLE_LOG_DATA, Relaxed);
+    let cfg = VolumeConfig::new(vec![proxy.addr], 1);
+    let e = Volume::open(cfg.clone())
+        .err()
+        .expect("the log's data came twice, and the open went on");
+    assert!(
+        matches!(e, NetError::Peer { .. }) && e.to_string().contains("more data"),
+        "{e}"
+    );
+    proxy.mode.store(FORWARD, Relaxed);
+    Volume::open(cfg).expect("the open through a proxy that passes what it gets");
+}
+
+/// C2HData from a target for an orderless write (a command that reads nothing) is a protocol
+/// error of that target: the connection is given up and recovery runs. It was copied into the
+/// write's buffer, the caller's data (to go out after an R2T, or handed back changed).
+#[test]
+fn data_from_a_target_for_an_orderless_write_is_a_protocol_error() {
+    let _serial = one_at_a_time();
+    let mut cleanup = Cleanup(Vec::new());
+    let (addr, _) = target("c2hwrite", TargetLogKind::Mem(1 << 20), &mut cleanup);
+    let proxy = Proxy::start(addr);
+    let mut cfg = VolumeConfig::new(vec![proxy.addr], 1);
+    cfg.reconnect_for = Duration::from_secs(5);
+    let (mut v, _) = Volume::open(cfg).unwrap();
+    let recoveries = v.stats().recoveries;
+    proxy.mode.store(DATA_FOR_A_WRITE, Relaxed);
+    let mut b = v.alloc(BLOCK as usize).unwrap();
+    b.fill(0x55);
+    v.write_orderless(0, 0, b).unwrap();
+    let d = v.wait_any().unwrap();
+    assert_eq!(d.len(), 1);
+    assert!(
+        d[0].buf.iter().all(|&x| x == 0x55),
+        "the target's data landed in the write's buffer"
+    );
+    assert!(d[0].result.is_err(), "the write's connection was given up");
+    assert_eq!(v.stats().recoveries, recoveries + 1, "the volume recovered");
+    assert_eq!(read_block(&mut v, 0), 0x55, "the write went out as it was");
+}
+
+/// `submit` and `wait` run a recovery that is due (one that failed part way) before they send:
+/// `submit` sent its group, and `wait` the open group, on the connections the failed recovery
+/// left (opened before the reset it did not finish, with the stream's state not yet brought to
+/// the logs). The proxy refuses the reset, so `recover()` fails; it counts the ordered writes
+/// that go out before a reset has gone through again.
+#[test]
+fn submit_and_wait_run_a_due_recovery_before_they_send() {
+    let _serial = one_at_a_time();
+    let mut cleanup = Cleanup(Vec::new());
+    let (addr, _) = target("due", TargetLogKind::Mem(1 << 20), &mut cleanup);
+    let proxy = Proxy::start(addr);
+    let cfg = VolumeConfig::new(vec![proxy.addr], 1);
+    let (mut v, _) = Volume::open(cfg.clone()).unwrap();
+    put(&mut v, 0, 0x11);
+    v.wait(0).unwrap();
+    // `submit` after a failed recovery.
+    proxy.mode.store(REFUSE_RESET, Relaxed);
+    assert!(v.recover().is_err(), "the reset was refused");
+    proxy.mode.store(FORWARD, Relaxed);
+    put(&mut v, 1, 0x22);
+    v.wait(0).unwrap();
+    assert_eq!(
+        proxy.before_reset.load(Relaxed),
+        0,
+        "submit sent its group before the recovery was done"
+    );
+    // `wait` after a failed recovery, with the group still open.
+    let mut b = v.alloc(BLOCK as usize).unwrap();
+    b.fill(0x33);
+    v.submit(0, 2 * BLOCK, b, false).unwrap();
+    proxy.mode.store(REFUSE_RESET, Relaxed);
+    assert!(v.recover().is_err(), "the reset was refused");
+    proxy.mode.store(FORWARD, Relaxed);
+    v.wait(0).unwrap();
+    assert_eq!(
+        proxy.before_reset.load(Relaxed),
+        0,
+        "wait sent the open group before the recovery was done"
+    );
+    let done = v.poll().unwrap();
+    assert!(done.iter().all(|d| d.result.is_ok()), "{done:?}");
+    drop(v);
+    let (mut v, _) = Volume::open(cfg).unwrap();
+    let blocks: Vec<u8> = (0..3).map(|b| read_block(&mut v, b)).collect();
+    assert_eq!(blocks, [0x11, 0x22, 0x33]);
+}
+
+/// Most turns of the connections a wait below may take: each turn waits for the network (up to
+/// 100 ms) when it got nothing, so about 10 a second of waiting, plus one per answer. A loop
+/// that does not wait makes hundreds of thousands a second.
+const FEW_TURNS: u64 = 1000;
+
+/// Recovery's first step waits for the connections still up to answer (bounded by
+/// `io_timeout`) while another target's are already gone: it waits on the network. It spun:
+/// a turn reported the gone target's connections at once ("not connected") and the step
+/// turned again, for as long as the other target took. Here target B's connection is cut and
+/// target A never answers a read, so the step lasts `io_timeout` (1 s).
+#[test]
+fn recovery_waits_for_the_targets_still_up_without_spinning() {
+    let _serial = one_at_a_time();
+    let mut cleanup = Cleanup(Vec::new());
+    let (a, _) = target("spin-a", TargetLogKind::Mem(1 << 20), &mut cleanup);
+    let (b, _) = target("spin-b", TargetLogKind::Mem(1 << 20), &mut cleanup);
+    let (pa, pb) = (Proxy::start(a), Proxy::start(b));
+    let mut cfg = VolumeConfig::new(vec![pa.addr, pb.addr], 1);
+    cfg.io_timeout = Duration::from_secs(1);
+    let (mut v, _) = Volume::open(cfg).unwrap();
+    pa.mode.store(DROP_READ, Relaxed);
+    pb.mode.store(CUT_AT_READ, Relaxed);
+    let buf = v.alloc(BLOCK as usize).unwrap();
+    v.read(0, 0, buf).unwrap(); // stripe unit 0: target A
+    let buf = v.alloc(BLOCK as usize).unwrap();
+    v.read(0, BLOCK, buf).unwrap(); // stripe unit 1: target B
+    let (turns, recoveries) = (v.stats().turns, v.stats().recoveries);
+    let mut done = Vec::new();
+    while done.len() < 2 {
+        done.extend(v.wait_any().unwrap());
+    }
+    assert_eq!(pb.cut.load(Relaxed), 1, "B's connection was cut");
+    assert!(
+        done.iter().all(|d| d.result.is_err()),
+        "both reads failed with their connections"
+    );
+    assert_eq!(v.stats().recoveries, recoveries + 1);
+    let turns = v.stats().turns - turns;
+    assert!(turns < FEW_TURNS, "{turns} turns of the connections");
+    assert_eq!(read_block(&mut v, 1), 0, "the volume goes on");
+}
+
+/// A wait (`flush_all` here; `wait` and recovery alike) waits on the network whether or not
+/// the caller has taken the requests handed back before it: with one not taken, each turn
+/// returned at once and the call spun until its answer came. Here the write's answer comes
+/// 300 ms before the FLUSH's.
+#[test]
+fn a_wait_with_requests_not_taken_yet_waits_on_the_network() {
+    let _serial = one_at_a_time();
+    let mut cleanup = Cleanup(Vec::new());
+    let (addr, _) = target("notaken", TargetLogKind::Mem(1 << 20), &mut cleanup);
+    let proxy = Proxy::start(addr);
+    let (mut v, _) = Volume::open(VolumeConfig::new(vec![proxy.addr], 1)).unwrap();
+    proxy.slow_ms.store(300, Relaxed);
+    proxy.mode.store(SLOW_ANSWERS, Relaxed);
+    let mut b = v.alloc(BLOCK as usize).unwrap();
+    b.fill(0x66);
+    v.write_orderless(0, 0, b).unwrap();
+    let turns = v.stats().turns;
+    v.flush_all(0).unwrap();
+    let turns = v.stats().turns - turns;
+    proxy.mode.store(FORWARD, Relaxed);
+    let done = v.poll().unwrap();
+    assert!(done.len() == 1 && done[0].result.is_ok(), "{done:?}");
+    assert!(turns < FEW_TURNS, "{turns} turns of the connections");
+}
+
+/// An I/O queue never has more commands out than its Connect's SQSIZE (0's based) gives it
+/// entries, and asks for as many as the window needs (within the target's CAP.MQES + 1 and
+/// MAXCMD: 1,024 here). The queues connected with SQSIZE 127 whatever the window, and kept
+/// every command out at once: 512 single-block groups with a window of 512, then one write of
+/// 1,024 stripe units on one target (a command each). The proxy holds each answer 1 ms, so the
+/// commands pile up on the queue as the volume sends them.
+#[test]
+fn commands_out_on_an_io_queue_stay_within_its_size() {
+    let _serial = one_at_a_time();
+    let mut cleanup = Cleanup(Vec::new());
+    let (addr, _) = target("queue", TargetLogKind::Mem(1 << 20), &mut cleanup);
+    let proxy = Proxy::start(addr);
+    let mut cfg = VolumeConfig::new(vec![proxy.addr], 1);
+    cfg.window = 512;
+    let (mut v, _) = Volume::open(cfg.clone()).unwrap();
+    assert!(
+        proxy.queue_entries.load(Relaxed) >= cfg.window,
+        "I/O queues of {} entries for a window of {}",
+        proxy.queue_entries.load(Relaxed),
+        cfg.window
+    );
+    proxy.slow_ms.store(1, Relaxed);
+    proxy.mode.store(SLOW_ANSWERS, Relaxed);
+    for g in 0..512 {
+        put(&mut v, g, (g % 251) as u8 + 1);
+    }
+    v.wait(0).unwrap();
+    let big = 1024 * BLOCK as usize;
+    let mut b = v.alloc(big).unwrap();
+    for (i, c) in b.chunks_mut(BLOCK as usize).enumerate() {
+        c.fill((i % 251) as u8 + 1);
+    }
+    v.submit(0, 1024 * BLOCK, b, true).unwrap();
+    v.wait(0).unwrap();
+    proxy.mode.store(FORWARD, Relaxed);
+    let done = v.poll().unwrap();
+    assert_eq!(done.len(), 513);
+    assert!(done.iter().all(|d| d.result.is_ok()));
+    assert_eq!(
+        proxy.over_queue.load(Relaxed),
+        0,
+        "commands out on an I/O queue passed its entries by that much (peak {})",
+        proxy.peak_out.load(Relaxed)
+    );
+    let b = v.alloc(big).unwrap();
+    v.read(0, 1024 * BLOCK, b).unwrap();
+    let d = v.wait_any().unwrap();
+    assert!(d[0].result.is_ok(), "{:?}", d[0].result);
+    for (i, c) in d[0].buf.chunks(BLOCK as usize).enumerate() {
+        assert!(c.iter().all(|&x| x == (i % 251) as u8 + 1), "block {i}");
+    }
+    assert_eq!(read_block(&mut v, 7), 8);
 }
