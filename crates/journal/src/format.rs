@@ -151,6 +151,14 @@ impl Superblock {
                 sb.tail_tid
             ));
         }
+        // Generations start at 1 and grow by one per checkpoint or recovery, which write the
+        // next one: a larger one is damage, and its successor must still fit.
+        if sb.generation > MAX_TID {
+            return Err(format!(
+                "generation {} past the largest a journal uses ({MAX_TID})",
+                sb.generation
+            ));
+        }
         if sb.area_blocks < 2 || sb.tail_pos >= sb.area_blocks - 1 {
             return Err(format!(
                 "tail position {} outside a log of {} blocks",

@@ -45,6 +45,16 @@ impl Layout {
             return Err(JournalError::Layout("no journal area".into()));
         }
         let min = 1 + format::tx_blocks(1, 0) + 1;
+        // Each area's end first, in checked arithmetic: an area whose byte range does not fit
+        // 64 bits lies past any device (the overlap test below compares ends).
+        for (i, &(off, blocks)) in self.areas.iter().enumerate() {
+            if Layout::end(off, blocks).is_none() {
+                return Err(JournalError::Layout(format!(
+                    "area {i} of {blocks} blocks from byte {off} ends past the device's \
+                     {device_bytes} (past the largest byte offset)"
+                )));
+            }
+        }
         for (i, &(off, blocks)) in self.areas.iter().enumerate() {
             if off % BLOCK as u64 != 0 {
                 return Err(JournalError::Layout(format!(
@@ -71,6 +81,11 @@ impl Layout {
             }
         }
         Ok(())
+    }
+
+    /// The byte just past an area, when it fits a `u64`.
+    fn end(off: u64, blocks: u64) -> Option<u64> {
+        blocks.checked_mul(BLOCK as u64)?.checked_add(off)
     }
 
     fn in_area(&self, block: u64) -> Option<usize> {

@@ -406,3 +406,70 @@ fn the_durability_probe_writes_zeros() {
         "area 0's first log block holds old buffer bytes"
     );
 }
+
+/// A sealed superblock whose generation is the largest a `u64` holds: no journal writes one
+/// (generations start at 1 and grow by one per checkpoint or recovery), so it is damaged or
+/// crafted bytes. Opening the journal must refuse it with a typed error; it used to compute
+/// the next generation as `generation + 1` and panic on the overflow (a debug build), or wrap
+/// to 0 (a release build).
+#[test]
+fn a_superblock_generation_past_the_range_is_a_bad_superblock() {
+    let (mut img, layout) = sealed_tx_image(20, 1);
+    format::put_u64(&mut img[..4096], 48, u64::MAX);
+    let c = format::crc(&img[..format::SB_CRC_AT]);
+    format::put_u32(&mut img[..4096], format::SB_CRC_AT, c);
+    let bytes = img.len() as u64;
+    let disk = SimDisk::from_image(SimConfig::new(bytes, 6), img).unwrap();
+    let lbio = lbio();
+    let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        JournalSet::open(&disk.open(&lbio).unwrap(), layout.clone()).map(|_| ())
+    }));
+    match opened {
+        Ok(Err(JournalError::BadSuperblock { area: 0, why })) => {
+            assert!(why.contains("generation"), "{why}")
+        }
+        Ok(other) => panic!("a generation of u64::MAX: {other:?}"),
+        Err(_) => panic!("opening a journal whose superblock generation is u64::MAX panicked"),
+    }
+}
+
+/// Layouts whose areas' byte ranges do not fit 64 bits (a layout read from a damaged file
+/// system superblock, say) are refused with a typed error. Checking them computed the end of
+/// each area as `offset + blocks * 4096`, which overflowed: a panic in a debug build, and in a
+/// release build a wrapped end that could pass the check.
+#[test]
+fn layouts_past_the_byte_range_are_refused() {
+    let lbio = lbio();
+    let disk = SimDisk::new(SimConfig::new(64 * 4096, 1)).unwrap();
+    let dev = disk.open(&lbio).unwrap();
+    let layouts = [
+        vec![(0, u64::MAX / 4096 + 2)],
+        vec![(u64::MAX - 4095, 8)],
+        // The second area is the one that does not fit (it is compared with the first for
+        // overlap before its own range is checked).
+        vec![(0, 8), (8 * 4096, u64::MAX / 2048)],
+    ];
+    for areas in layouts {
+        let layout = Layout {
+            areas: areas.clone(),
+        };
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            JournalSet::format(&dev, layout.clone()).map(|_| ())
+        }));
+        match r {
+            Ok(Err(JournalError::Layout(why))) => {
+                assert!(why.contains("past the device"), "{areas:?}: {why}")
+            }
+            Ok(other) => panic!("{areas:?}: {other:?}"),
+            Err(_) => panic!("{areas:?}: checking the layout panicked"),
+        }
+        let mut img = vec![0u8; 64 * 4096];
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            recover_image(&mut img, &layout).map(|_| ())
+        }));
+        assert!(
+            matches!(r, Ok(Err(JournalError::Layout(_)))),
+            "{areas:?}: recover_image did not refuse the layout"
+        );
+    }
+}
