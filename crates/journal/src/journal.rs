@@ -1996,8 +1996,11 @@ impl Journal {
             return self.write_tx_rio(rio, tx, tid, head);
         }
         let dev = &self.dev;
-        // FUA on every data and journal block makes the FLUSH before the commit unneeded.
-        let fua = !self.plp && self.set.durability() == Durability::FuaWrites;
+        // FUA on every data and journal block makes the FLUSH before the commit unneeded, on a
+        // device whose writes honour it (the set's choice may have been measured on another).
+        let fua = !self.plp
+            && self.set.durability() == Durability::FuaWrites
+            && dev.critical_route().0.fua;
         let log = |i: usize| self.set.log_byte(self.area, head + i as u64);
         let commit_fua = dev.critical_route().0.fua;
         let st = &self.set.stats;
