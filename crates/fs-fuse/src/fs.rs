@@ -888,6 +888,28 @@ impl Fs {
         Ok(st)
     }
 
+    /// Take no more changes: every later write, commit and sync says EIO, as after a failed
+    /// commit, until the file system is mounted again (recovery then replays what was
+    /// committed). For a request handler that panicked: the state it was changing may be half
+    /// updated, and committing it could write that to the device.
+    pub fn fail(&self, why: &str) {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st.failed.is_none() {
+            let msg = format!("{why}; the file system is read-only until remounted");
+            eprintln!("aiosfs: {msg}");
+            st.failed = Some(msg);
+        }
+    }
+
+    /// Whether the file system has stopped taking changes ([`Fs::fail`], a failed commit).
+    pub fn failed(&self) -> bool {
+        self.state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .failed
+            .is_some()
+    }
+
     fn writable(&self, st: &State) -> FsResult<()> {
         match &st.failed {
             Some(_) => Err(libc::EIO),

@@ -7,12 +7,11 @@
 //! - [`mkfs()`] and [`fsck()`];
 //! - [`fs::Fs`]: the mounted file system (in-memory metadata committed through the journal,
 //!   fsync as one overlapped commit), with no FUSE types, so it also runs on a SimDisk;
-//! - [`mount()`]: the FUSE adapter (fuser, one worker per core).
+//! - [`mount()`]: the FUSE adapter (fuser, one worker per core), and [`ring`]: FUSE over
+//!   io_uring (one queue thread per CPU) where the kernel offers it.
 //!
 //! - [`rio`]: the Rio attribute logs of a version-2 image, for Rio-ordered commits
 //!   (`FsOptions::rio`, `aios mount --commit rio`).
-//!
-//! Not built yet: data through the `pagecache` crate (see the README).
 //!
 //! ```no_run
 //! use fs_fuse::{fsck, mkfs, MkfsOptions};

@@ -138,16 +138,27 @@ fn to_time((s, ns): (i64, u32)) -> SystemTime {
     }
 }
 
-fn from_time(t: SystemTime) -> (i64, u32) {
+/// The kernel's (seconds, nanoseconds) of a time that fuser (0.18) hands to `setattr`.
+///
+/// fuser builds a time before 1970 as the epoch minus -seconds s *and minus* the nanoseconds
+/// (its `system_time_from_time`), where the kernel's time is -seconds s *plus* the nanoseconds:
+/// -0.5 s, which the kernel sends as (-1, 500000000), arrives as 1.5 s before the epoch. Read
+/// back the usual way, such a time was stored one second early over `/dev/fuse` (`touch -d
+/// '1969-12-31 23:59:59.5'` gave 23:59:58.5), and right over io_uring, which decodes the
+/// kernel's numbers itself. So it is read back the way fuser built it; the test below goes
+/// through fuser's own decoding, and fails if fuser ever changes it.
+fn from_fuser_time(t: SystemTime) -> (i64, u32) {
     match t.duration_since(UNIX_EPOCH) {
-        Ok(d) => (d.as_secs() as i64, d.subsec_nanos()),
+        Ok(d) => (
+            i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+            d.subsec_nanos(),
+        ),
         Err(e) => {
             let d = e.duration();
-            if d.subsec_nanos() == 0 {
-                (-(d.as_secs() as i64), 0)
-            } else {
-                (-(d.as_secs() as i64) - 1, 1_000_000_000 - d.subsec_nanos())
-            }
+            (
+                0i64.checked_sub_unsigned(d.as_secs()).unwrap_or(i64::MIN),
+                d.subsec_nanos(),
+            )
         }
     }
 }
@@ -237,6 +248,18 @@ impl Adapter {
     }
 }
 
+/// Run a request's handler; a panic in it is logged, the file system takes no more changes
+/// (`Fs::fail`: what the handler was changing may be half done), and the worker thread goes
+/// on. The reply, dropped unanswered by the unwinding, answers EIO (fuser's `Drop`), as a
+/// panicking request is answered over io_uring (`ring::dispatch`). Unguarded, the panic ended
+/// the worker thread, and `--threads` of them ended the session and its mount.
+fn guarded(fs: &Fs, what: &str, f: impl FnOnce()) {
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
+        // What the handler was changing may be half done: no more changes (see `Fs::fail`).
+        fs.fail(&format!("a {what} request panicked (answered EIO)"));
+    }
+}
+
 impl Filesystem for Adapter {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         let _ = config.set_max_write(MAX_WRITE);
@@ -313,18 +336,20 @@ impl Filesystem for Adapter {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        self.entry(self.fs.lookup(parent.0, name.as_bytes(), true), reply)
+        guarded(&self.fs, "lookup", || {
+            self.entry(self.fs.lookup(parent.0, name.as_bytes(), true), reply)
+        })
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
-        self.fs.forget(ino.0, nlookup)
+        guarded(&self.fs, "forget", || self.fs.forget(ino.0, nlookup))
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        match self.fs.getattr(ino.0) {
+        guarded(&self.fs, "getattr", || match self.fs.getattr(ino.0) {
             Ok(a) => reply.attr(&self.attr_ttl, &file_attr(&a)),
             Err(e) => reply.error(err(e)),
-        }
+        })
     }
 
     fn setattr(
@@ -345,34 +370,36 @@ impl Filesystem for Adapter {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        let t = |x: Option<TimeOrNow>| {
-            x.map(|x| match x {
-                TimeOrNow::Now => None,
-                TimeOrNow::SpecificTime(t) => Some(from_time(t)),
-            })
-        };
-        let set = SetAttr {
-            mode,
-            uid,
-            gid,
-            size,
-            atime: t(atime),
-            mtime: t(mtime),
-            // fuser does not pass FATTR_KILL_SUIDGID on: with KILLPRIV_V2 (granted only
-            // with io_uring, so only here if the queues failed), a chown or truncate kills.
-            kill_privs: self.killpriv_v2 && (uid.is_some() || gid.is_some() || size.is_some()),
-        };
-        match self.fs.setattr(ino.0, &set) {
-            Ok(a) => reply.attr(&self.attr_ttl, &file_attr(&a)),
-            Err(e) => reply.error(err(e)),
-        }
+        guarded(&self.fs, "setattr", || {
+            let t = |x: Option<TimeOrNow>| {
+                x.map(|x| match x {
+                    TimeOrNow::Now => None,
+                    TimeOrNow::SpecificTime(t) => Some(from_fuser_time(t)),
+                })
+            };
+            let set = SetAttr {
+                mode,
+                uid,
+                gid,
+                size,
+                atime: t(atime),
+                mtime: t(mtime),
+                // fuser does not pass FATTR_KILL_SUIDGID on: with KILLPRIV_V2 (granted only
+                // with io_uring, so only here if the queues failed), a chown or truncate kills.
+                kill_privs: self.killpriv_v2 && (uid.is_some() || gid.is_some() || size.is_some()),
+            };
+            match self.fs.setattr(ino.0, &set) {
+                Ok(a) => reply.attr(&self.attr_ttl, &file_attr(&a)),
+                Err(e) => reply.error(err(e)),
+            }
+        })
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
-        match self.fs.readlink(ino.0) {
+        guarded(&self.fs, "readlink", || match self.fs.readlink(ino.0) {
             Ok(t) => reply.data(&t),
             Err(e) => reply.error(err(e)),
-        }
+        })
     }
 
     fn mknod(
@@ -385,15 +412,17 @@ impl Filesystem for Adapter {
         rdev: u32,
         reply: ReplyEntry,
     ) {
-        let mode = match mknod_mode(mode, umask) {
-            Ok(m) => m,
-            Err(e) => return reply.error(err(e)),
-        };
-        self.entry(
-            self.fs
-                .mknod(parent.0, name.as_bytes(), mode, rdev, caller(req), None),
-            reply,
-        )
+        guarded(&self.fs, "mknod", || {
+            let mode = match mknod_mode(mode, umask) {
+                Ok(m) => m,
+                Err(e) => return reply.error(err(e)),
+            };
+            self.entry(
+                self.fs
+                    .mknod(parent.0, name.as_bytes(), mode, rdev, caller(req), None),
+                reply,
+            )
+        })
     }
 
     fn mkdir(
@@ -405,20 +434,26 @@ impl Filesystem for Adapter {
         umask: u32,
         reply: ReplyEntry,
     ) {
-        let mode = libc::S_IFDIR | (mode & 0o7777 & !umask);
-        self.entry(
-            self.fs
-                .mknod(parent.0, name.as_bytes(), mode, 0, caller(req), None),
-            reply,
-        )
+        guarded(&self.fs, "mkdir", || {
+            let mode = libc::S_IFDIR | (mode & 0o7777 & !umask);
+            self.entry(
+                self.fs
+                    .mknod(parent.0, name.as_bytes(), mode, 0, caller(req), None),
+                reply,
+            )
+        })
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        empty(self.fs.remove(parent.0, name.as_bytes(), false), reply)
+        guarded(&self.fs, "unlink", || {
+            empty(self.fs.remove(parent.0, name.as_bytes(), false), reply)
+        })
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        empty(self.fs.remove(parent.0, name.as_bytes(), true), reply)
+        guarded(&self.fs, "rmdir", || {
+            empty(self.fs.remove(parent.0, name.as_bytes(), true), reply)
+        })
     }
 
     fn symlink(
@@ -429,25 +464,27 @@ impl Filesystem for Adapter {
         target: &Path,
         reply: ReplyEntry,
     ) {
-        let t = target.as_os_str().as_bytes();
-        if t.is_empty() {
-            return reply.error(err(libc::ENOENT));
-        }
-        if t.len() >= BLOCK {
-            return reply.error(err(libc::ENAMETOOLONG));
-        }
-        let mode = libc::S_IFLNK | 0o777;
-        self.entry(
-            self.fs.mknod(
-                parent.0,
-                link_name.as_bytes(),
-                mode,
-                0,
-                caller(req),
-                Some(t),
-            ),
-            reply,
-        )
+        guarded(&self.fs, "symlink", || {
+            let t = target.as_os_str().as_bytes();
+            if t.is_empty() {
+                return reply.error(err(libc::ENOENT));
+            }
+            if t.len() >= BLOCK {
+                return reply.error(err(libc::ENAMETOOLONG));
+            }
+            let mode = libc::S_IFLNK | 0o777;
+            self.entry(
+                self.fs.mknod(
+                    parent.0,
+                    link_name.as_bytes(),
+                    mode,
+                    0,
+                    caller(req),
+                    Some(t),
+                ),
+                reply,
+            )
+        })
     }
 
     fn rename(
@@ -460,16 +497,18 @@ impl Filesystem for Adapter {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        empty(
-            self.fs.rename(
-                parent.0,
-                name.as_bytes(),
-                newparent.0,
-                newname.as_bytes(),
-                flags.bits(),
-            ),
-            reply,
-        )
+        guarded(&self.fs, "rename", || {
+            empty(
+                self.fs.rename(
+                    parent.0,
+                    name.as_bytes(),
+                    newparent.0,
+                    newname.as_bytes(),
+                    flags.bits(),
+                ),
+                reply,
+            )
+        })
     }
 
     fn link(
@@ -480,7 +519,9 @@ impl Filesystem for Adapter {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
-        self.entry(self.fs.link(ino.0, newparent.0, newname.as_bytes()), reply)
+        guarded(&self.fs, "link", || {
+            self.entry(self.fs.link(ino.0, newparent.0, newname.as_bytes()), reply)
+        })
     }
 
     /// ENOSYS: the kernel then opens regular files by itself (no OPEN and no RELEASE, two
@@ -505,19 +546,21 @@ impl Filesystem for Adapter {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        let direct = flags.0 & libc::O_DIRECT != 0;
-        // Each worker thread reads into a buffer of its own, kept for its next READ.
-        READ_BUF.with_borrow_mut(|buf| {
-            if buf.len() < size as usize {
-                buf.resize(size as usize, 0);
-            }
-            match self
-                .fs
-                .read_into(ino.0, offset, &mut buf[..size as usize], direct)
-            {
-                Ok(n) => reply.data(&buf[..n]),
-                Err(e) => reply.error(err(e)),
-            }
+        guarded(&self.fs, "read", || {
+            let direct = flags.0 & libc::O_DIRECT != 0;
+            // Each worker thread reads into a buffer of its own, kept for its next READ.
+            READ_BUF.with_borrow_mut(|buf| {
+                if buf.len() < size as usize {
+                    buf.resize(size as usize, 0);
+                }
+                match self
+                    .fs
+                    .read_into(ino.0, offset, &mut buf[..size as usize], direct)
+                {
+                    Ok(n) => reply.data(&buf[..n]),
+                    Err(e) => reply.error(err(e)),
+                }
+            })
         })
     }
 
@@ -533,11 +576,14 @@ impl Filesystem for Adapter {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        let kill = !self.killpriv_v2 || write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
-        match self.fs.write_as(ino.0, offset, data, kill) {
-            Ok(n) => reply.written(n as u32),
-            Err(e) => reply.error(err(e)),
-        }
+        guarded(&self.fs, "write", || {
+            let kill =
+                !self.killpriv_v2 || write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
+            match self.fs.write_as(ino.0, offset, data, kill) {
+                Ok(n) => reply.written(n as u32),
+                Err(e) => reply.error(err(e)),
+            }
+        })
     }
 
     fn flush(
@@ -576,17 +622,19 @@ impl Filesystem for Adapter {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        empty(self.fs.fsync_as(ino.0, datasync), reply)
+        guarded(&self.fs, "fsync", || {
+            empty(self.fs.fsync_as(ino.0, datasync), reply)
+        })
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        match self.fs.getattr(ino.0) {
+        guarded(&self.fs, "opendir", || match self.fs.getattr(ino.0) {
             Ok(a) if a.mode & libc::S_IFMT == libc::S_IFDIR => {
                 reply.opened(FileHandle(0), FopenFlags::empty())
             }
             Ok(_) => reply.error(err(libc::ENOTDIR)),
             Err(e) => reply.error(err(e)),
-        }
+        })
     }
 
     fn readdir(
@@ -597,18 +645,20 @@ impl Filesystem for Adapter {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        let r = self.fs.readdir(ino.0, offset, |next, ino, kind, name| {
-            reply.add(
-                INodeNo(ino),
-                next,
-                kind_of_entry(kind),
-                OsStr::from_bytes(name),
-            )
-        });
-        match r {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(err(e)),
-        }
+        guarded(&self.fs, "readdir", || {
+            let r = self.fs.readdir(ino.0, offset, |next, ino, kind, name| {
+                reply.add(
+                    INodeNo(ino),
+                    next,
+                    kind_of_entry(kind),
+                    OsStr::from_bytes(name),
+                )
+            });
+            match r {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(err(e)),
+            }
+        })
     }
 
     fn fsyncdir(
@@ -619,21 +669,23 @@ impl Filesystem for Adapter {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        empty(self.fs.fsync(ino.0), reply)
+        guarded(&self.fs, "fsyncdir", || empty(self.fs.fsync(ino.0), reply))
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        let s = self.fs.statfs();
-        reply.statfs(
-            s.blocks,
-            s.bfree,
-            s.bfree,
-            s.files,
-            s.ffree,
-            BLOCK as u32,
-            NAME_MAX as u32,
-            BLOCK as u32,
-        )
+        guarded(&self.fs, "statfs", || {
+            let s = self.fs.statfs();
+            reply.statfs(
+                s.blocks,
+                s.bfree,
+                s.bfree,
+                s.files,
+                s.ffree,
+                BLOCK as u32,
+                NAME_MAX as u32,
+                BLOCK as u32,
+            )
+        })
     }
 
     fn setxattr(
@@ -646,44 +698,52 @@ impl Filesystem for Adapter {
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        if !self.xattrs {
-            return reply.error(err(libc::ENOSYS));
-        }
-        empty(
-            self.fs.setxattr(ino.0, name.as_bytes(), value, flags),
-            reply,
-        )
+        guarded(&self.fs, "setxattr", || {
+            if !self.xattrs {
+                return reply.error(err(libc::ENOSYS));
+            }
+            empty(
+                self.fs.setxattr(ino.0, name.as_bytes(), value, flags),
+                reply,
+            )
+        })
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
-        if !self.xattrs {
-            return reply.error(err(libc::ENOSYS));
-        }
-        match self.fs.getxattr(ino.0, name.as_bytes()) {
-            Ok(v) if size == 0 => reply.size(v.len() as u32),
-            Ok(v) if v.len() > size as usize => reply.error(err(libc::ERANGE)),
-            Ok(v) => reply.data(&v),
-            Err(e) => reply.error(err(e)),
-        }
+        guarded(&self.fs, "getxattr", || {
+            if !self.xattrs {
+                return reply.error(err(libc::ENOSYS));
+            }
+            match self.fs.getxattr(ino.0, name.as_bytes()) {
+                Ok(v) if size == 0 => reply.size(v.len() as u32),
+                Ok(v) if v.len() > size as usize => reply.error(err(libc::ERANGE)),
+                Ok(v) => reply.data(&v),
+                Err(e) => reply.error(err(e)),
+            }
+        })
     }
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
-        if !self.xattrs {
-            return reply.error(err(libc::ENOSYS));
-        }
-        match self.fs.listxattr(ino.0) {
-            Ok(v) if size == 0 => reply.size(v.len() as u32),
-            Ok(v) if v.len() > size as usize => reply.error(err(libc::ERANGE)),
-            Ok(v) => reply.data(&v),
-            Err(e) => reply.error(err(e)),
-        }
+        guarded(&self.fs, "listxattr", || {
+            if !self.xattrs {
+                return reply.error(err(libc::ENOSYS));
+            }
+            match self.fs.listxattr(ino.0) {
+                Ok(v) if size == 0 => reply.size(v.len() as u32),
+                Ok(v) if v.len() > size as usize => reply.error(err(libc::ERANGE)),
+                Ok(v) => reply.data(&v),
+                Err(e) => reply.error(err(e)),
+            }
+        })
     }
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        if !self.xattrs {
-            return reply.error(err(libc::ENOSYS));
-        }
-        empty(self.fs.removexattr(ino.0, name.as_bytes()), reply)
+        guarded(&self.fs, "removexattr", || {
+            if !self.xattrs {
+                return reply.error(err(libc::ENOSYS));
+            }
+            empty(self.fs.removexattr(ino.0, name.as_bytes()), reply)
+        })
     }
 
     fn create(
@@ -696,21 +756,23 @@ impl Filesystem for Adapter {
         _flags: i32,
         reply: ReplyCreate,
     ) {
-        let mode = libc::S_IFREG | (mode & 0o7777 & !umask);
-        match self
-            .fs
-            .mknod(parent.0, name.as_bytes(), mode, 0, caller(req), None)
-        {
-            // Not counted as an open: see `open`.
-            Ok(a) => reply.created(
-                &self.entry_ttl,
-                &file_attr(&a),
-                Generation(a.generation as u64),
-                FileHandle(0),
-                FopenFlags::FOPEN_KEEP_CACHE,
-            ),
-            Err(e) => reply.error(err(e)),
-        }
+        guarded(&self.fs, "create", || {
+            let mode = libc::S_IFREG | (mode & 0o7777 & !umask);
+            match self
+                .fs
+                .mknod(parent.0, name.as_bytes(), mode, 0, caller(req), None)
+            {
+                // Not counted as an open: see `open`.
+                Ok(a) => reply.created(
+                    &self.entry_ttl,
+                    &file_attr(&a),
+                    Generation(a.generation as u64),
+                    FileHandle(0),
+                    FopenFlags::FOPEN_KEEP_CACHE,
+                ),
+                Err(e) => reply.error(err(e)),
+            }
+        })
     }
 
     fn fallocate(
@@ -723,7 +785,9 @@ impl Filesystem for Adapter {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        empty(self.fs.fallocate(ino.0, offset, length, mode), reply)
+        guarded(&self.fs, "fallocate", || {
+            empty(self.fs.fallocate(ino.0, offset, length, mode), reply)
+        })
     }
 }
 
@@ -962,5 +1026,205 @@ impl Mounted {
             q.queues, q.depth
         );
         Ok(Some(q))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::os::fd::OwnedFd;
+    use std::os::unix::net::UnixStream;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+
+    /// A fresh image in the temp directory, removed when dropped.
+    struct Image(PathBuf);
+
+    impl Image {
+        fn new(tag: &str) -> Image {
+            let img = Image(
+                std::env::temp_dir().join(format!("aiosfs-mount-{tag}-{}.img", std::process::id())),
+            );
+            std::fs::File::create(&img.0)
+                .unwrap()
+                .set_len(16 << 20)
+                .unwrap();
+            crate::mkfs(
+                &img.0,
+                &crate::MkfsOptions {
+                    journals: 1,
+                    journal_blocks: 256,
+                    ..crate::MkfsOptions::default()
+                },
+            )
+            .unwrap();
+            img
+        }
+    }
+
+    impl Drop for Image {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    fn open(factory: DeviceFactory) -> Arc<Fs> {
+        let opts = FsOptions {
+            arena_bytes: 2 << 20,
+            cache_bytes: 256 << 10,
+            ..FsOptions::default()
+        };
+        Fs::open(factory, opts).unwrap().0
+    }
+
+    /// A FUSE request as the kernel writes it to `/dev/fuse`: `fuse_in_header`, then `body`.
+    fn request(opcode: u32, unique: u64, nodeid: u64, body: &[u8]) -> Vec<u8> {
+        let mut b = Vec::with_capacity(40 + body.len());
+        b.extend_from_slice(&((40 + body.len()) as u32).to_le_bytes());
+        b.extend_from_slice(&opcode.to_le_bytes());
+        b.extend_from_slice(&unique.to_le_bytes());
+        b.extend_from_slice(&nodeid.to_le_bytes());
+        b.extend_from_slice(&[0u8; 16]); // uid, gid, pid, extension length, padding
+        b.extend_from_slice(body);
+        b
+    }
+
+    /// The adapter on `fs`, served by fuser (one worker) as in the mount, with a socket pair
+    /// standing in for `/dev/fuse`: INIT is done. Requests are sent one at a time, each answer
+    /// read before the next request, so each read and write carries one message as on the
+    /// device; a stream, so that the session's end reads as end of file.
+    fn serve(fs: &Arc<Fs>) -> (UnixStream, std::thread::JoinHandle<std::io::Result<()>>) {
+        let adapter = Adapter {
+            fs: Arc::clone(fs),
+            entry_ttl: Duration::from_secs(1),
+            attr_ttl: Duration::from_secs(1),
+            want_uring: false,
+            negotiated: Arc::new(std::sync::Mutex::new(None)),
+            want_writeback: false,
+            killpriv_v2: false,
+            xattrs: true,
+        };
+        let (mut dev, theirs) = UnixStream::pair().unwrap();
+        // INIT: fuse_init_in {major 7, minor 40, max_readahead, flags, flags2, unused}.
+        let mut init = vec![0u8; 64];
+        init[..4].copy_from_slice(&7u32.to_le_bytes());
+        init[4..8].copy_from_slice(&40u32.to_le_bytes());
+        init[8..12].copy_from_slice(&(128u32 << 10).to_le_bytes());
+        dev.write_all(&request(26, 1, 0, &init)).unwrap();
+        let session = fuser::Session::from_fd(
+            adapter,
+            OwnedFd::from(theirs),
+            SessionACL::All,
+            Config::default(),
+        )
+        .unwrap();
+        assert_eq!(answer(&mut dev, 1).map(|a| a.0), Some(0), "INIT");
+        (dev, std::thread::spawn(move || session.run()))
+    }
+
+    /// The answer to request `unique`: its errno (0 or negative) and payload; `None` when the
+    /// session has ended.
+    fn answer(dev: &mut UnixStream, unique: u64) -> Option<(i32, Vec<u8>)> {
+        let mut b = vec![0u8; 1 << 16];
+        let n = dev.read(&mut b).unwrap();
+        if n == 0 {
+            return None;
+        }
+        assert!(n >= 16, "an answer of {n} bytes");
+        assert_eq!(u32::from_le_bytes(b[..4].try_into().unwrap()) as usize, n);
+        assert_eq!(u64::from_le_bytes(b[8..16].try_into().unwrap()), unique);
+        let e = i32::from_le_bytes(b[4..8].try_into().unwrap());
+        Some((e, b[16..n].to_vec()))
+    }
+
+    /// Send a request and read its answer (`None`: the session has ended).
+    fn call(
+        dev: &mut UnixStream,
+        opcode: u32,
+        unique: u64,
+        nodeid: u64,
+        body: &[u8],
+    ) -> Option<(i32, Vec<u8>)> {
+        // Refused (the peer is gone): the session has ended.
+        dev.write_all(&request(opcode, unique, nodeid, body)).ok()?;
+        answer(dev, unique)
+    }
+
+    /// Times before 1970 with nanoseconds, set over `/dev/fuse`, are stored as the kernel sent
+    /// them: they go through fuser's own decoding here, as in the mount. Before, -0.5 s was
+    /// stored as -1.5 s (and -2.999999999 s as -3.000000001 s); times at or after 1970 were
+    /// right.
+    #[test]
+    fn setattr_over_dev_fuse_stores_times_before_1970_as_the_kernel_sent_them() {
+        let img = Image::new("times");
+        let fs = open(image_factory(&img.0));
+        let root = Caller { uid: 0, gid: 0 };
+        let ino = fs
+            .mknod(1, b"f", libc::S_IFREG | 0o644, 0, root, None)
+            .unwrap()
+            .ino;
+        let (mut dev, served) = serve(&fs);
+        let cases: [(i64, u32); 6] = [
+            (-1, 500_000_000),
+            (-3, 1),
+            (-3, 999_999_999),
+            (-1, 0),
+            (i64::MIN + 1, 7),
+            (1_700_000_000, 250),
+        ];
+        for (k, &(s, ns)) in cases.iter().enumerate() {
+            // SETATTR atime and mtime: fuse_setattr_in (88 bytes).
+            let mut set = vec![0u8; 88];
+            set[..4].copy_from_slice(&((1u32 << 4) | (1 << 5)).to_le_bytes());
+            set[32..40].copy_from_slice(&s.to_le_bytes());
+            set[40..48].copy_from_slice(&s.to_le_bytes());
+            set[56..60].copy_from_slice(&ns.to_le_bytes());
+            set[60..64].copy_from_slice(&ns.to_le_bytes());
+            let (e, _) = call(&mut dev, 4, 10 + k as u64, ino, &set).expect("answered");
+            assert_eq!(e, 0, "SETATTR {s} s {ns} ns");
+            let a = fs.getattr(ino).unwrap();
+            assert_eq!((a.atime, a.mtime), ((s, ns), (s, ns)), "stored");
+        }
+        // DESTROY ends fuser's worker; the session then unmounts the file system.
+        assert_eq!(call(&mut dev, 38, 99, 0, &[]).map(|a| a.0), Some(0));
+        served.join().unwrap().unwrap();
+    }
+
+    /// A handler that panics over `/dev/fuse` is answered EIO and its worker serves the next
+    /// request. The panic comes from the device factory, which a worker's first request calls
+    /// (each worker opens its own device). Before, the panic ended the worker thread: with one
+    /// worker (`--threads 1`, or after as many panics as workers) the session ended, and with
+    /// it the mount.
+    #[test]
+    fn a_request_whose_handler_panics_over_dev_fuse_is_answered_eio_and_the_worker_goes_on() {
+        let img = Image::new("panic");
+        let inner = image_factory(&img.0);
+        let armed = Arc::new(AtomicBool::new(false));
+        let a = Arc::clone(&armed);
+        let factory: DeviceFactory = Arc::new(move |lbio| {
+            if a.load(Ordering::SeqCst) {
+                panic!("injected: the device open panics");
+            }
+            inner(lbio)
+        });
+        let fs = open(factory);
+        armed.store(true, Ordering::SeqCst);
+        let (mut dev, served) = serve(&fs);
+        let (e, _) = call(&mut dev, 3, 2, 1, &[0u8; 16]).expect("the panicking GETATTR answered");
+        assert_eq!(e, -libc::EIO, "the panicking GETATTR");
+        armed.store(false, Ordering::SeqCst);
+        let (e, out) = call(&mut dev, 3, 3, 1, &[0u8; 16])
+            .expect("the worker died with the panic: the session ended, nothing answered");
+        assert_eq!((e, out.len()), (0, 104), "the next GETATTR");
+        let mode = u32::from_le_bytes(out[16 + 60..16 + 64].try_into().unwrap());
+        assert_eq!(mode & libc::S_IFMT, libc::S_IFDIR, "the root's attributes");
+        // What the handler was changing may be half done: no more changes.
+        assert!(
+            fs.failed(),
+            "the file system still takes changes after a panic"
+        );
+        assert_eq!(call(&mut dev, 38, 99, 0, &[]).map(|a| a.0), Some(0));
+        served.join().unwrap().unwrap();
     }
 }

@@ -475,7 +475,21 @@ pub fn dispatch(h: &Handler, header: &mut [u8], payload: &mut [u8]) -> u32 {
     let in_sz = (u32_at(hd, ENT_PAYLOAD_SZ) as usize).min(payload.len());
     // The input is copied out of the payload buffer only where the answer may overwrite it
     // (names are short; write data is consumed before the answer is written).
-    let answer = run(h, opcode, nodeid, caller, &op_in, in_sz, payload);
+    //
+    // A handler that panics is answered EIO, as fuser answers a reply dropped by a panic. If
+    // the panic unwound the queue thread instead, its entry would never be committed: the
+    // queue (every later request from that CPU) would stall until the connection is aborted.
+    // What the handler was changing may be half done: the file system takes no more changes.
+    let answer = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        run(h, opcode, nodeid, caller, &op_in, in_sz, payload)
+    }))
+    .unwrap_or_else(|_| {
+        h.fs.fail(&format!(
+            "a {} request panicked (answered EIO)",
+            op_name(opcode)
+        ));
+        Err(libc::EIO)
+    });
     let hd = header;
     hd[..IN_OUT].fill(0);
     let (len, error) = match answer {

@@ -283,3 +283,62 @@ fn with_xattrs_off_every_xattr_request_is_enosys_and_stored_ones_are_kept() {
         "the refused set stored nothing"
     );
 }
+
+/// A handler that panics is answered EIO and the queue thread goes on serving. Here the panic
+/// comes from the device factory, which a thread's first request calls (each queue thread
+/// opens its own device); before, the panic unwound out of `dispatch`, and in the mount the
+/// queue thread died with its entry never committed, so every later request from that CPU
+/// hung until the connection was aborted.
+#[test]
+fn a_request_whose_handler_panics_is_answered_eio_and_the_thread_serves_the_next() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use fs_fuse::fs::{DeviceFactory, Fs};
+    use lbio::{SimConfig, SimDisk};
+
+    let image = common::fresh_image(16 << 20);
+    let disk = SimDisk::from_image(SimConfig::new(image.len() as u64, 1), image).unwrap();
+    let inner = common::factory(&disk);
+    let armed = Arc::new(AtomicBool::new(false));
+    let a = Arc::clone(&armed);
+    let factory: DeviceFactory = Arc::new(move |lbio| {
+        if a.load(Ordering::SeqCst) {
+            panic!("injected: the device open panics");
+        }
+        inner(lbio)
+    });
+    let (fs, _) = Fs::open(factory, common::opts()).unwrap();
+    let h = Handler {
+        fs: Arc::clone(&fs),
+        entry_ttl: Duration::from_secs(1),
+        attr_ttl: Duration::from_secs(1),
+        xattrs: true,
+    };
+    armed.store(true, Ordering::SeqCst);
+    // A thread that has not served this file system yet, as a queue thread's first request.
+    let served = std::thread::scope(|s| {
+        s.spawn(|| {
+            let (e, out) = call(&h, req(3, 5, 1, &[0u8; 16], &[]), 5);
+            assert_eq!((e, out.len()), (-libc::EIO, 0), "the panicking request");
+            armed.store(false, Ordering::SeqCst);
+            // The same thread serves the next request.
+            let (e, out) = call(&h, req(3, 6, 1, &[0u8; 16], &[]), 6);
+            assert_eq!((e, out.len()), (0, 104), "the next request");
+            // What a panicking handler was changing may be half done: the file system takes
+            // no more changes (a commit could write the half-done state to the device).
+            assert!(fs.failed(), "the file system still takes changes");
+            let mut op = vec![0u8; 16];
+            put32(&mut op, 0, libc::O_RDWR as u32);
+            put32(&mut op, 4, libc::S_IFREG | 0o666);
+            let (e, _) = call(&h, req(35, 7, 1, &op, b"b\0"), 7);
+            assert_eq!(e, -libc::EIO, "a create after the panic");
+            get32(&out, 16 + 60) & libc::S_IFMT
+        })
+        .join()
+    });
+    assert_eq!(
+        served.expect("the panic unwound out of dispatch: the queue thread would have died"),
+        libc::S_IFDIR,
+        "the root's attributes"
+    );
+}
