@@ -119,6 +119,8 @@ struct Adapter {
     attr_ttl: Duration,
     /// Ask for FUSE over io_uring at INIT.
     want_uring: bool,
+    /// Refuse INIT when the kernel does not grant io_uring (`--transport uring`).
+    require_uring: bool,
     /// What INIT settled: `Some(true)` when the kernel will send requests over io_uring.
     negotiated: Arc<std::sync::Mutex<Option<bool>>>,
     /// Ask for the kernel's write-back cache at INIT.
@@ -288,6 +290,15 @@ impl Filesystem for Adapter {
         // Not FUSE_ATOMIC_O_TRUNC: OPEN is answered ENOSYS (see `open`), so an O_TRUNC must
         // come as the SETATTR of a size the kernel sends without it.
         *self.negotiated.lock().unwrap_or_else(|p| p.into_inner()) = Some(uring);
+        if self.require_uring && !uring {
+            // `--transport uring` asked for io_uring or nothing: the failed INIT ends the
+            // session, and the mount with it.
+            eprintln!(
+                "aiosfs: --transport uring: the kernel did not grant FUSE over io_uring at INIT; \
+                 refusing the mount (--transport auto would serve it over /dev/fuse)"
+            );
+            return Err(std::io::Error::from_raw_os_error(libc::EPROTONOSUPPORT));
+        }
         Ok(())
     }
 
@@ -802,6 +813,8 @@ pub struct Mounted {
     request_spin: Duration,
     xattrs: bool,
     negotiated: Arc<std::sync::Mutex<Option<bool>>>,
+    /// Why `--transport uring`'s queues failed, when they did (the mount was then ended).
+    uring_failure: Arc<std::sync::Mutex<Option<String>>>,
     pub report: OpenReport,
     pub mountpoint: PathBuf,
     pub threads: usize,
@@ -847,6 +860,7 @@ pub fn mount(image: &Path, mountpoint: &Path, opts: &MountOptions) -> Result<Mou
         entry_ttl: opts.entry_timeout,
         attr_ttl: opts.attr_timeout,
         want_uring: opts.transport != Transport::Classic && crate::ring::available().is_ok(),
+        require_uring: opts.transport == Transport::Uring,
         negotiated: Arc::clone(&negotiated),
         killpriv_v2: false,
         want_writeback: opts.writeback_cache,
@@ -879,6 +893,7 @@ pub fn mount(image: &Path, mountpoint: &Path, opts: &MountOptions) -> Result<Mou
         request_spin: opts.request_spin,
         xattrs: opts.xattrs,
         negotiated,
+        uring_failure: Arc::new(std::sync::Mutex::new(None)),
         report,
         mountpoint: mountpoint.to_path_buf(),
         threads: opts.threads.max(1),
@@ -953,6 +968,7 @@ impl Mounted {
                 }
             })
             .map_err(|e| FsError::Config(format!("signal thread: {e}")))?;
+        let uring_failure = Arc::clone(&self.uring_failure);
         let r = session
             .run()
             .map_err(|e| FsError::Config(format!("FUSE session: {e}")));
@@ -969,6 +985,16 @@ impl Mounted {
                     "aiosfs: {n} requests served over io_uring; time per kind of request: {top}"
                 );
             }
+        }
+        let failure = uring_failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(why) = failure {
+            r?;
+            return Err(FsError::Config(format!(
+                "--transport uring: {why}; the mount was ended"
+            )));
         }
         r
     }
@@ -1004,6 +1030,27 @@ impl Mounted {
         let depth = 2;
         // A write of MAX_WRITE bytes, or a read answer of as much, fits whole.
         let payload = MAX_WRITE as usize;
+        // `--transport uring`: a queue that fails ends the mount (the kernel would otherwise
+        // move the connection to `/dev/fuse`); `run` then says why.
+        let on_failure: Option<crate::ring::OnFailure> =
+            (self.transport == Transport::Uring).then(|| {
+                let why = Arc::clone(&self.uring_failure);
+                let mp = self.mountpoint.clone();
+                Arc::new(move |e: &str| {
+                    let mut w = why.lock().unwrap_or_else(|p| p.into_inner());
+                    if w.is_none() {
+                        *w = Some(e.to_string());
+                        eprintln!(
+                            "aiosfs: --transport uring: {e}; unmounting {} (--transport auto \
+                             would go on over /dev/fuse)",
+                            mp.display()
+                        );
+                        if let Err(e) = nix::mount::umount2(&mp, nix::mount::MntFlags::MNT_DETACH) {
+                            eprintln!("aiosfs: unmount of {}: {e}", mp.display());
+                        }
+                    }
+                }) as crate::ring::OnFailure
+            });
         let q = crate::ring::Queues::start(
             dev,
             handler,
@@ -1011,6 +1058,7 @@ impl Mounted {
             depth,
             payload,
             self.request_spin,
+            on_failure,
         )
         .map_err(|e| FsError::Config(format!("FUSE io_uring queue threads: {e}")))?;
         let wait = if self.request_spin.is_zero() {
@@ -1100,6 +1148,7 @@ mod tests {
             entry_ttl: Duration::from_secs(1),
             attr_ttl: Duration::from_secs(1),
             want_uring: false,
+            require_uring: false,
             negotiated: Arc::new(std::sync::Mutex::new(None)),
             want_writeback: false,
             killpriv_v2: false,
@@ -1121,6 +1170,46 @@ mod tests {
         .unwrap();
         assert_eq!(answer(&mut dev, 1).map(|a| a.0), Some(0), "INIT");
         (dev, std::thread::spawn(move || session.run()))
+    }
+
+    /// `--transport uring` refuses a kernel whose INIT does not offer FUSE over io_uring: INIT
+    /// is answered with an error, and the session (the mount) does not start. It went on over
+    /// `/dev/fuse`, though the transport was asked for by name.
+    #[test]
+    fn transport_uring_refuses_an_init_without_io_uring() {
+        let img = Image::new("require-uring");
+        let fs = open(image_factory(&img.0));
+        let negotiated = Arc::new(std::sync::Mutex::new(None));
+        let adapter = Adapter {
+            fs: Arc::clone(&fs),
+            entry_ttl: Duration::from_secs(1),
+            attr_ttl: Duration::from_secs(1),
+            want_uring: true,
+            require_uring: true,
+            negotiated: Arc::clone(&negotiated),
+            want_writeback: false,
+            killpriv_v2: false,
+            xattrs: true,
+        };
+        let (mut dev, theirs) = UnixStream::pair().unwrap();
+        // INIT with no flags: no io_uring on offer.
+        let mut init = vec![0u8; 64];
+        init[..4].copy_from_slice(&7u32.to_le_bytes());
+        init[4..8].copy_from_slice(&40u32.to_le_bytes());
+        dev.write_all(&request(26, 1, 0, &init)).unwrap();
+        let session = fuser::Session::from_fd(
+            adapter,
+            OwnedFd::from(theirs),
+            SessionACL::All,
+            Config::default(),
+        );
+        assert_eq!(
+            answer(&mut dev, 1).map(|a| a.0),
+            Some(-libc::EPROTONOSUPPORT),
+            "INIT"
+        );
+        assert!(session.is_err(), "the session started over /dev/fuse");
+        assert_eq!(*negotiated.lock().unwrap(), Some(false));
     }
 
     /// The answer to request `unique`: its errno (0 or negative) and payload; `None` when the

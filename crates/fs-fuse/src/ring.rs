@@ -125,6 +125,9 @@ pub struct Handler {
     pub xattrs: bool,
 }
 
+/// Called with the reason when a queue fails (see [`Queues::start`]).
+pub type OnFailure = Arc<dyn Fn(&str) + Send + Sync>;
+
 /// The queue threads of one mount; they end when the session does.
 pub struct Queues {
     pub queues: usize,
@@ -140,6 +143,10 @@ impl Queues {
     /// duplicate of the session's `/dev/fuse` descriptor). Registration is retried while the
     /// kernel has not finished the `INIT` handshake. Between requests a thread spins on its
     /// queue for up to `spin`, then sleeps.
+    ///
+    /// A queue that fails (or waits in vain for INIT) is logged; `on_failure`, when given, is
+    /// then called with the reason, from that queue's thread (`--transport uring` ends the
+    /// mount there rather than let `/dev/fuse` serve it).
     pub fn start(
         dev: OwnedFd,
         handler: Arc<Handler>,
@@ -147,6 +154,7 @@ impl Queues {
         depth: usize,
         payload: usize,
         spin: Duration,
+        on_failure: Option<OnFailure>,
     ) -> std::io::Result<Queues> {
         let dev = Arc::new(dev);
         let n = possible_cpus();
@@ -157,6 +165,7 @@ impl Queues {
             let h = Arc::clone(&handler);
             let stats = Arc::clone(&stats);
             let negotiated = Arc::clone(&negotiated);
+            let on_failure = on_failure.clone();
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("aiosfs-q{qid}"))
@@ -175,7 +184,12 @@ impl Queues {
                                     return Ok(());
                                 }
                                 None if t0.elapsed() > Duration::from_secs(60) => {
-                                    return Err(format!("queue {qid}: no INIT after 60 s"))
+                                    let e = format!("queue {qid}: no INIT after 60 s");
+                                    eprintln!("aiosfs: {e}");
+                                    if let Some(f) = &on_failure {
+                                        f(&e);
+                                    }
+                                    return Err(e);
                                 }
                                 None => std::thread::sleep(Duration::from_millis(2)),
                             }
@@ -185,6 +199,9 @@ impl Queues {
                             // The kernel turns io_uring off for the connection when a
                             // registration fails; fuser's workers then serve everything.
                             eprintln!("aiosfs: {e}");
+                            if let Some(f) = &on_failure {
+                                f(e);
+                            }
                         }
                         r
                     })?,

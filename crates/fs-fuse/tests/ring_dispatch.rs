@@ -342,3 +342,44 @@ fn a_request_whose_handler_panics_is_answered_eio_and_the_thread_serves_the_next
         "the root's attributes"
     );
 }
+
+/// A queue that cannot serve (here a socket in place of `/dev/fuse`: its registrations fail) calls `on_failure` with its reason, which `--transport uring` uses to end the mount;
+/// the kernel otherwise moves the connection to `/dev/fuse` and the mount went on there.
+#[test]
+fn a_failing_queue_reports_to_on_failure() {
+    use std::sync::Mutex;
+
+    use fs_fuse::ring::{OnFailure, Queues};
+
+    let (_disk, fs) = common::open(common::fresh_image(16 << 20), 1).unwrap();
+    let h = Arc::new(Handler {
+        fs: Arc::clone(&fs),
+        entry_ttl: Duration::from_secs(1),
+        attr_ttl: Duration::from_secs(1),
+        xattrs: true,
+    });
+    let (sock, _peer) = std::os::unix::net::UnixStream::pair().unwrap();
+    let not_fuse: std::os::fd::OwnedFd = sock.into();
+    let reasons = Arc::new(Mutex::new(Vec::new()));
+    let r = Arc::clone(&reasons);
+    let on_failure: OnFailure = Arc::new(move |why: &str| r.lock().unwrap().push(why.to_string()));
+    let q = Queues::start(
+        not_fuse,
+        h,
+        Arc::new(Mutex::new(Some(true))),
+        2,
+        64 << 10,
+        Duration::ZERO,
+        Some(on_failure),
+    )
+    .unwrap();
+    let n = q.queues;
+    let failed = q.join();
+    assert_eq!(failed.len(), n, "{failed:?}");
+    let reasons = reasons.lock().unwrap();
+    assert_eq!(reasons.len(), n, "{reasons:?}");
+    assert!(
+        reasons.iter().all(|w| w.starts_with("queue ")),
+        "{reasons:?}"
+    );
+}
