@@ -1156,8 +1156,18 @@ impl Engine {
     /// Ask every software device holding requests to complete some.
     fn advance_soft(&self) -> Result<(), CoreError> {
         for d in self.soft_devices() {
-            if d.pending() > 0 {
+            let pending = d.pending();
+            if pending > 0 {
+                let before = self.metrics.get().sqes;
                 d.advance(self)?;
+                // The trait's contract: at least one completion pushed. A device that pushed
+                // none would have every wait for its requests go round for ever.
+                if self.metrics.get().sqes == before && d.pending() >= pending {
+                    return Err(CoreError::Config(format!(
+                        "a software device holds {pending} requests and its advance completed \
+                         none (it must push at least one completion)"
+                    )));
+                }
             }
         }
         Ok(())
@@ -1656,6 +1666,35 @@ mod tests {
         let weak: Weak<dyn CompletionSink> = Rc::downgrade(&sink) as Weak<dyn CompletionSink>;
         let id = engine.register_sink(weak).unwrap();
         (sink, id)
+    }
+
+    /// A software device whose advance completes nothing, though it reports requests pending:
+    /// a wait says so instead of going round for ever.
+    #[test]
+    fn a_soft_device_that_completes_nothing_fails_the_wait() {
+        struct Stuck;
+        impl SoftDevice for Stuck {
+            fn pending(&self) -> u32 {
+                1
+            }
+            fn advance(&self, _engine: &Engine) -> Result<(), CoreError> {
+                Ok(())
+            }
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        thread::spawn(move || {
+            let engine = small();
+            let dev: Rc<dyn SoftDevice> = Rc::new(Stuck);
+            engine.attach_soft_device(Rc::downgrade(&dev));
+            let r = engine.wait(1).map_err(|e| e.to_string());
+            let _ = tx.send(r);
+        });
+        // A hang guard, not a timing check: the wait went round for ever.
+        let r = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the wait never returned");
+        let e = r.expect_err("a wait on a stuck device");
+        assert!(e.contains("completed none"), "{e}");
     }
 
     fn small() -> Rc<Engine> {
