@@ -404,6 +404,11 @@ struct Target {
     volatile: Volatile,
     /// A background FLUSH out: its tag and the commands it covers.
     flushing: Option<(Tag, Volatile)>,
+    /// `wait`'s (or a full log's) FLUSH is out: no background FLUSH starts meanwhile. Were it
+    /// to fail, the commands completed while it was out fail with it (they may have reached
+    /// the device before it); a background FLUSH sent meanwhile would take them from the
+    /// target's list, and its success would count them durable.
+    sync_flush: bool,
     /// Lists' allocations kept for the next FLUSH (three lists can be in use at once: the
     /// target's, a background FLUSH's and a `wait`'s).
     spares: Vec<Volatile>,
@@ -544,6 +549,7 @@ impl<P: Pmr> OrderedDevice<P> {
                     dev,
                     volatile: Volatile::with_capacity(runs),
                     flushing: None,
+                    sync_flush: false,
                     spares: {
                         let mut v = Vec::with_capacity(3);
                         v.push(Volatile::with_capacity(runs));
@@ -2011,6 +2017,7 @@ impl<P: Pmr> OrderedDevice<P> {
             .submit(Io::flush())
             .map_err(|(e, _)| RioError::Config(format!("FLUSH on target {t}: {e}")))?;
         self.stats.flushes += 1;
+        self.targets[t as usize].sync_flush = true;
         // What had completed when the FLUSH went out is what it makes durable. (Taken only now:
         // an error before this point leaves the commands for the next FLUSH.)
         let covered = self.targets[t as usize].fresh_volatile();
@@ -2021,12 +2028,15 @@ impl<P: Pmr> OrderedDevice<P> {
         while flushed.is_none() {
             if let Err(e) = self.lbio.wait_done(1) {
                 // The FLUSH's outcome is unknown: its commands wait for the next one.
-                self.targets[t as usize].volatile.absorb(covered);
+                let target = &mut self.targets[t as usize];
+                target.sync_flush = false;
+                target.volatile.absorb(covered);
                 return Err(e.into());
             }
             while let Some(c) = self.lbio.take_done() {
                 if c.tag == tag {
                     flushed = Some(c.result);
+                    self.targets[t as usize].sync_flush = false;
                     break;
                 }
                 self.reaped += 1;
@@ -2115,6 +2125,10 @@ impl<P: Pmr> OrderedDevice<P> {
     /// the target's list, and `wait` or a full log flushes them.
     fn start_flush(&mut self, t: u16) {
         let target = &mut self.targets[t as usize];
+        if target.sync_flush {
+            // It starts after that FLUSH is in (see `Target::sync_flush`).
+            return;
+        }
         if let Ok(tag) = target.dev.submit(Io::flush()) {
             let covered = target.fresh_volatile();
             target.flushing = Some((tag, covered));

@@ -232,6 +232,52 @@ fn a_background_flush_failing_after_waits_own_flush_is_not_vouched_for() {
     );
 }
 
+/// A write of another stream that had completed (in the target's volatile cache) before `wait`
+/// sent its FLUSH, and was taken only while that FLUSH was out, is failed with it when it fails:
+/// the FLUSH may have dropped it. No background FLUSH may start on the target while `wait`'s is
+/// out: one did (its write counted towards `flush_ahead`), covered that write, succeeded, and the
+/// other stream's next `wait` then returned `Ok` and logged a FLUSH entry vouching for it.
+#[test]
+fn a_write_taken_while_waits_flush_fails_is_not_made_durable_by_a_background_flush() {
+    let engine = Engine::new(EngineConfig {
+        ring_entries: 256,
+        arena_bytes: 8 << 20,
+        huge_pages: false,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let (a, fail_a) = late_target(&lbio);
+    let log = AttrLog::format(MemPmr::new(16 << 10), 2).unwrap();
+    let cfg = OrderedConfig {
+        flush_ahead: 1,
+        ..OrderedConfig::default()
+    };
+    let mut od = OrderedDevice::new(lbio, vec![a], log, &[1, 1], cfg).unwrap();
+    // Stream 0's write is done and taken; the background FLUSH it starts completes too.
+    od.submit(0, write(&engine, 0, 0, 1), true).unwrap();
+    let mut back = Vec::new();
+    while back.is_empty() {
+        back = od.wait_any().unwrap();
+    }
+    od.poll().unwrap();
+    assert_eq!(od.stats().flushes_ahead, 1);
+    assert_eq!(od.in_flight(), 0);
+    // Stream 1's write completes at once on the RAM target, but nothing takes its completion
+    // before stream 0's `wait` sends its FLUSH, which fails.
+    od.submit(1, write(&engine, 0, 65536, 3), true).unwrap();
+    fail_a.set(1);
+    od.wait(0).expect_err("stream 0's FLUSH fails");
+    let r = od.wait(1);
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert!(
+        r.is_err() && rec.streams[1].prefix_end == 1,
+        "stream 1's write reached the target before the FLUSH that failed, yet wait said {r:?} \
+         and recovery keeps it: {:?}",
+        rec.streams[1]
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 
 /// Bytes of one header copy (room for 64 streams' marks, whole 64-byte slots).
