@@ -165,11 +165,13 @@ impl FrameTable {
         }
     }
 
-    /// Pin a valid frame still holding `key` at `version`; `false` if it changed meanwhile.
+    /// Pin a valid, indexed frame still holding `key`; `false` if it changed meanwhile. (A
+    /// frame a lookup found may since hold the same page abandoned, out of the index: its reader
+    /// frees it once its own pin goes, so another pin would keep it from ever being freed.)
     pub fn pin(&self, frame: u32, key: Key) -> bool {
         let pinned = self
             .update(frame, |s| {
-                (s.has(VALID) && !s.has(BUSY) && s.pins() < u16::MAX)
+                (s.has(VALID | INDEXED) && !s.has(BUSY) && s.pins() < u16::MAX)
                     .then(|| s.with_pins(s.pins() + 1))
             })
             .is_some();
@@ -224,11 +226,26 @@ mod tests {
         t.meta(0).key.store(k.0, Ordering::Release);
         t.meta(0)
             .state
-            .store(State::new(1, 0, VALID).0, Ordering::Release);
+            .store(State::new(1, 0, VALID | INDEXED).0, Ordering::Release);
         assert!(t.pin(0, k));
         assert!(!t.pin(0, Key::new(1, 10)), "another key");
         assert_eq!(t.state(0).pins(), 1);
         t.unpin(0);
         assert_eq!(t.state(0).pins(), 0);
+    }
+
+    /// A stale lookup's frame reused for the same page by a miss that lost the indexing race
+    /// (valid, the key, abandoned, pinned by its reader) is not pinned: the reader's unpin
+    /// must find no other pin and free it.
+    #[test]
+    fn pin_refuses_a_frame_out_of_the_index() {
+        let t = FrameTable::new(1);
+        let k = Key::new(1, 9);
+        t.meta(0).key.store(k.0, Ordering::Release);
+        t.meta(0)
+            .state
+            .store(State::new(1, 1, VALID | ABANDONED).0, Ordering::Release);
+        assert!(!t.pin(0, k));
+        assert_eq!(t.state(0).pins(), 1);
     }
 }

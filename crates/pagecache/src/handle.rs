@@ -626,20 +626,26 @@ impl CacheHandle {
     }
 
     /// Hold `frame` (found for `key`) through one of this handle's hazard slots: publish it,
-    /// then check the frame still holds the page, valid and not being written.
+    /// then check the frame still holds the page, valid, in the index and not being written.
+    /// (A frame found by a lookup may have been evicted and reused since for the same page by a
+    /// miss that lost the lazy-indexing race: valid, with the key, but abandoned and out of
+    /// the index, and freed by its reader with no look at the hazard slots.)
     fn protect(&self, frame: u32, key: Key) -> Protect {
         let Some((block, slot)) = self.free_slot() else {
             return Protect::NoSlot;
         };
         let frames = &self.cache.frames;
         let s1 = frames.state(frame);
-        if !s1.has(frames::VALID) || s1.has(frames::BUSY) || frames.key(frame) != key.0 {
+        if !s1.has(frames::VALID | frames::INDEXED)
+            || s1.has(frames::BUSY)
+            || frames.key(frame) != key.0
+        {
             return Protect::Changed;
         }
         self.cache.hazards.protect(block, slot, frame);
         let s2 = frames.state_after_protect(frame);
         if s2.version() != s1.version()
-            || !s2.has(frames::VALID)
+            || !s2.has(frames::VALID | frames::INDEXED)
             || s2.has(frames::BUSY)
             || frames.key(frame) != key.0
         {
@@ -721,7 +727,12 @@ impl CacheHandle {
                 return Ok(false);
             };
             let s1 = frames.state(frame);
-            if s1.has(frames::VALID) && !s1.has(frames::BUSY) && frames.key(frame) == key.0 {
+            // In the index too: a stale lookup's frame may hold the page abandoned (see
+            // `protect`), in a `store` race with the old bytes.
+            if s1.has(frames::VALID | frames::INDEXED)
+                && !s1.has(frames::BUSY)
+                && frames.key(frame) == key.0
+            {
                 copy(self.cache.frame_ptr(frame));
                 // The copy's loads are ordered before the second state load (on x86-64 only
                 // the compiler needed telling; weaker CPUs could take them after it).
@@ -891,35 +902,44 @@ impl CacheHandle {
         }
     }
 
-    /// A frame as request memory: registered (the cache's region) or plain, by mode.
+    /// The first `len` bytes of a frame as request memory: registered (the cache's region) or
+    /// plain, by mode.
     ///
     /// # Safety
     /// The caller owns the frame's bytes for the request's lifetime (see [`RawBuf::new`]).
-    unsafe fn frame_buf(&self, frame: u32) -> RawBuf {
+    unsafe fn frame_buf(&self, frame: u32, len: usize) -> RawBuf {
         let ptr = NonNull::new(self.cache.frame_ptr(frame)).expect("frames are mapped");
         // SAFETY: the frame lies in the region registered as `region_index`; ownership is the
         // caller's contract.
         unsafe {
             RawBuf::new(
                 ptr,
-                PAGE_BYTES as u32,
+                len.min(PAGE_BYTES) as u32,
                 self.mode.fixed.then_some(self.region_index),
             )
         }
     }
 
-    /// `frames` as a scattered request's memory: one page each, described in `iov`
-    /// (registered or plain, by mode, like [`Self::frame_buf`]).
+    /// `frames` as a scattered request's memory: one page each, the last `last_len` bytes of
+    /// its frame, described in `iov` (registered or plain, by mode, like [`Self::frame_buf`]).
     ///
     /// # Safety
     /// The caller owns the frames' bytes for the request's lifetime and keeps `iov` in place,
     /// unchanged, until it completes (see [`RawIov::new`]).
-    unsafe fn frames_iov(&self, frames: &[u32], iov: &mut [libc::iovec]) -> RawIov {
+    unsafe fn frames_iov(
+        &self,
+        frames: &[u32],
+        iov: &mut [libc::iovec],
+        last_len: usize,
+    ) -> RawIov {
         for (slot, &f) in iov.iter_mut().zip(frames) {
             *slot = libc::iovec {
                 iov_base: self.cache.frame_ptr(f).cast(),
                 iov_len: PAGE_BYTES,
             };
+        }
+        if let Some(last) = iov[..frames.len()].last_mut() {
+            last.iov_len = last_len.min(PAGE_BYTES);
         }
         let ptr = NonNull::new(iov.as_mut_ptr()).expect("a non-empty slice");
         // SAFETY: the frames lie in the region registered as `region_index`; the rest is the
@@ -1023,10 +1043,14 @@ impl CacheHandle {
     ) -> Result<Tag, CacheError> {
         let offset = first.page() * PAGE_BYTES as u64;
         let frame = self.run_frames.borrow()[at];
+        // The run's last page may be the file's, cut short by the device's end.
+        let last_frame = self.run_frames.borrow()[at + len - 1];
+        let last_at = offset + (len as u64 - 1) * PAGE_BYTES as u64;
+        let last_len = self.tail_read_len(dev, last_frame, last_at);
         let io = if len == 1 {
             // SAFETY: the frame is ours (taken from the pool or free list, pinned, flagged IO):
             // nobody reads or writes its bytes until the IO flag clears at completion.
-            let raw = unsafe { self.frame_buf(frame) };
+            let raw = unsafe { self.frame_buf(frame, last_len) };
             // SAFETY: as above, for the request's lifetime.
             unsafe { Io::read_raw(offset, raw) }
         } else {
@@ -1035,7 +1059,8 @@ impl CacheHandle {
             // SAFETY: the frames are ours, as above; the iovecs stay put (boxed, rewritten only
             // by a later multi-page read, which starts after every read of this one has
             // completed).
-            let v = unsafe { self.frames_iov(&run[at..at + len], &mut iov[at..at + len]) };
+            let v =
+                unsafe { self.frames_iov(&run[at..at + len], &mut iov[at..at + len], last_len) };
             // SAFETY: as above.
             unsafe { Io::readv_raw(offset, v) }
         };
@@ -1196,8 +1221,9 @@ impl CacheHandle {
                 continue;
             }
             frames.mark(frame, frames::INDEXED);
+            let len = self.tail_read_len(dev, frame, page * PAGE_BYTES as u64);
             // SAFETY: the frame is ours and flagged IO until the completion clears it.
-            let raw = unsafe { self.frame_buf(frame) };
+            let raw = unsafe { self.frame_buf(frame, len) };
             // SAFETY: as above.
             let io =
                 unsafe { Io::read_raw(page * PAGE_BYTES as u64, raw) }.class(Class::Background);
@@ -1352,6 +1378,22 @@ impl CacheHandle {
         }
     }
 
+    /// Bytes to read into `frame` for the page at `offset`: a whole page, or as much as the
+    /// device holds when the page runs past its end (the last page of a file whose size is not a
+    /// whole number of pages, on a device of that size). The rest of the frame is zeroed then, so
+    /// a guard on the page never shows another page's bytes.
+    fn tail_read_len(&self, dev: &Device, frame: u32, offset: u64) -> usize {
+        let len = device_len(dev, offset);
+        if len < PAGE_BYTES {
+            // SAFETY: the frame is ours (claimed for this read, flagged IO, not yet submitted):
+            // nobody else reads or writes its bytes; `len < PAGE_BYTES` keeps the range inside it.
+            unsafe {
+                std::ptr::write_bytes(self.cache.frame_ptr(frame).add(len), 0, PAGE_BYTES - len)
+            };
+        }
+        len
+    }
+
     fn take_error(&self) -> CacheError {
         match self.read_error.borrow_mut().take() {
             Some(e) => CacheError::Io(e),
@@ -1428,9 +1470,10 @@ impl CacheHandle {
                     continue;
                 }
             };
-            // Take the frame exclusively: valid, not in flight, no pins.
+            // Take the frame exclusively: valid, in the index (not a stale lookup's abandoned
+            // frame: see `protect`), not in flight, no pins.
             let claimed = frames.update(frame, |s| {
-                (s.has(frames::VALID)
+                (s.has(frames::VALID | frames::INDEXED)
                     && s.flags() & (frames::IO | frames::BUSY) == 0
                     && s.pins() == 0
                     && frames.key(frame) == key.0)
@@ -1611,12 +1654,14 @@ impl CacheHandle {
 
     /// The background write of the `len` pinned dirty pages from `first` (frames
     /// `wb.frames[at..at + len]`): scattered over the frames when there are several.
-    fn writeback_io(&self, first: Key, at: usize, len: usize) -> Io {
+    fn writeback_io(&self, dev: &Device, first: Key, at: usize, len: usize) -> Io {
         let offset = first.page() * PAGE_BYTES as u64;
         let frame = self.wb.borrow().frames[at];
+        // The last page of the device is written only as far as the device goes.
+        let last_len = device_len(dev, offset + (len as u64 - 1) * PAGE_BYTES as u64);
         let io = if len == 1 {
             // SAFETY: pinned: no writer or eviction touches the bytes until the write completes.
-            let raw = unsafe { self.frame_buf(frame) };
+            let raw = unsafe { self.frame_buf(frame, last_len) };
             // SAFETY: as above.
             unsafe { Io::write_raw(offset, raw) }
         } else {
@@ -1624,7 +1669,13 @@ impl CacheHandle {
             let wb = &mut **wb;
             // SAFETY: the frames are pinned as above; the iovecs stay put until the pass has
             // waited for its writes.
-            let v = unsafe { self.frames_iov(&wb.frames[at..at + len], &mut wb.iov[at..at + len]) };
+            let v = unsafe {
+                self.frames_iov(
+                    &wb.frames[at..at + len],
+                    &mut wb.iov[at..at + len],
+                    last_len,
+                )
+            };
             // SAFETY: as above.
             unsafe { Io::writev_raw(offset, v) }
         };
@@ -1636,7 +1687,7 @@ impl CacheHandle {
         let dev = self.device(FileId(first.file()))?;
         let frame = self.wb.borrow().frames[at];
         let tag = loop {
-            match dev.submit(self.writeback_io(first, at, len)) {
+            match dev.submit(self.writeback_io(&dev, first, at, len)) {
                 Ok(t) => break t,
                 Err((LbioError::NoFreeSlot { .. }, _)) => {
                     self.engine.wait(1)?;
@@ -1693,6 +1744,15 @@ enum Protect {
     Changed,
     /// No hazard slot free on this handle: pin by count instead.
     NoSlot,
+}
+
+/// Bytes of the page at `offset` that lie on `dev`: [`PAGE_BYTES`], or fewer for a page that
+/// runs past the device's end.
+fn device_len(dev: &Device, offset: u64) -> usize {
+    dev.geometry()
+        .capacity_bytes
+        .saturating_sub(offset)
+        .min(PAGE_BYTES as u64) as usize
 }
 
 /// Put every page of `rest` on the retry list.

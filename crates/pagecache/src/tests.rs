@@ -1492,3 +1492,198 @@ fn a_reader_waits_for_its_own_readahead_however_long_the_device_takes() {
         );
     }
 }
+
+/// A file whose size is not a whole number of pages, on a device just that large (found by a
+/// review on 2026-11-28): its last page is read and written as far as the device goes, and the
+/// rest of the frame reads as zeros. A whole 4 KiB read or write of that page runs past the
+/// device's end, so every access to the file's tail failed (`PastEnd` from lbio), a dirty tail
+/// could never be written back, and readahead to the end failed its last page.
+#[test]
+fn a_files_partial_last_page_on_a_device_of_the_files_size_reads_and_writes_back() {
+    const BYTES: u64 = 5 * 4096 + 1024;
+    for mode in [Mode::AIOS, Mode::VANILLA] {
+        let Setup {
+            cache,
+            engine,
+            lbio,
+            file,
+            h,
+        } = setup(8, 4, 4, BYTES, mode);
+        // Another file fills every frame with 0xEE first: the tail's frame held other bytes.
+        let other = cache.add_file(16 * 4096).unwrap();
+        h.attach(other, Device::memory(&lbio, 16 * 4096).unwrap())
+            .unwrap();
+        let (dev, backend) = faulty_device(&lbio, BYTES as usize);
+        h.attach(file, dev).unwrap();
+        let content: Vec<u8> = (0..BYTES as usize).map(|i| (i % 253) as u8 + 1).collect();
+        let mut raw = engine.try_alloc(BYTES as usize).unwrap();
+        raw.copy_from_slice(&content);
+        device_over(&lbio, &backend)
+            .write_at_blocking(0, raw, false)
+            .unwrap();
+        for p in 0..8 {
+            h.write(other, p * 4096, &[0xEE; 4096]).unwrap();
+        }
+        h.sync(other).unwrap();
+        {
+            let g = h.get(file, 5).unwrap();
+            assert!(g[..1024] == content[5 * 4096..], "{}", mode.name());
+            assert!(g[1024..].iter().all(|&b| b == 0), "{}", mode.name());
+        }
+        let mut buf = vec![0u8; 100];
+        h.read(file, BYTES - 100, &mut buf).unwrap();
+        assert!(buf[..] == content[BYTES as usize - 100..]);
+        // Sequential reads up to the end: a run into the tail, and readahead to it.
+        let mut all = vec![0u8; BYTES as usize];
+        h.read(file, 0, &mut all[..4096]).unwrap();
+        h.read(file, 4096, &mut all[4096..8192]).unwrap();
+        h.read(file, 8192, &mut all[8192..]).unwrap();
+        assert!(all == content, "{}", mode.name());
+        let m = cache.metrics();
+        assert_eq!(m.read_errors, 0, "{}: {m:?}", mode.name());
+        // A dirty tail is written back.
+        h.write(file, BYTES - 10, b"0123456789").unwrap();
+        h.sync(file).unwrap();
+        let raw = engine.try_alloc(BYTES as usize).unwrap();
+        let raw = device_over(&lbio, &backend)
+            .read_at_blocking(0, raw)
+            .unwrap();
+        assert_eq!(&raw[BYTES as usize - 10..], b"0123456789");
+        assert!(raw[..BYTES as usize - 10] == content[..BYTES as usize - 10]);
+        drop(h);
+        assert_frames_free_or_cached(&cache, &cache.metrics());
+    }
+}
+
+/// Make the index name `stale` for `key` ahead of `live` (the page's real frame), with `stale`
+/// valid, holding `key` and `byte` in every byte, but abandoned and out of the index: what a
+/// lookup that read the index just before the page was evicted finds once the frame has been
+/// reused by a miss on the same page that lost the lazy-indexing race (a duplicate, freed by its
+/// reader when done; or, in a `store` race, holding the old bytes).
+fn plant_stale_frame(cache: &PageCache, key: frames::Key, live: u32, stale: u32, byte: u8) {
+    use std::sync::atomic::Ordering::Release;
+    let frames = &cache.frames;
+    assert!(cache.index.remove(key, live));
+    frames.meta(stale).key.store(key.0, Release);
+    assert_eq!(
+        cache.index.insert(key, stale, frames),
+        crate::index::Insert::Inserted
+    );
+    frames.meta(stale).key.store(frames::NO_KEY, Release);
+    assert_eq!(
+        cache.index.insert(key, live, frames),
+        crate::index::Insert::Inserted
+    );
+    frames.meta(stale).key.store(key.0, Release);
+    assert_eq!(cache.index.get(key, frames), Some(stale));
+    // SAFETY: `stale` came off the free list: nothing else uses its bytes.
+    unsafe { std::ptr::write_bytes(cache.frame_ptr(stale), byte, PAGE_BYTES) };
+    let v = frames.state(stale).version().wrapping_add(1);
+    frames.set_owned(
+        stale,
+        frames::State::new(v, 0, frames::VALID | frames::ABANDONED),
+    );
+}
+
+/// Run `f`; once it has turned the stale frame down (it waited on it), take the stale entry out
+/// of the index so that `f` can find the page's real frame.
+fn unplant_when_turned_down(
+    cache: &Arc<PageCache>,
+    key: frames::Key,
+    stale: u32,
+    f: impl FnOnce(),
+) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let waited = cache.counters.waited.load(Ordering::Relaxed);
+    let done = AtomicBool::new(false);
+    // Set when `f` returns or panics, so the helper always ends.
+    struct Done<'a>(&'a AtomicBool);
+    impl Drop for Done<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Release);
+        }
+    }
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !done.load(Ordering::Acquire)
+                && cache.counters.waited.load(Ordering::Relaxed) == waited
+            {
+                std::thread::yield_now();
+            }
+            cache.index.remove(key, stale);
+        });
+        let _done = Done(&done);
+        f();
+    });
+    let frames = &cache.frames;
+    frames
+        .meta(stale)
+        .key
+        .store(frames::NO_KEY, Ordering::Release);
+    let v = frames.state(stale).version().wrapping_add(1);
+    frames.set_owned(stale, frames::State::new(v, 0, 0));
+}
+
+/// A frame id read from the index can be stale (found by a review on 2026-11-28): between the
+/// lookup and the use, the page may be evicted and the frame reused for the same page by a miss
+/// that lost the lazy-indexing race, valid and holding the key but abandoned, out of the index,
+/// and freed by its reader as soon as it is done. A zero-copy guard on it used to be handed out
+/// (its bytes then reused under it), a copy-out hit copied from it (in a `store` race, the old
+/// bytes), and a write landed in it (lost when the frame was freed). Each must take the frame
+/// only while it is in the index. The index is made to name such a frame ahead of the page's
+/// own, as the stale lookup found it.
+#[test]
+fn a_stale_lookup_never_uses_a_frame_that_left_the_index() {
+    const PAGES: u64 = 16;
+    let Setup {
+        cache,
+        engine,
+        lbio,
+        file,
+        h,
+    } = setup(16, 4, 0, PAGES * 4096, Mode::AIOS);
+    let (dev, backend) = faulty_device(&lbio, (PAGES * 4096) as usize);
+    h.attach(file, dev).unwrap();
+    let mut raw = engine.try_alloc((PAGES * 4096) as usize).unwrap();
+    raw.fill(0x11);
+    device_over(&lbio, &backend)
+        .write_at_blocking(0, raw, false)
+        .unwrap();
+    let key = frames::Key::new(file.0, 3);
+    let mut buf = vec![0u8; 4096];
+    h.read(file, 3 * 4096, &mut buf).unwrap();
+    let live = cache.index.get(key, &cache.frames).unwrap();
+    let stale = cache.take_one().unwrap();
+    assert_ne!(stale, live);
+
+    // A zero-copy guard.
+    plant_stale_frame(&cache, key, live, stale, 0x22);
+    unplant_when_turned_down(&cache, key, stale, || {
+        let g = h.get(file, 3).unwrap();
+        assert!(
+            std::ptr::eq(g.as_ptr(), cache.frame_ptr(live)),
+            "a guard on a frame out of the index"
+        );
+        assert!(g.iter().all(|&b| b == 0x11));
+    });
+    // A copy-out hit.
+    plant_stale_frame(&cache, key, live, stale, 0x22);
+    unplant_when_turned_down(&cache, key, stale, || {
+        h.read(file, 3 * 4096, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 0x11), "copied a stale frame");
+    });
+    // A write.
+    plant_stale_frame(&cache, key, live, stale, 0x22);
+    unplant_when_turned_down(&cache, key, stale, || {
+        h.write(file, 3 * 4096 + 100, &[0x33; 10]).unwrap();
+    });
+    h.read(file, 3 * 4096, &mut buf).unwrap();
+    assert!(
+        buf[100..110].iter().all(|&b| b == 0x33),
+        "the write was lost"
+    );
+    cache.give_one(stale);
+    h.sync(file).unwrap();
+    drop(h);
+    assert_frames_free_or_cached(&cache, &cache.metrics());
+}
