@@ -1147,8 +1147,7 @@ impl Fs {
                 Err(e) => {
                     let taken = st.nodes.get_mut(&ino).expect("node").leaves.split_off(had);
                     for b in taken {
-                        self.free_block(st, b);
-                        st.quarantine.remove(&b);
+                        self.unalloc(st, b);
                     }
                     return Err(e);
                 }
@@ -1171,8 +1170,16 @@ impl Fs {
     /// needs, if any, taken too (see [`Self::reserve_leaves`]). Out of blocks with some freed
     /// since the last commit, it commits once to make them allocatable; that commit carries the
     /// inode, since it maps the blocks the operation under way took before this one (the
-    /// caller marks the inode again afterwards).
-    fn alloc_for_map(&self, st: &mut State, ctx: &Ctx, ino: u64, l: u64) -> FsResult<u64> {
+    /// caller marks the inode again afterwards). `before_commit` runs just before that commit
+    /// (fallocate makes its zeros durable there); its error is returned, with no commit.
+    fn alloc_for_map(
+        &self,
+        st: &mut State,
+        ctx: &Ctx,
+        ino: u64,
+        l: u64,
+        before_commit: &mut dyn FnMut() -> FsResult<()>,
+    ) -> FsResult<u64> {
         let mut committed = false;
         loop {
             let n = &st.nodes[&ino];
@@ -1199,6 +1206,7 @@ impl Fs {
             match r {
                 Err(libc::ENOSPC) if !committed && !st.quarantine.is_empty() => {
                     // Blocks freed since the last commit come back once it is durable.
+                    before_commit()?;
                     st.nodes.get_mut(&ino).expect("node").layout_dirty = true;
                     Self::touch(st, ino);
                     self.commit_locked(st, ctx, None)?;
@@ -2852,7 +2860,7 @@ impl Fs {
                 st.dirty_bytes += BLOCK;
                 st.dirty_data.insert(ino);
             } else {
-                let p = match self.alloc_for_map(&mut st, &ctx, ino, l) {
+                let p = match self.alloc_for_map(&mut st, &ctx, ino, l, &mut || Ok(())) {
                     Ok(p) => p,
                     // Out of space or extents part way: the bytes so far are written.
                     Err(libc::ENOSPC | libc::EFBIG) if done > 0 => break,
@@ -2991,56 +2999,24 @@ impl Fs {
                     if n.phys(l).is_some() || n.dirty.contains_key(&l) {
                         continue;
                     }
-                    let goal = l.checked_sub(1).and_then(|pl| n.phys(pl)).map(|p| p + 1);
                     // The block, and for a new extent the extent leaf it needs, if any. Out of
                     // blocks for either with some freed since the last commit, commit once to
-                    // make those allocatable (as a write does).
-                    let mut committed = false;
-                    let p = loop {
-                        let r = self.alloc_block(&mut st, goal).and_then(|p| {
-                            let n = &st.nodes[&ino];
-                            if n.joins(l, p) {
-                                return Ok(p);
-                            }
-                            let more = n.map.len() + 1;
-                            let r = if more > MAX_EXTENTS {
-                                Err(libc::EFBIG)
-                            } else {
-                                self.reserve_leaves(&mut st, ino, more)
-                            };
-                            match r {
-                                Ok(()) => Ok(p),
-                                Err(e) => {
-                                    self.unalloc(&mut st, p);
-                                    Err(e)
-                                }
-                            }
-                        });
-                        match r {
-                            Ok(p) => break p,
-                            Err(libc::ENOSPC) if !committed && !st.quarantine.is_empty() => {
-                                if zeroed {
-                                    if let Err(e) = ctx.dev().flush_blocking().map_err(io_err) {
-                                        break 'alloc Err(e);
-                                    }
-                                    zeroed = false;
-                                }
-                                if let Err(e) = self.commit_locked(&mut st, &ctx, None) {
-                                    break 'alloc Err(e);
-                                }
-                                committed = true;
-                                // That commit took the inode; the blocks mapped from here on
-                                // go with the next one.
-                                st.nodes.get_mut(&ino).expect("node").layout_dirty = true;
-                                Self::touch(&mut st, ino);
-                            }
-                            Err(e) => break 'alloc Err(e),
+                    // make those allocatable (as a write does), the zeros written so far made
+                    // durable first.
+                    let mut flush_zeros = || {
+                        if zeroed {
+                            ctx.dev().flush_blocking().map_err(io_err)?;
+                            zeroed = false;
                         }
+                        Ok(())
+                    };
+                    let p = match self.alloc_for_map(&mut st, &ctx, ino, l, &mut flush_zeros) {
+                        Ok(p) => p,
+                        Err(e) => break 'alloc Err(e),
                     };
                     // Zeros reach the block before any commit maps it.
                     if let Err(e) = ctx.write_block(p, &zeros) {
-                        self.free_block(&mut st, p);
-                        st.quarantine.remove(&p);
+                        self.unalloc(&mut st, p);
                         break 'alloc Err(e);
                     }
                     zeroed = true;
