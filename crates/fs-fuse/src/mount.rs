@@ -1138,22 +1138,31 @@ mod tests {
         b
     }
 
-    /// The adapter on `fs`, served by fuser (one worker) as in the mount, with a socket pair
-    /// standing in for `/dev/fuse`: INIT is done. Requests are sent one at a time, each answer
-    /// read before the next request, so each read and write carries one message as on the
-    /// device; a stream, so that the session's end reads as end of file.
-    fn serve(fs: &Arc<Fs>) -> (UnixStream, std::thread::JoinHandle<std::io::Result<()>>) {
-        let adapter = Adapter {
+    /// The adapter the mount builds on `fs`, over `/dev/fuse` only unless `uring` (then
+    /// `--transport uring`: io_uring asked for, and required), recording INIT's outcome in
+    /// `negotiated`.
+    fn adapter(
+        fs: &Arc<Fs>,
+        uring: bool,
+        negotiated: Arc<std::sync::Mutex<Option<bool>>>,
+    ) -> Adapter {
+        Adapter {
             fs: Arc::clone(fs),
             entry_ttl: Duration::from_secs(1),
             attr_ttl: Duration::from_secs(1),
-            want_uring: false,
-            require_uring: false,
-            negotiated: Arc::new(std::sync::Mutex::new(None)),
+            want_uring: uring,
+            require_uring: uring,
+            negotiated,
             want_writeback: false,
             killpriv_v2: false,
             xattrs: true,
-        };
+        }
+    }
+
+    /// A fuser session for `adapter` (one worker) over a socket pair standing in for
+    /// `/dev/fuse`, after an INIT (7.40) offering no capability flags; returns our end and the
+    /// session (an error where INIT was refused).
+    fn handshake(adapter: Adapter) -> (UnixStream, std::io::Result<fuser::Session<Adapter>>) {
         let (mut dev, theirs) = UnixStream::pair().unwrap();
         // INIT: fuse_init_in {major 7, minor 40, max_readahead, flags, flags2, unused}.
         let mut init = vec![0u8; 64];
@@ -1166,8 +1175,17 @@ mod tests {
             OwnedFd::from(theirs),
             SessionACL::All,
             Config::default(),
-        )
-        .unwrap();
+        );
+        (dev, session)
+    }
+
+    /// The adapter on `fs`, served by fuser (one worker) as in the mount, with a socket pair
+    /// standing in for `/dev/fuse`: INIT is done. Requests are sent one at a time, each answer
+    /// read before the next request, so each read and write carries one message as on the
+    /// device; a stream, so that the session's end reads as end of file.
+    fn serve(fs: &Arc<Fs>) -> (UnixStream, std::thread::JoinHandle<std::io::Result<()>>) {
+        let (mut dev, session) = handshake(adapter(fs, false, Default::default()));
+        let session = session.unwrap();
         assert_eq!(answer(&mut dev, 1).map(|a| a.0), Some(0), "INIT");
         (dev, std::thread::spawn(move || session.run()))
     }
@@ -1180,29 +1198,8 @@ mod tests {
         let img = Image::new("require-uring");
         let fs = open(image_factory(&img.0));
         let negotiated = Arc::new(std::sync::Mutex::new(None));
-        let adapter = Adapter {
-            fs: Arc::clone(&fs),
-            entry_ttl: Duration::from_secs(1),
-            attr_ttl: Duration::from_secs(1),
-            want_uring: true,
-            require_uring: true,
-            negotiated: Arc::clone(&negotiated),
-            want_writeback: false,
-            killpriv_v2: false,
-            xattrs: true,
-        };
-        let (mut dev, theirs) = UnixStream::pair().unwrap();
         // INIT with no flags: no io_uring on offer.
-        let mut init = vec![0u8; 64];
-        init[..4].copy_from_slice(&7u32.to_le_bytes());
-        init[4..8].copy_from_slice(&40u32.to_le_bytes());
-        dev.write_all(&request(26, 1, 0, &init)).unwrap();
-        let session = fuser::Session::from_fd(
-            adapter,
-            OwnedFd::from(theirs),
-            SessionACL::All,
-            Config::default(),
-        );
+        let (mut dev, session) = handshake(adapter(&fs, true, Arc::clone(&negotiated)));
         assert_eq!(
             answer(&mut dev, 1).map(|a| a.0),
             Some(-libc::EPROTONOSUPPORT),
