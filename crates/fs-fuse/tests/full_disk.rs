@@ -7,6 +7,8 @@
 
 mod common;
 
+use std::sync::Arc;
+
 use common::{factory, fresh_image, opts};
 use fs_fuse::format::{ROOT_INO, S_IFREG};
 use fs_fuse::fs::{Caller, Fs, SetAttr};
@@ -51,6 +53,21 @@ fn fill_leaving(fs: &Fs, leave: u64) -> u64 {
     fs.sync_all().unwrap();
     assert_eq!(fs.statfs().bfree, leave, "{:?}", fs.statfs());
     fill
+}
+
+/// Unmount `fs` (the last handle on it) and check with fsck that the image `disk` then holds
+/// is clean; returns the image.
+fn unmount_clean(fs: Arc<Fs>, disk: &SimDisk) -> Vec<u8> {
+    fs.unmount().unwrap();
+    drop(fs);
+    let image = disk.media();
+    let rep = fsck_image(&image).unwrap();
+    assert!(
+        rep.clean(),
+        "fsck after a clean unmount: {:?}",
+        rep.problems
+    );
+    image
 }
 
 /// An xattr whose block cannot be allocated at commit time (full disk) stays pending: once
@@ -107,15 +124,7 @@ fn an_xattr_block_allocated_by_a_commit_that_ran_out_of_space_is_written() {
     fs.forget(fill, 1);
     assert_eq!(fs.sync_all(), Err(libc::ENOSPC));
     fs.sync_all().unwrap();
-    fs.unmount().unwrap();
-    drop(fs);
-    let image = disk.media();
-    let rep = fsck_image(&image).unwrap();
-    assert!(
-        rep.clean(),
-        "fsck after a clean unmount: {:?}",
-        rep.problems
-    );
+    unmount_clean(fs, &disk);
 }
 
 /// fallocate that runs out of space part way keeps the blocks it allocated owned by the file
@@ -130,15 +139,7 @@ fn fallocate_out_of_space_leaves_its_blocks_owned() {
     let r = fs.fallocate(c, 0, 10 * 4096, 0);
     assert_eq!(r, Err(libc::ENOSPC));
     println!("after fallocate: {:?}", fs.getattr(c).unwrap());
-    fs.unmount().unwrap();
-    drop(fs);
-    let image = disk.media();
-    let rep = fsck_image(&image).unwrap();
-    assert!(
-        rep.clean(),
-        "fsck after a clean unmount: {:?}",
-        rep.problems
-    );
+    unmount_clean(fs, &disk);
 }
 
 /// With FUA durability (no FLUSH in a commit), fallocate's zeros are made durable before the
@@ -295,14 +296,7 @@ fn fallocate_out_of_space_after_a_commit_inside_it_leaves_its_blocks_owned() {
     fs.forget(x, 1);
     let r = fs.fallocate(c, 0, 10 * 4096, 0);
     assert_eq!(r, Err(libc::ENOSPC));
-    fs.unmount().unwrap();
-    drop(fs);
-    let rep = fsck_image(&disk.media()).unwrap();
-    assert!(
-        rep.clean(),
-        "fsck after a clean unmount: {:?}",
-        rep.problems
-    );
+    unmount_clean(fs, &disk);
 }
 
 /// A write that runs out of blocks part way, with blocks freed since the last commit, commits to
@@ -359,15 +353,7 @@ fn a_write_that_needs_an_extent_leaf_on_a_full_disk_says_enospc_and_commits_go_o
     fs.sync_all().unwrap();
     fs.write(g, 16 * 4096, &[0x99u8; 4096]).unwrap();
     fs.fsync(g).unwrap();
-    fs.unmount().unwrap();
-    drop(fs);
-    let image = disk.media();
-    let rep = fsck_image(&image).unwrap();
-    assert!(
-        rep.clean(),
-        "fsck after a clean unmount: {:?}",
-        rep.problems
-    );
+    let image = unmount_clean(fs, &disk);
     let (_d, fs) = common::open(image, 2).unwrap();
     assert_eq!(fs.read(g, 16 * 4096, 4096).unwrap(), vec![0x99u8; 4096]);
     assert_eq!(fs.read(g, 14 * 4096, 4096).unwrap(), vec![8u8; 4096]);
@@ -401,14 +387,7 @@ fn a_punch_that_would_split_an_extent_past_the_limit_is_refused() {
         fs.read(f, (last + 1) * 4096, 4096).unwrap(),
         vec![2u8; 4096]
     );
-    fs.unmount().unwrap();
-    drop(fs);
-    let rep = fsck_image(&disk.media()).unwrap();
-    assert!(
-        rep.clean(),
-        "fsck after a clean unmount: {:?}",
-        rep.problems
-    );
+    unmount_clean(fs, &disk);
 }
 
 /// Blocks that fallocate with `FALLOC_FL_KEEP_SIZE` allocated past the end of a file are freed
@@ -452,14 +431,7 @@ fn a_punch_past_the_end_frees_the_blocks_kept_there() {
     assert_eq!(got.len(), 6000);
     assert!(got[..2048].iter().all(|&b| b == 0x5a));
     assert!(got[2048..].iter().all(|&b| b == 0));
-    fs.unmount().unwrap();
-    drop(fs);
-    let rep = fsck_image(&disk.media()).unwrap();
-    assert!(
-        rep.clean(),
-        "fsck after a clean unmount: {:?}",
-        rep.problems
-    );
+    unmount_clean(fs, &disk);
 }
 
 /// A file of eight extents on a full disk, with blocks freed since the last commit: fallocate
@@ -483,15 +455,7 @@ fn fallocate_that_needs_an_extent_leaf_commits_for_freed_blocks() {
     assert_eq!(fs.fallocate(g, 16 * 4096, 4096, 0), Ok(()));
     assert_eq!(fs.getattr(g).unwrap().size, 17 * 4096);
     fs.fsync(g).unwrap();
-    fs.unmount().unwrap();
-    drop(fs);
-    let image = disk.media();
-    let rep = fsck_image(&image).unwrap();
-    assert!(
-        rep.clean(),
-        "fsck after a clean unmount: {:?}",
-        rep.problems
-    );
+    let image = unmount_clean(fs, &disk);
     let (_d, fs) = common::open(image, 2).unwrap();
     assert_eq!(fs.read(g, 16 * 4096, 4096).unwrap(), vec![0u8; 4096]);
     assert_eq!(fs.read(g, 14 * 4096, 4096).unwrap(), vec![8u8; 4096]);
@@ -537,15 +501,7 @@ fn mkdir_that_needs_a_leaf_for_its_parent_commits_for_freed_blocks() {
     let r = fs.mknod(d, &sub, S_IFDIR | 0o755, 0, ROOT, None);
     assert!(r.is_ok(), "mkdir: {r:?}");
     assert_eq!(fs.getattr(d).unwrap().size, 9 * 4096);
-    fs.unmount().unwrap();
-    drop(fs);
-    let image = disk.media();
-    let rep = fsck_image(&image).unwrap();
-    assert!(
-        rep.clean(),
-        "fsck after a clean unmount: {:?}",
-        rep.problems
-    );
+    let image = unmount_clean(fs, &disk);
     let (_d, fs) = common::open(image, 2).unwrap();
     assert!(fs.lookup(d, &sub, false).is_ok());
 }
