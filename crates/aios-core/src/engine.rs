@@ -1106,6 +1106,28 @@ impl Engine {
         }
     }
 
+    /// Wait until nothing is queued or in flight (what a user of the engine does before it
+    /// lets go of buffers the kernel may still write). A failed wait is tried again, up to 64
+    /// failures in a row 1 ms apart (an enter refused for want of memory leaves
+    /// its SQEs for the next one). `false`: the ring kept failing, and the I/O still out may
+    /// write into its buffers at any time.
+    pub fn drain_all(&self) -> bool {
+        let mut failures = 0;
+        while self.has_work() {
+            match self.wait(1) {
+                Ok(_) => failures = 0,
+                Err(_) => {
+                    failures += 1;
+                    if failures >= DRAIN_TRIES {
+                        return false;
+                    }
+                    thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+        true
+    }
+
     /// Whether any SQE is queued or in flight, or a software device holds requests.
     pub fn has_work(&self) -> bool {
         self.rings()
@@ -1342,33 +1364,21 @@ impl Engine {
     }
 }
 
-/// Failed waits in a row after which a dropping engine gives up on its outstanding I/O (and
-/// leaks its memory instead of unmapping it, see `Drop for Engine`).
-const DROP_WAIT_TRIES: u32 = 64;
+/// Failed waits in a row after which [`Engine::drain_all`] gives up on the outstanding I/O.
+const DRAIN_TRIES: u32 = 64;
 
 impl Drop for Engine {
     fn drop(&mut self) {
         // Buffers in flight would be written by the kernel after the arena is unmapped: wait for
         // every outstanding completion first (their sinks may be gone; the CQEs are discarded).
-        // A failed wait is tried again (an enter refused for want of memory, say): stopping at
-        // the first error unmapped memory that reads still in flight could land in.
-        let mut failures = 0;
-        while self.has_work() {
-            match self.wait(1) {
-                Ok(_) => failures = 0,
-                Err(_) => {
-                    failures += 1;
-                    if failures >= DROP_WAIT_TRIES {
-                        // The I/O still out may be written into the arena or a region at any
-                        // time: never unmap them (nor hand their memory to anyone else).
-                        std::mem::forget(Rc::clone(&self.arena));
-                        for region in self.regions.borrow().iter() {
-                            std::mem::forget(Arc::clone(region));
-                        }
-                        return;
-                    }
-                    thread::sleep(Duration::from_millis(1));
-                }
+        // A failed wait is tried again: stopping at the first error unmapped memory that reads
+        // still in flight could land in.
+        if !self.drain_all() {
+            // The I/O still out may be written into the arena or a region at any time: never
+            // unmap them (nor hand their memory to anyone else).
+            std::mem::forget(Rc::clone(&self.arena));
+            for region in self.regions.borrow().iter() {
+                std::mem::forget(Arc::clone(region));
             }
         }
     }

@@ -944,10 +944,6 @@ impl LbioArray {
     }
 }
 
-/// Failed waits in a row after which a dropping array gives up on its requests in flight (and
-/// leaks their buffers rather than hand them back while the kernel may still use them).
-const DROP_WAIT_TRIES: u32 = 64;
-
 impl Drop for LbioArray {
     fn drop(&mut self) {
         // Slot buffers still targeted by in-flight SQEs must not go back to the arena before the
@@ -959,26 +955,13 @@ impl Drop for LbioArray {
             .slots
             .iter()
             .any(|s| s.state == State::Active && s.outstanding > 0);
-        // A failed wait is tried again (an enter refused for want of memory leaves the SQEs
-        // queued for the next one); only a ring that keeps failing is given up on.
-        let mut failures = 0;
-        while busy && self.engine.has_work() {
-            match self.engine.wait(1) {
-                Ok(_) => failures = 0,
-                Err(_) => {
-                    failures += 1;
-                    if failures < DROP_WAIT_TRIES {
-                        std::thread::sleep(std::time::Duration::from_millis(1));
-                        continue;
-                    }
-                    // The ring is unusable: leak the buffers rather than let the kernel write
-                    // into frames someone else owns.
-                    for slot in self.inner.get_mut().slots.iter_mut() {
-                        if let Some(b) = slot.buf.take() {
-                            std::mem::forget(b);
-                        }
-                    }
-                    return;
+        // A failed wait is tried again (`Engine::drain_all`); only a ring that keeps failing is
+        // given up on: then the buffers are leaked rather than let the kernel write into frames
+        // someone else owns.
+        if busy && !self.engine.drain_all() {
+            for slot in self.inner.get_mut().slots.iter_mut() {
+                if let Some(b) = slot.buf.take() {
+                    std::mem::forget(b);
                 }
             }
         }
