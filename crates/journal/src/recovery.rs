@@ -139,7 +139,14 @@ pub fn parse_area_rio(
     let mut consumed = 0u64;
     let mut min_tid = sb.tail_tid;
     let broken = loop {
-        match parse_tx(&block, pos, min_tid, log_len - consumed, index as u32) {
+        match parse_tx(
+            &block,
+            pos,
+            log_len,
+            min_tid,
+            log_len - consumed,
+            index as u32,
+        ) {
             Ok(Some(tx)) => {
                 consumed += tx.blocks;
                 pos = (pos + tx.blocks) % log_len;
@@ -221,11 +228,12 @@ pub fn parse_area_rio(
     })
 }
 
-/// Parse the transaction starting at log position `pos`: `Ok(None)` when no newer transaction
-/// starts there.
+/// Parse the transaction starting at log position `pos` of a log of `log_len` blocks: `Ok(None)`
+/// when no newer transaction starts there.
 fn parse_tx<'a>(
     block: &impl Fn(u64) -> &'a [u8],
     pos: u64,
+    log_len: u64,
     min_tid: u64,
     room: u64,
     area: u32,
@@ -239,9 +247,11 @@ fn parse_tx<'a>(
     }
     let tid = h.tid;
     let file = (h.flags & FLAG_FILE_TX != 0).then_some(h.file);
+    // The log position of the transaction's block `n` (it may wrap past the log's end).
+    let at = |n: u64| (pos + n) % log_len;
     let broken = |n: u64, commit: Option<CommitSeen>, why: String| Broken {
         tid: Some(tid),
-        pos: pos + n,
+        pos: at(n),
         commit,
         why: format!("transaction {tid}: {why}"),
     };
@@ -321,7 +331,7 @@ fn parse_tx<'a>(
                     intact,
                     format!(
                         "log block {} is not the next block of the transaction",
-                        pos + n
+                        at(n)
                     ),
                 ));
             }

@@ -473,3 +473,87 @@ fn layouts_past_the_byte_range_are_refused() {
         );
     }
 }
+
+/// A transaction that wraps past the end of the log, damaged after the wrap: the position
+/// recovery reports is a log position (under the log's length), the block that is damaged.
+#[test]
+fn damage_past_the_logs_wrap_is_reported_at_its_log_position() {
+    use format::{Header, Kind, Superblock, BLOCK};
+    let area_blocks = 16u64;
+    let log_len = area_blocks - 1;
+    let mut area = vec![0u8; (area_blocks as usize) * BLOCK];
+    let tail = log_len - 1;
+    Superblock {
+        area_blocks,
+        area_index: 0,
+        area_count: 1,
+        tail_pos: tail,
+        tail_tid: 1,
+        generation: 1,
+    }
+    .encode(&mut area[..BLOCK]);
+    let meta = vec![0x5au8; BLOCK];
+    let header = |kind, count| Header {
+        kind,
+        tid: 1,
+        area: 0,
+        count,
+        flags: 0,
+        file: 0,
+    };
+    let mut d = vec![0u8; BLOCK];
+    header(Kind::Descriptor, 1).write(&mut d);
+    format::put_tag(&mut d, 0, 40, format::crc(&meta));
+    format::seal(&mut d);
+    let chain = format::crc_chain(format::crc_chain(0, &d), &meta);
+    let mut c = vec![0u8; BLOCK];
+    header(Kind::Commit, 0).write(&mut c);
+    format::put_u32(&mut c, format::HEADER, 2);
+    format::put_u32(&mut c, format::HEADER + 4, chain);
+    format::seal(&mut c);
+    // Log position p is area block 1 + p: the descriptor in the log's last block, the metadata
+    // block and the commit block after the wrap, at log positions 0 and 1.
+    let put = |area: &mut [u8], pos: u64, b: &[u8]| {
+        let at = (1 + pos as usize) * BLOCK;
+        area[at..at + BLOCK].copy_from_slice(b);
+    };
+    put(&mut area, tail, &d);
+    put(&mut area, 0, &meta);
+    put(&mut area, 1, &c);
+    let whole = recovery::parse_area(&area, 0).unwrap();
+    assert_eq!(whole.txs.len(), 1);
+    assert_eq!(whole.end_pos, 2);
+
+    // The metadata block (log position 0) damaged; the commit block is intact.
+    let mut bad = area.clone();
+    bad[BLOCK + 100] ^= 1;
+    let log = recovery::parse_area(&bad, 0).unwrap();
+    assert!(log.txs.is_empty());
+    match &log.end {
+        recovery::LogEnd::Corrupt { pos, why } => {
+            assert_eq!(*pos, 0, "{why}");
+        }
+        e => panic!("expected corruption, got {e:?}"),
+    }
+
+    // The commit block lost, and a later transaction's commit block in the log: corruption,
+    // and the message names the log block where the commit block should be, position 1.
+    let mut lost = area.clone();
+    put(&mut lost, 1, &[0u8; BLOCK]);
+    let mut later = vec![0u8; BLOCK];
+    Header {
+        tid: 2,
+        ..header(Kind::Commit, 0)
+    }
+    .write(&mut later);
+    format::seal(&mut later);
+    put(&mut lost, 5, &later);
+    let log = recovery::parse_area(&lost, 0).unwrap();
+    match &log.end {
+        recovery::LogEnd::Corrupt { pos, why } => {
+            assert_eq!(*pos, 1, "{why}");
+            assert!(why.contains("log block 1 is not"), "{why}");
+        }
+        e => panic!("expected corruption, got {e:?}"),
+    }
+}
