@@ -529,6 +529,9 @@ struct PagecacheArgs {
     /// Skip the hit workloads.
     #[arg(long)]
     no_hits: bool,
+    /// Skip the cold workloads (and the submission-latency figures they give).
+    #[arg(long, conflicts_with = "no_hits")]
+    no_cold: bool,
     /// Seconds per run.
     #[arg(long, default_value_t = 1.0)]
     seconds: f64,
@@ -1974,6 +1977,7 @@ fn cmd_bench_pagecache(a: PagecacheArgs) -> Result<(), BenchError> {
         cold_bs: a.bs.clone(),
         threads: a.threads.clone(),
         modes: a.modes.clone(),
+        cold: !a.no_cold,
         hits: !a.no_hits,
         seconds: a.seconds,
         rounds: a.rounds.max(1),
@@ -2601,6 +2605,7 @@ fn cmd_demo(a: DemoArgs) -> Result<(), BenchError> {
         cold_bs: vec![4096],
         threads: vec![1],
         modes: vec![aios::pagecache::Mode::VANILLA, aios::pagecache::Mode::AIOS],
+        cold: true,
         hits: true,
         seconds: (a.seconds / 2.0).max(0.2),
         rounds: a.rounds,

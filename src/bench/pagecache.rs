@@ -142,6 +142,8 @@ pub struct PagecacheBench {
     pub threads: Vec<u32>,
     /// Page-cache modes for cold reads.
     pub modes: Vec<Mode>,
+    /// Run the cold workloads.
+    pub cold: bool,
     /// Also run the hit workloads.
     pub hits: bool,
     /// Seconds per run.
@@ -385,7 +387,7 @@ impl PagecacheBench {
     pub fn cases(&self) -> Vec<Case> {
         let mut v = Vec::new();
         for &threads in &self.threads {
-            for &bs in &self.cold_bs {
+            for &bs in self.cold_bs.iter().filter(|_| self.cold) {
                 let mut readers = vec![Reader::Kernel, Reader::ODirect, Reader::Lbio];
                 readers.extend(self.modes.iter().map(|&m| Reader::Cache(m)));
                 if bs > PAGE_BYTES as u32 && self.modes.contains(&Mode::AIOS) {
