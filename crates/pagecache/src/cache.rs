@@ -302,6 +302,12 @@ impl PageCache {
         self.readahead_in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 
+    /// The frames in the shared free list now (for tests).
+    #[cfg(test)]
+    pub(crate) fn free_list(&self) -> std::collections::HashSet<u32> {
+        self.lock_free().iter().copied().collect()
+    }
+
     fn lock_free(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
         self.free.lock().unwrap_or_else(|p| p.into_inner())
     }

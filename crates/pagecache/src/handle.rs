@@ -32,6 +32,9 @@ enum Kind {
     Readahead,
     /// Writing a dirty frame back; the handle holds a pin on it.
     Writeback,
+    /// A read whose reader returned early (its wait for the engine failed): its completion
+    /// releases the frames the reader held.
+    Orphan,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -66,6 +69,10 @@ struct WbBuf {
     iov: [libc::iovec; WRITEBACK_BATCH],
 }
 
+/// Failed engine waits in a row a handle tries again, 1 ms apart, before it gives up on I/O
+/// it must see complete (as [`Engine::drain_all`] does).
+const WAIT_TRIES: u32 = 64;
+
 /// Hits a handle counts before adding them to the cache's shared counter.
 const HIT_PUBLISH_BATCH: u64 = 256;
 
@@ -93,6 +100,9 @@ pub struct CacheHandle {
     pool: RefCell<Vec<u32>>,
     release: RefCell<Vec<u32>>,
     pending: RefCell<Vec<Option<Pending>>>,
+    /// Reads in `pending` whose reader returned early ([`Kind::Orphan`]): their runs still
+    /// name `run_frames` and `run_iov`, so no new read rewrites those until they complete.
+    orphans: Cell<u32>,
     /// The frames of the run reads of the one multi-page read in progress, and the iovecs
     /// their requests carry (boxed: the kernel reads them at a stable address).
     run_frames: RefCell<[u32; MISS_BATCH]>,
@@ -186,6 +196,7 @@ impl CacheHandle {
             pool: RefCell::new(Vec::with_capacity(2 * batch)),
             release: RefCell::new(Vec::with_capacity(2 * batch)),
             pending: RefCell::new(vec![None; slots]),
+            orphans: Cell::new(0),
             run_frames: RefCell::new([0; MISS_BATCH]),
             run_iov: RefCell::new(Box::new(
                 [libc::iovec {
@@ -438,6 +449,7 @@ impl CacheHandle {
             });
         }
         let dev = self.device(file)?;
+        self.settle_orphans()?;
         // Claim a frame for every miss and submit each run of consecutive pages as one
         // scattered read (one request per page without `vectored_reads`). Pages raced by
         // another reader or refused for lack of a frame or a slot are read one by one afterwards.
@@ -528,14 +540,16 @@ impl CacheHandle {
             failure.get_or_insert(e);
         }
         let mut waited: Option<(usize, bool)> = None;
-        for &(page, frame, run, abandoned) in &reads[..n_reads] {
+        for (k, &(page, frame, run, abandoned)) in reads[..n_reads].iter().enumerate() {
             let failed = match waited {
                 Some((r, failed)) if r == run => failed,
                 _ => {
                     let failed = match self.wait_frame(frame) {
                         Ok(f) => f,
                         Err(e) => {
-                            // The engine failed: these frames may still be the kernel's.
+                            // The engine failed: the frames still in flight may still be the
+                            // kernel's. Their completions release them.
+                            self.orphan_reads(reads[k..n_reads].iter().map(|r| (r.1, r.3)));
                             return Err(e);
                         }
                     };
@@ -799,7 +813,7 @@ impl CacheHandle {
     fn reads_frame(&self, frame: u32) -> bool {
         let run = self.run_frames.borrow();
         self.pending.borrow().iter().flatten().any(|p| {
-            matches!(p.kind, Kind::Read | Kind::Readahead)
+            matches!(p.kind, Kind::Read | Kind::Readahead | Kind::Orphan)
                 && (p.frame == frame
                     || run[p.run_at as usize..(p.run_at + p.run_len) as usize].contains(&frame))
         })
@@ -974,7 +988,7 @@ impl CacheHandle {
             Ok(()) => self.after_submit(file, key.page(), key.page(), &dev),
             Err(e) => Err(e.into()),
         };
-        self.finish_read(frame)?;
+        self.finish_read(frame, abandoned)?;
         if let Err(e) = after {
             self.unpin(frame, abandoned);
             return Err(e);
@@ -986,6 +1000,7 @@ impl CacheHandle {
     /// next submit): the frame, pinned, or `None` when the vanilla order found the page
     /// already indexed by another reader.
     fn start_read(&self, key: Key, dev: &Device) -> Result<Option<u32>, CacheError> {
+        self.settle_orphans()?;
         let Some(frame) = self.claim_frame(key)? else {
             return Ok(None);
         };
@@ -1158,11 +1173,82 @@ impl CacheHandle {
     }
 
     /// Wait for a miss's read; on failure the frame is released and the error returned.
-    fn finish_read(&self, frame: u32) -> Result<(), CacheError> {
-        if self.wait_frame(frame)? {
-            self.cache.frames.unpin(frame);
-            self.free_frame(frame);
-            return Err(self.take_error());
+    fn finish_read(&self, frame: u32, abandoned: bool) -> Result<(), CacheError> {
+        match self.wait_frame(frame) {
+            Ok(false) => Ok(()),
+            Ok(true) => {
+                self.cache.frames.unpin(frame);
+                self.free_frame(frame);
+                Err(self.take_error())
+            }
+            Err(e) => {
+                // The engine failed with the read in flight: its completion releases the frame.
+                self.orphan_reads([(frame, abandoned)].into_iter());
+                Err(e)
+            }
+        }
+    }
+
+    /// A reader gives up on its reads (its wait for the engine failed): every read of this
+    /// handle's still in flight becomes an orphan, whose completion releases its frames (unpins
+    /// them, and frees them if abandoned or failed); of `unfinished` (frame, abandoned), those
+    /// already done are released now.
+    fn orphan_reads(&self, unfinished: impl Iterator<Item = (u32, bool)>) {
+        let mut n = 0;
+        for p in self.pending.borrow_mut().iter_mut().flatten() {
+            if p.kind == Kind::Read {
+                p.kind = Kind::Orphan;
+                n += 1;
+            }
+        }
+        self.orphans.set(self.orphans.get() + n);
+        let frames = &self.cache.frames;
+        for (frame, abandoned) in unfinished {
+            let s = frames.state(frame);
+            if s.has(frames::IO) {
+                continue;
+            }
+            if s.has(frames::FAILED) {
+                frames.unpin(frame);
+                self.free_frame(frame);
+            } else {
+                self.unpin(frame, abandoned);
+            }
+        }
+        self.read_error.borrow_mut().take();
+    }
+
+    /// Wait until no orphaned read is in flight: their runs name `run_frames` and `run_iov`,
+    /// which a new read is about to rewrite.
+    fn settle_orphans(&self) -> Result<(), CacheError> {
+        if self.orphans.get() == 0 {
+            return Ok(());
+        }
+        self.settle(|p| p.kind == Kind::Orphan)
+    }
+
+    /// Wait, trying a failed wait again ([`WAIT_TRIES`]), until no request of this handle's
+    /// that `which` picks is in flight.
+    fn settle(&self, which: impl Fn(&Pending) -> bool) -> Result<(), CacheError> {
+        let busy = || self.pending.borrow().iter().flatten().any(&which);
+        let mut failures = 0;
+        while busy() {
+            match self.engine.wait(1) {
+                Ok(_) => failures = 0,
+                Err(e) => {
+                    failures += 1;
+                    if failures >= WAIT_TRIES {
+                        return Err(e.into());
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+            self.poll()?;
+            if busy() && !self.engine.has_work() && self.lbio.done_len() == 0 {
+                return Err(CacheError::Config(
+                    "requests in flight that the engine does not hold".into(),
+                ));
+            }
         }
         Ok(())
     }
@@ -1288,16 +1374,18 @@ impl CacheHandle {
         for &frame in list {
             let readahead = p.kind == Kind::Readahead;
             let now = match (p.kind, &error) {
-                (Kind::Read, None) | (Kind::Readahead, None) => frames.update(frame, |s| {
-                    stolen = readahead && s.has(frames::ABANDONED);
-                    Some(if stolen {
-                        s.with_flags(s.flags() & !frames::IO).bumped()
-                    } else {
-                        s.with_flags((s.flags() & !frames::IO) | frames::VALID)
-                            .bumped()
+                (Kind::Read | Kind::Orphan, None) | (Kind::Readahead, None) => {
+                    frames.update(frame, |s| {
+                        stolen = readahead && s.has(frames::ABANDONED);
+                        Some(if stolen {
+                            s.with_flags(s.flags() & !frames::IO).bumped()
+                        } else {
+                            s.with_flags((s.flags() & !frames::IO) | frames::VALID)
+                                .bumped()
+                        })
                     })
-                }),
-                (Kind::Read, Some(_)) | (Kind::Readahead, Some(_)) => {
+                }
+                (Kind::Read | Kind::Orphan, Some(_)) | (Kind::Readahead, Some(_)) => {
                     // Leave no poisoned page behind: out of the index before anyone can wait
                     // on it. (Of a stolen frame's removal and this one, the second finds
                     // nothing: the frame is not freed before both are done.)
@@ -1336,6 +1424,15 @@ impl CacheHandle {
             if stolen && now.is_some_and(|n| !n.has(frames::INDEXED)) {
                 self.free_frame(frame);
             }
+            // An orphan's frame: what its reader would have done with it.
+            if p.kind == Kind::Orphan {
+                if error.is_some() {
+                    frames.unpin(frame);
+                    self.free_frame(frame);
+                } else {
+                    self.unpin(frame, now.is_some_and(|n| n.has(frames::ABANDONED)));
+                }
+            }
         }
         match p.kind {
             Kind::Read => {
@@ -1361,6 +1458,10 @@ impl CacheHandle {
                 if let Some(e) = error {
                     self.last_error.borrow_mut().replace(e);
                 }
+            }
+            Kind::Orphan => {
+                pending[tag.0 as usize] = None;
+                self.orphans.set(self.orphans.get() - 1);
             }
         }
     }
@@ -1484,6 +1585,19 @@ impl CacheHandle {
                 if frames.state(frame).pins() > 0 && self.own_pins.borrow().contains_key(&frame) {
                     return Err(CacheError::GuardHeld { file, page });
                 }
+                // Pinned by a write back of this handle's own left in flight by a failed wait:
+                // only this handle's engine completes it (waiting for the frame below would
+                // only poll).
+                if self
+                    .pending
+                    .borrow()
+                    .iter()
+                    .flatten()
+                    .any(|p| p.kind == Kind::Writeback)
+                {
+                    self.settle(|p| p.kind == Kind::Writeback)?;
+                    continue;
+                }
                 // Waited for as a reader is: a read that is another handle's completes only
                 // when that handle next drives its engine, which may be never (it may be
                 // waiting for this very write). Cut, a readahead's frame is taken out of the
@@ -1561,6 +1675,9 @@ impl CacheHandle {
     /// for the pass.
     fn writeback(&self, only: Option<FileId>) -> Result<(), CacheError> {
         let frames = &self.cache.frames;
+        // A pass whose wait failed left writes in flight naming `wb`: they must complete before
+        // this pass rewrites it.
+        self.settle(|p| p.kind == Kind::Writeback)?;
         let mut scan = 0;
         let mut failure: Option<CacheError> = None;
         while scan < frames.len() && failure.is_none() {
@@ -1634,15 +1751,7 @@ impl CacheHandle {
                 i += len;
             }
             // The pass's iovecs and frame list stay in use until its last write completes.
-            while self
-                .pending
-                .borrow()
-                .iter()
-                .any(|p| p.is_some_and(|p| p.kind == Kind::Writeback))
-            {
-                self.engine.wait(1)?;
-                self.poll()?;
-            }
+            self.settle(|p| p.kind == Kind::Writeback)?;
         }
         let late = self.last_error.borrow_mut().take();
         match (failure, late) {
@@ -1705,6 +1814,37 @@ impl CacheHandle {
         Ok(())
     }
 
+    /// The engine kept failing with reads still in flight, which may write into their frames at
+    /// any time: those frames are never freed (they stay in I/O), but leave the index, so no
+    /// other handle waits on a read nobody will complete. (Frames being written back stay
+    /// pinned: their bytes may be the page's only copy.)
+    fn quarantine(&self) {
+        let frames = &self.cache.frames;
+        let run = self.run_frames.borrow();
+        for p in self.pending.borrow().iter().flatten() {
+            if p.kind == Kind::Writeback {
+                continue;
+            }
+            let list = if p.run_len == 0 {
+                std::slice::from_ref(&p.frame)
+            } else {
+                &run[p.run_at as usize..(p.run_at + p.run_len) as usize]
+            };
+            for &frame in list {
+                let s = frames.state(frame);
+                if s.has(frames::INDEXED | frames::IO) {
+                    self.cache.index.remove(Key(frames.key(frame)), frame);
+                }
+                frames.update(frame, |s| {
+                    Some(
+                        s.with_flags((s.flags() & !frames::INDEXED) | frames::ABANDONED)
+                            .bumped(),
+                    )
+                });
+            }
+        }
+    }
+
     /// Frames held in this handle's pool and release batch (not in the shared free list).
     pub fn held_frames(&self) -> usize {
         self.pool.borrow().len() + self.release.borrow().len()
@@ -1719,14 +1859,11 @@ impl CacheHandle {
 
 impl Drop for CacheHandle {
     fn drop(&mut self) {
-        // Readahead still in flight owns frames: let it land first.
-        while self.pending.borrow().iter().any(|p| p.is_some()) {
-            if self.engine.wait(1).is_err() || self.poll().is_err() {
-                break;
-            }
-            if !self.engine.has_work() {
-                break;
-            }
+        // Readahead (or reads and writes a failed wait left) still in flight owns frames: let
+        // it land first. A failed wait is tried again (an enter refused for want of memory
+        // leaves its SQEs for the next one).
+        if self.settle(|_| true).is_err() {
+            self.quarantine();
         }
         self.give_back();
         self.publish_metrics();

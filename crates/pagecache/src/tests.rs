@@ -1687,3 +1687,199 @@ fn a_stale_lookup_never_uses_a_frame_that_left_the_index() {
     drop(h);
     assert_frames_free_or_cached(&cache, &cache.metrics());
 }
+
+/// Run `f` on a thread of its own and fail if it has not returned after `secs` seconds (a hang
+/// guard: a handle is not `Send`, so `f` builds everything it uses).
+fn within(secs: u64, f: impl FnOnce() + Send + 'static) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t = std::thread::spawn(move || {
+        f();
+        let _ = tx.send(());
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(secs)) {
+        Ok(()) | Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            if let Err(p) = t.join() {
+                std::panic::resume_unwind(p);
+            }
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("hung for {secs} s"),
+    }
+}
+
+/// A 64-frame AIOS handle over a [`SlowDisk`] (one read answered per engine wait) holding
+/// `pages` patterned pages.
+fn slow_handle(
+    pages: u64,
+    readahead_pages: u32,
+) -> (
+    Arc<PageCache>,
+    Rc<Engine>,
+    Rc<LbioArray>,
+    FileId,
+    CacheHandle,
+    Vec<u8>,
+) {
+    let content: Vec<u8> = (0..(pages * 4096) as usize)
+        .map(|i| (i / 4096 * 31 + i % 251) as u8)
+        .collect();
+    let cache = PageCache::new(CacheConfig {
+        capacity_bytes: 128 * PAGE_BYTES,
+        pool_batch: 4,
+        readahead_pages,
+        huge_pages: false,
+        ..CacheConfig::default()
+    })
+    .unwrap();
+    let file = cache.add_file(pages * 4096).unwrap();
+    let engine = engine();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let disk = SlowDisk::new(content.clone(), std::time::Duration::from_micros(100));
+    let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+    h.attach(file, disk.device(&lbio)).unwrap();
+    (cache, engine, lbio, file, h, content)
+}
+
+/// A handle dropped while its readahead is in flight and its engine's `io_uring_enter` fails a
+/// few times (found by a review on 2026-11-28) lets the readahead land: every frame ends free
+/// or cached. Its drop used to give up at the first failed wait, leaving the readahead's
+/// frames in flight, indexed and counted as readahead for good (never read, never evicted:
+/// capacity lost, and every other handle's reader of those pages cut after its wait).
+#[test]
+fn a_dropped_handle_lets_its_readahead_land_though_the_engine_fails_a_while() {
+    let (cache, engine, _lbio, file, h, _content) = slow_handle(64, 24);
+    let mut buf = vec![0u8; 4096];
+    h.read(file, 0, &mut buf).unwrap();
+    h.read(file, 4096, &mut buf).unwrap();
+    assert!(cache.metrics().readahead_in_flight > 0);
+    engine.fail_next_enters(3);
+    drop(h);
+    assert_frames_free_or_cached(&cache, &cache.metrics());
+}
+
+/// A handle dropped while its engine fails every `io_uring_enter` cannot let its readahead
+/// land: it gives up, and the frames that device may still write into are never handed out
+/// (nor left in the index for other handles to wait on).
+#[test]
+fn a_dropped_handle_whose_engine_keeps_failing_hands_out_no_frame_still_in_flight() {
+    let (cache, engine, _lbio, file, h, _content) = slow_handle(64, 24);
+    let mut buf = vec![0u8; 4096];
+    h.read(file, 0, &mut buf).unwrap();
+    h.read(file, 4096, &mut buf).unwrap();
+    engine.fail_next_enters(u32::MAX);
+    drop(h);
+    let m = cache.metrics();
+    let free = cache.free_list();
+    let mut in_flight = 0;
+    for f in 0..cache.frames.len() {
+        if cache.frames.state(f).has(frames::IO) {
+            in_flight += 1;
+            assert!(!free.contains(&f), "frame {f} in flight is free: {m:?}");
+            // Out of the index: no other handle waits on a read nobody will complete.
+            assert!(
+                !cache.frames.state(f).has(frames::INDEXED),
+                "frame {f} in flight is indexed"
+            );
+        }
+    }
+    assert!(in_flight > 0, "{m:?}");
+    engine.fail_next_enters(0);
+}
+
+/// Reads whose wait for the device fails (the engine's `io_uring_enter` failing every time;
+/// found by a review on 2026-11-28) return the error, and once the engine works again the
+/// handle reads right and every frame ends free or cached. A failed multi-page read used to
+/// leave its run's frames pinned for good and its run in flight naming the handle's list of
+/// run frames, which the next multi-page read rewrote: that run's completion then marked the
+/// new read's frames read before their bytes came, and the new read returned other bytes. A
+/// failed one-page miss left its frame pinned for good.
+#[test]
+fn reads_whose_wait_fails_leave_no_frame_pinned_and_later_reads_are_right() {
+    let (cache, engine, _lbio, file, h, content) = slow_handle(64, 0);
+    let pages = |a: usize, b: usize| &content[a * 4096..b * 4096];
+    let mut run = vec![0u8; 8 * 4096];
+    engine.fail_next_enters(u32::MAX);
+    let e = h.read(file, 0, &mut run).unwrap_err();
+    assert!(matches!(e, CacheError::Core(_)), "{e}");
+    engine.fail_next_enters(0);
+    h.read(file, 16 * 4096, &mut run).unwrap();
+    assert!(run[..] == *pages(16, 24), "pages 16..24 differ");
+    h.read(file, 0, &mut run).unwrap();
+    assert!(run[..] == *pages(0, 8), "pages 0..8 differ");
+    let mut one = vec![0u8; 4096];
+    engine.fail_next_enters(u32::MAX);
+    let e = h.read(file, 40 * 4096, &mut one).unwrap_err();
+    assert!(matches!(e, CacheError::Core(_)), "{e}");
+    engine.fail_next_enters(0);
+    h.read(file, 40 * 4096, &mut one).unwrap();
+    assert!(one[..] == *pages(40, 41), "page 40 differs");
+    drop(h);
+    assert_frames_free_or_cached(&cache, &cache.metrics());
+}
+
+/// A `sync` whose wait for its writes fails (the engine's `io_uring_enter` failing every time;
+/// found by a review on 2026-11-28) returns the error; once the engine works again, a write to
+/// one of those pages and the next `sync` complete, the file holds every page's last bytes and
+/// no frame stays pinned or dirty. The failed pass's writes stayed in flight naming the
+/// handle's writeback list, which the next pass rewrote: their completions then unpinned and
+/// cleaned that pass's frames (pins lost or left for good), and a write to one of the pages
+/// they pinned spun for ever (its wait never drove the engine).
+#[test]
+fn a_sync_whose_wait_fails_leaves_no_frame_pinned_and_the_next_sync_writes_everything() {
+    within(30, || {
+        const PAGES: u64 = 32;
+        let (path, mut content) = patterned_file("sync-wait-fails", PAGES);
+        let cache = cache_of_64_frames(0);
+        let file = cache.add_file(content.len() as u64).unwrap();
+        let engine = engine();
+        let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+        let dev = lbio::Device::open(
+            &lbio,
+            &path,
+            lbio::DeviceConfig {
+                route: lbio::RouteChoice::Ring,
+                write: true,
+                probe: aios_core::ProbeOptions {
+                    latency_samples: 0,
+                    try_iopoll: false,
+                },
+                ..lbio::DeviceConfig::default()
+            },
+        )
+        .unwrap();
+        let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+        h.attach(file, dev).unwrap();
+        let mut put = |h: &CacheHandle, page: u64, byte: u8| {
+            let at = page as usize * 4096;
+            content[at..at + 4096].fill(byte);
+            h.write(file, page * 4096, &[byte; 4096]).unwrap();
+        };
+        for page in 20..24 {
+            put(&h, page, 0xA0 + page as u8);
+        }
+        engine.fail_next_enters(u32::MAX);
+        let e = h.sync(file).unwrap_err();
+        assert!(matches!(e, CacheError::Core(_)), "{e}");
+        engine.fail_next_enters(0);
+        for page in 0..4 {
+            put(&h, page, 0x10 + page as u8);
+        }
+        put(&h, 21, 0x55);
+        h.sync(file).unwrap();
+        for f in 0..cache.frames.len() {
+            let s = cache.frames.state(f);
+            assert_eq!(s.pins(), 0, "frame {f} pinned");
+            assert!(!s.has(frames::DIRTY), "frame {f} still dirty");
+        }
+        drop(h);
+        let on_disk = std::fs::read(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        for page in 0..PAGES as usize {
+            let at = page * 4096;
+            assert!(
+                on_disk[at..at + 4096] == content[at..at + 4096],
+                "page {page} differs on the device"
+            );
+        }
+        assert_frames_free_or_cached(&cache, &cache.metrics());
+    });
+}
