@@ -1879,15 +1879,23 @@ impl Journal {
     }
 
     /// Buffers for `n` log blocks from log position `head`: one per run of consecutive
-    /// positions (more where the arena is fragmented; see [`alloc_run`]).
+    /// positions (more where the arena is fragmented; see [`alloc_run`]). On a Rio handle a
+    /// run is at most [`Self::max_write`] long: the ordered device takes each buffer as one
+    /// write, refuses one that splits into more than 255 device requests, and a write's log
+    /// entries must fit one group of its attribute log ([`Self::write_tx_rio`]).
     fn log_bufs(&self, head: u64, n: usize) -> Result<LogBufs, JournalError> {
         let at = |i: usize| self.set.log_byte(self.area, head + i as u64);
+        let most = if self.rio.is_some() {
+            (self.max_write() / BLOCK).max(1)
+        } else {
+            usize::MAX
+        };
         let mut runs: SmallVec<[(u64, FixedBuf); 2]> = SmallVec::new();
         let mut i = 0;
         while i < n {
             let start = at(i);
             let mut len = 1;
-            while i + len < n && at(i + len) == start + (len * BLOCK) as u64 {
+            while i + len < n && len < most && at(i + len) == start + (len * BLOCK) as u64 {
                 len += 1;
             }
             let buf = alloc_run(&self.engine, len)?;

@@ -55,6 +55,11 @@ pub struct AreaLog {
     pub end_pos: u64,
     /// The largest transaction id in any sealed log block of the area (new ids must exceed it).
     pub max_tid_seen: u64,
+    /// Parsed without the attribute logs: the id of a Rio-ordered commit block that alone makes
+    /// `end` [`LogEnd::Corrupt`]. Only the attribute log can say whether it is evidence of
+    /// damage or the torn tail's own commit block, so [`apply_rio_prefix`] without attribute
+    /// logs refuses it as it refuses a Rio-ordered transaction.
+    pub rio_unvouched: Option<u64>,
 }
 
 /// Why a transaction did not check out.
@@ -161,6 +166,10 @@ pub fn parse_area_rio(
     // Evidence of a newer transaction anywhere in the area, and the largest id written.
     let mut max_tid_seen = last_tid;
     let mut newer_commit: Option<u64> = None;
+    // Whether a newer commit block is evidence on its own (not a Rio-ordered one taken on
+    // trust for want of the attribute log), and the newest of those taken on trust.
+    let mut newer_vouched = false;
+    let mut newer_on_trust: Option<u64> = None;
     // The id of a one-write commit block that landed for the transaction the scan stopped at.
     let mut own_torn: Option<u64> = None;
     for p in 0..log_len {
@@ -185,10 +194,33 @@ pub fn parse_area_rio(
             && evidence(rio_group(&h, b))
         {
             newer_commit = Some(p);
+            if rio_group(&h, b).is_some() && prefix_end.is_none() {
+                newer_on_trust = Some(newer_on_trust.map_or(h.tid, |t| t.max(h.tid)));
+            } else {
+                newer_vouched = true;
+            }
         }
         if h.kind == Kind::Commit && h.tid > beyond && own_torn_commit {
             own_torn = Some(own_torn.map_or(h.tid, |t: u64| t.max(h.tid)));
         }
+    }
+    // A Corrupt verdict that rests on Rio-ordered commit blocks alone, without the attribute
+    // log: the id of the newest such block.
+    let own_on_trust = broken.as_ref().and_then(|b| {
+        b.commit
+            .filter(|c| !c.one_write && c.rio.is_some() && prefix_end.is_none())
+            .and(b.tid)
+    });
+    // The broken transaction's own intact commit block, when not Rio-ordered, is evidence.
+    let own_vouched = broken
+        .as_ref()
+        .is_some_and(|b| b.commit.is_some_and(|c| !c.one_write && c.rio.is_none()));
+    let mut rio_unvouched = None;
+    if !newer_vouched && !own_vouched {
+        rio_unvouched = match (own_on_trust, newer_on_trust) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
     }
     let end = match broken {
         Some(b) if b.commit.is_some_and(|c| !c.one_write && evidence(c.rio)) => LogEnd::Corrupt {
@@ -219,12 +251,16 @@ pub fn parse_area_rio(
         },
         _ => LogEnd::Clean,
     };
+    if !matches!(end, LogEnd::Corrupt { .. }) {
+        rio_unvouched = None;
+    }
     Ok(AreaLog {
         superblock: sb,
         txs,
         end,
         end_pos: pos,
         max_tid_seen,
+        rio_unvouched,
     })
 }
 
@@ -361,6 +397,15 @@ pub fn apply_rio_prefix(
     let home = home_below(logs.iter());
     let mut dropped = 0;
     for (i, l) in logs.iter_mut().enumerate() {
+        if prefix_end.is_none() {
+            // The log's end judged by a Rio-ordered commit block on trust: refused like one
+            // of its transactions (with the attribute log it may be the torn tail's).
+            if let Some(tid) = l.rio_unvouched.filter(|&t| t >= home) {
+                if !l.txs.iter().any(|t| t.tid >= home && t.rio_group.is_some()) {
+                    return Err(JournalError::RioLogsNeeded { area: i, tid });
+                }
+            }
+        }
         let Some(cut) = l.txs.iter().position(|t| {
             t.tid >= home
                 && t.rio_group
@@ -488,6 +533,7 @@ mod tests {
             end: LogEnd::Clean,
             end_pos: 2 * txs.len() as u64,
             max_tid_seen: txs.iter().map(|t| t.0).max().unwrap_or(0),
+            rio_unvouched: None,
         }
     }
 
