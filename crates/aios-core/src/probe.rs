@@ -151,10 +151,14 @@ pub struct PassthroughProbe {
     pub qd1_read_ns: Option<f64>,
 }
 
+/// Most latency samples a probe takes per path ([`ProbeOptions::latency_samples`]).
+pub const MAX_LATENCY_SAMPLES: u32 = 1_000_000;
+
 /// Probe options.
 #[derive(Clone, Copy, Debug)]
 pub struct ProbeOptions {
-    /// Latency samples per path (0 skips the measurement; the ring is then chosen untested).
+    /// Latency samples per path (0 skips the measurement; the ring is then chosen untested);
+    /// at most [`MAX_LATENCY_SAMPLES`].
     pub latency_samples: u32,
     /// Try a polled read on an IOPOLL ring.
     pub try_iopoll: bool,
@@ -178,6 +182,12 @@ fn path_err(path: &Path) -> impl FnOnce(std::io::Error) -> CoreError + '_ {
 
 /// Probe `path`. Reads only; never writes the device.
 pub fn probe(path: &Path, opts: ProbeOptions) -> Result<DeviceProbe, CoreError> {
+    if opts.latency_samples > MAX_LATENCY_SAMPLES {
+        return Err(CoreError::Config(format!(
+            "{} latency samples: a probe takes at most {MAX_LATENCY_SAMPLES} per path",
+            opts.latency_samples
+        )));
+    }
     let buffered = sys::open_buffered(path, false).map_err(path_err(path))?;
     let st = sys::statx(buffered.as_raw_fd()).map_err(path_err(path))?;
     let kind = if st.is_block_device() {
@@ -679,7 +689,7 @@ fn measure_here(
     let warmup = 16;
     let mut uring = Vec::with_capacity(samples as usize);
     let mut pread = Vec::with_capacity(samples as usize);
-    for i in 0..samples + warmup {
+    for i in 0..samples.saturating_add(warmup) {
         let off = next_offset();
         let t = Instant::now();
         let sqe = engine::read_sqe(file, buf.as_mut_ptr(), read_len, off, Some(0));
@@ -726,6 +736,30 @@ mod tests {
 
     /// A probe read whose wait fails may still be in flight: its buffer must stay out of the
     /// arena (the probes dropped it, freeing frames the kernel could still write).
+    /// More samples than a probe takes are refused before anything is opened or measured (the
+    /// sample count plus the warm-up overflowed `u32`, and the sample vectors alone would have
+    /// taken 32 GiB).
+    #[test]
+    fn too_many_latency_samples_are_refused() {
+        let opts = ProbeOptions {
+            latency_samples: u32::MAX,
+            try_iopoll: false,
+        };
+        let e = probe(Path::new("/dev/null"), opts).unwrap_err();
+        assert!(
+            matches!(&e, CoreError::Config(m) if m.contains("at most")),
+            "{e}"
+        );
+        let ok = ProbeOptions {
+            latency_samples: MAX_LATENCY_SAMPLES,
+            try_iopoll: false,
+        };
+        assert!(!matches!(
+            probe(Path::new("/nonexistent-aios-probe"), ok),
+            Err(CoreError::Config(_))
+        ));
+    }
+
     #[test]
     fn a_failed_wait_keeps_the_reads_buffer_out_of_the_arena() {
         let zero = std::fs::File::open("/dev/zero").unwrap();
