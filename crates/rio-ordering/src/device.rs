@@ -232,6 +232,9 @@ struct Stream {
     failures: Vec<(u64, String)>,
     /// The stream lives on another device: [`OrderedDevice::attach`] brings it here.
     away: bool,
+    /// An asynchronous log write holding the stream's commands failed (why): they were staged
+    /// again for the next sync, and the stream's next `wait` reports it (once).
+    log_failed: Option<String>,
 }
 
 impl Stream {
@@ -452,6 +455,11 @@ pub struct OrderedDevice<P: Pmr> {
     log_sync_t0: Option<std::time::Instant>,
     /// A write of the sync out failed (reported when the last one is in).
     log_sync_failed: Option<String>,
+    /// The last asynchronous log sync failed (why), for `poll`, `wait_any` and `wait_progress`
+    /// to report when they have nothing to hand back; cleared by a sync that succeeds.
+    log_failure: Option<String>,
+    /// Asynchronous log syncs that failed so far.
+    log_write_failures: u64,
     /// Completions taken so far (progress, for `wait_progress_into`).
     reaped: u64,
     stats: OrderedStats,
@@ -586,6 +594,8 @@ impl<P: Pmr> OrderedDevice<P> {
             log_batch: Vec::new(),
             log_sync_t0: None,
             log_sync_failed: None,
+            log_failure: None,
+            log_write_failures: 0,
             reaped: 0,
             flush_ahead,
             engine: Rc::clone(lbio.engine()),
@@ -1111,7 +1121,7 @@ impl<P: Pmr> OrderedDevice<P> {
     fn await_free_slot(&mut self) -> Result<bool, RioError> {
         while self.lbio.free_slots() == 0 {
             let before = self.reaped;
-            self.reap()?;
+            self.reap();
             if self.reaped != before {
                 continue;
             }
@@ -1119,7 +1129,7 @@ impl<P: Pmr> OrderedDevice<P> {
                 return Ok(false);
             }
             self.lbio.wait_done(1)?;
-            self.reap()?;
+            self.reap();
             if self.reaped == before {
                 return Ok(false);
             }
@@ -1147,7 +1157,7 @@ impl<P: Pmr> OrderedDevice<P> {
                 Ok(b) => return Ok(b),
                 Err(e) => {
                     let before = self.reaped;
-                    self.reap()?;
+                    self.reap();
                     if self.reaped == before {
                         return Err(e.into());
                     }
@@ -1232,12 +1242,22 @@ impl<P: Pmr> OrderedDevice<P> {
             }
         }
         self.engine.poll_completions()?;
-        self.reap()?;
+        self.reap();
         let had = out.len();
         self.move_ready(out);
         match sent {
             Err(e) if out.len() == had => Err(e),
+            _ if out.len() == had => self.log_failure_answer(),
             _ => Ok(()),
+        }
+    }
+
+    /// A failed asynchronous log sync, as the answer of a call that hands back nothing (taken:
+    /// the next call retries the sync).
+    fn log_failure_answer(&mut self) -> Result<(), RioError> {
+        match self.log_failure.take() {
+            Some(why) => Err(RioError::Config(format!("attribute log write: {why}"))),
+            None => Ok(()),
         }
     }
 
@@ -1256,12 +1276,13 @@ impl<P: Pmr> OrderedDevice<P> {
     pub fn wait_any(&mut self) -> Result<Vec<Done>, RioError> {
         loop {
             let sent = self.send_waiting();
-            self.reap()?;
+            self.reap();
             if self.streams.iter().any(|s| !s.ready.is_empty()) {
                 return Ok(self.take_ready());
             }
             // Nothing to hand back: a staged command that cannot go out is the answer.
             sent?;
+            self.log_failure_answer()?;
             if self.inflight_n == 0 && self.log_writes_out == 0 {
                 return Ok(self.take_ready());
             }
@@ -1284,16 +1305,17 @@ impl<P: Pmr> OrderedDevice<P> {
     pub fn wait_progress_into(&mut self, out: &mut Vec<Done>) -> Result<(), RioError> {
         let sent = self.send_waiting();
         let before = self.reaped;
-        self.reap()?;
+        self.reap();
         if self.reaped == before && (self.inflight_n > 0 || self.log_writes_out > 0) {
             self.lbio.wait_done(1)?;
-            self.reap()?;
+            self.reap();
         }
         let had = out.len();
         self.move_ready(out);
         // A staged command that cannot go out is the answer only when nothing was handed back.
         match sent {
             Err(e) if out.len() == had && self.reaped == before => Err(e),
+            _ if out.len() == had => self.log_failure_answer(),
             _ => Ok(()),
         }
     }
@@ -1332,20 +1354,51 @@ impl<P: Pmr> OrderedDevice<P> {
         if !self.streams[s].open.is_empty() {
             self.close_group(stream);
         }
-        self.send_queued(stream)?;
+        if let Err(e) = self.send_queued(stream) {
+            // A group of this stream that could not be sent failed (every `wait` reports it);
+            // the groups behind it, or this stream's commands staged behind another stream's
+            // that could not be sent, are still waiting: this call cannot answer for them. A
+            // failure of another stream's command alone is that stream's.
+            if !self.streams[s].queued.is_empty() || self.holds_staged(stream) {
+                return Err(e);
+            }
+        }
         // The stream's writes, and any background FLUSH (it may cover some of them: once it is
         // in, every group of the stream is durable after the FLUSH below).
-        // An asynchronous log: its writes, and the data they hold back.
+        // An asynchronous log: its writes (the blocking sync below may not overtake them), and
+        // the data they hold back. A failed log write that held this stream's commands is this
+        // stream's answer (the next call retries it); one that held only other streams'
+        // commands is theirs, and is not retried from here (with a log that keeps failing,
+        // that would never end): the sync below writes their entries, and their data goes out
+        // from the next call that sends.
         loop {
-            self.submit_staged()?;
+            if let Some(why) = self.streams[s].log_failed.take() {
+                return Err(RioError::Config(format!(
+                    "stream {stream}: the attribute log write of its entries failed (they are \
+                     written again at the next sync): {why}"
+                )));
+            }
+            if self.holds_staged(stream) {
+                // A log that cannot take this stream's entries, or a command of another stream
+                // that could not be sent ahead of them, is this stream's answer while they stay
+                // behind. (On `Ok` they are out: on the device, or in a log write being waited
+                // for.) Another stream's command that failed with them sent is that stream's
+                // failure alone.
+                if let Err(e) = self.submit_staged() {
+                    if self.holds_staged(stream) {
+                        return Err(e);
+                    }
+                }
+            }
             if self.flushes_out == 0
                 && self.log_writes_out == 0
+                && !self.holds_staged(stream)
                 && !self.inflight.iter().flatten().any(|c| c.stream == stream)
             {
                 break;
             }
             self.lbio.wait_done(1)?;
-            self.reap()?;
+            self.reap();
         }
         let last = self.streams[s].next_seq - 1;
         if last == 0 {
@@ -1377,7 +1430,7 @@ impl<P: Pmr> OrderedDevice<P> {
         // this stream: if it fails, they fail, and this answer must say so.
         while self.flushes_out > 0 {
             self.lbio.wait_done(1)?;
-            self.reap()?;
+            self.reap();
         }
         // A deferred log: the persist words (and FLUSH entries) set above become durable now.
         self.slot_for_log_write()?;
@@ -1520,18 +1573,15 @@ impl<P: Pmr> OrderedDevice<P> {
                 b => return Err((refused(&e), b)),
             };
             let before = self.reaped;
-            let mut taken = self.reap();
-            if taken.is_ok() && self.reaped == before {
+            self.reap();
+            if self.reaped == before {
                 if self.inflight_n == 0 && self.flushes_out == 0 {
                     return Err((refused(&e), Some(b)));
                 }
-                taken = match self.lbio.wait_done(1) {
-                    Ok(_) => self.reap(),
-                    Err(e) => Err(e.into()),
-                };
-            }
-            if let Err(e) = taken {
-                return Err((e, Some(b)));
+                if let Err(e) = self.lbio.wait_done(1) {
+                    return Err((e.into(), Some(b)));
+                }
+                self.reap();
             }
             match self.targets[target as usize]
                 .dev
@@ -1643,7 +1693,7 @@ impl<P: Pmr> OrderedDevice<P> {
                 && self.inflight_n > 0
             {
                 self.lbio.wait_done(1)?;
-                self.reap()?;
+                self.reap();
             }
             let t = std::time::Instant::now();
             let started = self.log.sync_start();
@@ -1684,7 +1734,8 @@ impl<P: Pmr> OrderedDevice<P> {
     }
 
     /// Send the staged commands (their entries are durable). A command that cannot be sent
-    /// stops it with an error; the ones after it stay staged.
+    /// stops it with an error; the ones after it stay staged. (That command failed its groups:
+    /// their [`Done`]s carry the error, and their stream's `wait` reports it.)
     fn send_staged(&mut self) -> Result<(), RioError> {
         let staged = std::mem::take(&mut self.staged);
         let mut rest = staged.into_iter();
@@ -1708,10 +1759,11 @@ impl<P: Pmr> OrderedDevice<P> {
         }
         self.submit_staged()?;
         self.drain_all()?;
-        for t in 0..self.targets.len() as u16 {
-            self.flush_target(t, None)?;
-        }
+        let flushed = self.flush_all_for_room();
         if !self.log.has_room() {
+            // A FLUSH that failed is why (it failed the groups it covered, and their streams'
+            // `wait` says so).
+            flushed?;
             // A failed group never becomes durable, so its entry (and every one after it) stays
             // live: the log cannot turn over until recovery.
             // The oldest live entry (at the tail) belongs to the stream whose durability mark
@@ -1735,36 +1787,73 @@ impl<P: Pmr> OrderedDevice<P> {
         Ok(())
     }
 
-    /// Wait for every command and background FLUSH in flight to complete.
+    /// FLUSH every target for room in a full log. A FLUSH that fails fails the groups it covered
+    /// (their streams' `wait` reports it) and does not stop the others: it is the answer (the
+    /// first one) only to a caller that then finds no room. Room made by the other targets'
+    /// FLUSHes serves the caller, whose writes may not even be on the failed target.
+    fn flush_all_for_room(&mut self) -> Result<(), RioError> {
+        let mut first = Ok(());
+        for t in 0..self.targets.len() as u16 {
+            if let Err(e) = self.flush_target(t, None) {
+                if first.is_ok() {
+                    first = Err(e);
+                }
+            }
+        }
+        first
+    }
+
+    /// Wait for every command and background FLUSH in flight to complete. An asynchronous log
+    /// write that fails meanwhile ends it with that error (retried, a log that keeps failing
+    /// would hold it for ever; its commands stay staged for the next call).
     fn drain_all(&mut self) -> Result<(), RioError> {
+        let failures = self.log_write_failures;
         loop {
             self.submit_staged()?;
             if self.inflight_n == 0 && self.flushes_out == 0 && self.log_writes_out == 0 {
                 return Ok(());
             }
             self.lbio.wait_done(1)?;
-            self.reap()?;
+            self.reap();
+            if self.log_write_failures != failures {
+                let why = self.log_failure.clone().unwrap_or_default();
+                return Err(RioError::Config(format!("attribute log write: {why}")));
+            }
         }
+    }
+
+    /// Whether commands of `stream` wait for a log sync (staged, or in the one out).
+    fn holds_staged(&self, stream: u16) -> bool {
+        self.staged
+            .iter()
+            .chain(&self.log_batch)
+            .any(|(_, _, c, _)| c.stream == stream)
     }
 
     /// Take finished commands: set persist words (power-loss-protected targets), account
     /// groups, hand back what is now in order.
-    fn reap(&mut self) -> Result<(), RioError> {
+    ///
+    /// Nothing here fails the caller: what goes wrong with a command is its own groups' failure
+    /// (their [`Done`]s carry it, and their stream's `wait` reports it), and a failed log write
+    /// is reported to the streams whose commands it held (see
+    /// [`OrderedDevice::log_write_done`]). Whichever call happens to take a completion is not
+    /// the one it concerns.
+    fn reap(&mut self) {
         while let Some(c) = self.lbio.take_done() {
             self.reaped += 1;
-            self.account(c)?;
+            self.account(c);
         }
-        Ok(())
     }
 
     /// One finished command. Taken from lbio, its tag may be reused at once, so it is accounted
     /// for here and now.
-    fn account(&mut self, c: lbio::Completion) -> Result<(), RioError> {
+    fn account(&mut self, c: lbio::Completion) {
         if self.flushes_out > 0 && self.background_flush_done(&c) {
-            return Ok(());
+            return;
         }
         if self.log_writes_out > 0 && self.log.sync_owns(c.tag) {
-            return self.log_write_done(c);
+            self.log_write_done(c);
+            return;
         }
         {
             let Some(cmd) = self
@@ -1772,14 +1861,14 @@ impl<P: Pmr> OrderedDevice<P> {
                 .get_mut(c.tag.0 as usize)
                 .and_then(Option::take)
             else {
-                return Ok(());
+                return;
             };
             self.inflight_n -= 1;
             if let (Ok(_), Back::Own(id), true) = (&c.result, &cmd.back, cmd.seq == cmd.seq_end) {
                 if !self.targets[cmd.target as usize].plp {
                     let buf = c.buf.expect("a write returns its buffer");
                     self.own_done(&cmd, *id, buf);
-                    return Ok(());
+                    return;
                 }
             }
             let mut failed = c.result.as_ref().err().map(|e| e.to_string());
@@ -1831,7 +1920,7 @@ impl<P: Pmr> OrderedDevice<P> {
                                 if plp {
                                     self.advance_durable(cmd.stream);
                                 }
-                                return Ok(());
+                                return;
                             }
                             Some(b) => buf = b,
                         }
@@ -1856,7 +1945,6 @@ impl<P: Pmr> OrderedDevice<P> {
             }
             self.advance(cmd.stream);
         }
-        Ok(())
     }
 
     /// The common completion, kept lean: a command of one group and one request, its own
@@ -1885,34 +1973,51 @@ impl<P: Pmr> OrderedDevice<P> {
 
     /// An asynchronous log write completed: once all of the sync's are in, its batch's data
     /// goes to the device and the next sync starts. A failed sync puts its batch back in front
-    /// of the staged commands (its blocks are staged again) and reports the error; the next
-    /// sync tries again.
-    fn log_write_done(&mut self, c: lbio::Completion) -> Result<(), RioError> {
+    /// of the staged commands (its blocks are staged again); the next sync tries again. The
+    /// failure is not the error of whichever call took this completion: each stream whose
+    /// commands the batch held has its next `wait` report it, and `poll`, `wait_any` and
+    /// `wait_progress` report it when they have nothing to hand back.
+    fn log_write_done(&mut self, c: lbio::Completion) {
         self.log_writes_out -= 1;
         let r = self.log.sync_done(c);
         if let Err(e) = r {
             self.log_sync_failed = Some(e.to_string());
         }
         if self.log_writes_out > 0 {
-            return Ok(());
+            return;
         }
         if let Some(t0) = self.log_sync_t0.take() {
             self.stats.log_sync_ns += t0.elapsed().as_nanos() as u64;
         }
         if let Some(why) = self.log_sync_failed.take() {
+            self.stats.send_errors += 1;
+            self.log_write_failures += 1;
+            for (_, _, cmd, _) in &self.log_batch {
+                let st = &mut self.streams[cmd.stream as usize];
+                if st.log_failed.is_none() {
+                    st.log_failed = Some(why.clone());
+                }
+            }
+            self.log_failure = Some(why);
             let mut batch = std::mem::take(&mut self.log_batch);
             batch.append(&mut self.staged);
             self.staged = batch;
-            return Err(RioError::Config(why));
+            return;
         }
-        // The batch first, in order; then what was staged meanwhile (behind it, even if a send
-        // fails: nothing is dropped, and the order holds).
+        self.log_failure = None;
+        // The batch first, in order; then what was staged meanwhile (behind it: the order
+        // holds).
         let meanwhile = std::mem::take(&mut self.staged);
         self.staged = std::mem::take(&mut self.log_batch);
         let sent = self.send_staged();
         self.staged.extend(meanwhile);
-        sent?;
-        self.submit_staged()
+        // A command that could not be sent failed its groups, and what is left stays staged; a
+        // sync that cannot start leaves its commands staged too. The next call retries them.
+        if sent.is_err() {
+            self.stats.send_errors += 1;
+        } else {
+            self.retry_later(|d| d.submit_staged());
+        }
     }
 
     /// Hand back groups in order, and move the durability mark.
@@ -1996,7 +2101,7 @@ impl<P: Pmr> OrderedDevice<P> {
         loop {
             while self.targets[t as usize].flushing.is_some() {
                 self.lbio.wait_done(1)?;
-                self.reap()?;
+                self.reap();
             }
             self.await_free_slot()?;
             if self.targets[t as usize].flushing.is_none() {
@@ -2021,10 +2126,8 @@ impl<P: Pmr> OrderedDevice<P> {
         // What had completed when the FLUSH went out is what it makes durable. (Taken only now:
         // an error before this point leaves the commands for the next FLUSH.)
         let covered = self.targets[t as usize].fresh_volatile();
-        // Wait for the FLUSH, taking data completions on the way. An error taking one (a failed
-        // log write) is reported after the FLUSH is in and what it covers is counted.
+        // Wait for the FLUSH, taking data completions on the way.
         let mut flushed = None;
-        let mut taking: Result<(), RioError> = Ok(());
         while flushed.is_none() {
             if let Err(e) = self.lbio.wait_done(1) {
                 // The FLUSH's outcome is unknown: its commands wait for the next one.
@@ -2040,10 +2143,7 @@ impl<P: Pmr> OrderedDevice<P> {
                     break;
                 }
                 self.reaped += 1;
-                let r = self.account(c);
-                if taking.is_ok() {
-                    taking = r;
-                }
+                self.account(c);
             }
         }
         if let Err(e) = flushed.expect("set") {
@@ -2065,7 +2165,7 @@ impl<P: Pmr> OrderedDevice<P> {
         }
         self.now_durable(&covered.runs);
         self.targets[t as usize].give_back(covered);
-        taking
+        Ok(())
     }
 
     /// The highest group up to `seq` that a FLUSH entry of `stream` may vouch for in the log:
@@ -2168,10 +2268,9 @@ impl<P: Pmr> OrderedDevice<P> {
                     // Room comes from durability on every target, this one included (its FLUSH
                     // is not out yet, and its commands are still in its list).
                     self.drain_all()?;
-                    for o in 0..self.targets.len() as u16 {
-                        self.flush_target(o, None)?;
-                    }
+                    let flushed = self.flush_all_for_room();
                     if !self.log.has_room() {
+                        flushed?;
                         return Err(RioError::LogFull {
                             slots: self.log.slots(),
                         });

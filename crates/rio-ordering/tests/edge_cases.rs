@@ -728,3 +728,146 @@ fn a_stream_starts_at_its_log_marks_group() {
         assert_eq!(rec.streams[0].prefix_end, 8, "{:?}", rec.streams[0]);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+
+/// RAM whose next `fail` writes fail with EIO (what an asynchronous block log is kept on).
+struct FlakyWrites {
+    mem: lbio::MemBackend,
+    fail: Rc<Cell<u32>>,
+}
+
+impl lbio::Backend for FlakyWrites {
+    fn caps(&self) -> lbio::Caps {
+        self.mem.caps()
+    }
+    unsafe fn start(
+        &self,
+        engine: &Engine,
+        sink: aios_core::SinkId,
+        tag: u64,
+        piece: &lbio::Piece,
+    ) -> Result<lbio::Started, aios_core::CoreError> {
+        if piece.op == lbio::Op::Write && self.fail.get() > 0 {
+            self.fail.set(self.fail.get() - 1);
+            return Ok(lbio::Started::Done(-EIO));
+        }
+        // SAFETY: the caller's contract on `piece` is passed on unchanged.
+        unsafe { self.mem.start(engine, sink, tag, piece) }
+    }
+}
+
+/// An ordered device of `streams` streams over one RAM target (no power-loss protection, no
+/// background FLUSH), its attribute log a block log on a [`FlakyWrites`] device of the same lbio
+/// array (so its syncs are asynchronous); the counter makes the log's next writes fail.
+fn async_log_rig(
+    streams: u16,
+) -> (
+    Rc<Engine>,
+    OrderedDevice<rio_ordering::BlockPmr>,
+    Rc<Cell<u32>>,
+) {
+    let (engine, lbio) = engine_and_array(64);
+    let dev = lbio::Device::memory(&lbio, DISK as usize).unwrap();
+    let fail = Rc::new(Cell::new(0));
+    let backend = || {
+        Box::new(FlakyWrites {
+            mem: lbio::MemBackend::new(64 << 10),
+            fail: Rc::clone(&fail),
+        })
+    };
+    let geometry = lbio::Geometry {
+        capacity_bytes: 64 << 10,
+        logical_block: 512,
+        mem_align: 512,
+        offset_align: 512,
+        max_transfer_bytes: 128 << 10,
+    };
+    let log_dev = lbio::Device::from_backends(&lbio, backend(), backend(), geometry, true).unwrap();
+    let log = AttrLog::format(
+        rio_ordering::BlockPmr::on_device(log_dev, 0, 16 << 10).unwrap(),
+        streams,
+    )
+    .unwrap();
+    let cfg = OrderedConfig {
+        flush_ahead: 0,
+        ..OrderedConfig::default()
+    };
+    let start = vec![1; streams as usize];
+    let od = OrderedDevice::new(Rc::clone(&lbio), vec![dev], log, &start, cfg).unwrap();
+    (engine, od, fail)
+}
+
+/// An asynchronous block log's write fails while it holds only stream 1's write. Stream 0's
+/// `wait` (its own write staged behind that log write) is not failed by it: the batch is
+/// staged again, and the retry carries both. The failure reaches stream 1, whose write it held,
+/// once; nothing is lost, and recovery keeps every write. (Before, whichever call took the
+/// failed log write's completion returned its error: stream 0's `wait` here.)
+#[test]
+fn a_failed_async_log_write_reaches_the_streams_it_held_not_another_streams_wait() {
+    let (engine, mut od, fail) = async_log_rig(2);
+    od.submit(0, write(&engine, 0, 0, 1), true).unwrap();
+    od.wait(0).unwrap();
+    // Stream 1's write: its entry's log write goes out, and fails.
+    fail.set(1);
+    let b = od.submit(1, write(&engine, 0, 65536, 2), true).unwrap();
+    // Stream 0's next write is staged behind that log write (it shares the next one).
+    let c = od.submit(0, write(&engine, 0, 4096, 3), true).unwrap();
+    od.wait(0)
+        .expect("stream 0 had nothing in the failed log write, and the retry succeeds");
+    let e = od
+        .wait(1)
+        .expect_err("the failed log write held stream 1's write")
+        .to_string();
+    assert!(e.contains("block log write"), "{e}");
+    od.wait(1).expect("the retry succeeded");
+    let done: Vec<(u16, u64, bool)> = od
+        .poll()
+        .unwrap()
+        .into_iter()
+        .map(|d| (d.stream, d.id, d.result.is_ok()))
+        .collect();
+    assert!(
+        done.contains(&(0, c, true)) && done.contains(&(1, b, true)),
+        "{done:?}"
+    );
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert_eq!(rec.streams[0].prefix_end, 3, "{:?}", rec.streams[0]);
+    assert_eq!(rec.streams[1].prefix_end, 2, "{:?}", rec.streams[1]);
+}
+
+/// Stream 0's `wait` finds the log full and FLUSHes every target for room. The FLUSH of target
+/// 1, which only stream 1 wrote, fails; target 0's makes the room stream 0 needs. Stream 0's
+/// writes are all durable and vouched for: its `wait` succeeds, and the failure is stream 1's
+/// (its `wait` reports it). (Before, the first failed FLUSH ended the search for room, and
+/// stream 0's `wait` returned target 1's error.)
+#[test]
+fn a_flush_failing_on_another_streams_target_does_not_fail_a_wait_that_found_room() {
+    let (engine, lbio) = engine_and_array(64);
+    let a = lbio::Device::memory(&lbio, DISK as usize).unwrap();
+    let (b, fail_b) = late_target(&lbio);
+    let probe = AttrLog::format(MemPmr::new(64 << 10), 2).unwrap();
+    let slots_at = scan(probe.pmr()).unwrap().header.slots_at;
+    let log = AttrLog::format(MemPmr::new(slots_at + 4 * 64), 2).unwrap();
+    assert_eq!(log.slots(), 4);
+    let cfg = OrderedConfig {
+        flush_ahead: 0,
+        ..OrderedConfig::default()
+    };
+    let mut od = OrderedDevice::new(Rc::clone(&lbio), vec![a, b], log, &[1, 1], cfg).unwrap();
+    // Slot 0: stream 0's group 1 (target 0); slot 1: stream 1's group 1 (target 1); slots 2
+    // and 3: stream 0's groups 2 and 3 (target 0). The log is full.
+    od.submit(0, write(&engine, 0, 0, 1), true).unwrap();
+    od.submit(1, write(&engine, 1, 0, 2), true).unwrap();
+    od.submit(0, write(&engine, 0, 4096, 3), true).unwrap();
+    od.submit(0, write(&engine, 0, 8192, 4), true).unwrap();
+    assert!(!od.log().has_room());
+    fail_b.set(1);
+    od.wait(0)
+        .expect("target 0's FLUSH frees slot 0 for stream 0's FLUSH entry");
+    let e = od.wait(1).expect_err("target 1's FLUSH failed").to_string();
+    assert!(e.contains("FLUSH on target 1"), "{e}");
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert_eq!(rec.streams[0].prefix_end, 4, "{:?}", rec.streams[0]);
+    assert_eq!(rec.streams[1].prefix_end, 1, "{:?}", rec.streams[1]);
+}
