@@ -76,9 +76,9 @@ struct MkfsArgs {
     /// Journal areas, one per core that commits (default: this machine's cores).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     journals: Option<u32>,
-    /// Blocks of 4 KiB per journal area, at least 8 (small images get less: a quarter of the
-    /// image at most, and never under 8).
-    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u64).range(8..))]
+    /// Blocks of 4 KiB per journal area, at least 32 (small images get less: a quarter of the
+    /// image at most, and never under 32).
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u64).range(32..))]
     journal_blocks: u64,
     /// One inode per this many bytes.
     #[arg(long, default_value = "16k", value_parser = parse_size)]

@@ -861,11 +861,11 @@ fn bench_refuses_settings_naming_the_option_not_something_else() {
     }
     let e = fails(&["bench", "ordered", "--device", "sim", "--stripe", "64k"]);
     assert!(e.contains("--stripe") && e.contains("--targets"), "{e}");
-    // It became 8 without a word.
+    // It became the minimum (now 32) without a word.
     let img = format!("/var/tmp/aios-cli-jb-{}.img", std::process::id());
     let e = fails(&["mkfs", &img, "--size", "64m", "--journal-blocks", "0"]);
     assert!(!std::path::Path::new(&img).exists(), "{img} was made");
-    assert!(e.contains("--journal-blocks") && e.contains("8.."), "{e}");
+    assert!(e.contains("--journal-blocks") && e.contains("32.."), "{e}");
 }
 
 /// `--in-capsule 0` is what its help says: every write's data follows an R2T.

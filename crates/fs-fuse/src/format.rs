@@ -28,6 +28,14 @@ pub const VERSION: u32 = 2;
 pub const OLDEST_VERSION: u32 = 1;
 /// Blocks of each journal area's Rio attribute log (a header block and 960 64-byte slots).
 pub const RIO_LOG_BLOCKS: u64 = 16;
+/// The smallest journal area (blocks) mkfs makes. The mount commits once pending metadata
+/// passes a quarter of an area's log, so a transaction takes that quarter plus what one
+/// operation changes (up to about 15 blocks: a rename over a directory, or a write that
+/// rewrites a file's 8 extent leaves) plus its descriptor and commit block; with 8 blocks (7
+/// of log) even a mkdir's transaction did not fit and the file system went read-only.
+pub const MIN_JOURNAL_BLOCKS: u64 = 32;
+/// The smallest journal area a superblock may describe (what older mkfs builds made).
+const MIN_JOURNAL_BLOCKS_READ: u64 = 8;
 pub const INODE_BYTES: usize = 256;
 pub const INODES_PER_BLOCK: usize = BLOCK / INODE_BYTES;
 pub const ROOT_INO: u64 = 1;
@@ -172,17 +180,31 @@ impl Superblock {
             start: block_bitmap.end(),
             count: itab,
         };
+        if journal_blocks < MIN_JOURNAL_BLOCKS {
+            return Err(FsError::Config(format!(
+                "journal areas of {journal_blocks} blocks: at least {MIN_JOURNAL_BLOCKS}"
+            )));
+        }
         let journal_start = inode_table.end();
+        let journal_end = (journals as u64)
+            .checked_mul(journal_blocks)
+            .and_then(|j| j.checked_add(journal_start));
+        let Some(journal_end) = journal_end else {
+            return Err(too_small(format!(
+                "{journals} journal areas of {journal_blocks} blocks are more blocks than any image holds"
+            )));
+        };
         let rio_logs = Region {
-            start: journal_start + journals as u64 * journal_blocks,
+            start: journal_end,
             count: rio_log_blocks(VERSION, journals),
         };
         let data_start = rio_logs.end();
-        // The last block holds the backup superblock; the root directory needs one data block.
-        if blocks < data_start + 2 + 16 {
+        // The last block holds the backup superblock; the root directory needs one data block,
+        // and 16 more leave room for files.
+        let need = data_start.saturating_add(2 + 16);
+        if blocks < need {
             return Err(too_small(format!(
-                "{blocks} blocks of {BLOCK} bytes; the metadata, {journals} journal areas of {journal_blocks} blocks and their attribute logs need {} before any data",
-                data_start + 2
+                "{blocks} blocks of {BLOCK} bytes; the metadata, {journals} journal areas of {journal_blocks} blocks and their attribute logs, with room for the root directory, the backup superblock and 16 blocks of data, need {need}"
             )));
         }
         let data = Region {
@@ -317,7 +339,10 @@ impl Superblock {
                 self.blocks
             ));
         }
-        if self.journal_areas == 0 || self.journal_areas > 256 || self.journal_blocks < 8 {
+        if self.journal_areas == 0
+            || self.journal_areas > 256
+            || self.journal_blocks < MIN_JOURNAL_BLOCKS_READ
+        {
             return bad(format!(
                 "{} journal areas of {} blocks",
                 self.journal_areas, self.journal_blocks

@@ -2013,7 +2013,8 @@ impl Fs {
             self.load_itab(&mut st, &ctx, tb)?;
         }
         for (&ino, n) in &st.nodes {
-            if n.attr.nlink == 0 {
+            // The root is never an orphan: a root with no links is damage (fsck says so).
+            if n.attr.nlink == 0 && ino != ROOT_INO {
                 orphans.push(ino);
             }
         }
@@ -2193,6 +2194,10 @@ impl Fs {
         symlink: Option<&[u8]>,
     ) -> FsResult<Attr> {
         Self::check_name(name)?;
+        // A symlink's target lives in one block (the kernel's own limit, PATH_MAX, is the same).
+        if symlink.is_some_and(|t| t.len() > BLOCK) {
+            return Err(libc::ENAMETOOLONG);
+        }
         let ctx = self.ctx()?;
         let mut st = self.lock()?;
         self.writable(&st)?;

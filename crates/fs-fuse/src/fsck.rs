@@ -118,6 +118,19 @@ pub fn read_superblock(path: &Path) -> Result<Superblock, FsError> {
     Superblock::decode(&img.read(0, 1)?, img.blocks)
 }
 
+/// The backup superblock in the image's last block, checked: what fsck falls back on when the
+/// primary is damaged (so `mkfs` without `--force` leaves such an image alone too).
+pub(crate) fn read_backup_superblock(path: &Path) -> Result<Superblock, FsError> {
+    let img = Img::open(path)?;
+    if img.blocks < 2 {
+        return Err(FsError::Foreign(format!(
+            "{} bytes: smaller than any aiosfs",
+            img.bytes
+        )));
+    }
+    Superblock::decode(&img.read(img.blocks - 1, 1)?, img.blocks)
+}
+
 /// Check the image at `path`. `Err` when it is not an aiosfs (or unreadable); otherwise the
 /// report lists every problem found.
 pub fn fsck(path: &Path) -> Result<Report, FsError> {
@@ -382,6 +395,39 @@ fn check(img: Img<'_>, plp: bool) -> Result<Report, FsError> {
                 own(b, ino, &mut problems);
             }
         }
+        // The mount reads a directory's `size / BLOCK` blocks from file block 0 on, and a
+        // symlink's target (at most one block) from file block 0.
+        let mapped = |l: u64| {
+            i.extents
+                .iter()
+                .any(|e| e.len > 0 && l >= e.logical && l - e.logical < e.len as u64)
+        };
+        match i.mode & S_IFMT {
+            S_IFDIR => {
+                let blocks = i.size / BLOCK as u64;
+                let total: u64 = i.extents.iter().map(|e| e.len as u64).sum();
+                let inside = i
+                    .extents
+                    .iter()
+                    .all(|e| e.len == 0 || e.logical.saturating_add(e.len as u64) <= blocks);
+                if i.size % BLOCK as u64 != 0 || blocks == 0 || total != blocks || !inside {
+                    problems.push(format!(
+                        "directory inode {ino}: size {} does not match its {total} mapped blocks",
+                        i.size
+                    ));
+                }
+            }
+            S_IFLNK if i.size > BLOCK as u64 || !mapped(0) => problems.push(format!(
+                "symlink inode {ino}: a target of {} bytes{}",
+                i.size,
+                if mapped(0) {
+                    " is longer than a block"
+                } else {
+                    " without its block"
+                }
+            )),
+            _ => {}
+        }
     }
     for b in 0..sb.data.start {
         if !bit(&bbm, b) {
@@ -415,7 +461,8 @@ fn check(img: Img<'_>, plp: bool) -> Result<Report, FsError> {
         let mut names = HashSet::new();
         let (mut dot, mut dd) = (false, false);
         for e in &i.extents {
-            if e.physical < sb.data.start || e.physical + e.len as u64 > sb.data.end() {
+            if e.physical < sb.data.start || e.physical.saturating_add(e.len as u64) > sb.data.end()
+            {
                 continue; // reported above
             }
             let blocks = img.read(e.physical, e.len as u64)?;
@@ -450,6 +497,12 @@ fn check(img: Img<'_>, plp: bool) -> Result<Report, FsError> {
                         problems.push(format!(
                             "directory inode {ino}: entry {name:?} has a '/' or NUL"
                         ));
+                    }
+                    if d.ino == ROOT_INO {
+                        problems.push(format!(
+                            "directory inode {ino}: {name:?} names the root directory"
+                        ));
+                        continue;
                     }
                     let Some(target) = inodes.get(&d.ino) else {
                         problems.push(format!(
@@ -521,7 +574,11 @@ fn check(img: Img<'_>, plp: bool) -> Result<Report, FsError> {
             S_IFLNK => symlinks += 1,
             _ => other += 1,
         }
-        if i.nlink == 0 && !refs.contains_key(&ino) && !parent_of.contains_key(&ino) {
+        if i.nlink == 0
+            && ino != ROOT_INO
+            && !refs.contains_key(&ino)
+            && !parent_of.contains_key(&ino)
+        {
             // Unlinked while open when the process stopped: freed by the next mount.
             orphans += 1;
             continue;

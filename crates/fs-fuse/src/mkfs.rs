@@ -51,7 +51,8 @@ pub fn mkfs(path: &Path, opts: &MkfsOptions) -> Result<Superblock, FsError> {
         .and_then(|f| fsck::size_of(&f))
         .map_err(|e| FsError::io(path, e))?;
     if !opts.force {
-        if let Ok(sb) = fsck::read_superblock(path) {
+        let found = fsck::read_superblock(path).or_else(|_| fsck::read_backup_superblock(path));
+        if let Ok(sb) = found {
             return Err(FsError::Config(format!(
                 "{} already holds an aiosfs ({} blocks, made at {} s); pass --force to replace it",
                 path.display(),
@@ -60,12 +61,13 @@ pub fn mkfs(path: &Path, opts: &MkfsOptions) -> Result<Superblock, FsError> {
             )));
         }
     }
-    // Small images get smaller journal areas (a quarter of the image at most).
+    // Small images get smaller journal areas (a quarter of the image at most), but never
+    // smaller than every transaction needs.
     let blocks = bytes / BLOCK as u64;
     let journal_blocks = opts
         .journal_blocks
         .min(blocks / 4 / opts.journals.max(1) as u64)
-        .max(8);
+        .max(crate::format::MIN_JOURNAL_BLOCKS);
     let mut sb = Superblock::layout(bytes, opts.journals, journal_blocks, opts.bytes_per_inode)?;
     let (secs, nanos) = now();
     sb.created = secs;

@@ -498,3 +498,179 @@ fn a_directory_missing_dot_or_dotdot_with_an_entry_is_not_empty() {
         assert_eq!(fs.lookup(ROOT_INO, b"d", false).unwrap().ino, d);
     }
 }
+
+/// Apply `patch` to inode `ino` of `img` (its checksum resealed).
+fn patch_inode(img: &mut [u8], ino: u64, patch: impl FnOnce(&mut fs_fuse::format::Inode)) {
+    let sb = Superblock::decode(img, img.len() as u64 / BLOCK as u64).unwrap();
+    let at = sb.inode_table.start as usize * BLOCK + ino as usize * INODE_BYTES;
+    let slot = &mut img[at..at + INODE_BYTES];
+    let mut inode = fs_fuse::format::Inode::decode(slot).unwrap().unwrap();
+    patch(&mut inode);
+    inode.encode(slot);
+}
+
+/// A directory extent whose physical block is near u64::MAX: fsck reports it (it overflowed
+/// adding the extent's length, a panic in a debug build).
+#[test]
+fn a_directory_extent_at_the_largest_block_number_is_damage_not_a_panic() {
+    let mut img = fresh_image(8 << 20);
+    patch_inode(&mut img, ROOT_INO, |i| i.extents[0].physical = u64::MAX);
+    let r = catch_unwind(AssertUnwindSafe(|| fsck_image(&img)));
+    let rep = r
+        .expect("fsck panicked on a directory extent at block u64::MAX")
+        .unwrap();
+    assert!(!rep.clean());
+}
+
+/// A root directory whose link count is 0 is damage, not an orphan: fsck called it an orphan
+/// (clean), and the mount freed it as one, losing every file.
+#[test]
+fn a_root_with_no_links_is_damage_and_never_freed() {
+    let (disk, fs) = common::open(fresh_image(8 << 20), 1).unwrap();
+    fs.mknod(ROOT_INO, b"f", S_IFREG | 0o644, 0, ROOT, None)
+        .unwrap();
+    fs.unmount().unwrap();
+    drop(fs);
+    let mut img = disk.media();
+    patch_inode(&mut img, ROOT_INO, |i| i.nlink = 0);
+    let rep = fsck_image(&img).unwrap();
+    assert!(
+        rep.problems.iter().any(|p| p.contains("inode 1 ")),
+        "fsck: {:?}, notes {:?}",
+        rep.problems,
+        rep.notes
+    );
+    let (_d, fs) = common::open(img, 1).unwrap();
+    assert!(
+        fs.lookup(ROOT_INO, b"f", false).is_ok(),
+        "the mount freed the root directory"
+    );
+}
+
+/// The root directory named in a directory (here a subdirectory, making a cycle) is damage:
+/// fsck found it clean when the link counts agreed.
+#[test]
+fn the_root_as_an_entry_of_a_directory_is_damage() {
+    use fs_fuse::format::{decode_dir_block, encode_dir_block, DirEntry};
+    let (disk, fs) = common::open(fresh_image(8 << 20), 1).unwrap();
+    let d = fs
+        .mknod(ROOT_INO, b"d", S_IFDIR | 0o755, 0, ROOT, None)
+        .unwrap()
+        .ino;
+    let p = fs.bmap(d, 0).unwrap().unwrap() as usize;
+    fs.unmount().unwrap();
+    drop(fs);
+    let mut img = disk.media();
+    let blk = &mut img[p * BLOCK..(p + 1) * BLOCK];
+    let mut entries = decode_dir_block(blk).unwrap();
+    entries.push(DirEntry {
+        ino: ROOT_INO,
+        kind: (S_IFDIR >> 12) as u8,
+        name: b"up".to_vec(),
+    });
+    encode_dir_block(&entries, blk).unwrap();
+    patch_inode(&mut img, d, |i| i.nlink = 3);
+    let rep = fsck_image(&img).unwrap();
+    assert!(
+        !rep.clean(),
+        "fsck found the root named \"up\" in its own subdirectory clean"
+    );
+}
+
+/// A directory's size must cover exactly its blocks: the mount reads `size / 4096` blocks, so a
+/// size past its blocks made every access EIO, and one short of them hid entries, on an image
+/// fsck called clean.
+#[test]
+fn a_directory_size_that_disagrees_with_its_blocks_is_damage() {
+    for size in [0, 100, 2 * BLOCK as u64, 1 << 40] {
+        let mut img = fresh_image(8 << 20);
+        patch_inode(&mut img, ROOT_INO, |i| i.size = size);
+        let rep = fsck_image(&img).unwrap();
+        assert!(
+            !rep.clean(),
+            "fsck found a root directory of one block and size {size} clean"
+        );
+    }
+}
+
+/// A symlink whose size is past its one block, or that lost its block, cannot be read
+/// (readlink says EIO): fsck must say so rather than call the image clean.
+#[test]
+fn a_symlink_that_readlink_cannot_read_is_damage() {
+    type Patch = fn(&mut fs_fuse::format::Inode);
+    let patches: [(&str, Patch); 2] = [
+        ("size past its block", |i| i.size = BLOCK as u64 + 1),
+        ("no block", |i| i.extents[0].logical = 1),
+    ];
+    for (what, patch) in patches {
+        let (disk, fs) = common::open(fresh_image(8 << 20), 1).unwrap();
+        let l = fs
+            .mknod(ROOT_INO, b"l", S_IFLNK | 0o777, 0, ROOT, Some(b"target"))
+            .unwrap()
+            .ino;
+        fs.unmount().unwrap();
+        drop(fs);
+        let mut img = disk.media();
+        patch_inode(&mut img, l, patch);
+        let (_d, fs) = common::open(img.clone(), 1).unwrap();
+        assert_eq!(fs.readlink(l), Err(libc::EIO), "{what}");
+        let rep = fsck_image(&img).unwrap();
+        assert!(!rep.clean(), "fsck found a symlink with {what} clean");
+    }
+}
+
+/// mkfs with the smallest journal areas it offers makes a file system that works: with areas
+/// of 8 blocks (7 log blocks) a plain mkdir's transaction (bitmaps, two inode table blocks, two
+/// directory blocks, descriptor, commit block) did not fit, the commit failed, and the file
+/// system turned read-only (EIO) after a few mkdirs.
+#[test]
+fn the_smallest_journal_mkfs_makes_holds_every_transaction() {
+    let dir = std::env::temp_dir().join(format!("aiosfs-tiny-journal-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("i.img");
+    std::fs::File::create(&p).unwrap().set_len(8 << 20).unwrap();
+    let opts = fs_fuse::MkfsOptions {
+        journals: 1,
+        journal_blocks: 8,
+        ..fs_fuse::MkfsOptions::default()
+    };
+    fs_fuse::mkfs(&p, &opts).unwrap();
+    let img = std::fs::read(&p).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let (_disk, fs) = common::open(img, 1).unwrap();
+    let mut dirs = Vec::new();
+    for i in 0..40 {
+        let name = format!("directory-{i}");
+        let d = fs.mknod(ROOT_INO, name.as_bytes(), S_IFDIR | 0o755, 0, ROOT, None);
+        dirs.push(d.unwrap_or_else(|e| panic!("mkdir {i}: errno {e}")).ino);
+    }
+    for i in 0..20 {
+        let name = format!("directory-{i}");
+        fs.rename(ROOT_INO, name.as_bytes(), dirs[39 - i], name.as_bytes(), 0)
+            .unwrap_or_else(|e| panic!("rename {i}: errno {e}"));
+        fs.mknod(dirs[i], b"file", S_IFREG | 0o644, 0, ROOT, None)
+            .unwrap_or_else(|e| panic!("mknod {i}: errno {e}"));
+    }
+    assert_eq!(fs.sync_all(), Ok(()));
+}
+
+/// A symlink target longer than the one block that holds it is refused with ENAMETOOLONG (the
+/// public `mknod` copied it into the block and panicked); one of exactly a block is kept.
+#[test]
+fn a_symlink_target_past_one_block_is_name_too_long() {
+    let (_disk, fs) = common::open(fresh_image(8 << 20), 7).unwrap();
+    let long = vec![b'a'; BLOCK + 1];
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        fs.mknod(ROOT_INO, b"long", S_IFLNK | 0o777, 0, ROOT, Some(&long))
+    }));
+    match r {
+        Ok(r) => assert_eq!(r.err(), Some(libc::ENAMETOOLONG)),
+        Err(_) => panic!("a {}-byte symlink target panicked mknod", long.len()),
+    }
+    let full = vec![b'b'; BLOCK];
+    let a = fs
+        .mknod(ROOT_INO, b"full", S_IFLNK | 0o777, 0, ROOT, Some(&full))
+        .unwrap();
+    assert_eq!(fs.readlink(a.ino).unwrap(), full);
+    fs.unmount().unwrap();
+}

@@ -94,12 +94,12 @@ fn a_damaged_attribute_log_is_named_and_rio_needs_logs() {
     );
 
     // More areas than a log has streams: no logs, and a Rio mount says why.
-    let many = Image::new("riomany", 8 << 20);
+    let many = Image::new("riomany", 16 << 20);
     let sb = mkfs(
         many.path(),
         &MkfsOptions {
             journals: 65,
-            journal_blocks: 8,
+            journal_blocks: 32,
             ..small()
         },
     )
@@ -299,5 +299,68 @@ fn fsck_never_panics_on_corrupted_metadata() {
     assert!(
         outcomes[2] > 100,
         "most corruptions are found: {outcomes:?}"
+    );
+}
+
+/// The size a too-small refusal names is the size that works: the message used to say the
+/// metadata needs `data start + 2` blocks while the check wanted 16 more, so an image of that
+/// many blocks was refused saying it needed fewer blocks than it had.
+#[test]
+fn a_too_small_refusal_names_the_size_that_fits() {
+    let jb = fs_fuse::format::MIN_JOURNAL_BLOCKS;
+    for blocks in 8u64..300 {
+        let why = match Superblock::layout(blocks * BLOCK as u64, 1, jb, 16384) {
+            Ok(_) => continue,
+            Err(FsError::TooSmall { why, .. }) => why,
+            Err(e) => panic!("{blocks} blocks: {e}"),
+        };
+        let need: u64 = why
+            .split("need ")
+            .nth(1)
+            .and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no size in {why:?}"));
+        assert!(
+            need > blocks,
+            "{blocks} blocks refused, saying {need} are needed: {why}"
+        );
+        assert!(
+            Superblock::layout(need * BLOCK as u64, 1, jb, 16384).is_ok(),
+            "{need} blocks, named as enough, refused"
+        );
+    }
+}
+
+/// Journal sizes the superblock check refuses, or whose sum overflows, are refused by the
+/// layout itself (with words, not a panic or a layout its own check calls damaged).
+#[test]
+fn layout_refuses_journal_sizes_it_cannot_hold() {
+    for (journals, jb) in [(2, u64::MAX / 2), (256, u64::MAX / 200), (1, 0), (1, 7)] {
+        let r = std::panic::catch_unwind(|| Superblock::layout(64 << 20, journals, jb, 16384));
+        match r.unwrap_or_else(|_| panic!("layout panicked on {journals} areas of {jb} blocks")) {
+            Err(_) => {}
+            Ok(sb) => {
+                let mut b = vec![0u8; BLOCK];
+                sb.encode(&mut b);
+                Superblock::decode(&b, sb.blocks)
+                    .unwrap_or_else(|e| panic!("{journals} areas of {jb} blocks: layout made {e}"));
+            }
+        }
+    }
+}
+
+/// An image whose primary superblock is damaged still holds an aiosfs (fsck reads it from the
+/// backup): mkfs without --force refuses it too, instead of formatting over it.
+#[test]
+fn mkfs_refuses_an_image_with_only_its_backup_superblock_intact() {
+    let (img, sb) = made("backup-only");
+    img.poke(20, 0x40);
+    assert!(fsck(img.path()).unwrap().problems[0].contains("primary superblock is damaged"));
+    let e = mkfs(img.path(), &small()).expect_err("mkfs formatted over an aiosfs");
+    assert!(e.to_string().contains("already holds an aiosfs"), "{e}");
+    assert_eq!(
+        fsck(img.path()).unwrap().superblock.uuid,
+        sb.uuid,
+        "unchanged"
     );
 }
