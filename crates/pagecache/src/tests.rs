@@ -156,11 +156,17 @@ fn assert_frames_free_or_cached(cache: &PageCache, m: &CacheMetrics) {
 
 /// The file at `path`, read on the io_uring route (no latency probe).
 fn ring_device(lbio: &Rc<LbioArray>, path: &std::path::Path) -> Device {
+    ring_device_opened(lbio, path, false)
+}
+
+/// [`ring_device`], writable when `write`.
+fn ring_device_opened(lbio: &Rc<LbioArray>, path: &std::path::Path, write: bool) -> Device {
     lbio::Device::open(
         lbio,
         path,
         lbio::DeviceConfig {
             route: lbio::RouteChoice::Ring,
+            write,
             probe: aios_core::ProbeOptions {
                 latency_samples: 0,
                 try_iopoll: false,
@@ -684,19 +690,7 @@ fn guards_on_one_thread_never_see_another_threads_writes_or_evictions() {
         std::thread::spawn(move || {
             let engine = engine();
             let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
-            let dev = lbio::Device::open(
-                &lbio,
-                &path,
-                lbio::DeviceConfig {
-                    route: lbio::RouteChoice::Ring,
-                    probe: aios_core::ProbeOptions {
-                        latency_samples: 0,
-                        try_iopoll: false,
-                    },
-                    ..lbio::DeviceConfig::default()
-                },
-            )
-            .unwrap();
+            let dev = ring_device(&lbio, &path);
             let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
             h.attach(file, dev).unwrap();
             let mut held = 0u64;
@@ -1832,20 +1826,7 @@ fn a_sync_whose_wait_fails_leaves_no_frame_pinned_and_the_next_sync_writes_every
         let file = cache.add_file(content.len() as u64).unwrap();
         let engine = engine();
         let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
-        let dev = lbio::Device::open(
-            &lbio,
-            &path,
-            lbio::DeviceConfig {
-                route: lbio::RouteChoice::Ring,
-                write: true,
-                probe: aios_core::ProbeOptions {
-                    latency_samples: 0,
-                    try_iopoll: false,
-                },
-                ..lbio::DeviceConfig::default()
-            },
-        )
-        .unwrap();
+        let dev = ring_device_opened(&lbio, &path, true);
         let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
         h.attach(file, dev).unwrap();
         let mut put = |h: &CacheHandle, page: u64, byte: u8| {
