@@ -69,6 +69,19 @@ struct WbBuf {
     iov: [libc::iovec; WRITEBACK_BATCH],
 }
 
+impl WbBuf {
+    fn empty() -> WbBuf {
+        WbBuf {
+            keys: [(0, 0); WRITEBACK_BATCH],
+            frames: [0; WRITEBACK_BATCH],
+            iov: [libc::iovec {
+                iov_base: std::ptr::null_mut(),
+                iov_len: 0,
+            }; WRITEBACK_BATCH],
+        }
+    }
+}
+
 /// Failed engine waits in a row a handle tries again, 1 ms apart, before it gives up on I/O
 /// it must see complete (as [`Engine::drain_all`] does).
 const WAIT_TRIES: u32 = 64;
@@ -204,14 +217,7 @@ impl CacheHandle {
                     iov_len: 0,
                 }; MISS_BATCH],
             )),
-            wb: RefCell::new(Box::new(WbBuf {
-                keys: [(0, 0); WRITEBACK_BATCH],
-                frames: [0; WRITEBACK_BATCH],
-                iov: [libc::iovec {
-                    iov_base: std::ptr::null_mut(),
-                    iov_len: 0,
-                }; WRITEBACK_BATCH],
-            })),
+            wb: RefCell::new(Box::new(WbBuf::empty())),
             streams: RefCell::new(Vec::new()),
             last_submit_ns: Cell::new(None),
             timing: Cell::new(0),
@@ -1817,14 +1823,19 @@ impl CacheHandle {
     /// The engine kept failing with reads still in flight, which may write into their frames at
     /// any time: those frames are never freed (they stay in I/O), but leave the index, so no
     /// other handle waits on a read nobody will complete. (Frames being written back stay
-    /// pinned: their bytes may be the page's only copy.)
+    /// pinned: their bytes may be the page's only copy.) The iovecs of run reads and writes are
+    /// leaked with them: lbio issues a background request's later pieces from them as tokens
+    /// come back, and the kernel reads a queued SQE's iovecs when it is entered at last.
     fn quarantine(&self) {
         let frames = &self.cache.frames;
         let run = self.run_frames.borrow();
+        let (mut reads, mut writes) = (false, false);
         for p in self.pending.borrow().iter().flatten() {
             if p.kind == Kind::Writeback {
+                writes |= p.run_len > 0;
                 continue;
             }
+            reads |= p.run_len > 0;
             let list = if p.run_len == 0 {
                 std::slice::from_ref(&p.frame)
             } else {
@@ -1842,6 +1853,19 @@ impl CacheHandle {
                     )
                 });
             }
+        }
+        if reads {
+            let fresh = Box::new(
+                [libc::iovec {
+                    iov_base: std::ptr::null_mut(),
+                    iov_len: 0,
+                }; MISS_BATCH],
+            );
+            Box::leak(std::mem::replace(&mut *self.run_iov.borrow_mut(), fresh));
+        }
+        if writes {
+            let fresh = Box::new(WbBuf::empty());
+            Box::leak(std::mem::replace(&mut *self.wb.borrow_mut(), fresh));
         }
     }
 

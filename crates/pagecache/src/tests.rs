@@ -1864,3 +1864,199 @@ fn a_sync_whose_wait_fails_leaves_no_frame_pinned_and_the_next_sync_writes_every
         assert_frames_free_or_cached(&cache, &cache.metrics());
     });
 }
+
+thread_local! {
+    /// Set: memory this thread frees is overwritten first (see [`PoisonOnFree`]).
+    static POISON_FREES: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The system allocator, overwriting memory freed on a thread that asked for it with `0xA5`
+/// bytes: a request that still names freed memory then finds garbage, not the old contents.
+struct PoisonOnFree;
+
+// SAFETY: forwards to `System`; the poisoning writes only the block being freed.
+unsafe impl std::alloc::GlobalAlloc for PoisonOnFree {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        // SAFETY: forwarded contract.
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        // SAFETY: forwarded contract.
+        unsafe { std::alloc::System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, layout: std::alloc::Layout, size: usize) -> *mut u8 {
+        // SAFETY: forwarded contract.
+        unsafe { std::alloc::System.realloc(p, layout, size) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, layout: std::alloc::Layout) {
+        if POISON_FREES.try_with(Cell::get).unwrap_or(false) {
+            // SAFETY: the block is ours until freed below.
+            unsafe { std::ptr::write_bytes(p, 0xA5, layout.size()) };
+        }
+        // SAFETY: forwarded contract.
+        unsafe { std::alloc::System.dealloc(p, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: PoisonOnFree = PoisonOnFree;
+
+/// A request a [`HoldDisk`] holds: its sink and payload, op, device offset, memory, length.
+type Held = (SinkId, u64, Op, usize, *mut u8, usize);
+
+/// RAM that holds every request until its engine asks for progress (a
+/// [`aios_core::SoftDevice`]: one request per ask), reads and writes alike, and refuses (and
+/// counts) a piece whose memory is not in `frames` (the cache's frame region).
+struct HoldDisk {
+    mem: std::cell::RefCell<Vec<u8>>,
+    frames: (usize, usize),
+    queue: std::cell::RefCell<std::collections::VecDeque<Held>>,
+    stray: Cell<u32>,
+}
+
+impl HoldDisk {
+    fn new(bytes: usize, cache: &PageCache) -> Rc<HoldDisk> {
+        let base = cache.frame_ptr(0) as usize;
+        Rc::new(HoldDisk {
+            mem: std::cell::RefCell::new(vec![0; bytes]),
+            frames: (base, base + cache.frames.len() as usize * PAGE_BYTES),
+            queue: std::cell::RefCell::new(std::collections::VecDeque::new()),
+            stray: Cell::new(0),
+        })
+    }
+
+    fn device(self: &Rc<HoldDisk>, lbio: &Rc<LbioArray>) -> Device {
+        let soft: Rc<dyn aios_core::SoftDevice> = Rc::clone(self) as _;
+        lbio.engine().attach_soft_device(Rc::downgrade(&soft));
+        let len = self.mem.borrow().len() as u64;
+        Device::from_backends(
+            lbio,
+            Box::new(HoldPort(Rc::clone(self))),
+            Box::new(HoldPort(Rc::clone(self))),
+            ram_geometry(len),
+            true,
+        )
+        .unwrap()
+    }
+}
+
+impl aios_core::SoftDevice for HoldDisk {
+    fn pending(&self) -> u32 {
+        self.queue.borrow().len() as u32
+    }
+
+    fn advance(&self, engine: &Engine) -> Result<(), CoreError> {
+        let Some((sink, payload, op, offset, ptr, len)) = self.queue.borrow_mut().pop_front()
+        else {
+            return Ok(());
+        };
+        let mut mem = self.mem.borrow_mut();
+        // SAFETY: `ptr` is the started piece's memory (checked inside the frame region), `len`
+        // bytes, the request's until its completion (pushed below) is dispatched.
+        unsafe {
+            match op {
+                Op::Read => std::ptr::copy_nonoverlapping(mem[offset..].as_ptr(), ptr, len),
+                _ => std::ptr::copy_nonoverlapping(ptr, mem[offset..].as_mut_ptr(), len),
+            }
+        }
+        // SAFETY: a NOP refers to no memory or file.
+        unsafe {
+            engine.push(
+                aios_core::RingKind::Main,
+                sink,
+                payload,
+                aios_core::nop_sqe(),
+            )
+        }
+    }
+}
+
+struct HoldPort(Rc<HoldDisk>);
+
+impl Backend for HoldPort {
+    fn caps(&self) -> Caps {
+        Caps {
+            name: "hold",
+            asynchronous: true,
+            fua: false,
+            flush: false,
+            iopoll: false,
+            power_loss_protected: false,
+            vectored: false,
+        }
+    }
+
+    fn outcome(&self, res: i32, len: u32) -> Outcome {
+        if res < 0 {
+            Outcome::Failed(lbio::PieceError::Errno(-res))
+        } else {
+            Outcome::Bytes(len)
+        }
+    }
+
+    unsafe fn start(
+        &self,
+        _engine: &Engine,
+        sink: SinkId,
+        payload: u64,
+        piece: &Piece,
+    ) -> Result<Started, CoreError> {
+        let (offset, len) = (piece.offset as usize, piece.len as usize);
+        let (lo, hi) = self.0.frames;
+        let at = piece.ptr as usize;
+        if piece.iov_count != 0 || at < lo || at.saturating_add(len) > hi {
+            self.0.stray.set(self.0.stray.get() + 1);
+            return Ok(Started::Done(-libc::EFAULT));
+        }
+        if !matches!(piece.op, Op::Read | Op::Write) || offset + len > self.0.mem.borrow().len() {
+            return Ok(Started::Done(-libc::EINVAL));
+        }
+        self.0
+            .queue
+            .borrow_mut()
+            .push_back((sink, payload, piece.op, offset, piece.ptr, len));
+        Ok(Started::Queued)
+    }
+}
+
+/// A handle dropped while its engine fails every `io_uring_enter` with a writeback pass in
+/// flight (found by the second review on 2026-11-28) keeps the iovecs its requests name: lbio
+/// issues a background write's later pieces from them as tokens come back, and the kernel
+/// reads a queued SQE's iovecs when it is finally entered. They were freed with the handle, so
+/// once the engine worked again the pass's queued pieces were issued from freed memory
+/// (garbage addresses here, where freed memory is overwritten; writes of whatever lay there,
+/// or a fault, in real use).
+#[test]
+fn a_dropped_handle_whose_engine_keeps_failing_leaves_the_iovecs_its_writes_name_in_place() {
+    within(60, || {
+        const PAGES: usize = 32;
+        let cache = cache_of_64_frames(0);
+        let file = cache.add_file((PAGES * 4096) as u64).unwrap();
+        let engine = engine();
+        let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+        let disk = HoldDisk::new(PAGES * 4096, &cache);
+        let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+        h.attach(file, disk.device(&lbio)).unwrap();
+        let content: Vec<u8> = (0..PAGES * 4096)
+            .map(|i| (i / 4096 * 7 + 1) as u8)
+            .collect();
+        h.write(file, 0, &content).unwrap();
+        engine.fail_next_enters(u32::MAX);
+        let e = h.sync(file).unwrap_err();
+        assert!(matches!(e, CacheError::Core(_)), "{e}");
+        POISON_FREES.with(|p| p.set(true));
+        drop(h);
+        POISON_FREES.with(|p| p.set(false));
+        engine.fail_next_enters(0);
+        assert!(engine.drain_all());
+        assert_eq!(
+            disk.stray.get(),
+            0,
+            "pieces issued from memory outside the cache's frames"
+        );
+        assert!(
+            *disk.mem.borrow() == content,
+            "the device holds other bytes"
+        );
+    });
+}
