@@ -1758,11 +1758,13 @@ impl<P: Pmr> OrderedDevice<P> {
             return Ok(());
         }
         self.submit_staged()?;
-        self.drain_all()?;
+        let drained = self.drain_all()?;
         let flushed = self.flush_all_for_room();
         if !self.log.has_room() {
-            // A FLUSH that failed is why (it failed the groups it covered, and their streams'
-            // `wait` says so).
+            // A log write that failed meanwhile (its entries, and maybe the oldest, wait for
+            // the next sync), or a FLUSH that failed (it failed the groups it covered, and their
+            // streams' `wait` says so), is why.
+            drained?;
             flushed?;
             // A failed group never becomes durable, so its entry (and every one after it) stays
             // live: the log cannot turn over until recovery.
@@ -1803,23 +1805,29 @@ impl<P: Pmr> OrderedDevice<P> {
         first
     }
 
-    /// Wait for every command and background FLUSH in flight to complete. An asynchronous log
-    /// write that fails meanwhile ends it with that error (retried, a log that keeps failing
-    /// would hold it for ever; its commands stay staged for the next call).
-    fn drain_all(&mut self) -> Result<(), RioError> {
+    /// Wait for every command and background FLUSH in flight to complete (for room in a full
+    /// log). An asynchronous log write that fails meanwhile is not retried (a log that keeps
+    /// failing would hold it for ever; its commands stay staged for the next call), and the
+    /// rest is still waited for: the failure is the inner `Err`, for a caller that then finds
+    /// no room. (It is the failure of the streams whose commands the write held: a caller that
+    /// finds room from the rest does not fail for it, nor does the group it appends for.)
+    fn drain_all(&mut self) -> Result<Result<(), RioError>, RioError> {
         let failures = self.log_write_failures;
         loop {
-            self.submit_staged()?;
+            if self.log_write_failures == failures {
+                self.submit_staged()?;
+            }
             if self.inflight_n == 0 && self.flushes_out == 0 && self.log_writes_out == 0 {
-                return Ok(());
+                break;
             }
             self.lbio.wait_done(1)?;
             self.reap();
-            if self.log_write_failures != failures {
-                let why = self.log_failure.clone().unwrap_or_default();
-                return Err(RioError::Config(format!("attribute log write: {why}")));
-            }
         }
+        if self.log_write_failures == failures {
+            return Ok(Ok(()));
+        }
+        let why = self.log_failure.clone().unwrap_or_default();
+        Ok(Err(RioError::Config(format!("attribute log write: {why}"))))
     }
 
     /// Whether commands of `stream` wait for a log sync (staged, or in the one out).
@@ -2267,9 +2275,10 @@ impl<P: Pmr> OrderedDevice<P> {
                     self.stats.log_full_waits += 1;
                     // Room comes from durability on every target, this one included (its FLUSH
                     // is not out yet, and its commands are still in its list).
-                    self.drain_all()?;
+                    let drained = self.drain_all()?;
                     let flushed = self.flush_all_for_room();
                     if !self.log.has_room() {
+                        drained?;
                         flushed?;
                         return Err(RioError::LogFull {
                             slots: self.log.slots(),

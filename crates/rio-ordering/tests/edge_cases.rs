@@ -767,6 +767,18 @@ fn async_log_rig(
     OrderedDevice<rio_ordering::BlockPmr>,
     Rc<Cell<u32>>,
 ) {
+    async_log_rig_of(streams, 16 << 10)
+}
+
+/// [`async_log_rig`] with a log region of `log_bytes`.
+fn async_log_rig_of(
+    streams: u16,
+    log_bytes: usize,
+) -> (
+    Rc<Engine>,
+    OrderedDevice<rio_ordering::BlockPmr>,
+    Rc<Cell<u32>>,
+) {
     let (engine, lbio) = engine_and_array(64);
     let dev = lbio::Device::memory(&lbio, DISK as usize).unwrap();
     let fail = Rc::new(Cell::new(0));
@@ -785,7 +797,7 @@ fn async_log_rig(
     };
     let log_dev = lbio::Device::from_backends(&lbio, backend(), backend(), geometry, true).unwrap();
     let log = AttrLog::format(
-        rio_ordering::BlockPmr::on_device(log_dev, 0, 16 << 10).unwrap(),
+        rio_ordering::BlockPmr::on_device(log_dev, 0, log_bytes).unwrap(),
         streams,
     )
     .unwrap();
@@ -870,4 +882,42 @@ fn a_flush_failing_on_another_streams_target_does_not_fail_a_wait_that_found_roo
     let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
     assert_eq!(rec.streams[0].prefix_end, 4, "{:?}", rec.streams[0]);
     assert_eq!(rec.streams[1].prefix_end, 1, "{:?}", rec.streams[1]);
+}
+
+/// A full asynchronous block log: stream 0's group 1 is on the device, the log write of stream
+/// 1's entry is out (and fails), and stream 0's groups 2..=7 wait behind it. Stream 0's next
+/// group, of two writes, needs room: the FLUSH of target 0 frees group 1's slot, and the retried
+/// log write the next one. Stream 1's failed log write is stream 1's failure, not a reason to
+/// fail stream 0's group for good. (Before, the full log's wait for the writes out ended with
+/// that failure, and the group it was appending for failed.)
+#[test]
+fn a_full_logs_search_for_room_is_not_ended_by_another_streams_failed_log_write() {
+    let (engine, mut od, fail) = async_log_rig_of(2, 2048);
+    assert_eq!(od.log().slots(), 8);
+    od.submit(0, write(&engine, 0, 0, 1), true).unwrap();
+    while od.in_flight() > 0 {
+        od.wait_progress().unwrap();
+    }
+    fail.set(1);
+    od.submit(1, write(&engine, 0, 65536, 2), true).unwrap();
+    for k in 1..7u64 {
+        od.submit(0, write(&engine, 0, k * 4096, 3), true).unwrap();
+    }
+    assert!(!od.log().has_room());
+    od.submit(0, write(&engine, 0, 7 * 4096, 4), false).unwrap();
+    od.submit(0, write(&engine, 0, 8 * 4096, 4), true).unwrap();
+    od.wait(0)
+        .expect("stream 0 had nothing in the failed log write, and room was found");
+    let e = od
+        .wait(1)
+        .expect_err("the failed log write held stream 1's write")
+        .to_string();
+    assert!(e.contains("block log write"), "{e}");
+    od.wait(1).expect("the retry succeeded");
+    let done = od.poll().unwrap();
+    assert_eq!(done.len(), 9, "every write handed back once: {done:?}");
+    assert!(done.iter().all(|d| d.result.is_ok()), "{done:?}");
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert_eq!(rec.streams[0].prefix_end, 9, "{:?}", rec.streams[0]);
+    assert_eq!(rec.streams[1].prefix_end, 2, "{:?}", rec.streams[1]);
 }
