@@ -8,7 +8,8 @@
 //!
 //! [`SimDisk::cut_power`] stops the device where it is; [`SimDisk::crash_image`] then returns an
 //! image a power cut could leave: every durable write, plus any subset of the writes that were
-//! not durable yet (completed or still queued), each of them possibly torn at sector boundaries.
+//! not durable yet (completed or still queued), each of them possibly torn at sector boundaries;
+//! the queued ones land in any order among themselves.
 //! Misdirected writes (a write lands at another offset) and bit rot (flipped bits in the image)
 //! can be switched on. Everything is drawn from one seeded generator, so a run replays exactly
 //! from its seed. A latency model advances a simulated clock ([`SimDisk::sim_time_ns`]).
@@ -95,8 +96,8 @@ pub struct SimConfig {
     /// Per million writes, how many land at a wrong offset (never their own).
     pub misdirect_per_million: u32,
     pub latency: SimLatency,
-    /// The largest request the device takes (an NVMe controller's MDTS); lbio splits larger
-    /// ones, and so does an ordered device.
+    /// The largest request the device takes (an NVMe controller's MDTS; a larger one is refused
+    /// with EINVAL); lbio splits larger ones, and so does an ordered device.
     pub max_transfer_bytes: u32,
 }
 
@@ -435,12 +436,22 @@ impl Sim {
                 choose_sectors(rng, put, v.offset, &v.data, Some(&v.live), sector, torn);
             }
         }
-        let in_flight = cut_in_flight.iter().map(|(o, d)| (*o, d)).chain(
-            queue
-                .iter()
-                .filter(|q| q.op == Op::Write)
-                .map(|q| (q.offset, &q.data)),
-        );
+        // Writes the device had not completed: it may have done them in any order, so they
+        // are laid down in a random one (two overlapping untorn writes can show either on top).
+        let mut in_flight: Vec<(u64, &Vec<u8>)> = cut_in_flight
+            .iter()
+            .map(|(o, d)| (*o, d))
+            .chain(
+                queue
+                    .iter()
+                    .filter(|q| q.op == Op::Write)
+                    .map(|q| (q.offset, &q.data)),
+            )
+            .collect();
+        for i in (1..in_flight.len()).rev() {
+            let j = rng.below(i as u64 + 1) as usize;
+            in_flight.swap(i, j);
+        }
         for (offset, data) in in_flight {
             choose_sectors(rng, put, offset, data, None, sector, torn);
         }
@@ -695,8 +706,12 @@ impl Backend for SimBackend {
         }
         // A read or write moves whole sectors (the crash model keeps or loses each whole).
         let sector = s.cfg.sector_bytes as u64;
+        // And no more than the controller's max transfer (a larger one is refused, not split).
         if piece.op != Op::Flush
-            && (piece.len == 0 || piece.offset % sector != 0 || piece.len as u64 % sector != 0)
+            && (piece.len == 0
+                || piece.offset % sector != 0
+                || piece.len as u64 % sector != 0
+                || piece.len > s.cfg.max_transfer_bytes)
         {
             return Ok(Started::Done(-libc::EINVAL));
         }
@@ -999,6 +1014,93 @@ mod tests {
         disk.cut_power();
         let img = disk.crash_image(CrashOptions::default());
         assert!(img[..4096].iter().all(|&b| b == 0));
+    }
+
+    /// Start `pieces` (op, offset, length, fill byte) on `disk` without ever advancing it:
+    /// they stay in flight. Returns what each start answered.
+    fn start_unadvanced(disk: &SimDisk, pieces: &[(Op, u64, u32, u8)]) -> Vec<Started> {
+        let engine = Engine::new(EngineConfig {
+            ring_entries: 8,
+            arena_bytes: 1 << 20,
+            huge_pages: false,
+            ..EngineConfig::default()
+        })
+        .unwrap();
+        let backend = SimBackend(Rc::new(Port {
+            unsent: Default::default(),
+            disk: Arc::clone(&disk.0),
+            id: 1,
+        }));
+        pieces
+            .iter()
+            .map(|&(op, offset, len, v)| {
+                // Writes are copied at start; reads are never advanced, so never written.
+                let mut data = vec![v; len as usize];
+                let piece = Piece {
+                    op,
+                    offset,
+                    ptr: data.as_mut_ptr(),
+                    len,
+                    fua: false,
+                    buf_index: None,
+                    iov: std::ptr::null(),
+                    iov_count: 0,
+                };
+                // SAFETY: a write's bytes are copied at start; nothing is advanced, so nothing
+                // writes through the pointer later.
+                unsafe { backend.start(&engine, SinkId(0), 0, &piece) }.unwrap()
+            })
+            .collect()
+    }
+
+    /// Two overlapping writes in flight together can land in either order: the device has
+    /// completed neither. With atomic (untorn) writes, `[1 1 _]` then `[_ 2 2]` and the reverse
+    /// must both be reachable; the draw always laid them in queue order, so the middle sector
+    /// could hold only the second one when both survived.
+    #[test]
+    fn overlapping_writes_in_flight_together_land_in_either_order() {
+        let disk = SimDisk::new(SimConfig::new(4 << 10, 1)).unwrap();
+        start_unadvanced(&disk, &[(Op::Write, 0, 1024, 1), (Op::Write, 512, 1024, 2)]);
+        disk.cut_power();
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..400 {
+            let img = disk.crash_image(CrashOptions {
+                torn: false,
+                bit_flips: 0,
+            });
+            seen.insert([img[0], img[512], img[1024]]);
+        }
+        for want in [[1, 1, 2], [1, 2, 2], [1, 1, 0], [0, 2, 2], [0, 0, 0]] {
+            assert!(seen.contains(&want), "{want:?} never drawn: {seen:?}");
+        }
+        assert_eq!(seen.len(), 5, "{seen:?}");
+    }
+
+    /// A piece larger than the device's max transfer (its MDTS) is refused, as the NVMe
+    /// controller would: the disk took a piece of any size, hiding a layer that forgot to split.
+    #[test]
+    fn a_piece_over_the_max_transfer_is_refused() {
+        let mut cfg = SimConfig::new(64 << 10, 1);
+        cfg.max_transfer_bytes = 4096;
+        let disk = SimDisk::new(cfg).unwrap();
+        let got = start_unadvanced(
+            &disk,
+            &[
+                (Op::Write, 0, 8192, 1),
+                (Op::Read, 0, 8192, 0),
+                (Op::Write, 0, 4096, 1),
+                (Op::Read, 0, 4096, 0),
+            ],
+        );
+        assert_eq!(
+            got,
+            [
+                Started::Done(-libc::EINVAL),
+                Started::Done(-libc::EINVAL),
+                Started::Queued,
+                Started::Queued,
+            ]
+        );
     }
 
     #[test]
