@@ -233,7 +233,8 @@ struct Stream {
     /// The stream lives on another device: [`OrderedDevice::attach`] brings it here.
     away: bool,
     /// An asynchronous log write holding the stream's commands failed (why): they were staged
-    /// again for the next sync, and the stream's next `wait` reports it (once).
+    /// again for the next sync, and the stream's next `wait` reports it (once), unless a sync
+    /// carrying them succeeded first.
     log_failed: Option<String>,
 }
 
@@ -2013,6 +2014,12 @@ impl<P: Pmr> OrderedDevice<P> {
             return;
         }
         self.log_failure = None;
+        // A failed sync's batch goes out again with the next one: when that one succeeds, the
+        // streams it held have their entries durable after all, and their next `wait` has no
+        // failure to report (it would fail an fsync whose writes are safe).
+        for (_, _, cmd, _) in &self.log_batch {
+            self.streams[cmd.stream as usize].log_failed = None;
+        }
         // The batch first, in order; then what was staged meanwhile (behind it: the order
         // holds).
         let meanwhile = std::mem::take(&mut self.staged);
