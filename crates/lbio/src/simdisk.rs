@@ -972,44 +972,19 @@ mod tests {
         let mut cfg = SimConfig::new(64 << 10, 1);
         cfg.sector_bytes = 4096;
         let disk = SimDisk::new(cfg).unwrap();
-        let engine = Engine::new(EngineConfig {
-            ring_entries: 8,
-            arena_bytes: 1 << 20,
-            huge_pages: false,
-            ..EngineConfig::default()
-        })
-        .unwrap();
-        let backend = SimBackend(Rc::new(Port {
-            unsent: Default::default(),
-            disk: Arc::clone(&disk.0),
-            id: 1,
-        }));
-        let mut data = vec![1u8; 8192];
-        let mut start = |op, offset, len| {
-            let piece = Piece {
-                op,
-                offset,
-                ptr: data.as_mut_ptr(),
-                len,
-                fua: false,
-                buf_index: None,
-                iov: std::ptr::null(),
-                iov_count: 0,
-            };
-            // SAFETY: `data` outlives the queued piece (the disk is dropped first, unadvanced).
-            unsafe { backend.start(&engine, SinkId(0), 0, &piece) }.unwrap()
-        };
         for op in [Op::Write, Op::Read] {
             for (offset, len) in [(512, 4096), (0, 512), (0, 4608), (0, 0)] {
                 assert_eq!(
-                    start(op, offset, len),
-                    Started::Done(-libc::EINVAL),
+                    start_unadvanced(&disk, &[(op, offset, len, 1)]),
+                    [Started::Done(-libc::EINVAL)],
                     "{op:?} of {len} at {offset}"
                 );
             }
         }
-        assert_eq!(start(Op::Write, 4096, 8192), Started::Queued);
-        assert_eq!(start(Op::Flush, 0, 0), Started::Queued);
+        assert_eq!(
+            start_unadvanced(&disk, &[(Op::Write, 4096, 8192, 1), (Op::Flush, 0, 0, 0)]),
+            [Started::Queued, Started::Queued]
+        );
         assert_eq!(disk.started(), 2);
         disk.cut_power();
         let img = disk.crash_image(CrashOptions::default());

@@ -1376,26 +1376,35 @@ impl aios_core::SoftDevice for SlowDisk {
 
 struct SlowPort(Rc<SlowDisk>);
 
+/// The capabilities of a test device completed by NOPs: asynchronous, nothing else.
+fn soft_caps(name: &'static str) -> Caps {
+    Caps {
+        name,
+        asynchronous: true,
+        fua: false,
+        flush: false,
+        iopoll: false,
+        power_loss_protected: false,
+        vectored: false,
+    }
+}
+
+/// A NOP-completed piece's outcome: a NOP's 0 stands for the whole piece.
+fn nop_outcome(res: i32, len: u32) -> Outcome {
+    if res < 0 {
+        Outcome::Failed(lbio::PieceError::Errno(-res))
+    } else {
+        Outcome::Bytes(len)
+    }
+}
+
 impl Backend for SlowPort {
     fn caps(&self) -> Caps {
-        Caps {
-            name: "slow",
-            asynchronous: true,
-            fua: false,
-            flush: false,
-            iopoll: false,
-            power_loss_protected: false,
-            vectored: false,
-        }
+        soft_caps("slow")
     }
 
-    /// A NOP's 0 stands for the whole piece.
     fn outcome(&self, res: i32, len: u32) -> Outcome {
-        if res < 0 {
-            Outcome::Failed(lbio::PieceError::Errno(-res))
-        } else {
-            Outcome::Bytes(len)
-        }
+        nop_outcome(res, len)
     }
 
     unsafe fn start(
@@ -1975,23 +1984,11 @@ struct HoldPort(Rc<HoldDisk>);
 
 impl Backend for HoldPort {
     fn caps(&self) -> Caps {
-        Caps {
-            name: "hold",
-            asynchronous: true,
-            fua: false,
-            flush: false,
-            iopoll: false,
-            power_loss_protected: false,
-            vectored: false,
-        }
+        soft_caps("hold")
     }
 
     fn outcome(&self, res: i32, len: u32) -> Outcome {
-        if res < 0 {
-            Outcome::Failed(lbio::PieceError::Errno(-res))
-        } else {
-            Outcome::Bytes(len)
-        }
+        nop_outcome(res, len)
     }
 
     unsafe fn start(
