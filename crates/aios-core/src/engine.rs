@@ -1107,25 +1107,36 @@ impl Engine {
     }
 
     /// Wait until nothing is queued or in flight (what a user of the engine does before it
-    /// lets go of buffers the kernel may still write). A failed wait is tried again, up to 64
-    /// failures in a row 1 ms apart (an enter refused for want of memory leaves
-    /// its SQEs for the next one). `false`: the ring kept failing, and the I/O still out may
-    /// write into its buffers at any time.
+    /// lets go of buffers the kernel may still write), each wait as [`Engine::wait_retrying`].
+    /// `false`: the ring kept failing, and the I/O still out may write into its buffers at any
+    /// time.
     pub fn drain_all(&self) -> bool {
-        let mut failures = 0;
         while self.has_work() {
+            if self.wait_retrying().is_err() {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// [`Engine::wait`] for one completion, a failed wait tried again up to 64 failures in a
+    /// row, 1 ms apart (an enter refused for want of memory leaves its SQEs for the next one):
+    /// for a caller that must see its I/O complete before it lets go of the memory. The last
+    /// error when the ring kept failing.
+    pub fn wait_retrying(&self) -> Result<u32, CoreError> {
+        let mut failures = 0;
+        loop {
             match self.wait(1) {
-                Ok(_) => failures = 0,
-                Err(_) => {
+                Ok(n) => return Ok(n),
+                Err(e) => {
                     failures += 1;
                     if failures >= DRAIN_TRIES {
-                        return false;
+                        return Err(e);
                     }
                     thread::sleep(Duration::from_millis(1));
                 }
             }
         }
-        true
     }
 
     /// Whether any SQE is queued or in flight, or a software device holds requests.
@@ -1364,7 +1375,7 @@ impl Engine {
     }
 }
 
-/// Failed waits in a row after which [`Engine::drain_all`] gives up on the outstanding I/O.
+/// Failed waits in a row after which [`Engine::wait_retrying`] gives up.
 const DRAIN_TRIES: u32 = 64;
 
 impl Drop for Engine {

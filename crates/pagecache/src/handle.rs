@@ -82,10 +82,6 @@ impl WbBuf {
     }
 }
 
-/// Failed engine waits in a row a handle tries again, 1 ms apart, before it gives up on I/O
-/// it must see complete (as [`Engine::drain_all`] does).
-const WAIT_TRIES: u32 = 64;
-
 /// Hits a handle counts before adding them to the cache's shared counter.
 const HIT_PUBLISH_BATCH: u64 = 256;
 
@@ -1233,22 +1229,12 @@ impl CacheHandle {
         self.settle(|p| p.kind == Kind::Orphan)
     }
 
-    /// Wait, trying a failed wait again ([`WAIT_TRIES`]), until no request of this handle's
-    /// that `which` picks is in flight.
+    /// Wait, trying a failed wait again ([`Engine::wait_retrying`]), until no request of this
+    /// handle's that `which` picks is in flight.
     fn settle(&self, which: impl Fn(&Pending) -> bool) -> Result<(), CacheError> {
         let busy = || self.pending.borrow().iter().flatten().any(&which);
-        let mut failures = 0;
         while busy() {
-            match self.engine.wait(1) {
-                Ok(_) => failures = 0,
-                Err(e) => {
-                    failures += 1;
-                    if failures >= WAIT_TRIES {
-                        return Err(e.into());
-                    }
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-            }
+            self.engine.wait_retrying()?;
             self.poll()?;
             if busy() && !self.engine.has_work() && self.lbio.done_len() == 0 {
                 return Err(CacheError::Config(
