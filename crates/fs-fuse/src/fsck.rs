@@ -118,17 +118,60 @@ pub fn read_superblock(path: &Path) -> Result<Superblock, FsError> {
     Superblock::decode(&img.read(0, 1)?, img.blocks)
 }
 
-/// The backup superblock in the image's last block, checked: what fsck falls back on when the
-/// primary is damaged (so `mkfs` without `--force` leaves such an image alone too).
-pub(crate) fn read_backup_superblock(path: &Path) -> Result<Superblock, FsError> {
-    let img = Img::open(path)?;
+/// The superblock of the image at `path`: the primary, or the backup in the last block when
+/// the primary is damaged (what fsck and the mount fall back on; so `mkfs` without `--force`
+/// leaves such an image alone too).
+pub(crate) fn any_superblock(path: &Path) -> Result<Superblock, FsError> {
+    superblock_in(&Img::open(path)?).map(|(sb, _)| sb)
+}
+
+/// The superblock fsck checks the image by, and what it found wrong with the primary or the
+/// backup on the way.
+fn superblock_in(img: &Img<'_>) -> Result<(Superblock, Option<String>), FsError> {
     if img.blocks < 2 {
         return Err(FsError::Foreign(format!(
             "{} bytes: smaller than any aiosfs",
             img.bytes
         )));
     }
-    Superblock::decode(&img.read(img.blocks - 1, 1)?, img.blocks)
+    match Superblock::decode(&img.read(0, 1)?, img.blocks) {
+        Ok(sb) => {
+            let problem = match Superblock::decode(&img.read(sb.blocks - 1, 1)?, img.blocks) {
+                Ok(b) if b.uuid == sb.uuid && b.blocks == sb.blocks => None,
+                Ok(_) => Some(format!(
+                    "the backup superblock (block {}) describes another file system",
+                    sb.blocks - 1
+                )),
+                Err(e) => Some(format!(
+                    "the backup superblock (block {}) is unreadable: {e}",
+                    sb.blocks - 1
+                )),
+            };
+            Ok((sb, problem))
+        }
+        Err(e @ (FsError::Damaged(_) | FsError::Foreign(_))) => {
+            // The primary is damaged (or lost its signature): the backup sits in the image's
+            // last block when the image is exactly the file system's size.
+            match Superblock::decode(&img.read(img.blocks - 1, 1)?, img.blocks) {
+                Ok(b) => Ok((
+                    b,
+                    Some(format!(
+                        "the primary superblock is damaged ({e}); the backup in block {} is intact",
+                        img.blocks - 1
+                    )),
+                )),
+                Err(_) if matches!(e, FsError::Foreign(_)) => Err(e),
+                Err(_) => {
+                    let why = match e {
+                        FsError::Damaged(w) => w,
+                        other => other.to_string(),
+                    };
+                    Err(FsError::Damaged(format!("{why}, and no intact backup")))
+                }
+            }
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// Check the image at `path`. `Err` when it is not an aiosfs (or unreadable); otherwise the
@@ -162,53 +205,10 @@ fn power_loss_protected(path: &Path) -> bool {
 }
 
 fn check(img: Img<'_>, plp: bool) -> Result<Report, FsError> {
-    if img.blocks < 2 {
-        return Err(FsError::Foreign(format!(
-            "{} bytes: smaller than any aiosfs",
-            img.bytes
-        )));
-    }
     let mut problems = Vec::new();
     let mut notes = Vec::new();
-    let primary = Superblock::decode(&img.read(0, 1)?, img.blocks);
-    let sb = match primary {
-        Ok(sb) => {
-            match Superblock::decode(&img.read(sb.blocks - 1, 1)?, img.blocks) {
-                Ok(b) if b.uuid == sb.uuid && b.blocks == sb.blocks => {}
-                Ok(_) => problems.push(format!(
-                    "the backup superblock (block {}) describes another file system",
-                    sb.blocks - 1
-                )),
-                Err(e) => problems.push(format!(
-                    "the backup superblock (block {}) is unreadable: {e}",
-                    sb.blocks - 1
-                )),
-            }
-            sb
-        }
-        Err(e @ (FsError::Damaged(_) | FsError::Foreign(_))) => {
-            // The primary is damaged (or lost its signature): the backup sits in the image's
-            // last block when the image is exactly the file system's size.
-            match Superblock::decode(&img.read(img.blocks - 1, 1)?, img.blocks) {
-                Ok(b) => {
-                    problems.push(format!(
-                        "the primary superblock is damaged ({e}); the backup in block {} is intact",
-                        img.blocks - 1
-                    ));
-                    b
-                }
-                Err(_) if matches!(e, FsError::Foreign(_)) => return Err(e),
-                Err(_) => {
-                    let why = match e {
-                        FsError::Damaged(w) => w,
-                        other => other.to_string(),
-                    };
-                    return Err(FsError::Damaged(format!("{why}, and no intact backup")));
-                }
-            }
-        }
-        Err(e) => return Err(e),
-    };
+    let (sb, problem) = superblock_in(&img)?;
+    problems.extend(problem);
     if sb.mounted {
         notes.push(
             "marked mounted: it was not unmounted cleanly (mount replays the journal)".into(),

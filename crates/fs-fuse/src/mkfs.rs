@@ -51,8 +51,7 @@ pub fn mkfs(path: &Path, opts: &MkfsOptions) -> Result<Superblock, FsError> {
         .and_then(|f| fsck::size_of(&f))
         .map_err(|e| FsError::io(path, e))?;
     if !opts.force {
-        let found = fsck::read_superblock(path).or_else(|_| fsck::read_backup_superblock(path));
-        if let Ok(sb) = found {
+        if let Ok(sb) = fsck::any_superblock(path) {
             return Err(FsError::Config(format!(
                 "{} already holds an aiosfs ({} blocks, made at {} s); pass --force to replace it",
                 path.display(),
