@@ -39,6 +39,12 @@ pub enum CacheError {
     /// A write to a page this same handle holds a zero-copy guard on (it would wait forever).
     #[error("page {page} of file {file:?} is held by a PageGuard of this handle: drop the guard before writing the page")]
     GuardHeld { file: FileId, page: u64 },
+    /// A write to a page whose write back a handle gave up on (its engine kept failing): that
+    /// write may still reach the device whenever its engine is entered again, after any later
+    /// one, so the page is not written again through this cache. Its bytes still read, and a
+    /// `sync` still writes them out.
+    #[error("page {page} of file {file:?} has a write back in flight that a dropped handle gave up on (its engine kept failing): the write may still land at any time, so the page cannot be changed through this cache")]
+    WritebackLost { file: FileId, page: u64 },
     /// A configuration value is out of range.
     #[error("invalid page cache configuration: {0}")]
     Config(String),

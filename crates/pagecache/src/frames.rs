@@ -25,6 +25,9 @@ pub const ABANDONED: u16 = 1 << 5;
 pub const BUSY: u16 = 1 << 6;
 /// The read failed: waiters give up on this frame.
 pub const FAILED: u16 = 1 << 7;
+/// A write back of this frame was given up on by a handle whose engine kept failing: its pin
+/// never goes, and the write may still land at any time. Writers refuse the page.
+pub const LOST: u16 = 1 << 8;
 
 /// A decoded state word.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

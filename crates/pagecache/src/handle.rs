@@ -1573,9 +1573,14 @@ impl CacheHandle {
                     .then(|| s.with_flags(s.flags() | frames::BUSY).bumped())
             });
             if claimed.is_none() {
+                let s = frames.state(frame);
                 // Pinned by a guard of this handle's own: it would never go.
-                if frames.state(frame).pins() > 0 && self.own_pins.borrow().contains_key(&frame) {
+                if s.pins() > 0 && self.own_pins.borrow().contains_key(&frame) {
                     return Err(CacheError::GuardHeld { file, page });
+                }
+                // Pinned for good by a write back a dropped handle gave up on.
+                if s.has(frames::LOST) && frames.key(frame) == key.0 {
+                    return Err(CacheError::WritebackLost { file, page });
                 }
                 // Pinned by a write back of this handle's own left in flight by a failed wait:
                 // only this handle's engine completes it (waiting for the frame below would
@@ -1808,8 +1813,10 @@ impl CacheHandle {
 
     /// The engine kept failing with reads still in flight, which may write into their frames at
     /// any time: those frames are never freed (they stay in I/O), but leave the index, so no
-    /// other handle waits on a read nobody will complete. (Frames being written back stay
-    /// pinned: their bytes may be the page's only copy.) The iovecs of run reads and writes are
+    /// other handle waits on a read nobody will complete. Frames being written back stay
+    /// pinned and indexed (their bytes may be the page's only copy) and are marked
+    /// [`frames::LOST`]: the write may land after any later write of the page, so writers
+    /// refuse those pages rather than wait for the pin. The iovecs of run reads and writes are
     /// leaked with them: lbio issues a background request's later pieces from them as tokens
     /// come back, and the kernel reads a queued SQE's iovecs when it is entered at last.
     fn quarantine(&self) {
@@ -1819,6 +1826,15 @@ impl CacheHandle {
         for p in self.pending.borrow().iter().flatten() {
             if p.kind == Kind::Writeback {
                 writes |= p.run_len > 0;
+                let wb = self.wb.borrow();
+                let list = if p.run_len == 0 {
+                    std::slice::from_ref(&p.frame)
+                } else {
+                    &wb.frames[p.run_at as usize..(p.run_at + p.run_len) as usize]
+                };
+                for &frame in list {
+                    frames.mark(frame, frames::LOST);
+                }
                 continue;
             }
             reads |= p.run_len > 0;

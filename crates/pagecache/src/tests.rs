@@ -1998,6 +1998,10 @@ impl Backend for HoldPort {
         payload: u64,
         piece: &Piece,
     ) -> Result<Started, CoreError> {
+        if piece.op == Op::Flush {
+            // Nothing is cached below the queue: every write it took is in `mem`.
+            return Ok(Started::Done(0));
+        }
         let (offset, len) = (piece.offset as usize, piece.len as usize);
         let (lo, hi) = self.0.frames;
         let at = piece.ptr as usize;
@@ -2051,6 +2055,52 @@ fn a_dropped_handle_whose_engine_keeps_failing_leaves_the_iovecs_its_writes_name
             0,
             "pieces issued from memory outside the cache's frames"
         );
+        assert!(
+            *disk.mem.borrow() == content,
+            "the device holds other bytes"
+        );
+    });
+}
+
+/// A page whose write back a dropped handle lost (its engine failing every `io_uring_enter`, so
+/// the frame stays pinned for good: the write may still land whenever that engine is entered)
+/// cannot be written through another handle: the write is refused with a typed error instead of
+/// waiting for ever for a pin nobody will drop (found by the second review on 2026-11-28). The
+/// page still reads its last bytes, and another handle's `sync` still writes it out.
+#[test]
+fn a_write_to_a_page_whose_write_back_a_dropped_handle_lost_is_refused_not_waited_for() {
+    within(60, || {
+        const PAGES: usize = 4;
+        let cache = cache_of_64_frames(0);
+        let file = cache.add_file((PAGES * 4096) as u64).unwrap();
+        let engine = engine();
+        let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+        let disk = HoldDisk::new(PAGES * 4096, &cache);
+        let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+        h.attach(file, disk.device(&lbio)).unwrap();
+        let content = vec![0x5Au8; PAGES * 4096];
+        h.write(file, 0, &content).unwrap();
+        engine.fail_next_enters(u32::MAX);
+        assert!(h.sync(file).is_err());
+        drop(h);
+        engine.fail_next_enters(0);
+        let h2 = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+        h2.attach(file, disk.device(&lbio)).unwrap();
+        let e = h2.write(file, 4096, &[1u8; 4096]).unwrap_err();
+        assert!(
+            matches!(e, CacheError::WritebackLost { file: f, page: 1 } if f == file),
+            "{e}"
+        );
+        let e = h2.write(file, 2 * 4096 + 10, &[2u8; 100]).unwrap_err();
+        assert!(
+            matches!(e, CacheError::WritebackLost { page: 2, .. }),
+            "{e}"
+        );
+        let mut back = vec![0u8; PAGES * 4096];
+        h2.read(file, 0, &mut back).unwrap();
+        assert!(back == content, "the pages lost their last bytes");
+        h2.sync(file).unwrap();
+        assert!(engine.drain_all());
         assert!(
             *disk.mem.borrow() == content,
             "the device holds other bytes"
