@@ -639,11 +639,20 @@ impl AreaState {
 /// Each handle has one, reused for every commit that waits (a handle's thread waits for one
 /// commit at a time): the transaction is copied into memory the waiter keeps.
 struct Waiter {
-    /// The waiting commit's transaction, and whether it may join another thread's group (not
-    /// a file-level transaction, and the handle allows it).
-    req: Mutex<(Tx, bool)>,
+    req: Mutex<Request>,
     state: Mutex<WaitState>,
     cv: Condvar,
+}
+
+/// A waiting commit.
+struct Request {
+    tx: Tx,
+    /// It may join another thread's group (not a file-level transaction, and the handle allows
+    /// it).
+    joinable: bool,
+    /// Its handle's mode is one-write ([`Journal::one_write_mode`]): the leader judges the
+    /// request by this mode as well as its own.
+    one_write_mode: bool,
 }
 
 enum WaitState {
@@ -658,8 +667,9 @@ impl std::fmt::Debug for Waiter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let req = self.req.lock().unwrap_or_else(|p| p.into_inner());
         f.debug_struct("Waiter")
-            .field("log_blocks", &req.0.log_blocks())
-            .field("joinable", &req.1)
+            .field("log_blocks", &req.tx.log_blocks())
+            .field("joinable", &req.joinable)
+            .field("one_write_mode", &req.one_write_mode)
             .finish()
     }
 }
@@ -667,7 +677,11 @@ impl std::fmt::Debug for Waiter {
 impl Waiter {
     fn new() -> Waiter {
         Waiter {
-            req: Mutex::new((Tx::new(), false)),
+            req: Mutex::new(Request {
+                tx: Tx::new(),
+                joinable: false,
+                one_write_mode: false,
+            }),
             state: Mutex::new(WaitState::Waiting),
             cv: Condvar::new(),
         }
@@ -1287,6 +1301,11 @@ impl JournalSet {
         let s = self.lock_area(area);
         self.log_len(area) - (s.head - s.tail)
     }
+
+    /// Commits waiting now for `area`'s leader (to join its group, or to lead the next one).
+    pub fn waiting_commits(&self, area: usize) -> usize {
+        self.lock_area(area).queue.len()
+    }
 }
 
 /// One thread's handle on a [`JournalSet`]: its area, and the device as opened on its engine.
@@ -1555,8 +1574,9 @@ impl Journal {
                 let me = &self.waiter;
                 {
                     let mut req = me.req.lock().unwrap_or_else(|p| p.into_inner());
-                    req.0.copy_from(tx);
-                    req.1 = joinable;
+                    req.tx.copy_from(tx);
+                    req.joinable = joinable;
+                    req.one_write_mode = self.one_write_mode();
                 }
                 *me.state.lock().unwrap_or_else(|p| p.into_inner()) = WaitState::Waiting;
                 area.queue.push_back(Arc::clone(me));
@@ -1601,14 +1621,33 @@ impl Journal {
             merged.copy_from(own);
             let mut scratch = self.scratch.borrow_mut();
             // A transaction that would be refused for writing in place over journaled blocks
-            // commits by itself, so that its error stays its own.
-            let fits = |t: &Tx| self.data_conflict(t).is_none();
-            let own_ok = fits(own);
+            // commits by itself, so that its error stays its own. Whether it is refused depends
+            // on the mode (a one-write commit journals its data, and such a write is no
+            // conflict), and the group commits in this handle's mode: so a waiter joins only
+            // when this mode and its own handle's both take it. One that either would refuse
+            // stays in the queue and later commits by itself, in its own mode, with exactly the
+            // outcome that mode gives (its own commit makes the check, under the versions lock,
+            // as any commit does).
+            //
+            // Rather than taking only waiters of this handle's mode: handles of both kinds on
+            // one area still share groups whenever nothing conflicts (nearly always), and the
+            // second check is skipped for a waiter of this handle's kind, so same-mode groups
+            // cost what they did. Rather than refusing a waiter from here with its error: the
+            // refusal belongs to the commit's own check, made when its id is taken.
+            let mine = self.one_write_mode();
+            let refused = |t: &Tx, theirs: bool| {
+                let versions = self.set.lock_versions();
+                self.data_conflict_as(&versions, t, mine).is_some()
+                    || (theirs != mine && self.data_conflict_as(&versions, t, theirs).is_some())
+            };
+            let own_ok = !refused(own, mine);
             // Those that join leave the queue; the others keep their order.
             area.queue.retain(|w| {
                 let req = w.req.lock().unwrap_or_else(|p| p.into_inner());
-                let joins =
-                    own_ok && req.1 && fits(&req.0) && merged.absorb(&req.0, log_len, &mut scratch);
+                let joins = own_ok
+                    && req.joinable
+                    && !refused(&req.tx, req.one_write_mode)
+                    && merged.absorb(&req.tx, log_len, &mut scratch);
                 if joins {
                     members.push(Arc::clone(w));
                 }
@@ -1729,9 +1768,19 @@ impl Journal {
     /// (its data written once, in place, and not through the log), so a large fsync neither
     /// fails for want of log room nor empties the log for one transaction.
     fn one_write(&self, tx: &Tx) -> bool {
-        self.mode == CommitMode::OneWrite
-            && self.rio.is_none()
-            && tx.log_blocks_with(true) <= self.set.log_len(self.area) / 2
+        self.one_write_as(self.one_write_mode(), tx)
+    }
+
+    /// Whether this handle's mode commits in one write (a one-write handle without Rio); which
+    /// of its transactions do is [`Self::one_write`].
+    fn one_write_mode(&self) -> bool {
+        self.mode == CommitMode::OneWrite && self.rio.is_none()
+    }
+
+    /// [`Self::one_write`] for a handle on this area whose mode is one-write or not (another
+    /// handle's, for a group's waiter).
+    fn one_write_as(&self, one_write_mode: bool, tx: &Tx) -> bool {
+        one_write_mode && tx.log_blocks_with(true) <= self.set.log_len(self.area) / 2
     }
 
     /// The blocks `tx` journals, in log order: in the one-write mode its data blocks, then its
@@ -1747,14 +1796,15 @@ impl Journal {
     /// replay (newest id last) and checkpoints write the newer version.
     ///
     /// A one-write commit's data block is no conflict either: [`Self::with_implied_revokes`]
-    /// revokes its journaled copy (the in-place write is the newer version).
-    fn data_conflict(&self, tx: &Tx) -> Option<u64> {
-        self.data_conflict_in(&self.set.lock_versions(), tx)
+    /// revokes its journaled copy (the in-place write is the newer version). The caller holds
+    /// the versions lock.
+    fn data_conflict_in(&self, versions: &Versions, tx: &Tx) -> Option<u64> {
+        self.data_conflict_as(versions, tx, self.one_write_mode())
     }
 
-    /// [`Self::data_conflict`] with the versions lock held by the caller.
-    fn data_conflict_in(&self, versions: &Versions, tx: &Tx) -> Option<u64> {
-        if self.one_write(tx) {
+    /// [`Self::data_conflict_in`] for a handle on this area whose mode is one-write or not.
+    fn data_conflict_as(&self, versions: &Versions, tx: &Tx, one_write_mode: bool) -> Option<u64> {
+        if self.one_write_as(one_write_mode, tx) {
             return None;
         }
         tx.data

@@ -1,16 +1,26 @@
 //! Group commit: threads sharing one journal area commit concurrently; waiting commits join the
 //! next leader's journal transaction. Checked: every commit returns, grouped commits share a
 //! transaction id, groups do happen, file-level transactions never join one, and after
-//! reopening (recovery) the device holds every thread's last version of each block.
+//! reopening (recovery) the device holds every thread's last version of each block. Handles of
+//! different modes share groups, and a commit gets the outcome its own handle's mode gives it,
+//! whatever the mode of the group's leader.
 
+mod common;
+use common::{block_of, lbio, value_at, Gate, PausingPmr, SimPmr};
+
+use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Barrier};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use aios_core::{Engine, EngineConfig};
-use journal::{CommitMode, Journal, JournalSet, Layout, Tx};
-use lbio::{Device, DeviceConfig, LbioArray, LbioConfig};
+use journal::rio_ordering::{OrderedConfig, Pmr};
+use journal::{
+    recover_image, CommitInfo, CommitMode, Journal, JournalError, JournalSet, Layout, Tx,
+};
+use lbio::{Device, DeviceConfig, LbioArray, LbioConfig, SimConfig, SimDisk};
 
 const BLOCK: usize = 4096;
 const AREA_BLOCKS: u64 = 256;
@@ -221,4 +231,225 @@ fn file_level_transactions_never_join_a_group() {
         JournalSet::open(&dev, layout).unwrap();
     }
     check_device(&file.0);
+}
+
+// Mixed modes in one group. Grouping is forced: area 0's leader is a Rio-ordered commit held
+// mid-write (its attribute log blocks until released), and the commits under test queue behind
+// it one at a time, so the first of them leads the next group and the others are its waiters.
+
+/// One journal area on a simulated disk; home blocks follow it.
+const MIX_AREA_BLOCKS: u64 = 64;
+const MIX_HOME: u64 = MIX_AREA_BLOCKS;
+/// A home block holding journaled metadata (111) not yet checkpointed.
+const JOURNALED: u64 = MIX_HOME + 1;
+
+fn mix_layout() -> Layout {
+    Layout::per_core(0, MIX_AREA_BLOCKS, 1)
+}
+
+/// A journal whose block [`JOURNALED`] holds journaled metadata: a data write over it without
+/// a revoke is refused by a two-phase handle (checked here) and taken by a one-write handle
+/// (which journals the data too).
+fn mixed_set() -> (SimDisk, Arc<JournalSet>) {
+    let disk = SimDisk::new(SimConfig::new((MIX_HOME + 16) * 4096, 7)).unwrap();
+    let l = lbio();
+    let set = JournalSet::format(&disk.open(&l).unwrap(), mix_layout()).unwrap();
+    let j = Journal::new(&set, 0, disk.open(&l).unwrap(), CommitMode::Overlapped).unwrap();
+    let mut tx = Tx::new();
+    tx.write_meta(JOURNALED, &block_of(111)).unwrap();
+    j.commit(&tx).unwrap();
+    let mut over = Tx::new();
+    over.write_data(JOURNALED, &block_of(1)).unwrap();
+    assert!(matches!(
+        j.commit(&over),
+        Err(JournalError::DataOverJournaledBlock { block: JOURNALED })
+    ));
+    (disk, set)
+}
+
+/// Poll `cond` for up to 30 s.
+fn wait_until(mut cond: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + Duration::from_secs(30);
+    while !cond() {
+        if Instant::now() > end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    true
+}
+
+/// Commit each of `queued` through a handle of its mode on a thread of its own, in order,
+/// while area 0's leader is held mid-commit; each starts once the one before it waits. When
+/// the held commit ends, the first leads the next group. Returns each commit's result.
+fn queued_behind_a_held_leader(
+    disk: &SimDisk,
+    set: &Arc<JournalSet>,
+    queued: Vec<(CommitMode, Tx)>,
+) -> Vec<Result<CommitInfo, JournalError>> {
+    let armed = Arc::new(AtomicBool::new(false));
+    let gate: Gate = Arc::new((Mutex::new((false, false)), Condvar::new()));
+    // The held leader's handle outlives the commits under test: its drop checkpoints, and a
+    // checkpoint would put the journaled block home under them.
+    let finished = Arc::new(AtomicBool::new(false));
+    let mut stalled = Vec::new();
+    let results = std::thread::scope(|s| {
+        let (set0, disk0, armed0, gate0, finished0) = (
+            Arc::clone(set),
+            disk.clone(),
+            Arc::clone(&armed),
+            Arc::clone(&gate),
+            Arc::clone(&finished),
+        );
+        let leader = s.spawn(move || {
+            let l = lbio();
+            let pmr: Box<dyn Pmr> = Box::new(PausingPmr {
+                inner: SimPmr {
+                    bytes: Rc::new(RefCell::new(vec![0u8; 16 << 10])),
+                    disk: disk0.clone(),
+                },
+                armed: Arc::clone(&armed0),
+                gate: gate0,
+            });
+            let own = LbioArray::new(Rc::clone(l.engine()), LbioConfig::default()).unwrap();
+            let j = Journal::with_rio(
+                &set0,
+                0,
+                disk0.open(&l).unwrap(),
+                disk0.open(&own).unwrap(),
+                pmr,
+                OrderedConfig::default(),
+            )
+            .unwrap();
+            let mut tx = Tx::new();
+            tx.write_meta(MIX_HOME + 2, &block_of(2)).unwrap();
+            armed0.store(true, Ordering::SeqCst);
+            j.commit(&tx).unwrap();
+            while !finished0.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        let held = wait_until(|| gate.0.lock().unwrap().0);
+        if !held {
+            stalled.push("the leader's commit never reached its attribute log".to_string());
+        }
+        let mut hs = Vec::new();
+        for (i, (mode, tx)) in queued.into_iter().enumerate() {
+            if !held {
+                break;
+            }
+            let (set1, disk1) = (Arc::clone(set), disk.clone());
+            hs.push(s.spawn(move || {
+                let l = lbio();
+                let j = Journal::new(&set1, 0, disk1.open(&l).unwrap(), mode).unwrap();
+                j.commit(&tx)
+            }));
+            if !wait_until(|| set.waiting_commits(0) == i + 1) {
+                stalled.push(format!("commit {i} ({}) never queued", mode.name()));
+                break;
+            }
+        }
+        {
+            let (m, cv) = &*gate;
+            m.lock().unwrap().1 = true;
+            cv.notify_all();
+        }
+        let results: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        finished.store(true, Ordering::SeqCst);
+        leader.join().unwrap();
+        results
+    });
+    assert!(stalled.is_empty(), "{stalled:?}");
+    results
+}
+
+fn data_tx(block: u64, v: u64) -> Tx {
+    let mut tx = Tx::new();
+    tx.write_data(block, &block_of(v)).unwrap();
+    tx
+}
+
+fn meta_tx(block: u64, v: u64) -> Tx {
+    let mut tx = Tx::new();
+    tx.write_meta(block, &block_of(v)).unwrap();
+    tx
+}
+
+/// The home image after recovery.
+fn recovered(disk: &SimDisk) -> Vec<u8> {
+    let mut img = disk.media();
+    recover_image(&mut img, &mix_layout()).unwrap();
+    img
+}
+
+#[test]
+fn a_two_phase_commit_keeps_its_own_refusal_in_a_one_write_group() {
+    let (disk, set) = mixed_set();
+    let r = queued_behind_a_held_leader(
+        &disk,
+        &set,
+        vec![
+            // Leads the group.
+            (CommitMode::OneWrite, meta_tx(MIX_HOME + 3, 3)),
+            // Its own mode refuses it: the one-write leader's mode would take it.
+            (CommitMode::Overlapped, data_tx(JOURNALED, 222)),
+            // Accepted by both modes: joins.
+            (CommitMode::Vanilla, data_tx(MIX_HOME + 4, 4)),
+        ],
+    );
+    let lead = r[0].as_ref().expect("the one-write leader's commit");
+    assert!(
+        matches!(
+            r[1],
+            Err(JournalError::DataOverJournaledBlock { block: JOURNALED })
+        ),
+        "an overlapped handle's data write over journaled metadata, queued behind a one-write \
+         leader, must be refused as its own handle refuses it: {:?} (leader {lead:?})",
+        r[1]
+    );
+    let joined = r[2].as_ref().expect("the vanilla commit");
+    assert_eq!(
+        joined.tid, lead.tid,
+        "a two-phase commit both modes take joins the group"
+    );
+    let img = recovered(&disk);
+    assert_eq!(
+        value_at(&img, JOURNALED),
+        111,
+        "the refused write is not on the device"
+    );
+    assert_eq!(value_at(&img, MIX_HOME + 3), 3);
+    assert_eq!(value_at(&img, MIX_HOME + 4), 4);
+}
+
+#[test]
+fn a_one_write_commit_keeps_its_own_outcome_in_a_two_phase_group() {
+    let (disk, set) = mixed_set();
+    let r = queued_behind_a_held_leader(
+        &disk,
+        &set,
+        vec![
+            // Leads the group.
+            (CommitMode::Overlapped, meta_tx(MIX_HOME + 3, 3)),
+            // Its own mode takes it (and journals the data); the leader's mode would refuse it.
+            (CommitMode::OneWrite, data_tx(JOURNALED, 333)),
+            // Accepted by both modes: joins.
+            (CommitMode::OneWrite, data_tx(MIX_HOME + 4, 4)),
+        ],
+    );
+    let lead = r[0].as_ref().expect("the overlapped leader's commit");
+    let own = r[1].as_ref().expect(
+        "a one-write handle's data write over journaled metadata, queued behind an overlapped \
+         leader, is taken as its own handle takes it",
+    );
+    assert!(own.data_journaled, "{own:?}");
+    let joined = r[2].as_ref().expect("the second one-write commit");
+    assert_eq!(
+        joined.tid, lead.tid,
+        "a one-write commit both modes take joins the group"
+    );
+    let img = recovered(&disk);
+    assert_eq!(value_at(&img, JOURNALED), 333);
+    assert_eq!(value_at(&img, MIX_HOME + 3), 3);
+    assert_eq!(value_at(&img, MIX_HOME + 4), 4);
 }

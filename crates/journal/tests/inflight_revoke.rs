@@ -7,50 +7,19 @@
 //! one that carries its own revoke goes through.
 //!
 //! The revoking commit is paused deterministically: it is a Rio-ordered commit whose attribute
-//! log (a `Pmr` of this test) blocks on its first write until released.
+//! log (a `PausingPmr` of the tests' common module) blocks on its first write until released.
 
 mod common;
-use common::{block_of, lbio, value_at, SimPmr};
+use common::{block_of, lbio, value_at, Gate, PausingPmr, SimPmr};
 
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use journal::rio_ordering::{OrderedConfig, Pmr, RioError};
+use journal::rio_ordering::{OrderedConfig, Pmr};
 use journal::{recover_image, CommitMode, Journal, JournalError, JournalSet, Layout, Tx};
 use lbio::{LbioArray, LbioConfig, SimConfig, SimDisk};
-
-/// (entered, released)
-type Gate = Arc<(Mutex<(bool, bool)>, Condvar)>;
-
-/// A [`SimPmr`] whose next write, once armed, blocks until the test releases it.
-struct PausingPmr {
-    inner: SimPmr,
-    armed: Arc<AtomicBool>,
-    gate: Gate,
-}
-
-impl Pmr for PausingPmr {
-    fn len(&self) -> usize {
-        self.inner.len()
-    }
-    fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
-        if self.armed.swap(false, Ordering::SeqCst) {
-            let (m, cv) = &*self.gate;
-            let mut g = m.lock().unwrap();
-            g.0 = true;
-            cv.notify_all();
-            while !g.1 {
-                g = cv.wait(g).unwrap();
-            }
-        }
-        self.inner.persist(offset, bytes)
-    }
-    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError> {
-        self.inner.read(offset, out)
-    }
-}
 
 #[test]
 fn an_in_flight_revoke_keeps_unrevoked_data_writes_to_its_block_out() {

@@ -3,6 +3,8 @@
 
 use std::cell::RefCell;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 
 use aios_core::{Engine, EngineConfig};
 use journal::rio_ordering::{Pmr, RioError};
@@ -55,5 +57,37 @@ impl Pmr for SimPmr {
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError> {
         out.copy_from_slice(&self.bytes.borrow()[offset..offset + out.len()]);
         Ok(())
+    }
+}
+
+/// (entered, released)
+pub type Gate = Arc<(Mutex<(bool, bool)>, Condvar)>;
+
+/// A [`SimPmr`] whose next write, once armed, blocks until the test releases it: it holds a
+/// Rio-ordered commit mid-write (its id taken, its area's lead held).
+pub struct PausingPmr {
+    pub inner: SimPmr,
+    pub armed: Arc<AtomicBool>,
+    pub gate: Gate,
+}
+
+impl Pmr for PausingPmr {
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+    fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
+        if self.armed.swap(false, Ordering::SeqCst) {
+            let (m, cv) = &*self.gate;
+            let mut g = m.lock().unwrap();
+            g.0 = true;
+            cv.notify_all();
+            while !g.1 {
+                g = cv.wait(g).unwrap();
+            }
+        }
+        self.inner.persist(offset, bytes)
+    }
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError> {
+        self.inner.read(offset, out)
     }
 }
