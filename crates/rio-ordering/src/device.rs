@@ -1753,18 +1753,29 @@ impl<P: Pmr> OrderedDevice<P> {
 
     /// The log is full: wait for completions and, on targets without power-loss protection,
     /// FLUSH, so that durable groups free their slots.
+    ///
+    /// The staged commands go out first (their data after their entries' sync, as always). One
+    /// that lbio refuses failed its own groups (their [`Done`]s carry the error, and their
+    /// stream's `wait` reports it), and a sync that failed left its commands staged for the
+    /// next call; either may be another stream's. Like a failed log write or FLUSH below, it is
+    /// the answer only to a caller that then finds no room.
     fn make_room(&mut self) -> Result<(), RioError> {
         let before = self.log.has_room();
         if before {
             return Ok(());
         }
-        self.submit_staged()?;
+        let sent = self.submit_staged();
+        if sent.is_err() {
+            self.stats.send_errors += 1;
+        }
         let drained = self.drain_all()?;
         let flushed = self.flush_all_for_room();
         if !self.log.has_room() {
-            // A log write that failed meanwhile (its entries, and maybe the oldest, wait for
-            // the next sync), or a FLUSH that failed (it failed the groups it covered, and their
-            // streams' `wait` says so), is why.
+            // A staged command that could not be sent (it failed its groups) or a sync that
+            // failed (its commands are still staged), a log write that failed meanwhile (its
+            // entries, and maybe the oldest, wait for the next sync), or a FLUSH that failed (it
+            // failed the groups it covered, and their streams' `wait` says so), is why.
+            sent?;
             drained?;
             flushed?;
             // A failed group never becomes durable, so its entry (and every one after it) stays
@@ -1812,11 +1823,20 @@ impl<P: Pmr> OrderedDevice<P> {
     /// rest is still waited for: the failure is the inner `Err`, for a caller that then finds
     /// no room. (It is the failure of the streams whose commands the write held: a caller that
     /// finds room from the rest does not fail for it, nor does the group it appends for.)
+    /// Likewise a staged command that cannot be sent (it failed its own groups, and the ones
+    /// staged behind it go out at the next try) or a sync that cannot be done (its commands
+    /// stay staged): the first such error is the inner `Err` when no log write failed.
     fn drain_all(&mut self) -> Result<Result<(), RioError>, RioError> {
         let failures = self.log_write_failures;
+        let mut unsent = Ok(());
         loop {
             if self.log_write_failures == failures {
-                self.submit_staged()?;
+                if let Err(e) = self.submit_staged() {
+                    self.stats.send_errors += 1;
+                    if unsent.is_ok() {
+                        unsent = Err(e);
+                    }
+                }
             }
             if self.inflight_n == 0 && self.flushes_out == 0 && self.log_writes_out == 0 {
                 break;
@@ -1825,7 +1845,7 @@ impl<P: Pmr> OrderedDevice<P> {
             self.reap();
         }
         if self.log_write_failures == failures {
-            return Ok(Ok(()));
+            return Ok(unsent);
         }
         let why = self.log_failure.clone().unwrap_or_default();
         Ok(Err(RioError::Config(format!("attribute log write: {why}"))))

@@ -926,3 +926,86 @@ fn a_full_logs_search_for_room_is_not_ended_by_another_streams_failed_log_write(
     assert_eq!(rec.streams[0].prefix_end, 9, "{:?}", rec.streams[0]);
     assert_eq!(rec.streams[1].prefix_end, 2, "{:?}", rec.streams[1]);
 }
+
+/// A write whose buffer starts 256 bytes into an arena buffer: its offset and length are
+/// aligned, but its memory is not aligned to the target's 512 bytes, so lbio refuses the
+/// command when it is submitted (the ordered device takes the write and logs its entry first).
+fn write_from_unaligned_memory(engine: &Engine, target: u16, offset: u64, fill: u8) -> Write {
+    let mut buf = engine.alloc_blocking(8192).unwrap();
+    buf.set_range(256, 4096).unwrap();
+    buf.fill(fill);
+    Write {
+        target,
+        offset,
+        buf,
+        ipu: false,
+    }
+}
+
+/// A full asynchronous block log: stream 0's groups 1..=5 are on the device (not yet durable),
+/// and stream 1's group 1, three writes whose commands lbio refuses, fills the last slots. The
+/// log write of stream 1's entries succeeds; the first command is refused as it goes out, and
+/// the other two stay staged. Stream 0's next write needs room. Its search for room sends the
+/// staged commands first: both are refused, which fails stream 1's group (its `Done`s carry the
+/// error, and its `wait` reports it), not stream 0's write. The FLUSH of target 0 makes stream
+/// 0's groups durable and frees the slot. (Before, the refusal of stream 1's staged command
+/// ended the search for room, and stream 0's `submit` failed with it.)
+#[test]
+fn a_full_logs_search_for_room_is_not_ended_by_another_streams_command_that_cannot_be_sent() {
+    let (engine, mut od, _) = async_log_rig_of(2, 2048);
+    assert_eq!(od.log().slots(), 8);
+    let mut done = Vec::new();
+    for k in 0..5u64 {
+        od.submit(0, write(&engine, 0, k * 4096, 1), true).unwrap();
+    }
+    while od.in_flight() > 0 {
+        done.extend(od.wait_progress().unwrap());
+    }
+    // Stream 1's group: three writes that are not contiguous (no merge, which would copy them
+    // into an aligned buffer), in slots 5..=7.
+    for k in 0..3u64 {
+        let w = write_from_unaligned_memory(&engine, 0, 65536 + k * 8192, 2);
+        od.submit(1, w, k == 2).unwrap();
+    }
+    assert!(!od.log().has_room());
+    // The log write of their entries comes in: the first command is refused, the others wait.
+    done.extend(od.wait_progress().unwrap());
+    assert_eq!(od.stats().send_errors, 1);
+    assert_eq!(
+        od.in_flight(),
+        2,
+        "two of stream 1's commands are still staged"
+    );
+    let id = od
+        .submit(0, write(&engine, 0, 5 * 4096, 3), true)
+        .expect("stream 0's write finds room: stream 1's refused commands are stream 1's");
+    assert_eq!(
+        od.stats().send_errors,
+        3,
+        "each refused command counted once"
+    );
+    od.wait(0)
+        .expect("every write of stream 0 went out and is durable");
+    let e = od
+        .wait(1)
+        .expect_err("stream 1's commands were refused")
+        .to_string();
+    assert!(e.contains("sending it") && e.contains("not aligned"), "{e}");
+    done.extend(od.poll().unwrap());
+    let back: Vec<(u16, bool)> = done.iter().map(|d| (d.stream, d.result.is_ok())).collect();
+    assert_eq!(
+        back.iter().filter(|&&b| b == (0, true)).count(),
+        6,
+        "{back:?}"
+    );
+    assert_eq!(
+        back.iter().filter(|&&b| b == (1, false)).count(),
+        3,
+        "{back:?}"
+    );
+    assert_eq!(back.len(), 9, "every write handed back once: {back:?}");
+    assert!(done.iter().any(|d| d.stream == 0 && d.id == id));
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert_eq!(rec.streams[0].prefix_end, 7, "{:?}", rec.streams[0]);
+    assert_eq!(rec.streams[1].prefix_end, 1, "{:?}", rec.streams[1]);
+}
