@@ -458,7 +458,6 @@ impl Tx {
         self.data.is_empty() && self.metas.is_empty() && self.revokes.is_empty()
     }
 
-    /// Log blocks the transaction takes.
     /// Join `later` onto this transaction (group commit): its writes come after ours, so a
     /// block both write ends as `later` has it and `later`'s revokes cancel our metadata for
     /// the block. Refused (false, `self` unchanged) when the union would not fit `log_len` log
@@ -579,7 +578,8 @@ impl Tx {
     }
 }
 
-/// A committed transaction.
+/// A committed transaction. A commit that went out in a group (group commit) gets the group's:
+/// every member has the same id, and `log_blocks` and `data_journaled` are the whole group's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CommitInfo {
     pub tid: u64,
@@ -1674,11 +1674,10 @@ impl Journal {
                 .fetch_add(members.len() as u64 + 1, Ordering::Relaxed);
         }
         for w in members {
+            // (A group refused for writing over journaled blocks was put back above: no
+            // member is left to get that error.)
             w.finish(WaitState::Done(match &r {
                 Ok(info) => Ok(*info),
-                Err(JournalError::DataOverJournaledBlock { block }) => {
-                    Err(JournalError::DataOverJournaledBlock { block: *block })
-                }
                 Err(_) => Err(JournalError::Aborted),
             }));
         }
@@ -2282,8 +2281,10 @@ impl Journal {
             // The kept versions go home from where they lie. No commit runs meanwhile (the
             // checkpoint holds the gate alone); a group leader judging which waiters may join
             // waits for the lock, and sees the versions as they are until the checkpoint ends.
-            // No area lock is taken while this one is held (leaders take them the other way
-            // round).
+            // No area lock is taken here while this one is held. (A leader takes its area's
+            // lock, then this one, to judge its waiters, and `commit_led` this one, then its
+            // area's: the two orders never meet, because only an area's one leader takes both
+            // for that area.)
             let versions = set.lock_versions();
             write_home(
                 &self.dev,
