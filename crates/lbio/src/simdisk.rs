@@ -9,7 +9,8 @@
 //! [`SimDisk::cut_power`] stops the device where it is; [`SimDisk::crash_image`] then returns an
 //! image a power cut could leave: every durable write, plus any subset of the writes that were
 //! not durable yet (completed or still queued), each of them possibly torn at sector boundaries;
-//! the queued ones land in any order among themselves.
+//! the queued ones land in any order among themselves, and each may land under or over a write
+//! that completed after it was sent (the device may have done it first without completing it).
 //! Misdirected writes (a write lands at another offset) and bit rot (flipped bits in the image)
 //! can be switched on. Everything is drawn from one seeded generator, so a run replays exactly
 //! from its seed. A latency model advances a simulated clock ([`SimDisk::sim_time_ns`]).
@@ -162,8 +163,9 @@ struct Queued {
     /// A write's bytes, copied at start (the caller's buffer is free after completion).
     data: Vec<u8>,
     fua: bool,
-    /// For a FLUSH: completions counted when it was started (it covers those before).
-    flush_mark: u64,
+    /// Completions counted when it was started: a FLUSH covers those before; a write may land
+    /// under any write completed from then on.
+    mark: u64,
     started: u64,
     /// The simulated time the host issued it.
     issued_ns: u64,
@@ -188,9 +190,13 @@ struct Sim {
     queue: Vec<Queued>,
     /// (port, payload) of completions that failed (a NOP carries no result of its own).
     failed: Vec<(u64, u64)>,
-    /// Writes that were in flight when the power went: failed to their caller, but the device
-    /// may have written any part of them.
-    cut_in_flight: Vec<(u64, Vec<u8>)>,
+    /// Writes that were in flight when the power went (mark, offset, bytes): failed to their
+    /// caller, but the device may have written any part of them.
+    cut_in_flight: Vec<(u64, u64, Vec<u8>)>,
+    /// Durable writes an in-flight write may lie under (completion count, offset, length), in
+    /// completion order: those completed since the oldest write in flight was sent (their bytes
+    /// are in `media`).
+    recent_durable: Vec<(u64, u64, u64)>,
     started: u64,
     completed: u64,
     powered: bool,
@@ -268,6 +274,7 @@ impl SimDisk {
                 queue: Vec::new(),
                 failed: Vec::new(),
                 cut_in_flight: Vec::new(),
+                recent_durable: Vec::new(),
                 started: 0,
                 completed: 0,
                 powered: cfg.power_cut_after != Some(0),
@@ -419,6 +426,34 @@ fn choose_sectors(
     }
 }
 
+/// Draw an in-flight write laid at `slot` (see `Sim::crash_draw`): under the durable writes
+/// completed from `slot` on, whose sectors keep their bytes (in the media), and over the rest.
+#[allow(clippy::too_many_arguments)]
+fn land_in_flight(
+    rng: &mut SimRng,
+    put: &mut dyn FnMut(u64, &[u8]),
+    recent_durable: &[(u64, u64, u64)],
+    slot: u64,
+    offset: u64,
+    data: &[u8],
+    sector: usize,
+    torn: bool,
+) {
+    let over = &recent_durable[recent_durable.partition_point(|d| d.0 < slot)..];
+    let end = offset + data.len() as u64;
+    let hides = |s: u64, len: u64| over.iter().any(|&(_, o, l)| o < s + len && s < o + l);
+    let live: Vec<bool>;
+    let live = if hides(offset, end - offset) {
+        live = (0..data.len() / sector)
+            .map(|i| !hides(offset + (i * sector) as u64, 1))
+            .collect();
+        Some(&live[..])
+    } else {
+        None
+    };
+    choose_sectors(rng, put, offset, data, live, sector, torn);
+}
+
 impl Sim {
     /// See [`SimDisk::crash_draw`].
     fn crash_draw(&mut self, torn: bool, put: &mut dyn FnMut(u64, &[u8])) {
@@ -428,33 +463,88 @@ impl Sim {
             volatile,
             queue,
             cut_in_flight,
+            recent_durable,
             ..
         } = self;
         let sector = cfg.sector_bytes as usize;
-        if !cfg.plp {
-            for v in volatile.iter() {
-                choose_sectors(rng, put, v.offset, &v.data, Some(&v.live), sector, torn);
-            }
-        }
-        // Writes the device had not completed: it may have done them in any order, so they
-        // are laid down in a random one (two overlapping untorn writes can show either on top).
-        let mut in_flight: Vec<(u64, &Vec<u8>)> = cut_in_flight
+        let volatile: &[Volatile] = if cfg.plp { &[] } else { volatile };
+        // Writes the device had not completed (mark, offset, bytes): it may have done them in
+        // any order, so they are shuffled (two overlapping untorn writes can show either on
+        // top; ties below keep this order).
+        let mut in_flight: Vec<(u64, u64, &[u8])> = cut_in_flight
             .iter()
-            .map(|(o, d)| (*o, d))
+            .map(|(m, o, d)| (*m, *o, &d[..]))
             .chain(
                 queue
                     .iter()
                     .filter(|q| q.op == Op::Write)
-                    .map(|q| (q.offset, &q.data)),
+                    .map(|q| (q.mark, q.offset, &q.data[..])),
             )
             .collect();
         for i in (1..in_flight.len()).rev() {
             let j = rng.below(i as u64 + 1) as usize;
             in_flight.swap(i, j);
         }
-        for (offset, data) in in_flight {
-            choose_sectors(rng, put, offset, data, None, sector, torn);
+        // And each may have been done before any write completed since it was sent (under
+        // it), or after: it lands just before one of those writes, drawn at random, or after
+        // all of them. Its slot is that write's completion count (`u64::MAX`: after all).
+        let mut placed: Vec<(u64, u64, &[u8])> = in_flight
+            .into_iter()
+            .map(|(mark, offset, data)| {
+                let v = volatile.len() - volatile.partition_point(|v| v.completed < mark);
+                let d = recent_durable.len() - recent_durable.partition_point(|d| d.0 < mark);
+                let slot = if v + d == 0 {
+                    u64::MAX
+                } else {
+                    match rng.below((v + d + 1) as u64) as usize {
+                        k if k < v => volatile[volatile.len() - v + k].completed,
+                        k if k < v + d => recent_durable[recent_durable.len() - d + k - v].0,
+                        _ => u64::MAX,
+                    }
+                };
+                (slot, offset, data)
+            })
+            .collect();
+        placed.sort_by_key(|p| p.0);
+        let mut placed = placed.into_iter().peekable();
+        // The cached writes in completion order, each in-flight one laid just before its slot.
+        for v in volatile {
+            while let Some((slot, offset, data)) = placed.next_if(|p| p.0 <= v.completed) {
+                land_in_flight(rng, put, recent_durable, slot, offset, data, sector, torn);
+            }
+            choose_sectors(rng, put, v.offset, &v.data, Some(&v.live), sector, torn);
         }
+        for (slot, offset, data) in placed {
+            land_in_flight(rng, put, recent_durable, slot, offset, data, sector, torn);
+        }
+    }
+
+    /// A request of `port`'s that the power cut stopped: it fails, and a write may still have
+    /// been done, in any part.
+    fn fail_after_cut(&mut self, port: u64, q: Queued) {
+        self.stats.after_power_cut += 1;
+        self.failed.push((port, q.payload));
+        if q.op == Op::Write {
+            self.cut_in_flight.push((q.mark, q.offset, q.data));
+        }
+    }
+
+    /// Forget the durable writes no write in flight can lie under any more (those completed
+    /// before the oldest one was sent; a write sent later is after all of them).
+    fn forget_old_durable(&mut self) {
+        if self.recent_durable.is_empty() {
+            return;
+        }
+        let oldest = self
+            .queue
+            .iter()
+            .filter(|q| q.op == Op::Write)
+            .map(|q| q.mark)
+            .chain(self.cut_in_flight.iter().map(|c| c.0))
+            .min()
+            .unwrap_or(u64::MAX);
+        let old = self.recent_durable.partition_point(|d| d.0 < oldest);
+        self.recent_durable.drain(..old);
     }
 
     /// Account a request issued at `issued` taking `cost` on the first free unit (a barrier
@@ -521,6 +611,8 @@ impl Sim {
                         self.stats.fua_writes += 1;
                     }
                     self.media[at..at + q.data.len()].copy_from_slice(&q.data);
+                    self.recent_durable
+                        .push((self.completed, offset, q.data.len() as u64));
                     // Older cached copies of these sectors can no longer reach the media.
                     let (lo, hi) = (offset, offset + q.data.len() as u64);
                     for v in &mut self.volatile {
@@ -549,13 +641,16 @@ impl Sim {
                     lat.flush_ns
                 };
                 self.run_for(q.issued_ns, cost, true);
-                let mark = q.flush_mark;
+                let mark = q.mark;
                 let sector = self.cfg.sector_bytes as usize;
                 let media = &mut self.media;
+                let durable = &mut self.recent_durable;
+                let before = durable.len();
                 self.volatile.retain(|v| {
                     if v.completed >= mark {
                         return true;
                     }
+                    durable.push((v.completed, v.offset, v.data.len() as u64));
                     for (i, chunk) in v.data.chunks(sector).enumerate() {
                         if v.live[i] {
                             let at = v.offset as usize + i * sector;
@@ -564,6 +659,9 @@ impl Sim {
                     }
                     false
                 });
+                if durable.len() > before {
+                    durable.sort_by_key(|d| d.0);
+                }
             }
         }
         if q.started != self.completed {
@@ -620,15 +718,12 @@ impl SoftDevice for Port {
                 if s.powered {
                     s.complete(q);
                 } else {
-                    s.stats.after_power_cut += 1;
-                    s.failed.push((self.id, payload));
-                    if q.op == Op::Write {
-                        s.cut_in_flight.push((q.offset, q.data));
-                    }
+                    s.fail_after_cut(self.id, q);
                 }
                 out.push((sink, payload));
             }
             s.queue.extend(mine);
+            s.forget_old_durable();
             out
         };
         self.send(engine, done)
@@ -734,7 +829,7 @@ impl Backend for SimBackend {
             ptr: ReadPtr(piece.ptr),
             data,
             fua: piece.fua,
-            flush_mark: mark,
+            mark,
             started,
             issued_ns,
         });
@@ -1001,10 +1096,12 @@ mod tests {
             ..EngineConfig::default()
         })
         .unwrap();
+        // A port no opening of the disk gets (theirs count from 1), so that a device opened on
+        // the same disk never completes these.
         let backend = SimBackend(Rc::new(Port {
             unsent: Default::default(),
             disk: Arc::clone(&disk.0),
-            id: 1,
+            id: u64::MAX,
         }));
         pieces
             .iter()
@@ -1049,6 +1146,212 @@ mod tests {
             assert!(seen.contains(&want), "{want:?} never drawn: {seen:?}");
         }
         assert_eq!(seen.len(), 5, "{seen:?}");
+    }
+
+    /// A write still in flight at the crash may have been done by the device before a later
+    /// overlapping write that completed (or even became durable) while it was in flight: it
+    /// lands under that write. With atomic (untorn) writes, `[1 2 2]` (the in-flight `[1 1 _]`
+    /// under the completed `[_ 2 2]`) must be reachable; the draw laid every in-flight write
+    /// over the completed ones, so it never was. A write sent after the other completed can
+    /// never land under it, and a durable one always shows.
+    #[test]
+    fn an_in_flight_write_can_land_under_a_later_completed_one() {
+        // How B (`[_ 2 2]`) ends: 0 cached, 1 FUA, 2 flushed.
+        for (b_first, durable) in [(false, 0), (false, 1), (false, 2), (true, 0), (true, 2)] {
+            let (engine, _lbio, disk, dev) = setup(SimConfig::new(4 << 10, 3));
+            let a = || start_unadvanced(&disk, &[(Op::Write, 0, 1024, 1)]);
+            if !b_first {
+                a();
+            }
+            dev.write_at_blocking(512, buf(&engine, 1024, 2), durable == 1)
+                .unwrap();
+            if durable == 2 {
+                dev.flush_blocking().unwrap();
+            }
+            if b_first {
+                a();
+            }
+            disk.cut_power();
+            let mut seen = std::collections::BTreeSet::new();
+            for _ in 0..400 {
+                let img = disk.crash_image(CrashOptions {
+                    torn: false,
+                    bit_flips: 0,
+                });
+                seen.insert([img[0], img[512], img[1024]]);
+            }
+            let mut want = vec![[1, 1, 2], [0, 2, 2]];
+            if !b_first {
+                want.push([1, 2, 2]);
+            }
+            if durable == 0 {
+                want.extend([[0, 0, 0], [1, 1, 0]]);
+            }
+            for w in &want {
+                assert!(
+                    seen.contains(w),
+                    "B first {b_first}, durable {durable}: {w:?} never drawn: {seen:?}"
+                );
+            }
+            assert_eq!(
+                seen.len(),
+                want.len(),
+                "B first {b_first}, durable {durable}: {seen:?}"
+            );
+        }
+    }
+
+    /// Untorn crash draws of small random histories are exactly the images a device could
+    /// leave, listed by brute force: every order of the writes in which the completed ones go
+    /// in completion order (the order reads saw) and each in-flight one anywhere after the
+    /// writes completed before it was sent, with every durable write kept and any subset of the
+    /// others. (Requests are started and completed here one by one, in a random order, some
+    /// failed by the power cut, some left queued.)
+    #[test]
+    fn untorn_crash_draws_are_exactly_the_images_a_device_could_leave() {
+        const SECTORS: usize = 4;
+        /// A request as the test knows it.
+        struct Req {
+            /// A write's (first sector, sectors, FUA); `None`: a FLUSH.
+            write: Option<(usize, usize, bool)>,
+            /// Completions counted when it was started.
+            mark: u64,
+            /// Completed as the n-th (from 0); `None`: in flight at the cut.
+            done: Option<u64>,
+        }
+        for seed in 0..150u64 {
+            let mut rng = SimRng::new(seed);
+            let disk = SimDisk::new(SimConfig::new(SECTORS as u64 * 512, seed)).unwrap();
+            let mut reqs: Vec<Req> = Vec::new();
+            let mut completions = 0;
+            let writes = |reqs: &[Req]| reqs.iter().filter(|r| r.write.is_some()).count();
+            for _ in 0..10 {
+                let queued = disk.0.lock().queue.len();
+                match rng.below(5) {
+                    0 | 1 if writes(&reqs) < 4 => {
+                        let n = 1 + rng.below(2) as usize;
+                        let first = rng.below((SECTORS - n + 1) as u64) as usize;
+                        let fua = rng.chance(1, 3);
+                        let v = writes(&reqs) as u8 + 1;
+                        let len = n as u32 * 512;
+                        start_unadvanced(&disk, &[(Op::Write, first as u64 * 512, len, v)]);
+                        disk.0.lock().queue.last_mut().unwrap().fua = fua;
+                        reqs.push(Req {
+                            write: Some((first, n, fua)),
+                            mark: completions,
+                            done: None,
+                        });
+                    }
+                    2 => {
+                        start_unadvanced(&disk, &[(Op::Flush, 0, 0, 0)]);
+                        reqs.push(Req {
+                            write: None,
+                            mark: completions,
+                            done: None,
+                        });
+                    }
+                    _ if queued > 0 => {
+                        let mut s = disk.0.lock();
+                        let q = s.queue.remove(rng.below(queued as u64) as usize);
+                        reqs[q.started as usize].done = Some(completions);
+                        s.complete(q);
+                        s.forget_old_durable();
+                        completions += 1;
+                    }
+                    _ => {}
+                }
+            }
+            disk.cut_power();
+            {
+                // Some of what is queued fails at the cut (as an advance would fail it).
+                let mut s = disk.0.lock();
+                for _ in 0..rng.below(s.queue.len() as u64 + 1) {
+                    let q = s.queue.remove(0);
+                    s.fail_after_cut(u64::MAX, q);
+                }
+                s.forget_old_durable();
+            }
+            let durable = |r: &Req| {
+                r.done.is_some_and(|c| {
+                    r.write.is_some_and(|w| w.2)
+                        || reqs
+                            .iter()
+                            .any(|f| f.write.is_none() && f.done.is_some() && c < f.mark)
+                })
+            };
+            // Every order of the writes a device could have done them in.
+            let ids: Vec<usize> = (0..reqs.len())
+                .filter(|&i| reqs[i].write.is_some())
+                .collect();
+            let mut orders: Vec<Vec<usize>> = vec![vec![]];
+            for _ in 0..ids.len() {
+                let mut longer = Vec::new();
+                for o in &orders {
+                    for &i in ids.iter().filter(|i| !o.contains(i)) {
+                        longer.push([&o[..], &[i]].concat());
+                    }
+                }
+                orders = longer;
+            }
+            let mut possible = std::collections::BTreeSet::new();
+            for order in orders {
+                let fits = order.iter().enumerate().all(|(k, &i)| {
+                    order[k + 1..]
+                        .iter()
+                        .all(|&j| match (reqs[i].done, reqs[j].done) {
+                            // Completed ones in completion order.
+                            (Some(a), Some(b)) => a < b,
+                            // Nothing in flight before a write that completed before it was sent.
+                            (None, Some(b)) => b >= reqs[i].mark,
+                            _ => true,
+                        })
+                });
+                if !fits {
+                    continue;
+                }
+                for kept in 0..1u32 << order.len() {
+                    let mut img = [0u8; SECTORS];
+                    let mut ok = true;
+                    for (k, &i) in order.iter().enumerate() {
+                        if kept & 1 << k != 0 {
+                            let (first, n, _) = reqs[i].write.unwrap();
+                            img[first..first + n]
+                                .fill(1 + ids.iter().position(|&j| j == i).unwrap() as u8);
+                        } else if durable(&reqs[i]) {
+                            ok = false;
+                        }
+                    }
+                    if ok {
+                        possible.insert(img);
+                    }
+                }
+            }
+            let media = disk.media();
+            let mut drawn = std::collections::BTreeMap::new();
+            for _ in 0..6000 {
+                let mut img = [0u8; SECTORS];
+                for (s, b) in img.iter_mut().enumerate() {
+                    *b = media[s * 512];
+                }
+                disk.crash_draw(false, &mut |at, bytes| {
+                    img[at as usize / 512] = bytes[0];
+                    assert_eq!(bytes.len(), 512);
+                });
+                *drawn.entry(img).or_insert(0u32) += 1;
+            }
+            for img in drawn.keys() {
+                assert!(
+                    possible.contains(img),
+                    "seed {seed}: {img:?} drawn, not possible: {possible:?}"
+                );
+            }
+            for img in &possible {
+                assert!(
+                    drawn.contains_key(img),
+                    "seed {seed}: {img:?} never drawn: {drawn:?}"
+                );
+            }
+        }
     }
 
     /// A piece larger than the device's max transfer (its MDTS) is refused, as the NVMe
