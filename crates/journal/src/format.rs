@@ -12,7 +12,8 @@
 //!              (all in the first 512-byte sector, so a torn write keeps the old or the new one)
 //! log header   0 magic · 4 kind (1 descriptor, 2 revoke, 3 commit) · 8 tid · 16 area · 20 count
 //!              24 flags · 28 file · 32.. payload · 4092 crc32c
-//! descriptor   payload: `count` tags of 16 bytes: home block (u64), crc32c of the block (u32), 0
+//! descriptor   payload: `count` tags of 16 bytes: home block (u64), crc32c of the block (u32),
+//!              tag flags (u32: `TAG_ESCAPED`)
 //! revoke       payload: `count` home blocks (u64)
 //! commit       payload: 32 blocks in the transaction before the commit (u32) · 36 chained crc32c
 //! ```
@@ -41,6 +42,14 @@ pub const FLAG_RIO: u32 = 2;
 /// one-write commit block over contents that fail the checksum is therefore a torn tail, not
 /// evidence of damage.
 pub const FLAG_ONE_WRITE: u32 = 4;
+/// Tag flag: the block starts with the log magic, and the log holds it with those four bytes
+/// zeroed, so that no journaled block (a file's data in a one-write commit, a copy of a journal
+/// image) is ever read as a log block of its own: by the scan for later commits, or as a
+/// transaction where the log restarts after a checkpoint. Recovery puts the magic back. The
+/// tag's checksum is the block's as given (an older build, which does not know the flag, finds
+/// it wrong and reports damage rather than replay the zeroed bytes); the commit block's chained
+/// checksum covers the bytes the log holds.
+pub const TAG_ESCAPED: u32 = 1;
 /// The superblock's checksum covers its first sector up to here.
 pub const SB_CRC_AT: usize = 508;
 /// The largest transaction id a log block or superblock may carry. Ids start at 1 and grow by one
@@ -234,6 +243,30 @@ pub fn put_tag(b: &mut [u8], i: usize, home: u64, crc: u32) {
     let at = HEADER + 16 * i;
     put_u64(b, at, home);
     put_u32(b, at + 8, crc);
+}
+
+/// The flags of tag `i` of a descriptor ([`TAG_ESCAPED`]).
+pub fn tag_flags(b: &[u8], i: usize) -> u32 {
+    get_u32(b, HEADER + 16 * i + 12)
+}
+
+pub fn put_tag_flags(b: &mut [u8], i: usize, flags: u32) {
+    put_u32(b, HEADER + 16 * i + 12, flags);
+}
+
+/// Whether a block to be journaled starts with the log magic (and goes to the log escaped).
+pub fn needs_escape(block: &[u8]) -> bool {
+    get_u32(block, 0) == LOG_MAGIC
+}
+
+/// The log's copy of a block that [`needs_escape`]: its magic zeroed.
+pub fn escape(block: &mut [u8]) {
+    put_u32(block, 0, 0);
+}
+
+/// A block read back from the log under a [`TAG_ESCAPED`] tag: its magic restored.
+pub fn unescape(block: &mut [u8]) {
+    put_u32(block, 0, LOG_MAGIC);
 }
 
 /// Blocks a transaction takes in the log.

@@ -1050,6 +1050,29 @@ fn plan_recovery<'a>(
     Ok((writes, report))
 }
 
+/// Parse area `index` of `layout` from its bytes, refusing a superblock written for a journal
+/// of another number of areas: recovery with such a layout would leave the areas it lacks
+/// unreplayed (their acknowledged commits dropped) and take their blocks for home blocks.
+fn parse_area_of(
+    area: &[u8],
+    index: usize,
+    layout: &Layout,
+    prefix_end: Option<&[u64]>,
+) -> Result<AreaLog, JournalError> {
+    let log = recovery::parse_area_rio(area, index, prefix_end.map(|p| p[index]))?;
+    let areas = layout.areas.len();
+    if log.superblock.area_count as usize != areas {
+        return Err(JournalError::BadSuperblock {
+            area: index,
+            why: format!(
+                "it belongs to a journal of {} areas; the layout has {areas}",
+                log.superblock.area_count
+            ),
+        });
+    }
+    Ok(log)
+}
+
 fn read_range(dev: &Device, offset: u64, len: u64) -> Result<Vec<u8>, JournalError> {
     let engine = dev.lbio().engine();
     let mut out = Vec::with_capacity(len as usize);
@@ -1206,7 +1229,7 @@ impl JournalSet {
         recovery::check_rio_prefix(layout.areas.len(), prefix_end)?;
         for (i, &(off, blocks)) in layout.areas.iter().enumerate() {
             let img = read_range(dev, off, blocks * BLOCK as u64)?;
-            logs.push(recovery::parse_area_rio(&img, i, prefix_end.map(|p| p[i]))?);
+            logs.push(parse_area_of(&img, i, &layout, prefix_end)?);
         }
         recovery::apply_rio_prefix(&mut logs, prefix_end)?;
         let engine = dev.lbio().engine();
@@ -1704,10 +1727,11 @@ impl Journal {
                         .then_some(area.head)
                 };
                 if let Some(head) = head {
+                    // An aborted set takes nothing: say so before judging the transaction.
+                    self.check_aborted()?;
                     if let Some(block) = self.data_conflict_in(&versions, tx) {
                         return Err(JournalError::DataOverJournaledBlock { block });
                     }
-                    self.check_aborted()?;
                     let tid = self.set.next_tid.fetch_add(1, Ordering::Relaxed);
                     for &b in tx.revokes.as_slice() {
                         versions.revoke(b, tid);
@@ -1889,6 +1913,9 @@ impl Journal {
                 .write(d);
                 for (i, (home, data)) in rest.clone().take(count).enumerate() {
                     format::put_tag(d, i, *home, format::crc(data));
+                    if format::needs_escape(data) {
+                        format::put_tag_flags(d, i, format::TAG_ESCAPED);
+                    }
                 }
                 format::seal(d);
                 chain = format::crc_chain(chain, d);
@@ -1897,6 +1924,10 @@ impl Journal {
             for (_, data) in rest.by_ref().take(count) {
                 let m = bufs.block(at);
                 m.copy_from_slice(data);
+                if format::needs_escape(data) {
+                    // The log never holds a journaled block that reads as a log block.
+                    format::escape(m);
+                }
                 chain = format::crc_chain(chain, m);
                 at += 1;
             }
@@ -2381,7 +2412,7 @@ fn recover_image_with(
     recovery::check_rio_prefix(layout.areas.len(), prefix_end)?;
     for (i, &(off, blocks)) in layout.areas.iter().enumerate() {
         let area = &image[off as usize..(off + blocks * BLOCK as u64) as usize];
-        logs.push(recovery::parse_area_rio(area, i, prefix_end.map(|p| p[i]))?);
+        logs.push(parse_area_of(area, i, layout, prefix_end)?);
     }
     recovery::apply_rio_prefix(&mut logs, prefix_end)?;
     let (writes, report) = plan_recovery(&logs, layout, image.len() as u64)?;

@@ -313,7 +313,11 @@ fn parse_tx<'a>(
                     }
                     let m = block(pos + n);
                     let (home, crc) = format::tag(b, i as usize);
-                    if format::crc(m) != crc {
+                    let mut bytes = m.to_vec();
+                    if format::tag_flags(b, i as usize) & format::TAG_ESCAPED != 0 {
+                        format::unescape(&mut bytes);
+                    }
+                    if format::crc(&bytes) != crc {
                         let intact = commit_follows(block, pos + n, room - n, tid, area);
                         return Err(broken(
                             n,
@@ -322,7 +326,7 @@ fn parse_tx<'a>(
                         ));
                     }
                     chain = format::crc_chain(chain, m);
-                    metas.push((home, m.to_vec()));
+                    metas.push((home, bytes));
                     n += 1;
                 }
             }

@@ -557,3 +557,67 @@ fn damage_past_the_logs_wrap_is_reported_at_its_log_position() {
         e => panic!("expected corruption, got {e:?}"),
     }
 }
+
+/// A journal of two areas opened with a layout of one (the same first area): each superblock
+/// says how many areas the journal has, and nothing checked it. `open` replayed area 0 alone,
+/// dropped area 1's acknowledged commit without a word, and from then on treated area 1's
+/// blocks as home blocks. It is refused now, on the device and on an image.
+#[test]
+fn a_layout_with_another_number_of_areas_is_refused() {
+    let lbio = lbio();
+    let two = Layout::per_core(0, 16, 2);
+    let disk = SimDisk::new(SimConfig::new(64 * 4096, 6)).unwrap();
+    let set = JournalSet::format(&disk.open(&lbio).unwrap(), two.clone()).unwrap();
+    let j = Journal::new(&set, 1, disk.open(&lbio).unwrap(), CommitMode::Overlapped).unwrap();
+    let mut tx = Tx::new();
+    tx.write_meta(40, &[7; 4096]).unwrap();
+    j.commit(&tx).unwrap();
+    drop(j);
+    drop(set);
+    let image = disk.media();
+
+    for areas in [1, 3] {
+        let other = Layout::per_core(0, 16, areas);
+        let e = recover_image(&mut image.clone(), &other).unwrap_err();
+        assert!(
+            matches!(&e, JournalError::BadSuperblock { area: 0, why } if why.contains("2 areas")),
+            "{areas} areas: {e}"
+        );
+        let r = JournalSet::open(&disk.open(&lbio).unwrap(), other);
+        assert!(
+            matches!(&r, Err(JournalError::BadSuperblock { area: 0, .. })),
+            "{areas} areas: {:?}",
+            r.map(|(_, report)| report)
+        );
+    }
+    // The right layout still recovers the commit.
+    let (_set, report) = JournalSet::open(&disk.open(&lbio).unwrap(), two).unwrap();
+    assert_eq!(report.replayed, vec![vec![], vec![1]]);
+    assert!(disk.view()[40 * 4096..41 * 4096].iter().all(|&b| b == 7));
+}
+
+/// Once a failed commit has aborted the set, every commit is refused with `Aborted` (reopen the
+/// journal). A commit writing data over journaled metadata got `DataOverJournaledBlock`
+/// instead: the caller, told to add a revoke, would do so and only then learn that the set
+/// takes nothing.
+#[test]
+fn a_commit_on_an_aborted_set_is_told_so_first() {
+    let lbio = lbio();
+    let disk = SimDisk::new(SimConfig::new(64 * 4096, 7)).unwrap();
+    let set = JournalSet::format(&disk.open(&lbio).unwrap(), Layout::per_core(0, 16, 1)).unwrap();
+    let j = Journal::new(&set, 0, disk.open(&lbio).unwrap(), CommitMode::Overlapped).unwrap();
+    let mut tx = Tx::new();
+    tx.write_meta(30, &[5; 4096]).unwrap();
+    j.commit(&tx).unwrap();
+    disk.cut_power();
+    let mut tx = Tx::new();
+    tx.write_meta(31, &[6; 4096]).unwrap();
+    let e = j.commit(&tx).unwrap_err();
+    assert!(matches!(e, JournalError::Io(_)), "{e}");
+    let e = j.commit(&tx).unwrap_err();
+    assert!(matches!(e, JournalError::Aborted), "{e}");
+    let mut tx = Tx::new();
+    tx.write_data(30, &[7; 4096]).unwrap();
+    let e = j.commit(&tx).unwrap_err();
+    assert!(matches!(e, JournalError::Aborted), "{e}");
+}
