@@ -638,13 +638,14 @@ impl<P: Pmr> OrderedDevice<P> {
     /// group may reach the device in any order; groups reach it in order). Returns the write's
     /// id, which its [`Done`] carries.
     ///
-    /// Bad input (alignment, bounds, an unknown stream or target, overlap in the group, more
-    /// than 255 pieces) is refused before the write takes a group. So is a write going straight
-    /// to the device (a group of one, nothing queued) whose log entry cannot be written: it
-    /// takes no group, and its buffer goes back to the arena. Any other write that fails on its
-    /// way to the device (its log entry, or its submission) fails its group: its buffer, and
-    /// those of the group's other requests, come back in order in [`Done`]s that carry the
-    /// error, and the stream's `wait` reports the failure from then on.
+    /// Bad input (an offset, length or buffer address off the target's alignment, bounds, an
+    /// unknown stream or target, overlap in the group, more than 255 pieces) is refused before
+    /// the write takes a group. So is a write going straight to the device (a group of one,
+    /// nothing queued) whose log entry cannot be written: it takes no group, and its buffer
+    /// goes back to the arena. Any other write that fails on its way to the device (its log
+    /// entry, or its submission) fails its group: its buffer, and those of the group's other
+    /// requests, come back in order in [`Done`]s that carry the error, and the stream's `wait`
+    /// reports the failure from then on.
     pub fn submit(&mut self, stream: u16, w: Write, end_of_group: bool) -> Result<u64, RioError> {
         let s = self.stream_index(stream)?;
         let t = self
@@ -664,6 +665,16 @@ impl<P: Pmr> OrderedDevice<P> {
                 "write of {len} bytes at {} on target {}: must be a non-empty multiple of {} \
                  bytes, aligned, inside its {} bytes",
                 w.offset, w.target, g.offset_align, g.capacity_bytes
+            )));
+        }
+        // lbio refuses such memory when the command is sent, after the write took its group and
+        // logged its entry: the group would fail, and hold the stream's log until recovery.
+        let addr = w.buf.as_ptr() as u64;
+        if !lbio::aligned(addr, g.mem_align) {
+            return Err(RioError::Config(format!(
+                "write of {len} bytes at {} on target {}: its buffer at address {addr:#x} \
+                 ({addr}) is not aligned to the target's {}-byte direct-I/O memory alignment",
+                w.offset, w.target, g.mem_align
             )));
         }
         let max = t.piece;
@@ -852,10 +863,29 @@ impl<P: Pmr> OrderedDevice<P> {
         Ok(())
     }
 
-    /// Send every closed group held in the stream's ORDER queue.
+    /// Send every closed group held in the stream's ORDER queue (and the staged commands of
+    /// every stream, whose entries need the log sync first).
+    ///
+    /// It answers for its own stream, as [`OrderedDevice::wait`] does: an error is returned when
+    /// a group of this stream failed meanwhile (say its command could not be sent), or when
+    /// groups or staged commands of this stream are still held behind it (a log sync that
+    /// failed, or another stream's command that could not be sent ahead of them). Another
+    /// stream's command that could not be sent, or a failed sync that held only other streams'
+    /// commands, is those streams' failure: it comes back in their `Done`s and from their
+    /// `wait` (or their next sync).
     pub fn flush_queue(&mut self, stream: u16) -> Result<(), RioError> {
-        self.stream_index(stream)?;
-        self.send_queued(stream)
+        let s = self.stream_index(stream)?;
+        let failed = self.streams[s].failures.len();
+        match self.send_queued(stream) {
+            Err(e)
+                if !self.streams[s].queued.is_empty()
+                    || self.holds_staged(stream)
+                    || self.streams[s].failures.len() > failed =>
+            {
+                Err(e)
+            }
+            _ => Ok(()),
+        }
     }
 
     fn send_queued(&mut self, stream: u16) -> Result<(), RioError> {

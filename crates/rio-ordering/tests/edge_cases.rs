@@ -7,6 +7,9 @@
 //! before its fix too): byte ranges past 2^64 taken as writes or block log regions, and a full
 //! request array failing `wait`'s FLUSH and an asynchronous block log's header write instead of
 //! being waited out; and start or handed-off group numbers outside the range entries carry.
+//! Later still: a write from memory off the target's alignment, taken by `submit` and refused by
+//! lbio only when sent (its group failed and held the stream's log until recovery), and
+//! `flush_queue` returning another stream's failure.
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -551,6 +554,55 @@ fn a_write_ending_past_the_address_space_is_refused_and_the_stream_goes_on() {
     assert_eq!(rec.streams[0].prefix_end, 2, "{:?}", rec.streams[0]);
 }
 
+/// A write whose buffer starts 256 bytes into an arena buffer: its offset and length are
+/// aligned, but its memory is not aligned to the target's 512 bytes (lbio would refuse the
+/// command; `submit` refuses the write).
+fn write_from_unaligned_memory(engine: &Engine, target: u16, offset: u64, fill: u8) -> Write {
+    let mut buf = engine.alloc_blocking(8192).unwrap();
+    buf.set_range(256, 4096).unwrap();
+    buf.fill(fill);
+    Write {
+        target,
+        offset,
+        buf,
+        ipu: false,
+    }
+}
+
+/// A write whose memory is not aligned to the target's direct-I/O memory alignment is bad
+/// input, refused by `submit` before it takes a group, like a misaligned offset or length, and
+/// the stream goes on. (`submit` checked the offset and the length only: it took the write and
+/// logged its entry, lbio refused the command when it was sent, its group failed, and that group,
+/// never durable, held the stream's log entries until recovery.)
+#[test]
+fn a_write_from_misaligned_memory_is_refused_and_the_stream_goes_on() {
+    let (engine, mut od) = ram_rig(64, 1);
+    let w = write_from_unaligned_memory(&engine, 0, 0, 1);
+    let addr = w.buf.as_ptr() as u64;
+    let e = od
+        .submit(0, w, true)
+        .expect_err("a write from misaligned memory is refused")
+        .to_string();
+    assert!(
+        e.contains(&addr.to_string()) && e.contains("512"),
+        "the error names the address and the alignment: {e}"
+    );
+    assert_eq!(od.next_seq(0), 1, "the refused write took no group");
+    assert_eq!(od.stats().send_errors, 0);
+    let id = od.submit(0, write(&engine, 0, 0, 2), true).unwrap();
+    od.wait(0)
+        .expect("the stream is not failed by a write it refused");
+    let done = od.poll().unwrap();
+    assert!(
+        done.len() == 1 && done[0].id == id && done[0].result.is_ok(),
+        "{done:?}"
+    );
+    let sc = scan(od.log().pmr()).unwrap();
+    assert!(sc.damaged.is_empty(), "{:?}", sc.damaged);
+    let rec = recover(&sc, &|_| false);
+    assert_eq!(rec.streams[0].prefix_end, 2, "{:?}", rec.streams[0]);
+}
+
 /// `wait` FLUSHes while another stream's writes hold every request slot of the array: it waits
 /// for one of them to complete, as a data write does, instead of failing. (It returned "all 4
 /// request slots are in flight" although nothing had failed.)
@@ -927,85 +979,336 @@ fn a_full_logs_search_for_room_is_not_ended_by_another_streams_failed_log_write(
     assert_eq!(rec.streams[1].prefix_end, 2, "{:?}", rec.streams[1]);
 }
 
-/// A write whose buffer starts 256 bytes into an arena buffer: its offset and length are
-/// aligned, but its memory is not aligned to the target's 512 bytes, so lbio refuses the
-/// command when it is submitted (the ordered device takes the write and logs its entry first).
-fn write_from_unaligned_memory(engine: &Engine, target: u16, offset: u64, fill: u8) -> Write {
-    let mut buf = engine.alloc_blocking(8192).unwrap();
-    buf.set_range(256, 4096).unwrap();
-    buf.fill(fill);
-    Write {
-        target,
-        offset,
-        buf,
-        ipu: false,
+/// A RAM target without power-loss protection whose writes are held, like lbio's `SimDisk`, by a
+/// software device: the data lands when the write starts, its completion when an engine wait
+/// advances the device. While `stall` is on, the first advance after a submission found the lbio
+/// array with every request slot held fails instead (and with it the engine's wait): a command
+/// that waits for a slot then cannot be sent. The ordered device gives it up (its groups fail),
+/// as it gives up any command that lbio refuses at submission. (A backend cannot make lbio
+/// refuse a command: lbio refuses at submission only bad input, which `submit` refuses first,
+/// and a full array; what fails at a backend's start comes back as a failed completion.)
+struct HeldWrites {
+    mem: lbio::MemBackend,
+    lbio: std::rc::Weak<LbioArray>,
+    /// Writes started and not completed: (sink, payload), and each one's result.
+    held: RefCell<Vec<(aios_core::SinkId, u64)>>,
+    results: RefCell<std::collections::HashMap<u64, i32>>,
+    stall: Cell<bool>,
+    /// The array's count of submissions that found no free slot, at the last advance.
+    exhausted: Cell<u64>,
+}
+
+impl HeldWrites {
+    fn exhausted_now(&self) -> u64 {
+        self.lbio
+            .upgrade()
+            .map_or(0, |a| a.metrics().slot_exhausted)
+    }
+    /// Stall (or not) from now on: only a full array met after this counts.
+    fn stall(&self, on: bool) {
+        self.exhausted.set(self.exhausted_now());
+        self.stall.set(on);
     }
 }
 
-/// A full asynchronous block log: stream 0's groups 1..=5 are on the device (not yet durable),
-/// and stream 1's group 1, three writes whose commands lbio refuses, fills the last slots. The
-/// log write of stream 1's entries succeeds; the first command is refused as it goes out, and
-/// the other two stay staged. Stream 0's next write needs room. Its search for room sends the
-/// staged commands first: both are refused, which fails stream 1's group (its `Done`s carry the
-/// error, and its `wait` reports it), not stream 0's write. The FLUSH of target 0 makes stream
-/// 0's groups durable and frees the slot. (Before, the refusal of stream 1's staged command
-/// ended the search for room, and stream 0's `submit` failed with it.)
+impl aios_core::SoftDevice for HeldWrites {
+    fn pending(&self) -> u32 {
+        self.held.borrow().len() as u32
+    }
+    fn advance(&self, engine: &Engine) -> Result<(), aios_core::CoreError> {
+        let now = self.exhausted_now();
+        let met_full_array = now > self.exhausted.replace(now);
+        if self.stall.get() && met_full_array {
+            return Err(aios_core::CoreError::Config(
+                "the test device stalls while a command waits for a request slot".into(),
+            ));
+        }
+        for (sink, payload) in std::mem::take(&mut *self.held.borrow_mut()) {
+            // SAFETY: a NOP refers to no memory.
+            unsafe {
+                engine.push(
+                    aios_core::RingKind::Main,
+                    sink,
+                    payload,
+                    aios_core::nop_sqe(),
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+struct HeldBackend(Rc<HeldWrites>);
+
+impl lbio::Backend for HeldBackend {
+    fn caps(&self) -> lbio::Caps {
+        lbio::Caps {
+            power_loss_protected: false,
+            asynchronous: true,
+            ..self.0.mem.caps()
+        }
+    }
+    fn outcome_of(&self, payload: u64, res: i32, len: u32) -> lbio::Outcome {
+        // A held write's completion (a NOP) stands for the result its start had.
+        let res = self.0.results.borrow_mut().remove(&payload).unwrap_or(res);
+        self.0.mem.outcome_of(payload, res, len)
+    }
+    unsafe fn start(
+        &self,
+        engine: &Engine,
+        sink: aios_core::SinkId,
+        tag: u64,
+        piece: &lbio::Piece,
+    ) -> Result<lbio::Started, aios_core::CoreError> {
+        // SAFETY: the caller's contract on `piece` is passed on unchanged (the RAM device is
+        // done with its memory when `start` returns).
+        let started = unsafe { self.0.mem.start(engine, sink, tag, piece) }?;
+        match (piece.op, started) {
+            (lbio::Op::Write, lbio::Started::Done(res)) => {
+                self.0.results.borrow_mut().insert(tag, res);
+                self.0.held.borrow_mut().push((sink, tag));
+                Ok(lbio::Started::Queued)
+            }
+            (_, started) => Ok(started),
+        }
+    }
+}
+
+/// An ordered device of two streams on an lbio array of one request slot: one [`HeldWrites`]
+/// target (no background FLUSH), and an asynchronous block log of 8 slots on a RAM device of the
+/// same array.
+fn held_writes_rig() -> (
+    Rc<Engine>,
+    OrderedDevice<rio_ordering::BlockPmr>,
+    Rc<HeldWrites>,
+) {
+    let (engine, lbio) = engine_and_array(1);
+    let held = Rc::new(HeldWrites {
+        mem: lbio::MemBackend::new(DISK as usize),
+        lbio: Rc::downgrade(&lbio),
+        held: RefCell::new(Vec::new()),
+        results: RefCell::new(std::collections::HashMap::new()),
+        stall: Cell::new(false),
+        exhausted: Cell::new(0),
+    });
+    let soft: Rc<dyn aios_core::SoftDevice> = held.clone();
+    engine.attach_soft_device(Rc::downgrade(&soft));
+    let geometry = lbio::Geometry {
+        capacity_bytes: DISK,
+        logical_block: 512,
+        mem_align: 512,
+        offset_align: 512,
+        max_transfer_bytes: 128 << 10,
+    };
+    let dev = lbio::Device::from_backends(
+        &lbio,
+        Box::new(HeldBackend(Rc::clone(&held))),
+        Box::new(HeldBackend(Rc::clone(&held))),
+        geometry,
+        true,
+    )
+    .unwrap();
+    let log_dev = lbio::Device::memory(&lbio, 64 << 10).unwrap();
+    let log = AttrLog::format(
+        rio_ordering::BlockPmr::on_device(log_dev, 0, 2048).unwrap(),
+        2,
+    )
+    .unwrap();
+    let cfg = OrderedConfig {
+        flush_ahead: 0,
+        ..OrderedConfig::default()
+    };
+    let od = OrderedDevice::new(Rc::clone(&lbio), vec![dev], log, &[1, 1], cfg).unwrap();
+    (engine, od, held)
+}
+
+/// A full asynchronous block log: stream 0's groups 1 and 2 are on the device (not yet durable),
+/// and stream 1's group 1, six writes, fills the last slots. The array has one request slot,
+/// and while a command waits for it the test device stalls ([`HeldWrites`]): only stream 1's
+/// commands meet the array full, so each second one of them cannot be sent. The log write of
+/// stream 1's entries comes in: the first command goes out, the second is given up, and four
+/// stay staged. Stream 0's next write needs room. Its search for room sends the staged commands
+/// first: `make_room`'s own send gives up one of them, and the send in its wait for the writes
+/// out (`drain_all`) another; that fails stream 1's group (its `Done`s carry the error, and its
+/// `wait` reports it), not stream 0's write. The FLUSH of target 0 makes stream 0's groups
+/// durable and frees the slot. (Before, the first of those refusals ended the search for room,
+/// and stream 0's `submit` failed with stream 1's error.)
 #[test]
 fn a_full_logs_search_for_room_is_not_ended_by_another_streams_command_that_cannot_be_sent() {
-    let (engine, mut od, _) = async_log_rig_of(2, 2048);
+    let (engine, mut od, held) = held_writes_rig();
     assert_eq!(od.log().slots(), 8);
     let mut done = Vec::new();
-    for k in 0..5u64 {
+    for k in 0..2u64 {
         od.submit(0, write(&engine, 0, k * 4096, 1), true).unwrap();
     }
     while od.in_flight() > 0 {
         done.extend(od.wait_progress().unwrap());
     }
-    // Stream 1's group: three writes that are not contiguous (no merge, which would copy them
-    // into an aligned buffer), in slots 5..=7.
-    for k in 0..3u64 {
-        let w = write_from_unaligned_memory(&engine, 0, 65536 + k * 8192, 2);
-        od.submit(1, w, k == 2).unwrap();
+    // Stream 1's group: six writes that are not contiguous (no merge), in slots 2..=7.
+    for k in 0..6u64 {
+        od.submit(1, write(&engine, 0, 65536 + k * 8192, 2), k == 5)
+            .unwrap();
     }
     assert!(!od.log().has_room());
-    // The log write of their entries comes in: the first command is refused, the others wait.
+    held.stall(true);
+    // The log write of their entries comes in: the first command takes the slot, the second
+    // cannot be sent, the others wait.
     done.extend(od.wait_progress().unwrap());
     assert_eq!(od.stats().send_errors, 1);
     assert_eq!(
         od.in_flight(),
-        2,
-        "two of stream 1's commands are still staged"
+        5,
+        "one of stream 1's commands is out, four are still staged"
     );
     let id = od
-        .submit(0, write(&engine, 0, 5 * 4096, 3), true)
+        .submit(0, write(&engine, 0, 2 * 4096, 3), true)
         .expect("stream 0's write finds room: stream 1's refused commands are stream 1's");
     assert_eq!(
         od.stats().send_errors,
         3,
         "each refused command counted once"
     );
+    held.stall(false);
     od.wait(0)
         .expect("every write of stream 0 went out and is durable");
     let e = od
         .wait(1)
         .expect_err("stream 1's commands were refused")
         .to_string();
-    assert!(e.contains("sending it") && e.contains("not aligned"), "{e}");
+    assert!(e.contains("sending it") && e.contains("stalls"), "{e}");
     done.extend(od.poll().unwrap());
     let back: Vec<(u16, bool)> = done.iter().map(|d| (d.stream, d.result.is_ok())).collect();
     assert_eq!(
         back.iter().filter(|&&b| b == (0, true)).count(),
-        6,
+        3,
         "{back:?}"
     );
     assert_eq!(
         back.iter().filter(|&&b| b == (1, false)).count(),
-        3,
+        6,
         "{back:?}"
     );
     assert_eq!(back.len(), 9, "every write handed back once: {back:?}");
     assert!(done.iter().any(|d| d.stream == 0 && d.id == id));
     let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
-    assert_eq!(rec.streams[0].prefix_end, 7, "{:?}", rec.streams[0]);
+    assert_eq!(rec.streams[0].prefix_end, 4, "{:?}", rec.streams[0]);
     assert_eq!(rec.streams[1].prefix_end, 1, "{:?}", rec.streams[1]);
+}
+
+/// An ordered device of `streams` streams over one RAM target (no power-loss protection, no
+/// background FLUSH), its attribute log a block log on a [`FlakyWrites`] device of another lbio
+/// array (so its syncs block); the counter makes the log's next writes fail.
+fn blocking_log_rig(
+    streams: u16,
+) -> (
+    Rc<Engine>,
+    OrderedDevice<rio_ordering::BlockPmr>,
+    Rc<Cell<u32>>,
+) {
+    let (engine, lbio) = engine_and_array(64);
+    let dev = lbio::Device::memory(&lbio, DISK as usize).unwrap();
+    let log_array = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let fail = Rc::new(Cell::new(0));
+    let backend = || {
+        Box::new(FlakyWrites {
+            mem: lbio::MemBackend::new(64 << 10),
+            fail: Rc::clone(&fail),
+        })
+    };
+    let geometry = lbio::Geometry {
+        capacity_bytes: 64 << 10,
+        logical_block: 512,
+        mem_align: 512,
+        offset_align: 512,
+        max_transfer_bytes: 128 << 10,
+    };
+    let log_dev =
+        lbio::Device::from_backends(&log_array, backend(), backend(), geometry, true).unwrap();
+    let log = AttrLog::format(
+        rio_ordering::BlockPmr::on_device(log_dev, 0, 16 << 10).unwrap(),
+        streams,
+    )
+    .unwrap();
+    let cfg = OrderedConfig {
+        flush_ahead: 0,
+        ..OrderedConfig::default()
+    };
+    let start = vec![1; streams as usize];
+    let od = OrderedDevice::new(lbio, vec![dev], log, &start, cfg).unwrap();
+    (engine, od, fail)
+}
+
+/// `flush_queue(stream)` answers for its own stream, as `wait` does: a log sync that fails
+/// while it holds only another stream's staged commands is that stream's failure. Stream 1's
+/// write is staged behind a failed sync; stream 0, with nothing queued or staged, flushes its
+/// queue while the log still fails: `Ok`. Stream 1's own `flush_queue` reports the failure
+/// while its command is held, and sends it once the log can be written. (Before, stream 0's
+/// `flush_queue` returned the failed sync, stream 1's error: it ends by sending every stream's
+/// staged commands.)
+#[test]
+fn flush_queue_answers_for_its_own_stream_not_for_another_streams_failed_sync() {
+    let (engine, mut od, fail) = blocking_log_rig(2);
+    od.submit(0, write(&engine, 0, 0, 1), true).unwrap();
+    od.wait(0).unwrap();
+    // Stream 1's write: its entry's sync fails, and it stays staged.
+    fail.set(3);
+    let b = od.submit(1, write(&engine, 0, 65536, 2), true).unwrap();
+    assert_eq!(od.stats().send_errors, 1, "the failed sync is counted");
+    assert_eq!(od.in_flight(), 1, "stream 1's command is staged");
+    od.flush_queue(0)
+        .expect("stream 0 holds nothing behind the failed sync");
+    assert_eq!(fail.get(), 1, "stream 0's flush_queue tried the sync");
+    let e = od
+        .flush_queue(1)
+        .expect_err("stream 1's command is held behind the failed sync")
+        .to_string();
+    assert!(e.contains("block log write"), "{e}");
+    od.flush_queue(1).expect("the sync succeeds now");
+    od.wait(1).unwrap();
+    od.wait(0).unwrap();
+    let done: Vec<(u16, u64, bool)> = od
+        .poll()
+        .unwrap()
+        .into_iter()
+        .map(|d| (d.stream, d.id, d.result.is_ok()))
+        .collect();
+    assert!(done.contains(&(1, b, true)), "{done:?}");
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert_eq!(rec.streams[0].prefix_end, 2, "{:?}", rec.streams[0]);
+    assert_eq!(rec.streams[1].prefix_end, 2, "{:?}", rec.streams[1]);
+}
+
+/// ... and a command of its own stream that cannot be sent is `flush_queue`'s answer, even with
+/// nothing of the stream left behind it (its group failed; its `Done` and `wait` say so too).
+#[test]
+fn flush_queue_reports_its_own_command_that_cannot_be_sent() {
+    let (engine, mut od, held) = held_writes_rig();
+    for k in 0..5u64 {
+        od.submit(0, write(&engine, 0, k * 4096, 1), true).unwrap();
+    }
+    held.stall(true);
+    // The log writes come in and their commands go out through the one request slot: one of
+    // them cannot be sent, and two stay staged.
+    let mut done = Vec::new();
+    while od.stats().send_errors == 0 {
+        done.extend(od.wait_progress().unwrap());
+    }
+    assert_eq!(od.in_flight(), 3, "one command out, two staged");
+    // The first goes out through the slot the command out frees; the second cannot be sent.
+    let e = od
+        .flush_queue(0)
+        .expect_err("the stream's own command could not be sent")
+        .to_string();
+    assert!(e.contains("stalls"), "{e}");
+    assert_eq!(od.stats().send_errors, 1, "returned, not counted");
+    held.stall(false);
+    let e = od.wait(0).expect_err("two groups failed").to_string();
+    assert!(e.contains("sending it"), "{e}");
+    done.extend(od.poll().unwrap());
+    let back: Vec<(u64, bool)> = done.iter().map(|d| (d.seq, d.result.is_ok())).collect();
+    assert_eq!(
+        back,
+        vec![(1, true), (2, true), (3, false), (4, true), (5, false)],
+        "{done:?}"
+    );
 }
