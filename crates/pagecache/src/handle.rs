@@ -456,9 +456,11 @@ impl CacheHandle {
         // scattered read (one request per page without `vectored_reads`). Pages raced by
         // another reader or refused for lack of a frame or a slot are read one by one afterwards.
         let vectored = self.cache.cfg.vectored_reads;
-        // (page, frame, run, abandoned) per page read: the pages of a run share its number (not
-        // its tag: lbio may hand a finished run's tag to the next run at once).
-        let mut reads = [(0u64, 0u32, 0usize, false); MISS_BATCH];
+        // (page, frame, run, abandoned, removals) per page read: the pages of a run share its
+        // number (not its tag: lbio may hand a finished run's tag to the next run at once);
+        // `removals` is its index line's count from before the read (see `index_late`).
+        let mut reads = [(0u64, 0u32, 0usize, false, 0u32); MISS_BATCH];
+        let mut since = [0u32; MISS_BATCH];
         let mut runs = 0usize;
         let mut n_reads = 0;
         let mut retry = [0u64; MISS_BATCH];
@@ -478,7 +480,8 @@ impl CacheHandle {
                         runs += 1;
                         let run = self.run_frames.borrow();
                         for k in 0..run_len {
-                            reads[n_reads] = (run_page + k as u64, run[run_at + k], runs, false);
+                            let (page, frame) = (run_page + k as u64, run[run_at + k]);
+                            reads[n_reads] = (page, frame, runs, false, since[run_at + k]);
                             n_reads += 1;
                         }
                     }
@@ -503,6 +506,7 @@ impl CacheHandle {
             match self.claim_frame(Key::new(file.0, page)) {
                 Ok(Some(frame)) => {
                     self.run_frames.borrow_mut()[used] = frame;
+                    since[used] = self.cache.index.removals(Key::new(file.0, page));
                     if run_len == 0 {
                         (run_page, run_at) = (page, used);
                     }
@@ -536,13 +540,13 @@ impl CacheHandle {
         }
         // While the device works: lazy indexing, pool refill, readahead.
         for r in &mut reads[..n_reads] {
-            r.3 = self.index_late(Key::new(file.0, r.0), r.1);
+            r.3 = self.index_late(Key::new(file.0, r.0), r.1, r.4);
         }
         if let Err(e) = self.after_submit(file, first, last, &dev) {
             failure.get_or_insert(e);
         }
         let mut waited: Option<(usize, bool)> = None;
-        for (k, &(page, frame, run, abandoned)) in reads[..n_reads].iter().enumerate() {
+        for (k, &(page, frame, run, abandoned, _)) in reads[..n_reads].iter().enumerate() {
             let failed = match waited {
                 Some((r, failed)) if r == run => failed,
                 _ => {
@@ -974,7 +978,7 @@ impl CacheHandle {
     fn miss(&self, key: Key, entry: Option<Instant>) -> Result<Option<(u32, bool)>, CacheError> {
         let file = FileId(key.file());
         let dev = self.device(file)?;
-        let Some(frame) = self.start_read(key, &dev)? else {
+        let Some((frame, removals)) = self.start_read(key, &dev)? else {
             return Ok(None);
         };
         // The SQE is in the ring: what is timed ends here, as it enters the kernel.
@@ -985,7 +989,7 @@ impl CacheHandle {
         let submitted = self.engine.submit();
         self.count_misses(1);
         // The work the reader does not need before the device answers.
-        let abandoned = self.index_late(key, frame);
+        let abandoned = self.index_late(key, frame, removals);
         let after = match submitted {
             Ok(()) => self.after_submit(file, key.page(), key.page(), &dev),
             Err(e) => Err(e.into()),
@@ -999,16 +1003,18 @@ impl CacheHandle {
     }
 
     /// Take a frame for `key` and queue its read, held (it reaches the kernel with the caller's
-    /// next submit): the frame, pinned, or `None` when the vanilla order found the page
+    /// next submit): the frame, pinned, and its index line's removal count from before the
+    /// read (for [`Self::index_late`]), or `None` when the vanilla order found the page
     /// already indexed by another reader.
-    fn start_read(&self, key: Key, dev: &Device) -> Result<Option<u32>, CacheError> {
+    fn start_read(&self, key: Key, dev: &Device) -> Result<Option<(u32, u32)>, CacheError> {
         self.settle_orphans()?;
         let Some(frame) = self.claim_frame(key)? else {
             return Ok(None);
         };
+        let removals = self.cache.index.removals(key);
         self.run_frames.borrow_mut()[0] = frame;
         self.submit_read(key, 0, 1, dev)?;
-        Ok(Some(frame))
+        Ok(Some((frame, removals)))
     }
 
     /// Take a frame for `key`, pinned and flagged in I/O (in the vanilla order also indexed
@@ -1100,7 +1106,12 @@ impl CacheHandle {
 
     /// Lazy indexing, after the read was submitted: insert the frame, or mark it abandoned when
     /// another reader's frame for the page got there first (returns whether it was abandoned).
-    fn index_late(&self, key: Key, frame: u32) -> bool {
+    ///
+    /// Also abandoned when an entry of the page's index line left the index since `removals`
+    /// was read, before the read was queued: that entry may have been a newer copy of the page
+    /// (written and written back, or stored, then evicted, all while the read was in flight),
+    /// and the read's bytes, from before it, would then stay cached for good.
+    fn index_late(&self, key: Key, frame: u32, removals: u32) -> bool {
         if !self.mode.lazy_index {
             return false;
         }
@@ -1112,7 +1123,10 @@ impl CacheHandle {
         if cache.frames.state(frame).has(frames::FAILED) {
             return false;
         }
-        match cache.index.insert(key, frame, &cache.frames) {
+        match cache
+            .index
+            .insert_unless_removed(key, frame, &cache.frames, removals)
+        {
             Insert::Inserted => {
                 cache.frames.mark(frame, frames::INDEXED);
                 false
@@ -1120,6 +1134,10 @@ impl CacheHandle {
             Insert::Present(_) => {
                 cache.frames.mark(frame, frames::ABANDONED);
                 cache.counters.duplicates.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            Insert::Stale => {
+                cache.frames.mark(frame, frames::ABANDONED);
                 true
             }
         }

@@ -61,6 +61,10 @@ pub struct Index {
     /// Lines - 1 (the line count is a power of two).
     mask: usize,
     stripes: Box<[Mutex<()>]>,
+    /// Per line: removals of entries whose home it is (raised under the key's stripe). A read
+    /// indexed late compares it with its value from before the device read: a copy of the page
+    /// that left the index meanwhile may be newer than the bytes that read returns.
+    removals: Box<[AtomicU32]>,
 }
 
 /// What an insert found.
@@ -70,6 +74,9 @@ pub enum Insert {
     Inserted,
     /// Another frame already stands for the key.
     Present(u32),
+    /// An entry for the key's line left the index since the caller's [`Index::removals`]:
+    /// nothing inserted (the caller's bytes may be older than the page that left).
+    Stale,
 }
 
 impl Index {
@@ -88,6 +95,7 @@ impl Index {
             overflow: (0..lines).map(|_| AtomicU32::new(0)).collect(),
             mask: lines - 1,
             stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
+            removals: (0..lines).map(|_| AtomicU32::new(0)).collect(),
         }
     }
 
@@ -164,9 +172,46 @@ impl Index {
         None
     }
 
+    /// The removal count of `key`'s line, for [`Self::insert_unless_removed`]: read it before
+    /// the device read whose bytes are to be indexed.
+    pub fn removals(&self, key: Key) -> u32 {
+        self.removals[self.home_and_tag(key).0].load(Ordering::Acquire)
+    }
+
     /// Make `frame` stand for `key` unless another frame already does.
     pub fn insert(&self, key: Key, frame: u32, frames: &FrameTable) -> Insert {
+        self.insert_checked(key, frame, frames, None)
+    }
+
+    /// [`Self::insert`] for bytes read from the device after `removals` was read: `Stale` if an
+    /// entry of the key's line has left the index since (it may have held the page, newer than
+    /// those bytes: written, written back and evicted, or stored and evicted, while the read
+    /// was in flight). Another key of the line makes it `Stale` too, seldom: the read is then
+    /// not cached.
+    pub fn insert_unless_removed(
+        &self,
+        key: Key,
+        frame: u32,
+        frames: &FrameTable,
+        removals: u32,
+    ) -> Insert {
+        self.insert_checked(key, frame, frames, Some(removals))
+    }
+
+    fn insert_checked(
+        &self,
+        key: Key,
+        frame: u32,
+        frames: &FrameTable,
+        removals: Option<u32>,
+    ) -> Insert {
         let _g = self.stripe(key);
+        // Removals of `key` take this stripe too, so one before this point is seen here.
+        if removals
+            .is_some_and(|r| self.removals[self.home_and_tag(key).0].load(Ordering::Acquire) != r)
+        {
+            return Insert::Stale;
+        }
         // Another frame for `key`? Inserts and removals of `key` are serialised by the stripe,
         // so every entry for it, and the counts that lead to it, are visible to this search.
         match self.get(key, frames) {
@@ -214,6 +259,7 @@ impl Index {
                         .compare_exchange(mine, EMPTY, Ordering::AcqRel, Ordering::Acquire)
                         .is_ok()
                 {
+                    self.removals[home].fetch_add(1, Ordering::AcqRel);
                     // The counts this entry's insert raised on the lines before it.
                     let mut k = home;
                     for _ in 0..passed {
@@ -302,6 +348,33 @@ mod tests {
         assert_eq!(idx.insert(a, 2, &frames), Insert::Inserted);
         assert!(idx.remove(a, 2));
         assert_eq!(idx.get(a, &frames), None);
+    }
+
+    /// A late insert whose key's line lost an entry since its count was read is refused: that
+    /// entry may have been a newer copy of the page.
+    #[test]
+    fn a_late_insert_after_a_removal_on_its_line_is_stale() {
+        let frames = FrameTable::new(8);
+        let idx = Index::new(8);
+        let a = Key::new(1, 10);
+        keyed(&frames, 0, a);
+        keyed(&frames, 1, a);
+        let before = idx.removals(a);
+        assert_eq!(idx.insert(a, 0, &frames), Insert::Inserted);
+        assert!(!idx.remove(a, 1), "not its entry: nothing removed");
+        assert_eq!(idx.removals(a), before);
+        assert!(idx.remove(a, 0));
+        assert_eq!(
+            idx.insert_unless_removed(a, 1, &frames, before),
+            Insert::Stale
+        );
+        assert_eq!(idx.get(a, &frames), None);
+        let now = idx.removals(a);
+        assert_eq!(
+            idx.insert_unless_removed(a, 1, &frames, now),
+            Insert::Inserted
+        );
+        assert_eq!(idx.get(a, &frames), Some(1));
     }
 
     #[test]

@@ -969,6 +969,67 @@ fn a_store_racing_a_miss_that_read_the_old_bytes_leaves_the_new_bytes_cached() {
     );
 }
 
+/// A reader misses page 3 and its read copies the device's old bytes; before the reader
+/// indexes the page (lazy indexing), another handle puts new bytes in the cache (a `store` of
+/// bytes written around it, or a `write` and a `sync`) and then the cache's pressure evicts
+/// them. The reader's late insert then found the key absent and indexed the old bytes, which
+/// every later read returned (found by the fifth review, 2026-11-28).
+#[test]
+fn a_miss_never_indexes_bytes_older_than_a_page_evicted_while_it_was_in_flight() {
+    for via_store in [true, false] {
+        let Setup {
+            cache,
+            lbio,
+            file,
+            h,
+            ..
+        } = setup(16, 4, 0, 64 * 4096, Mode::AIOS);
+        let (dev, backend) = faulty_device(&lbio, 64 * 4096);
+        h.attach(file, dev).unwrap();
+        let engine2 = engine();
+        let lbio2 = LbioArray::new(Rc::clone(&engine2), LbioConfig::default()).unwrap();
+        let h2 = CacheHandle::new(&cache, &engine2, &lbio2, Mode::AIOS).unwrap();
+        h2.attach(file, device_over(&lbio2, &backend)).unwrap();
+        let writer = device_over(&lbio2, &backend);
+        let ran = Rc::new(Cell::new(false));
+        let done = Rc::clone(&ran);
+        let c = Arc::clone(&cache);
+        *backend.after_read.borrow_mut() = Some(Box::new(move || {
+            if via_store {
+                let mut b = engine2.try_alloc(4096).unwrap();
+                b.fill(0xab);
+                writer.write_at_blocking(3 * 4096, b, false).unwrap();
+                h2.store(file, 3 * 4096, &[0xab; 4096]).unwrap();
+            } else {
+                h2.write(file, 3 * 4096, &[0xab; 4096]).unwrap();
+                h2.sync(file).unwrap();
+            }
+            // Pressure: the new page, clean, is evicted.
+            let mut buf = vec![0u8; 4096];
+            for page in 16..48 {
+                h2.read(file, page * 4096, &mut buf).unwrap();
+            }
+            assert!(
+                c.index
+                    .get(frames::Key::new(file.0, 3), &c.frames)
+                    .is_none(),
+                "page 3 was not evicted"
+            );
+            done.set(true);
+        }));
+        let mut buf = vec![0u8; 4096];
+        h.read(file, 3 * 4096, &mut buf).unwrap();
+        assert!(ran.get(), "the writer ran inside the read");
+        h.read(file, 3 * 4096, &mut buf).unwrap();
+        assert!(
+            buf.iter().all(|&b| b == 0xab),
+            "via_store {via_store}: the cache kept the bytes read before the new ones"
+        );
+        drop(h);
+        assert_frames_free_or_cached(&cache, &cache.metrics());
+    }
+}
+
 /// A write from a handle to a page one of its own guards pins by count (its hazard slots all
 /// taken) is refused with `GuardHeld`, as for a page a slot holds: it used to wait forever for
 /// a pin that could not go (found by a review, 2026-11-27). Run on a thread with a deadline so
