@@ -1598,7 +1598,18 @@ impl CacheHandle {
                 }
                 // Pinned for good by a write back a dropped handle gave up on.
                 if s.has(frames::LOST) && frames.key(frame) == key.0 {
-                    return Err(CacheError::WritebackLost { file, page });
+                    if dirty {
+                        return Err(CacheError::WritebackLost { file, page });
+                    }
+                    // A `store`: the device holds newer bytes than the lost frame, which must
+                    // neither be read nor written back over them. It leaves the index, clean
+                    // (still pinned, never freed), and the page goes into a frame of its own.
+                    self.cache.index.remove(key, frame);
+                    frames.update(frame, |s| {
+                        let gone = frames::DIRTY | frames::INDEXED;
+                        Some(s.with_flags(s.flags() & !gone).bumped())
+                    });
+                    continue;
                 }
                 // Pinned by a write back of this handle's own left in flight by a failed wait:
                 // only this handle's engine completes it (waiting for the frame below would

@@ -2127,7 +2127,9 @@ fn a_dropped_handle_whose_engine_keeps_failing_leaves_the_iovecs_its_writes_name
 /// the frame stays pinned for good: the write may still land whenever that engine is entered)
 /// cannot be written through another handle: the write is refused with a typed error instead of
 /// waiting for ever for a pin nobody will drop (found by the second review on 2026-11-28). The
-/// page still reads its last bytes, and another handle's `sync` still writes it out.
+/// page still reads its last bytes, and another handle's `sync` still writes it out. A `store`
+/// of such a page is taken (found by the fifth review: it was refused, and the next `sync`
+/// wrote the lost copy over the bytes the caller had written around the cache).
 #[test]
 fn a_write_to_a_page_whose_write_back_a_dropped_handle_lost_is_refused_not_waited_for() {
     within(60, || {
@@ -2165,6 +2167,20 @@ fn a_write_to_a_page_whose_write_back_a_dropped_handle_lost_is_refused_not_waite
         assert!(
             *disk.mem.borrow() == content,
             "the device holds other bytes"
+        );
+        // A `store` of a lost page (its bytes written around the cache) is taken, and the lost
+        // copy is neither read nor written back over them.
+        let mut content = content;
+        content[3 * 4096..].fill(0x77);
+        disk.mem.borrow_mut()[3 * 4096..].fill(0x77);
+        h2.store(file, 3 * 4096, &[0x77; 4096]).unwrap();
+        h2.read(file, 0, &mut back).unwrap();
+        assert!(back == content, "a read returned the lost copy");
+        h2.sync(file).unwrap();
+        assert!(engine.drain_all());
+        assert!(
+            *disk.mem.borrow() == content,
+            "a sync wrote the lost copy over the stored bytes"
         );
     });
 }
