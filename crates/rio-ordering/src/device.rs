@@ -525,6 +525,24 @@ impl<P: Pmr> OrderedDevice<P> {
                  (open it for writing)"
             )));
         }
+        // Merged commands and the pieces of split requests are copied into arena buffers:
+        // their alignment (that of the arena's start and of its frame size) must do for every
+        // target, or lbio refuses a copy when it is sent, after its group took its entry.
+        let arena = lbio.engine().arena();
+        let copy_align =
+            1u64 << (arena.base_ptr() as u64 | arena.frame_bytes() as u64).trailing_zeros();
+        if let Some((t, d)) = targets
+            .iter()
+            .enumerate()
+            .find(|(_, d)| d.geometry().mem_align as u64 > copy_align)
+        {
+            return Err(RioError::Config(format!(
+                "target {t} needs buffers aligned to {} bytes, but the engine's arena ({}-byte                  frames) gives copies aligned to {copy_align}: merged and split commands would                  be refused; give the engine frames of at least {} bytes",
+                d.geometry().mem_align,
+                arena.frame_bytes(),
+                d.geometry().mem_align
+            )));
+        }
         let flush_ahead = cfg.flush_ahead.min(log.slots() as usize / 2);
         // Allocate at start: what a steady stream of writes tracks is sized here, so the write
         // path does not grow a collection (`tests/no_alloc.rs`). Commands in flight are bounded

@@ -1312,3 +1312,37 @@ fn flush_queue_reports_its_own_command_that_cannot_be_sent() {
         "{done:?}"
     );
 }
+
+/// A target whose buffers must be aligned beyond what the engine's arena gives (512-byte frames,
+/// a target of 4096-byte memory alignment) is refused when the ordered device is built. The
+/// copies merged commands and the pieces of split requests are built in come from that arena,
+/// and lbio refuses such a copy when it is sent: the group fails, and holds the stream's log
+/// until recovery. (Found by a review on 2026-11-28: such a device was built.)
+#[test]
+fn a_target_needing_more_alignment_than_the_arenas_frames_give_is_refused() {
+    let engine = Engine::new(EngineConfig {
+        ring_entries: 64,
+        arena_bytes: 1 << 20,
+        frame_bytes: 512,
+        huge_pages: false,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let geometry = lbio::Geometry {
+        capacity_bytes: DISK,
+        logical_block: 4096,
+        mem_align: 4096,
+        offset_align: 4096,
+        max_transfer_bytes: 128 << 10,
+    };
+    let backend = || Box::new(lbio::MemBackend::new(DISK as usize));
+    let dev = lbio::Device::from_backends(&lbio, backend(), backend(), geometry, true).unwrap();
+    let log = AttrLog::format(MemPmr::new(64 << 10), 1).unwrap();
+    let r = OrderedDevice::new(lbio, vec![dev], log, &[1], OrderedConfig::default());
+    let Err(e) = r else {
+        panic!("a target needing 4096-byte aligned buffers over 512-byte frames was taken");
+    };
+    let msg = e.to_string();
+    assert!(msg.contains("4096") && msg.contains("512"), "{msg}");
+}
