@@ -307,6 +307,15 @@ impl Uring {
         }
     }
 
+    /// Whether the kernel holds completions that did not fit the CQ (`IORING_SQ_CQ_OVERFLOW`):
+    /// they reach the CQ only through an `io_uring_enter` with `GETEVENTS`.
+    fn cq_overflow(&mut self) -> bool {
+        match self {
+            Uring::Std(u) => u.submission().cq_overflow(),
+            Uring::Big(u) => u.submission().cq_overflow(),
+        }
+    }
+
     /// Whether no CQE is posted.
     fn cq_empty(&mut self) -> bool {
         match self {
@@ -794,8 +803,8 @@ impl Engine {
     /// Register a completion sink; its SQEs carry the returned id.
     ///
     /// A never-used id is taken first. The id of a sink that is gone is reused only once
-    /// nothing is in flight on the rings (waiting for that here): a CQE of the old sink's
-    /// still to come would otherwise be handed to the new one.
+    /// nothing is in flight on the rings or held by a software device (waiting for that here):
+    /// a completion of the old sink's still to come would otherwise be handed to the new one.
     pub fn register_sink(&self, sink: Weak<dyn CompletionSink>) -> Result<SinkId, CoreError> {
         loop {
             let mut sinks = self.sinks.borrow_mut();
@@ -806,7 +815,9 @@ impl Engine {
                         .iter()
                         .position(|s| s.as_ref().is_some_and(|w| w.strong_count() == 0))
                         .ok_or(CoreError::SinksExhausted(MAX_COMPLETION_SINKS))?;
-                    if self.rings().any(|r| r.inflight.get() > 0) {
+                    // A software device's requests count too: their completions are pushed
+                    // (tagged with the sink's id) only when it advances.
+                    if self.inflight() > 0 {
                         // Dispatch (as orphans, for the dead sink) what is out, then look again.
                         drop(sinks);
                         self.wait(1)?;
@@ -1207,8 +1218,9 @@ impl Engine {
     }
 
     /// Submit what is queued and dispatch at least `min` completions (fewer only if fewer are in
-    /// flight), blocking or spinning according to the completion mode. In `Wait` mode the
-    /// submission and the wait are one `io_uring_enter`.
+    /// flight, or once nothing is: a wait nested in a sink's handler may take some), blocking
+    /// or spinning according to the completion mode. In `Wait` mode the submission and the
+    /// wait are one `io_uring_enter`.
     pub fn wait(&self, min: u32) -> Result<u32, CoreError> {
         let min = min.min(self.inflight());
         // Completions already posted cost no system call.
@@ -1228,6 +1240,11 @@ impl Engine {
             _ => None,
         };
         while done < min {
+            // Nothing left in flight, nothing more can come: a wait nested in a sink's handler
+            // may have taken completions counted in `min` (this loop went round for ever).
+            if self.inflight() == 0 {
+                break;
+            }
             if self.soft_pending() > 0 {
                 // Their completions arrive as NOPs, pushed now and reaped below.
                 self.advance_soft()?;
@@ -1276,8 +1293,13 @@ impl Engine {
         }
         let mut n = 0;
         for ring in self.rings() {
+            // Completions that overflowed the CQ are moved into it only by an enter with
+            // GETEVENTS: without one, a busy-poll on a ring without DEFER_TASKRUN never saw them.
             let needs_enter = ring.pending.get() > 0
-                || (ring.inflight.get() > 0 && (ring.defer_taskrun || ring.iopoll));
+                || (ring.inflight.get() > 0
+                    && (ring.defer_taskrun
+                        || ring.iopoll
+                        || ring.uring.borrow_mut().cq_overflow()));
             if needs_enter {
                 loop {
                     match self.enter(ring, 0, true) {
@@ -2024,5 +2046,120 @@ mod tests {
         let e = unsafe { engine.push_cmd(RingKind::Main, SinkId(0), 0, sqe) }.unwrap_err();
         assert!(e.to_string().contains("passthrough: true"), "{e}");
         assert!(!engine.has_work());
+    }
+
+    /// More completions than the CQ holds, busy-polled on a ring without DEFER_TASKRUN: the
+    /// kernel keeps the excess on its overflow list and moves it into the CQ only on an enter
+    /// with GETEVENTS, which the busy-poll never made (nothing queued, no deferred task work),
+    /// so the wait spun for ever once the CQ was reaped. Run on a thread with a deadline.
+    #[test]
+    fn a_busy_poll_gets_completions_that_overflowed_the_cq() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        thread::spawn(move || {
+            let engine = Engine::new(EngineConfig {
+                ring_entries: 2,
+                arena_bytes: 64 << 10,
+                huge_pages: false,
+                fast_flags: false,
+                completion: CompletionMode::BusyPoll,
+                ..EngineConfig::default()
+            })
+            .unwrap();
+            let (sink, id) = sink(&engine);
+            // Each push submits its NOP, which completes at once: 4 fill the CQ, 12 overflow.
+            for i in 0..16 {
+                // SAFETY: a NOP refers to no memory.
+                unsafe { engine.push(RingKind::Main, id, i, nop_sqe()) }.unwrap();
+            }
+            let r = engine.wait(16).map_err(|e| e.to_string());
+            let _ = tx.send((r, sink.0.get(), engine.has_work()));
+        });
+        let (r, got, work) = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the busy-poll wait never returned");
+        assert_eq!(r, Ok(16));
+        assert_eq!((got, work), (16, false));
+    }
+
+    /// A sink that waits on the engine from its completion (a handler that needs a frame and
+    /// calls `alloc_blocking`, say) reaps, in that nested wait, completions the outer wait
+    /// counted on. The outer wait then went round for ever with nothing left in flight: in
+    /// `Wait` mode with enters that wait for nothing, in `BusyPoll` with empty polls. Run on a
+    /// thread with a deadline.
+    #[test]
+    fn a_wait_whose_completions_a_nested_wait_took_returns() {
+        struct Nested(Weak<Engine>, Cell<u32>);
+        impl CompletionSink for Nested {
+            fn complete(&self, payload: u64, _result: i32, _flags: u32) {
+                self.1.set(self.1.get() + 1);
+                if payload == 0 {
+                    let engine = self.0.upgrade().expect("the engine lives");
+                    engine.wait(1).expect("the nested wait");
+                }
+            }
+        }
+        for mode in [CompletionMode::Wait, CompletionMode::BusyPoll] {
+            let (tx, rx) = std::sync::mpsc::channel();
+            thread::spawn(move || {
+                let engine = small();
+                engine.set_completion_mode(mode);
+                let sink = Rc::new(Nested(Rc::downgrade(&engine), Cell::new(0)));
+                let id = engine
+                    .register_sink(Rc::downgrade(&sink) as Weak<dyn CompletionSink>)
+                    .unwrap();
+                let ts = io_uring::types::Timespec::new().nsec(5_000_000);
+                {
+                    let _plug = engine.plug();
+                    // SAFETY: a NOP refers to no memory; `ts` outlives the waits below.
+                    unsafe {
+                        engine.push(RingKind::Main, id, 0, nop_sqe()).unwrap();
+                        let timer = io_uring::opcode::Timeout::new(&ts).build();
+                        engine.push(RingKind::Main, id, 1, timer).unwrap();
+                    }
+                }
+                // The NOP's completion comes first; its handler's wait takes the timer's.
+                let r = engine.wait(2).map_err(|e| e.to_string());
+                let _ = tx.send((r, sink.1.get(), engine.has_work()));
+            });
+            let (r, got, work) = rx
+                .recv_timeout(Duration::from_secs(20))
+                .unwrap_or_else(|_| panic!("{mode:?}: the outer wait never returned"));
+            assert!(r.is_ok(), "{mode:?}: {r:?}");
+            assert_eq!((got, work), (2, false), "{mode:?}");
+        }
+    }
+
+    /// A software device holding a request of a sink that is gone: the request's completion
+    /// is still to come (the device pushes it when asked to advance), so the dead sink's id
+    /// must not go to a new sink before it came. Only the rings' SQEs were counted, and the
+    /// new sink got the old one's completion.
+    #[test]
+    fn a_dead_sinks_id_is_not_reused_while_a_soft_device_holds_its_requests() {
+        struct Held(RefCell<Vec<(SinkId, u64)>>);
+        impl SoftDevice for Held {
+            fn pending(&self) -> u32 {
+                self.0.borrow().len() as u32
+            }
+            fn advance(&self, engine: &Engine) -> Result<(), CoreError> {
+                let (sink, payload) = self.0.borrow_mut().pop().expect("a request pending");
+                // SAFETY: a NOP refers to no memory.
+                unsafe { engine.push(RingKind::Main, sink, payload, nop_sqe()) }
+            }
+        }
+        let engine = small();
+        let keep: Vec<_> = (0..MAX_COMPLETION_SINKS - 1)
+            .map(|_| sink(&engine))
+            .collect();
+        let (old, old_id) = sink(&engine);
+        let dev = Rc::new(Held(RefCell::new(vec![(old_id, 5)])));
+        engine.attach_soft_device(Rc::downgrade(&dev) as Weak<dyn SoftDevice>);
+        drop(old);
+        let (new, _) = sink(&engine);
+        while engine.has_work() {
+            engine.wait(1).unwrap();
+        }
+        assert_eq!(new.0.get(), 0, "the new sink got the dead one's completion");
+        assert_eq!(engine.metrics().orphan_cqes, 1);
+        drop(keep);
     }
 }
