@@ -2091,6 +2091,16 @@ impl Fs {
         Ok(())
     }
 
+    /// Before a new entry is added by link or rename (nothing changed yet): when the blocks it
+    /// may need (a directory block and that directory's extent leaf) are free only once the
+    /// blocks freed since the last commit come back, commit first, as mknod does.
+    fn room_for_entry(&self, st: &mut State, ctx: &Ctx) -> FsResult<()> {
+        if !st.quarantine.is_empty() && st.free_blocks < st.quarantine.len() as u64 + 2 {
+            self.commit_locked(st, ctx, None)?;
+        }
+        Ok(())
+    }
+
     /// Add `name` -> `ino` to directory `parent` (growing it by a block when full).
     fn add_entry(
         &self,
@@ -2328,6 +2338,7 @@ impl Fs {
         if self.dir(&mut st, &ctx, parent)?.get(name).is_some() {
             return Err(libc::EEXIST);
         }
+        self.room_for_entry(&mut st, &ctx)?;
         self.add_entry(&mut st, &ctx, parent, name, ino, kind)?;
         let n = st.nodes.get_mut(&ino).expect("node");
         n.attr.nlink += 1;
@@ -2422,6 +2433,11 @@ impl Fs {
         if name.len() > NAME_MAX {
             return Err(libc::ENAMETOOLONG);
         }
+        // "." and ".." are not entries to move or replace (Linux says EBUSY): moved, "." would
+        // leave its directory named twice and without it.
+        if [name, newname].iter().any(|n| *n == b"." || *n == b"..") {
+            return Err(libc::EBUSY);
+        }
         let ctx = self.ctx()?;
         let mut st = self.lock()?;
         self.writable(&st)?;
@@ -2462,6 +2478,10 @@ impl Fs {
                 st.nodes.get_mut(&i).expect("n").attr.ctime = t;
                 Self::touch(&mut st, i);
             }
+            // Both directories' entries changed.
+            for i in [parent, newparent] {
+                st.nodes.get_mut(&i).expect("p").attr.mtime = t;
+            }
             return self.settle(&mut st, &ctx);
         }
         if let Some(d) = &dst {
@@ -2491,6 +2511,9 @@ impl Fs {
             && st.nodes[&newparent].attr.nlink >= u32::MAX - 1
         {
             return Err(libc::EMLINK);
+        }
+        if dst.is_none() {
+            self.room_for_entry(&mut st, &ctx)?;
         }
         let t = now();
         // Target first (it can fail on a full disk), then the source goes.
@@ -3046,6 +3069,10 @@ impl Fs {
         }
         let n = st.nodes.get_mut(&ino).expect("node");
         n.attr.ctime = t;
+        if punch {
+            // The file's bytes changed (as on ext4 and XFS).
+            n.attr.mtime = t;
+        }
         n.layout_dirty = true;
         Self::touch(&mut st, ino);
         self.settle(&mut st, &ctx)

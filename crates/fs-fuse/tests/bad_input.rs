@@ -674,3 +674,46 @@ fn a_symlink_target_past_one_block_is_name_too_long() {
     assert_eq!(fs.readlink(a.ino).unwrap(), full);
     fs.unmount().unwrap();
 }
+
+/// rename of "." or "..", or onto either, is EBUSY (Linux's answer) and changes nothing. The
+/// kernel never sends one, but `Fs` is a library API too. (From a review on 2026-11-28:
+/// `rename(a, ".", b, "x")` moved the entry "." out of `a` into `b`, leaving `a` named twice
+/// and without "."; fsck then called the image damaged and the mount refused it.)
+#[test]
+fn rename_of_dot_or_dotdot_is_ebusy_and_changes_nothing() {
+    let (disk, fs) = common::open(fresh_image(8 << 20), 1).unwrap();
+    let a = fs
+        .mknod(ROOT_INO, b"a", S_IFDIR | 0o755, 0, ROOT, None)
+        .unwrap()
+        .ino;
+    let b = fs
+        .mknod(ROOT_INO, b"b", S_IFDIR | 0o755, 0, ROOT, None)
+        .unwrap()
+        .ino;
+    fs.mknod(a, b"f", S_IFREG | 0o644, 0, ROOT, None).unwrap();
+    for (from, name, to, newname, flags) in [
+        (a, &b"."[..], b, &b"x"[..], 0),
+        (a, b"..", b, b"x", 0),
+        (a, b".", b, b"x", libc::RENAME_NOREPLACE),
+        (a, b"f", b, b".", 0),
+        (a, b"f", b, b"..", 0),
+        (ROOT_INO, b"a", b, b"..", 0),
+        (a, b".", b, b".", libc::RENAME_EXCHANGE),
+        (a, b"f", b, b"..", libc::RENAME_EXCHANGE),
+    ] {
+        assert_eq!(
+            fs.rename(from, name, to, newname, flags),
+            Err(libc::EBUSY),
+            "rename {:?} -> {:?} (flags {flags:#x})",
+            String::from_utf8_lossy(name),
+            String::from_utf8_lossy(newname)
+        );
+    }
+    assert_eq!(fs.lookup(b, b"x", false), Err(libc::ENOENT));
+    assert_eq!(fs.lookup(a, b".", false).unwrap().ino, a);
+    assert_eq!(fs.lookup(a, b"..", false).unwrap().ino, ROOT_INO);
+    fs.unmount().unwrap();
+    drop(fs);
+    let rep = fsck_image(&disk.media()).unwrap();
+    assert!(rep.clean(), "fsck: {:?}", rep.problems);
+}
