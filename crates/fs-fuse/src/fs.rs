@@ -2446,8 +2446,12 @@ impl Fs {
             .get(name)
             .ok_or(libc::ENOENT)?
             .clone();
-        if !self.node(&mut st, &ctx, newparent)?.attr.is_dir() {
+        let np = self.node(&mut st, &ctx, newparent)?;
+        if !np.attr.is_dir() {
             return Err(libc::ENOTDIR);
+        }
+        if np.attr.nlink < 2 {
+            return Err(libc::ENOENT); // removed while open, as in mknod and link
         }
         let dst = self.dir(&mut st, &ctx, newparent)?.get(newname).cloned();
         let src_dir = self.node(&mut st, &ctx, src.ino)?.attr.is_dir();

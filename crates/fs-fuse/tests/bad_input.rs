@@ -717,3 +717,34 @@ fn rename_of_dot_or_dotdot_is_ebusy_and_changes_nothing() {
     let rep = fsck_image(&disk.media()).unwrap();
     assert!(rep.clean(), "fsck: {:?}", rep.problems);
 }
+
+/// A rename into a directory that was removed (still open, so its inode lives, but with no
+/// link left) is ENOENT, as mknod and link into it are: the moved file would be reachable from
+/// nothing once the directory is freed. (Found by a review on 2026-11-28: it was taken.)
+#[test]
+fn a_rename_into_a_removed_directory_is_enoent_and_moves_nothing() {
+    let (disk, fs) = common::open(fresh_image(8 << 20), 1).unwrap();
+    let gone = fs
+        .mknod(ROOT_INO, b"gone", S_IFDIR | 0o755, 0, ROOT, None)
+        .unwrap()
+        .ino;
+    // Looked up and held (as an open directory would be): the inode outlives its removal.
+    fs.lookup(ROOT_INO, b"gone", true).unwrap();
+    let f = fs
+        .mknod(ROOT_INO, b"f", S_IFREG | 0o644, 0, ROOT, None)
+        .unwrap()
+        .ino;
+    fs.remove(ROOT_INO, b"gone", true).unwrap();
+    for flags in [0, libc::RENAME_NOREPLACE] {
+        assert_eq!(
+            fs.rename(ROOT_INO, b"f", gone, b"f", flags),
+            Err(libc::ENOENT),
+            "flags {flags:#x}"
+        );
+    }
+    assert_eq!(fs.lookup(ROOT_INO, b"f", false).unwrap().ino, f);
+    fs.unmount().unwrap();
+    drop(fs);
+    let rep = fsck_image(&disk.media()).unwrap();
+    assert!(rep.clean(), "fsck: {:?}", rep.problems);
+}
