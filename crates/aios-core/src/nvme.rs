@@ -423,6 +423,20 @@ pub fn parse_identify(
             "LBA format {idx} has LBADS {lbads} (2^{lbads}-byte blocks): lbio supports 512 B to 64 KiB"
         ));
     }
+    // Metadata per block (bits 15:0): lbio's commands carry no metadata pointer and size the
+    // data as plain blocks, so such a format cannot be driven correctly.
+    let ms = lbaf & 0xffff;
+    if ms != 0 {
+        let how = if flbas & 0x10 != 0 {
+            "inline with each block"
+        } else {
+            "in a separate buffer"
+        };
+        return Err(format!(
+            "LBA format {idx} carries {ms} bytes of metadata per block ({how}): lbio sends no \
+             metadata; format the namespace with a metadata-free LBA format (nvme format --lbaf)"
+        ));
+    }
     let mdts = ctrl[77];
     Ok(NvmeNamespace {
         char_device,
@@ -643,6 +657,24 @@ mod tests {
         assert_eq!(n.mdts_bytes, None, "MDTS 0 means no limit");
         let (ctrl, ns) = pages(3, 5, 1);
         assert!(parse_identify("/dev/ng0n1".into(), 1, &ctrl, &ns, None).is_err());
+    }
+
+    /// A namespace formatted with metadata per block (MS > 0: inline with the data, or in a
+    /// separate buffer) is refused. lbio's commands carry no metadata pointer and size their
+    /// data as blocks without metadata: the controller would move metadata to or from address
+    /// 0, or the transfer would not match the buffer. (Found by a review on 2026-11-28: such a
+    /// namespace was taken.)
+    #[test]
+    fn a_namespace_formatted_with_metadata_is_refused() {
+        for extended in [false, true] {
+            let (ctrl, mut ns) = pages(12, 7, 65536);
+            ns[132..136].copy_from_slice(&((12u32 << 16) | 8).to_le_bytes());
+            if extended {
+                ns[26] |= 0x10;
+            }
+            let e = parse_identify("/dev/ng0n1".into(), 1, &ctrl, &ns, None).unwrap_err();
+            assert!(e.contains("metadata"), "extended {extended}: {e}");
+        }
     }
 
     #[test]
