@@ -2463,6 +2463,13 @@ impl Fs {
             {
                 return Err(libc::EINVAL);
             }
+            if parent != newparent {
+                for (d, is_dir) in [(src.ino, src_dir), (dst.ino, dst_dir)] {
+                    if is_dir {
+                        self.dotdot_ready(&mut st, &ctx, d)?;
+                    }
+                }
+            }
             self.replace_entry(&mut st, &ctx, parent, name, dst.ino, dst.kind)?;
             self.replace_entry(&mut st, &ctx, newparent, newname, src.ino, src.kind)?;
             if parent != newparent {
@@ -2515,6 +2522,9 @@ impl Fs {
             && st.nodes[&newparent].attr.nlink >= u32::MAX - 1
         {
             return Err(libc::EMLINK);
+        }
+        if src_dir && parent != newparent {
+            self.dotdot_ready(&mut st, &ctx, src.ino)?;
         }
         if dst.is_none() {
             self.room_for_entry(&mut st, &ctx)?;
@@ -2574,6 +2584,20 @@ impl Fs {
         Ok(())
     }
 
+    /// Before a rename changes anything: load directory `dir`, which it moves to another
+    /// parent, and check it has "..", so that [`Self::set_dotdot`] cannot fail later. Failing
+    /// there, part way (one directory's entry changed and marked, the other's changed and not
+    /// yet), the next commit would write one directory without the other.
+    fn dotdot_ready(&self, st: &mut State, ctx: &Ctx, dir: u64) -> FsResult<()> {
+        match self.dir(st, ctx, dir)?.get(b"..") {
+            Some(_) => Ok(()),
+            None => {
+                eprintln!("aiosfs: directory {dir} has no \"..\" (run aios fsck)");
+                Err(libc::EIO)
+            }
+        }
+    }
+
     fn set_dotdot(&self, st: &mut State, ctx: &Ctx, dir: u64, parent: u64) -> FsResult<()> {
         self.replace_entry(st, ctx, dir, b"..", parent, (S_IFDIR >> 12) as u8)
     }
@@ -2610,6 +2634,13 @@ impl Fs {
         let ctx = self.ctx()?;
         let mut st = self.lock()?;
         self.writable(&st)?;
+        let kill_privs = set.kill_privs && set.mode.is_none();
+        if kill_privs {
+            // Read before anything changes: `kill_privs` below can fail only here, and failing
+            // there would leave the owner, mode and size changed in memory with the inode
+            // unmarked (the next change of it would commit them, after an EIO).
+            self.load_xattrs(&mut st, &ctx, ino)?;
+        }
         let t = now();
         if let Some(size) = set.size {
             if size > MAX_FILE_BYTES {
@@ -2641,7 +2672,7 @@ impl Fs {
             n.attr.mtime = m.unwrap_or(t);
         }
         n.attr.ctime = t;
-        if set.kill_privs && set.mode.is_none() {
+        if kill_privs {
             self.kill_privs(&mut st, &ctx, ino, true)?;
         }
         let n = st.nodes.get_mut(&ino).expect("node");
@@ -2682,10 +2713,17 @@ impl Fs {
     }
 
     fn truncate(&self, st: &mut State, ctx: &Ctx, ino: u64, size: u64) -> FsResult<()> {
-        let n = st.nodes.get_mut(&ino).expect("node");
-        n.layout_dirty = true;
-        let old = n.attr.size;
+        let old = st.nodes[&ino].attr.size;
         if size < old {
+            // Zero the rest of the last block, so growing the file later reads zeros. First:
+            // it may read the block and fail, and nothing may have changed then (freed
+            // blocks with the inode unmarked would be written free while the inode on disk
+            // still maps them). The block is below `keep`, so it is not freed below.
+            if size % B != 0 {
+                let l = size / B;
+                self.zero_in_block(st, ctx, ino, l, (size % B) as usize, BLOCK)?;
+            }
+            let n = st.nodes.get_mut(&ino).expect("node");
             let keep = size.div_ceil(B);
             let gone: Vec<u64> = n.dirty.range(keep..).map(|(&l, _)| l).collect();
             for l in &gone {
@@ -2700,13 +2738,10 @@ impl Fs {
             for b in freed {
                 self.free_block(st, b);
             }
-            // Zero the rest of the last block, so growing the file later reads zeros.
-            if size % B != 0 {
-                let l = size / B;
-                self.zero_in_block(st, ctx, ino, l, (size % B) as usize, BLOCK)?;
-            }
         }
-        st.nodes.get_mut(&ino).expect("node").attr.size = size;
+        let n = st.nodes.get_mut(&ino).expect("node");
+        n.layout_dirty = true;
+        n.attr.size = size;
         Self::touch(st, ino);
         Ok(())
     }
@@ -2870,6 +2905,10 @@ impl Fs {
         if n.attr.is_dir() {
             return Err(libc::EISDIR);
         }
+        // The xattrs `kill_privs` looks at below, read before anything changes: failing there,
+        // after blocks were mapped and marked in use, would leave the inode unmarked, and the
+        // next commit would write the bitmap without it.
+        self.load_xattrs(&mut st, &ctx, ino)?;
         let first = offset / B;
         let last = (end - 1) / B;
         let mut done = 0usize;
@@ -2885,7 +2924,15 @@ impl Fs {
             } else if let Some(p) = n.phys(l) {
                 let mut b = vec![0u8; BLOCK];
                 if from != 0 || to != B {
-                    ctx.read_data(self, p, &mut b, false)?;
+                    if let Err(e) = ctx.read_data(self, p, &mut b, false) {
+                        // Only the first or last block is read. Failing at the last, blocks
+                        // before it may be mapped already: the bytes so far are written (as
+                        // Linux answers), and the inode is marked below with them.
+                        if done > 0 {
+                            break;
+                        }
+                        return Err(e);
+                    }
                 }
                 b[from as usize..to as usize].copy_from_slice(src);
                 n.dirty.insert(l, b.into_boxed_slice());
@@ -2996,6 +3043,10 @@ impl Fs {
                     for p in freed {
                         self.free_block(&mut st, p);
                     }
+                    // Marked now: zeroing the partial blocks below may fail (a read), and the
+                    // inode must go with the commit that writes these blocks free.
+                    st.nodes.get_mut(&ino).expect("node").layout_dirty = true;
+                    Self::touch(&mut st, ino);
                 }
             }
             let end = end.min(size);
