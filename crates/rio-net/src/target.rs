@@ -44,6 +44,9 @@ pub const MAX_PDU: u32 = MAX_DATA + 128;
 /// In-capsule data accepted on I/O queues (IOCCSZ counts 16-byte units including the SQE).
 /// Admin queues take 8 KiB in the capsule.
 const ADMIN_CAPSULE_DATA: u32 = 8192;
+/// Commands an admin queue (or a connection before Connect) may have waiting for their data
+/// by R2T; one more closes the connection.
+const ADMIN_AWAITING_DATA: usize = 8;
 /// LBA size of the namespace.
 pub const LBA: u32 = 4096;
 
@@ -670,7 +673,13 @@ struct TConn {
     /// Set when a command could not get a buffer or a request slot: stop decoding for this
     /// turn of the loop (cleared at the start of each turn).
     starved: bool,
+    /// This turn stopped decoding because [`TX_BACKLOG`] bytes of answers waited to go out.
+    answers_backlogged: bool,
 }
+
+/// Bytes of answers waiting to go out past which a connection takes no more commands: a host
+/// that does not read them is held back by TCP, and the send buffer stays bounded.
+const TX_BACKLOG: usize = 2 * MAX_PDU as usize;
 
 /// Reasons logged per second at most; the rest are counted and summed up in the next line.
 const CLOSE_LOG_PER_SECOND: u32 = 10;
@@ -738,6 +747,7 @@ fn serve_conn(shared: Arc<Shared>, conn: Conn, peer: SocketAddr) {
         csts: 0,
         aers: Vec::new(),
         starved: false,
+        answers_backlogged: false,
     };
     // A panic in the connection's loop (a bug) ends only the connection, and still goes
     // through the drain below: a fence must keep seeing the writes it left on the device.
@@ -812,6 +822,9 @@ impl TConn {
             if self.conn.eof && self.inflight.is_empty() {
                 return Ok(());
             }
+            // Commands held back by answers not yet sent: go on once the socket took them.
+            progress |=
+                std::mem::take(&mut self.answers_backlogged) && self.conn.unsent() < TX_BACKLOG;
             if progress {
                 continue;
             }
@@ -859,6 +872,13 @@ impl TConn {
     fn decode(&mut self) -> Result<bool, String> {
         let mut any = false;
         while !self.starved {
+            // Answers the host has not taken yet: past a few PDUs' worth, take no more commands
+            // (TCP then holds the host back) until the socket drains them.
+            if self.conn.unsent() >= TX_BACKLOG {
+                self.starved = true;
+                self.answers_backlogged = true;
+                break;
+            }
             let dg = self.conn.dg;
             let got = pdu::decode(self.conn.rx.pending(), dg, self.conn.max_pdu);
             let (p, n) = match got {
@@ -1021,7 +1041,31 @@ impl TConn {
                     incap.len()
                 )));
             }
-            self.ready(sqe, Data::None)?;
+            // A read or Write Zeroes needs a buffer of the arena: like a write, it waits in the
+            // receive buffer for one while requests on the device will free some.
+            let buf_len = match (sqe.opcode(), &self.queue) {
+                (op::READ, Queue::Io { .. }) => sqe.nlb() as usize * LBA as usize,
+                (op::WRITE_ZEROES, Queue::Io { .. }) => {
+                    (sqe.nlb() as usize * LBA as usize).min(MAX_DATA as usize)
+                }
+                _ => 0,
+            };
+            let mut data = Data::None;
+            if buf_len > 0 {
+                let io = self.io.as_ref().expect("I/O queues have a device");
+                match io.engine.try_alloc(buf_len) {
+                    Some(mut b) => {
+                        b.set_len(buf_len).map_err(|e| e.to_string())?;
+                        data = Data::Fixed(b);
+                    }
+                    None if io.engine.inflight() > 0 || !self.inflight.is_empty() => {
+                        return Ok(false)
+                    }
+                    // Nothing will free room: `io_cmd` answers it.
+                    None => {}
+                }
+            }
+            self.ready(sqe, data)?;
             return Ok(true);
         }
         let limit = if admin {
@@ -1032,6 +1076,23 @@ impl TConn {
         if sgl_len > MAX_DATA || (!incap.is_empty() && incap.len() as u32 > limit) {
             self.respond(cid, Status::SGL_INVALID, 0, 0);
             return Ok(true);
+        }
+        // Queues without request slots (before Connect, admin) bound what waits for data in
+        // other ways: before Connect only fabrics commands are taken, and an admin queue holds
+        // a few commands awaiting data (hosts send admin data in the capsule). Otherwise each
+        // 72-byte capsule got an R2T and a buffer of up to `MAX_DATA`, without limit.
+        if admin {
+            if matches!(self.queue, Queue::None) && sqe.opcode() != op::FABRICS {
+                return Err(
+                    self.terminate_msg(format!("command {:#04x} before Connect", sqe.opcode()))
+                );
+            }
+            let by_r2t = incap.is_empty() && sgl_id != pdu::SGL_IN_CAPSULE && sgl_len > 0;
+            if by_r2t && self.collecting.len() >= ADMIN_AWAITING_DATA {
+                return Err(self.terminate_msg(format!(
+                    "command {cid}: more than {ADMIN_AWAITING_DATA} admin commands await their data"
+                )));
+            }
         }
         // A keyed descriptor: the data waits in the host's memory for an RDMA READ.
         let keyed = sgl_id == pdu::SGL_KEYED;
@@ -1411,7 +1472,11 @@ impl TConn {
                 let st = self.shared.lock();
                 let pmr = st.log.pmr();
                 let total = pmr.len();
-                let n = (len as usize).min(total.saturating_sub(off));
+                // One transfer at most (MDTS), whatever the descriptor says: the host reads
+                // the log in pieces.
+                let n = (len as usize)
+                    .min(MAX_DATA as usize)
+                    .min(total.saturating_sub(off));
                 let mut out = vec![0u8; n];
                 let r = pmr.read(off, &mut out);
                 drop(st);
@@ -1694,13 +1759,11 @@ impl TConn {
                 );
             }
             op::READ => {
-                let len = sqe.nlb() as usize * LBA as usize;
-                let io = self.io.as_ref().expect("I/O queue");
-                let Some(mut buf) = io.engine.try_alloc(len) else {
+                // `command` took its buffer when the arena had room.
+                let Data::Fixed(buf) = data else {
                     self.respond(cid, Status::INTERNAL, 0, 0);
                     return Ok(());
                 };
-                buf.set_len(len).map_err(|e| e.to_string())?;
                 self.shared.reads.fetch_add(1, Ordering::Relaxed);
                 self.submit(
                     Io::read(sqe.slba() * LBA as u64, buf),
@@ -1722,7 +1785,11 @@ impl TConn {
                 let off = sqe.slba() * LBA as u64;
                 let end = off + sqe.nlb() as u64 * LBA as u64;
                 self.shared.orderless.fetch_add(1, Ordering::Relaxed);
-                self.zeroes(cid, off, end)?;
+                let first = match data {
+                    Data::Fixed(b) => Some(b),
+                    _ => None,
+                };
+                self.zeroes(cid, off, end, first)?;
             }
             other => {
                 eprintln!(
@@ -1736,14 +1803,24 @@ impl TConn {
     }
 
     /// Write zeroes over `off..end`, one piece at a time.
-    fn zeroes(&mut self, cid: u16, off: u64, end: u64) -> Result<(), String> {
+    /// `first`: a buffer already taken for it (at least the first piece's length).
+    fn zeroes(
+        &mut self,
+        cid: u16,
+        off: u64,
+        end: u64,
+        first: Option<FixedBuf>,
+    ) -> Result<(), String> {
         if off >= end {
             self.respond(cid, Status::SUCCESS, 0, 0);
             return Ok(());
         }
         let n = (end - off).min(MAX_DATA as u64) as usize;
         let io = self.io.as_ref().expect("I/O queue");
-        let Some(mut buf) = io.engine.try_alloc(n) else {
+        let Some(mut buf) = first
+            .filter(|b| b.capacity() >= n)
+            .or_else(|| io.engine.try_alloc(n))
+        else {
             self.respond(cid, Status::INTERNAL, 0, 0);
             return Ok(());
         };
@@ -2202,7 +2279,7 @@ impl TConn {
             InFlight::Zeroes { cid, next, end } => match result {
                 Ok(()) => {
                     drop(buf);
-                    self.zeroes(cid, next, end)?;
+                    self.zeroes(cid, next, end, None)?;
                 }
                 Err(e) => {
                     let st = failed(self.peer, &e);

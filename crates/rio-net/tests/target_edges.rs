@@ -814,3 +814,181 @@ fn an_io_queue_of_a_controller_from_before_a_fence_cannot_write() {
     let (cqe, _) = q.command(&write_cmd(4, 6, true), &[0x77; 4096]);
     assert!(cqe.ok(), "the fencing controller's queue writes");
 }
+
+/// A read or Write Zeroes of `blocks` 4 KiB blocks at block `slba`.
+fn lba_cmd(opcode: u8, cid: u16, slba: u64, blocks: u32) -> Sqe {
+    let mut sqe = Sqe::default();
+    sqe.set_opcode(opcode);
+    sqe.set_cid(cid);
+    sqe.set_cdw(1, 1);
+    sqe.set_cdw(10, slba as u32);
+    sqe.set_cdw(11, (slba >> 32) as u32);
+    sqe.set_cdw(12, blocks - 1);
+    let len = if opcode == op::READ { blocks * LBA } else { 0 };
+    sqe.set_sgl(len, false);
+    sqe
+}
+
+/// A burst of reads and Write Zeroes whose buffers together pass the connection's arena
+/// waits for buffers, as writes do: every command succeeds. (From a review on 2026-11-28: the
+/// commands past the arena failed with Internal Error, 0x06; a recovery zeroing more than an
+/// arena's worth of 128 KiB entries on one target failed every time it was tried.)
+#[test]
+fn reads_and_zeroing_past_the_arena_wait_for_buffers() {
+    let _serial = one_at_a_time();
+    let (addr, _rm) = target("arena", 128 << 10);
+    let (_admin, mut q) = queues(addr);
+    // 96 reads of 128 KiB (12 MiB, the arena is 8 MiB), then 96 zeroings of 128 KiB, all sent
+    // before any answer is read.
+    let mut b = Vec::new();
+    for i in 0..96u16 {
+        let sqe = lba_cmd(op::READ, 10 + i, (i as u64 % 4) * 32, 32);
+        pdu::put_cmd(&mut b, &sqe, &[], Digests::default());
+    }
+    for i in 0..96u16 {
+        let sqe = lba_cmd(op::WRITE_ZEROES, 200 + i, 1024 + (i as u64 % 4) * 32, 32);
+        pdu::put_cmd(&mut b, &sqe, &[], Digests::default());
+    }
+    assert!(q.send(&b));
+    let mut failed = Vec::new();
+    let mut data = std::collections::HashMap::<u16, usize>::new();
+    let mut answered = 0;
+    while answered < 192 {
+        match q.next() {
+            (pdu::C2H_DATA, _, cid, d) => *data.entry(cid).or_default() += d.len(),
+            (_, Some(cqe), cid, _) => {
+                answered += 1;
+                if !cqe.ok() {
+                    failed.push((cid, cqe.sct_sc()));
+                }
+            }
+            other => panic!("unexpected PDU type {:#x}", other.0),
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of 192 commands failed (command id, status): {failed:?}",
+        failed.len()
+    );
+    assert!(
+        (10..106u16).all(|cid| data.get(&cid) == Some(&(128 << 10))),
+        "every read got its 128 KiB"
+    );
+}
+
+/// A host that sends commands whose answers carry data and never reads them is held back by
+/// the socket: the target stops taking commands once a few PDUs' worth of answers wait to go
+/// out. (From a review on 2026-11-28: its send buffer grew with every answer, so 72-byte Get
+/// Log Page commands asking for 128 KiB each grew the target by 128 KiB apiece.)
+#[test]
+fn a_host_that_does_not_read_its_answers_is_held_back() {
+    use common::admin_queue;
+    let _serial = one_at_a_time();
+    let (addr, _rm) = target("no-read", 128 << 10);
+    let (mut a, _) = admin_queue(addr);
+    let before = rss_kib();
+    // 1,000 Get Log Page commands of 128 KiB each (125 MiB of answers), none read.
+    let mut b = Vec::new();
+    for i in 0..1000u16 {
+        let mut sqe = Sqe::default();
+        sqe.set_opcode(op::GET_LOG_PAGE);
+        sqe.set_cid(10 + i);
+        // NUMDL: 32 Ki dwords, minus one.
+        sqe.set_cdw(10, 0x7fff << 16 | 0x02);
+        sqe.set_sgl(128 << 10, false);
+        pdu::put_cmd(&mut b, &sqe, &[], Digests::default());
+    }
+    a.s.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+    let _ = a.s.write_all(&b);
+    std::thread::sleep(Duration::from_millis(1000));
+    let after = rss_kib();
+    assert!(
+        after < before + 32 * 1024,
+        "the target holds {} MiB of answers for one host that does not read them",
+        (after.saturating_sub(before)) / 1024
+    );
+    // Reading them now, every answer comes.
+    a.s.set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    for _ in 0..1000 {
+        let (cqe, data) = a.answer();
+        assert!(cqe.ok());
+        assert_eq!(data.len(), 128 << 10);
+    }
+}
+
+/// `RIO_GET_LOG` answers at most one transfer's worth (`MAX_DATA`), whatever length the host's
+/// descriptor says: a log of 1 GiB came back as one PDU of 1 GiB, allocated twice on the
+/// target for one 72-byte command (from a review on 2026-11-28; here a 1 MiB log came back
+/// as one 1 MiB C2HData, eight times the largest PDU a host takes).
+#[test]
+fn a_log_read_is_at_most_one_transfer() {
+    use common::admin_queue;
+    let _serial = one_at_a_time();
+    let (addr, _rm) = target("log-read", 128 << 10);
+    let (mut a, _) = admin_queue(addr);
+    let mut sqe = Sqe::default();
+    sqe.set_opcode(op::RIO_GET_LOG);
+    sqe.set_cid(7);
+    sqe.set_sgl(u32::MAX, false);
+    a.send_cmd(&sqe, &[]);
+    let mut pdus = Vec::new();
+    loop {
+        let p = a.next_pdu(Duration::from_secs(5)).expect("an answer");
+        pdus.push((p[0], p.len()));
+        if p[0] == pdu::RSP {
+            break;
+        }
+    }
+    let data: usize = pdus
+        .iter()
+        .filter(|p| p.0 == pdu::C2H_DATA)
+        .map(|p| p.1 - 24)
+        .sum();
+    assert!(
+        pdus.iter()
+            .all(|p| p.1 <= rio_net::target::MAX_PDU as usize),
+        "PDUs (type, bytes): {pdus:?}"
+    );
+    assert_eq!(data, rio_net::target::MAX_DATA as usize, "{pdus:?}");
+}
+
+/// Commands on a queue without request slots (before Connect, or the admin queue) that wait
+/// for their data by R2T are bounded: a host that asks for room and never sends the data
+/// cannot make the target allocate a buffer per command. Before Connect only fabrics commands
+/// are taken; an admin queue holds at most a few commands awaiting data. (From a review on
+/// 2026-11-28: 20,000 72-byte commands asking for 128 KiB each, before Connect, got 20,000
+/// R2Ts and grew the target by 173 MiB.)
+#[test]
+fn commands_awaiting_data_on_queues_without_slots_are_bounded() {
+    use common::admin_queue;
+    let _serial = one_at_a_time();
+    let (addr, _rm) = target("no-slots", 128 << 10);
+    for connected in [false, true] {
+        let mut q = if connected {
+            admin_queue(addr).0
+        } else {
+            common::Raw::open(addr)
+        };
+        let before = rss_kib();
+        let mut b = Vec::new();
+        for cid in 0..20_000u16 {
+            let mut sqe = Sqe::default();
+            sqe.set_opcode(op::SET_FEATURES); // takes data
+            sqe.set_cid(cid + 10);
+            sqe.set_sgl(128 << 10, false);
+            pdu::put_cmd(&mut b, &sqe, &[], Digests::default());
+        }
+        q.s.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+        let _ = q.s.write_all(&b);
+        std::thread::sleep(Duration::from_millis(1000));
+        let after = rss_kib();
+        let (closed, types) = q.closed_within(Duration::from_secs(2));
+        let r2ts = types.iter().filter(|&&t| t == pdu::R2T).count();
+        assert!(
+            closed && after < before + 16 * 1024 && r2ts <= 8,
+            "connected {connected}: the target sent {r2ts} R2Ts, grew by {} MiB, closed: {closed}",
+            after.saturating_sub(before) / 1024
+        );
+    }
+}
