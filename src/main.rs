@@ -362,7 +362,7 @@ struct ScaleArgs {
     #[arg(long)]
     destructive: bool,
     /// lbio request slots per thread.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = 256)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=aios::lbio::MAX_SLOTS as i64), default_value_t = 256)]
     slots: u32,
     /// One JSON object per line instead of a table.
     #[arg(long)]
@@ -735,7 +735,7 @@ struct LbioArgs {
     #[arg(long)]
     destructive: bool,
     /// lbio request slots.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = 1024)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=aios::lbio::MAX_SLOTS as i64), default_value_t = 1024)]
     slots: u32,
     /// Write a latency CDF plot (PNG or SVG by extension) of the median runs.
     #[arg(long)]
@@ -2061,6 +2061,13 @@ fn cmd_target(a: TargetArgs) -> Result<(), BenchError> {
 fn cmd_bench_net(a: &OrderedArgs, spec: &str) -> Result<(), BenchError> {
     use aios::bench::net::{self as nb, NetBench};
     check_seconds(a.seconds)?;
+    // A volume numbers its streams in 16 bits (a larger count was truncated to them).
+    if let Some(s) = a.streams.iter().find(|&&s| s > u16::MAX as u32) {
+        return Err(BenchError::Invalid(format!(
+            "--streams {s}: a volume over --targets has at most {} streams",
+            u16::MAX
+        )));
+    }
     let mut _lab = None;
     let (targets, pids) = if let Some(n) = spec.strip_prefix("netns:") {
         let n: usize = n.parse().ok().filter(|&n| n > 0).ok_or_else(|| {
@@ -2272,30 +2279,10 @@ fn cmd_bench_fsync(a: FsyncArgs) -> Result<(), BenchError> {
             d.display()
         )));
     }
-    let targets = prepare_fsync_targets(
-        &a.device,
-        a.size,
-        ext4_wanted,
-        a.destructive,
-        a.plp,
-        &progress,
-    )?;
-    let ext4_dir = match (&targets.ext4, &a.ext4_dir) {
-        (Some(m), _) => Some(m.dir().to_path_buf()),
-        (None, Some(d)) => {
-            if aios::core::sys::fs_type_of(d).as_deref() != Some("ext4") {
-                eprintln!(
-                    "note: {} is not on ext4; the 'ext4' rows measure whatever it is",
-                    d.display()
-                );
-            }
-            Some(d.clone())
-        }
-        (None, None) => None,
-    };
-    let bench = FsyncBench {
-        journal_dev: targets.journal.path().to_path_buf(),
-        ext4_dir,
+    let mut bench = FsyncBench {
+        // Set once the devices are ready (the settings are checked first).
+        journal_dev: PathBuf::new(),
+        ext4_dir: None,
         modes: a.modes.clone(),
         threads: a.threads.clone(),
         seconds: a.seconds,
@@ -2310,6 +2297,30 @@ fn cmd_bench_fsync(a: FsyncArgs) -> Result<(), BenchError> {
         durability: a.durability.0,
         completion: a.completion.mode(),
     };
+    bench.validate_settings()?;
+    let targets = prepare_fsync_targets(
+        &a.device,
+        a.size,
+        ext4_wanted,
+        a.destructive,
+        a.plp,
+        &progress,
+    )?;
+    bench.journal_dev = targets.journal.path().to_path_buf();
+    bench.ext4_dir = match (&targets.ext4, &a.ext4_dir) {
+        (Some(m), _) => Some(m.dir().to_path_buf()),
+        (None, Some(d)) => {
+            if aios::core::sys::fs_type_of(d).as_deref() != Some("ext4") {
+                eprintln!(
+                    "note: {} is not on ext4; the 'ext4' rows measure whatever it is",
+                    d.display()
+                );
+            }
+            Some(d.clone())
+        }
+        (None, None) => None,
+    };
+    bench.validate()?;
     if !a.json {
         eprintln!("journal device: {}", targets.journal.describe());
         if let Some(d) = &bench.ext4_dir {

@@ -1066,3 +1066,181 @@ fn an_interrupted_network_bench_removes_its_namespaces() {
     );
     assert_eq!(code, Some(130), "{err}");
 }
+
+/// A `--seconds` too long for a deadline on the clock is refused up front: it passed the check
+/// (finite, above 0) and panicked when the first run computed its deadline (exit 101), after
+/// the device was made.
+#[test]
+fn bench_refuses_seconds_past_what_the_clock_holds() {
+    let p = format!("/var/tmp/aios-cli-long-{}.img", std::process::id());
+    for args in [
+        &[
+            "bench",
+            "lbio",
+            "--device",
+            &p,
+            "--size",
+            "4m",
+            "--seconds",
+            "1e30",
+            "--completion",
+            "wait",
+            "--settle-ms",
+            "0",
+        ][..],
+        &[
+            "bench",
+            "scale",
+            "--device",
+            "mem",
+            "--size",
+            "4m",
+            "--threads",
+            "1",
+            "--rounds",
+            "1",
+            "--seconds",
+            "1e19",
+            "--settle-ms",
+            "0",
+        ][..],
+    ] {
+        let out = aios().args(args).output().unwrap();
+        let left = std::path::Path::new(&p).exists();
+        let _ = std::fs::remove_file(&p);
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {e}");
+        assert!(
+            e.contains("--seconds") && e.contains("at most"),
+            "{args:?}: {e}"
+        );
+        assert!(
+            !e.contains("device:") && !e.contains("devices:"),
+            "{args:?}: {e}"
+        );
+        assert!(out.stdout.is_empty(), "{args:?} ran the bench: {e}");
+        assert!(!left, "{args:?} made {p}");
+    }
+}
+
+/// `bench fsync`'s settings are checked before its devices are made: the rio modes with fewer
+/// --areas than threads were refused only after the journal's device (and, on ull, a second
+/// device made ext4) had been prepared and the table's header printed.
+#[test]
+fn bench_fsync_refuses_its_settings_before_preparing_a_device() {
+    let p = format!("/var/tmp/aios-cli-fsync-areas-{}.img", std::process::id());
+    let out = aios()
+        .args([
+            "bench",
+            "fsync",
+            "--device",
+            &p,
+            "--size",
+            "64m",
+            "--modes",
+            "rio-blocklog",
+            "--threads",
+            "2",
+            "--areas",
+            "1",
+            "--seconds",
+            "0.1",
+        ])
+        .output()
+        .unwrap();
+    let left = std::path::Path::new(&p).exists();
+    let _ = std::fs::remove_file(&p);
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{e}");
+    assert!(e.contains("--areas"), "{e}");
+    assert!(!e.contains("preparing") && !e.contains("device:"), "{e}");
+    assert!(out.stdout.is_empty(), "printed {:?}", out.stdout);
+    assert!(!left, "made {p}");
+}
+
+/// `--slots` past what an lbio array takes is refused by name before a device is made: above
+/// 2^31 it overflowed (a panic in debug builds) while the engine was sized, and up to there
+/// lbio refused it after the device was ready, naming no option.
+#[test]
+fn bench_refuses_slots_past_lbio_s_limit_naming_the_option() {
+    let p = format!("/var/tmp/aios-cli-slots-{}.img", std::process::id());
+    for (args, slots) in [
+        (
+            &[
+                "bench",
+                "scale",
+                "--device",
+                "mem",
+                "--size",
+                "4m",
+                "--threads",
+                "1",
+                "--rounds",
+                "1",
+                "--seconds",
+                "0.1",
+                "--settle-ms",
+                "0",
+                "--qd",
+                "1",
+            ][..],
+            "4294967295",
+        ),
+        (
+            &[
+                "bench",
+                "lbio",
+                "--device",
+                &p,
+                "--size",
+                "4m",
+                "--seconds",
+                "0.1",
+                "--completion",
+                "wait",
+                "--settle-ms",
+                "0",
+            ][..],
+            "2000000",
+        ),
+    ] {
+        let out = aios().args(args).args(["--slots", slots]).output().unwrap();
+        let left = std::path::Path::new(&p).exists();
+        let _ = std::fs::remove_file(&p);
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {e}");
+        assert!(e.contains("--slots") && e.contains(slots), "{args:?}: {e}");
+        assert!(!e.contains("panicked"), "{args:?}: {e}");
+        assert!(
+            !e.contains("device:") && !e.contains("devices:"),
+            "{args:?}: {e}"
+        );
+        assert!(out.stdout.is_empty(), "{args:?} ran the bench: {e}");
+        assert!(!left, "{args:?} made {p}");
+    }
+}
+
+/// Over the network a stream count is 16 bits: `--streams 65537` ran as 1 stream (65536 as
+/// none) and failed on something else. It is refused by name before any connection.
+#[test]
+fn bench_ordered_over_the_network_refuses_streams_past_16_bits() {
+    for n in ["65536", "65537"] {
+        let out = aios()
+            .args([
+                "bench",
+                "ordered",
+                "--targets",
+                "127.0.0.1:1",
+                "--seconds",
+                "0.1",
+                "--streams",
+                n,
+            ])
+            .output()
+            .unwrap();
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{n}: {e}");
+        assert!(e.contains(&format!("--streams {n}")), "{n}: {e}");
+        assert!(out.stdout.is_empty(), "{n}: printed {:?}", out.stdout);
+    }
+}

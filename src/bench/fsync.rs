@@ -293,17 +293,36 @@ impl FsyncBench {
 
     /// Check the settings before anything is written.
     pub fn validate(&self) -> Result<(), BenchError> {
+        self.validate_settings()?;
+        if self.modes.iter().any(|m| m.is_ext4()) && self.ext4_dir.is_none() {
+            return Err(BenchError::Invalid(
+                "the ext4 mode needs an ext4 directory (--ext4-dir, or --device ull)".into(),
+            ));
+        }
+        if self.modes.iter().any(|m| !m.is_ext4()) {
+            let max_t = *self.threads.iter().max().expect("non-empty") as u64;
+            let need = self.journal_bytes(max_t);
+            let have = device_bytes(&self.journal_dev)?;
+            if have < need {
+                return Err(BenchError::Invalid(format!(
+                    "{} holds {have} bytes; {max_t} thread(s) need {need} ({AREA_BLOCKS} journal \
+                     blocks and {FILE_BLOCKS} file blocks each)",
+                    self.journal_dev.display()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The checks of [`FsyncBench::validate`] that need neither the journal's device nor the
+    /// ext4 directory: made before either is prepared.
+    pub fn validate_settings(&self) -> Result<(), BenchError> {
         crate::bench::check_seconds(self.seconds)?;
         if self.threads.is_empty() || self.threads.contains(&0) {
             return Err(BenchError::Invalid("--threads needs counts >= 1".into()));
         }
         if self.modes.is_empty() {
             return Err(BenchError::Invalid("--modes is empty".into()));
-        }
-        if self.modes.iter().any(|m| m.is_ext4()) && self.ext4_dir.is_none() {
-            return Err(BenchError::Invalid(
-                "the ext4 mode needs an ext4 directory (--ext4-dir, or --device ull)".into(),
-            ));
         }
         let max_t = *self.threads.iter().max().expect("non-empty") as u64;
         if self.areas == Some(0) {
@@ -319,17 +338,6 @@ impl FsyncBench {
                  --areas"
                     .into(),
             ));
-        }
-        if self.modes.iter().any(|m| !m.is_ext4()) {
-            let need = self.journal_bytes(max_t);
-            let have = device_bytes(&self.journal_dev)?;
-            if have < need {
-                return Err(BenchError::Invalid(format!(
-                    "{} holds {have} bytes; {max_t} thread(s) need {need} ({AREA_BLOCKS} journal \
-                     blocks and {FILE_BLOCKS} file blocks each)",
-                    self.journal_dev.display()
-                )));
-            }
         }
         Ok(())
     }

@@ -520,11 +520,20 @@ pub fn xorshift(x: &mut u64) -> u64 {
     *x
 }
 
-/// `--seconds` must be a positive, finite number of seconds.
+/// The longest `--seconds` taken (about 31 years): a run's deadline is the monotonic clock plus
+/// this, and much further out it no longer fits a `Duration` or an `Instant` (a panic).
+pub const MAX_SECONDS: f64 = 1e9;
+
+/// `--seconds` must be a positive, finite number of seconds, at most [`MAX_SECONDS`].
 pub fn check_seconds(seconds: f64) -> Result<(), BenchError> {
     if seconds <= 0.0 || !seconds.is_finite() {
         return Err(BenchError::Invalid(format!(
             "--seconds {seconds}: a finite number of seconds above 0 (e.g. 0.5 or 5)"
+        )));
+    }
+    if seconds > MAX_SECONDS {
+        return Err(BenchError::Invalid(format!(
+            "--seconds {seconds:e}: at most {MAX_SECONDS:e} (about 31 years)"
         )));
     }
     Ok(())
