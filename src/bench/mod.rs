@@ -448,12 +448,36 @@ pub fn lbio_engine_config(bs: u32, qd: u32, slots: u32, engines: u32) -> aios_co
     }
 }
 
+/// One thread's place at the start of [`run_threads`]: [`Start::wait`] arrives (once; later
+/// calls return at once), and a thread that never called it (its setup failed, or it panicked)
+/// arrives when its `Start` drops, so the others and the clock are never left waiting.
+pub struct Start<'a> {
+    barrier: &'a std::sync::Barrier,
+    arrived: std::cell::Cell<bool>,
+}
+
+impl Start<'_> {
+    /// Arrive at the start and wait for every other thread to.
+    pub fn wait(&self) {
+        if !self.arrived.replace(true) {
+            self.barrier.wait();
+        }
+    }
+}
+
+impl Drop for Start<'_> {
+    fn drop(&mut self) {
+        self.wait();
+    }
+}
+
 /// Run `f(t, ready)` on `threads` threads at once. Each thread prepares, then calls
 /// `ready.wait()`; the clocks start when all have. Returns the threads' results (in order), the
-/// wall seconds and the process CPU seconds from that start until the last thread ends.
+/// wall seconds and the process CPU seconds from that start until the last thread ends. A
+/// thread that panics is a panic here too (with its message), not a wait for ever.
 pub fn run_threads<R: Send>(
     threads: u32,
-    f: impl Fn(u32, &std::sync::Barrier) -> R + Sync,
+    f: impl Fn(u32, &Start<'_>) -> R + Sync,
 ) -> (Vec<R>, f64, f64) {
     let (results, wall, user, system) = run_threads_split(threads, f);
     (results, wall, user + system)
@@ -462,14 +486,20 @@ pub fn run_threads<R: Send>(
 /// [`run_threads`] with the process CPU seconds split: `(results, wall, user, system)`.
 pub fn run_threads_split<R: Send>(
     threads: u32,
-    f: impl Fn(u32, &std::sync::Barrier) -> R + Sync,
+    f: impl Fn(u32, &Start<'_>) -> R + Sync,
 ) -> (Vec<R>, f64, f64, f64) {
     let ready = std::sync::Barrier::new(threads as usize + 1);
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|t| {
                 let (f, ready) = (&f, &ready);
-                s.spawn(move || f(t, ready))
+                s.spawn(move || {
+                    let start = Start {
+                        barrier: ready,
+                        arrived: std::cell::Cell::new(false),
+                    };
+                    f(t, &start)
+                })
             })
             .collect();
         ready.wait();
@@ -477,7 +507,7 @@ pub fn run_threads_split<R: Send>(
         let t0 = Instant::now();
         let results: Vec<R> = handles
             .into_iter()
-            .map(|h| h.join().expect("bench thread panicked"))
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
             .collect();
         let wall = t0.elapsed().as_secs_f64();
         let (user1, sys1) = sys::process_cpu_split();
@@ -588,5 +618,40 @@ impl std::ops::Deref for PageAligned {
 impl std::ops::DerefMut for PageAligned {
     fn deref_mut(&mut self) -> &mut [u8] {
         &mut self.bytes[self.at..self.at + self.len]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    /// A thread that panics before it reaches the start makes `run_threads` panic with its
+    /// message, after the other threads ran. (Found by a review of the CLI on 2026-11-28: a
+    /// `bench scale` worker's overflow panic left the main thread waiting at the start for
+    /// ever.)
+    #[test]
+    fn a_thread_that_panics_before_the_start_is_a_panic_not_a_hang() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let ran = std::sync::atomic::AtomicU32::new(0);
+            let r = std::panic::catch_unwind(|| {
+                super::run_threads(3, |t, ready| {
+                    if t == 1 {
+                        panic!("thread 1's setup failed");
+                    }
+                    ready.wait();
+                    ran.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                })
+            });
+            let msg = r
+                .err()
+                .and_then(|p| p.downcast_ref::<&str>().map(|s| s.to_string()));
+            let _ = tx.send((msg, ran.into_inner()));
+        });
+        let (msg, ran) = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("run_threads waited for ever for the thread that panicked");
+        assert_eq!(msg.as_deref(), Some("thread 1's setup failed"));
+        assert_eq!(ran, 2, "the other threads ran");
     }
 }

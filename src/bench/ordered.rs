@@ -10,7 +10,6 @@
 
 use std::path::PathBuf;
 use std::rc::Rc;
-use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use std::collections::VecDeque;
@@ -382,7 +381,7 @@ impl OrderedBench {
         streams: u32,
         batch: u32,
         log: LogKind,
-        barrier: &Barrier,
+        barrier: &crate::bench::Start<'_>,
     ) -> Result<Run, BenchError> {
         let ready = self.open_stream(streams);
         barrier.wait();

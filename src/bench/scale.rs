@@ -11,7 +11,6 @@
 //! loop device is served by one kernel worker and would cap every thread count at that
 //! worker's rate.
 
-use std::cell::Cell;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::Duration;
@@ -173,14 +172,10 @@ pub fn run_lbio_threads(cfg: &ScaleConfig, threads: u32) -> Result<ScaleSample, 
     let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
     let w = cfg.workload;
     let (results, _wall, cpu) = run_threads(threads, |t, ready| {
-        // Every thread reaches the barrier exactly once, also when its setup fails, so the
+        // A thread whose setup fails reaches the start anyway (when `ready` drops), so the
         // others are never left waiting.
-        let waited = Cell::new(false);
-        let mut start = || {
-            ready.wait();
-            waited.set(true);
-        };
-        let r = (|| {
+        let mut start = || ready.wait();
+        (|| {
             if cfg.pin {
                 aios_core::fuse_ring::pin_current_thread(t as usize % ncpu).map_err(|e| {
                     BenchError::Setup(format!(
@@ -201,11 +196,7 @@ pub fn run_lbio_threads(cfg: &ScaleConfig, threads: u32) -> Result<ScaleSample, 
                 plug: crate::bench::compare::plug_auto(w.qd, cfg.completion),
             };
             run_lbio_timed(&stack.dev, &w, opts, &mut start)
-        })();
-        if !waited.get() {
-            ready.wait();
-        }
-        r
+        })()
     });
     let mut hist = new_histogram();
     let mut iops = 0.0;
