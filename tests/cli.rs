@@ -26,6 +26,23 @@ impl Drop for Scratch {
 }
 
 /// The JSON lines a command printed on stdout; the command must have succeeded.
+/// The stderr of a bench run (`what`) that must have been refused before it made a device at
+/// `p` (removed if it was) or printed anything: failed, no panic, no device described.
+fn refused_before_a_device(out: std::process::Output, p: &str, what: &str) -> String {
+    let left = std::path::Path::new(p).exists();
+    let _ = std::fs::remove_file(p);
+    let e = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{what}: {e}");
+    assert!(!e.contains("panicked"), "{what}: {e}");
+    assert!(
+        !e.contains("preparing") && !e.contains("device:") && !e.contains("devices:"),
+        "{what}: {e}"
+    );
+    assert!(out.stdout.is_empty(), "{what} ran the bench: {e}");
+    assert!(!left, "{what} made {p}");
+    e
+}
+
 fn json_lines(out: &std::process::Output) -> Vec<serde_json::Value> {
     assert!(
         out.status.success(),
@@ -1106,20 +1123,12 @@ fn bench_refuses_seconds_past_what_the_clock_holds() {
         ][..],
     ] {
         let out = aios().args(args).output().unwrap();
-        let left = std::path::Path::new(&p).exists();
-        let _ = std::fs::remove_file(&p);
-        let e = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{args:?}: {e}");
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let e = refused_before_a_device(out, &p, &format!("{args:?}"));
         assert!(
             e.contains("--seconds") && e.contains("at most"),
             "{args:?}: {e}"
         );
-        assert!(
-            !e.contains("device:") && !e.contains("devices:"),
-            "{args:?}: {e}"
-        );
-        assert!(out.stdout.is_empty(), "{args:?} ran the bench: {e}");
-        assert!(!left, "{args:?} made {p}");
     }
 }
 
@@ -1148,14 +1157,8 @@ fn bench_fsync_refuses_its_settings_before_preparing_a_device() {
         ])
         .output()
         .unwrap();
-    let left = std::path::Path::new(&p).exists();
-    let _ = std::fs::remove_file(&p);
-    let e = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{e}");
+    let e = refused_before_a_device(out, &p, "--areas 1 with 2 threads");
     assert!(e.contains("--areas"), "{e}");
-    assert!(!e.contains("preparing") && !e.contains("device:"), "{e}");
-    assert!(out.stdout.is_empty(), "printed {:?}", out.stdout);
-    assert!(!left, "made {p}");
 }
 
 /// `--slots` past what an lbio array takes is refused by name before a device is made: above
@@ -1205,18 +1208,8 @@ fn bench_refuses_slots_past_lbio_s_limit_naming_the_option() {
         ),
     ] {
         let out = aios().args(args).args(["--slots", slots]).output().unwrap();
-        let left = std::path::Path::new(&p).exists();
-        let _ = std::fs::remove_file(&p);
-        let e = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{args:?}: {e}");
+        let e = refused_before_a_device(out, &p, &format!("{args:?}"));
         assert!(e.contains("--slots") && e.contains(slots), "{args:?}: {e}");
-        assert!(!e.contains("panicked"), "{args:?}: {e}");
-        assert!(
-            !e.contains("device:") && !e.contains("devices:"),
-            "{args:?}: {e}"
-        );
-        assert!(out.stdout.is_empty(), "{args:?} ran the bench: {e}");
-        assert!(!left, "{args:?} made {p}");
     }
 }
 
