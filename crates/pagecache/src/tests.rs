@@ -877,11 +877,7 @@ fn store_caches_clean_pages_and_replaces_old_copies_without_writing() {
     let (dev, backend) = faulty_device(&lbio, 8 * 4096);
     h.attach(file, dev).unwrap();
     let raw = device_over(&lbio, &backend);
-    let put_raw = |offset: u64, byte: u8, len: usize| {
-        let mut b = engine.try_alloc(len).unwrap();
-        b.fill(byte);
-        raw.write_at_blocking(offset, b, false).unwrap();
-    };
+    let put_raw = |offset: u64, byte: u8, len: usize| write_raw(&engine, &raw, offset, byte, len);
     let read = |offset: u64| {
         let mut buf = vec![0u8; 4096];
         h.read(file, offset, &mut buf).unwrap();
@@ -925,44 +921,74 @@ fn store_caches_clean_pages_and_replaces_old_copies_without_writing() {
     ));
 }
 
+/// Puts `len` bytes of `byte` at `offset` on `raw`, a device under a cache (around the cache).
+fn write_raw(engine: &Engine, raw: &Device, offset: u64, byte: u8, len: usize) {
+    let mut b = engine.try_alloc(len).unwrap();
+    b.fill(byte);
+    raw.write_at_blocking(offset, b, false).unwrap();
+}
+
+/// What races a miss: a second handle on the cache and on the missed file, on an engine of its
+/// own, and a device over the same bytes to write them around the cache.
+struct Racer {
+    cache: Arc<PageCache>,
+    engine: Rc<Engine>,
+    file: FileId,
+    h: CacheHandle,
+    raw: Device,
+}
+
+impl Racer {
+    /// Puts new bytes (`0xab`) on page 3 of the device and stores them through the handle.
+    fn store_new_page_3(&self) {
+        write_raw(&self.engine, &self.raw, 3 * 4096, 0xab, 4096);
+        self.h.store(self.file, 3 * 4096, &[0xab; 4096]).unwrap();
+    }
+}
+
+/// A cache of 16 frames whose handle `h` misses page 3 of a file of `pages` pages (on a
+/// [`Faulty`] device); `race` runs right after the miss's read copied the device's bytes,
+/// before the reader indexes the page (lazy indexing). Returns the setup and the bytes read.
+fn miss_page_3_racing(pages: u64, race: impl FnOnce(&Racer) + 'static) -> (Setup, Vec<u8>) {
+    let s = setup(16, 4, 0, pages * 4096, Mode::AIOS);
+    let (dev, backend) = faulty_device(&s.lbio, pages as usize * 4096);
+    s.h.attach(s.file, dev).unwrap();
+    let engine = engine();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let h = CacheHandle::new(&s.cache, &engine, &lbio, Mode::AIOS).unwrap();
+    h.attach(s.file, device_over(&lbio, &backend)).unwrap();
+    let racer = Racer {
+        cache: Arc::clone(&s.cache),
+        engine,
+        file: s.file,
+        h,
+        raw: device_over(&lbio, &backend),
+    };
+    let ran = Rc::new(Cell::new(false));
+    let done = Rc::clone(&ran);
+    *backend.after_read.borrow_mut() = Some(Box::new(move || {
+        race(&racer);
+        done.set(true);
+    }));
+    let mut buf = vec![0u8; 4096];
+    s.h.read(s.file, 3 * 4096, &mut buf).unwrap();
+    assert!(ran.get(), "the writer ran inside the read");
+    (s, buf)
+}
+
 #[test]
 fn a_store_racing_a_miss_that_read_the_old_bytes_leaves_the_new_bytes_cached() {
     // A reader misses page 3 and its read copies the device's old bytes; before the reader
     // indexes the page (lazy indexing), a writer puts new bytes on the device and stores them
     // through another handle. The reader's bytes are the old ones (it read first), but the
     // cache must end up holding the new ones, or every later read would return stale data.
-    let Setup {
-        cache,
-        lbio,
-        file,
-        h,
-        ..
-    } = setup(16, 4, 0, 8 * 4096, Mode::AIOS);
-    let (dev, backend) = faulty_device(&lbio, 8 * 4096);
-    h.attach(file, dev).unwrap();
-    let engine2 = engine();
-    let lbio2 = LbioArray::new(Rc::clone(&engine2), LbioConfig::default()).unwrap();
-    let h2 = CacheHandle::new(&cache, &engine2, &lbio2, Mode::AIOS).unwrap();
-    h2.attach(file, device_over(&lbio2, &backend)).unwrap();
-    let writer = device_over(&lbio2, &backend);
-    let stored = Rc::new(Cell::new(false));
-    let done = Rc::clone(&stored);
-    *backend.after_read.borrow_mut() = Some(Box::new(move || {
-        let mut b = engine2.try_alloc(4096).unwrap();
-        b.fill(0xab);
-        writer.write_at_blocking(3 * 4096, b, false).unwrap();
-        h2.store(file, 3 * 4096, &[0xab; 4096]).unwrap();
-        done.set(true);
-    }));
-    let mut buf = vec![0u8; 4096];
-    h.read(file, 3 * 4096, &mut buf).unwrap();
-    assert!(stored.get(), "the writer ran inside the read");
+    let (s, mut buf) = miss_page_3_racing(8, Racer::store_new_page_3);
     assert!(
         buf.iter().all(|&b| b == 0),
         "the read copied before the write"
     );
-    assert_eq!(cache.metrics().duplicates, 1, "{:?}", cache.metrics());
-    h.read(file, 3 * 4096, &mut buf).unwrap();
+    assert_eq!(s.cache.metrics().duplicates, 1, "{:?}", s.cache.metrics());
+    s.h.read(s.file, 3 * 4096, &mut buf).unwrap();
     assert!(
         buf.iter().all(|&b| b == 0xab),
         "the cache kept the bytes read before the write"
@@ -977,56 +1003,33 @@ fn a_store_racing_a_miss_that_read_the_old_bytes_leaves_the_new_bytes_cached() {
 #[test]
 fn a_miss_never_indexes_bytes_older_than_a_page_evicted_while_it_was_in_flight() {
     for via_store in [true, false] {
-        let Setup {
-            cache,
-            lbio,
-            file,
-            h,
-            ..
-        } = setup(16, 4, 0, 64 * 4096, Mode::AIOS);
-        let (dev, backend) = faulty_device(&lbio, 64 * 4096);
-        h.attach(file, dev).unwrap();
-        let engine2 = engine();
-        let lbio2 = LbioArray::new(Rc::clone(&engine2), LbioConfig::default()).unwrap();
-        let h2 = CacheHandle::new(&cache, &engine2, &lbio2, Mode::AIOS).unwrap();
-        h2.attach(file, device_over(&lbio2, &backend)).unwrap();
-        let writer = device_over(&lbio2, &backend);
-        let ran = Rc::new(Cell::new(false));
-        let done = Rc::clone(&ran);
-        let c = Arc::clone(&cache);
-        *backend.after_read.borrow_mut() = Some(Box::new(move || {
+        let (s, mut buf) = miss_page_3_racing(64, move |r| {
             if via_store {
-                let mut b = engine2.try_alloc(4096).unwrap();
-                b.fill(0xab);
-                writer.write_at_blocking(3 * 4096, b, false).unwrap();
-                h2.store(file, 3 * 4096, &[0xab; 4096]).unwrap();
+                r.store_new_page_3();
             } else {
-                h2.write(file, 3 * 4096, &[0xab; 4096]).unwrap();
-                h2.sync(file).unwrap();
+                r.h.write(r.file, 3 * 4096, &[0xab; 4096]).unwrap();
+                r.h.sync(r.file).unwrap();
             }
             // Pressure: the new page, clean, is evicted.
             let mut buf = vec![0u8; 4096];
             for page in 16..48 {
-                h2.read(file, page * 4096, &mut buf).unwrap();
+                r.h.read(r.file, page * 4096, &mut buf).unwrap();
             }
             assert!(
-                c.index
-                    .get(frames::Key::new(file.0, 3), &c.frames)
+                r.cache
+                    .index
+                    .get(frames::Key::new(r.file.0, 3), &r.cache.frames)
                     .is_none(),
                 "page 3 was not evicted"
             );
-            done.set(true);
-        }));
-        let mut buf = vec![0u8; 4096];
-        h.read(file, 3 * 4096, &mut buf).unwrap();
-        assert!(ran.get(), "the writer ran inside the read");
-        h.read(file, 3 * 4096, &mut buf).unwrap();
+        });
+        s.h.read(s.file, 3 * 4096, &mut buf).unwrap();
         assert!(
             buf.iter().all(|&b| b == 0xab),
             "via_store {via_store}: the cache kept the bytes read before the new ones"
         );
-        drop(h);
-        assert_frames_free_or_cached(&cache, &cache.metrics());
+        drop(s.h);
+        assert_frames_free_or_cached(&s.cache, &s.cache.metrics());
     }
 }
 
@@ -1423,15 +1426,7 @@ impl aios_core::SoftDevice for SlowDisk {
         // SAFETY: `r.ptr` is the started piece's memory, `r.len` bytes, untouched by anyone
         // else until its completion (pushed below) is dispatched; `start` checked the range.
         unsafe { std::ptr::copy_nonoverlapping(self.mem[r.offset..].as_ptr(), r.ptr, r.len) };
-        // SAFETY: a NOP refers to no memory or file.
-        unsafe {
-            engine.push(
-                aios_core::RingKind::Main,
-                r.sink,
-                r.payload,
-                aios_core::nop_sqe(),
-            )
-        }
+        push_nop(engine, r.sink, r.payload)
     }
 }
 
@@ -1447,6 +1442,19 @@ fn soft_caps(name: &'static str) -> Caps {
         iopoll: false,
         power_loss_protected: false,
         vectored: false,
+    }
+}
+
+/// Completes the request `sink` and `payload` name with a NOP (the device's answer to it).
+fn push_nop(engine: &Engine, sink: SinkId, payload: u64) -> Result<(), CoreError> {
+    // SAFETY: a NOP refers to no memory or file.
+    unsafe {
+        engine.push(
+            aios_core::RingKind::Main,
+            sink,
+            payload,
+            aios_core::nop_sqe(),
+        )
     }
 }
 
@@ -2029,15 +2037,7 @@ impl aios_core::SoftDevice for HoldDisk {
                 _ => std::ptr::copy_nonoverlapping(ptr, mem[offset..].as_mut_ptr(), len),
             }
         }
-        // SAFETY: a NOP refers to no memory or file.
-        unsafe {
-            engine.push(
-                aios_core::RingKind::Main,
-                sink,
-                payload,
-                aios_core::nop_sqe(),
-            )
-        }
+        push_nop(engine, sink, payload)
     }
 }
 
@@ -2081,6 +2081,26 @@ impl Backend for HoldPort {
     }
 }
 
+/// A cache of 64 frames with a file of `pages` pages on a [`HoldDisk`], and an AIOS handle on a
+/// fresh engine with the file attached.
+fn setup_on_hold_disk(pages: usize) -> (Setup, Rc<HoldDisk>) {
+    let cache = cache_of_64_frames(0);
+    let file = cache.add_file((pages * 4096) as u64).unwrap();
+    let engine = engine();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let disk = HoldDisk::new(pages * 4096, &cache);
+    let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+    h.attach(file, disk.device(&lbio)).unwrap();
+    let setup = Setup {
+        cache,
+        engine,
+        lbio,
+        file,
+        h,
+    };
+    (setup, disk)
+}
+
 /// A handle dropped while its engine fails every `io_uring_enter` with a writeback pass in
 /// flight (found by the second review on 2026-11-28) keeps the iovecs its requests name: lbio
 /// issues a background write's later pieces from them as tokens come back, and the kernel
@@ -2092,13 +2112,16 @@ impl Backend for HoldPort {
 fn a_dropped_handle_whose_engine_keeps_failing_leaves_the_iovecs_its_writes_name_in_place() {
     within(60, || {
         const PAGES: usize = 32;
-        let cache = cache_of_64_frames(0);
-        let file = cache.add_file((PAGES * 4096) as u64).unwrap();
-        let engine = engine();
-        let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
-        let disk = HoldDisk::new(PAGES * 4096, &cache);
-        let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
-        h.attach(file, disk.device(&lbio)).unwrap();
+        let (
+            Setup {
+                cache: _cache,
+                engine,
+                lbio: _lbio,
+                file,
+                h,
+            },
+            disk,
+        ) = setup_on_hold_disk(PAGES);
         let content: Vec<u8> = (0..PAGES * 4096)
             .map(|i| (i / 4096 * 7 + 1) as u8)
             .collect();
@@ -2134,13 +2157,16 @@ fn a_dropped_handle_whose_engine_keeps_failing_leaves_the_iovecs_its_writes_name
 fn a_write_to_a_page_whose_write_back_a_dropped_handle_lost_is_refused_not_waited_for() {
     within(60, || {
         const PAGES: usize = 4;
-        let cache = cache_of_64_frames(0);
-        let file = cache.add_file((PAGES * 4096) as u64).unwrap();
-        let engine = engine();
-        let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
-        let disk = HoldDisk::new(PAGES * 4096, &cache);
-        let h = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
-        h.attach(file, disk.device(&lbio)).unwrap();
+        let (
+            Setup {
+                cache,
+                engine,
+                lbio,
+                file,
+                h,
+            },
+            disk,
+        ) = setup_on_hold_disk(PAGES);
         let content = vec![0x5Au8; PAGES * 4096];
         h.write(file, 0, &content).unwrap();
         engine.fail_next_enters(u32::MAX);
@@ -2159,14 +2185,19 @@ fn a_write_to_a_page_whose_write_back_a_dropped_handle_lost_is_refused_not_waite
             matches!(e, CacheError::WritebackLost { page: 2, .. }),
             "{e}"
         );
-        let mut back = vec![0u8; PAGES * 4096];
-        h2.read(file, 0, &mut back).unwrap();
-        assert!(back == content, "the pages lost their last bytes");
-        h2.sync(file).unwrap();
-        assert!(engine.drain_all());
-        assert!(
-            *disk.mem.borrow() == content,
-            "the device holds other bytes"
+        // `h2` reads `content` and its sync leaves the device holding it.
+        let reads_and_syncs = |content: &[u8], read_wrong: &str, device_wrong: &str| {
+            let mut back = vec![0u8; PAGES * 4096];
+            h2.read(file, 0, &mut back).unwrap();
+            assert!(back == content, "{read_wrong}");
+            h2.sync(file).unwrap();
+            assert!(engine.drain_all());
+            assert!(*disk.mem.borrow() == content, "{device_wrong}");
+        };
+        reads_and_syncs(
+            &content,
+            "the pages lost their last bytes",
+            "the device holds other bytes",
         );
         // A `store` of a lost page (its bytes written around the cache) is taken, and the lost
         // copy is neither read nor written back over them.
@@ -2174,13 +2205,10 @@ fn a_write_to_a_page_whose_write_back_a_dropped_handle_lost_is_refused_not_waite
         content[3 * 4096..].fill(0x77);
         disk.mem.borrow_mut()[3 * 4096..].fill(0x77);
         h2.store(file, 3 * 4096, &[0x77; 4096]).unwrap();
-        h2.read(file, 0, &mut back).unwrap();
-        assert!(back == content, "a read returned the lost copy");
-        h2.sync(file).unwrap();
-        assert!(engine.drain_all());
-        assert!(
-            *disk.mem.borrow() == content,
-            "a sync wrote the lost copy over the stored bytes"
+        reads_and_syncs(
+            &content,
+            "a read returned the lost copy",
+            "a sync wrote the lost copy over the stored bytes",
         );
     });
 }
