@@ -156,10 +156,7 @@ impl lbio::Backend for LateFailFlush {
         if piece.op == lbio::Op::Flush && self.fail_late.get() > 0 {
             self.fail_late.set(self.fail_late.get() - 1);
             self.late.borrow_mut().push(tag);
-            // SAFETY: a NOP refers to no memory.
-            unsafe {
-                engine.push(aios_core::RingKind::Main, sink, tag, aios_core::nop_sqe())?;
-            }
+            push_nop(engine, sink, tag)?;
             return Ok(lbio::Started::Queued);
         }
         // SAFETY: the caller's contract on `piece` is passed on unchanged.
@@ -167,29 +164,76 @@ impl lbio::Backend for LateFailFlush {
     }
 }
 
-fn late_target(lbio: &Rc<LbioArray>) -> (lbio::Device, Rc<Cell<u32>>) {
-    let fail_late = Rc::new(Cell::new(0));
-    let late = Rc::new(RefCell::new(Vec::new()));
-    let backend = || {
-        Box::new(LateFailFlush {
-            mem: lbio::MemBackend::new(DISK as usize),
-            fail_late: Rc::clone(&fail_late),
-            late: Rc::clone(&late),
-        })
-    };
-    let geometry = lbio::Geometry {
-        capacity_bytes: DISK,
+/// Queues a NOP for `sink` on `engine`'s main ring: a completion carrying `payload` that a later
+/// engine wait takes.
+fn push_nop(
+    engine: &Engine,
+    sink: aios_core::SinkId,
+    payload: u64,
+) -> Result<(), aios_core::CoreError> {
+    // SAFETY: a NOP refers to no memory.
+    unsafe {
+        engine.push(
+            aios_core::RingKind::Main,
+            sink,
+            payload,
+            aios_core::nop_sqe(),
+        )
+    }
+}
+
+/// A device of `capacity_bytes` bytes with 512-byte blocks and alignment, and transfers of up to
+/// 128 KiB.
+fn geometry(capacity_bytes: u64) -> lbio::Geometry {
+    lbio::Geometry {
+        capacity_bytes,
         logical_block: 512,
         mem_align: 512,
         offset_align: 512,
         max_transfer_bytes: 128 << 10,
+    }
+}
+
+/// A writable device of `geometry` on `lbio`, its critical and its background path each a
+/// `backend()`.
+fn device_of<B: lbio::Backend + 'static>(
+    lbio: &Rc<LbioArray>,
+    backend: impl Fn() -> B,
+    geometry: lbio::Geometry,
+) -> lbio::Device {
+    lbio::Device::from_backends(
+        lbio,
+        Box::new(backend()),
+        Box::new(backend()),
+        geometry,
+        true,
+    )
+    .unwrap()
+}
+
+fn late_target(lbio: &Rc<LbioArray>) -> (lbio::Device, Rc<Cell<u32>>) {
+    late_target_of(lbio, DISK)
+}
+
+/// [`late_target`] of `disk` bytes.
+fn late_target_of(lbio: &Rc<LbioArray>, disk: u64) -> (lbio::Device, Rc<Cell<u32>>) {
+    let fail_late = Rc::new(Cell::new(0));
+    let late = Rc::new(RefCell::new(Vec::new()));
+    let backend = || LateFailFlush {
+        mem: lbio::MemBackend::new(disk as usize),
+        fail_late: Rc::clone(&fail_late),
+        late: Rc::clone(&late),
     };
-    let dev = lbio::Device::from_backends(lbio, backend(), backend(), geometry, true).unwrap();
+    let dev = device_of(lbio, backend, geometry(disk));
     (dev, fail_late)
 }
 
 fn write(engine: &Engine, target: u16, offset: u64, fill: u8) -> Write {
-    let mut buf = engine.alloc_blocking(4096).unwrap();
+    write_of(engine.alloc_blocking(4096).unwrap(), target, offset, fill)
+}
+
+/// A write (not an in-place update) of `buf`, filled with `fill`, at `offset` of `target`.
+fn write_of(mut buf: aios_core::FixedBuf, target: u16, offset: u64, fill: u8) -> Write {
     buf.fill(fill);
     Write {
         target,
@@ -199,18 +243,16 @@ fn write(engine: &Engine, target: u16, offset: u64, fill: u8) -> Write {
     }
 }
 
+/// The write of sector `i` of target 0, filled with `i`'s low byte.
+fn sector_write(engine: &Engine, i: u64) -> Write {
+    write_of(engine.alloc_blocking(512).unwrap(), 0, i * 512, i as u8)
+}
+
 #[test]
 fn a_background_flush_failing_after_waits_own_flush_is_not_vouched_for() {
     // As `a_background_flush_failing_during_wait_is_not_vouched_for_by_its_entry`, but the
     // failing background FLUSH on target 1 completes after `wait`'s own FLUSH of target 1.
-    let engine = Engine::new(EngineConfig {
-        ring_entries: 256,
-        arena_bytes: 8 << 20,
-        huge_pages: false,
-        ..EngineConfig::default()
-    })
-    .unwrap();
-    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let (engine, lbio) = engine_and_array_of(engine_config(8 << 20), LbioConfig::default());
     let (a, _) = late_target(&lbio);
     let (b, fail_b) = late_target(&lbio);
     let log = AttrLog::format(MemPmr::new(16 << 10), 2).unwrap();
@@ -242,14 +284,7 @@ fn a_background_flush_failing_after_waits_own_flush_is_not_vouched_for() {
 /// other stream's next `wait` then returned `Ok` and logged a FLUSH entry vouching for it.
 #[test]
 fn a_write_taken_while_waits_flush_fails_is_not_made_durable_by_a_background_flush() {
-    let engine = Engine::new(EngineConfig {
-        ring_entries: 256,
-        arena_bytes: 8 << 20,
-        huge_pages: false,
-        ..EngineConfig::default()
-    })
-    .unwrap();
-    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let (engine, lbio) = engine_and_array_of(engine_config(8 << 20), LbioConfig::default());
     let (a, fail_a) = late_target(&lbio);
     let log = AttrLog::format(MemPmr::new(16 << 10), 2).unwrap();
     let cfg = OrderedConfig {
@@ -327,33 +362,12 @@ fn the_header_version_wrapping_keeps_the_newer_copy() {
 #[test]
 fn a_group_of_the_most_writes_recovers_and_one_more_is_refused() {
     let n = rio_ordering::MAX_GROUP_WRITES as u64;
-    let engine = Engine::new(EngineConfig {
-        ring_entries: 256,
-        arena_bytes: (n as usize + 64) * 512,
+    let engine_cfg = EngineConfig {
         frame_bytes: 512,
-        huge_pages: false,
-        ..EngineConfig::default()
-    })
-    .unwrap();
-    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
-    let fail_late = Rc::new(Cell::new(0));
-    let late = Rc::new(RefCell::new(Vec::new()));
-    let disk = 64u64 << 20;
-    let backend = || {
-        Box::new(LateFailFlush {
-            mem: lbio::MemBackend::new(disk as usize),
-            fail_late: Rc::clone(&fail_late),
-            late: Rc::clone(&late),
-        })
+        ..engine_config((n as usize + 64) * 512)
     };
-    let geometry = lbio::Geometry {
-        capacity_bytes: disk,
-        logical_block: 512,
-        mem_align: 512,
-        offset_align: 512,
-        max_transfer_bytes: 128 << 10,
-    };
-    let dev = lbio::Device::from_backends(&lbio, backend(), backend(), geometry, true).unwrap();
+    let (engine, lbio) = engine_and_array_of(engine_cfg, LbioConfig::default());
+    let (dev, _) = late_target_of(&lbio, 64 << 20);
     // A log with room for the group (a bit over 4 MiB).
     let log = AttrLog::format(MemPmr::new(((n as usize) + 1024) * 64 + 4096), 1).unwrap();
     let cfg = OrderedConfig {
@@ -361,20 +375,13 @@ fn a_group_of_the_most_writes_recovers_and_one_more_is_refused() {
         ..OrderedConfig::default()
     };
     let mut od = OrderedDevice::new(lbio, vec![dev], log, &[1], cfg).unwrap();
-    let write_at = |i: u64| {
-        let mut buf = engine.alloc_blocking(512).unwrap();
-        buf.fill(i as u8);
-        Write {
-            target: 0,
-            offset: i * 512,
-            buf,
-            ipu: false,
-        }
-    };
     for i in 0..n {
-        od.submit(0, write_at(i), false).unwrap();
+        od.submit(0, sector_write(&engine, i), false).unwrap();
     }
-    let e = od.submit(0, write_at(n), true).unwrap_err().to_string();
+    let e = od
+        .submit(0, sector_write(&engine, n), true)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("65535 writes"), "{e}");
     // `wait` ends the open group.
     od.wait(0).expect("the group is durable");
@@ -395,26 +402,18 @@ fn a_group_of_the_most_writes_recovers_and_one_more_is_refused() {
 #[test]
 fn a_merge_stops_at_the_most_requests_an_entry_counts() {
     let n = rio_ordering::MAX_GROUP_WRITES as u64 + 1;
-    let engine = Engine::new(EngineConfig {
-        ring_entries: 256,
-        // The writes, and the merged copies of them.
-        arena_bytes: 2 * (n as usize + 64) * 512,
+    let engine_cfg = EngineConfig {
         frame_bytes: 512,
-        huge_pages: false,
-        ..EngineConfig::default()
-    })
-    .unwrap();
-    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+        // The writes, and the merged copies of them.
+        ..engine_config(2 * (n as usize + 64) * 512)
+    };
+    let (engine, lbio) = engine_and_array_of(engine_cfg, LbioConfig::default());
     let disk = 64u64 << 20;
     let geometry = lbio::Geometry {
-        capacity_bytes: disk,
-        logical_block: 512,
-        mem_align: 512,
-        offset_align: 512,
         max_transfer_bytes: 64 << 20,
+        ..geometry(disk)
     };
-    let backend = || Box::new(lbio::MemBackend::new(disk as usize));
-    let dev = lbio::Device::from_backends(&lbio, backend(), backend(), geometry, true).unwrap();
+    let dev = device_of(&lbio, || lbio::MemBackend::new(disk as usize), geometry);
     let log = AttrLog::format(MemPmr::new(64 << 10), 1).unwrap();
     let cfg = OrderedConfig {
         batch: n as usize,
@@ -423,15 +422,7 @@ fn a_merge_stops_at_the_most_requests_an_entry_counts() {
     };
     let mut od = OrderedDevice::new(lbio, vec![dev], log, &[1], cfg).unwrap();
     for i in 0..n {
-        let mut buf = engine.alloc_blocking(512).unwrap();
-        buf.fill(i as u8);
-        let w = Write {
-            target: 0,
-            offset: i * 512,
-            buf,
-            ipu: false,
-        };
-        od.submit(0, w, true).unwrap();
+        od.submit(0, sector_write(&engine, i), true).unwrap();
     }
     od.wait(0).expect("every group is durable");
     assert_eq!(od.stats().merged_cmds, 1);
@@ -499,24 +490,45 @@ fn checksummed_entries_with_impossible_values_are_damage() {
 
 // ---------------------------------------------------------------------------------------------
 
-/// An engine and an lbio array of `slots` request slots on it.
-fn engine_and_array(slots: u32) -> (Rc<Engine>, Rc<LbioArray>) {
-    let engine = Engine::new(EngineConfig {
+/// An engine of 256 ring entries and an arena of `arena_bytes`, without huge pages.
+fn engine_config(arena_bytes: usize) -> EngineConfig {
+    EngineConfig {
         ring_entries: 256,
-        arena_bytes: 1 << 20,
+        arena_bytes,
         huge_pages: false,
         ..EngineConfig::default()
-    })
-    .unwrap();
-    let lbio = LbioArray::new(
-        Rc::clone(&engine),
-        LbioConfig {
-            slots,
-            ..LbioConfig::default()
-        },
-    )
-    .unwrap();
+    }
+}
+
+/// An engine of `engine` and an lbio array of `array` on it.
+fn engine_and_array_of(engine: EngineConfig, array: LbioConfig) -> (Rc<Engine>, Rc<LbioArray>) {
+    let engine = Engine::new(engine).unwrap();
+    let lbio = LbioArray::new(Rc::clone(&engine), array).unwrap();
     (engine, lbio)
+}
+
+/// An engine and an lbio array of `slots` request slots on it.
+fn engine_and_array(slots: u32) -> (Rc<Engine>, Rc<LbioArray>) {
+    let array = LbioConfig {
+        slots,
+        ..LbioConfig::default()
+    };
+    engine_and_array_of(engine_config(1 << 20), array)
+}
+
+/// An ordered device on `lbio` over `targets` with the attribute log `log`: no background FLUSH,
+/// every stream starting at group 1.
+fn ordered<P: Pmr>(
+    lbio: Rc<LbioArray>,
+    targets: Vec<lbio::Device>,
+    log: AttrLog<P>,
+) -> OrderedDevice<P> {
+    let cfg = OrderedConfig {
+        flush_ahead: 0,
+        ..OrderedConfig::default()
+    };
+    let start = vec![1; log.streams() as usize];
+    OrderedDevice::new(lbio, targets, log, &start, cfg).unwrap()
 }
 
 /// A RAM target of `DISK` bytes without power-loss protection, one stream per log stream, on an
@@ -525,13 +537,7 @@ fn ram_rig(slots: u32, streams: u16) -> (Rc<Engine>, OrderedDevice<MemPmr>) {
     let (engine, lbio) = engine_and_array(slots);
     let dev = lbio::Device::memory(&lbio, DISK as usize).unwrap();
     let log = AttrLog::format(MemPmr::new(64 << 10), streams).unwrap();
-    let cfg = OrderedConfig {
-        flush_ahead: 0,
-        ..OrderedConfig::default()
-    };
-    let start = vec![1; streams as usize];
-    let od = OrderedDevice::new(lbio, vec![dev], log, &start, cfg).unwrap();
-    (engine, od)
+    (engine, ordered(lbio, vec![dev], log))
 }
 
 /// A write whose end lies past 2^64 is bad input, refused by `submit` like any other write past
@@ -560,13 +566,7 @@ fn a_write_ending_past_the_address_space_is_refused_and_the_stream_goes_on() {
 fn write_from_unaligned_memory(engine: &Engine, target: u16, offset: u64, fill: u8) -> Write {
     let mut buf = engine.alloc_blocking(8192).unwrap();
     buf.set_range(256, 4096).unwrap();
-    buf.fill(fill);
-    Write {
-        target,
-        offset,
-        buf,
-        ipu: false,
-    }
+    write_of(buf, target, offset, fill)
 }
 
 /// A write whose memory is not aligned to the target's direct-I/O memory alignment is bad
@@ -633,13 +633,12 @@ fn wait_flushes_while_another_streams_writes_hold_every_request_slot() {
 /// wrapped: a panic in a debug build).
 #[test]
 fn a_block_log_ending_past_the_address_space_is_refused() {
-    let engine = Engine::new(EngineConfig {
+    let engine_cfg = EngineConfig {
         arena_bytes: 1 << 20,
         huge_pages: false,
         ..EngineConfig::default()
-    })
-    .unwrap();
-    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    };
+    let (_engine, lbio) = engine_and_array_of(engine_cfg, LbioConfig::default());
     let dev = lbio::Device::memory(&lbio, DISK as usize).unwrap();
     let e = rio_ordering::BlockPmr::on_device(dev, u64::MAX - 4095, 4096).unwrap_err();
     assert!(e.to_string().contains("does not fit"), "{e}");
@@ -833,33 +832,29 @@ fn async_log_rig_of(
 ) {
     let (engine, lbio) = engine_and_array(64);
     let dev = lbio::Device::memory(&lbio, DISK as usize).unwrap();
+    let (log, fail) = flaky_block_log(&lbio, streams, log_bytes);
+    (engine, ordered(lbio, vec![dev], log), fail)
+}
+
+/// An attribute log of `streams` streams, a block log in the first `log_bytes` of a 64 KiB
+/// [`FlakyWrites`] device on `array`; the counter makes the log's next writes fail.
+fn flaky_block_log(
+    array: &Rc<LbioArray>,
+    streams: u16,
+    log_bytes: usize,
+) -> (AttrLog<rio_ordering::BlockPmr>, Rc<Cell<u32>>) {
     let fail = Rc::new(Cell::new(0));
-    let backend = || {
-        Box::new(FlakyWrites {
-            mem: lbio::MemBackend::new(64 << 10),
-            fail: Rc::clone(&fail),
-        })
+    let backend = || FlakyWrites {
+        mem: lbio::MemBackend::new(64 << 10),
+        fail: Rc::clone(&fail),
     };
-    let geometry = lbio::Geometry {
-        capacity_bytes: 64 << 10,
-        logical_block: 512,
-        mem_align: 512,
-        offset_align: 512,
-        max_transfer_bytes: 128 << 10,
-    };
-    let log_dev = lbio::Device::from_backends(&lbio, backend(), backend(), geometry, true).unwrap();
+    let log_dev = device_of(array, backend, geometry(64 << 10));
     let log = AttrLog::format(
         rio_ordering::BlockPmr::on_device(log_dev, 0, log_bytes).unwrap(),
         streams,
     )
     .unwrap();
-    let cfg = OrderedConfig {
-        flush_ahead: 0,
-        ..OrderedConfig::default()
-    };
-    let start = vec![1; streams as usize];
-    let od = OrderedDevice::new(Rc::clone(&lbio), vec![dev], log, &start, cfg).unwrap();
-    (engine, od, fail)
+    (log, fail)
 }
 
 /// An asynchronous block log's write fails while it holds only stream 1's write. Stream 0's
@@ -922,11 +917,7 @@ fn a_flush_failing_on_another_streams_target_does_not_fail_a_wait_that_found_roo
     let slots_at = scan(probe.pmr()).unwrap().header.slots_at;
     let log = AttrLog::format(MemPmr::new(slots_at + 4 * 64), 2).unwrap();
     assert_eq!(log.slots(), 4);
-    let cfg = OrderedConfig {
-        flush_ahead: 0,
-        ..OrderedConfig::default()
-    };
-    let mut od = OrderedDevice::new(Rc::clone(&lbio), vec![a, b], log, &[1, 1], cfg).unwrap();
+    let mut od = ordered(Rc::clone(&lbio), vec![a, b], log);
     // Slot 0: stream 0's group 1 (target 0); slot 1: stream 1's group 1 (target 1); slots 2
     // and 3: stream 0's groups 2 and 3 (target 0). The log is full.
     od.submit(0, write(&engine, 0, 0, 1), true).unwrap();
@@ -1024,15 +1015,7 @@ impl aios_core::SoftDevice for HeldWrites {
             ));
         }
         for (sink, payload) in std::mem::take(&mut *self.held.borrow_mut()) {
-            // SAFETY: a NOP refers to no memory.
-            unsafe {
-                engine.push(
-                    aios_core::RingKind::Main,
-                    sink,
-                    payload,
-                    aios_core::nop_sqe(),
-                )?;
-            }
+            push_nop(engine, sink, payload)?;
         }
         Ok(())
     }
@@ -1093,33 +1076,14 @@ fn held_writes_rig() -> (
     });
     let soft: Rc<dyn aios_core::SoftDevice> = held.clone();
     engine.attach_soft_device(Rc::downgrade(&soft));
-    let geometry = lbio::Geometry {
-        capacity_bytes: DISK,
-        logical_block: 512,
-        mem_align: 512,
-        offset_align: 512,
-        max_transfer_bytes: 128 << 10,
-    };
-    let dev = lbio::Device::from_backends(
-        &lbio,
-        Box::new(HeldBackend(Rc::clone(&held))),
-        Box::new(HeldBackend(Rc::clone(&held))),
-        geometry,
-        true,
-    )
-    .unwrap();
+    let dev = device_of(&lbio, || HeldBackend(Rc::clone(&held)), geometry(DISK));
     let log_dev = lbio::Device::memory(&lbio, 64 << 10).unwrap();
     let log = AttrLog::format(
         rio_ordering::BlockPmr::on_device(log_dev, 0, 2048).unwrap(),
         2,
     )
     .unwrap();
-    let cfg = OrderedConfig {
-        flush_ahead: 0,
-        ..OrderedConfig::default()
-    };
-    let od = OrderedDevice::new(Rc::clone(&lbio), vec![dev], log, &[1, 1], cfg).unwrap();
-    (engine, od, held)
+    (engine, ordered(lbio, vec![dev], log), held)
 }
 
 /// A full asynchronous block log: stream 0's groups 1 and 2 are on the device (not yet durable),
@@ -1208,34 +1172,8 @@ fn blocking_log_rig(
     let (engine, lbio) = engine_and_array(64);
     let dev = lbio::Device::memory(&lbio, DISK as usize).unwrap();
     let log_array = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
-    let fail = Rc::new(Cell::new(0));
-    let backend = || {
-        Box::new(FlakyWrites {
-            mem: lbio::MemBackend::new(64 << 10),
-            fail: Rc::clone(&fail),
-        })
-    };
-    let geometry = lbio::Geometry {
-        capacity_bytes: 64 << 10,
-        logical_block: 512,
-        mem_align: 512,
-        offset_align: 512,
-        max_transfer_bytes: 128 << 10,
-    };
-    let log_dev =
-        lbio::Device::from_backends(&log_array, backend(), backend(), geometry, true).unwrap();
-    let log = AttrLog::format(
-        rio_ordering::BlockPmr::on_device(log_dev, 0, 16 << 10).unwrap(),
-        streams,
-    )
-    .unwrap();
-    let cfg = OrderedConfig {
-        flush_ahead: 0,
-        ..OrderedConfig::default()
-    };
-    let start = vec![1; streams as usize];
-    let od = OrderedDevice::new(lbio, vec![dev], log, &start, cfg).unwrap();
-    (engine, od, fail)
+    let (log, fail) = flaky_block_log(&log_array, streams, 16 << 10);
+    (engine, ordered(lbio, vec![dev], log), fail)
 }
 
 /// `flush_queue(stream)` answers for its own stream, as `wait` does: a log sync that fails
@@ -1320,24 +1258,19 @@ fn flush_queue_reports_its_own_command_that_cannot_be_sent() {
 /// until recovery. (Found by a review on 2026-11-28: such a device was built.)
 #[test]
 fn a_target_needing_more_alignment_than_the_arenas_frames_give_is_refused() {
-    let engine = Engine::new(EngineConfig {
+    let engine_cfg = EngineConfig {
         ring_entries: 64,
-        arena_bytes: 1 << 20,
         frame_bytes: 512,
-        huge_pages: false,
-        ..EngineConfig::default()
-    })
-    .unwrap();
-    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+        ..engine_config(1 << 20)
+    };
+    let (_engine, lbio) = engine_and_array_of(engine_cfg, LbioConfig::default());
     let geometry = lbio::Geometry {
-        capacity_bytes: DISK,
         logical_block: 4096,
         mem_align: 4096,
         offset_align: 4096,
-        max_transfer_bytes: 128 << 10,
+        ..geometry(DISK)
     };
-    let backend = || Box::new(lbio::MemBackend::new(DISK as usize));
-    let dev = lbio::Device::from_backends(&lbio, backend(), backend(), geometry, true).unwrap();
+    let dev = device_of(&lbio, || lbio::MemBackend::new(DISK as usize), geometry);
     let log = AttrLog::format(MemPmr::new(64 << 10), 1).unwrap();
     let r = OrderedDevice::new(lbio, vec![dev], log, &[1], OrderedConfig::default());
     let Err(e) = r else {
