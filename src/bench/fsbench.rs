@@ -202,7 +202,7 @@ fn fio(dir: &Path, args: &[String], rw_key: &str, seconds: f64) -> Result<Measur
         .arg(format!("--directory={}", dir.display()))
         .args(args)
         .args(["--time_based", "--output-format=json", "--group_reporting"])
-        .arg(format!("--runtime={}ms", (seconds * 1000.0) as u64))
+        .arg(crate::bench::fio::runtime_arg(seconds))
         .output()
         .map_err(|e| BenchError::Setup(format!("running fio: {e}")))?;
     if !out.status.success() {
