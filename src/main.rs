@@ -2019,8 +2019,22 @@ fn cmd_bench_pagecache(a: PagecacheArgs) -> Result<(), BenchError> {
 
 fn cmd_target(a: TargetArgs) -> Result<(), BenchError> {
     use aios::rio_net::{Target, TargetConfig, TargetLogKind};
+    // A mem or file log is held in memory whole (Rio uses 2 MiB per target): past this the
+    // allocation could abort the process instead of failing.
+    const MAX_LOG_BYTES: u64 = 1 << 30;
+    if a.log_bytes > MAX_LOG_BYTES && a.attr_log.split_once(':').is_none_or(|(k, _)| k != "nvme") {
+        return Err(BenchError::Invalid(format!(
+            "--log-bytes {}: at most 1g (a mem or file log is held in memory; Rio uses 2m)",
+            a.log_bytes
+        )));
+    }
     let log = match a.attr_log.split_once(':') {
         _ if a.attr_log == "mem" => TargetLogKind::Mem(a.log_bytes as usize),
+        Some(("file", "")) => {
+            return Err(BenchError::Invalid(
+                "--attr-log file: needs a path (file:PATH)".into(),
+            ))
+        }
         Some(("file", p)) => TargetLogKind::File(PathBuf::from(p), a.log_bytes as usize),
         Some(("nvme", p)) => TargetLogKind::Nvme(PathBuf::from(p)),
         _ => {

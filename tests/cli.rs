@@ -1237,3 +1237,36 @@ fn bench_ordered_over_the_network_refuses_streams_past_16_bits() {
         assert!(out.stdout.is_empty(), "{n}: printed {:?}", out.stdout);
     }
 }
+
+/// `aios target` refuses an attribute log it cannot hold, naming the option, before it opens
+/// the device or listens: `--log-bytes 100g` aborted the process on the allocation ("memory
+/// allocation of 107374182400 bytes failed"), and `--attr-log file:` (no path) said only ": No
+/// such file or directory". (Found by a review of the CLI on 2026-11-28.)
+#[test]
+fn target_refuses_a_log_it_cannot_hold_naming_the_option() {
+    let dev = format!("/var/tmp/aios-cli-target-log-{}.img", std::process::id());
+    std::fs::File::create(&dev)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    for (args, name) in [
+        (&["--log-bytes", "100g"][..], "--log-bytes"),
+        (
+            &["--attr-log", "file:", "--log-bytes", "1m"][..],
+            "--attr-log",
+        ),
+    ] {
+        let out = aios()
+            .args(["target", "--listen", "127.0.0.1:0", "--device", &dev])
+            .args(args)
+            .output()
+            .unwrap();
+        let e = String::from_utf8_lossy(&out.stderr);
+        if out.status.code() != Some(1) || !e.contains(name) {
+            let _ = std::fs::remove_file(&dev);
+        }
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {e}");
+        assert!(e.contains(name), "{args:?}: {e}");
+    }
+    std::fs::remove_file(&dev).unwrap();
+}
