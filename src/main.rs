@@ -278,7 +278,7 @@ struct TargetArgs {
     /// start is kept for the initiator's recovery).
     #[arg(long)]
     format: bool,
-    /// Serve only this many bytes of the device.
+    /// Serve only this many bytes of the device (whole 4 KiB blocks, at most the device's size).
     #[arg(long, value_parser = parse_size)]
     ns_bytes: Option<u64>,
     /// Subsystem NQN.

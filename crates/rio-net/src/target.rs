@@ -71,7 +71,8 @@ pub struct TargetConfig {
     pub streams: u16,
     /// Format the log even when it holds one (its entries are lost).
     pub format: bool,
-    /// Serve only this many bytes of the device.
+    /// Serve only this many bytes of the device: whole blocks, at most the device's size
+    /// (anything else is refused by [`Target::bind`]).
     pub ns_bytes: Option<u64>,
     pub subnqn: String,
     /// Arena bytes per I/O connection.
@@ -359,7 +360,16 @@ impl Target {
                 dev.critical_route().0.power_loss_protected,
             )
         };
-        let ns_bytes = cfg.ns_bytes.unwrap_or(capacity).min(capacity) / LBA as u64 * LBA as u64;
+        if let Some(n) = cfg.ns_bytes {
+            if n == 0 || n % LBA as u64 != 0 || n > capacity {
+                return Err(NetError::Config(format!(
+                    "a namespace of {n} bytes (ns_bytes, --ns-bytes) on {}: it must be a whole \
+                     number of {LBA}-byte blocks, at most the device's {capacity} bytes",
+                    cfg.device.display()
+                )));
+            }
+        }
+        let ns_bytes = cfg.ns_bytes.unwrap_or(capacity) / LBA as u64 * LBA as u64;
         if ns_bytes == 0 {
             return Err(NetError::Config(format!(
                 "{}: {capacity} bytes is too small for a namespace of {LBA}-byte blocks",

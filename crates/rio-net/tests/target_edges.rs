@@ -992,3 +992,41 @@ fn commands_awaiting_data_on_queues_without_slots_are_bounded() {
         );
     }
 }
+
+/// A namespace size larger than the device, smaller than one block or not a whole number of
+/// blocks is refused when the target is made, naming it: a larger one was cut to the device's
+/// size without a word (a host then saw a smaller volume than it was told to expect), a part
+/// block was dropped, and one under a block blamed the device.
+/// (Found by a review of the CLI on 2026-11-28.)
+#[test]
+fn a_namespace_size_the_device_cannot_hold_is_refused() {
+    let _one = one_at_a_time();
+    let p = PathBuf::from(format!("/dev/shm/rio-edges-{}-nsbytes", std::process::id()));
+    let _rm = Remove(p.clone());
+    std::fs::File::create(&p)
+        .unwrap()
+        .set_len(16 << 20)
+        .unwrap();
+    for ns in [
+        (16 << 20) + LBA as u64,
+        1 << 30,
+        1,
+        LBA as u64 - 1,
+        (16 << 20) - 100,
+    ] {
+        let mut cfg = TargetConfig::new(p.clone(), TargetLogKind::Mem(1 << 20));
+        cfg.ns_bytes = Some(ns);
+        let Err(e) = Target::bind("127.0.0.1:0".parse().unwrap(), cfg) else {
+            panic!("a namespace of {ns} bytes on a 16 MiB device was taken");
+        };
+        let e = e.to_string();
+        assert!(e.contains("ns_bytes") && e.contains(&ns.to_string()), "{e}");
+    }
+    // The device's whole size, and a whole block less, are served as asked.
+    for ns in [16 << 20, (16 << 20) - LBA as u64] {
+        let mut cfg = TargetConfig::new(p.clone(), TargetLogKind::Mem(1 << 20));
+        cfg.ns_bytes = Some(ns);
+        let t = Target::bind("127.0.0.1:0".parse().unwrap(), cfg).unwrap();
+        assert_eq!(t.ns_bytes(), ns);
+    }
+}
