@@ -289,6 +289,8 @@ impl Status {
     /// Reservation Conflict: the write came on a connection opened before a recovery fenced
     /// the target (`RIO_FENCE`); it never reached the device.
     pub const FENCED: Status = Status { sct: 0, sc: 0x83 };
+    /// More Asynchronous Event Requests outstanding than the controller's AERL allows.
+    pub const AER_LIMIT_EXCEEDED: Status = Status { sct: 1, sc: 0x05 };
     pub const CONNECT_INVALID_PARAM: Status = Status { sct: 1, sc: 0x82 };
     pub const CONNECT_INVALID_HOST: Status = Status { sct: 1, sc: 0x84 };
     /// Vendor specific (SCT 7): the ordering attribute is refused.

@@ -49,6 +49,8 @@ const ADMIN_CAPSULE_DATA: u32 = 8192;
 const ADMIN_AWAITING_DATA: usize = 8;
 /// LBA size of the namespace.
 pub const LBA: u32 = 4096;
+/// Asynchronous Event Requests a controller holds at once (Identify Controller's AERL + 1).
+const AER_LIMIT: usize = 4;
 
 /// Where a target keeps its attribute log.
 #[derive(Clone, Debug)]
@@ -1467,6 +1469,11 @@ impl TConn {
             }
             op::GET_FEATURES => self.respond(cid, Status::SUCCESS, 0, 0),
             op::KEEP_ALIVE => self.respond(cid, Status::SUCCESS, 0, 0),
+            // Held until an event (none is ever raised here), up to the limit Identify
+            // Controller advertises; one more is answered at once, as the spec says.
+            op::ASYNC_EVENT if self.aers.len() >= AER_LIMIT => {
+                self.respond(cid, Status::AER_LIMIT_EXCEEDED, 0, 0)
+            }
             op::ASYNC_EVENT => self.aers.push(cid),
             op::RIO_INFO => {
                 let st = self.shared.lock();
@@ -1639,7 +1646,7 @@ impl TConn {
         p[96..100].copy_from_slice(&(1u32 << 8).to_le_bytes()); // OAES: namespace attribute notices
         p[111] = 1; // CNTRLTYPE: I/O controller
         p[258] = 3; // ACL
-        p[259] = 3; // AERL
+        p[259] = (AER_LIMIT - 1) as u8; // AERL (0's based)
         p[261] = 0x04; // LPA: extended data for Get Log Page
         p[262] = 0; // ELPE
         p[320..322].copy_from_slice(&100u16.to_le_bytes()); // KAS: 100 ms units
