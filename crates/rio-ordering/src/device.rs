@@ -537,7 +537,9 @@ impl<P: Pmr> OrderedDevice<P> {
             .find(|(_, d)| d.geometry().mem_align as u64 > copy_align)
         {
             return Err(RioError::Config(format!(
-                "target {t} needs buffers aligned to {} bytes, but the engine's arena ({}-byte                  frames) gives copies aligned to {copy_align}: merged and split commands would                  be refused; give the engine frames of at least {} bytes",
+                "target {t} needs buffers aligned to {} bytes, but the engine's arena ({}-byte \
+                 frames) gives copies aligned to {copy_align}: merged and split commands would \
+                 be refused; give the engine frames of at least {} bytes",
                 d.geometry().mem_align,
                 arena.frame_bytes(),
                 d.geometry().mem_align
