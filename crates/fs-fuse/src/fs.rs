@@ -2091,14 +2091,20 @@ impl Fs {
         Ok(())
     }
 
-    /// Before a new entry is added by link or rename (nothing changed yet): when the blocks it
-    /// may need (a directory block and that directory's extent leaf) are free only once the
-    /// blocks freed since the last commit come back, commit first, as mknod does.
-    fn room_for_entry(&self, st: &mut State, ctx: &Ctx) -> FsResult<()> {
-        if !st.quarantine.is_empty() && st.free_blocks < st.quarantine.len() as u64 + 2 {
+    /// Before an operation that may take `need` blocks changes anything: when they are free
+    /// only once the blocks freed since the last commit come back (those count as free but
+    /// may be taken only after it), commit first.
+    fn room_for(&self, st: &mut State, ctx: &Ctx, need: u64) -> FsResult<()> {
+        if !st.quarantine.is_empty() && st.free_blocks < st.quarantine.len() as u64 + need {
             self.commit_locked(st, ctx, None)?;
         }
         Ok(())
+    }
+
+    /// [`Self::room_for`] a new entry added by link or rename: a directory block and that
+    /// directory's extent leaf.
+    fn room_for_entry(&self, st: &mut State, ctx: &Ctx) -> FsResult<()> {
+        self.room_for(st, ctx, 2)
     }
 
     /// Add `name` -> `ino` to directory `parent` (growing it by a block when full).
@@ -2228,11 +2234,7 @@ impl Fs {
         }
         // Blocks this needs at most: a directory block for the parent and the extent leaf
         // its map may then need, and one for a new directory or symlink target.
-        // Blocks freed since the last commit count as free but come back only after it.
-        let need = 2 + (is_dir || symlink.is_some()) as u64;
-        if st.free_blocks < st.quarantine.len() as u64 + need {
-            self.commit_locked(&mut st, &ctx, None)?;
-        }
+        self.room_for(&mut st, &ctx, 2 + (is_dir || symlink.is_some()) as u64)?;
         let ino = self.alloc_inode(&mut st, &ctx)?;
         let mut node = self.new_node(&mut st, mode, caller, pgm, rdev);
         let undo = |st: &mut State| {
