@@ -114,27 +114,11 @@ impl Backend for FaultyBackend {
                 return Ok(Started::Done(-libc::EIO));
             }
         }
-        let mut one = libc::iovec {
-            iov_base: std::ptr::null_mut(),
-            iov_len: 0,
-        };
-        let mut at = off;
-        for seg in piece.iovecs(&mut one) {
-            let (p, n) = (seg.iov_base.cast::<u8>(), seg.iov_len);
-            match piece.op {
-                // SAFETY: the caller guarantees every segment is valid and ours until this
-                // returns; `mem` is a separate allocation; the segments add up to `len`,
-                // checked against `mem` above.
-                Op::Read => unsafe { std::ptr::copy_nonoverlapping(mem.as_ptr().add(at), p, n) },
-                // SAFETY: as above, in the other direction.
-                Op::Write => unsafe {
-                    std::ptr::copy_nonoverlapping(p, mem.as_mut_ptr().add(at), n)
-                },
-                Op::Flush => {}
-            }
-            at += n;
-        }
-        Ok(Started::Done(len as i32))
+        // SAFETY: the caller's contract on `piece` is passed on; `mem` is a separate heap
+        // allocation, which no segment can overlap.
+        Ok(Started::Done(unsafe {
+            lbio::piece_in_memory(&mut mem, piece)
+        }))
     }
 }
 

@@ -381,32 +381,43 @@ impl Backend for MemBackend {
         // SAFETY: `MemBackend` is !Sync and `start` is not re-entrant, so this is the only live
         // reference to the memory.
         let mem = unsafe { &mut *self.mem.get() };
-        let off = piece.offset as usize;
-        let len = piece.len as usize;
-        if off.checked_add(len).is_none_or(|end| end > mem.len()) {
-            return Ok(Started::Done(-libc::EINVAL));
-        }
-        let mut one = libc::iovec {
-            iov_base: std::ptr::null_mut(),
-            iov_len: 0,
-        };
-        let mut at = off;
-        for seg in piece.iovecs(&mut one) {
-            let (p, n) = (seg.iov_base.cast::<u8>(), seg.iov_len);
-            match piece.op {
-                // SAFETY: the caller guarantees every segment is ours; none can overlap `mem`, a
-                // separate heap allocation; the segments add up to `len`, checked above.
-                Op::Read => unsafe { std::ptr::copy_nonoverlapping(mem.as_ptr().add(at), p, n) },
-                // SAFETY: as above, in the other direction.
-                Op::Write => unsafe {
-                    std::ptr::copy_nonoverlapping(p, mem.as_mut_ptr().add(at), n)
-                },
-                Op::Flush => {}
-            }
-            at += n;
-        }
-        Ok(Started::Done(len as i32))
+        // SAFETY: the caller's contract on `piece` is passed on; `mem` is a separate heap
+        // allocation, which no segment can overlap.
+        Ok(Started::Done(unsafe { piece_in_memory(mem, piece) }))
     }
+}
+
+/// Do `piece` on a device whose bytes are `mem` (a read copies out of it, a write into it, a
+/// FLUSH does nothing), for a backend kept in memory: what its completion carries, the bytes
+/// done, or `-EINVAL` for a piece past the end of `mem`.
+///
+/// # Safety
+/// Every segment of `piece` must be memory the caller may read (a write) or write (a read)
+/// until this returns, and none may overlap `mem`.
+pub unsafe fn piece_in_memory(mem: &mut [u8], piece: &Piece) -> i32 {
+    let off = piece.offset as usize;
+    let len = piece.len as usize;
+    if off.checked_add(len).is_none_or(|end| end > mem.len()) {
+        return -libc::EINVAL;
+    }
+    let mut one = libc::iovec {
+        iov_base: std::ptr::null_mut(),
+        iov_len: 0,
+    };
+    let mut at = off;
+    for seg in piece.iovecs(&mut one) {
+        let (p, n) = (seg.iov_base.cast::<u8>(), seg.iov_len);
+        match piece.op {
+            // SAFETY: the caller guarantees every segment is ours and apart from `mem`; the
+            // segments add up to `len`, checked against `mem` above.
+            Op::Read => unsafe { std::ptr::copy_nonoverlapping(mem.as_ptr().add(at), p, n) },
+            // SAFETY: as above, in the other direction.
+            Op::Write => unsafe { std::ptr::copy_nonoverlapping(p, mem.as_mut_ptr().add(at), n) },
+            Op::Flush => {}
+        }
+        at += n;
+    }
+    len as i32
 }
 
 /// NVMe passthrough: reads, writes (optionally FUA) and flushes sent as raw NVMe commands

@@ -34,8 +34,8 @@ pub use array::{
     MAX_SLOTS,
 };
 pub use backend::{
-    Backend, Caps, FileBackend, MemBackend, NvmeBackend, Op, Outcome, Piece, PieceError, Started,
-    SyncBackend,
+    piece_in_memory, Backend, Caps, FileBackend, MemBackend, NvmeBackend, Op, Outcome, Piece,
+    PieceError, Started, SyncBackend,
 };
 pub use device::{
     aligned, Device, DeviceConfig, Geometry, Io, IoFuture, RouteChoice, MAX_REQUEST_BYTES,
