@@ -1125,6 +1125,21 @@ mod tests {
             .collect()
     }
 
+    /// Cut the power, then draw 400 untorn crash images: the first byte of each of their first
+    /// three 512-byte sectors, as seen.
+    fn untorn_images_after_a_cut(disk: &SimDisk) -> std::collections::BTreeSet<[u8; 3]> {
+        disk.cut_power();
+        (0..400)
+            .map(|_| {
+                let img = disk.crash_image(CrashOptions {
+                    torn: false,
+                    bit_flips: 0,
+                });
+                [img[0], img[512], img[1024]]
+            })
+            .collect()
+    }
+
     /// Two overlapping writes in flight together can land in either order: the device has
     /// completed neither. With atomic (untorn) writes, `[1 1 _]` then `[_ 2 2]` and the reverse
     /// must both be reachable; the draw always laid them in queue order, so the middle sector
@@ -1133,15 +1148,7 @@ mod tests {
     fn overlapping_writes_in_flight_together_land_in_either_order() {
         let disk = SimDisk::new(SimConfig::new(4 << 10, 1)).unwrap();
         start_unadvanced(&disk, &[(Op::Write, 0, 1024, 1), (Op::Write, 512, 1024, 2)]);
-        disk.cut_power();
-        let mut seen = std::collections::BTreeSet::new();
-        for _ in 0..400 {
-            let img = disk.crash_image(CrashOptions {
-                torn: false,
-                bit_flips: 0,
-            });
-            seen.insert([img[0], img[512], img[1024]]);
-        }
+        let seen = untorn_images_after_a_cut(&disk);
         for want in [[1, 1, 2], [1, 2, 2], [1, 1, 0], [0, 2, 2], [0, 0, 0]] {
             assert!(seen.contains(&want), "{want:?} never drawn: {seen:?}");
         }
@@ -1171,15 +1178,7 @@ mod tests {
             if b_first {
                 a();
             }
-            disk.cut_power();
-            let mut seen = std::collections::BTreeSet::new();
-            for _ in 0..400 {
-                let img = disk.crash_image(CrashOptions {
-                    torn: false,
-                    bit_flips: 0,
-                });
-                seen.insert([img[0], img[512], img[1024]]);
-            }
+            let seen = untorn_images_after_a_cut(&disk);
             let mut want = vec![[1, 1, 2], [0, 2, 2]];
             if !b_first {
                 want.push([1, 2, 2]);
