@@ -24,7 +24,7 @@ use rio_net::target::LBA;
 use rio_net::{Target, TargetConfig, TargetLogKind, Volume, VolumeConfig};
 
 mod common;
-use common::{queues, Raw};
+use common::{lba_sqe, queues, Raw};
 
 struct Rng(u64);
 impl Rng {
@@ -298,13 +298,7 @@ const FILE_BYTES: u64 = 8 << 20;
 const SENTINEL: u8 = 0xa5;
 
 fn rw(opcode: u8, cid: u16, slba: u64, nlb: u32, in_capsule: Option<u32>) -> Sqe {
-    let mut sqe = Sqe::default();
-    sqe.set_opcode(opcode);
-    sqe.set_cid(cid);
-    sqe.set_cdw(1, 1);
-    sqe.set_cdw(10, slba as u32);
-    sqe.set_cdw(11, (slba >> 32) as u32);
-    sqe.set_cdw(12, nlb - 1);
+    let mut sqe = lba_sqe(opcode, cid, slba, nlb);
     match in_capsule {
         Some(len) => sqe.set_sgl(len, true),
         None => sqe.set_sgl(nlb * LBA, false),

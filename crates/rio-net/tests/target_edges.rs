@@ -11,7 +11,7 @@ use rio_net::pdu::{self, op, Digests, Sqe, WireAttr};
 use rio_net::{Target, TargetConfig, TargetLogKind, Volume, VolumeConfig};
 
 mod common;
-use common::{put, queues, read_block, Raw};
+use common::{lba_sqe, put, queues, read_block, Raw};
 
 const LBA: u32 = 4096;
 
@@ -44,13 +44,7 @@ fn target(name: &str, in_capsule: u32) -> (SocketAddr, Remove) {
 }
 
 fn write_cmd(cid: u16, slba: u64, in_capsule: bool) -> Sqe {
-    let mut sqe = Sqe::default();
-    sqe.set_opcode(op::WRITE);
-    sqe.set_cid(cid);
-    sqe.set_cdw(1, 1);
-    sqe.set_cdw(10, slba as u32);
-    sqe.set_cdw(11, (slba >> 32) as u32);
-    sqe.set_cdw(12, 0);
+    let mut sqe = lba_sqe(op::WRITE, cid, slba, 1);
     sqe.set_sgl(LBA, in_capsule);
     sqe
 }
@@ -817,13 +811,7 @@ fn an_io_queue_of_a_controller_from_before_a_fence_cannot_write() {
 
 /// A read or Write Zeroes of `blocks` 4 KiB blocks at block `slba`.
 fn lba_cmd(opcode: u8, cid: u16, slba: u64, blocks: u32) -> Sqe {
-    let mut sqe = Sqe::default();
-    sqe.set_opcode(opcode);
-    sqe.set_cid(cid);
-    sqe.set_cdw(1, 1);
-    sqe.set_cdw(10, slba as u32);
-    sqe.set_cdw(11, (slba >> 32) as u32);
-    sqe.set_cdw(12, blocks - 1);
+    let mut sqe = lba_sqe(opcode, cid, slba, blocks);
     let len = if opcode == op::READ { blocks * LBA } else { 0 };
     sqe.set_sgl(len, false);
     sqe

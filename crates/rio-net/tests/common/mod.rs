@@ -171,3 +171,16 @@ pub fn read_block(v: &mut Volume, block: u64) -> u8 {
         }
     }
 }
+
+/// An I/O command on namespace 1: `opcode` for `blocks` blocks from block `slba` (its data
+/// descriptor is the caller's to set).
+pub fn lba_sqe(opcode: u8, cid: u16, slba: u64, blocks: u32) -> Sqe {
+    let mut sqe = Sqe::default();
+    sqe.set_opcode(opcode);
+    sqe.set_cid(cid);
+    sqe.set_cdw(1, 1);
+    sqe.set_cdw(10, slba as u32);
+    sqe.set_cdw(11, (slba >> 32) as u32);
+    sqe.set_cdw(12, blocks - 1);
+    sqe
+}
