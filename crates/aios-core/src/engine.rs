@@ -941,6 +941,13 @@ impl Engine {
         unsafe { self.push_any(kind, Sqe::Std(sqe)) }
     }
 
+    /// Queue a NOP on the main ring for `sink` with `payload` as its tag: a completion (result
+    /// 0) that a later wait hands to the sink. How a [`SoftDevice`] answers a request.
+    pub fn push_nop(&self, sink: SinkId, payload: u64) -> Result<(), CoreError> {
+        // SAFETY: a NOP refers to no buffer or file.
+        unsafe { self.push(RingKind::Main, sink, payload, nop_sqe()) }
+    }
+
     /// Queue one 128-byte SQE (e.g. an NVMe passthrough `UringCmd80`) for `sink` with `payload`
     /// as its tag. The engine must have been built with [`EngineConfig::passthrough`].
     ///

@@ -18,7 +18,7 @@
 use std::rc::Rc;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use aios_core::{nop_sqe, CoreError, Engine, RingKind, SinkId, SoftDevice};
+use aios_core::{CoreError, Engine, SinkId, SoftDevice};
 
 use crate::array::LbioArray;
 use crate::backend::{Backend, Caps, Op, Outcome, Piece, PieceError, Started};
@@ -737,8 +737,7 @@ impl Port {
     /// them, so dropping them would leave their requests waiting for ever.
     fn send(&self, engine: &Engine, done: Vec<(SinkId, u64)>) -> Result<(), CoreError> {
         for (i, &(sink, payload)) in done.iter().enumerate() {
-            // SAFETY: a NOP refers to no memory or file.
-            if let Err(e) = unsafe { engine.push(RingKind::Main, sink, payload, nop_sqe()) } {
+            if let Err(e) = engine.push_nop(sink, payload) {
                 self.unsent.borrow_mut().extend_from_slice(&done[i..]);
                 return Err(e);
             }

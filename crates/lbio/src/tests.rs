@@ -1788,15 +1788,7 @@ impl Backend for ReapingNop {
         tag: u64,
         _piece: &Piece,
     ) -> Result<Started, CoreError> {
-        // SAFETY: a NOP touches no memory.
-        unsafe {
-            engine.push(
-                aios_core::RingKind::Main,
-                sink,
-                tag,
-                aios_core::engine::nop_sqe(),
-            )
-        }?;
+        engine.push_nop(sink, tag)?;
         if self.reap_in_push.get() {
             // Its own completion (posted when the NOP was submitted) is dispatched now, inside
             // the push.
@@ -1976,17 +1968,7 @@ fn wait_done_does_not_wait_for_other_work_on_the_engine() {
     dev.submit(Io::write(0, patterned(&engine, 4096, 1)))
         .map_err(|e| e.0)
         .unwrap();
-    // SAFETY: a NOP touches no memory.
-    unsafe {
-        engine
-            .push(
-                aios_core::RingKind::Main,
-                sink,
-                7,
-                aios_core::engine::nop_sqe(),
-            )
-            .unwrap()
-    };
+    engine.push_nop(sink, 7).unwrap();
     assert!(engine.has_work());
     lbio.wait_done(2).unwrap();
     assert_eq!(lbio.done_len(), 1);

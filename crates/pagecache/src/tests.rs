@@ -1426,7 +1426,7 @@ impl aios_core::SoftDevice for SlowDisk {
         // SAFETY: `r.ptr` is the started piece's memory, `r.len` bytes, untouched by anyone
         // else until its completion (pushed below) is dispatched; `start` checked the range.
         unsafe { std::ptr::copy_nonoverlapping(self.mem[r.offset..].as_ptr(), r.ptr, r.len) };
-        push_nop(engine, r.sink, r.payload)
+        engine.push_nop(r.sink, r.payload)
     }
 }
 
@@ -1442,19 +1442,6 @@ fn soft_caps(name: &'static str) -> Caps {
         iopoll: false,
         power_loss_protected: false,
         vectored: false,
-    }
-}
-
-/// Completes the request `sink` and `payload` name with a NOP (the device's answer to it).
-fn push_nop(engine: &Engine, sink: SinkId, payload: u64) -> Result<(), CoreError> {
-    // SAFETY: a NOP refers to no memory or file.
-    unsafe {
-        engine.push(
-            aios_core::RingKind::Main,
-            sink,
-            payload,
-            aios_core::nop_sqe(),
-        )
     }
 }
 
@@ -2037,7 +2024,7 @@ impl aios_core::SoftDevice for HoldDisk {
                 _ => std::ptr::copy_nonoverlapping(ptr, mem[offset..].as_mut_ptr(), len),
             }
         }
-        push_nop(engine, sink, payload)
+        engine.push_nop(sink, payload)
     }
 }
 

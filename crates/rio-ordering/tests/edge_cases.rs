@@ -156,29 +156,11 @@ impl lbio::Backend for LateFailFlush {
         if piece.op == lbio::Op::Flush && self.fail_late.get() > 0 {
             self.fail_late.set(self.fail_late.get() - 1);
             self.late.borrow_mut().push(tag);
-            push_nop(engine, sink, tag)?;
+            engine.push_nop(sink, tag)?;
             return Ok(lbio::Started::Queued);
         }
         // SAFETY: the caller's contract on `piece` is passed on unchanged.
         unsafe { self.mem.start(engine, sink, tag, piece) }
-    }
-}
-
-/// Queues a NOP for `sink` on `engine`'s main ring: a completion carrying `payload` that a later
-/// engine wait takes.
-fn push_nop(
-    engine: &Engine,
-    sink: aios_core::SinkId,
-    payload: u64,
-) -> Result<(), aios_core::CoreError> {
-    // SAFETY: a NOP refers to no memory.
-    unsafe {
-        engine.push(
-            aios_core::RingKind::Main,
-            sink,
-            payload,
-            aios_core::nop_sqe(),
-        )
     }
 }
 
@@ -1015,7 +997,7 @@ impl aios_core::SoftDevice for HeldWrites {
             ));
         }
         for (sink, payload) in std::mem::take(&mut *self.held.borrow_mut()) {
-            push_nop(engine, sink, payload)?;
+            engine.push_nop(sink, payload)?;
         }
         Ok(())
     }
