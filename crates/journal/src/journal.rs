@@ -990,15 +990,48 @@ fn alloc_run(engine: &Engine, blocks: usize) -> Result<FixedBuf, JournalError> {
     alloc(engine)
 }
 
-/// Write `(home block, bytes)` pairs in place, at most 32 in flight, and wait for all.
+/// Writes gathered to be sent and waited for together ([`join_all`]).
+type Batch<'a> = SmallVec<[IoFuture<'a>; JOIN_INLINE]>;
+
+/// A one-block buffer for the next write of `batch`. A gathered write is not sent before the
+/// batch is waited for, so its buffer does not come back meanwhile: when the arena has no
+/// frame free, the batch goes out and is waited for first, and a batch never needs more
+/// frames than the arena can give (down to one).
+fn alloc_in_batch(engine: &Engine, batch: &mut Batch<'_>) -> Result<FixedBuf, JournalError> {
+    if let Some(b) = engine.try_alloc_run(BLOCK) {
+        return Ok(b);
+    }
+    join_all(engine, batch.drain(..))?;
+    alloc(engine)
+}
+
+/// Wait until none of `dev`'s commands is on the device, handing finished writes (their
+/// buffers) to `done`. Commands it cannot send (a failed attribute log holds them back) are
+/// not on the device, and are left; so is everything when waiting itself fails.
+fn drain_rio(dev: &mut OrderedDevice<Box<dyn Pmr>>, done: &mut Vec<rio_ordering::Done>) {
+    loop {
+        let before = dev.in_flight();
+        if before == 0 {
+            return;
+        }
+        // Waits for a command when one is on the device; sends held-back ones first.
+        let _ = dev.wait_progress_into(done);
+        if dev.in_flight() >= before {
+            return;
+        }
+    }
+}
+
+/// Write `(home block, bytes)` pairs in place, at most 32 in flight (fewer when the arena has
+/// fewer frames free), and wait for all.
 fn write_home<'d>(
     dev: &Device,
     blocks: impl IntoIterator<Item = (u64, &'d [u8])>,
 ) -> Result<(), JournalError> {
     let engine = dev.lbio().engine();
-    let mut futs: SmallVec<[IoFuture<'_>; JOIN_INLINE]> = SmallVec::new();
+    let mut futs: Batch<'_> = SmallVec::new();
     for (block, data) in blocks {
-        let mut b = alloc(engine)?;
+        let mut b = alloc_in_batch(engine, &mut futs)?;
         b.copy_from_slice(data);
         futs.push(dev.write_at(block * BLOCK as u64, b, false));
         if futs.len() >= JOIN_INLINE {
@@ -1073,15 +1106,23 @@ fn parse_area_of(
     Ok(log)
 }
 
+/// Blocks one read of [`read_range`] or one zeroing write of [`JournalSet::format`] covers
+/// where the arena has that many frames free in a row (256 KiB).
+const RANGE_RUN: usize = 64;
+
+/// Read `len` bytes (whole blocks) from byte `offset`, in reads of up to [`RANGE_RUN`] blocks
+/// through one buffer: as long a run as the arena has free, down to a single block.
 fn read_range(dev: &Device, offset: u64, len: u64) -> Result<Vec<u8>, JournalError> {
     let engine = dev.lbio().engine();
     let mut out = Vec::with_capacity(len as usize);
-    let chunk = (256 * 1024u64).min(len.max(BLOCK as u64));
+    let blocks = len.div_ceil(BLOCK as u64).max(1) as usize;
+    let mut buf = alloc_run(engine, blocks.min(RANGE_RUN))?;
+    let chunk = buf.len() as u64;
     let mut at = 0;
     while at < len {
         let n = chunk.min(len - at);
-        let buf = engine.alloc_blocking(n as usize)?;
-        let buf = dev.read_at_blocking(offset + at, buf)?;
+        buf.set_len(n as usize)?;
+        buf = dev.read_at_blocking(offset + at, buf)?;
         out.extend_from_slice(&buf[..n as usize]);
         at += n;
     }
@@ -1155,23 +1196,24 @@ impl JournalSet {
         layout.validate(bytes)?;
         let engine = dev.lbio().engine();
         let n = layout.areas.len();
-        const ZERO_RUN: u64 = 64;
-        let mut zeros = engine.alloc_blocking(ZERO_RUN as usize * BLOCK)?;
-        zeros.set_len(ZERO_RUN as usize * BLOCK)?;
+        // One buffer of zeros, as long a run as the arena has free (up to RANGE_RUN blocks).
+        let longest = layout.areas.iter().map(|&(_, b)| b - 1).max().unwrap_or(1);
+        let mut zeros = alloc_run(engine, (longest as usize).min(RANGE_RUN))?;
+        let zero_run = (zeros.len() / BLOCK) as u64;
         zeros.fill(0);
         for &(off, blocks) in &layout.areas {
             let mut b = 1;
             while b < blocks {
-                let run = ZERO_RUN.min(blocks - b);
+                let run = zero_run.min(blocks - b);
                 zeros.set_len(run as usize * BLOCK)?;
                 zeros = dev.write_at_blocking(off + b * BLOCK as u64, zeros, false)?;
                 b += run;
             }
         }
         drop(zeros);
-        let mut futs = Vec::new();
+        let mut futs: Batch<'_> = SmallVec::new();
         for (i, &(off, blocks)) in layout.areas.iter().enumerate() {
-            let mut b = alloc(engine)?;
+            let mut b = alloc_in_batch(engine, &mut futs)?;
             Superblock {
                 area_blocks: blocks,
                 area_index: i as u32,
@@ -1237,10 +1279,10 @@ impl JournalSet {
         write_home(dev, writes)?;
         engine.block_on(dev.flush())??;
         let next_tid = logs.iter().map(|l| l.max_tid_seen).max().unwrap_or(0) + 1;
-        let mut futs = Vec::new();
+        let mut futs: Batch<'_> = SmallVec::new();
         let mut states = Vec::new();
         for (i, l) in logs.iter().enumerate() {
-            let mut b = alloc(engine)?;
+            let mut b = alloc_in_batch(engine, &mut futs)?;
             let sb = Superblock {
                 tail_pos: l.end_pos,
                 tail_tid: next_tid,
@@ -2115,6 +2157,11 @@ impl Journal {
             add(&st.flush_ns, t);
             Ok(())
         };
+        // The `?`s below that follow started writes (building the journal or commit block)
+        // fail only in allocating a buffer, and `alloc_blocking` gives up only once the engine
+        // has nothing in flight: those writes have finished by then (a dropped `Inflight`
+        // hands their buffers back). Only a failing engine wait returns with them still out,
+        // and lbio then keeps their buffers until they end.
         // A one-write handle commits a transaction too large for one write overlapped.
         let mode = match self.mode {
             CommitMode::OneWrite if !self.one_write(tx) => CommitMode::Overlapped,
@@ -2247,25 +2294,37 @@ impl Journal {
         let entries: SmallVec<[usize; 8]> =
             writes.iter().map(|w| w.buf.len().div_ceil(max)).collect();
         let cap = (dev.log().slots() as usize / 4).max(1);
-        let mut in_group = 0;
-        for (i, w) in writes.into_iter().enumerate() {
-            in_group += entries[i];
-            let end = entries.get(i + 1).is_none_or(|&e| in_group + e > cap);
-            dev.submit(s, w, end)?;
-            if end {
-                in_group = 0;
+        // Every exit once a write may have gone out comes through here: a submission refused
+        // part-way (its attribute log entry could not be written, say) leaves the writes sent
+        // before it on the device.
+        let waited: Result<(), JournalError> = 'send: {
+            let mut in_group = 0;
+            for (i, w) in writes.into_iter().enumerate() {
+                in_group += entries[i];
+                let end = entries.get(i + 1).is_none_or(|&e| in_group + e > cap);
+                if let Err(e) = dev.submit(s, w, end) {
+                    break 'send Err(e.into());
+                }
+                if end {
+                    in_group = 0;
+                }
             }
-        }
-        // The commit block's group follows the data-and-journal groups.
-        let group = dev.next_seq(s);
-        let t = Instant::now();
-        let c = self.prepare_commit(tx, tid, n, chain, Some(group))?;
-        prep += t.elapsed();
+            // The commit block's group follows the data-and-journal groups.
+            let group = dev.next_seq(s);
+            let t = Instant::now();
+            let c = match self.prepare_commit(tx, tid, n, chain, Some(group)) {
+                Ok(c) => c,
+                Err(e) => break 'send Err(e),
+            };
+            prep += t.elapsed();
+            let at = self.set.log_byte(self.area, head + n as u64);
+            if let Err(e) = dev.submit(s, write((at, c), false), true) {
+                break 'send Err(e.into());
+            }
+            dev.wait(s).map_err(Into::into)
+        };
         st.prepare_ns
             .fetch_add(prep.as_nanos() as u64, Ordering::Relaxed);
-        let at = self.set.log_byte(self.area, head + n as u64);
-        dev.submit(s, write((at, c), false), true)?;
-        let waited = dev.wait(s);
         // Hand the buffers back whatever happened, then report the first failure.
         let mut done = rio.done.borrow_mut();
         let polled = dev.poll_into(&mut done);
@@ -2278,6 +2337,12 @@ impl Journal {
                 d.result.err().unwrap_or_default()
             )
         });
+        if waited.is_err() || polled.is_err() || failed.is_some() {
+            // A failed commit returns only once none of its writes is on the device: the set
+            // is aborted, and the caller may reopen (recover) the journal next, which must not
+            // find one of them landing behind it. (`wait` returns early on a failure.)
+            drain_rio(&mut dev, &mut done);
+        }
         done.clear();
         drop(done);
         waited?;
@@ -2331,12 +2396,12 @@ impl Journal {
         // all home, so the new tail id is the next id.
         let tail_tid = set.next_tid.load(Ordering::Relaxed);
         set.checkpoint_target.store(tail_tid, Ordering::SeqCst);
-        let mut futs: SmallVec<[IoFuture<'_>; JOIN_INLINE]> = SmallVec::new();
+        let mut futs: Batch<'_> = SmallVec::new();
         let mut heads: SmallVec<[u64; JOIN_INLINE]> = SmallVec::new();
         for (i, &(off, blocks)) in set.layout.areas.iter().enumerate() {
+            let mut b = alloc_in_batch(&self.engine, &mut futs)?;
             let mut a = set.lock_area(i);
             a.generation += 1;
-            let mut b = alloc(&self.engine)?;
             Superblock {
                 area_blocks: blocks,
                 area_index: i as u32,
