@@ -60,6 +60,13 @@ pub static IN_PLACE_TEST_PAUSES: AtomicU64 = AtomicU64::new(0);
 /// work beside it (that commit sets it back to 0). 0 (no sleep) unless a test sets it.
 #[doc(hidden)]
 pub static COMMIT_TEST_PAUSE_US: AtomicU64 = AtomicU64::new(0);
+
+#[doc(hidden)]
+/// Test only: when nonzero, the step of freeing a large range (`Fs::free_range`) that would
+/// make this many commits between its steps stops there with EIO instead, as if the file
+/// system had stopped (a test then drops it without unmounting: a crash after those commits).
+/// Set back to 0 when it fires.
+pub static FREE_TEST_STOP_AFTER: AtomicU64 = AtomicU64::new(0);
 thread_local! {
     /// Tests only: microseconds this thread's next read sleeps between finding its blocks
     /// (under the state lock) and reading them (that read sets it back to 0, and sets
@@ -139,6 +146,46 @@ pub const MAX_EXTENTS: usize = INLINE_EXTENTS * LEAF_EXTENTS;
 pub use crate::format::MAX_FILE_BYTES;
 
 /// Extent leaf blocks a map of `extents` extents takes (none while they fit the inode).
+/// A partial block a punched hole zeroes: file block, byte range, and the block as read
+/// ([`Fs::read_for_zeroing`]).
+type ZeroEdge = (u64, usize, usize, Option<Box<[u8]>>);
+
+/// The most blocks one step of [`Fs::free_range`] frees (1 GiB): the blocks freed and
+/// quarantined until the commit are held in memory one by one.
+const FREE_STEP_BLOCKS: u64 = 1 << 18;
+
+/// Where the next step of [`Fs::free_range`] starts: the lowest `c` in `[a, b)` such that
+/// unmapping `[c, b)` of `n` frees at most [`FREE_STEP_BLOCKS`] blocks and dirties at most
+/// `budget` block-bitmap blocks not already in `dirty_bbm`; `a` when all of `[a, b)` fits.
+/// Always below `b` when something is mapped there, so every step makes progress.
+fn free_cut(n: &Node, a: u64, b: u64, budget: usize, dirty_bbm: &BTreeSet<u64>) -> u64 {
+    let per = B * 8;
+    let mut seen: HashSet<u64> = HashSet::new();
+    let mut blocks = 0u64;
+    for (&s, &(p, len)) in n.map.range(..b).rev() {
+        let e = s + len as u64;
+        if e <= a {
+            break;
+        }
+        let (lo, hi) = (a.max(s), b.min(e));
+        let mut top = hi;
+        while top > lo {
+            // The run of [lo, top) whose blocks share the bitmap block of the last one.
+            let bm = (p + (top - 1 - s)) / per;
+            let low = (bm * per).checked_sub(p).map_or(lo, |d| (s + d).max(lo));
+            if !dirty_bbm.contains(&bm) && seen.insert(bm) && seen.len() > budget {
+                return top;
+            }
+            if blocks + (top - low) > FREE_STEP_BLOCKS {
+                return top - (FREE_STEP_BLOCKS - blocks);
+            }
+            blocks += top - low;
+            top = low;
+        }
+    }
+    a
+}
+
 fn leaves_for(extents: usize) -> usize {
     if extents <= INLINE_EXTENTS {
         0
@@ -256,6 +303,8 @@ pub struct FsStats {
     /// Workers of a Rio mount that found every area taken and commit with the commit mode into
     /// a shared area.
     pub shared_handles: AtomicU64,
+    /// Commits made between two steps of freeing a range too large for one transaction.
+    pub free_steps: AtomicU64,
 }
 
 fn dec(n: &mut u32) {
@@ -1166,6 +1215,63 @@ impl Fs {
         st.quarantine.remove(&p);
     }
 
+    /// Free the blocks `ino` maps at file blocks `[a, b)`, top down, in steps that each fit one
+    /// journal transaction (at most [`FREE_STEP_BLOCKS`] blocks, and a quarter of a journal
+    /// area of block-bitmap blocks), with a commit between two steps. A file of a terabyte
+    /// spans more bitmap blocks than an area holds: freed at once, its commit was refused
+    /// (`TxTooLarge`) and the file system went read-only. Each commit leaves a consistent
+    /// image: the inode maps what is not yet freed, and with `size_floor` (a truncate) its size
+    /// is cut to the end of what it still maps past `size_floor`, so a crash leaves the file
+    /// shorter, never with freed blocks inside. Dirty blocks of each step's range are dropped
+    /// with it (not before: a commit writes a fresh block that its inode maps). On a commit's
+    /// error the blocks above the step reached stay freed, and everything is marked.
+    fn free_range(
+        &self,
+        st: &mut State,
+        ctx: &Ctx,
+        ino: u64,
+        a: u64,
+        mut b: u64,
+        size_floor: Option<u64>,
+    ) -> FsResult<()> {
+        let budget = (self.log_len / 4).max(1) as usize;
+        loop {
+            let c = free_cut(&st.nodes[&ino], a, b, budget, &st.dirty_bbm);
+            let n = st.nodes.get_mut(&ino).expect("node");
+            let gone: Vec<u64> = n.dirty.range(c..b).map(|(&l, _)| l).collect();
+            for l in &gone {
+                n.dirty.remove(l);
+            }
+            let fresh: Vec<u64> = n.fresh.range(c..b).copied().collect();
+            for l in &fresh {
+                n.fresh.remove(l);
+            }
+            st.dirty_bytes -= gone.len() * BLOCK;
+            let freed = st.nodes.get_mut(&ino).expect("node").unmap(c, b);
+            for p in freed {
+                self.free_block(st, p);
+            }
+            let n = st.nodes.get_mut(&ino).expect("node");
+            if let Some(floor) = size_floor {
+                n.attr.size = n.attr.size.min(floor.max(c.saturating_mul(B)));
+            }
+            n.layout_dirty = true;
+            Self::touch(st, ino);
+            if c == a {
+                return Ok(());
+            }
+            let steps = self.stats.free_steps.fetch_add(1, Ordering::Relaxed) + 1;
+            self.commit_locked_short(st, ctx, None)?;
+            if FREE_TEST_STOP_AFTER
+                .compare_exchange(steps, 0, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+            {
+                return Err(libc::EIO);
+            }
+            b = c;
+        }
+    }
+
     /// A block to map at file block `l` of `ino` (a hole), with the extent leaf the map then
     /// needs, if any, taken too (see [`Self::reserve_leaves`]). Out of blocks with some freed
     /// since the last commit, it commits once to make them allocatable; that commit carries the
@@ -1240,7 +1346,27 @@ impl Fs {
     }
 
     /// Free an inode with no links and no users: its blocks and its slot.
+    ///
+    /// A file too large to free in one transaction is freed in steps first
+    /// ([`Self::free_range`]): until the last, the inode stays allocated with no links, an
+    /// orphan that the next mount frees should the file system stop in between. If a step's
+    /// commit fails it is left so, to the next mount.
     fn destroy(&self, st: &mut State, ino: u64) {
+        let Some(n) = st.nodes.get(&ino) else {
+            return;
+        };
+        let budget = (self.log_len / 4).max(1) as usize;
+        if free_cut(n, 0, u64::MAX, budget, &st.dirty_bbm) > 0 {
+            let r = self
+                .ctx()
+                .and_then(|ctx| self.free_range(st, &ctx, ino, 0, u64::MAX, None));
+            if let Err(e) = r {
+                eprintln!(
+                    "aiosfs: freeing inode {ino} stopped (errno {e}); the next mount frees it"
+                );
+                return;
+            }
+        }
         let Some(mut n) = st.nodes.remove(&ino) else {
             return;
         };
@@ -1324,6 +1450,15 @@ impl Fs {
     /// when `None`) and every file's freshly allocated blocks, holding the state lock
     /// throughout (a commit in flight without the lock is finished first).
     fn commit_locked(&self, st: &mut State, ctx: &Ctx, file: Option<u64>) -> FsResult<()> {
+        if self.commit_locked_short(st, ctx, file)? {
+            return Err(libc::ENOSPC);
+        }
+        Ok(())
+    }
+
+    /// [`Self::commit_locked`], telling a commit that left xattrs for later for want of a
+    /// block (`Ok(true)`: it went through all the same) from one that failed.
+    fn commit_locked_short(&self, st: &mut State, ctx: &Ctx, file: Option<u64>) -> FsResult<bool> {
         self.finish_inflight(st, ctx)?;
         self.writable(st)?;
         let after = self.build_commit(st, ctx, file)?;
@@ -1334,10 +1469,7 @@ impl Fs {
             journal_commit(ctx, &after.tx)
         };
         self.apply_commit(st, ctx, after, result)?;
-        if short {
-            return Err(libc::ENOSPC);
-        }
-        Ok(())
+        Ok(short)
     }
 
     /// Commit as [`Self::commit_locked`] does, with the state lock released while the device
@@ -2545,7 +2677,6 @@ impl Fs {
                     dec(&mut n.attr.nlink);
                 }
                 Self::touch(&mut st, d.ino);
-                self.maybe_destroy(&mut st, d.ino);
             }
             None => self.add_entry(&mut st, &ctx, newparent, newname, src.ino, src.kind)?,
         }
@@ -2563,6 +2694,11 @@ impl Fs {
         }
         st.nodes.get_mut(&src.ino).expect("src").attr.ctime = t;
         Self::touch(&mut st, src.ino);
+        // Last: freeing a large file commits between its steps, and each commit must find
+        // the rename whole.
+        if let Some(d) = &dst {
+            self.maybe_destroy(&mut st, d.ino);
+        }
         self.settle(&mut st, &ctx)
     }
 
@@ -2725,21 +2861,8 @@ impl Fs {
                 let l = size / B;
                 self.zero_in_block(st, ctx, ino, l, (size % B) as usize, BLOCK)?;
             }
-            let n = st.nodes.get_mut(&ino).expect("node");
-            let keep = size.div_ceil(B);
-            let gone: Vec<u64> = n.dirty.range(keep..).map(|(&l, _)| l).collect();
-            for l in &gone {
-                n.dirty.remove(l);
-            }
-            let fresh: Vec<u64> = n.fresh.range(keep..).copied().collect();
-            for l in &fresh {
-                n.fresh.remove(l);
-            }
-            st.dirty_bytes -= gone.len() * BLOCK;
-            let freed = st.nodes.get_mut(&ino).expect("node").unmap(keep, u64::MAX);
-            for b in freed {
-                self.free_block(st, b);
-            }
+            // In steps for a large file, the size going down with each (see `free_range`).
+            self.free_range(st, ctx, ino, size.div_ceil(B), u64::MAX, Some(size))?;
         }
         let n = st.nodes.get_mut(&ino).expect("node");
         n.layout_dirty = true;
@@ -2762,22 +2885,48 @@ impl Fs {
         // only with this file's fsync: that commit carries the size or the freed blocks that
         // the zeroing belongs with, and without it the old bytes would come back past the
         // new end after a crash.
+        let read = self.read_for_zeroing(st.nodes.get(&ino).expect("node"), ctx, l)?;
+        self.zero_read_block(st, ino, l, from, to, read);
+        Ok(())
+    }
+
+    /// The first half of [`Self::zero_in_block`], which changes nothing: block `l` of `n` read
+    /// from the device when it is mapped and not dirty (`None` otherwise: a dirty block is
+    /// zeroed in memory, a hole needs nothing).
+    fn read_for_zeroing(&self, n: &Node, ctx: &Ctx, l: u64) -> FsResult<Option<Box<[u8]>>> {
+        if n.dirty.contains_key(&l) {
+            return Ok(None);
+        }
+        let Some(p) = n.phys(l) else { return Ok(None) };
+        let mut b = vec![0u8; BLOCK];
+        ctx.read_data(self, p, &mut b, false)?;
+        Ok(Some(b.into_boxed_slice()))
+    }
+
+    /// The second half of [`Self::zero_in_block`]: zero bytes `[from, to)` of block `l`, in
+    /// its dirty copy or in `read` ([`Self::read_for_zeroing`]'s answer, taken under the same
+    /// hold of the lock), which becomes its dirty copy.
+    fn zero_read_block(
+        &self,
+        st: &mut State,
+        ino: u64,
+        l: u64,
+        from: usize,
+        to: usize,
+        read: Option<Box<[u8]>>,
+    ) {
         let n = st.nodes.get_mut(&ino).expect("node");
         if let Some(buf) = n.dirty.get_mut(&l) {
             buf[from..to].fill(0);
             n.fresh.insert(l);
-            return Ok(());
+            return;
         }
-        let Some(p) = n.phys(l) else { return Ok(()) };
-        let mut b = vec![0u8; BLOCK];
-        ctx.read_data(self, p, &mut b, false)?;
+        let Some(mut b) = read else { return };
         b[from..to].fill(0);
-        let n = st.nodes.get_mut(&ino).expect("node");
         n.fresh.insert(l);
-        n.dirty.insert(l, b.into_boxed_slice());
+        n.dirty.insert(l, b);
         st.dirty_bytes += BLOCK;
         st.dirty_data.insert(ino);
-        Ok(())
     }
 
     /// The device block holding block `block` of file `ino` (as FIBMAP answers), `None` for a
@@ -3021,50 +3170,65 @@ impl Fs {
                         .range(..a)
                         .next_back()
                         .is_some_and(|(&s, &(_, len))| s.saturating_add(len as u64) > b);
+                let mut leaves_had = n.leaves.len();
                 if splits {
                     let more = n.map.len() + 1;
                     let r = match self.reserve_leaves(&mut st, ino, more) {
                         Err(libc::ENOSPC) if !st.quarantine.is_empty() => {
                             // Blocks freed since the last commit come back once it is durable.
                             self.commit_locked(&mut st, &ctx, None)?;
+                            leaves_had = st.nodes[&ino].leaves.len();
                             self.reserve_leaves(&mut st, ino, more)
                         }
                         r => r,
                     };
                     r.map_err(|_| libc::ENOSPC)?;
                 }
+                // The partial blocks at either end (below the size) are read before anything
+                // changes: a read that fails then leaves the file as it was, where freeing the
+                // whole blocks first left them punched behind an error.
+                let end = end.min(size);
+                let mut edges: SmallVec<[(u64, usize, usize); 2]> = SmallVec::new();
+                if offset < end {
+                    let (fl, ll) = (offset / B, (end - 1) / B);
+                    if offset % B != 0 || fl == ll {
+                        let to = if fl == ll {
+                            (end - fl * B) as usize
+                        } else {
+                            BLOCK
+                        };
+                        edges.push((fl, (offset % B) as usize, to));
+                    }
+                    if ll != fl && end % B != 0 {
+                        edges.push((ll, 0, (end % B) as usize));
+                    }
+                }
+                // A block inside the whole-block range is freed, not zeroed.
+                edges.retain(|e| !(a..b).contains(&e.0));
+                let mut zeroed: SmallVec<[ZeroEdge; 2]> = SmallVec::new();
+                for &(l, from, to) in &edges {
+                    match self.read_for_zeroing(st.nodes.get(&ino).expect("node"), &ctx, l) {
+                        Ok(buf) => zeroed.push((l, from, to, buf)),
+                        Err(e) => {
+                            // Give back a leaf taken above for the split (never committed).
+                            let had = st.nodes[&ino].leaves.len().min(leaves_had);
+                            let taken = st.nodes.get_mut(&ino).expect("node").leaves.split_off(had);
+                            for p in taken {
+                                self.unalloc(&mut st, p);
+                            }
+                            return Err(e);
+                        }
+                    }
+                }
+                // The edges first: the freeing may commit between its steps, and a commit may
+                // take a dirty edge block out of memory.
+                for (l, from, to, read) in zeroed {
+                    self.zero_read_block(&mut st, ino, l, from, to, read);
+                }
                 if a < b {
-                    let n = st.nodes.get_mut(&ino).expect("node");
-                    let gone: Vec<u64> = n.dirty.range(a..b).map(|(&l, _)| l).collect();
-                    for l in &gone {
-                        n.dirty.remove(l);
-                        n.fresh.remove(l);
-                    }
-                    st.dirty_bytes -= gone.len() * BLOCK;
-                    let freed = st.nodes.get_mut(&ino).expect("node").unmap(a, b);
-                    for p in freed {
-                        self.free_block(&mut st, p);
-                    }
-                    // Marked now: zeroing the partial blocks below may fail (a read), and the
-                    // inode must go with the commit that writes these blocks free.
-                    st.nodes.get_mut(&ino).expect("node").layout_dirty = true;
-                    Self::touch(&mut st, ino);
-                }
-            }
-            let end = end.min(size);
-            if offset < end {
-                // Partial blocks at either end are zeroed in place.
-                let (fl, ll) = (offset / B, (end - 1) / B);
-                if offset % B != 0 || fl == ll {
-                    let to = if fl == ll {
-                        (end - fl * B) as usize
-                    } else {
-                        BLOCK
-                    };
-                    self.zero_in_block(&mut st, &ctx, ino, fl, (offset % B) as usize, to)?;
-                }
-                if ll != fl && end % B != 0 {
-                    self.zero_in_block(&mut st, &ctx, ino, ll, 0, (end % B) as usize)?;
+                    // In steps for a large range: a crash between two leaves the upper part
+                    // of the hole punched (see `free_range`).
+                    self.free_range(&mut st, &ctx, ino, a, b, None)?;
                 }
             }
         } else {

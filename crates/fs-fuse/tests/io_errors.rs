@@ -254,19 +254,54 @@ fn a_truncate_whose_tail_block_read_fails_frees_nothing() {
 
 /// A punched hole whose partial first block cannot be read (to zero its part). It freed the
 /// whole blocks of the range and returned EIO without marking the inode (fsck: "block N of
-/// inode I is marked free"). Now the inode is marked as soon as blocks are freed: the whole
-/// blocks are a hole, and the image is consistent.
+/// inode I is marked free"). A first fix marked the inode, so the image stayed consistent, but
+/// the whole blocks stayed punched behind the error. Now both partial blocks are read before
+/// anything changes: EIO, and the file is as it was.
 #[test]
-fn a_punch_whose_partial_block_read_fails_leaves_the_freed_blocks_unmapped() {
+fn a_punch_whose_partial_block_read_fails_changes_nothing() {
     let (disk, fs, f) = disk_with_file(3);
+    let first = fs.bmap(f, 1).unwrap();
     disk.fail_reads(fs.bmap(f, 0).unwrap().unwrap());
     let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
-    // Bytes 100.. of block 0 (read, fails) and all of block 1 (freed).
+    // Bytes 100.. of block 0 (read, fails) and all of block 1.
     assert_eq!(fs.fallocate(f, 100, 2 * B - 100, punch), Err(libc::EIO));
+    assert_eq!(
+        fs.bmap(f, 1).unwrap(),
+        first,
+        "the failed punch freed block 1"
+    );
     assert_eq!(commit_and_fsck(fs, &disk), Vec::<String>::new());
     let fs = mount(&disk);
-    assert_eq!(fs.bmap(f, 1).unwrap(), None);
-    assert_eq!(fs.read(f, 2 * B, 4096).unwrap(), vec![0x11u8; 4096]);
+    assert_eq!(fs.bmap(f, 1).unwrap(), first);
+    assert_eq!(fs.read(f, 0, 3 * 4096).unwrap(), vec![0x11u8; 3 * BLOCK]);
+    fs.unmount().unwrap();
+}
+
+/// A punched hole whose partial last block cannot be read. It freed the whole block between,
+/// zeroed the first block's part in memory (a dirty block the next commit wrote), then
+/// returned EIO: the caller was told nothing happened and two of its three parts had. Now
+/// nothing changes: EIO, and the file reads as before, after a commit and a remount too.
+#[test]
+fn a_punch_whose_last_partial_block_read_fails_changes_nothing() {
+    let (disk, fs, f) = disk_with_file(3);
+    let first = fs.bmap(f, 1).unwrap();
+    disk.fail_reads(fs.bmap(f, 2).unwrap().unwrap());
+    let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+    // Bytes 100.. of block 0 (read), all of block 1, the first 100 of block 2 (read, fails).
+    assert_eq!(fs.fallocate(f, 100, 2 * B, punch), Err(libc::EIO));
+    assert_eq!(
+        fs.bmap(f, 1).unwrap(),
+        first,
+        "the failed punch freed block 1"
+    );
+    assert_eq!(
+        fs.read(f, 0, 4096).unwrap(),
+        vec![0x11u8; 4096],
+        "the failed punch zeroed part of block 0"
+    );
+    assert_eq!(commit_and_fsck(fs, &disk), Vec::<String>::new());
+    let fs = mount(&disk);
+    assert_eq!(fs.read(f, 0, 3 * 4096).unwrap(), vec![0x11u8; 3 * BLOCK]);
     fs.unmount().unwrap();
 }
 

@@ -1,0 +1,241 @@
+//! Freeing a file too large for one journal transaction (a review on 2026-11-28 noted it open):
+//! an unlink, truncate or punched hole of a file whose blocks span more block-bitmap blocks
+//! than a journal area holds. Each used to free everything at once; the commit carrying it was
+//! refused (`TxTooLarge`), and the file system went read-only (EIO) with the change lost.
+//!
+//! The images are sparse files of 4.5 GiB with a journal area of 32 blocks (the smallest mkfs
+//! makes: a log of 31), so a file of 34 bitmap blocks' worth (4.25 GiB, one extent) is enough.
+//! The file is made by writing one block through the file system and then, on the unmounted
+//! image, growing its extent and marking the blocks in use: fsck checks the result clean
+//! before each test goes on, and nothing writes 4 GiB.
+
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use common::opts;
+use fs_fuse::format::{set_bit, Inode, Superblock, BLOCK, INODES_PER_BLOCK, INODE_BYTES};
+use fs_fuse::format::{ROOT_INO, S_IFREG};
+use fs_fuse::fs::{Caller, Fs, SetAttr, FREE_TEST_STOP_AFTER};
+use fs_fuse::{fsck, mkfs, MkfsOptions};
+
+mod common;
+
+const ROOT: Caller = Caller { uid: 0, gid: 0 };
+const B: u64 = BLOCK as u64;
+/// The file's blocks: 34 block-bitmap blocks' worth.
+const BIG: u64 = 34 * 8 * B;
+
+/// The tests share `FREE_TEST_STOP_AFTER`: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// A sparse image file, removed when dropped.
+struct Image(PathBuf);
+
+impl Drop for Image {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+impl Image {
+    fn open(&self) -> Arc<Fs> {
+        Fs::open(fs_fuse::mount::image_factory(&self.0), opts())
+            .unwrap()
+            .0
+    }
+
+    /// fsck's problems and notes.
+    fn fsck(&self) -> (Vec<String>, Vec<String>) {
+        let r = fsck(&self.0).unwrap();
+        (r.problems, r.notes)
+    }
+}
+
+/// An image holding file "f" of [`BIG`] blocks in one extent, unmounted; its inode number.
+fn image_with_big_file(tag: &str) -> (Image, u64) {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let path = std::env::temp_dir().join(format!(
+        "aiosfs-large-{tag}-{}-{}.img",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    let img = Image(path);
+    std::fs::File::create(&img.0)
+        .unwrap()
+        .set_len(9 << 29)
+        .unwrap();
+    mkfs(
+        &img.0,
+        &MkfsOptions {
+            journals: 1,
+            journal_blocks: 32,
+            bytes_per_inode: 1 << 20,
+            force: false,
+        },
+    )
+    .unwrap();
+    let fs = img.open();
+    let f = fs
+        .mknod(ROOT_INO, b"f", S_IFREG | 0o644, 0, ROOT, None)
+        .unwrap()
+        .ino;
+    fs.write(f, 0, &vec![0x11u8; BLOCK]).unwrap();
+    fs.unmount().unwrap();
+    drop(fs);
+
+    // Grow its one extent to BIG blocks, and mark them in use.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&img.0)
+        .unwrap();
+    let mut blk = vec![0u8; BLOCK];
+    file.read_exact_at(&mut blk, 0).unwrap();
+    let blocks = file.metadata().unwrap().len() / B;
+    let sb = Superblock::decode(&blk, blocks).unwrap();
+    let tb = sb.inode_table.start + f / INODES_PER_BLOCK as u64;
+    let at = (f % INODES_PER_BLOCK as u64) as usize * INODE_BYTES;
+    file.read_exact_at(&mut blk, tb * B).unwrap();
+    let mut ino: Inode = Inode::decode(&blk[at..at + INODE_BYTES]).unwrap().unwrap();
+    assert_eq!(ino.extents.len(), 1);
+    let p0 = ino.extents[0].physical;
+    assert!(p0 + BIG <= sb.data.end());
+    ino.extents[0].len = BIG as u32;
+    ino.size = BIG * B;
+    ino.encode(&mut blk[at..at + INODE_BYTES]);
+    file.write_all_at(&blk, tb * B).unwrap();
+    let mut bbm = vec![0u8; (sb.block_bitmap.count * B) as usize];
+    file.read_exact_at(&mut bbm, sb.block_bitmap.start * B)
+        .unwrap();
+    for p in p0..p0 + BIG {
+        set_bit(&mut bbm, p);
+    }
+    file.write_all_at(&bbm, sb.block_bitmap.start * B).unwrap();
+    file.sync_all().unwrap();
+    assert_eq!(
+        img.fsck().0,
+        Vec::<String>::new(),
+        "the image made is damaged"
+    );
+    (img, f)
+}
+
+/// Unmount, then fsck: clean, with no note (no orphan left).
+fn unmount_and_check(fs: Arc<Fs>, img: &Image) {
+    fs.unmount().unwrap();
+    drop(fs);
+    assert_eq!(img.fsck(), (Vec::new(), Vec::new()));
+}
+
+#[test]
+fn unlinking_a_file_too_large_for_one_transaction_frees_it_in_steps() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let (img, _) = image_with_big_file("unlink");
+    let fs = img.open();
+    let free = fs.statfs().bfree;
+    assert_eq!(fs.remove(ROOT_INO, b"f", false), Ok(()));
+    fs.sync_all().unwrap();
+    assert!(fs.stats.free_steps.load(Ordering::Relaxed) > 0);
+    assert_eq!(fs.statfs().bfree, free + BIG);
+    unmount_and_check(fs, &img);
+    let fs = img.open();
+    assert_eq!(fs.statfs().bfree, free + BIG);
+    assert_eq!(fs.lookup(ROOT_INO, b"f", false), Err(libc::ENOENT));
+    unmount_and_check(fs, &img);
+}
+
+#[test]
+fn truncating_a_file_too_large_for_one_transaction_frees_it_in_steps() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let (img, f) = image_with_big_file("truncate");
+    let fs = img.open();
+    let free = fs.statfs().bfree;
+    let r = fs.setattr(
+        f,
+        &SetAttr {
+            size: Some(100),
+            ..SetAttr::default()
+        },
+    );
+    assert_eq!(r.map(|a| a.size), Ok(100));
+    fs.sync_all().unwrap();
+    assert_eq!(fs.statfs().bfree, free + BIG - 1);
+    unmount_and_check(fs, &img);
+    let fs = img.open();
+    assert_eq!(fs.getattr(f).unwrap().size, 100);
+    assert_eq!(fs.read(f, 0, 200).unwrap(), vec![0x11u8; 100]);
+    unmount_and_check(fs, &img);
+}
+
+#[test]
+fn punching_a_hole_too_large_for_one_transaction_frees_it_in_steps() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let (img, f) = image_with_big_file("punch");
+    let fs = img.open();
+    let free = fs.statfs().bfree;
+    let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+    assert_eq!(fs.fallocate(f, B, (BIG - 1) * B, punch), Ok(()));
+    fs.sync_all().unwrap();
+    assert_eq!(fs.statfs().bfree, free + BIG - 1);
+    unmount_and_check(fs, &img);
+    let fs = img.open();
+    assert_eq!(fs.getattr(f).unwrap().size, BIG * B);
+    assert_eq!(fs.read(f, 0, 4096).unwrap(), vec![0x11u8; 4096]);
+    assert_eq!(fs.bmap(f, 1).unwrap(), None);
+    unmount_and_check(fs, &img);
+}
+
+/// The file system stops (here: dropped without an unmount, after the first step's commit)
+/// in the middle of freeing an unlinked file: the image is consistent, the file an orphan
+/// (fsck's note), and the next mount frees the rest of it, in steps too.
+#[test]
+fn a_stop_between_the_steps_of_an_unlink_leaves_an_orphan_the_next_mount_frees() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let (img, _) = image_with_big_file("orphan");
+    let fs = img.open();
+    let free = fs.statfs().bfree;
+    FREE_TEST_STOP_AFTER.store(1, Ordering::Relaxed);
+    assert_eq!(fs.remove(ROOT_INO, b"f", false), Ok(()));
+    assert_eq!(FREE_TEST_STOP_AFTER.load(Ordering::Relaxed), 0, "no step");
+    drop(fs);
+    let (problems, notes) = img.fsck();
+    assert_eq!(problems, Vec::<String>::new());
+    assert!(
+        notes.iter().any(|n| n.contains("unlinked")),
+        "no orphan noted: {notes:?}"
+    );
+    let (fs, report) = Fs::open(fs_fuse::mount::image_factory(&img.0), opts()).unwrap();
+    assert_eq!(report.orphans_freed, 1);
+    assert_eq!(fs.statfs().bfree, free + BIG);
+    unmount_and_check(fs, &img);
+}
+
+/// The same stop in the middle of a truncate: the file is left shorter, with every block it
+/// still maps inside its size and no block freed inside it.
+#[test]
+fn a_stop_between_the_steps_of_a_truncate_leaves_a_shorter_file() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let (img, f) = image_with_big_file("stop-truncate");
+    let fs = img.open();
+    FREE_TEST_STOP_AFTER.store(1, Ordering::Relaxed);
+    let r = fs.setattr(
+        f,
+        &SetAttr {
+            size: Some(0),
+            ..SetAttr::default()
+        },
+    );
+    assert_eq!(r.map(|_| ()), Err(libc::EIO));
+    drop(fs);
+    assert_eq!(img.fsck().0, Vec::<String>::new());
+    let fs = img.open();
+    let size = fs.getattr(f).unwrap().size;
+    assert!(size > 0 && size < BIG * B, "size {size}");
+    let last = size / B - 1;
+    assert!(fs.bmap(f, last).unwrap().is_some());
+    assert_eq!(fs.bmap(f, last + 1).unwrap(), None);
+    assert_eq!(fs.read(f, 0, 4096).unwrap(), vec![0x11u8; 4096]);
+    unmount_and_check(fs, &img);
+}
