@@ -288,6 +288,11 @@ struct TargetArgs {
     /// 0 makes every write use R2T.
     #[arg(long, default_value = "128k", value_parser = parse_size_or_zero)]
     in_capsule: u64,
+    /// Connections served at once (admin and I/O queues alike; a Linux host opens one I/O
+    /// queue per CPU): one more is closed when accepted, and logged, until one ends.
+    #[arg(long, default_value_t = aios::rio_net::target::DEFAULT_MAX_CONNECTIONS as u64,
+          value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    max_connections: u64,
     /// One line per connection opened and closed.
     #[arg(long)]
     verbose: bool,
@@ -324,7 +329,7 @@ struct ScaleArgs {
     /// (RAM behind lbio's MemBackend, one per thread, written before the run: no device, only
     /// the engines and the 4 KiB copies to and from that memory), or
     /// devices or files separated by commas (thread t uses the (t mod n)-th; a missing file is
-    /// created with --size and removed afterwards).
+    /// created with --size and removed afterwards; no empty names, and `ull` and `mem` only alone).
     #[arg(long, default_value = "ull")]
     device: String,
     /// Thread counts (default: 1, 2, 4, ... up to the CPUs there are, and that number).
@@ -382,7 +387,7 @@ struct OrderedArgs {
     /// `ull` (a loop device over /dev/shm, created and removed; needs root), `sim` (a SimDisk
     /// per stream without power-loss protection: throughput in simulated device time), or a
     /// block device or file (overwritten: --destructive when it existed before). Not with
-    /// --targets.
+    /// --targets; not `mem` (`sim` is the RAM stand-in).
     #[arg(long, default_value = "ull", conflicts_with = "targets")]
     device: String,
     /// Stream counts (a thread per stream).
@@ -452,7 +457,7 @@ struct OrderedArgs {
 struct FsyncArgs {
     /// `ull` (two loop devices over /dev/shm: one for the journal, one made ext4; needs root),
     /// or a block device or file the journal modes may overwrite (with --destructive when it
-    /// existed before).
+    /// existed before). Not `mem` (durability is a device's).
     #[arg(long, default_value = "ull")]
     device: String,
     /// A directory on an ext4 file system for the ext4 mode when --device is not `ull`.
@@ -514,6 +519,7 @@ struct FsyncArgs {
 struct PagecacheArgs {
     /// `ull` (a loop device over /dev/shm, created and removed by the bench; needs root), an
     /// existing block device or file, or a new file path (created with --size, then removed).
+    /// Not `mem` (the kernel's page cache needs a device or file).
     #[arg(long, default_value = "ull")]
     device: String,
     /// Block sizes of the cold random reads.
@@ -690,6 +696,7 @@ enum PlugArg {
 struct LbioArgs {
     /// `ull` (a loop device over /dev/shm, created and removed by the bench; needs root), an
     /// existing block device or file, or a new file path (created with --size, then removed).
+    /// Not `mem`: lbio on RAM is `aios bench scale --device mem`.
     #[arg(long, default_value = "ull")]
     device: String,
     #[arg(long, value_enum, default_value = "randread")]
@@ -1584,6 +1591,36 @@ fn about(path: &Path, e: impl std::fmt::Display) -> String {
     }
 }
 
+/// `--device mem` names lbio's RAM backend wherever a command takes it (`bench scale`); a bench
+/// that cannot run on it refuses it by name rather than creating a file called `mem` in the
+/// working directory. `why` says why this bench needs a device; `./mem` still names a file.
+fn refuse_mem_device(device: &str, bench: &str, why: &str) -> Result<(), BenchError> {
+    if device == "mem" {
+        return Err(BenchError::Invalid(format!(
+            "--device mem: bench {bench} does not run on lbio's RAM backend ({why}); give ull, \
+             a block device or file, or a new file path (./mem for a file named mem)"
+        )));
+    }
+    Ok(())
+}
+
+/// `bench scale --device a,b,…`: every element names a device or file; `ull` and `mem` stand
+/// alone (in a list they would be taken as file paths).
+fn check_scale_device_list(list: &str) -> Result<(), BenchError> {
+    for spec in list.split(',') {
+        let why = match spec {
+            "" => "an empty name in the list",
+            "ull" | "mem" => "ull and mem stand alone, not in a list",
+            _ => continue,
+        };
+        return Err(BenchError::Invalid(format!(
+            "--device {list:?}: {why}; give ull, mem, or block devices or files separated by \
+             commas"
+        )));
+    }
+    Ok(())
+}
+
 /// `--qd` must fit the lbio request slots (`--slots`).
 fn check_qd_slots(qd: u32, slots: u32) -> Result<(), BenchError> {
     if qd == 0 || qd > slots {
@@ -1618,6 +1655,12 @@ fn create_plot_dir(p: &Path) -> Result<(), BenchError> {
 }
 
 fn cmd_bench_lbio(a: LbioArgs) -> Result<(), BenchError> {
+    refuse_mem_device(
+        &a.device,
+        "lbio",
+        "it measures a device's path, beside fio; `aios bench scale --device mem --threads 1` \
+         runs lbio on RAM",
+    )?;
     check_seconds(a.seconds)?;
     check_qd_slots(a.qd, a.slots)?;
     if let Some(span) = a.span.filter(|&s| s < a.bs as u64) {
@@ -1809,6 +1852,9 @@ fn cmd_bench_scale(a: ScaleArgs) -> Result<(), BenchError> {
     let progress = Progress::new(false);
     // Held until the end: dropping them removes the loop devices and created files.
     let mut targets: Vec<Target> = Vec::new();
+    if a.device.contains(',') {
+        check_scale_device_list(&a.device)?;
+    }
     let devices = match a.device.as_str() {
         "mem" => ScaleDevices::Mem {
             bytes: usize::try_from(a.size)
@@ -1962,6 +2008,11 @@ fn cmd_bench_scale(a: ScaleArgs) -> Result<(), BenchError> {
 
 fn cmd_bench_pagecache(a: PagecacheArgs) -> Result<(), BenchError> {
     use aios::bench::pagecache::{self as pc, PagecacheBench};
+    refuse_mem_device(
+        &a.device,
+        "pagecache",
+        "the kernel's page cache and O_DIRECT reads it is compared with need a device or file",
+    )?;
     let _qos = hold_cpu_latency(a.qos)?;
     check_seconds(a.seconds)?;
     pc::check_block_sizes(&a.bs, None)?;
@@ -2050,6 +2101,7 @@ fn cmd_target(a: TargetArgs) -> Result<(), BenchError> {
     cfg.ns_bytes = a.ns_bytes;
     cfg.subnqn = a.subnqn.clone();
     cfg.verbose = a.verbose;
+    cfg.max_connections = a.max_connections as usize;
     if a.in_capsule > 128 << 10 || a.in_capsule % 16 != 0 {
         return Err(BenchError::Invalid(format!(
             "--in-capsule {}: a multiple of 16 bytes up to 128k",
@@ -2060,14 +2112,15 @@ fn cmd_target(a: TargetArgs) -> Result<(), BenchError> {
     cfg.transport = a.transport;
     let t = Target::bind(a.listen, cfg).map_err(|e| BenchError::Setup(e.to_string()))?;
     eprintln!(
-        "aios target: serving {} ({} bytes, {} power-loss protection) as {} on {} ({:?}), attribute log {}",
+        "aios target: serving {} ({} bytes, {} power-loss protection) as {} on {} ({:?}), attribute log {}, at most {} connections",
         a.device.display(),
         t.ns_bytes(),
         if t.plp() { "with" } else { "without" },
         a.subnqn,
         t.local_addr(),
         a.transport,
-        a.attr_log
+        a.attr_log,
+        a.max_connections
     );
     t.serve().map_err(|e| BenchError::Setup(e.to_string()))
 }
@@ -2156,6 +2209,11 @@ fn cmd_bench_net(a: &OrderedArgs, spec: &str) -> Result<(), BenchError> {
 
 fn cmd_bench_ordered(a: OrderedArgs) -> Result<(), BenchError> {
     use aios::bench::ordered::{self as ob, OrderedBench, OrderedTarget};
+    refuse_mem_device(
+        &a.device,
+        "ordered",
+        "its RAM stand-in is `sim`, a SimDisk per stream with a device's ordering and timing",
+    )?;
     let _qos = hold_cpu_latency(a.qos)?;
     if let Some(spec) = a.targets.clone() {
         return cmd_bench_net(&a, &spec);
@@ -2276,6 +2334,11 @@ fn prepare_fsync_targets(
 
 fn cmd_bench_fsync(a: FsyncArgs) -> Result<(), BenchError> {
     use aios::bench::fsync::{self as fs, FsyncBench};
+    refuse_mem_device(
+        &a.device,
+        "fsync",
+        "it measures writes made durable on a device, beside ext4's fsync",
+    )?;
     let _qos = hold_cpu_latency(a.qos)?;
     let progress = Progress::new(false);
     check_seconds(a.seconds)?;

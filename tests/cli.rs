@@ -910,6 +910,60 @@ fn target_takes_in_capsule_0() {
     assert!(first.contains("aios target: serving"), "{first}");
 }
 
+/// `aios target --max-connections N` serves N connections at once: one more is closed when
+/// accepted, and the log says why, naming the option.
+#[test]
+fn target_refuses_connections_past_max_connections() {
+    use std::io::{BufRead, Read};
+    let f = Scratch::new("target-maxconn", 1 << 20);
+    let mut child = aios()
+        .args([
+            "target",
+            "--listen",
+            "127.0.0.1:0",
+            "--max-connections",
+            "1",
+            "--device",
+        ])
+        .arg(&f.0)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut log = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut first = String::new();
+    let _ = log.read_line(&mut first);
+    let addr = first
+        .split(" on ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|a| a.parse::<std::net::SocketAddr>().ok());
+    let Some(addr) = addr else {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("no address in {first:?}");
+    };
+    // Accepted in the order they come: the first is served, the second is one too many.
+    let _served = std::net::TcpStream::connect(addr).unwrap();
+    let mut extra = std::net::TcpStream::connect(addr).unwrap();
+    extra
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let got = extra.read(&mut [0u8; 64]);
+    let closed = matches!(got, Ok(0))
+        || matches!(&got, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset);
+    let mut line = String::new();
+    if closed {
+        let _ = log.read_line(&mut line);
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(closed, "the second connection with 1 allowed: {got:?}");
+    assert!(
+        line.contains("refused") && line.contains("--max-connections 1"),
+        "{line}"
+    );
+}
+
 /// A failed mkfs removes the file its --size created; a mount refused for its --cache-size
 /// leaves the image as it was (not marked mounted).
 #[test]
@@ -1269,4 +1323,64 @@ fn target_refuses_a_log_it_cannot_hold_naming_the_option() {
         assert!(e.contains(name), "{args:?}: {e}");
     }
     std::fs::remove_file(&dev).unwrap();
+}
+
+/// `--device mem` is lbio's RAM backend (`bench scale`), never a file called `mem`: `bench lbio`,
+/// `bench pagecache` and `bench fsync` created and filled `./mem` in the working directory and
+/// ran on it. They cannot run on RAM and refuse it by name, before a device is made.
+/// `bench scale`'s device list names `--device` when an element is empty (`--device ,` said only
+/// "no device to run on") or is `ull` or `mem`, which in a list were taken as file paths.
+/// (Found by a review of the CLI on 2026-11-29.)
+#[test]
+fn benches_refuse_mem_and_bad_device_lists_naming_the_option() {
+    // The working directory of the runs, removed with whatever they left in it.
+    struct Dir(PathBuf);
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let d = Dir(PathBuf::from(format!(
+        "/var/tmp/aios-cli-mem-{}",
+        std::process::id()
+    )));
+    let dir = &d.0;
+    std::fs::create_dir_all(dir).unwrap();
+    let mem = dir.join("mem");
+    let mem = mem.to_str().unwrap();
+    let quick = ["--seconds", "0.1", "--rounds", "1", "--size", "4m"];
+    for (args, want) in [
+        (
+            &["bench", "lbio", "--device", "mem", "--completion", "wait"][..],
+            "--device mem",
+        ),
+        (&["bench", "pagecache", "--device", "mem"], "--device mem"),
+        (
+            &["bench", "fsync", "--device", "mem", "--modes", "vanilla"],
+            "--device mem",
+        ),
+        (
+            &["bench", "ordered", "--device", "mem", "--streams", "1"],
+            "--device mem",
+        ),
+        (
+            &["bench", "scale", "--device", ",", "--threads", "1"],
+            "--device \",\"",
+        ),
+        (
+            &["bench", "scale", "--device", "mem,x.img", "--threads", "1"],
+            "--device \"mem,x.img\"",
+        ),
+    ] {
+        let out = aios()
+            .args(args)
+            .args(quick)
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        let e = refused_before_a_device(out, mem, &format!("{args:?}"));
+        assert!(e.contains(want), "{args:?}: {e}");
+        assert!(!dir.join("x.img").exists(), "{args:?} made x.img");
+    }
+    std::fs::remove_dir(dir).unwrap();
 }

@@ -87,7 +87,17 @@ pub struct TargetConfig {
     pub verbose: bool,
     /// TCP, or RDMA (feature `rdma`).
     pub transport: Transport,
+    /// Connections served at once, admin and I/O queues alike (each has a thread, and an I/O
+    /// queue `arena_bytes` of memory). One more is closed as soon as it is accepted, logged
+    /// and counted in [`TargetStats::refused_connections`]; its place frees when a connection
+    /// ends. At least 1; default [`DEFAULT_MAX_CONNECTIONS`].
+    pub max_connections: usize,
 }
+
+/// [`TargetConfig::max_connections`] unless set: a host's admin queue and an I/O queue per CPU
+/// for a host of up to 127 CPUs (Linux opens one per CPU), with at most 1 GiB of connection
+/// arenas at the default `arena_bytes`.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 128;
 
 impl TargetConfig {
     pub fn new(device: impl Into<PathBuf>, log: TargetLogKind) -> TargetConfig {
@@ -102,6 +112,7 @@ impl TargetConfig {
             in_capsule: MAX_DATA,
             verbose: false,
             transport: Transport::Tcp,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
         }
     }
 }
@@ -197,6 +208,9 @@ pub struct TargetStats {
     pub orderless: u64,
     pub reads: u64,
     pub closed_on_error: u64,
+    /// Connections closed as soon as they were accepted, because
+    /// [`TargetConfig::max_connections`] were open.
+    pub refused_connections: u64,
     /// Writes whose data was asked for with an R2T (larger than the in-capsule size).
     pub r2ts: u64,
     /// Writes whose data was pulled with RDMA READ (RDMA connections).
@@ -228,6 +242,7 @@ struct Shared {
     connections: AtomicU64,
     open_connections: AtomicU64,
     closed_on_error: AtomicU64,
+    refused_connections: AtomicU64,
     r2ts: AtomicU64,
     rdma_reads: AtomicU64,
     close_log: Mutex<CloseLog>,
@@ -347,6 +362,13 @@ impl Target {
                 cfg.in_capsule
             )));
         }
+        if cfg.max_connections == 0 {
+            return Err(NetError::Config(
+                "max_connections 0 (--max-connections): the target would serve nobody; give 1 \
+                 or more"
+                    .into(),
+            ));
+        }
         // Probe the device once, on a small engine of its own.
         let (capacity, plp) = {
             let engine = Engine::new(EngineConfig {
@@ -445,6 +467,7 @@ impl Target {
                 connections: AtomicU64::new(0),
                 open_connections: AtomicU64::new(0),
                 closed_on_error: AtomicU64::new(0),
+                refused_connections: AtomicU64::new(0),
                 r2ts: AtomicU64::new(0),
                 rdma_reads: AtomicU64::new(0),
                 close_log: Mutex::new(CloseLog {
@@ -498,17 +521,33 @@ impl Target {
                 Err(e) => return Err(NetError::io("accept on", addr, e)),
             };
             let shared = Arc::clone(&self.shared);
+            // Only this loop adds to the count, and connection threads only take from it: a
+            // count under the limit here stays under it until the next accept.
+            let open = shared.open_connections.load(Ordering::SeqCst);
+            if open >= shared.cfg.max_connections as u64 {
+                shared.refused_connections.fetch_add(1, Ordering::Relaxed);
+                drop(conn);
+                log_limited(
+                    &shared,
+                    format_args!(
+                        "{peer}: refused the connection: {open} open, the most allowed \
+                         (max_connections, --max-connections {})",
+                        shared.cfg.max_connections
+                    ),
+                );
+                continue;
+            }
             shared.connections.fetch_add(1, Ordering::Relaxed);
-            shared.open_connections.fetch_add(1, Ordering::Relaxed);
+            shared.open_connections.fetch_add(1, Ordering::SeqCst);
             let mine = Arc::clone(&shared);
             let spawned = std::thread::Builder::new()
                 .name(format!("aios-target-{peer}"))
                 .spawn(move || {
                     serve_conn(Arc::clone(&mine), conn, peer);
-                    mine.open_connections.fetch_sub(1, Ordering::Relaxed);
+                    mine.open_connections.fetch_sub(1, Ordering::SeqCst);
                 });
             if let Err(e) = spawned {
-                shared.open_connections.fetch_sub(1, Ordering::Relaxed);
+                shared.open_connections.fetch_sub(1, Ordering::SeqCst);
                 eprintln!("aios target: {peer}: no thread for the connection: {e}");
             }
         }
@@ -535,6 +574,7 @@ impl TargetStatsHandle {
             orderless: s.orderless.load(Ordering::Relaxed),
             reads: s.reads.load(Ordering::Relaxed),
             closed_on_error: s.closed_on_error.load(Ordering::Relaxed),
+            refused_connections: s.refused_connections.load(Ordering::Relaxed),
             r2ts: s.r2ts.load(Ordering::Relaxed),
             rdma_reads: s.rdma_reads.load(Ordering::Relaxed),
             log_full_waits: s.lock().log_full,
@@ -696,15 +736,24 @@ const TX_BACKLOG: usize = 2 * MAX_PDU as usize;
 /// Reasons logged per second at most; the rest are counted and summed up in the next line.
 const CLOSE_LOG_PER_SECOND: u32 = 10;
 
-/// Count a connection closed on an error and log why — at most [`CLOSE_LOG_PER_SECOND`]
-/// lines a second, so a flood of bad clients cannot flood the log (the count stays exact).
+/// Count a connection closed on an error and log why (see [`log_limited`]).
 fn close_reason(shared: &Shared, peer: SocketAddr, why: &str) {
     shared.closed_on_error.fetch_add(1, Ordering::Relaxed);
+    log_limited(
+        shared,
+        format_args!("{peer}: closing the connection: {why}"),
+    );
+}
+
+/// Log a connection closed or refused — at most [`CLOSE_LOG_PER_SECOND`] lines a second, so a
+/// flood of bad clients cannot flood the log (the callers' counts stay exact).
+fn log_limited(shared: &Shared, line: std::fmt::Arguments<'_>) {
     let mut rl = shared.close_log.lock().unwrap_or_else(|e| e.into_inner());
     if rl.window.elapsed() >= Duration::from_secs(1) {
         if rl.suppressed > 0 {
             eprintln!(
-                "aios target: {} more connections closed on errors (not logged one by one)",
+                "aios target: {} more connections closed on errors or refused (not logged one by \
+                 one)",
                 rl.suppressed
             );
         }
@@ -716,7 +765,7 @@ fn close_reason(shared: &Shared, peer: SocketAddr, why: &str) {
     }
     if rl.printed < CLOSE_LOG_PER_SECOND {
         rl.printed += 1;
-        eprintln!("aios target: {peer}: closing the connection: {why}");
+        eprintln!("aios target: {line}");
     } else {
         rl.suppressed += 1;
     }

@@ -1048,3 +1048,61 @@ fn asynchronous_event_requests_past_the_limit_are_refused() {
         "the four within the limit stay outstanding"
     );
 }
+
+/// A target serves at most `TargetConfig::max_connections` connections at once: one more is
+/// closed as soon as it is accepted (no ICResp), and counted; once a served connection ends,
+/// its place is free and a new connection is served again. (Every connection was accepted,
+/// each with a thread and an I/O queue's arena, without bound.)
+#[test]
+fn connections_past_the_limit_are_refused_until_one_ends() {
+    let _one = one_at_a_time();
+    let p = PathBuf::from(format!("/dev/shm/rio-edges-{}-maxconn", std::process::id()));
+    let _rm = Remove(p.clone());
+    std::fs::File::create(&p)
+        .unwrap()
+        .set_len(16 << 20)
+        .unwrap();
+    let mut cfg = TargetConfig::new(p.clone(), TargetLogKind::Mem(1 << 20));
+    cfg.max_connections = 3;
+    let t = Target::bind("127.0.0.1:0".parse().unwrap(), cfg).unwrap();
+    let (addr, stats) = (t.local_addr(), t.stats_handle());
+    t.spawn();
+    // Each of these has its ICResp: accepted, counted and served, in the order they came.
+    let mut served: Vec<Raw> = (0..3).map(|_| Raw::open(addr)).collect();
+    let mut icreq = Vec::new();
+    pdu::put_icreq(&mut icreq, Digests::default(), 0);
+    let mut extra = Raw::connect(addr);
+    let _ = extra.send(&icreq); // the target may have closed it already
+    let (closed, types) = extra.closed_within(Duration::from_secs(10));
+    assert!(
+        closed && types.is_empty(),
+        "a 4th connection with 3 allowed: closed {closed}, PDUs {types:?} (an ICResp is 0x{:02x})",
+        pdu::ICRESP
+    );
+    assert_eq!(stats.stats().refused_connections, 1);
+    // One host leaves: once the target has ended its connection, a new one is served.
+    drop(served.pop());
+    let t0 = std::time::Instant::now();
+    while stats.stats().open_connections > 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the target still counts {} connections 20 s after one left",
+            stats.stats().open_connections
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    served.push(Raw::open(addr));
+    let s = stats.stats();
+    assert_eq!(
+        (s.connections, s.open_connections, s.refused_connections),
+        (4, 3, 1),
+        "{s:?}"
+    );
+    // A limit of none is refused when the target is made.
+    let mut cfg = TargetConfig::new(p.clone(), TargetLogKind::Mem(1 << 20));
+    cfg.max_connections = 0;
+    let Err(e) = Target::bind("127.0.0.1:0".parse().unwrap(), cfg) else {
+        panic!("a target allowing no connection was made");
+    };
+    assert!(e.to_string().contains("max_connections"), "{e}");
+}
