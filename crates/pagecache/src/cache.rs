@@ -134,8 +134,12 @@ pub struct Counters {
     /// Waits for another handle's read that ran past `foreign_read_wait_us`: the reader read
     /// the page itself.
     pub foreign_waits_cut: AtomicU64,
-    /// Another handle's readahead frames a writer took out of the index after such a wait.
+    /// Readahead frames still in flight that a writer took out of the index (it wrote the
+    /// page into a frame of its own instead of waiting for the read).
     pub readahead_stolen: AtomicU64,
+    /// The same for a reader's frame (its read in flight, or orphaned by a failed wait): the
+    /// reader still gets what it read, and the frame is not cached.
+    pub reads_superseded: AtomicU64,
 }
 
 /// A snapshot of the cache's shared counters.
@@ -151,6 +155,7 @@ pub struct CacheMetrics {
     pub read_errors: u64,
     pub foreign_waits_cut: u64,
     pub readahead_stolen: u64,
+    pub reads_superseded: u64,
     /// Readahead pages in flight now, over all handles (at most [`PageCache::readahead_limit`]).
     pub readahead_in_flight: u32,
     /// Frames in the shared free list now (frames in handles' pools are not counted).
@@ -273,6 +278,7 @@ impl PageCache {
             read_errors: l(&c.read_errors),
             foreign_waits_cut: l(&c.foreign_waits_cut),
             readahead_stolen: l(&c.readahead_stolen),
+            reads_superseded: l(&c.reads_superseded),
             readahead_in_flight: self.readahead_in_flight.load(Ordering::Relaxed),
             free_frames: self.lock_free().len() as u32,
             frames: self.frames.len(),

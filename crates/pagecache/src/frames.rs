@@ -18,8 +18,10 @@ pub const DIRTY: u16 = 1 << 2;
 pub const REFERENCED: u16 = 1 << 3;
 /// The frame is in the index (its key finds it).
 pub const INDEXED: u16 = 1 << 4;
-/// Lost a lazy-indexing race: another frame holds the page; this one is freed once its reader is
-/// done with it.
+/// Out of the page's service: lost a lazy-indexing race (another frame holds the page), or
+/// superseded in flight by a writer (set while the frame is still indexed; the writer then takes
+/// it out of the index). Freed by whoever of its reader, its read's completion and that writer
+/// last lets go of it (no pin, no I/O, out of the index).
 pub const ABANDONED: u16 = 1 << 5;
 /// A writer is changing the bytes: optimistic readers retry.
 pub const BUSY: u16 = 1 << 6;
@@ -185,11 +187,14 @@ impl FrameTable {
         pinned
     }
 
-    pub fn unpin(&self, frame: u32) {
+    /// Drop one pin; the state the subtraction left (so the caller can tell, from its own
+    /// atomic step, whether it let go of the frame last).
+    pub fn unpin(&self, frame: u32) -> State {
         // One atomic subtract on the pin field: it is > 0 while pinned, so nothing borrows from
         // the version above it.
         let before = State(self.meta(frame).state.fetch_sub(1 << 16, Ordering::AcqRel));
         debug_assert!(before.pins() > 0, "unpin of an unpinned frame {frame}");
+        State(before.0.wrapping_sub(1 << 16))
     }
 
     /// Set `flag` unless already set (a read first, so hot frames are not written on every hit).

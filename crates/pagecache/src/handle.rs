@@ -568,8 +568,7 @@ impl CacheHandle {
                 }
             };
             if failed {
-                self.cache.frames.unpin(frame);
-                self.free_frame(frame);
+                self.unpin(frame, true);
             } else {
                 copy_out(buf, page, self.cache.frame_ptr(frame));
                 self.unpin(frame, abandoned);
@@ -915,9 +914,17 @@ impl CacheHandle {
         }
     }
 
+    /// Drop a reader's (or guard's) pin on `frame`, and free the frame if it is not to stay
+    /// cached (`abandoned`, or flagged abandoned or failed) and this unpin let go of it last:
+    /// no pin left, its read done, and out of the index. A frame a writer superseded stays
+    /// flagged indexed until that writer has taken it out of the index; the writer frees it
+    /// then if no pin is left (see [`Self::supersede`]), so exactly one of them does.
     fn unpin(&self, frame: u32, abandoned: bool) {
-        self.cache.frames.unpin(frame);
-        if abandoned && self.cache.frames.state(frame).pins() == 0 {
+        let now = self.cache.frames.unpin(frame);
+        if (abandoned || now.flags() & (frames::ABANDONED | frames::FAILED) != 0)
+            && now.pins() == 0
+            && now.flags() & (frames::IO | frames::INDEXED) == 0
+        {
             self.free_frame(frame);
         }
     }
@@ -995,6 +1002,10 @@ impl CacheHandle {
             Err(e) => Err(e.into()),
         };
         self.finish_read(frame, abandoned)?;
+        // A writer may have superseded the frame while its read was in flight (only then: see
+        // `supersede`), so the flag is final now. Such a frame is the reader's alone, as an
+        // abandoned one is.
+        let abandoned = abandoned || self.cache.frames.state(frame).has(frames::ABANDONED);
         if let Err(e) = after {
             self.unpin(frame, abandoned);
             return Err(e);
@@ -1041,15 +1052,35 @@ impl CacheHandle {
     /// Give back claimed frames `run_frames[at..at + len]` (pages `first..`) that will not be
     /// read.
     fn undo_claims(&self, file: FileId, first: u64, at: usize, len: usize) {
-        let frames = &self.cache.frames;
         for k in 0..len {
             let frame = self.run_frames.borrow()[at + k];
-            if !self.mode.lazy_index {
-                self.cache
-                    .index
-                    .remove(Key::new(file.0, first + k as u64), frame);
-            }
-            frames.unpin(frame);
+            let key = Key::new(file.0, first + k as u64);
+            // In the vanilla order the frame is indexed already.
+            self.drop_unsent(key, frame, true, !self.mode.lazy_index);
+        }
+    }
+
+    /// Give back `frame`, claimed for a read of `key` that was never sent (`pinned` by the
+    /// caller's claim; `indexed` already, in the vanilla order and for readahead). A writer may
+    /// have superseded it meanwhile (see [`Self::supersede`]): then the index entry is the
+    /// writer's to remove, and of the two the later to let go of the frame frees it.
+    fn drop_unsent(&self, key: Key, frame: u32, pinned: bool, indexed: bool) {
+        let frames = &self.cache.frames;
+        if indexed {
+            self.cache.index.remove(key, frame);
+        }
+        let now = frames
+            .update(frame, |s| {
+                let gone = if s.has(frames::ABANDONED) {
+                    frames::IO
+                } else {
+                    frames::IO | frames::INDEXED
+                };
+                let pins = s.pins() - pinned as u16;
+                Some(s.with_flags(s.flags() & !gone).with_pins(pins).bumped())
+            })
+            .expect("always updated");
+        if now.pins() == 0 && !now.has(frames::INDEXED) {
             self.free_frame(frame);
         }
     }
@@ -1158,38 +1189,53 @@ impl CacheHandle {
         self.readahead(file, first, last, dev)
     }
 
-    /// Take another handle's readahead of `key`, still in flight in `frame`, out of the index
-    /// (a writer's wait for it was cut: see [`Self::put`]). The frame is marked abandoned, so
-    /// its completion leaves it invalid; of this call and that completion, the second to find
-    /// the frame both out of the index and done with its I/O frees it. Nothing happens when the
-    /// frame is no longer such a read (its completion came first: the caller looks again).
-    fn steal_readahead(&self, key: Key, frame: u32) {
+    /// Take a read of `key` still in flight in `frame` (a reader's, an orphaned one's, or a
+    /// readahead; this handle's or another's) out of the page's service, for a writer (see
+    /// [`Self::put`]): the writer then puts the page in a frame of its own and never waits for
+    /// that read, which only the handle that sent it completes, when that handle next drives
+    /// its engine (it may be idle, or its wait may have failed).
+    ///
+    /// Three steps. The frame is flagged abandoned while still indexed and in I/O (one update,
+    /// so the read's completion, which ends the I/O in an update of its own, sees it either
+    /// before or after, never in between); it leaves the index; it loses its indexed flag. The
+    /// completion of a read so flagged leaves the frame invalid while it is still flagged
+    /// indexed (nobody can find it valid), and never clears that flag. The read's reader still
+    /// gets the bytes it read, as a reader whose frame was abandoned as a duplicate does. Of
+    /// this writer, the completion and the reader, the one whose own step leaves the frame with
+    /// no pin, no I/O and out of the index frees it.
+    ///
+    /// `false` when the frame is no such read now: done (the caller looks again), not indexed
+    /// yet (its reader is between its insert and its flag) or being superseded by another
+    /// writer.
+    fn supersede(&self, key: Key, frame: u32) -> bool {
         let frames = &self.cache.frames;
-        // A readahead frame: indexed, in flight, never valid, and unpinned (a miss's frame
-        // carries its reader's pin, and that reader drives the read).
-        let stolen = frames.update(frame, |s| {
+        let taken = frames.update(frame, |s| {
             (s.has(frames::IO | frames::INDEXED)
                 && s.flags() & (frames::VALID | frames::ABANDONED) == 0
-                && s.pins() == 0
                 && frames.key(frame) == key.0)
                 .then(|| s.with_flags(s.flags() | frames::ABANDONED).bumped())
         });
-        if stolen.is_none() {
-            return;
-        }
+        let Some(taken) = taken else {
+            return false;
+        };
         self.cache.index.remove(key, frame);
         let now = frames
             .update(frame, |s| {
                 Some(s.with_flags(s.flags() & !frames::INDEXED).bumped())
             })
             .expect("always updated");
-        self.cache
-            .counters
-            .readahead_stolen
-            .fetch_add(1, Ordering::Relaxed);
-        if !now.has(frames::IO) {
+        // A reader's frame carries its reader's pin while its read is in flight; a
+        // readahead's carries none.
+        let counter = if taken.pins() == 0 {
+            &self.cache.counters.readahead_stolen
+        } else {
+            &self.cache.counters.reads_superseded
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        if now.pins() == 0 && !now.has(frames::IO) {
             self.free_frame(frame);
         }
+        true
     }
 
     /// Wait for a miss's read; on failure the frame is released and the error returned.
@@ -1197,8 +1243,7 @@ impl CacheHandle {
         match self.wait_frame(frame) {
             Ok(false) => Ok(()),
             Ok(true) => {
-                self.cache.frames.unpin(frame);
-                self.free_frame(frame);
+                self.unpin(frame, true);
                 Err(self.take_error())
             }
             Err(e) => {
@@ -1228,12 +1273,7 @@ impl CacheHandle {
             if s.has(frames::IO) {
                 continue;
             }
-            if s.has(frames::FAILED) {
-                frames.unpin(frame);
-                self.free_frame(frame);
-            } else {
-                self.unpin(frame, abandoned);
-            }
+            self.unpin(frame, abandoned);
         }
         self.read_error.borrow_mut().take();
     }
@@ -1338,8 +1378,7 @@ impl CacheHandle {
                 }
                 Err(_) => {
                     // No slot: readahead is optional. Undo.
-                    self.cache.index.remove(k, frame);
-                    self.free_frame(frame);
+                    self.drop_unsent(k, frame, false, true);
                     self.cache.end_readahead();
                     return Ok(());
                 }
@@ -1377,17 +1416,21 @@ impl CacheHandle {
                 &run[at..at + len]
             }
         };
-        // A readahead a writer stole ([`Self::steal_readahead`]): its frame only leaves I/O,
-        // invalid, and the index is the writer's to change. Decided in the same update that
-        // ends the I/O, so a steal cannot slip in between.
+        // A read a writer superseded ([`Self::supersede`]): its frame only leaves I/O, invalid
+        // if the writer has not taken it out of the index yet (so nobody can find it valid
+        // there), and the index is the writer's to change. Decided in the same update that
+        // ends the I/O, so a writer cannot slip in between. (A readahead is abandoned only so;
+        // a reader's frame also when it lost the indexing race, never indexed then.)
         let mut stolen = false;
         for &frame in list {
             let readahead = p.kind == Kind::Readahead;
             let now = match (p.kind, &error) {
                 (Kind::Read | Kind::Orphan, None) | (Kind::Readahead, None) => {
                     frames.update(frame, |s| {
-                        stolen = readahead && s.has(frames::ABANDONED);
-                        Some(if stolen {
+                        let superseded =
+                            s.has(frames::ABANDONED) && (readahead || s.has(frames::INDEXED));
+                        stolen = readahead && superseded;
+                        Some(if superseded {
                             s.with_flags(s.flags() & !frames::IO).bumped()
                         } else {
                             s.with_flags((s.flags() & !frames::IO) | frames::VALID)
@@ -1397,7 +1440,7 @@ impl CacheHandle {
                 }
                 (Kind::Read | Kind::Orphan, Some(_)) | (Kind::Readahead, Some(_)) => {
                     // Leave no poisoned page behind: out of the index before anyone can wait
-                    // on it. (Of a stolen frame's removal and this one, the second finds
+                    // on it. (Of a superseded frame's removal and this one, the second finds
                     // nothing: the frame is not freed before both are done.)
                     let key = Key(frames.key(frame));
                     self.cache.index.remove(key, frame);
@@ -1407,7 +1450,8 @@ impl CacheHandle {
                         .fetch_add(1, Ordering::Relaxed);
                     frames.update(frame, |s| {
                         stolen = readahead && s.has(frames::ABANDONED);
-                        let gone = if stolen {
+                        // A superseded frame keeps its indexed flag for the writer to clear.
+                        let gone = if s.has(frames::ABANDONED) {
                             frames::IO
                         } else {
                             frames::IO | frames::INDEXED
@@ -1429,19 +1473,15 @@ impl CacheHandle {
                     None
                 }
             };
-            // A stolen frame the writer has taken out of the index already: freed here (else
-            // by the writer, once it has).
+            // A stolen readahead frame (unpinned) the writer has taken out of the index
+            // already: freed here (else by the writer, once it has).
             if stolen && now.is_some_and(|n| !n.has(frames::INDEXED)) {
                 self.free_frame(frame);
             }
-            // An orphan's frame: what its reader would have done with it.
+            // An orphan's frame: what its reader would have done with it (freed if failed,
+            // abandoned or superseded, and let go of last).
             if p.kind == Kind::Orphan {
-                if error.is_some() {
-                    frames.unpin(frame);
-                    self.free_frame(frame);
-                } else {
-                    self.unpin(frame, now.is_some_and(|n| n.has(frames::ABANDONED)));
-                }
+                self.unpin(frame, error.is_some());
             }
         }
         match p.kind {
@@ -1529,8 +1569,8 @@ impl CacheHandle {
     /// Call it after the device write completed. A read that missed on one of these pages
     /// before then may have read the old bytes; its frame is either not indexed yet (this call
     /// indexes the new bytes first and the read's frame is abandoned) or indexed and in flight
-    /// (this call waits for the read and then overwrites the frame), so the old bytes never
-    /// stay in the cache.
+    /// (this call supersedes it without waiting: the frame leaves the index and the new bytes go
+    /// into a frame of their own), so the old bytes never stay in the cache.
     pub fn store(&self, file: FileId, offset: u64, data: &[u8]) -> Result<(), CacheError> {
         let page = PAGE_BYTES as u64;
         if offset % page != 0 || data.len() % PAGE_BYTES != 0 {
@@ -1592,6 +1632,18 @@ impl CacheHandle {
             });
             if claimed.is_none() {
                 let s = frames.state(frame);
+                // A read in flight, whichever handle sent it: not waited for. Such a read
+                // completes only when its handle next drives its engine, which may be never
+                // (its thread idle, or waiting for this very write, or its wait failed). Its
+                // frame is superseded (its reader still gets what it read) and the page goes
+                // into a frame of this writer's own: as a whole page, or read first.
+                if s.has(frames::IO) && !s.has(frames::VALID) && frames.key(frame) == key.0 {
+                    if !self.supersede(key, frame) {
+                        // Being indexed by its reader, or superseded by another writer, now.
+                        std::thread::yield_now();
+                    }
+                    continue;
+                }
                 // Pinned by a guard of this handle's own: it would never go.
                 if s.pins() > 0 && self.own_pins.borrow().contains_key(&frame) {
                     return Err(CacheError::GuardHeld { file, page });
@@ -1624,13 +1676,11 @@ impl CacheHandle {
                     self.settle(|p| p.kind == Kind::Writeback)?;
                     continue;
                 }
-                // Waited for as a reader is: a read that is another handle's completes only
-                // when that handle next drives its engine, which may be never (it may be
-                // waiting for this very write). Cut, a readahead's frame is taken out of the
-                // index, and the page is written into a frame of its own.
-                if !self.wait_for(frame, true)? {
-                    self.steal_readahead(key, frame);
-                }
+                // Pinned for a moment (a reader copying out, a writeback pass of a live handle
+                // in progress), held by a guard, or not the page's any more: look again.
+                self.cache.counters.waited.fetch_add(1, Ordering::Relaxed);
+                self.poll()?;
+                std::thread::yield_now();
                 continue;
             }
             if frames.key(frame) != key.0 {

@@ -1798,6 +1798,94 @@ fn slow_handle(
     (cache, engine, lbio, file, h, content)
 }
 
+/// A write to a page whose read another handle sent, and has not completed, does not wait for
+/// that handle to drive its engine (defect 1 of the sixth review, 2026-11-28). Here two
+/// handles' engines fail every `io_uring_enter` while they read, so their reads are left in
+/// their rings, orphaned, pinned and indexed, until each handle next enters its engine: an
+/// AIOS handle's run read of pages 4..8 and a vanilla handle's miss on page 1 (indexed before
+/// its read is sent). A third handle then writes pages 1 and 4 whole, part of page 5, and
+/// stores page 6 (written around the cache first). It used to wait for those reads without
+/// end (here: until the 20 s guard). Now it supersedes their frames and writes each page into
+/// a frame of its own; once the two engines work again, the orphaned reads land and their
+/// frames go back to the pool, none indexed: every handle reads the new bytes, the file holds
+/// them after a `sync`, and every frame ends free or cached.
+#[test]
+fn a_write_to_a_page_whose_read_another_handle_has_not_completed_does_not_wait_for_it() {
+    within(20, || {
+        const PAGES: u64 = 16;
+        let (path, content) = patterned_file("superseded", PAGES);
+        let cache = cache_of_64_frames(0);
+        let file = cache.add_file(content.len() as u64).unwrap();
+        let reader = |mode: Mode| {
+            let engine = engine();
+            let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+            let h = CacheHandle::new(&cache, &engine, &lbio, mode).unwrap();
+            h.attach(file, ring_device(&lbio, &path)).unwrap();
+            (engine, lbio, h)
+        };
+        let (ea, _la, a) = reader(Mode::AIOS);
+        let (ev, _lv, v) = reader(Mode::VANILLA);
+        let eb = engine();
+        let lb = LbioArray::new(Rc::clone(&eb), LbioConfig::default()).unwrap();
+        let b = CacheHandle::new(&cache, &eb, &lb, Mode::AIOS).unwrap();
+        b.attach(file, ring_device_opened(&lb, &path, true))
+            .unwrap();
+        let raw = ring_device_opened(&lb, &path, true);
+
+        ea.fail_next_enters(u32::MAX);
+        ev.fail_next_enters(u32::MAX);
+        let mut run = vec![0u8; 4 * 4096];
+        let e = a.read(file, 4 * 4096, &mut run).unwrap_err();
+        assert!(matches!(e, CacheError::Core(_)), "{e}");
+        let mut one = vec![0u8; 4096];
+        let e = v.read(file, 4096, &mut one).unwrap_err();
+        assert!(matches!(e, CacheError::Core(_)), "{e}");
+        for page in [1, 4, 5, 6, 7] {
+            let key = frames::Key::new(file.0, page);
+            let f = cache.index.get(key, &cache.frames).expect("indexed");
+            assert!(cache.frames.state(f).has(frames::IO), "page {page} read");
+        }
+
+        let mut want = content.clone();
+        let mut put = |page: u64, at: usize, bytes: &[u8]| {
+            let from = page as usize * 4096 + at;
+            want[from..from + bytes.len()].copy_from_slice(bytes);
+            b.write(file, from as u64, bytes).unwrap();
+        };
+        put(1, 0, &[0xa1; 4096]);
+        put(4, 0, &[0xa4; 4096]);
+        put(5, 100, &[0xa5; 50]);
+        want[6 * 4096..7 * 4096].fill(0xa6);
+        write_raw(&eb, &raw, 6 * 4096, 0xa6, 4096);
+        b.store(file, 6 * 4096, &[0xa6; 4096]).unwrap();
+        assert_eq!(cache.metrics().reads_superseded, 4, "{:?}", cache.metrics());
+        let reads_right = |h: &CacheHandle, who: &str| {
+            let mut back = vec![0u8; PAGES as usize * 4096];
+            h.read(file, 0, &mut back).unwrap();
+            for page in 0..PAGES as usize {
+                let r = page * 4096..(page + 1) * 4096;
+                assert!(back[r.clone()] == want[r], "{who}: page {page} differs");
+            }
+        };
+        reads_right(&b, "the writer");
+
+        // The orphaned reads land now (the AIOS handle's run read the device after the write
+        // around the cache, the vanilla handle's miss before the writes through it).
+        ea.fail_next_enters(0);
+        ev.fail_next_enters(0);
+        assert!(ea.drain_all() && ev.drain_all());
+        a.poll().unwrap();
+        v.poll().unwrap();
+        reads_right(&a, "the AIOS reader");
+        reads_right(&v, "the vanilla reader");
+        b.sync(file).unwrap();
+        drop((a, v, b));
+        assert!(std::fs::read(&path).unwrap() == want, "the file differs");
+        std::fs::remove_file(&path).unwrap();
+        assert_frames_free_or_cached(&cache, &cache.metrics());
+    });
+}
+
 /// A handle dropped while its readahead is in flight and its engine's `io_uring_enter` fails a
 /// few times (found by a review on 2026-11-28) lets the readahead land: every frame ends free
 /// or cached. Its drop used to give up at the first failed wait, leaving the readahead's
@@ -1977,6 +2065,9 @@ struct HoldDisk {
     frames: (usize, usize),
     queue: std::cell::RefCell<std::collections::VecDeque<Held>>,
     stray: Cell<u32>,
+    /// Run once, inside the next request's completion: after its bytes moved, before the
+    /// engine hears of it.
+    before_done: std::cell::RefCell<Option<Box<dyn FnOnce()>>>,
 }
 
 impl HoldDisk {
@@ -1987,6 +2078,7 @@ impl HoldDisk {
             frames: (base, base + cache.frames.len() as usize * PAGE_BYTES),
             queue: std::cell::RefCell::new(std::collections::VecDeque::new()),
             stray: Cell::new(0),
+            before_done: std::cell::RefCell::new(None),
         })
     }
 
@@ -2023,6 +2115,11 @@ impl aios_core::SoftDevice for HoldDisk {
                 Op::Read => std::ptr::copy_nonoverlapping(mem[offset..].as_ptr(), ptr, len),
                 _ => std::ptr::copy_nonoverlapping(ptr, mem[offset..].as_mut_ptr(), len),
             }
+        }
+        drop(mem);
+        let hook = self.before_done.borrow_mut().take();
+        if let Some(hook) = hook {
+            hook();
         }
         engine.push_nop(sink, payload)
     }
@@ -2197,5 +2294,57 @@ fn a_write_to_a_page_whose_write_back_a_dropped_handle_lost_is_refused_not_waite
             "a read returned the lost copy",
             "a sync wrote the lost copy over the stored bytes",
         );
+    });
+}
+
+/// A write from another handle while a reader's read of the page is in flight, indexed (lazy
+/// indexing done) and not yet complete: the writer runs inside the reader's wait for the
+/// device, after the read's bytes came and before its completion, so the reader's handle
+/// cannot drive its engine until the write returns. The write supersedes the reader's frame:
+/// the reader gets the bytes it read (from before the write), for a copy-out read and a
+/// zero-copy guard alike, the next read gets the written bytes, and the superseded frames go
+/// back to the pool. It used to wait for the reader's read, which could not complete: a
+/// deadlock (here: the 20 s guard).
+#[test]
+fn a_write_inside_anothers_read_of_the_page_supersedes_it_instead_of_deadlocking() {
+    within(20, || {
+        const PAGES: usize = 8;
+        let (
+            Setup {
+                cache,
+                engine: _engine,
+                lbio: _lbio,
+                file,
+                h,
+            },
+            disk,
+        ) = setup_on_hold_disk(PAGES);
+        disk.mem.borrow_mut().fill(0x11);
+        let eb = engine();
+        let lb = LbioArray::new(Rc::clone(&eb), LbioConfig::default()).unwrap();
+        let w = Rc::new(CacheHandle::new(&cache, &eb, &lb, Mode::AIOS).unwrap());
+        w.attach(file, Device::memory(&lb, PAGES * 4096).unwrap())
+            .unwrap();
+        let write_inside_next_read = |page: u64| {
+            let w = Rc::clone(&w);
+            *disk.before_done.borrow_mut() = Some(Box::new(move || {
+                w.write(file, page * 4096, &[0x22; 4096]).unwrap();
+            }));
+        };
+        let mut buf = vec![0u8; 4096];
+        write_inside_next_read(2);
+        h.read(file, 2 * 4096, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 0x11), "the read's own bytes");
+        h.read(file, 2 * 4096, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 0x22), "the written bytes");
+        write_inside_next_read(3);
+        {
+            let g = h.get(file, 3).unwrap();
+            assert!(g.iter().all(|&b| b == 0x11), "the guard's own bytes");
+        }
+        assert!(h.get(file, 3).unwrap().iter().all(|&b| b == 0x22));
+        assert_eq!(cache.metrics().reads_superseded, 2, "{:?}", cache.metrics());
+        drop((h, w));
+        assert_frames_free_or_cached(&cache, &cache.metrics());
     });
 }
