@@ -36,6 +36,13 @@ pub enum JournalError {
     /// An earlier commit or checkpoint failed part-way; reopen the journal (recovery) to go on.
     #[error("the journal was aborted by an earlier failed commit or checkpoint: reopen it with JournalSet::open to recover")]
     Aborted,
+    /// This commit went out in a group commit led by another thread's commit, and the group
+    /// failed with the leader's error, whose text is `cause` (the error itself is the
+    /// leader's). `aborted`: the failure aborted the journal set, as with
+    /// [`JournalError::Aborted`] (reopen it to recover); otherwise nothing of the group was
+    /// written, no id was taken, and the commit may be made again.
+    #[error("the group commit that carried this transaction failed{}: {cause}", group_outcome(*aborted))]
+    GroupFailed { cause: String, aborted: bool },
     /// Area `area` holds a Rio-ordered commit, which only the attribute logs can vouch for.
     #[error("journal area {area}: transaction {tid} was committed with Rio ordering; recover it with its attribute logs (JournalSet::open_rio, recover_image_rio)")]
     RioLogsNeeded { area: usize, tid: u64 },
@@ -47,4 +54,12 @@ pub enum JournalError {
     Io(#[from] LbioError),
     #[error(transparent)]
     Core(#[from] aios_core::CoreError),
+}
+
+fn group_outcome(aborted: bool) -> &'static str {
+    if aborted {
+        " and aborted the journal (reopen it with JournalSet::open to recover)"
+    } else {
+        " before writing anything (commit again)"
+    }
 }

@@ -912,11 +912,15 @@ fn join_all<'a>(
     }
 }
 
-/// Requests started now (polled once, so they reach the device), waited for later.
+/// Requests started now (polled once, so they reach the device), waited for later; and the
+/// arena buffers for more of them ([`Inflight::buf`]).
 struct Inflight<'a> {
     futs: SmallVec<[IoFuture<'a>; 4]>,
-    /// The first failure among requests that finished at once.
+    /// The first failure among requests that finished before [`Inflight::wait`].
     failed: Option<LbioError>,
+    /// A frame taken before the commit took its id ([`Journal::commit_led`]): used when the
+    /// arena has none free and nothing of this commit's is in flight to give one back.
+    spare: Option<FixedBuf>,
 }
 
 impl<'a> Inflight<'a> {
@@ -924,7 +928,68 @@ impl<'a> Inflight<'a> {
         Inflight {
             futs: SmallVec::new(),
             failed: None,
+            spare: None,
         }
+    }
+
+    /// With `spare` to fall back on ([`Inflight::spare`]).
+    fn with_spare(spare: Option<FixedBuf>) -> Self {
+        Inflight {
+            spare,
+            ..Inflight::new()
+        }
+    }
+
+    /// A buffer for a run of up to `blocks` consecutive blocks, as [`alloc_run`] gives it when
+    /// the arena has frames free (the usual case: nothing else happens). When it has none, the
+    /// spare frame, else the buffers of these requests: wait until one of them has finished and
+    /// take the finished ones back (lbio keeps a finished request's buffer until it is polled).
+    /// Only with nothing of these in flight and no spare does it wait for the engine's other
+    /// I/O, failing (`ArenaExhausted`) when there is none.
+    fn buf(&mut self, engine: &Engine, blocks: usize) -> Result<FixedBuf, JournalError> {
+        loop {
+            let mut len = blocks.max(1);
+            loop {
+                if let Some(b) = engine.try_alloc_run(len * BLOCK) {
+                    return Ok(b);
+                }
+                if len == 1 {
+                    break;
+                }
+                len /= 2;
+            }
+            if let Some(b) = self.spare.take() {
+                return Ok(b);
+            }
+            if self.futs.is_empty() {
+                return alloc(engine);
+            }
+            self.reclaim(engine)?;
+        }
+    }
+
+    /// Wait until at least one request has finished, and drop the finished ones (their buffers
+    /// go back to the arena). A failure is kept for [`Inflight::wait`].
+    fn reclaim(&mut self, engine: &Engine) -> Result<(), JournalError> {
+        let (futs, failed) = (&mut self.futs, &mut self.failed);
+        engine.block_on(std::future::poll_fn(|cx| {
+            let before = futs.len();
+            futs.retain(|f| match Pin::new(f).poll(cx) {
+                Poll::Ready(r) => {
+                    if let Err(e) = r {
+                        failed.get_or_insert(e);
+                    }
+                    false
+                }
+                Poll::Pending => true,
+            });
+            if futs.len() < before {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        }))?;
+        Ok(())
     }
     fn start(&mut self, mut f: IoFuture<'a>) {
         let mut cx = Context::from_waker(Waker::noop());
@@ -953,7 +1018,7 @@ struct LogBufs(SmallVec<[(u64, FixedBuf); 2]>);
 
 impl LogBufs {
     /// Log block `i` of the transaction.
-    fn block(&mut self, mut i: usize) -> &mut [u8] {
+    fn nth(&mut self, mut i: usize) -> &mut [u8] {
         for (_, buf) in &mut self.0 {
             let len = buf.len() / BLOCK;
             if i < len {
@@ -967,6 +1032,89 @@ impl LogBufs {
     /// The writes: (device byte, buffer) per run.
     fn into_runs(self) -> SmallVec<[(u64, FixedBuf); 2]> {
         self.0
+    }
+}
+
+/// Where a transaction's log blocks are built ([`Journal::build_journal`]).
+trait LogSink {
+    /// Log block `i` of the transaction, to be built; blocks are asked for in log order, each
+    /// once.
+    fn block(&mut self, i: usize) -> Result<&mut [u8], JournalError>;
+}
+
+impl LogSink for LogBufs {
+    fn block(&mut self, i: usize) -> Result<&mut [u8], JournalError> {
+        Ok(self.nth(i))
+    }
+}
+
+/// Log blocks built straight into the buffers they are written from, one per run of
+/// consecutive log positions from `head`, each run's write started as soon as the run is
+/// built. The buffers come from [`Inflight::buf`]: a transaction's log needs no more free
+/// frames than one block, and where the arena has them it is the same runs and writes as
+/// [`LogBufs`].
+struct LogWriter<'w, 'd> {
+    j: &'d Journal,
+    w: &'w mut Inflight<'d>,
+    head: u64,
+    /// Log blocks the writes carry (the one-write commit block included).
+    total: usize,
+    fua: bool,
+    /// The run being built (device byte, buffer) and how many of its blocks are handed out.
+    run: Option<(u64, FixedBuf)>,
+    filled: usize,
+}
+
+impl<'w, 'd> LogWriter<'w, 'd> {
+    fn new(j: &'d Journal, w: &'w mut Inflight<'d>, head: u64, total: usize, fua: bool) -> Self {
+        LogWriter {
+            j,
+            w,
+            head,
+            total,
+            fua,
+            run: None,
+            filled: 0,
+        }
+    }
+
+    fn send_run(&mut self) {
+        if let Some((at, buf)) = self.run.take() {
+            self.w.start(self.j.dev.write_at(at, buf, self.fua));
+        }
+    }
+
+    /// Start the last run's write: every block is built.
+    fn finish(mut self) {
+        self.send_run();
+    }
+}
+
+impl LogSink for LogWriter<'_, '_> {
+    fn block(&mut self, i: usize) -> Result<&mut [u8], JournalError> {
+        if let Some((_, buf)) = &self.run {
+            if self.filled == buf.len() / BLOCK {
+                self.send_run();
+            }
+        }
+        let buf = match &mut self.run {
+            Some((_, buf)) => buf,
+            run => {
+                let (j, head) = (self.j, self.head);
+                let at = |k: usize| j.set.log_byte(j.area, head + k as u64);
+                let start = at(i);
+                let mut len = 1;
+                while i + len < self.total && at(i + len) == start + (len * BLOCK) as u64 {
+                    len += 1;
+                }
+                let buf = self.w.buf(&j.engine, len)?;
+                self.filled = 0;
+                &mut run.insert((start, buf)).1
+            }
+        };
+        let k = self.filled;
+        self.filled += 1;
+        Ok(&mut buf[k * BLOCK..(k + 1) * BLOCK])
     }
 }
 
@@ -1738,12 +1886,20 @@ impl Journal {
             st.grouped_commits
                 .fetch_add(members.len() as u64 + 1, Ordering::Relaxed);
         }
+        // Whether the failure, if any, aborted the set (it may not have: a commit that cannot
+        // get a frame fails before writing anything).
+        let aborted = r.is_err() && self.set.aborted.load(Ordering::SeqCst);
         for w in members {
             // (A group refused for writing over journaled blocks was put back above: no
-            // member is left to get that error.)
+            // member is left to get that error.) The others get the leader's error: its text,
+            // and whether the set is aborted by it.
             w.finish(WaitState::Done(match &r {
                 Ok(info) => Ok(*info),
-                Err(_) => Err(JournalError::Aborted),
+                Err(JournalError::Aborted) => Err(JournalError::Aborted),
+                Err(e) => Err(JournalError::GroupFailed {
+                    cause: e.to_string(),
+                    aborted,
+                }),
             }));
         }
         r
@@ -1753,6 +1909,13 @@ impl Journal {
     /// durable; the caller leads the area. `members` commits are in it.
     fn commit_led(&self, tx: &Tx, members: u64) -> Result<CommitInfo, JournalError> {
         loop {
+            // One frame of the arena, taken before anything else (and before any lock: taking
+            // it may wait for this engine's other I/O): with it the commit can always go on,
+            // taking back its own finished writes' buffers for more ([`Inflight::buf`]). Where
+            // not even one can be had, the commit fails here, having written nothing, taken no
+            // id and recorded nothing: the set goes on. (An aborted set says so first.)
+            self.check_aborted()?;
+            let spare = alloc(&self.engine)?;
             {
                 let _shared = self.set.gate.read().unwrap_or_else(|p| p.into_inner());
                 // The checks against other areas' commits, the id and the record of this
@@ -1790,7 +1953,7 @@ impl Journal {
                     drop(versions);
                     // A failed write aborts the set: no checkpoint writes the versions just
                     // recorded, and reopening it recovers from what the device holds.
-                    if let Err(e) = self.write_tx(tx, tid, head) {
+                    if let Err(e) = self.write_tx(tx, tid, head, spare) {
                         self.set.aborted.store(true, Ordering::SeqCst);
                         return Err(e);
                     }
@@ -1819,6 +1982,8 @@ impl Journal {
                     });
                 }
             }
+            // The checkpoint may need every frame the arena has.
+            drop(spare);
             self.checkpoint()?;
         }
     }
@@ -1915,35 +2080,50 @@ impl Journal {
         Ok(())
     }
 
-    /// Build the transaction's log blocks (descriptors with tags, metadata copies, revokes)
-    /// straight into the buffers they are written from, one per run of consecutive log
-    /// positions from `head` (two where the log wraps, more where the arena is fragmented; see
-    /// [`alloc_run`]), with `extra` more blocks left at the end
-    /// for the caller (the one-write commit block). Returns them with the number of journal
-    /// blocks and the chained checksum.
+    /// Build the transaction's journal blocks (descriptors with tags, metadata copies,
+    /// revokes) straight into the buffers they are written from, all taken first, one per run
+    /// of consecutive log positions from `head` (two where the log wraps, more where the arena
+    /// is fragmented; see [`alloc_run`]): the Rio-ordered commit hands them all to its ordered
+    /// device at once. Returns them with the number of journal blocks and the chained checksum.
+    /// (The other modes build them as they send them: [`LogWriter`].)
     fn prepare_journal(
         &self,
         tx: &Tx,
         tid: u64,
         head: u64,
-        extra: usize,
     ) -> Result<(LogBufs, usize, u32), JournalError> {
+        let mut bufs = self.log_bufs(head, self.journal_blocks(tx))?;
+        let (n, chain) = self.build_journal(tx, tid, &mut bufs)?;
+        Ok((bufs, n, chain))
+    }
+
+    /// The transaction's log blocks but its commit block.
+    fn journal_blocks(&self, tx: &Tx) -> usize {
+        self.log_blocks(tx) as usize - 1
+    }
+
+    /// Build the transaction's journal blocks (all its log blocks but the commit block) into
+    /// `bufs`, in log order. Returns their number and chained checksum.
+    fn build_journal(
+        &self,
+        tx: &Tx,
+        tid: u64,
+        bufs: &mut impl LogSink,
+    ) -> Result<(usize, u32), JournalError> {
         let (flags, file) = match tx.file {
             Some(f) => (FLAG_FILE_TX, f),
             None => (0, 0),
         };
         let mut rest = self.logged(tx);
         let mut left = rest.clone().count();
-        // The transaction's log blocks but its commit block.
-        let n = self.log_blocks(tx) as usize - 1;
-        let mut bufs = self.log_bufs(head, n + extra)?;
+        let n = self.journal_blocks(tx);
         let mut chain = 0u32;
         let mut at = 0;
         // A descriptor per TAGS_PER_DESC logged blocks, and one when none is logged.
         loop {
             let count = left.min(TAGS_PER_DESC);
             {
-                let d = bufs.block(at);
+                let d = bufs.block(at)?;
                 Header {
                     kind: Kind::Descriptor,
                     tid,
@@ -1964,7 +2144,7 @@ impl Journal {
             }
             at += 1;
             for (_, data) in rest.by_ref().take(count) {
-                let m = bufs.block(at);
+                let m = bufs.block(at)?;
                 m.copy_from_slice(data);
                 if format::needs_escape(data) {
                     // The log never holds a journaled block that reads as a log block.
@@ -1979,7 +2159,7 @@ impl Journal {
             }
         }
         for group in tx.revokes.as_slice().chunks(REVOKES_PER_BLOCK) {
-            let r = bufs.block(at);
+            let r = bufs.block(at)?;
             Header {
                 kind: Kind::Revoke,
                 tid,
@@ -1997,7 +2177,7 @@ impl Journal {
             at += 1;
         }
         debug_assert_eq!(at, n, "journal blocks counted and built");
-        Ok((bufs, n, chain))
+        Ok((n, chain))
     }
 
     /// Buffers for `n` log blocks from log position `head`: one per run of consecutive
@@ -2084,13 +2264,50 @@ impl Journal {
 
     /// The transaction's data as few writes as possible, in block order: blocks that follow
     /// each other go out as one write of at most [`Self::max_write`] bytes (shorter where the
-    /// arena has no free frames in a row that long).
+    /// arena has no free frames in a row that long). All buffers are taken first: the
+    /// Rio-ordered commit hands them to its ordered device at once.
     fn data_runs(&self, tx: &Tx) -> Result<SmallVec<[(u64, FixedBuf); 4]>, JournalError> {
+        let mut out = SmallVec::new();
+        self.for_data_runs(
+            tx,
+            &mut out,
+            |_, len| alloc_run(&self.engine, len),
+            |out, at, buf| out.push((at, buf)),
+        )?;
+        Ok(out)
+    }
+
+    /// Send the transaction's data in place as [`Self::data_runs`] cuts it, each write started
+    /// as soon as its buffer is filled, from buffers [`Inflight::buf`] gives: the data needs
+    /// no more free frames than one block.
+    fn send_data<'d>(
+        &'d self,
+        tx: &Tx,
+        w: &mut Inflight<'d>,
+        fua: bool,
+    ) -> Result<(), JournalError> {
+        self.for_data_runs(
+            tx,
+            w,
+            |w, len| w.buf(&self.engine, len),
+            |w, at, buf| w.start(self.dev.write_at(at, buf, fua)),
+        )
+    }
+
+    /// Cut the transaction's data into runs (see [`Self::data_runs`]): a buffer for each from
+    /// `take` (given the run's length in blocks; a shorter buffer shortens the run), filled,
+    /// then handed to `put` with its device byte.
+    fn for_data_runs<S>(
+        &self,
+        tx: &Tx,
+        state: &mut S,
+        mut take: impl FnMut(&mut S, usize) -> Result<FixedBuf, JournalError>,
+        mut put: impl FnMut(&mut S, u64, FixedBuf),
+    ) -> Result<(), JournalError> {
         let max = self.max_write();
         let mut order: SmallVec<[&(u64, Vec<u8>); 8]> = tx.data.iter().collect();
         order.sort_unstable_by_key(|(b, _)| *b);
         let per = (max / BLOCK).max(1);
-        let mut out = SmallVec::new();
         let mut k = 0;
         while k < order.len() {
             let start = order[k].0;
@@ -2098,15 +2315,15 @@ impl Journal {
             while k + len < order.len() && order[k + len].0 == start + len as u64 && len < per {
                 len += 1;
             }
-            let mut buf = alloc_run(&self.engine, len)?;
+            let mut buf = take(state, len)?;
             len = buf.len() / BLOCK;
             for (i, (_, d)) in order[k..k + len].iter().enumerate() {
                 buf[i * BLOCK..(i + 1) * BLOCK].copy_from_slice(d);
             }
-            out.push((start * BLOCK as u64, buf));
+            put(state, start * BLOCK as u64, buf);
             k += len;
         }
-        Ok(out)
+        Ok(())
     }
 
     fn flush(&self) -> Result<(), JournalError> {
@@ -2121,8 +2338,12 @@ impl Journal {
         Ok(())
     }
 
-    fn write_tx(&self, tx: &Tx, tid: u64, head: u64) -> Result<(), JournalError> {
+    /// Write `tx` as transaction `tid` at log position `head` and make it durable. `spare` is
+    /// a frame of the handle's arena, taken before the id: a buffer to fall back on.
+    fn write_tx(&self, tx: &Tx, tid: u64, head: u64, spare: FixedBuf) -> Result<(), JournalError> {
         if let Some(rio) = &self.rio {
+            // The Rio-ordered commit takes all its buffers before it sends anything.
+            drop(spare);
             return self.write_tx_rio(rio, tx, tid, head);
         }
         let dev = &self.dev;
@@ -2157,82 +2378,85 @@ impl Journal {
             add(&st.flush_ns, t);
             Ok(())
         };
-        // The `?`s below that follow started writes (building the journal or commit block)
-        // fail only in allocating a buffer, and `alloc_blocking` gives up only once the engine
-        // has nothing in flight: those writes have finished by then (a dropped `Inflight`
-        // hands their buffers back). Only a failing engine wait returns with them still out,
-        // and lbio then keeps their buffers until they end.
+        // Buffers come from `Inflight::buf` as each write is built: the arena's free frames
+        // when it has them (the usual case), else `spare`, else the buffers of this commit's
+        // finished writes, taken back. So a commit needs one free frame, not one per block;
+        // `spare` was taken before the id, and once it is used a write of this commit is in
+        // flight to give a frame back. The `?`s below that follow started writes therefore fail
+        // only when an engine wait fails; lbio then keeps the buffers of the writes still out
+        // (a dropped `Inflight` leaves them to it) until they end.
         // A one-write handle commits a transaction too large for one write overlapped.
         let mode = match self.mode {
             CommitMode::OneWrite if !self.one_write(tx) => CommitMode::Overlapped,
             m => m,
         };
+        let mut w = Inflight::with_spare(Some(spare));
         let c = match mode {
             CommitMode::OneWrite => {
                 // The data in place (plain writes: the log copy is what makes it durable; a
                 // checkpoint's FLUSH makes the home copy durable before the log is reused).
-                let data = timed(&mut prep, || self.data_runs(tx));
-                let mut w = Inflight::new();
                 {
                     let _plug = self.engine.plug();
-                    for (at, buf) in data? {
-                        w.start(dev.write_at(at, buf, false));
-                    }
+                    timed(&mut prep, || self.send_data(tx, &mut w, false))?;
                 }
                 // The log blocks, the data among them, with the commit block last: one write
-                // (two where the log wraps, more from a fragmented arena; recovery reads any
-                // missing piece as a torn tail by the checksum chain).
-                let runs = timed(&mut prep, || -> Result<_, JournalError> {
-                    let (mut bufs, n, chain) = self.prepare_journal(tx, tid, head, 1)?;
-                    self.fill_commit(bufs.block(n), tx, tid, n, chain, None);
-                    Ok(bufs.into_runs())
-                })?;
+                // (two where the log wraps, more from a fragmented or nearly full arena;
+                // recovery reads any missing piece as a torn tail by the checksum chain).
                 let log_fua = fua && commit_fua;
                 {
                     let _plug = self.engine.plug();
-                    for (at, buf) in runs {
-                        w.start(dev.write_at(at, buf, log_fua));
-                    }
+                    timed(&mut prep, || -> Result<(), JournalError> {
+                        let n = self.journal_blocks(tx);
+                        let mut out = LogWriter::new(self, &mut w, head, n + 1, log_fua);
+                        let (n, chain) = self.build_journal(tx, tid, &mut out)?;
+                        self.fill_commit(out.block(n)?, tx, tid, n, chain, None);
+                        out.finish();
+                        Ok(())
+                    })?;
                 }
                 settle(w, log_fua)?;
                 // The commit block went out with the rest.
                 None
             }
             CommitMode::Vanilla => {
-                let data = timed(&mut prep, || self.data_runs(tx));
-                let mut w = Inflight::new();
-                for (at, buf) in data? {
-                    w.start(dev.write_at(at, buf, fua));
-                }
+                timed(&mut prep, || self.send_data(tx, &mut w, fua))?;
                 w.wait(&self.engine)?;
-                let (bufs, n, chain) = timed(&mut prep, || self.prepare_journal(tx, tid, head, 0))?;
                 let mut w = Inflight::new();
-                for (at, buf) in bufs.into_runs() {
-                    w.start(dev.write_at(at, buf, fua));
-                }
+                let (n, chain) = {
+                    let _plug = self.engine.plug();
+                    timed(&mut prep, || -> Result<_, JournalError> {
+                        let n = self.journal_blocks(tx);
+                        let mut out = LogWriter::new(self, &mut w, head, n, fua);
+                        let built = self.build_journal(tx, tid, &mut out)?;
+                        out.finish();
+                        Ok(built)
+                    })?
+                };
                 settle(w, fua)?;
                 let c = timed(&mut prep, || self.prepare_commit(tx, tid, n, chain, None));
                 Some((c?, n))
             }
             CommitMode::Overlapped => {
-                let data = timed(&mut prep, || self.data_runs(tx));
-                let mut w = Inflight::new();
                 {
                     let _plug = self.engine.plug();
-                    for (at, buf) in data? {
-                        w.start(dev.write_at(at, buf, fua));
-                    }
+                    timed(&mut prep, || self.send_data(tx, &mut w, fua))?;
                 }
                 // The data is on its way: prepare the journal while the device works.
-                let (bufs, n, chain) = timed(&mut prep, || self.prepare_journal(tx, tid, head, 0))?;
-                {
+                let (n, chain) = {
                     let _plug = self.engine.plug();
-                    for (at, buf) in bufs.into_runs() {
-                        w.start(dev.write_at(at, buf, fua));
-                    }
-                }
-                let c = timed(&mut prep, || self.prepare_commit(tx, tid, n, chain, None));
-                let c = c?;
+                    timed(&mut prep, || -> Result<_, JournalError> {
+                        let n = self.journal_blocks(tx);
+                        let mut out = LogWriter::new(self, &mut w, head, n, fua);
+                        let built = self.build_journal(tx, tid, &mut out)?;
+                        out.finish();
+                        Ok(built)
+                    })?
+                };
+                let c = timed(&mut prep, || -> Result<_, JournalError> {
+                    let mut c = w.buf(&self.engine, 1)?;
+                    self.fill_commit(&mut c, tx, tid, n, chain, None);
+                    Ok(c)
+                })?;
                 settle(w, fua)?;
                 Some((c, n))
             }
@@ -2273,7 +2497,7 @@ impl Journal {
         let start = Instant::now();
         let max = self.max_write();
         let data = self.data_runs(tx)?;
-        let (bufs, n, chain) = self.prepare_journal(tx, tid, head, 0)?;
+        let (bufs, n, chain) = self.prepare_journal(tx, tid, head)?;
         let runs = bufs.into_runs();
         // Buffer preparation only: submitting may wait for the attribute log's sync.
         let mut prep = start.elapsed();

@@ -287,6 +287,34 @@ fn queued_behind_a_held_leader(
     set: &Arc<JournalSet>,
     queued: Vec<(CommitMode, Tx)>,
 ) -> Vec<Result<CommitInfo, JournalError>> {
+    let queued = queued
+        .into_iter()
+        .map(|(mode, tx)| Queued {
+            mode,
+            tx,
+            disk: disk.clone(),
+            no_free_frame: false,
+        })
+        .collect();
+    queued_with_handles_behind_a_held_leader(disk, set, queued)
+}
+
+/// A commit queued behind the held leader, through a handle of `mode` on `disk` (the journal's
+/// device, or another of its size), on an engine whose arena has no free frame when
+/// `no_free_frame`.
+struct Queued {
+    mode: CommitMode,
+    tx: Tx,
+    disk: SimDisk,
+    no_free_frame: bool,
+}
+
+/// [`queued_behind_a_held_leader`] with each commit's handle as [`Queued`] says.
+fn queued_with_handles_behind_a_held_leader(
+    disk: &SimDisk,
+    set: &Arc<JournalSet>,
+    queued: Vec<Queued>,
+) -> Vec<Result<CommitInfo, JournalError>> {
     let armed = Arc::new(AtomicBool::new(false));
     let gate: Gate = Arc::new((Mutex::new((false, false)), Condvar::new()));
     // The held leader's handle outlives the commits under test: its drop checkpoints, and a
@@ -334,15 +362,22 @@ fn queued_behind_a_held_leader(
             stalled.push("the leader's commit never reached its attribute log".to_string());
         }
         let mut hs = Vec::new();
-        for (i, (mode, tx)) in queued.into_iter().enumerate() {
+        for (i, q) in queued.into_iter().enumerate() {
             if !held {
                 break;
             }
-            let (set1, disk1) = (Arc::clone(set), disk.clone());
+            let mode = q.mode;
+            let set1 = Arc::clone(set);
             hs.push(s.spawn(move || {
                 let l = lbio();
-                let j = Journal::new(&set1, 0, disk1.open(&l).unwrap(), mode).unwrap();
-                j.commit(&tx)
+                let j = Journal::new(&set1, 0, q.disk.open(&l).unwrap(), q.mode).unwrap();
+                let mut taken = Vec::new();
+                if q.no_free_frame {
+                    while let Some(b) = l.engine().try_alloc(BLOCK) {
+                        taken.push(b);
+                    }
+                }
+                j.commit(&q.tx)
             }));
             if !wait_until(|| set.waiting_commits(0) == i + 1) {
                 stalled.push(format!("commit {i} ({}) never queued", mode.name()));
@@ -452,4 +487,92 @@ fn a_one_write_commit_keeps_its_own_outcome_in_a_two_phase_group() {
     assert_eq!(value_at(&img, JOURNALED), 333);
     assert_eq!(value_at(&img, MIX_HOME + 3), 3);
     assert_eq!(value_at(&img, MIX_HOME + 4), 4);
+}
+
+#[test]
+fn group_members_get_the_leaders_io_error() {
+    let (disk, set) = mixed_set();
+    // A device of the journal's size whose power is off: every write through it fails.
+    let dead = SimDisk::new(disk.config()).unwrap();
+    dead.cut_power();
+    let r = queued_with_handles_behind_a_held_leader(
+        &disk,
+        &set,
+        vec![
+            // Leads the group; its writes fail.
+            Queued {
+                mode: CommitMode::Overlapped,
+                tx: meta_tx(MIX_HOME + 3, 3),
+                disk: dead,
+                no_free_frame: false,
+            },
+            // Joins it.
+            Queued {
+                mode: CommitMode::Overlapped,
+                tx: meta_tx(MIX_HOME + 4, 4),
+                disk: disk.clone(),
+                no_free_frame: false,
+            },
+        ],
+    );
+    let cause = match &r[0] {
+        Err(e @ JournalError::Io(_)) => e.to_string(),
+        other => panic!("the leader, writing through a dead device: {other:?}"),
+    };
+    match &r[1] {
+        Err(JournalError::GroupFailed { cause: c, aborted }) => {
+            assert_eq!(c, &cause, "the member is told the leader's error");
+            assert!(aborted, "a failed write aborts the set");
+        }
+        other => panic!(
+            "a member of a group whose leader failed with an I/O error ({cause}) must get that \
+             error: {other:?}"
+        ),
+    }
+}
+
+#[test]
+fn group_members_of_a_group_that_wrote_nothing_may_commit_again() {
+    let (disk, set) = mixed_set();
+    let r = queued_with_handles_behind_a_held_leader(
+        &disk,
+        &set,
+        vec![
+            // Leads the group; its arena has no frame to give, so it writes nothing.
+            Queued {
+                mode: CommitMode::Overlapped,
+                tx: meta_tx(MIX_HOME + 3, 3),
+                disk: disk.clone(),
+                no_free_frame: true,
+            },
+            // Joins it.
+            Queued {
+                mode: CommitMode::Vanilla,
+                tx: meta_tx(MIX_HOME + 4, 4),
+                disk: disk.clone(),
+                no_free_frame: false,
+            },
+        ],
+    );
+    let cause = match &r[0] {
+        Err(e @ JournalError::Core(aios_core::CoreError::ArenaExhausted { .. })) => e.to_string(),
+        other => panic!("the leader, with no free frame: {other:?}"),
+    };
+    match &r[1] {
+        Err(JournalError::GroupFailed { cause: c, aborted }) => {
+            assert_eq!(c, &cause, "the member is told the leader's error");
+            assert!(!aborted, "nothing was written: the set goes on");
+        }
+        other => panic!(
+            "a member of a group whose leader could not get a buffer ({cause}) must get that \
+             error: {other:?}"
+        ),
+    }
+    // The member commits again, by itself, and the set takes it.
+    let l = lbio();
+    let j = Journal::new(&set, 0, disk.open(&l).unwrap(), CommitMode::Vanilla).unwrap();
+    j.commit(&meta_tx(MIX_HOME + 4, 4)).unwrap();
+    let img = recovered(&disk);
+    assert_eq!(value_at(&img, MIX_HOME + 4), 4);
+    assert_ne!(value_at(&img, MIX_HOME + 3), 3, "the failed leader's block");
 }
