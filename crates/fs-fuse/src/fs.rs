@@ -601,6 +601,10 @@ struct State {
     nodes: HashMap<u64, Node>,
     itab_loaded: HashSet<u64>,
     dirty_nodes: BTreeSet<u64>,
+    /// Extent leaves of the nodes in `dirty_nodes` (counted when a node is first marked and
+    /// when it takes a leaf; never less than the commit writes): [`Fs::meta_pending`] counts
+    /// them, since a dirty inode's commit writes all its leaves.
+    dirty_leaves: usize,
     /// The directories among `dirty_nodes`: the only nodes whose blocks can be dirty, kept
     /// apart so [`Fs::meta_pending`], asked after every change, looks at a few nodes rather
     /// than at every dirty one.
@@ -773,6 +777,7 @@ impl Fs {
                 nodes: HashMap::new(),
                 itab_loaded: HashSet::new(),
                 dirty_nodes: BTreeSet::new(),
+                dirty_leaves: 0,
                 dirty_dirs: BTreeSet::new(),
                 dirty_data: BTreeSet::new(),
                 dirty_xattrs: BTreeSet::new(),
@@ -1202,7 +1207,13 @@ impl Fs {
                 }
             }
         }
-        if st.nodes[&ino].leaves.len() > had {
+        let now_has = st.nodes[&ino].leaves.len();
+        if now_has > had {
+            // Counted here when the node is marked already (`touch` counts a node's leaves
+            // only when it first marks it).
+            if st.dirty_nodes.contains(&ino) {
+                st.dirty_leaves += now_has - had;
+            }
             Self::touch(st, ino);
         }
         Ok(())
@@ -1401,7 +1412,9 @@ impl Fs {
     }
 
     fn touch(st: &mut State, ino: u64) {
-        st.dirty_nodes.insert(ino);
+        if st.dirty_nodes.insert(ino) {
+            st.dirty_leaves += st.nodes.get(&ino).map_or(0, |n| n.leaves.len());
+        }
         // Not only on the first touch: an inode number freed and dirtied since the last commit
         // may come back as a directory before the next one.
         if st.nodes.get(&ino).is_some_and(|n| n.attr.is_dir()) {
@@ -1421,6 +1434,7 @@ impl Fs {
             .filter_map(|i| st.nodes.get(i)?.dir.as_ref().map(|d| d.dirty.len()))
             .sum();
         (st.dirty_nodes.len() * 2
+            + st.dirty_leaves
             + dirs
             + st.dirty_ibm.len()
             + st.dirty_bbm.len()
@@ -1441,7 +1455,11 @@ impl Fs {
             || st.quarantine.len().saturating_sub(flying_freed) > 4096
             || st.last_commit.elapsed() > COMMIT_INTERVAL
         {
-            self.commit_locked(st, ctx, None)?;
+            // The change is complete whatever this commit leaves for later: xattrs waiting
+            // for a block (a full disk) are not this operation's, and an fsync or sync says
+            // ENOSPC for them. Said here, the caller was told a change failed that was made
+            // and committed.
+            self.commit_locked_short(st, ctx, None)?;
         }
         Ok(())
     }
@@ -1778,6 +1796,7 @@ impl Fs {
         st.last_commit = std::time::Instant::now();
         // What this transaction covers is no longer pending: later changes mark it again.
         st.dirty_dirs.clear();
+        st.dirty_leaves = 0;
         for ino in std::mem::take(&mut st.dirty_nodes) {
             if let Some(n) = st.nodes.get_mut(&ino) {
                 n.layout_dirty = false;

@@ -576,3 +576,29 @@ fn fill_leaving_named(fs: &Fs, name: &[u8]) -> u64 {
     assert_eq!(fs.statfs().bfree, 0, "{:?}", fs.statfs());
     fill
 }
+
+/// A change that is complete in itself, on a full disk where another file's new xattrs wait for
+/// a block. The commit the change made on its way out (more dirty data than the limit: a
+/// quarter of the 2 MiB arena here) went through, leaving those xattrs for later, and the
+/// change returned ENOSPC: the caller was told the write failed, and it was written and
+/// committed. ENOSPC for waiting xattrs is for an fsync or sync to say (they are not durable);
+/// here the write succeeds.
+#[test]
+fn a_change_whose_own_commit_leaves_another_files_xattrs_for_later_succeeds() {
+    let (disk, fs) = common::open(fresh_image(8 << 20), 1).unwrap();
+    let a = mk(&fs, b"a");
+    fs.sync_all().unwrap();
+    let fill = fill_leaving(&fs, 0);
+    fs.setxattr(a, b"user.k", b"v", 0).unwrap();
+    // 160 of the filler's blocks again (no block needed): 640 KiB dirty, past the limit.
+    let data = vec![0x5au8; 160 * 4096];
+    assert_eq!(fs.write(fill, 0, &data), Ok(data.len()));
+    // The write is committed: only the xattr still waits.
+    assert_eq!(fs.sync_all(), Err(libc::ENOSPC));
+    assert_eq!(fs.read(fill, 0, 160 * 4096).unwrap(), data);
+    fs.remove(ROOT_INO, b"fill", false).unwrap();
+    fs.forget(fill, 1);
+    assert_eq!(fs.sync_all(), Err(libc::ENOSPC));
+    fs.fsync(a).unwrap();
+    unmount_clean(fs, &disk);
+}
