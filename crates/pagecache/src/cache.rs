@@ -163,6 +163,30 @@ pub struct CacheMetrics {
     pub frames: u32,
 }
 
+/// What a request a handle gave up on was doing (see [`LostRequest`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LostKind {
+    /// A reader's read (its reader gone): the frames carry that reader's pins.
+    Read,
+    /// Readahead: one frame, no pin, one share of the readahead budget.
+    Readahead,
+    /// A write back: each frame pinned by it and flagged [`frames::LOST`].
+    Writeback,
+}
+
+/// A request a dropped handle left in flight on an engine that kept failing (its
+/// quarantine): its frames stay out of the pool, and its write back's pages refuse writers,
+/// until a handle on the same lbio array takes its completion. Only then can the device no
+/// longer read from or write into those frames.
+pub(crate) struct LostRequest {
+    /// The lbio array the request was sent on: its address, kept from any other array by a
+    /// weak reference the quarantine leaked (released when this entry is settled).
+    pub(crate) array: usize,
+    pub(crate) tag: u32,
+    pub(crate) kind: LostKind,
+    pub(crate) frames: Vec<u32>,
+}
+
 pub(crate) struct FileInfo {
     pub(crate) size: u64,
 }
@@ -180,6 +204,11 @@ pub struct PageCache {
     pub(crate) counters: Counters,
     /// Frames held by readahead in flight, over all handles: see [`PageCache::readahead_limit`].
     readahead_in_flight: AtomicU32,
+    /// Requests of dropped handles whose engines kept failing, until their completions are
+    /// taken (see [`LostRequest`]); `lost_len` mirrors its length, so a completion of no
+    /// request of its handle's own takes no lock while there are none.
+    lost: Mutex<Vec<LostRequest>>,
+    pub(crate) lost_len: AtomicU32,
 }
 
 impl std::fmt::Debug for PageCache {
@@ -231,6 +260,8 @@ impl PageCache {
             files: Mutex::new(Vec::new()),
             counters: Counters::default(),
             readahead_in_flight: AtomicU32::new(0),
+            lost: Mutex::new(Vec::new()),
+            lost_len: AtomicU32::new(0),
         }))
     }
 
@@ -306,6 +337,11 @@ impl PageCache {
     /// A readahead reserved with [`Self::reserve_readahead`] completed or was not issued.
     pub(crate) fn end_readahead(&self) {
         self.readahead_in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// The requests dropped handles gave up on (see [`LostRequest`]).
+    pub(crate) fn lock_lost(&self) -> std::sync::MutexGuard<'_, Vec<LostRequest>> {
+        self.lost.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The frames in the shared free list now (for tests).

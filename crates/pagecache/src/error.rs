@@ -41,7 +41,8 @@ pub enum CacheError {
     GuardHeld { file: FileId, page: u64 },
     /// A write to a page whose write back a handle gave up on (its engine kept failing): that
     /// write may still reach the device whenever its engine is entered again, after any later
-    /// one, so the page is not written again through this cache. Its bytes still read, and a
+    /// one, so the page is not written again through this cache until a handle on the same
+    /// lbio array takes that write's completion. Its bytes still read, and a
     /// `sync` still writes them out. (A `store` of the page is taken: the lost copy leaves the
     /// cache, so that a `sync` never writes it over the stored bytes.)
     #[error("page {page} of file {file:?} has a write back in flight that a dropped handle gave up on (its engine kept failing): the write may still land at any time, so the page cannot be changed through this cache")]

@@ -27,8 +27,9 @@ pub const ABANDONED: u16 = 1 << 5;
 pub const BUSY: u16 = 1 << 6;
 /// The read failed: waiters give up on this frame.
 pub const FAILED: u16 = 1 << 7;
-/// A write back of this frame was given up on by a handle whose engine kept failing: its pin
-/// never goes, and the write may still land at any time. Writers refuse the page.
+/// A write back of this frame was given up on by a handle whose engine kept failing: the
+/// write may still land at any time, and its pin goes only when a handle on the same lbio
+/// array takes its completion. Writers refuse the page until then.
 pub const LOST: u16 = 1 << 8;
 
 /// A decoded state word.

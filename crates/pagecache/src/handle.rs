@@ -10,7 +10,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ops::Deref;
 use std::ptr::NonNull;
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use aios_core::Engine;
 use lbio::{Class, Device, Io, LbioArray, LbioError, RawBuf, RawIov, Tag};
 
-use crate::cache::{FileId, Mode, PageCache, PAGE_BYTES};
+use crate::cache::{FileId, LostKind, LostRequest, Mode, PageCache, PAGE_BYTES};
 use crate::error::CacheError;
 use crate::frames::{self, Key, State, NO_KEY};
 use crate::hazard;
@@ -1399,6 +1399,8 @@ impl CacheHandle {
         let frames = &self.cache.frames;
         let mut pending = self.pending.borrow_mut();
         let Some(p) = pending[tag.0 as usize].as_mut() else {
+            drop(pending);
+            self.complete_lost(tag, error.is_some());
             return;
         };
         let frame = p.frame;
@@ -1461,7 +1463,7 @@ impl CacheHandle {
                 }
                 (Kind::Writeback, None) => {
                     frames.update(frame, |s| Some(s.with_flags(s.flags() & !frames::DIRTY)));
-                    frames.unpin(frame);
+                    self.unpin_written(frame);
                     self.cache
                         .counters
                         .writebacks
@@ -1469,7 +1471,7 @@ impl CacheHandle {
                     None
                 }
                 (Kind::Writeback, Some(_)) => {
-                    frames.unpin(frame);
+                    self.unpin_written(frame);
                     None
                 }
             };
@@ -1654,13 +1656,32 @@ impl CacheHandle {
                         return Err(CacheError::WritebackLost { file, page });
                     }
                     // A `store`: the device holds newer bytes than the lost frame, which must
-                    // neither be read nor written back over them. It leaves the index, clean
-                    // (still pinned, never freed), and the page goes into a frame of its own.
-                    self.cache.index.remove(key, frame);
-                    frames.update(frame, |s| {
-                        let gone = frames::DIRTY | frames::INDEXED;
-                        Some(s.with_flags(s.flags() & !gone).bumped())
+                    // neither be read nor written back over them. It leaves the index, clean,
+                    // and the page goes into a frame of its own; the frame itself is freed
+                    // once the lost write's completion is taken (see `complete_lost`). Held
+                    // BUSY meanwhile, so that of two such stores one takes it, and that
+                    // completion, releasing its pin, leaves the freeing to this one.
+                    let taken = frames.update(frame, |s| {
+                        (s.has(frames::LOST | frames::INDEXED)
+                            && !s.has(frames::BUSY)
+                            && frames.key(frame) == key.0)
+                            .then(|| s.with_flags(s.flags() | frames::BUSY))
                     });
+                    if taken.is_none() {
+                        std::thread::yield_now();
+                        continue;
+                    }
+                    self.cache.index.remove(key, frame);
+                    let now = frames
+                        .update(frame, |s| {
+                            let gone = frames::DIRTY | frames::INDEXED | frames::BUSY;
+                            Some(s.with_flags(s.flags() & !gone).bumped())
+                        })
+                        .expect("always updated");
+                    // The lost write completed meanwhile (its pin gone): free it here.
+                    if now.pins() == 0 && !now.has(frames::IO) {
+                        self.free_unindexed(frame);
+                    }
                     continue;
                 }
                 // Pinned by a write back of this handle's own left in flight by a failed wait:
@@ -1891,50 +1912,75 @@ impl CacheHandle {
     }
 
     /// The engine kept failing with reads still in flight, which may write into their frames at
-    /// any time: those frames are never freed (they stay in I/O), but leave the index, so no
+    /// any time: those frames are not freed (they stay in I/O), but leave the index, so no
     /// other handle waits on a read nobody will complete. Frames being written back stay
     /// pinned and indexed (their bytes may be the page's only copy) and are marked
     /// [`frames::LOST`]: the write may land after any later write of the page, so writers
     /// refuse those pages rather than wait for the pin. The iovecs of run reads and writes are
     /// leaked with them: lbio issues a background request's later pieces from them as tokens
     /// come back, and the kernel reads a queued SQE's iovecs when it is entered at last.
+    ///
+    /// Each request goes into the cache's list of lost ones (see [`LostRequest`]): a handle on
+    /// the same lbio array that later takes its completion releases its frames then
+    /// ([`Self::complete_lost`]). The array's allocation is kept by a leaked weak reference
+    /// per request, so no other array can take its address meanwhile.
     fn quarantine(&self) {
         let frames = &self.cache.frames;
         let run = self.run_frames.borrow();
         let (mut reads, mut writes) = (false, false);
-        for p in self.pending.borrow().iter().flatten() {
+        // Held while the frames are flagged: a completion settling another lost write of the
+        // same frame sees either both the flag and this entry or neither.
+        let mut lost = self.cache.lock_lost();
+        for (tag, p) in self.pending.borrow().iter().enumerate() {
+            let Some(p) = p else { continue };
+            let wb = self.wb.borrow();
+            let list = match (p.run_len, p.kind) {
+                (0, _) => std::slice::from_ref(&p.frame),
+                (_, Kind::Writeback) => {
+                    &wb.frames[p.run_at as usize..(p.run_at + p.run_len) as usize]
+                }
+                _ => &run[p.run_at as usize..(p.run_at + p.run_len) as usize],
+            };
+            let kind = match p.kind {
+                Kind::Writeback => LostKind::Writeback,
+                Kind::Readahead => LostKind::Readahead,
+                Kind::Read | Kind::Orphan => LostKind::Read,
+            };
+            lost.push(LostRequest {
+                array: Weak::into_raw(Rc::downgrade(&self.lbio)) as usize,
+                tag: tag as u32,
+                kind,
+                frames: list.to_vec(),
+            });
             if p.kind == Kind::Writeback {
                 writes |= p.run_len > 0;
-                let wb = self.wb.borrow();
-                let list = if p.run_len == 0 {
-                    std::slice::from_ref(&p.frame)
-                } else {
-                    &wb.frames[p.run_at as usize..(p.run_at + p.run_len) as usize]
-                };
                 for &frame in list {
                     frames.mark(frame, frames::LOST);
                 }
                 continue;
             }
             reads |= p.run_len > 0;
-            let list = if p.run_len == 0 {
-                std::slice::from_ref(&p.frame)
-            } else {
-                &run[p.run_at as usize..(p.run_at + p.run_len) as usize]
-            };
             for &frame in list {
-                let s = frames.state(frame);
-                if s.has(frames::INDEXED | frames::IO) {
-                    self.cache.index.remove(Key(frames.key(frame)), frame);
-                }
-                frames.update(frame, |s| {
-                    Some(
-                        s.with_flags((s.flags() & !frames::INDEXED) | frames::ABANDONED)
-                            .bumped(),
-                    )
+                // Flagged abandoned first, while still indexed, as a writer superseding the
+                // read does; a frame flagged so already is out of the index, or a writer's to
+                // take out (and its indexed flag the writer's to clear: of it and the lost
+                // read's completion, the later frees the frame).
+                let took = frames.update(frame, |s| {
+                    (!s.has(frames::ABANDONED))
+                        .then(|| s.with_flags(s.flags() | frames::ABANDONED).bumped())
                 });
+                if took.is_some() {
+                    self.cache.index.remove(Key(frames.key(frame)), frame);
+                    frames.update(frame, |s| {
+                        Some(s.with_flags(s.flags() & !frames::INDEXED).bumped())
+                    });
+                }
             }
         }
+        self.cache
+            .lost_len
+            .store(lost.len() as u32, Ordering::Relaxed);
+        drop(lost);
         if reads {
             let fresh = Box::new(
                 [libc::iovec {
@@ -1947,6 +1993,96 @@ impl CacheHandle {
         if writes {
             let fresh = Box::new(WbBuf::empty());
             Box::leak(std::mem::replace(&mut *self.wb.borrow_mut(), fresh));
+        }
+    }
+
+    /// The completion of a request this handle did not send, on its lbio array: if it is one
+    /// a dropped handle gave up on ([`Self::quarantine`]), the device is done with its frames
+    /// now, and they are released.
+    ///
+    /// - A read's or a readahead's frames (out of the index) leave I/O and are freed once no
+    ///   pin is left; a readahead gives its share of the readahead budget back.
+    /// - A write back's frames lose their pin and, unless another lost write of the page is
+    ///   still out, their [`frames::LOST`] flag: writers take the page again. A write that
+    ///   succeeded leaves the page clean (no writer changed it under the pin); one that failed
+    ///   leaves it dirty, so the next `sync` writes it (nothing is lost then either). A frame a
+    ///   `store` took out of the index meanwhile is freed by whichever of the two lets go of
+    ///   it last.
+    fn complete_lost(&self, tag: Tag, failed: bool) {
+        if self.cache.lost_len.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let array = Rc::as_ptr(&self.lbio) as usize;
+        let frames = &self.cache.frames;
+        let mut lost = self.cache.lock_lost();
+        let Some(i) = lost.iter().position(|r| r.array == array && r.tag == tag.0) else {
+            return;
+        };
+        let r = lost.swap_remove(i);
+        self.cache
+            .lost_len
+            .store(lost.len() as u32, Ordering::Relaxed);
+        // SAFETY: leaked by `quarantine` from this same allocation, which `self.lbio` holds on
+        // this thread (a handle is not `Send`): the weak count is given back on its own thread.
+        drop(unsafe { Weak::from_raw(r.array as *const LbioArray) });
+        for &frame in &r.frames {
+            match r.kind {
+                LostKind::Read | LostKind::Readahead => {
+                    let now = frames
+                        .update(frame, |s| {
+                            Some(s.with_flags(s.flags() & !frames::IO).bumped())
+                        })
+                        .expect("always updated");
+                    if r.kind == LostKind::Read {
+                        // The departed reader's pin (a run's frames carry one each).
+                        self.unpin(frame, true);
+                    } else if now.pins() == 0 && !now.has(frames::INDEXED) {
+                        self.free_frame(frame);
+                    }
+                }
+                LostKind::Writeback => {
+                    let still_lost = lost
+                        .iter()
+                        .any(|o| o.kind == LostKind::Writeback && o.frames.contains(&frame));
+                    frames.update(frame, |s| {
+                        let mut flags = s.flags();
+                        if !still_lost {
+                            flags &= !frames::LOST;
+                        }
+                        if !failed {
+                            flags &= !frames::DIRTY;
+                        }
+                        Some(s.with_flags(flags))
+                    });
+                    self.unpin_written(frame);
+                }
+            }
+            if r.kind == LostKind::Readahead {
+                self.cache.end_readahead();
+            }
+        }
+    }
+
+    /// Drop a write back's pin. A frame a `store` took out of the index while a lost write of
+    /// it was still out (see [`Self::complete_lost`]) is freed by whoever lets go of it last,
+    /// and this pass may have pinned it too, before the store.
+    fn unpin_written(&self, frame: u32) {
+        let now = self.cache.frames.unpin(frame);
+        if now.pins() == 0
+            && now.flags() & (frames::INDEXED | frames::IO | frames::BUSY | frames::LOST) == 0
+            && now.has(frames::VALID)
+        {
+            self.free_unindexed(frame);
+        }
+    }
+
+    /// Free a frame no pin holds that left the index while guards could still find it there
+    /// (a lost write back's frame a `store` replaced): unless a zero-copy guard taken before
+    /// still holds it through a hazard slot, whose bytes must not change under it. Such a
+    /// frame is left out of the pool.
+    fn free_unindexed(&self, frame: u32) {
+        if !self.cache.hazards.protects(frame) {
+            self.free_frame(frame);
         }
     }
 

@@ -2297,6 +2297,122 @@ fn a_write_to_a_page_whose_write_back_a_dropped_handle_lost_is_refused_not_waite
     });
 }
 
+/// Frames the cache can hand out or hit now: free (in the shared list or `held` by live
+/// handles' pools and release batches) or cached (indexed, valid, unpinned, not lost).
+fn usable_frames(cache: &PageCache, held: usize) -> u32 {
+    let mut n = cache.metrics().free_frames + held as u32;
+    for f in 0..cache.frames.len() {
+        let s = cache.frames.state(f);
+        if s.has(frames::VALID | frames::INDEXED) && s.pins() == 0 && !s.has(frames::LOST) {
+            n += 1;
+        }
+    }
+    n
+}
+
+/// The frames of a write back a dropped handle lost come back once a handle on the same lbio
+/// array takes the lost write's completion (defect 1 of the sixth review's list, 2026-11-28):
+/// the device can no longer read them then. Until that moment they stay out (the write may
+/// still land, from those frames, after any later write of the page) and a write to such a
+/// page is still refused; a `store` still takes one, its old frame out of the index. After
+/// it, the pages are writable again, the stored page's old frame is free, and every frame is
+/// free or cached. They used to stay pinned, flagged lost, for good.
+#[test]
+fn a_lost_write_backs_frames_come_back_once_its_completion_is_taken() {
+    within(60, || {
+        const PAGES: usize = 4;
+        let (
+            Setup {
+                cache,
+                engine,
+                lbio,
+                file,
+                h,
+            },
+            disk,
+        ) = setup_on_hold_disk(PAGES);
+        let total = cache.frames.len();
+        h.write(file, 0, &vec![0x5Au8; PAGES * 4096]).unwrap();
+        engine.fail_next_enters(u32::MAX);
+        assert!(h.sync(file).is_err());
+        drop(h);
+        engine.fail_next_enters(0);
+        let h2 = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+        h2.attach(file, disk.device(&lbio)).unwrap();
+        // While the lost write is out: refused, and its frames out of use.
+        let e = h2.write(file, 4096, &[1u8; 4096]).unwrap_err();
+        assert!(
+            matches!(e, CacheError::WritebackLost { page: 1, .. }),
+            "{e}"
+        );
+        disk.mem.borrow_mut()[3 * 4096..].fill(0x77);
+        h2.store(file, 3 * 4096, &[0x77; 4096]).unwrap();
+        assert_eq!(
+            usable_frames(&cache, h2.held_frames()),
+            total - PAGES as u32
+        );
+        // The engine works again and drives the lost write; `h2` takes its completion.
+        assert!(engine.drain_all());
+        h2.poll().unwrap();
+        let usable = usable_frames(&cache, h2.held_frames());
+        assert_eq!(
+            usable, total,
+            "{usable} of {total} frames usable once the lost write completed"
+        );
+        h2.write(file, 4096, &[0x11; 4096]).unwrap();
+        let mut back = vec![0u8; PAGES * 4096];
+        h2.read(file, 0, &mut back).unwrap();
+        let mut want = vec![0x5Au8; PAGES * 4096];
+        want[4096..2 * 4096].fill(0x11);
+        want[3 * 4096..].fill(0x77);
+        assert!(back == want, "the cache reads other bytes");
+        h2.sync(file).unwrap();
+        assert!(engine.drain_all());
+        assert!(
+            disk.mem.borrow()[..3 * 4096] == want[..3 * 4096],
+            "the device holds other bytes"
+        );
+        drop(h2);
+        assert_frames_free_or_cached(&cache, &cache.metrics());
+        for f in 0..total {
+            assert!(!cache.frames.state(f).has(frames::LOST), "frame {f} lost");
+        }
+    });
+}
+
+/// A readahead a dropped handle gave up on (its engine failing every `io_uring_enter`) keeps
+/// its share of the readahead budget while it may still be on the device, and gives it back,
+/// with its frames, once a handle on the same lbio array takes its completion (defect 2 of the
+/// sixth review's list, 2026-11-28). The share used to stay taken for good: each such
+/// quarantine shrank every handle's readahead until none was left.
+#[test]
+fn a_quarantined_readaheads_budget_share_comes_back_once_it_lands() {
+    let (cache, engine, lbio, file, h, _content) = slow_handle(64, 24);
+    let mut buf = vec![0u8; 4096];
+    h.read(file, 0, &mut buf).unwrap();
+    h.read(file, 4096, &mut buf).unwrap();
+    let ahead = cache.metrics().readahead_in_flight;
+    assert!(ahead > 0);
+    engine.fail_next_enters(u32::MAX);
+    drop(h);
+    assert_eq!(
+        cache.metrics().readahead_in_flight,
+        ahead,
+        "given back while the readahead may still be on the device"
+    );
+    engine.fail_next_enters(0);
+    let h2 = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
+    assert!(engine.drain_all());
+    h2.poll().unwrap();
+    let m = cache.metrics();
+    assert_eq!(
+        m.readahead_in_flight, 0,
+        "budget still taken after the quarantined readahead landed: {m:?}"
+    );
+    drop(h2);
+    assert_frames_free_or_cached(&cache, &cache.metrics());
+}
+
 /// A write from another handle while a reader's read of the page is in flight, indexed (lazy
 /// indexing done) and not yet complete: the writer runs inside the reader's wait for the
 /// device, after the read's bytes came and before its completion, so the reader's handle
