@@ -560,6 +560,12 @@ impl Volume {
             ..EngineConfig::default()
         })?;
         let nt = cfg.targets.len();
+        // Finished requests wait in `ready` until the caller polls, and handing one back frees
+        // its room in the window: how many wait depends on how often the caller polls, not on
+        // the window. Each holds its buffer, though, so with buffers from `Volume::alloc` there
+        // are at most as many as the arena has frames (`Volume::max_done`), whatever the
+        // schedule: sized for that here (about 2% of the arena with 4 KiB frames).
+        let max_done = engine.arena().frames() as usize;
         // Allocate at start: what the window bounds is sized here. A stream holds up to
         // `window × HELD_PER_WINDOW` writes not yet handed back; a connection's commands are
         // those pieces, plus reads and orderless writes within the window, plus a FLUSH or two.
@@ -615,7 +621,7 @@ impl Volume {
                 .collect(),
             plain: Vec::with_capacity(window),
             plain_free: Vec::with_capacity(window),
-            ready: VecDeque::with_capacity(held * cfg.streams as usize),
+            ready: VecDeque::with_capacity(max_done),
             durable_scratch: Vec::with_capacity(cmds),
             order_scratch: VecDeque::with_capacity(cmds),
             bytes: 0,
@@ -658,6 +664,15 @@ impl Volume {
     }
     pub fn engine(&self) -> &Rc<Engine> {
         &self.engine
+    }
+    /// The most finished requests the volume can hold for the caller at once when their
+    /// buffers come from [`Volume::alloc`]: one per frame of its arena, since each holds its
+    /// buffer until taken. The volume keeps room for that many from the start, and a vector
+    /// with this much room never grows in [`Volume::poll_into`] (emptied between calls),
+    /// however many requests finish between polls. (Buffers from another arena are not
+    /// counted: with those the volume's list may grow, once, past this.)
+    pub fn max_done(&self) -> usize {
+        self.engine.arena().frames() as usize
     }
     /// A buffer from the volume's arena (waits for nothing: `None` when exhausted).
     pub fn alloc(&self, len: usize) -> Option<FixedBuf> {
@@ -1585,7 +1600,10 @@ impl Volume {
         Ok(out)
     }
 
-    /// [`Volume::poll`], appending to `out` (no allocation once `out` has room).
+    /// [`Volume::poll`], appending to `out`: no allocation while `out` has room for what
+    /// finished since the last poll, which is never more than [`Volume::max_done`] (requests
+    /// handed back leave the window, so it can be more than the window: size `out` for
+    /// `max_done`, not for the window).
     pub fn poll_into(&mut self, out: &mut Vec<Done>) -> Result<(), NetError> {
         self.drive(false)?;
         out.extend(self.ready.drain(..));
@@ -2579,5 +2597,82 @@ impl Volume {
         let mut pmr = MemPmr::new(total);
         pmr.bytes_mut().copy_from_slice(&image);
         Ok(scan(&pmr)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::target::{Target, TargetConfig, TargetLogKind};
+
+    /// A file in /dev/shm for a target's namespace, removed on drop.
+    struct Scratch(std::path::PathBuf);
+    impl Scratch {
+        fn new(name: &str, bytes: u64) -> Scratch {
+            let p = std::path::PathBuf::from(format!(
+                "/dev/shm/rio-net-unit-{}-{name}",
+                std::process::id()
+            ));
+            std::fs::File::create(&p).unwrap().set_len(bytes).unwrap();
+            Scratch(p)
+        }
+    }
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    /// A caller that does not poll while it submits: every request finishes and waits in
+    /// `ready`, far more than the window (handing a request back frees its room). With every
+    /// frame of the arena in a request, the volume's list and a caller's vector of
+    /// `max_done` still have room for all of them: neither grows.
+    #[test]
+    fn finished_requests_up_to_the_arena_fit_without_growing() {
+        const BLOCK: usize = 4096;
+        let dev = Scratch::new("max-done", 4 << 20);
+        let mut tc = TargetConfig::new(dev.0.clone(), TargetLogKind::Mem(1 << 20));
+        tc.streams = 1;
+        let target = Target::bind("127.0.0.1:0".parse().unwrap(), tc).unwrap();
+        let addr = target.local_addr();
+        target.spawn();
+        let mut cfg = VolumeConfig::new(vec![addr], 1);
+        cfg.window = 1;
+        cfg.arena_bytes = 1 << 20;
+        let (mut v, _) = Volume::open(cfg).unwrap();
+        let frames = v.engine().arena().frames() as usize;
+        let room = v.ready.capacity();
+        let blocks = v.bytes() / BLOCK as u64;
+        let mut n = 0usize;
+        while let Some(mut buf) = v.alloc(BLOCK) {
+            buf.fill(n as u8);
+            let off = (n as u64 % blocks) * BLOCK as u64;
+            match n % 4 {
+                1 => v.write_orderless(0, off, buf).map(|_| ()),
+                3 => v.read(0, off, buf).map(|_| ()),
+                _ => v.submit(0, off, buf, true).map(|_| ()),
+            }
+            .unwrap();
+            n += 1;
+        }
+        assert_eq!(n, frames, "every frame of the arena went into a request");
+        assert!(n > (HELD_PER_WINDOW * v.cfg.window) as usize);
+        v.wait(0).unwrap();
+        while v.ready.len() < n {
+            v.drive(true).unwrap();
+        }
+        assert_eq!(
+            v.ready.capacity(),
+            room,
+            "the list of finished requests grew"
+        );
+        let mut out = Vec::with_capacity(v.max_done());
+        let want = out.capacity();
+        v.poll_into(&mut out).unwrap();
+        assert_eq!(out.len(), n);
+        assert_eq!(out.capacity(), want, "the caller's vector grew");
+        for d in out {
+            d.result.unwrap();
+        }
     }
 }
