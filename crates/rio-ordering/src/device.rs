@@ -86,6 +86,7 @@ pub struct StreamHandoff {
 /// Counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct OrderedStats {
+    /// Writes [`OrderedDevice::submit`] took (one id each); a write it refused is not counted.
     pub requests: u64,
     /// Device commands sent (data writes; FLUSHes counted apart).
     pub device_cmds: u64,
@@ -658,14 +659,14 @@ impl<P: Pmr> OrderedDevice<P> {
     /// group may reach the device in any order; groups reach it in order). Returns the write's
     /// id, which its [`Done`] carries.
     ///
-    /// Bad input (an offset, length or buffer address off the target's alignment, bounds, an
-    /// unknown stream or target, overlap in the group, more than 255 pieces) is refused before
-    /// the write takes a group. So is a write going straight to the device (a group of one,
-    /// nothing queued) whose log entry cannot be written: it takes no group, and its buffer
-    /// goes back to the arena. Any other write that fails on its way to the device (its log
-    /// entry, or its submission) fails its group: its buffer, and those of the group's other
-    /// requests, come back in order in [`Done`]s that carry the error, and the stream's `wait`
-    /// reports the failure from then on.
+    /// Bad input (an offset, length or buffer address off the target's alignment, bounds, a
+    /// buffer from another engine's arena than this device's, an unknown stream or target,
+    /// overlap in the group, more than 255 pieces) is refused before the write takes a group.
+    /// So is a write going straight to the device (a group of one, nothing queued) whose log
+    /// entry cannot be written: it takes no group, and its buffer goes back to the arena. Any
+    /// other write that fails on its way to the device (its log entry, or its submission) fails
+    /// its group: its buffer, and those of the group's other requests, come back in order in
+    /// [`Done`]s that carry the error, and the stream's `wait` reports the failure from then on.
     pub fn submit(&mut self, stream: u16, w: Write, end_of_group: bool) -> Result<u64, RioError> {
         let s = self.stream_index(stream)?;
         let t = self
@@ -695,6 +696,18 @@ impl<P: Pmr> OrderedDevice<P> {
                 "write of {len} bytes at {} on target {}: its buffer at address {addr:#x} \
                  ({addr}) is not aligned to the target's {}-byte direct-I/O memory alignment",
                 w.offset, w.target, g.mem_align
+            )));
+        }
+        // A buffer is sent as the engine's registered buffer `buf_index()`, an index into this
+        // engine's registration; memory of another engine's arena lies outside it, and the
+        // kernel fails the command (EFAULT) when it is sent, after the write took its group and
+        // logged its entry: the group would fail, and hold the stream's log until recovery.
+        if !Rc::ptr_eq(w.buf.arena(), self.engine.arena()) {
+            return Err(RioError::Config(format!(
+                "write of {len} bytes at {} on target {}: its buffer at address {addr:#x} comes \
+                 from another engine's arena, which this engine's ring has not registered; \
+                 allocate it from the ordered device's engine (that of its lbio array)",
+                w.offset, w.target
             )));
         }
         let max = t.piece;
@@ -738,8 +751,12 @@ impl<P: Pmr> OrderedDevice<P> {
             let seq = st.next_seq;
             st.next_seq += 1;
             if len <= max {
-                // An error here: refused before it took its group (nothing to hand back).
-                self.send_single(stream, seq, id, w)?;
+                // An error here: refused before it took its group (nothing to hand back, and
+                // not a request taken).
+                if let Err(e) = self.send_single(stream, seq, id, w) {
+                    self.stats.requests -= 1;
+                    return Err(e);
+                }
                 if self.log.deferred() {
                     self.retry_later(|d| d.submit_staged());
                 }

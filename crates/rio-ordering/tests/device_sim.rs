@@ -1156,6 +1156,48 @@ fn a_write_whose_log_entry_fails_leaves_no_hole_in_the_order() {
     assert_eq!(seqs, vec![1, 2, 3, 4]);
 }
 
+/// A write refused because its log entry could not be written was not taken (no group, no
+/// id, nothing sent): the device's counters do not count it. (`requests` counted it, so it
+/// said five writes were taken where four were, and their `Done`s were four.)
+#[test]
+fn a_write_whose_log_entry_fails_is_not_counted_as_a_request() {
+    let engine = engine();
+    let lbio = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+    let disk = SimDisk::new(SimConfig::new(DISK, 7)).unwrap();
+    let fail = Rc::new(std::cell::Cell::new(false));
+    let region = Flaky {
+        mem: MemPmr::new(64 << 10),
+        fail: Rc::clone(&fail),
+    };
+    let log = AttrLog::format(region, 1).unwrap();
+    let devs = vec![disk.open(&lbio).unwrap()];
+    let mut dev = OrderedDevice::new(lbio, devs, log, &[1], OrderedConfig::default()).unwrap();
+    dev.submit(0, write(&engine, 0, 0, 1, 4096), true).unwrap();
+    fail.set(true);
+    dev.submit(0, write(&engine, 0, 4096, 2, 4096), true)
+        .expect_err("the log refuses the entry");
+    assert_eq!(
+        dev.stats().requests,
+        1,
+        "the refused write is not counted: {:?}",
+        dev.stats()
+    );
+    fail.set(false);
+    for k in 2..5 {
+        dev.submit(0, write(&engine, 0, k * 4096, k, 4096), true)
+            .unwrap();
+    }
+    dev.wait(0).unwrap();
+    let done = dev.poll().unwrap();
+    let st = dev.stats();
+    assert_eq!(done.len(), 4);
+    assert_eq!(
+        (st.requests, st.device_cmds, st.send_errors),
+        (4, 4, 0),
+        "{st:?}"
+    );
+}
+
 /// EIO (the crate does not depend on libc).
 const EIO: i32 = 5;
 

@@ -8,8 +8,9 @@
 //! request array failing `wait`'s FLUSH and an asynchronous block log's header write instead of
 //! being waited out; and start or handed-off group numbers outside the range entries carry.
 //! Later still: a write from memory off the target's alignment, taken by `submit` and refused by
-//! lbio only when sent (its group failed and held the stream's log until recovery), and
-//! `flush_queue` returning another stream's failure.
+//! lbio only when sent (its group failed and held the stream's log until recovery),
+//! `flush_queue` returning another stream's failure, and a write from another engine's arena,
+//! taken by `submit` and failed by the kernel when sent (the same hold).
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -583,6 +584,82 @@ fn a_write_from_misaligned_memory_is_refused_and_the_stream_goes_on() {
     assert!(sc.damaged.is_empty(), "{:?}", sc.damaged);
     let rec = recover(&sc, &|_| false);
     assert_eq!(rec.streams[0].prefix_end, 2, "{:?}", rec.streams[0]);
+}
+
+/// A writable file of `bytes` bytes under the temp directory, opened `O_DIRECT` as an lbio
+/// target on `lbio` (its writes go through the kernel as fixed-buffer writes), with transfers
+/// of up to 128 KiB. Returns the device and the file's path.
+fn file_target(lbio: &Rc<LbioArray>, name: &str, bytes: u64) -> (lbio::Device, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("rio-edge-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("dev");
+    std::fs::File::create(&path)
+        .unwrap()
+        .set_len(bytes)
+        .unwrap();
+    let cfg = lbio::DeviceConfig {
+        write: true,
+        max_transfer_bytes: Some(128 << 10),
+        ..lbio::DeviceConfig::default()
+    };
+    (lbio::Device::open(lbio, &path, cfg).unwrap(), path)
+}
+
+/// A write whose buffer comes from a second engine's arena (a second engine in the same
+/// thread: a `FixedBuf` cannot leave its thread) is bad input, refused by `submit` before it
+/// takes a group, and the stream goes on. Its buffer went to the kernel as this ring's
+/// registered buffer 0, whose range does not hold that memory: the write failed with EFAULT
+/// when it was sent, after it took its group and logged its entry, so its group failed, every
+/// later `wait` of the stream reported it, and its entry held the stream's log until recovery.
+/// (On a RAM target, or merged or split into copies, the same write went through: whether it
+/// worked depended on the path it took.)
+#[test]
+fn a_write_from_another_engines_arena_is_refused_and_the_stream_goes_on() {
+    let (engine, lbio) = engine_and_array(64);
+    let other = Engine::new(engine_config(1 << 20)).unwrap();
+    let (dev, path) = file_target(&lbio, "foreign", DISK);
+    let log = AttrLog::format(MemPmr::new(64 << 10), 1).unwrap();
+    let mut od = ordered(lbio, vec![dev], log);
+    let w = write_of(other.alloc_blocking(4096).unwrap(), 0, 0, 0xab);
+    let addr = w.buf.as_ptr() as u64;
+    let e = od
+        .submit(0, w, true)
+        .map(|id| (id, od.wait(0)))
+        .expect_err("a write from another engine's arena is refused");
+    assert!(
+        matches!(e, rio_ordering::RioError::Config(_)),
+        "a typed refusal of bad input: {e:?}"
+    );
+    let e = e.to_string();
+    assert!(
+        e.contains("another engine's arena") && e.contains(&format!("{addr:#x}")),
+        "the error names the buffer and why: {e}"
+    );
+    assert_eq!(od.next_seq(0), 1, "the refused write took no group");
+    assert_eq!(od.stats().send_errors, 0);
+    assert_eq!(
+        other.arena().free_frames(),
+        other.arena().frames(),
+        "the refused buffer went back to its own arena"
+    );
+    let id = od.submit(0, write(&engine, 0, 0, 0xcd), true).unwrap();
+    od.wait(0)
+        .expect("the stream is not failed by a write it refused");
+    let done = od.poll().unwrap();
+    assert!(
+        done.len() == 1 && done[0].id == id && done[0].result.is_ok(),
+        "{done:?}"
+    );
+    let sc = scan(od.log().pmr()).unwrap();
+    assert!(sc.damaged.is_empty(), "{:?}", sc.damaged);
+    let rec = recover(&sc, &|_| false);
+    assert_eq!(rec.streams[0].prefix_end, 2, "{:?}", rec.streams[0]);
+    let data = std::fs::read(&path).unwrap();
+    assert!(
+        data[..4096].iter().all(|&b| b == 0xcd),
+        "the device holds the accepted write"
+    );
+    std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
 }
 
 /// `wait` FLUSHes while another stream's writes hold every request slot of the array: it waits
