@@ -782,15 +782,17 @@ impl Engine {
     }
 
     /// Allocate a buffer, waiting for in-flight I/O to give frames back when the arena is
-    /// exhausted. Fails only when nothing in flight could free a frame.
+    /// exhausted. Fails only when nothing in flight could free a frame, and at once for a
+    /// buffer longer than the whole arena (no completion can make room for it).
     pub fn alloc_blocking(&self, len: usize) -> Result<FixedBuf, CoreError> {
+        let needed = len.max(1).div_ceil(self.arena.frame_bytes());
         loop {
             if let Some(b) = self.arena.try_alloc(len) {
                 return Ok(b);
             }
-            if !self.has_work() {
+            if !self.has_work() || needed > self.arena.frames() as usize {
                 return Err(CoreError::ArenaExhausted {
-                    needed: len.max(1).div_ceil(self.arena.frame_bytes()),
+                    needed,
                     free: self.arena.free_frames(),
                     frames: self.arena.frames(),
                     frame_bytes: self.arena.frame_bytes(),
@@ -1377,10 +1379,24 @@ impl Engine {
     ///
     /// While nothing is in flight and the future is pending it parks the thread until woken,
     /// so futures woken from other threads work too.
+    ///
+    /// It may be called from inside a future that another `block_on` of this engine polls. The
+    /// two share one wake flag, which the nested call clears as it goes round, so it may take
+    /// a wake meant for the outer future (whose completion its wait dispatched): it leaves the
+    /// flag set when it returns, and the outer future is polled once more instead of parked.
     pub fn block_on<F: Future>(&self, fut: F) -> Result<F::Output, CoreError> {
         if thread::current().id() != self.owner {
             return Err(CoreError::WrongThread);
         }
+        /// Sets the wake flag on every way out (an extra poll of an outer future is harmless;
+        /// a lost wake parked it with nothing left to wake it).
+        struct Rewake<'a>(&'a AtomicBool);
+        impl Drop for Rewake<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Release);
+            }
+        }
+        let _rewake = Rewake(&self.wake.woken);
         let waker = Waker::from(Arc::clone(&self.wake));
         let mut cx = Context::from_waker(&waker);
         let mut fut: Pin<&mut F> = pin!(fut);
@@ -2134,6 +2150,110 @@ mod tests {
             assert!(r.is_ok(), "{mode:?}: {r:?}");
             assert_eq!((got, work), (2, false), "{mode:?}");
         }
+    }
+
+    /// A `block_on` nested in a future that an outer `block_on` polls: the nested one's wait
+    /// may dispatch the completion the outer future waits on, and that wake (the same flag for
+    /// both) was cleared when the nested loop went round. The outer future, pending once the
+    /// nested call returned, was then never polled again: `block_on` parked with nothing in
+    /// flight. Run on a thread with a deadline (a hang guard, not a timing check).
+    #[test]
+    fn a_wake_taken_by_a_nested_block_on_still_polls_the_outer_future() {
+        use std::task::Poll;
+        /// Per payload: whether its completion came, and who to wake then.
+        struct Wakes(RefCell<[(bool, Option<Waker>); 2]>);
+        impl CompletionSink for Wakes {
+            fn complete(&self, payload: u64, _result: i32, _flags: u32) {
+                let waker = {
+                    let mut w = self.0.borrow_mut();
+                    w[payload as usize].0 = true;
+                    w[payload as usize].1.take()
+                };
+                if let Some(w) = waker {
+                    w.wake();
+                }
+            }
+        }
+        /// Pushes a NOP with `payload` on its first poll; ready once its completion came.
+        fn nop_done<'a>(
+            engine: &'a Engine,
+            sink: &'a Rc<Wakes>,
+            id: SinkId,
+            payload: u64,
+        ) -> impl Future<Output = ()> + 'a {
+            let mut pushed = false;
+            std::future::poll_fn(move |cx| {
+                if !pushed {
+                    engine.push_nop(id, payload).unwrap();
+                    pushed = true;
+                }
+                let mut w = sink.0.borrow_mut();
+                if w[payload as usize].0 {
+                    return Poll::Ready(());
+                }
+                w[payload as usize].1 = Some(cx.waker().clone());
+                Poll::Pending
+            })
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        thread::spawn(move || {
+            let engine = small();
+            let sink = Rc::new(Wakes(RefCell::new([(false, None), (false, None)])));
+            let id = engine
+                .register_sink(Rc::downgrade(&sink) as Weak<dyn CompletionSink>)
+                .unwrap();
+            let mut first = pin!(nop_done(&engine, &sink, id, 0));
+            let mut nested_done = false;
+            let r = engine.block_on(std::future::poll_fn(|cx| {
+                if first.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(());
+                }
+                if !nested_done {
+                    // Its wait submits both NOPs and dispatches both completions, waking the
+                    // outer future too.
+                    engine
+                        .block_on(nop_done(&engine, &sink, id, 1))
+                        .expect("the nested block_on");
+                    nested_done = true;
+                }
+                Poll::Pending
+            }));
+            let _ = tx.send(r.map_err(|e| e.to_string()));
+        });
+        let r = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the outer block_on parked for ever: the nested one took its wake");
+        assert_eq!(r, Ok(()));
+    }
+
+    /// A buffer longer than the whole arena can never be allocated, whatever completes:
+    /// `alloc_blocking` fails at once. It waited for the engine's other work first (here a
+    /// NOP; a timer or a socket read would have held it for as long as they take).
+    #[test]
+    fn alloc_blocking_of_more_than_the_arena_fails_without_waiting_for_other_work() {
+        let engine = small();
+        let (sink, id) = sink(&engine);
+        let frames = engine.arena().frames() as usize;
+        let frame = engine.arena().frame_bytes();
+        let _plug = engine.plug();
+        // SAFETY: a NOP refers to no memory.
+        unsafe { engine.push(RingKind::Main, id, 0, nop_sqe()) }.unwrap();
+        let e = engine.alloc_blocking((frames + 1) * frame).unwrap_err();
+        assert!(
+            matches!(e, CoreError::ArenaExhausted { needed, .. } if needed == frames + 1),
+            "{e}"
+        );
+        assert_eq!(
+            sink.0.get(),
+            0,
+            "it waited for unrelated work before failing"
+        );
+        assert!(engine.has_work());
+        // A buffer the arena can hold is still handed out.
+        assert_eq!(
+            engine.alloc_blocking(frames * frame).unwrap().capacity(),
+            frames * frame
+        );
     }
 
     /// A software device holding a request of a sink that is gone: the request's completion
