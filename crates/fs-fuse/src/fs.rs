@@ -1326,7 +1326,10 @@ impl Fs {
                     before_commit()?;
                     st.nodes.get_mut(&ino).expect("node").layout_dirty = true;
                     Self::touch(st, ino);
-                    self.commit_locked(st, ctx, None)?;
+                    // Xattrs it leaves for later (no block for them until it is durable) are
+                    // for an fsync or sync to report, not this operation: it goes on, and says
+                    // ENOSPC only if it still finds no block.
+                    self.commit_locked_short(st, ctx, None)?;
                     committed = true;
                 }
                 r => return r,
@@ -2247,7 +2250,9 @@ impl Fs {
     /// may be taken only after it), commit first.
     fn room_for(&self, st: &mut State, ctx: &Ctx, need: u64) -> FsResult<()> {
         if !st.quarantine.is_empty() && st.free_blocks < st.quarantine.len() as u64 + need {
-            self.commit_locked(st, ctx, None)?;
+            // Xattrs this commit leaves for later are not this operation's (see
+            // `alloc_for_map`): it goes on with the room the commit made.
+            self.commit_locked_short(st, ctx, None)?;
         }
         Ok(())
     }
@@ -3195,7 +3200,8 @@ impl Fs {
                     let r = match self.reserve_leaves(&mut st, ino, more) {
                         Err(libc::ENOSPC) if !st.quarantine.is_empty() => {
                             // Blocks freed since the last commit come back once it is durable.
-                            self.commit_locked(&mut st, &ctx, None)?;
+                            // Xattrs it leaves for later are not the punch's to report.
+                            self.commit_locked_short(&mut st, &ctx, None)?;
                             leaves_had = st.nodes[&ino].leaves.len();
                             self.reserve_leaves(&mut st, ino, more)
                         }
@@ -3258,9 +3264,10 @@ impl Fs {
             st.nodes.get_mut(&ino).expect("node").layout_dirty = true;
             Self::touch(&mut st, ino);
             let zeros = vec![0u8; BLOCK];
-            // Zeros written since the last FLUSH: durable before any commit maps their blocks
-            // (a commit with FUA writes sends no FLUSH of its own).
-            let mut zeroed = false;
+            // Blocks mapped (file block, block) whose zeros were written since the last FLUSH:
+            // durable before any commit maps them (a commit with FUA writes sends no FLUSH of
+            // its own).
+            let mut unflushed: Vec<(u64, u64)> = Vec::new();
             let r: FsResult<()> = 'alloc: {
                 for l in offset / B..end.div_ceil(B) {
                     let n = st.nodes.get(&ino).expect("node");
@@ -3272,9 +3279,9 @@ impl Fs {
                     // make those allocatable (as a write does), the zeros written so far made
                     // durable first.
                     let mut flush_zeros = || {
-                        if zeroed {
+                        if !unflushed.is_empty() {
                             ctx.dev().flush_blocking().map_err(io_err)?;
-                            zeroed = false;
+                            unflushed.clear();
                         }
                         Ok(())
                     };
@@ -3287,9 +3294,9 @@ impl Fs {
                         self.unalloc(&mut st, p);
                         break 'alloc Err(e);
                     }
-                    zeroed = true;
                     ctx.stored(self, p, &zeros);
                     st.nodes.get_mut(&ino).expect("node").map_block(l, p);
+                    unflushed.push((l, p));
                 }
                 Ok(())
             };
@@ -3297,8 +3304,22 @@ impl Fs {
             // allocated, and a commit inside the loop may have taken it since).
             st.nodes.get_mut(&ino).expect("node").layout_dirty = true;
             Self::touch(&mut st, ino);
-            if zeroed {
-                ctx.dev().flush_blocking().map_err(io_err)?;
+            if !unflushed.is_empty() {
+                if let Err(e) = ctx.dev().flush_blocking() {
+                    // Their zeros may not be durable: mapped by the next commit, the blocks
+                    // could show a deleted file's bytes after a power cut. They go back (never
+                    // committed: a commit inside the loop came after a FLUSH, which emptied
+                    // the list), and the file keeps only what it had and what such a commit
+                    // made durable. Unmapped top down, the map ends as it was at that point.
+                    for &(l, p) in unflushed.iter().rev() {
+                        let freed = st.nodes.get_mut(&ino).expect("node").unmap(l, l + 1);
+                        debug_assert_eq!(freed, [p]);
+                        for q in freed {
+                            self.unalloc(&mut st, q);
+                        }
+                    }
+                    return Err(io_err(e));
+                }
             }
             r?;
             let n = st.nodes.get_mut(&ino).expect("node");

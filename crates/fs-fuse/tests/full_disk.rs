@@ -602,3 +602,80 @@ fn a_change_whose_own_commit_leaves_another_files_xattrs_for_later_succeeds() {
     fs.fsync(a).unwrap();
     unmount_clean(fs, &disk);
 }
+
+/// A full disk with blocks freed since the last commit (file "x" removed) and another file's
+/// new xattrs waiting for a block (file "a"): the stage for the three tests below. The commit
+/// an operation makes there to make the freed blocks allocatable cannot give the xattrs a
+/// block (the freed ones come back only once it is durable), so it leaves them for later; the
+/// operation then has its room, and must not fail because of them. Returns `(a, x's blocks)`.
+fn full_with_freed_blocks_and_waiting_xattrs(fs: &Fs, x_blocks: u64) -> u64 {
+    let a = mk(fs, b"a");
+    let x = mk(fs, b"x");
+    fs.write(x, 0, &vec![0x77u8; (x_blocks * 4096) as usize])
+        .unwrap();
+    fs.sync_all().unwrap();
+    let _fill = fill_leaving(fs, 0);
+    fs.setxattr(a, b"user.k", b"v", 0).unwrap();
+    fs.remove(ROOT_INO, b"x", false).unwrap();
+    fs.forget(x, 1);
+    a
+}
+
+/// mknod and link, with the stage above: `room_for` commits first, and that commit left a's
+/// xattrs for later. (From a review on 2026-11-28, by reading: both said ENOSPC, with the
+/// room they needed made by that very commit.)
+#[test]
+fn mknod_and_link_whose_commit_leaves_another_files_xattrs_for_later_succeed() {
+    let (disk, fs) = common::open(fresh_image(8 << 20), 1).unwrap();
+    let a = full_with_freed_blocks_and_waiting_xattrs(&fs, 3);
+    let r = fs.mknod(ROOT_INO, b"n", S_IFREG | 0o644, 0, ROOT, None);
+    assert!(r.is_ok(), "mknod: {r:?}");
+    // The same stage again: n takes x's three blocks, and its only link goes.
+    let n = r.unwrap().ino;
+    fs.write(n, 0, &[0x55u8; 3 * 4096]).unwrap();
+    assert_eq!(fs.sync_all(), Err(libc::ENOSPC), "a's xattrs still wait");
+    fs.remove(ROOT_INO, b"n", false).unwrap();
+    fs.forget(n, 1);
+    let r = fs.link(a, ROOT_INO, b"a2");
+    assert!(r.is_ok(), "link: {r:?}");
+    // The xattrs are for an fsync to report, and go out once a commit finds a block.
+    assert_eq!(fs.fsync(a), Ok(()));
+    unmount_clean(fs, &disk);
+}
+
+/// A write into a hole, with the stage above: `alloc_for_map` finds no block, commits, and
+/// that commit left a's xattrs for later. (From a review on 2026-11-28, by reading: the write
+/// said ENOSPC, with the blocks it needed made allocatable by that very commit.)
+#[test]
+fn a_write_whose_commit_for_freed_blocks_leaves_another_files_xattrs_for_later_succeeds() {
+    let (disk, fs) = common::open(fresh_image(8 << 20), 1).unwrap();
+    let w = mk(&fs, b"w");
+    let a = full_with_freed_blocks_and_waiting_xattrs(&fs, 3);
+    assert_eq!(fs.write(w, 0, &[0x42u8; 2 * 4096]), Ok(2 * 4096));
+    assert_eq!(fs.read(w, 0, 2 * 4096).unwrap(), vec![0x42u8; 2 * 4096]);
+    assert_eq!(fs.fsync(a), Ok(()));
+    unmount_clean(fs, &disk);
+}
+
+/// A hole punched inside an extent of a file with all eight inline extents needs an extent
+/// leaf for the split; with the stage above there is none until the punch's commit, and that
+/// commit left a's xattrs for later. (From a review on 2026-11-28, by reading: the punch said
+/// ENOSPC, with the leaf it needed made allocatable by that very commit.)
+#[test]
+fn a_punch_whose_commit_for_a_leaf_leaves_another_files_xattrs_for_later_succeeds() {
+    let (disk, fs) = common::open(fresh_image(8 << 20), 1).unwrap();
+    let g = mk(&fs, b"g");
+    // Seven one-block extents (every other block), then one of three blocks at 14..17.
+    for i in 0..7u64 {
+        fs.write(g, 2 * i * 4096, &[i as u8 + 1; 4096]).unwrap();
+    }
+    fs.write(g, 14 * 4096, &[9u8; 3 * 4096]).unwrap();
+    let a = full_with_freed_blocks_and_waiting_xattrs(&fs, 3);
+    let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+    assert_eq!(fs.fallocate(g, 15 * 4096, 4096, mode), Ok(()));
+    assert_eq!(fs.bmap(g, 15).unwrap(), None);
+    assert_eq!(fs.read(g, 15 * 4096, 4096).unwrap(), vec![0u8; 4096]);
+    assert_eq!(fs.read(g, 16 * 4096, 4096).unwrap(), vec![9u8; 4096]);
+    assert_eq!(fs.fsync(a), Ok(()));
+    unmount_clean(fs, &disk);
+}

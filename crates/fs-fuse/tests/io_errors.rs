@@ -8,11 +8,16 @@
 //! has an empty one) and the read reaches the device. After the failed operation the error is
 //! lifted, everything is committed and the file system unmounted, and fsck must find the image
 //! clean.
+//!
+//! The device also keeps a write cache: a write is durable once written with FUA or once a
+//! FLUSH after it succeeds, and its FLUSHes can be made to fail ([`FaultyDisk::fail_flushes`]).
+//! [`FaultyDisk::durable`] is what a power cut would leave.
 
 mod common;
 
 use std::collections::HashSet;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use aios_core::{CoreError, Engine, SinkId};
@@ -27,9 +32,15 @@ const ROOT: Caller = Caller { uid: 0, gid: 0 };
 const B: u64 = BLOCK as u64;
 
 struct Shared {
+    /// What reads see: every completed write.
     mem: Mutex<Vec<u8>>,
+    /// What survives a power cut: FUA writes, and every write completed before a FLUSH that
+    /// succeeded.
+    durable: Mutex<Vec<u8>>,
     /// Blocks (of [`BLOCK`] bytes) whose reads fail with EIO.
     bad: Mutex<HashSet<u64>>,
+    /// FLUSHes fail with EIO (and make nothing durable) while set.
+    bad_flush: AtomicBool,
 }
 
 /// An image in RAM, shared by every device opened on it (each worker and the page cache open
@@ -40,8 +51,10 @@ struct FaultyDisk(Arc<Shared>);
 impl FaultyDisk {
     fn new(image: Vec<u8>) -> FaultyDisk {
         FaultyDisk(Arc::new(Shared {
+            durable: Mutex::new(image.clone()),
             mem: Mutex::new(image),
             bad: Mutex::new(HashSet::new()),
+            bad_flush: AtomicBool::new(false),
         }))
     }
 
@@ -49,12 +62,23 @@ impl FaultyDisk {
         self.0.bad.lock().unwrap().insert(block);
     }
 
+    /// From now on, every FLUSH fails with EIO until [`FaultyDisk::heal`].
+    fn fail_flushes(&self) {
+        self.0.bad_flush.store(true, Ordering::Relaxed);
+    }
+
     fn heal(&self) {
         self.0.bad.lock().unwrap().clear();
+        self.0.bad_flush.store(false, Ordering::Relaxed);
     }
 
     fn image(&self) -> Vec<u8> {
         self.0.mem.lock().unwrap().clone()
+    }
+
+    /// The image a power cut now would leave: only what is durable.
+    fn durable(&self) -> Vec<u8> {
+        self.0.durable.lock().unwrap().clone()
     }
 
     fn factory(&self) -> DeviceFactory {
@@ -114,11 +138,20 @@ impl Backend for FaultyBackend {
                 return Ok(Started::Done(-libc::EIO));
             }
         }
+        if piece.op == Op::Flush {
+            if self.0.bad_flush.load(Ordering::Relaxed) {
+                return Ok(Started::Done(-libc::EIO));
+            }
+            // Every write completed so far (each completes before it returns here).
+            self.0.durable.lock().unwrap().copy_from_slice(&mem);
+        }
         // SAFETY: the caller's contract on `piece` is passed on; `mem` is a separate heap
         // allocation, which no segment can overlap.
-        Ok(Started::Done(unsafe {
-            lbio::piece_in_memory(&mut mem, piece)
-        }))
+        let r = unsafe { lbio::piece_in_memory(&mut mem, piece) };
+        if piece.op == Op::Write && piece.fua && r > 0 {
+            self.0.durable.lock().unwrap()[off..off + len].copy_from_slice(&mem[off..off + len]);
+        }
+        Ok(Started::Done(r))
     }
 }
 
@@ -433,4 +466,61 @@ fn a_punch_that_took_an_extent_leaf_gives_it_back_when_its_edge_read_fails() {
     assert_eq!(fs.statfs().bfree, free);
     assert_eq!(fs.read(f, 0, 17 * 4096).unwrap(), before);
     fs.unmount().unwrap();
+}
+
+/// fallocate whose last FLUSH fails, with FUA commits (no FLUSH of their own). The zeros it
+/// wrote to the block it took (a deleted file's) are not durable. It returned EIO with the
+/// block still mapped and the inode marked, so the next commit (another file's fsync) mapped
+/// the block durably, and after a power cut the file read the deleted file's bytes there. Now
+/// the blocks whose zeros are not durable go back: the hole stays a hole. (From a review on
+/// 2026-11-28, by reading.)
+#[test]
+fn fallocate_whose_flush_fails_maps_no_block_whose_zeros_are_not_durable() {
+    let disk = FaultyDisk::new(fresh_image(8 << 20));
+    let fs = mount(&disk);
+    fs.journal_set()
+        .set_durability(journal::Durability::FuaWrites);
+    let f = mk(&fs, ROOT_INO, b"f", S_IFREG | 0o644);
+    let g = mk(&fs, ROOT_INO, b"g", S_IFREG | 0o644);
+    // f: block 0 written, block 1 a hole inside the size.
+    fs.write(f, 0, &vec![0x11u8; BLOCK]).unwrap();
+    let size = SetAttr {
+        size: Some(2 * B),
+        ..SetAttr::default()
+    };
+    fs.setattr(f, &size).unwrap();
+    let a = mk(&fs, ROOT_INO, b"a", S_IFREG | 0o644);
+    fs.write(a, 0, &vec![0xaau8; BLOCK]).unwrap();
+    fs.sync_all().unwrap();
+    let pa = fs.bmap(a, 0).unwrap().unwrap();
+    fs.remove(ROOT_INO, b"a", false).unwrap();
+    fs.forget(a, 1);
+    // The commit that frees a's block, then one that makes it allocatable.
+    fs.sync_all().unwrap();
+    fs.sync_all().unwrap();
+    let free = fs.statfs().bfree;
+    disk.fail_flushes();
+    assert_eq!(fs.fallocate(f, B, B, 0), Err(libc::EIO));
+    let (mapped, free_after) = (fs.bmap(f, 1).unwrap(), fs.statfs().bfree);
+    // Another file's fsync commits whatever is marked (the inode of f with it).
+    fs.write(g, 0, b"g").unwrap();
+    fs.fsync(g).unwrap();
+    // Power cut now.
+    let crash = disk.durable();
+    drop(fs);
+    let rep = fsck_image(&crash).unwrap();
+    assert!(rep.clean(), "fsck of the crash image: {:?}", rep.problems);
+    let fs = mount(&FaultyDisk::new(crash));
+    let got = fs.read(f, B, BLOCK as u32).unwrap();
+    assert!(
+        got.iter().all(|&b| b == 0),
+        "after the failed fallocate, a commit and a power cut, f's block 1 (mapped to {mapped:?}, \
+         a's old block {pa}) reads {:#x}: the deleted file's bytes",
+        got[0]
+    );
+    assert_eq!(
+        mapped, None,
+        "a block whose zeros are not durable stays mapped"
+    );
+    assert_eq!(free_after, free, "the block went back");
 }
