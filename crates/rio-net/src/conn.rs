@@ -233,6 +233,7 @@ impl Conn {
                     self.tx_at += n;
                 }
                 if self.tx_at < self.tx.len() {
+                    self.compact_tx();
                     return Ok(false);
                 }
                 self.tx.clear();
@@ -244,7 +245,10 @@ impl Conn {
             match sock.write(&self.tx[self.tx_at..]) {
                 Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "socket closed")),
                 Ok(n) => self.tx_at += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.compact_tx();
+                    return Ok(false);
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
@@ -252,6 +256,20 @@ impl Conn {
         self.tx.clear();
         self.tx_at = 0;
         Ok(true)
+    }
+
+    /// After a partial send: drop the bytes that went once they are at least as many as those
+    /// left, moving the rest to the front. A peer that keeps the socket full (it reads slowly,
+    /// or its window is small) never lets the buffer empty, and PDUs are appended meanwhile:
+    /// without this the buffer grew by everything sent until it did. With it the buffer holds
+    /// less than twice what waits (which the protocol bounds) plus what is appended before the
+    /// next send, and each byte is moved at most once for each byte sent before it.
+    fn compact_tx(&mut self) {
+        if self.tx_at > 0 && self.tx_at >= self.tx.len() - self.tx_at {
+            self.tx.copy_within(self.tx_at.., 0);
+            self.tx.truncate(self.tx.len() - self.tx_at);
+            self.tx_at = 0;
+        }
     }
 
     /// Bytes queued and not yet sent.
@@ -312,5 +330,50 @@ pub fn wait_fds(fds: &[(BorrowedFd<'_>, bool, bool)], timeout: Option<Duration>)
         Ok(_) => Ok(()),
         Err(nix::errno::Errno::EINTR) => Ok(()),
         Err(e) => Err(io::Error::from(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nix::sys::socket::{setsockopt, sockopt};
+    use std::net::TcpListener;
+
+    /// A peer that reads slowly, a step at a time, while the connection appends as much as it
+    /// reads: the socket never takes all that is queued, so the send buffer never empties. Its
+    /// size stays within twice what waits (rounded up by the vector's doubling), where it used
+    /// to grow by every byte sent (to 16 MiB here, with under 1 MiB waiting).
+    #[test]
+    fn a_send_buffer_the_socket_never_empties_stays_bounded() {
+        const WAITING: usize = 1 << 20;
+        const STEP: usize = 4096;
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        // Small kernel buffers on both sides (no autotuning): the kernel holds far less than
+        // `WAITING`, so some of it always waits in `tx`.
+        setsockopt(&l, sockopt::RcvBuf, &(64 << 10)).unwrap();
+        let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        setsockopt(&s, sockopt::SndBuf, &(64 << 10)).unwrap();
+        let (mut peer, _) = l.accept().unwrap();
+        let mut c = Conn::new(s, 1 << 20).unwrap();
+        c.tx.resize(WAITING, 1);
+        assert!(
+            !c.flush().unwrap(),
+            "the kernel took {WAITING} bytes at once"
+        );
+        let mut got = vec![0u8; STEP];
+        let step = [2u8; STEP];
+        for round in 0..3000 {
+            peer.read_exact(&mut got).unwrap();
+            c.tx.extend_from_slice(&step);
+            // What waits never falls: the peer read only as much as was appended.
+            assert!(!c.flush().unwrap(), "round {round}: everything queued went");
+            assert!(c.unsent() > WAITING / 2);
+        }
+        assert!(
+            c.tx.capacity() <= 4 * WAITING,
+            "the send buffer grew to {} KiB with {} KiB waiting",
+            c.tx.capacity() >> 10,
+            c.unsent() >> 10
+        );
     }
 }

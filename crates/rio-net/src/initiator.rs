@@ -345,6 +345,15 @@ impl IoConn {
         if self.deferred_cmds == 0 {
             self.deferred.clear();
             self.deferred_at = 0;
+        } else if self.deferred_at >= self.deferred.len() - self.deferred_at {
+            // Commands still wait (a window larger than the queue, kept full, leaves some
+            // waiting at every answer), and more are appended behind them: drop the capsules
+            // that went once they are at least as many bytes as those waiting, so the buffer
+            // holds under twice what waits instead of every capsule since it last emptied.
+            let at = self.deferred_at;
+            self.deferred.copy_within(at.., 0);
+            self.deferred.truncate(self.deferred.len() - at);
+            self.deferred_at = 0;
         }
     }
     fn release(&mut self, cid: u16) {
@@ -2621,6 +2630,43 @@ mod tests {
         fn drop(&mut self) {
             let _ = std::fs::remove_file(&self.0);
         }
+    }
+
+    /// A queue whose commands outnumber its entries at every answer (a window larger than the
+    /// target's queue, kept full): `deferred` never empties, and each answer lets one waiting
+    /// command out while the caller queues another behind the rest. Its buffer stays within
+    /// twice what waits (rounded up by the vector's doubling), where it used to keep every
+    /// capsule that passed through it (about 8 MiB here).
+    #[test]
+    fn commands_always_waiting_for_room_on_the_queue_keep_their_buffer_bounded() {
+        use std::net::TcpListener;
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let _peer = l.accept().unwrap();
+        const WAITING: usize = 4;
+        let mut ic = IoConn::new(16);
+        ic.conn = Some(Conn::new(s, MAX_PDU).unwrap());
+        ic.cap = 4;
+        let data = [7u8; 4096];
+        let sqe = lba_cmd(op::WRITE, 1, 0, data.len() as u32, 12);
+        let mut one = Vec::new();
+        pdu::put_cmd(&mut one, &sqe, &data, Digests::default());
+        for _ in 0..ic.cap as usize + WAITING {
+            ic.queue(&sqe, &data);
+        }
+        for _ in 0..2000 {
+            ic.answered();
+            ic.queue(&sqe, &data);
+            // As if it all went: only `deferred` is measured.
+            ic.conn.as_mut().unwrap().tx.clear();
+            assert_eq!(ic.deferred_cmds as usize, WAITING);
+        }
+        assert!(
+            ic.deferred.capacity() <= 4 * WAITING * one.len(),
+            "the buffer of waiting commands grew to {} KiB for {WAITING} capsules of {} bytes",
+            ic.deferred.capacity() >> 10,
+            one.len()
+        );
     }
 
     /// A caller that does not poll while it submits: every request finishes and waits in

@@ -1421,13 +1421,15 @@ impl TConn {
         )?;
         let dev = Device::open(&lbio, &self.shared.cfg.device, device_config())?;
         // Every command accepted holds a request slot for itself (see `command`'s
-        // back-pressure): the lists of commands held, FLUSHes waiting, data being collected and
-        // requests on the device never hold more than the slots, and get that room now.
+        // back-pressure): the lists of commands held, FLUSHes waiting or parked, data being
+        // collected and requests on the device never hold more than the slots, and get that
+        // room now.
         // The maps get twice that: a hash map whose removals leave markers behind rehashes in
         // place (no allocation) only while it is at most half full.
         let n = IO_SLOTS as usize;
         self.held.reserve(n);
         self.flushes_waiting.reserve(n);
+        self.parked_flushes.reserve(n);
         self.inflight.reserve(2 * n);
         self.collecting.reserve(2 * n);
         self.pulling.reserve(2 * n);
