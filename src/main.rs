@@ -867,6 +867,9 @@ fn main() -> ExitCode {
 }
 
 fn cmd_mkfs(a: MkfsArgs) -> Result<(), BenchError> {
+    // Not even with --force: mkfs under a live file system leaves it serving blocks that are
+    // no longer its own.
+    refuse_image_in_use(&a.image, "unmount it (or stop that process) first")?;
     // A file `--size` creates is removed again when mkfs fails.
     let mut created = None;
     if let Some(size) = a.size {
@@ -1000,17 +1003,96 @@ fn cmd_bench_fs(a: FsBenchArgs) -> Result<(), BenchError> {
 }
 
 fn is_mounted(mountpoint: &Path) -> bool {
-    let Ok(canon) = mountpoint.canonicalize() else {
-        return false;
-    };
+    mounted_type(mountpoint).is_some_and(|t| t.starts_with("fuse"))
+}
+
+/// The type of the file system mounted on `mountpoint` (the one on top), if one is.
+fn mounted_type(mountpoint: &Path) -> Option<String> {
+    let canon = mountpoint.canonicalize().ok()?;
     let want = canon.to_string_lossy().replace(' ', "\\040");
-    std::fs::read_to_string("/proc/self/mounts").is_ok_and(|m| {
-        m.lines().any(|l| {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").ok()?;
+    mounts
+        .lines()
+        .filter_map(|l| {
             let mut f = l.split(' ');
             let (_, mp, ty) = (f.next(), f.next(), f.next());
-            mp == Some(want.as_str()) && ty.is_some_and(|t| t.starts_with("fuse"))
+            (mp == Some(want.as_str())).then(|| ty.unwrap_or("").to_string())
         })
-    })
+        .next_back()
+}
+
+/// Processes other than this one that hold `image` open for writing (a serving `aios mount`,
+/// an `aios target`, a bench): each one's id and command line, read from /proc (a process
+/// this user cannot look into is passed over; root sees them all). A block device is matched
+/// by its device number, whatever node names it.
+fn writers_of(image: &Path) -> Vec<(u32, String)> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let Ok(want) = std::fs::metadata(image) else {
+        return Vec::new();
+    };
+    let block = want.file_type().is_block_device();
+    let same = |m: &std::fs::Metadata| {
+        if block {
+            m.file_type().is_block_device() && m.rdev() == want.rdev()
+        } else {
+            m.dev() == want.dev() && m.ino() == want.ino()
+        }
+    };
+    // fdinfo's `flags:` are octal; the low two bits are the access mode (0: read only).
+    let writable = |info: &Path| {
+        std::fs::read_to_string(info).is_ok_and(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("flags:"))
+                .and_then(|f| u32::from_str_radix(f.trim(), 8).ok())
+                .is_some_and(|f| f & 3 != 0)
+        })
+    };
+    let me = std::process::id();
+    let mut found = Vec::new();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return found;
+    };
+    for p in procs.flatten() {
+        let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let Ok(fds) = std::fs::read_dir(p.path().join("fd")) else {
+            continue;
+        };
+        let writes = fds.flatten().any(|fd| {
+            std::fs::metadata(fd.path()).is_ok_and(|m| same(&m))
+                && writable(&p.path().join("fdinfo").join(fd.file_name()))
+        });
+        if writes {
+            let cmd = std::fs::read(p.path().join("cmdline"))
+                .map(|b| {
+                    String::from_utf8_lossy(&b)
+                        .split('\0')
+                        .filter(|a| !a.is_empty())
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                })
+                .unwrap_or_default();
+            found.push((pid, cmd));
+        }
+    }
+    found
+}
+
+/// Refuse `image` when another process has it open for writing (`then` says what to do):
+/// a second mount of an image, or mkfs under a live one, writes over the file system that
+/// process is serving.
+fn refuse_image_in_use(image: &Path, then: &str) -> Result<(), BenchError> {
+    match writers_of(image).first() {
+        Some((pid, cmd)) => Err(BenchError::Invalid(format!(
+            "{}: in use, open for writing by process {pid} ({cmd}); {then}",
+            image.display()
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// The smallest page cache a mount takes (two 4 KiB frames: one pool batch per handle).
@@ -1037,9 +1119,24 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
     check_mount_cache(a.cache_size)?;
     // Both paths are checked here, before a background file system and its log exist, each
     // error naming the path it is about.
-    std::fs::metadata(&a.image).map_err(|e| BenchError::Setup(about(&a.image, e)))?;
+    let meta = std::fs::metadata(&a.image).map_err(|e| BenchError::Setup(about(&a.image, e)))?;
+    if meta.is_dir() {
+        return Err(BenchError::Invalid(format!(
+            "{}: a directory, not an image file or block device",
+            a.image.display()
+        )));
+    }
     match std::fs::metadata(&a.mountpoint) {
-        Ok(m) if m.is_dir() => {}
+        Ok(m) if m.is_dir() => {
+            // The wait for the background mount below looks for a FUSE mount there: one that
+            // was there first read as this one, and the new mount hid the old one's files.
+            if let Some(ty) = mounted_type(&a.mountpoint) {
+                return Err(BenchError::Invalid(format!(
+                    "mountpoint {}: already a mount point ({ty}); unmount it first or choose another directory",
+                    a.mountpoint.display()
+                )));
+            }
+        }
         Ok(_) => {
             return Err(BenchError::Invalid(format!(
                 "mountpoint {}: not a directory",
@@ -1053,6 +1150,10 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
             )))
         }
     }
+    refuse_image_in_use(
+        &a.image,
+        "two file systems writing one image destroy it: unmount it (or stop that process) first",
+    )?;
     if !a.foreground {
         // The file system runs as a child in its own process group (a Ctrl-C at this terminal
         // does not reach it); this process waits until the mount is there or the child fails.
