@@ -37,6 +37,36 @@ impl Default for MkfsOptions {
     }
 }
 
+/// What another file system, partition table or volume format a device or image begins with
+/// says it is (read from its first 68 KiB, where they all put their magic numbers); `None` when
+/// none is there. mkfs without `force` refuses such a target as it refuses an aiosfs.
+fn foreign_signature(path: &Path) -> Result<Option<&'static str>, FsError> {
+    use std::io::Read;
+    let mut head = Vec::with_capacity(68 << 10);
+    std::fs::File::open(path)
+        .and_then(|f| f.take(68 << 10).read_to_end(&mut head))
+        .map_err(|e| FsError::io(path, e))?;
+    let at = |off: usize, magic: &[u8]| head.get(off..off + magic.len()) == Some(magic);
+    // (offset, magic, name): ext2/3/4's superblock magic 0xEF53 at byte 56 of block 1024,
+    // btrfs's in its superblock at 64 KiB, XFS's, LUKS's and squashfs's at the start, a swap
+    // area's at the end of its first 4 KiB page, GPT's header in sector 1, and the boot
+    // signature that ends an MBR partition table or a FAT boot sector.
+    const SIGNATURES: [(usize, &[u8], &str); 8] = [
+        (1080, &[0x53, 0xef], "an ext2/ext3/ext4 file system"),
+        (65600, b"_BHRfS_M", "a btrfs file system"),
+        (0, b"XFSB", "an XFS file system"),
+        (0, b"LUKS\xba\xbe", "a LUKS encrypted volume"),
+        (0, b"hsqs", "a squashfs image"),
+        (4086, b"SWAPSPACE2", "a swap area"),
+        (512, b"EFI PART", "a GPT partition table"),
+        (510, &[0x55, 0xaa], "an MBR partition table or boot sector"),
+    ];
+    Ok(SIGNATURES
+        .iter()
+        .find(|&&(off, magic, _)| at(off, magic))
+        .map(|&(_, _, name)| name))
+}
+
 fn now() -> (u64, u32) {
     let d = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -57,6 +87,12 @@ pub fn mkfs(path: &Path, opts: &MkfsOptions) -> Result<Superblock, FsError> {
                 path.display(),
                 sb.blocks,
                 sb.created
+            )));
+        }
+        if let Some(what) = foreign_signature(path)? {
+            return Err(FsError::Config(format!(
+                "{} already holds {what}; pass --force to replace it",
+                path.display()
             )));
         }
     }

@@ -364,3 +364,44 @@ fn mkfs_refuses_an_image_with_only_its_backup_superblock_intact() {
         "unchanged"
     );
 }
+
+/// An image that holds another file system or a partition table (its magic number is all this
+/// test writes) is refused without --force, and left as it was; with --force it is formatted.
+#[test]
+fn mkfs_refuses_a_foreign_file_system_or_partition_table_unless_forced() {
+    for (name, off, magic, what) in [
+        ("ext4", 1080, &[0x53u8, 0xef][..], "ext2/ext3/ext4"),
+        ("btrfs", 65600, b"_BHRfS_M", "btrfs"),
+        ("xfs", 0, b"XFSB", "XFS"),
+        ("mbr", 510, &[0x55, 0xaa], "MBR"),
+        ("gpt", 512, b"EFI PART", "GPT"),
+        ("swap", 4086, b"SWAPSPACE2", "swap"),
+    ] {
+        let img = Image::new(&format!("foreign-{name}"), 8 << 20);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(img.path())
+            .unwrap()
+            .write_all_at(magic, off)
+            .unwrap();
+        let before = std::fs::read(img.path()).unwrap();
+        let e = mkfs(img.path(), &small()).expect_err("mkfs formatted over another format");
+        assert!(
+            e.to_string().contains(what) && e.to_string().contains("--force"),
+            "{name}: {e}"
+        );
+        assert!(
+            std::fs::read(img.path()).unwrap() == before,
+            "{name}: the refused mkfs changed the image"
+        );
+        mkfs(
+            img.path(),
+            &MkfsOptions {
+                force: true,
+                ..small()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{name} with force: {e}"));
+        assert!(fsck(img.path()).unwrap().problems.is_empty(), "{name}");
+    }
+}
