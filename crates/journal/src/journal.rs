@@ -1011,30 +1011,6 @@ impl<'a> Inflight<'a> {
     }
 }
 
-/// A transaction's log blocks in the buffers they are written from: (device byte, buffer) per
-/// run of consecutive log positions, in log order (one run unless the log wraps inside it, or
-/// the arena had no free frames in a row as long as a run).
-struct LogBufs(SmallVec<[(u64, FixedBuf); 2]>);
-
-impl LogBufs {
-    /// Log block `i` of the transaction.
-    fn nth(&mut self, mut i: usize) -> &mut [u8] {
-        for (_, buf) in &mut self.0 {
-            let len = buf.len() / BLOCK;
-            if i < len {
-                return &mut buf[i * BLOCK..(i + 1) * BLOCK];
-            }
-            i -= len;
-        }
-        panic!("log block past the transaction's buffers");
-    }
-
-    /// The writes: (device byte, buffer) per run.
-    fn into_runs(self) -> SmallVec<[(u64, FixedBuf); 2]> {
-        self.0
-    }
-}
-
 /// Where a transaction's log blocks are built ([`Journal::build_journal`]).
 trait LogSink {
     /// Log block `i` of the transaction, to be built; blocks are asked for in log order, each
@@ -1042,17 +1018,11 @@ trait LogSink {
     fn block(&mut self, i: usize) -> Result<&mut [u8], JournalError>;
 }
 
-impl LogSink for LogBufs {
-    fn block(&mut self, i: usize) -> Result<&mut [u8], JournalError> {
-        Ok(self.nth(i))
-    }
-}
-
 /// Log blocks built straight into the buffers they are written from, one per run of
 /// consecutive log positions from `head`, each run's write started as soon as the run is
 /// built. The buffers come from [`Inflight::buf`]: a transaction's log needs no more free
-/// frames than one block, and where the arena has them it is the same runs and writes as
-/// [`LogBufs`].
+/// frames than one block, and where the arena has them it is one write per run of
+/// consecutive log positions ([`Journal::log_run`]).
 struct LogWriter<'w, 'd> {
     j: &'d Journal,
     w: &'w mut Inflight<'d>,
@@ -1100,16 +1070,184 @@ impl LogSink for LogWriter<'_, '_> {
         let buf = match &mut self.run {
             Some((_, buf)) => buf,
             run => {
-                let (j, head) = (self.j, self.head);
-                let at = |k: usize| j.set.log_byte(j.area, head + k as u64);
-                let start = at(i);
-                let mut len = 1;
-                while i + len < self.total && at(i + len) == start + (len * BLOCK) as u64 {
-                    len += 1;
-                }
-                let buf = self.w.buf(&j.engine, len)?;
+                let (start, len) = self.j.log_run(self.head, i, self.total, usize::MAX);
+                let buf = self.w.buf(&self.j.engine, len)?;
                 self.filled = 0;
                 &mut run.insert((start, buf)).1
+            }
+        };
+        let k = self.filled;
+        self.filled += 1;
+        Ok(&mut buf[k * BLOCK..(k + 1) * BLOCK])
+    }
+}
+
+/// A Rio-ordered commit's data and journal writes, each handed to the ordered device as soon
+/// as it is built. A write closes its group when the next one would take the group past `cap`
+/// attribute log entries, so each built write waits for the next before it is submitted: where
+/// the arena has frames free, these are the groups, writes and buffers of a commit that built
+/// them all first. The buffers come from the arena's free frames, else the spare frame taken
+/// before the commit's id, else from this commit's own writes: the group being built is closed
+/// at once (sent), and the ordered device hands finished writes back with their buffers. So a
+/// Rio commit needs one free frame. Groups still go out in order, and the commit block's group
+/// follows them all (it is taken after [`RioWriter::close`]).
+///
+/// The ordered device sends a group whose writes follow each other on the device, or such
+/// whole groups queued together, as one command copied into a buffer of their total length
+/// from the arena. Runs cut short by the arena would make such groups where the arena has no
+/// room for the copy: once the arena runs short ([`RioWriter::short`]), a write that follows the
+/// one before it on the device starts a group, and a closed group is sent before the next one
+/// closes.
+struct RioWriter<'a> {
+    j: &'a Journal,
+    dev: &'a mut OrderedDevice<Box<dyn Pmr>>,
+    /// Finished writes taken back (kept empty between calls; the list is the handle's).
+    done: &'a mut Vec<rio_ordering::Done>,
+    stream: u16,
+    /// A write's largest piece: it takes one attribute log entry per piece.
+    max: usize,
+    /// The most entries one group holds.
+    cap: usize,
+    /// A frame taken before the commit's id ([`Journal::commit_led`]).
+    spare: Option<FixedBuf>,
+    /// The last write built, not yet submitted, with its entries.
+    pending: Option<(rio_ordering::Write, usize)>,
+    /// Entries of the open group's writes submitted so far.
+    in_group: usize,
+    /// The arena could not give a buffer as long as a run: from then on no group is built that
+    /// the ordered device would copy into one buffer.
+    short: bool,
+    /// The first of this commit's writes that came back failed.
+    failed: Option<String>,
+    /// Time spent submitting and waiting for writes (not preparation).
+    io: Duration,
+    /// The journal blocks: `total` of them from log position `head`; the run being built and
+    /// how many of its blocks are handed out.
+    head: u64,
+    total: usize,
+    run: Option<(u64, FixedBuf)>,
+    filled: usize,
+}
+
+impl RioWriter<'_> {
+    /// A built write (`ipu`: data in place): the one built before it is submitted now, closing
+    /// its group when this one would take the group past its entries.
+    fn put(&mut self, offset: u64, buf: FixedBuf, ipu: bool) -> Result<(), JournalError> {
+        let entries = buf.len().div_ceil(self.max);
+        if let Some((p, e)) = self.pending.take() {
+            self.in_group += e;
+            let follows = offset == p.offset + p.buf.len() as u64;
+            let end = self.in_group + entries > self.cap || (self.short && follows);
+            self.submit(p, end)?;
+        }
+        let w = rio_ordering::Write {
+            target: 0,
+            offset,
+            buf,
+            ipu,
+        };
+        self.pending = Some((w, entries));
+        Ok(())
+    }
+
+    fn submit(&mut self, w: rio_ordering::Write, end: bool) -> Result<(), JournalError> {
+        let t = Instant::now();
+        let mut r = self.dev.submit(self.stream, w, end).map(|_| ());
+        if end {
+            self.in_group = 0;
+            if self.short && r.is_ok() {
+                // Not queued behind the next group (the device would merge them).
+                r = self.dev.flush_queue(self.stream);
+            }
+        }
+        self.io += t.elapsed();
+        r?;
+        Ok(())
+    }
+
+    /// Submit the write built last, closing its group (the open group, if any: a group is
+    /// open only while a write is pending).
+    fn close(&mut self) -> Result<(), JournalError> {
+        if let Some((p, _)) = self.pending.take() {
+            self.submit(p, true)?;
+        }
+        Ok(())
+    }
+
+    /// Hand the journal run being built to [`RioWriter::put`].
+    fn send_run(&mut self) -> Result<(), JournalError> {
+        match self.run.take() {
+            Some((at, buf)) => self.put(at, buf, false),
+            None => Ok(()),
+        }
+    }
+
+    /// A buffer for a run of up to `blocks` blocks, as [`Inflight::buf`] takes one: the
+    /// arena's free frames (the longest power-of-two run it has, the usual case), else the
+    /// spare, else this commit's finished writes' buffers (its open group is closed to send
+    /// them); only with none of its writes on the ordered device does it wait for the engine's
+    /// other I/O, failing (`ArenaExhausted`) when there is none.
+    fn buf(&mut self, blocks: usize) -> Result<FixedBuf, JournalError> {
+        let engine = &self.j.engine;
+        loop {
+            let mut len = blocks.max(1);
+            loop {
+                if let Some(b) = engine.try_alloc_run(len * BLOCK) {
+                    self.short |= len < blocks;
+                    return Ok(b);
+                }
+                if len == 1 {
+                    break;
+                }
+                len /= 2;
+            }
+            self.short = true;
+            if let Some(b) = self.spare.take() {
+                return Ok(b);
+            }
+            self.close()?;
+            let t = Instant::now();
+            // Sends what the device queues, then takes what has finished; waits for a command
+            // to finish when nothing had.
+            self.dev.poll_into(self.done)?;
+            if self.done.is_empty() {
+                if self.dev.in_flight() == 0 {
+                    self.io += t.elapsed();
+                    return alloc(engine);
+                }
+                self.dev.wait_progress_into(self.done)?;
+            }
+            self.io += t.elapsed();
+            // Their buffers go back to the arena; a failure is kept for the commit's answer.
+            for d in self.done.drain(..) {
+                if let Err(why) = d.result {
+                    self.failed.get_or_insert_with(|| {
+                        format!("write {} of group {} failed: {why}", d.id, d.seq)
+                    });
+                }
+            }
+        }
+    }
+}
+
+impl LogSink for RioWriter<'_> {
+    fn block(&mut self, i: usize) -> Result<&mut [u8], JournalError> {
+        if let Some((_, buf)) = &self.run {
+            if self.filled == buf.len() / BLOCK {
+                self.send_run()?;
+            }
+        }
+        let buf = match self.run {
+            Some((_, ref mut buf)) => buf,
+            None => {
+                // A run is at most one write the ordered device takes: it refuses one that
+                // splits into more than 255 device requests, and a write's entries must fit
+                // one group.
+                let most = (self.max / BLOCK).max(1);
+                let (start, len) = self.j.log_run(self.head, i, self.total, most);
+                let buf = self.buf(len)?;
+                self.filled = 0;
+                &mut self.run.insert((start, buf)).1
             }
         };
         let k = self.filled;
@@ -2080,23 +2218,6 @@ impl Journal {
         Ok(())
     }
 
-    /// Build the transaction's journal blocks (descriptors with tags, metadata copies,
-    /// revokes) straight into the buffers they are written from, all taken first, one per run
-    /// of consecutive log positions from `head` (two where the log wraps, more where the arena
-    /// is fragmented; see [`alloc_run`]): the Rio-ordered commit hands them all to its ordered
-    /// device at once. Returns them with the number of journal blocks and the chained checksum.
-    /// (The other modes build them as they send them: [`LogWriter`].)
-    fn prepare_journal(
-        &self,
-        tx: &Tx,
-        tid: u64,
-        head: u64,
-    ) -> Result<(LogBufs, usize, u32), JournalError> {
-        let mut bufs = self.log_bufs(head, self.journal_blocks(tx))?;
-        let (n, chain) = self.build_journal(tx, tid, &mut bufs)?;
-        Ok((bufs, n, chain))
-    }
-
     /// The transaction's log blocks but its commit block.
     fn journal_blocks(&self, tx: &Tx) -> usize {
         self.log_blocks(tx) as usize - 1
@@ -2180,31 +2301,17 @@ impl Journal {
         Ok((n, chain))
     }
 
-    /// Buffers for `n` log blocks from log position `head`: one per run of consecutive
-    /// positions (more where the arena is fragmented; see [`alloc_run`]). On a Rio handle a
-    /// run is at most [`Self::max_write`] long: the ordered device takes each buffer as one
-    /// write, refuses one that splits into more than 255 device requests, and a write's log
-    /// entries must fit one group of its attribute log ([`Self::write_tx_rio`]).
-    fn log_bufs(&self, head: u64, n: usize) -> Result<LogBufs, JournalError> {
-        let at = |i: usize| self.set.log_byte(self.area, head + i as u64);
-        let most = if self.rio.is_some() {
-            (self.max_write() / BLOCK).max(1)
-        } else {
-            usize::MAX
-        };
-        let mut runs: SmallVec<[(u64, FixedBuf); 2]> = SmallVec::new();
-        let mut i = 0;
-        while i < n {
-            let start = at(i);
-            let mut len = 1;
-            while i + len < n && len < most && at(i + len) == start + (len * BLOCK) as u64 {
-                len += 1;
-            }
-            let buf = alloc_run(&self.engine, len)?;
-            i += buf.len() / BLOCK;
-            runs.push((start, buf));
+    /// The run of consecutive log positions that starts at the transaction's log block `i` of
+    /// `total` (from log position `head`): its device byte and length in blocks, at most
+    /// `most` (a run ends where the log wraps).
+    fn log_run(&self, head: u64, i: usize, total: usize, most: usize) -> (u64, usize) {
+        let at = |k: usize| self.set.log_byte(self.area, head + k as u64);
+        let start = at(i);
+        let mut len = 1;
+        while i + len < total && len < most && at(i + len) == start + (len * BLOCK) as u64 {
+            len += 1;
         }
-        Ok(LogBufs(runs))
+        (start, len)
     }
 
     fn prepare_commit(
@@ -2262,23 +2369,8 @@ impl Journal {
         (self.dev.geometry().max_transfer_bytes as usize).clamp(BLOCK, 1 << 20)
     }
 
-    /// The transaction's data as few writes as possible, in block order: blocks that follow
-    /// each other go out as one write of at most [`Self::max_write`] bytes (shorter where the
-    /// arena has no free frames in a row that long). All buffers are taken first: the
-    /// Rio-ordered commit hands them to its ordered device at once.
-    fn data_runs(&self, tx: &Tx) -> Result<SmallVec<[(u64, FixedBuf); 4]>, JournalError> {
-        let mut out = SmallVec::new();
-        self.for_data_runs(
-            tx,
-            &mut out,
-            |_, len| alloc_run(&self.engine, len),
-            |out, at, buf| out.push((at, buf)),
-        )?;
-        Ok(out)
-    }
-
-    /// Send the transaction's data in place as [`Self::data_runs`] cuts it, each write started
-    /// as soon as its buffer is filled, from buffers [`Inflight::buf`] gives: the data needs
+    /// Send the transaction's data in place as [`Self::for_data_runs`] cuts it, each write
+    /// started as soon as its buffer is filled, from buffers [`Inflight::buf`] gives: the data needs
     /// no more free frames than one block.
     fn send_data<'d>(
         &'d self,
@@ -2290,19 +2382,24 @@ impl Journal {
             tx,
             w,
             |w, len| w.buf(&self.engine, len),
-            |w, at, buf| w.start(self.dev.write_at(at, buf, fua)),
+            |w, at, buf| {
+                w.start(self.dev.write_at(at, buf, fua));
+                Ok(())
+            },
         )
     }
 
-    /// Cut the transaction's data into runs (see [`Self::data_runs`]): a buffer for each from
-    /// `take` (given the run's length in blocks; a shorter buffer shortens the run), filled,
-    /// then handed to `put` with its device byte.
+    /// Cut the transaction's data into as few writes as possible, in block order: blocks that
+    /// follow each other go out as one write of at most [`Self::max_write`] bytes (shorter
+    /// where the arena has no free frames in a row that long). A buffer for each from `take`
+    /// (given the run's length in blocks; a shorter buffer shortens the run), filled, then
+    /// handed to `put` with its device byte.
     fn for_data_runs<S>(
         &self,
         tx: &Tx,
         state: &mut S,
         mut take: impl FnMut(&mut S, usize) -> Result<FixedBuf, JournalError>,
-        mut put: impl FnMut(&mut S, u64, FixedBuf),
+        mut put: impl FnMut(&mut S, u64, FixedBuf) -> Result<(), JournalError>,
     ) -> Result<(), JournalError> {
         let max = self.max_write();
         let mut order: SmallVec<[&(u64, Vec<u8>); 8]> = tx.data.iter().collect();
@@ -2320,7 +2417,7 @@ impl Journal {
             for (i, (_, d)) in order[k..k + len].iter().enumerate() {
                 buf[i * BLOCK..(i + 1) * BLOCK].copy_from_slice(d);
             }
-            put(state, start * BLOCK as u64, buf);
+            put(state, start * BLOCK as u64, buf)?;
             k += len;
         }
         Ok(())
@@ -2342,9 +2439,7 @@ impl Journal {
     /// a frame of the handle's arena, taken before the id: a buffer to fall back on.
     fn write_tx(&self, tx: &Tx, tid: u64, head: u64, spare: FixedBuf) -> Result<(), JournalError> {
         if let Some(rio) = &self.rio {
-            // The Rio-ordered commit takes all its buffers before it sends anything.
-            drop(spare);
-            return self.write_tx_rio(rio, tx, tid, head);
+            return self.write_tx_rio(rio, tx, tid, head, spare);
         }
         let dev = &self.dev;
         // FUA on every data and journal block makes the FLUSH before the commit unneeded, on a
@@ -2485,81 +2580,95 @@ impl Journal {
     /// A transaction with more writes than a quarter of the attribute log's slots is spread
     /// over as many groups as it needs (in order, the commit block's group after them all): a
     /// group must fit the log, and the ordered device frees slots of durable groups when the
-    /// log runs full.
+    /// log runs full. Each write is handed to the ordered device as it is built
+    /// ([`RioWriter`]); when the arena runs out of frames, the group being built goes out at
+    /// once (one more group, still before the commit block's) and the commit takes its
+    /// finished writes' buffers back, so it needs one free frame (`spare`, taken before the
+    /// id, if the arena has none).
     fn write_tx_rio(
         &self,
         rio: &RioStream,
         tx: &Tx,
         tid: u64,
         head: u64,
+        spare: FixedBuf,
     ) -> Result<(), JournalError> {
         let st = &self.set.stats;
         let start = Instant::now();
-        let max = self.max_write();
-        let data = self.data_runs(tx)?;
-        let (bufs, n, chain) = self.prepare_journal(tx, tid, head)?;
-        let runs = bufs.into_runs();
-        // Buffer preparation only: submitting may wait for the attribute log's sync.
-        let mut prep = start.elapsed();
         let mut dev = rio.dev.borrow_mut();
+        let mut done = rio.done.borrow_mut();
         let s = rio.stream;
-        let write = |(offset, buf): (u64, FixedBuf), ipu: bool| rio_ordering::Write {
-            target: 0,
-            offset,
-            buf,
-            ipu,
-        };
-        let writes: SmallVec<[rio_ordering::Write; 8]> = data
-            .into_iter()
-            .map(|w| write(w, true))
-            .chain(runs.into_iter().map(|w| write(w, false)))
-            .collect();
-        // Entries each write takes in the attribute log (one per piece the device splits it in).
-        let entries: SmallVec<[usize; 8]> =
-            writes.iter().map(|w| w.buf.len().div_ceil(max)).collect();
         let cap = (dev.log().slots() as usize / 4).max(1);
+        let mut w = RioWriter {
+            j: self,
+            dev: &mut dev,
+            done: &mut done,
+            stream: s,
+            max: self.max_write(),
+            cap,
+            spare: Some(spare),
+            pending: None,
+            in_group: 0,
+            short: false,
+            failed: None,
+            io: Duration::ZERO,
+            head,
+            total: self.journal_blocks(tx),
+            run: None,
+            filled: 0,
+        };
+        // Buffer preparation only: submitting may wait for the attribute log's sync.
+        let mut prep = Duration::ZERO;
         // Every exit once a write may have gone out comes through here: a submission refused
         // part-way (its attribute log entry could not be written, say) leaves the writes sent
         // before it on the device.
         let waited: Result<(), JournalError> = 'send: {
-            let mut in_group = 0;
-            for (i, w) in writes.into_iter().enumerate() {
-                in_group += entries[i];
-                let end = entries.get(i + 1).is_none_or(|&e| in_group + e > cap);
-                if let Err(e) = dev.submit(s, w, end) {
-                    break 'send Err(e.into());
-                }
-                if end {
-                    in_group = 0;
-                }
-            }
-            // The commit block's group follows the data-and-journal groups.
-            let group = dev.next_seq(s);
-            let t = Instant::now();
-            let c = match self.prepare_commit(tx, tid, n, chain, Some(group)) {
+            let built = self.send_rio_journal(tx, tid, &mut w);
+            prep += start.elapsed().saturating_sub(w.io);
+            let (n, chain) = match built {
+                Ok(b) => b,
+                Err(e) => break 'send Err(e),
+            };
+            // The commit block's group follows the data-and-journal groups (all closed now).
+            let (t, io) = (Instant::now(), w.io);
+            let mut c = match w.buf(1) {
                 Ok(c) => c,
                 Err(e) => break 'send Err(e),
             };
-            prep += t.elapsed();
+            // No more buffers to take: the spare frame, if unused, goes back (the ordered
+            // device may copy merged groups into arena memory).
+            w.spare = None;
+            let group = w.dev.next_seq(s);
+            self.fill_commit(&mut c, tx, tid, n, chain, Some(group));
+            prep += t.elapsed().saturating_sub(w.io - io);
             let at = self.set.log_byte(self.area, head + n as u64);
-            if let Err(e) = dev.submit(s, write((at, c), false), true) {
+            let commit = rio_ordering::Write {
+                target: 0,
+                offset: at,
+                buf: c,
+                ipu: false,
+            };
+            if let Err(e) = w.dev.submit(s, commit, true) {
                 break 'send Err(e.into());
             }
-            dev.wait(s).map_err(Into::into)
+            w.dev.wait(s).map_err(Into::into)
         };
+        let failed_before = w.failed.take();
+        drop(w);
         st.prepare_ns
             .fetch_add(prep.as_nanos() as u64, Ordering::Relaxed);
         // Hand the buffers back whatever happened, then report the first failure.
-        let mut done = rio.done.borrow_mut();
         let polled = dev.poll_into(&mut done);
-        let failed = done.iter().position(|d| d.result.is_err()).map(|i| {
-            let d = done.swap_remove(i);
-            format!(
-                "write {} of group {} failed: {}",
-                d.id,
-                d.seq,
-                d.result.err().unwrap_or_default()
-            )
+        let failed = failed_before.or_else(|| {
+            done.iter().position(|d| d.result.is_err()).map(|i| {
+                let d = done.swap_remove(i);
+                format!(
+                    "write {} of group {} failed: {}",
+                    d.id,
+                    d.seq,
+                    d.result.err().unwrap_or_default()
+                )
+            })
         });
         if waited.is_err() || polled.is_err() || failed.is_some() {
             // A failed commit returns only once none of its writes is on the device: the set
@@ -2580,6 +2689,26 @@ impl Journal {
             st.flushes_skipped.fetch_add(1, Ordering::Relaxed);
         }
         Ok(())
+    }
+
+    /// A Rio-ordered commit's data and journal blocks, built and handed to `w` in order, their
+    /// last group closed. Returns the number of journal blocks and their chained checksum.
+    fn send_rio_journal(
+        &self,
+        tx: &Tx,
+        tid: u64,
+        w: &mut RioWriter<'_>,
+    ) -> Result<(usize, u32), JournalError> {
+        self.for_data_runs(
+            tx,
+            w,
+            |w, len| w.buf(len),
+            |w, at, buf| w.put(at, buf, true),
+        )?;
+        let built = self.build_journal(tx, tid, w)?;
+        w.send_run()?;
+        w.close()?;
+        Ok(built)
     }
 
     /// Write every committed metadata block home (newest version), make it durable, and empty

@@ -3,12 +3,21 @@
 //! (sending what it has built and taking back the buffers of finished writes), so it succeeds,
 //! and recovery finds every block it wrote, in each commit mode. With no frame free at all and
 //! nothing in flight, the commit is refused with a typed error before anything reaches the
-//! device, and the set takes the next commit.
+//! device, and the set takes the next commit. A Rio-ordered handle, whose ordered device takes
+//! each write with its buffer and hands it back when done, does the same.
 
+mod common;
+use common::SimPmr;
+
+use std::cell::RefCell;
 use std::rc::Rc;
 
 use aios_core::{CoreError, Engine, EngineConfig, FixedBuf};
-use journal::{recover_image, CommitMode, Journal, JournalError, JournalSet, Layout, Tx};
+use journal::rio_ordering::{self, MemPmr, OrderedConfig};
+use journal::{
+    recover_image, recover_image_rio, rio_prefix, CommitMode, Journal, JournalError, JournalSet,
+    Layout, Tx,
+};
 use lbio::{CrashOptions, LbioArray, LbioConfig, SimConfig, SimDisk};
 
 const BLOCK: usize = 4096;
@@ -39,11 +48,31 @@ struct Rig {
     disk: SimDisk,
     layout: Layout,
     journal: Journal,
+    /// A Rio-ordered handle's attribute log (persistent memory emulated in RAM).
+    rio_log: Option<Rc<RefCell<Vec<u8>>>>,
+}
+
+/// Which handle commits: one of a mode, or a Rio-ordered one whose ordered device sends
+/// closed groups `batch` at a time.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Handle {
+    Plain(CommitMode),
+    Rio { batch: usize },
+}
+
+impl Handle {
+    fn name(self) -> &'static str {
+        match self {
+            Handle::Plain(m) => m.name(),
+            Handle::Rio { batch: 1 } => "rio",
+            Handle::Rio { .. } => "rio (batched groups)",
+        }
+    }
 }
 
 /// A one-area journal on a 512-block SimDisk, committed to through an engine of a 1 MiB arena
 /// (256 frames).
-fn rig(mode: CommitMode) -> Rig {
+fn rig(handle: Handle) -> Rig {
     let engine = Engine::new(EngineConfig {
         ring_entries: 128,
         arena_bytes: 1 << 20,
@@ -55,12 +84,41 @@ fn rig(mode: CommitMode) -> Rig {
     let disk = SimDisk::new(SimConfig::new(512 * BLOCK as u64, 11)).unwrap();
     let layout = Layout::per_core(0, 64, 1);
     let set = JournalSet::format(&disk.open(&lbio).unwrap(), layout.clone()).unwrap();
-    let journal = Journal::new(&set, 0, disk.open(&lbio).unwrap(), mode).unwrap();
+    let (journal, rio_log) = match handle {
+        Handle::Plain(mode) => (
+            Journal::new(&set, 0, disk.open(&lbio).unwrap(), mode).unwrap(),
+            None,
+        ),
+        Handle::Rio { batch } => {
+            // The ordered device on an lbio array of its own, over the same engine (its
+            // buffers come from the same arena).
+            let own = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+            let bytes = Rc::new(RefCell::new(vec![0u8; 16 << 10]));
+            let pmr = SimPmr {
+                bytes: Rc::clone(&bytes),
+                disk: disk.clone(),
+            };
+            let j = Journal::with_rio(
+                &set,
+                0,
+                disk.open(&lbio).unwrap(),
+                disk.open(&own).unwrap(),
+                Box::new(pmr),
+                OrderedConfig {
+                    batch,
+                    ..OrderedConfig::default()
+                },
+            )
+            .unwrap();
+            (j, Some(bytes))
+        }
+    };
     Rig {
         engine,
         disk,
         layout,
         journal,
+        rio_log,
     }
 }
 
@@ -79,7 +137,16 @@ fn hold_all_but(engine: &Engine, free: usize) -> Vec<FixedBuf> {
 fn check_recovers(rig: &Rig, round: u64, what: &str) {
     for _ in 0..8 {
         let mut img = rig.disk.crash_image(CrashOptions::default());
-        let report = recover_image(&mut img, &rig.layout).unwrap();
+        let report = match &rig.rio_log {
+            None => recover_image(&mut img, &rig.layout).unwrap(),
+            Some(bytes) => {
+                // The attribute log as the crash leaves it says how far the stream is durable.
+                let mut log = MemPmr::new(bytes.borrow().len());
+                log.bytes_mut().copy_from_slice(&bytes.borrow());
+                let prefix = rio_prefix(&[rio_ordering::scan(&log).unwrap()], false).unwrap();
+                recover_image_rio(&mut img, &rig.layout, &prefix).unwrap()
+            }
+        };
         assert!(report.corrupt.is_empty(), "{what}: {report:?}");
         for b in DATA.into_iter().chain(META) {
             let at = b as usize * BLOCK;
@@ -91,19 +158,32 @@ fn check_recovers(rig: &Rig, round: u64, what: &str) {
     }
 }
 
-fn commits_fit_an_arena_with_few_free_frames(mode: CommitMode) {
+fn commits_fit_an_arena_with_few_free_frames(handle: Handle) {
     {
         for free in [1, 3] {
-            let what = format!("{} with {free} free frames", mode.name());
-            let rig = rig(mode);
+            let what = format!("{} with {free} free frames", handle.name());
+            let rig = rig(handle);
             let held = hold_all_but(&rig.engine, free);
             // Eight rounds: the log (63 blocks) wraps, and full logs checkpoint.
             for round in 0..8 {
-                let info = rig
-                    .journal
-                    .commit(&tx_of(round))
-                    .unwrap_or_else(|e| panic!("{what}: commit {round}: {e}"));
-                assert_eq!(info.data_journaled, mode == CommitMode::OneWrite, "{what}");
+                let info = match rig.journal.commit(&tx_of(round)) {
+                    Ok(info) => info,
+                    Err(e) => {
+                        // Whether the failure cost the set: the same commit again, every frame
+                        // free.
+                        drop(held);
+                        let again = rig.journal.commit(&tx_of(round));
+                        panic!(
+                            "{what}: commit {round}: {e}; the same commit again, every frame \
+                             free: {again:?}"
+                        )
+                    }
+                };
+                assert_eq!(
+                    info.data_journaled,
+                    handle == Handle::Plain(CommitMode::OneWrite),
+                    "{what}"
+                );
                 check_recovers(&rig, round, &what);
             }
             let checkpoints = rig
@@ -123,10 +203,10 @@ fn commits_fit_an_arena_with_few_free_frames(mode: CommitMode) {
     }
 }
 
-fn a_commit_with_no_frame_to_be_had_is_refused_and_the_set_goes_on(mode: CommitMode) {
+fn a_commit_with_no_frame_to_be_had_is_refused_and_the_set_goes_on(handle: Handle) {
     {
-        let what = mode.name();
-        let rig = rig(mode);
+        let what = handle.name();
+        let rig = rig(handle);
         rig.journal.commit(&tx_of(0)).unwrap();
         let started = rig.disk.started();
         let held = hold_all_but(&rig.engine, 0);
@@ -151,30 +231,53 @@ fn a_commit_with_no_frame_to_be_had_is_refused_and_the_set_goes_on(mode: CommitM
 
 #[test]
 fn vanilla_commits_fit_an_arena_with_few_free_frames() {
-    commits_fit_an_arena_with_few_free_frames(CommitMode::Vanilla);
+    commits_fit_an_arena_with_few_free_frames(Handle::Plain(CommitMode::Vanilla));
 }
 
 #[test]
 fn overlapped_commits_fit_an_arena_with_few_free_frames() {
-    commits_fit_an_arena_with_few_free_frames(CommitMode::Overlapped);
+    commits_fit_an_arena_with_few_free_frames(Handle::Plain(CommitMode::Overlapped));
 }
 
 #[test]
 fn one_write_commits_fit_an_arena_with_few_free_frames() {
-    commits_fit_an_arena_with_few_free_frames(CommitMode::OneWrite);
+    commits_fit_an_arena_with_few_free_frames(Handle::Plain(CommitMode::OneWrite));
 }
 
 #[test]
 fn a_vanilla_commit_with_no_frame_to_be_had_is_refused_and_the_set_goes_on() {
-    a_commit_with_no_frame_to_be_had_is_refused_and_the_set_goes_on(CommitMode::Vanilla);
+    a_commit_with_no_frame_to_be_had_is_refused_and_the_set_goes_on(Handle::Plain(
+        CommitMode::Vanilla,
+    ));
 }
 
 #[test]
 fn an_overlapped_commit_with_no_frame_to_be_had_is_refused_and_the_set_goes_on() {
-    a_commit_with_no_frame_to_be_had_is_refused_and_the_set_goes_on(CommitMode::Overlapped);
+    a_commit_with_no_frame_to_be_had_is_refused_and_the_set_goes_on(Handle::Plain(
+        CommitMode::Overlapped,
+    ));
 }
 
 #[test]
 fn a_one_write_commit_with_no_frame_to_be_had_is_refused_and_the_set_goes_on() {
-    a_commit_with_no_frame_to_be_had_is_refused_and_the_set_goes_on(CommitMode::OneWrite);
+    a_commit_with_no_frame_to_be_had_is_refused_and_the_set_goes_on(Handle::Plain(
+        CommitMode::OneWrite,
+    ));
+}
+
+#[test]
+fn rio_commits_fit_an_arena_with_few_free_frames() {
+    commits_fit_an_arena_with_few_free_frames(Handle::Rio { batch: 1 });
+}
+
+/// Closed groups held two at a time (as aiosfs configures its Rio handles): the ordered
+/// device merges whole groups that follow each other on the device into one copied command.
+#[test]
+fn rio_commits_with_batched_groups_fit_an_arena_with_few_free_frames() {
+    commits_fit_an_arena_with_few_free_frames(Handle::Rio { batch: 2 });
+}
+
+#[test]
+fn a_rio_commit_with_no_frame_to_be_had_is_refused_and_the_set_goes_on() {
+    a_commit_with_no_frame_to_be_had_is_refused_and_the_set_goes_on(Handle::Rio { batch: 1 });
 }
