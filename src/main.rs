@@ -271,8 +271,9 @@ struct TargetArgs {
     /// Bytes of the attribute log (mem and file; Rio uses 2 MiB per target).
     #[arg(long, default_value = "2m", value_parser = parse_size)]
     log_bytes: u64,
-    /// Streams the log serves (initiators may use fewer).
-    #[arg(long, default_value_t = 16)]
+    /// Streams the log serves (initiators may use fewer), 1 to 64.
+    #[arg(long, default_value_t = 16,
+          value_parser = clap::value_parser!(u16).range(1..=aios::rio::MAX_STREAMS as i64))]
     streams: u16,
     /// Format the log even when it holds one (its entries are lost; without this a log found at
     /// start is kept for the initiator's recovery).

@@ -1322,6 +1322,20 @@ fn target_refuses_a_log_it_cannot_hold_naming_the_option() {
         assert_eq!(out.status.code(), Some(1), "{args:?}: {e}");
         assert!(e.contains(name), "{args:?}: {e}");
     }
+    // A log serves 1 to 64 streams: 0 was refused by the log without naming the option.
+    for n in ["0", "65"] {
+        let out = aios()
+            .args(["target", "--listen", "127.0.0.1:0", "--device", &dev])
+            .args(["--streams", n])
+            .output()
+            .unwrap();
+        let e = String::from_utf8_lossy(&out.stderr);
+        if out.status.success() || !e.contains("--streams") {
+            let _ = std::fs::remove_file(&dev);
+        }
+        assert!(!out.status.success(), "--streams {n} was taken");
+        assert!(e.contains("--streams"), "--streams {n}: {e}");
+    }
     std::fs::remove_file(&dev).unwrap();
 }
 
@@ -1330,7 +1344,7 @@ fn target_refuses_a_log_it_cannot_hold_naming_the_option() {
 /// ran on it. They cannot run on RAM and refuse it by name, before a device is made.
 /// `bench scale`'s device list names `--device` when an element is empty (`--device ,` said only
 /// "no device to run on") or is `ull` or `mem`, which in a list were taken as file paths.
-/// (Found by a review of the CLI on 2026-11-29.)
+/// (Found by a review of the CLI on 2026-11-28.)
 #[test]
 fn benches_refuse_mem_and_bad_device_lists_naming_the_option() {
     // The working directory of the runs, removed with whatever they left in it.
@@ -1423,7 +1437,7 @@ impl Drop for MountDir {
 /// the mkfs left the mount serving blocks no longer its own. A mountpoint that is already a
 /// mount point is refused by name: the wait for the background mount took the mount already
 /// there for the new one and said "serving", and the new mount then hid it.
-/// (Found by a review of the CLI on 2026-11-29.)
+/// (Found by a review of the CLI on 2026-11-28.)
 #[test]
 fn mount_and_mkfs_refuse_an_image_in_use_and_a_mountpoint_already_mounted() {
     if !aios::core::sys::is_root() || !std::path::Path::new("/dev/fuse").exists() {
@@ -1523,7 +1537,7 @@ fn mount_and_mkfs_refuse_an_image_in_use_and_a_mountpoint_already_mounted() {
 
 /// A directory given as the image is refused by `aios mount` before a background file system
 /// and its log are made: it started one, which failed ("Is a directory") and left its log in
-/// /var/tmp. (Found by a review of the CLI on 2026-11-29.)
+/// /var/tmp. (Found by a review of the CLI on 2026-11-28.)
 #[test]
 fn mount_refuses_a_directory_as_the_image_leaving_no_log() {
     let dir = MountDir::new("dir-image");
