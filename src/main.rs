@@ -1290,6 +1290,16 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
 }
 
 fn cmd_fsck(image: &std::path::Path, json: bool) -> ExitCode {
+    // fsck reads the image as it is on the device: under a live file system, whatever that
+    // one has not committed yet is missing, and a check can report damage that is not there.
+    if let Some((pid, cmd)) = writers_of(image).first() {
+        eprintln!(
+            "aios fsck: warning: {} is open for writing by process {pid} ({cmd}); what it has \
+             not committed is not on the device, so problems found now may not be real: \
+             unmount it first for a reliable check",
+            image.display()
+        );
+    }
     match fs_fuse::fsck(image) {
         Ok(r) => {
             if json {

@@ -1489,6 +1489,7 @@ fn mount_and_mkfs_refuse_an_image_in_use_and_a_mountpoint_already_mounted() {
         .output()
         .unwrap();
     let uuid_after = aios::fs::read_superblock(&img.0).map(|s| s.uuid);
+    let checked = aios().arg("fsck").arg(&img.0).output().unwrap();
     let stacked = aios()
         .arg("mount")
         .arg(&other.0)
@@ -1520,6 +1521,12 @@ fn mount_and_mkfs_refuse_an_image_in_use_and_a_mountpoint_already_mounted() {
     );
     assert!(e.contains(&format!("{}: in use", img.0.display())), "{e}");
     assert_eq!(uuid_after.ok(), Some(uuid), "mkfs wrote under the mount");
+    // fsck still runs under a live mount (read only), but says its findings may not be real.
+    let e = String::from_utf8_lossy(&checked.stderr);
+    assert!(
+        e.contains("warning") && e.contains("open for writing by process"),
+        "fsck under a live mount gave no warning: {e}"
+    );
     let e = String::from_utf8_lossy(&stacked.stderr);
     assert!(
         !stacked.status.success(),
