@@ -888,26 +888,36 @@ fn bench_refuses_settings_naming_the_option_not_something_else() {
 /// `--in-capsule 0` is what its help says: every write's data follows an R2T.
 #[test]
 fn target_takes_in_capsule_0() {
-    use std::io::BufRead;
     let f = Scratch::new("target-r2t", 1 << 20);
-    let mut child = aios()
-        .args([
-            "target",
-            "--listen",
-            "127.0.0.1:0",
-            "--in-capsule",
-            "0",
-            "--device",
-        ])
-        .arg(&f.0)
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut first = String::new();
-    let _ = std::io::BufReader::new(child.stderr.take().unwrap()).read_line(&mut first);
+    let (mut child, _log, first) = spawn_target(&f.0, &["--in-capsule", "0"]);
     let _ = child.kill();
     let _ = child.wait();
     assert!(first.contains("aios target: serving"), "{first}");
+}
+
+/// `aios target` on `dev` with `opts`, listening on a free loopback port: the child, its log
+/// (stderr) and the log's first line (the "serving … on ADDR" line once it listens).
+fn spawn_target(
+    dev: &std::path::Path,
+    opts: &[&str],
+) -> (
+    std::process::Child,
+    std::io::BufReader<std::process::ChildStderr>,
+    String,
+) {
+    use std::io::BufRead;
+    let mut child = aios()
+        .args(["target", "--listen", "127.0.0.1:0"])
+        .args(opts)
+        .arg("--device")
+        .arg(dev)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut log = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut first = String::new();
+    let _ = log.read_line(&mut first);
+    (child, log, first)
 }
 
 /// `aios target --max-connections N` serves N connections at once: one more is closed when
@@ -916,22 +926,7 @@ fn target_takes_in_capsule_0() {
 fn target_refuses_connections_past_max_connections() {
     use std::io::{BufRead, Read};
     let f = Scratch::new("target-maxconn", 1 << 20);
-    let mut child = aios()
-        .args([
-            "target",
-            "--listen",
-            "127.0.0.1:0",
-            "--max-connections",
-            "1",
-            "--device",
-        ])
-        .arg(&f.0)
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut log = std::io::BufReader::new(child.stderr.take().unwrap());
-    let mut first = String::new();
-    let _ = log.read_line(&mut first);
+    let (mut child, mut log, first) = spawn_target(&f.0, &["--max-connections", "1"]);
     let addr = first
         .split(" on ")
         .nth(1)

@@ -2435,6 +2435,23 @@ impl Journal {
         Ok(())
     }
 
+    /// Build the transaction's journal blocks (all its log blocks but the commit block) into
+    /// the buffers they are written from and start each run's write as it is built
+    /// ([`LogWriter`]). Returns their number and chained checksum.
+    fn send_journal<'d>(
+        &'d self,
+        tx: &Tx,
+        tid: u64,
+        head: u64,
+        w: &mut Inflight<'d>,
+        fua: bool,
+    ) -> Result<(usize, u32), JournalError> {
+        let mut out = LogWriter::new(self, w, head, self.journal_blocks(tx), fua);
+        let built = self.build_journal(tx, tid, &mut out)?;
+        out.finish();
+        Ok(built)
+    }
+
     /// Write `tx` as transaction `tid` at log position `head` and make it durable. `spare` is
     /// a frame of the handle's arena, taken before the id: a buffer to fall back on.
     fn write_tx(&self, tx: &Tx, tid: u64, head: u64, spare: FixedBuf) -> Result<(), JournalError> {
@@ -2519,13 +2536,7 @@ impl Journal {
                 let mut w = Inflight::new();
                 let (n, chain) = {
                     let _plug = self.engine.plug();
-                    timed(&mut prep, || -> Result<_, JournalError> {
-                        let n = self.journal_blocks(tx);
-                        let mut out = LogWriter::new(self, &mut w, head, n, fua);
-                        let built = self.build_journal(tx, tid, &mut out)?;
-                        out.finish();
-                        Ok(built)
-                    })?
+                    timed(&mut prep, || self.send_journal(tx, tid, head, &mut w, fua))?
                 };
                 settle(w, fua)?;
                 let c = timed(&mut prep, || self.prepare_commit(tx, tid, n, chain, None));
@@ -2539,13 +2550,7 @@ impl Journal {
                 // The data is on its way: prepare the journal while the device works.
                 let (n, chain) = {
                     let _plug = self.engine.plug();
-                    timed(&mut prep, || -> Result<_, JournalError> {
-                        let n = self.journal_blocks(tx);
-                        let mut out = LogWriter::new(self, &mut w, head, n, fua);
-                        let built = self.build_journal(tx, tid, &mut out)?;
-                        out.finish();
-                        Ok(built)
-                    })?
+                    timed(&mut prep, || self.send_journal(tx, tid, head, &mut w, fua))?
                 };
                 let c = timed(&mut prep, || -> Result<_, JournalError> {
                     let mut c = w.buf(&self.engine, 1)?;
