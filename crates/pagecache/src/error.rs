@@ -47,6 +47,15 @@ pub enum CacheError {
     /// cache, so that a `sync` never writes it over the stored bytes.)
     #[error("page {page} of file {file:?} has a write back in flight that a dropped handle gave up on (its engine kept failing): the write may still land at any time, so the page cannot be changed through this cache")]
     WritebackLost { file: FileId, page: u64 },
+    /// A write or `store` to a page whose write back another live handle has in flight and has
+    /// not completed: that handle's wait for it failed (its engine's `io_uring_enter` failing,
+    /// say), and only that handle completes the write, when it next drives its engine (any
+    /// call into the cache that polls, such as a read or a `sync`). Its thread may be idle, or
+    /// waiting for this writer, so the write is refused rather than waited for. Retry once that
+    /// handle has polled. (Taking a fresh frame instead would let the old write land after the
+    /// new bytes were written back.) A handle's own such writes are waited for, not refused.
+    #[error("page {page} of file {file:?} has a write back in flight on another cache handle whose wait for it failed: it completes only when that handle next polls its engine; retry after it has")]
+    WritebackInFlightOnOtherHandle { file: FileId, page: u64 },
     /// A configuration value is out of range.
     #[error("invalid page cache configuration: {0}")]
     Config(String),

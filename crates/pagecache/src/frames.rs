@@ -6,7 +6,7 @@
 //! shared cache line (seqlock style). Zero-copy guards publish the frame in a per-handle hazard slot
 //! (see `hazard`); writeback and guards past a handle's slots pin by a CAS on the word.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// The frame holds the page's bytes (readable).
 pub const VALID: u16 = 1 << 0;
@@ -31,6 +31,13 @@ pub const FAILED: u16 = 1 << 7;
 /// write may still land at any time, and its pin goes only when a handle on the same lbio
 /// array takes its completion. Writers refuse the page until then.
 pub const LOST: u16 = 1 << 8;
+
+/// A copy a `store` put in place of a page with a lost write back still out (see [`LOST`]):
+/// the device may yet get that older write, over the stored bytes. The copy stays dirty, is
+/// not written back while this is set (the lost write could land after its write), and
+/// writers refuse the page; the flag goes when the lost write's completion is taken, and the
+/// next `sync` then writes the copy again, after it.
+pub const REWRITE: u16 = 1 << 9;
 
 /// A decoded state word.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,6 +104,10 @@ impl Key {
 pub struct FrameMeta {
     pub state: AtomicU64,
     pub key: AtomicU64,
+    /// Write backs of this frame that a live handle left in flight when its wait for them
+    /// failed: each holds a pin, which goes only when that handle next drives its engine.
+    /// Writers of another handle refuse the page while this is non-zero rather than wait.
+    pub parked: AtomicU32,
 }
 
 /// All frames' metadata.
@@ -111,6 +122,7 @@ impl FrameTable {
                 .map(|_| FrameMeta {
                     state: AtomicU64::new(0),
                     key: AtomicU64::new(NO_KEY),
+                    parked: AtomicU32::new(0),
                 })
                 .collect(),
         }

@@ -46,6 +46,9 @@ struct Pending {
     run_at: u16,
     run_len: u16,
     kind: Kind,
+    /// A write back a failed wait left in flight: counted in its frames'
+    /// [`frames::FrameMeta::parked`] until it completes (or is lost with the handle).
+    parked: bool,
 }
 
 /// A file served by this handle.
@@ -1125,6 +1128,7 @@ impl CacheHandle {
                     run_at: if len > 1 { at as u16 } else { 0 },
                     run_len: if len > 1 { len as u16 } else { 0 },
                     kind: Kind::Read,
+                    parked: false,
                 });
                 Ok(tag)
             }
@@ -1370,6 +1374,7 @@ impl CacheHandle {
                         run_at: 0,
                         run_len: 0,
                         kind: Kind::Readahead,
+                        parked: false,
                     });
                     self.cache
                         .counters
@@ -1425,6 +1430,11 @@ impl CacheHandle {
         // a reader's frame also when it lost the indexing race, never indexed then.)
         let mut stolen = false;
         for &frame in list {
+            if p.parked {
+                // Before the pin goes: a writer that finds the pin finds the count too, or
+                // waits a moment for the pin.
+                frames.meta(frame).parked.fetch_sub(1, Ordering::SeqCst);
+            }
             let readahead = p.kind == Kind::Readahead;
             let now = match (p.kind, &error) {
                 (Kind::Read | Kind::Orphan, None) | (Kind::Readahead, None) => {
@@ -1589,6 +1599,9 @@ impl CacheHandle {
         self.check_range(file, offset, data.len())?;
         let frames = &self.cache.frames;
         let mut done = 0usize;
+        // The page whose lost frame this `store` took out of the index: its copy is flagged
+        // `REWRITE` (see `frames::REWRITE`).
+        let mut took_lost: Option<u64> = None;
         while done < data.len() {
             let at = offset + done as u64;
             let page = at / PAGE_BYTES as u64;
@@ -1613,7 +1626,11 @@ impl CacheHandle {
                         continue;
                     }
                     frames.mark(f, frames::INDEXED);
-                    self.fill(f, in_page, &data[done..done + n], dirty);
+                    let rewrite = took_lost == Some(page);
+                    self.fill(f, in_page, &data[done..done + n], dirty, rewrite);
+                    if rewrite {
+                        self.end_rewrite_unless_lost(key, f);
+                    }
                     done += n;
                     continue;
                 }
@@ -1671,6 +1688,7 @@ impl CacheHandle {
                         std::thread::yield_now();
                         continue;
                     }
+                    took_lost = Some(page);
                     self.cache.index.remove(key, frame);
                     let now = frames
                         .update(frame, |s| {
@@ -1696,6 +1714,16 @@ impl CacheHandle {
                 {
                     self.settle(|p| p.kind == Kind::Writeback)?;
                     continue;
+                }
+                // Pinned by a write back of another live handle's that its failed wait left in
+                // flight: only that handle completes it, when it next drives its engine, and
+                // its thread may be idle or waiting for this one. Not waited for; nor is the
+                // page put in a fresh frame (the old write could land after the new bytes were
+                // written back).
+                if frames.meta(frame).parked.load(Ordering::SeqCst) > 0
+                    && frames.key(frame) == key.0
+                {
+                    return Err(CacheError::WritebackInFlightOnOtherHandle { file, page });
                 }
                 // Pinned for a moment (a reader copying out, a writeback pass of a live handle
                 // in progress), held by a guard, or not the page's any more: look again.
@@ -1727,15 +1755,29 @@ impl CacheHandle {
                 std::thread::yield_now();
                 continue;
             }
-            self.fill(frame, in_page, &data[done..done + n], dirty);
+            let claimed = claimed.expect("claimed above");
+            if claimed.has(frames::REWRITE) && dirty {
+                // A stored copy of a page whose lost write is still out: a write's bytes would
+                // go out in a write back the lost one may overtake, as with the lost frame.
+                frames.update(frame, |s| {
+                    Some(s.with_flags(s.flags() & !frames::BUSY).bumped())
+                });
+                return Err(CacheError::WritebackLost { file, page });
+            }
+            let rewrite = took_lost == Some(page) || claimed.has(frames::REWRITE);
+            self.fill(frame, in_page, &data[done..done + n], dirty, rewrite);
+            if rewrite {
+                self.end_rewrite_unless_lost(key, frame);
+            }
             done += n;
         }
         Ok(())
     }
 
     /// Copy `bytes` into a frame this handle holds BUSY, then publish it as valid, and dirty or
-    /// clean.
-    fn fill(&self, frame: u32, in_page: usize, bytes: &[u8], dirty: bool) {
+    /// clean; dirty and flagged [`frames::REWRITE`] when `rewrite` (a `store` of a page whose
+    /// lost write may still land).
+    fn fill(&self, frame: u32, in_page: usize, bytes: &[u8], dirty: bool, rewrite: bool) {
         // SAFETY: the frame is flagged BUSY by us: optimistic readers retry, pinners and other
         // writers wait, eviction skips it.
         unsafe {
@@ -1745,11 +1787,27 @@ impl CacheHandle {
                 bytes.len(),
             );
         }
-        let dirty = if dirty { frames::DIRTY } else { 0 };
+        let set = match (rewrite, dirty) {
+            (true, _) => frames::DIRTY | frames::REWRITE,
+            (false, true) => frames::DIRTY,
+            (false, false) => 0,
+        };
         self.cache.frames.update(frame, |s| {
-            let kept = s.flags() & !(frames::BUSY | frames::DIRTY);
-            Some(s.with_flags(kept | frames::VALID | dirty).bumped())
+            let kept = s.flags() & !(frames::BUSY | frames::DIRTY | frames::REWRITE);
+            Some(s.with_flags(kept | frames::VALID | set).bumped())
         });
+    }
+
+    /// After a `store` flagged `frame` (the page `key`'s copy) [`frames::REWRITE`]: if no lost
+    /// write of the page is out any more (its completion was taken before the flag was set, so
+    /// [`Self::complete_lost`] could not clear it), the flag goes here. The copy stays dirty:
+    /// the lost write may have landed after the caller's own write of the page.
+    fn end_rewrite_unless_lost(&self, key: Key, frame: u32) {
+        let frames = &self.cache.frames;
+        let lost = self.cache.lock_lost();
+        if !page_has_lost_write(&lost, frames, key) {
+            clear_rewrite(frames, frame, key);
+        }
     }
 
     /// Write every dirty page of `file` back (background-class requests), wait for them, and
@@ -1771,12 +1829,45 @@ impl CacheHandle {
     /// background write from its frames (lbio cuts it into `split_bytes` pieces); then wait
     /// for the pass.
     fn writeback(&self, only: Option<FileId>) -> Result<(), CacheError> {
+        let done = self.writeback_passes(only);
+        if done.is_err() {
+            self.park_writebacks();
+        }
+        done
+    }
+
+    /// A writeback that failed may leave writes of its own in flight (its wait for them
+    /// failed): they hold their frames' pins until this handle next drives its engine, which
+    /// its thread may never do (idle, or waiting for another handle's writer). Each is counted
+    /// in its frames' [`frames::FrameMeta::parked`] until it completes, so that another
+    /// handle's write of those pages is refused
+    /// ([`CacheError::WritebackInFlightOnOtherHandle`]) rather than waited for.
+    fn park_writebacks(&self) {
+        let frames = &self.cache.frames;
+        let wb = self.wb.borrow();
+        for p in self.pending.borrow_mut().iter_mut().flatten() {
+            if p.kind != Kind::Writeback || p.parked {
+                continue;
+            }
+            p.parked = true;
+            for &frame in written_frames(p, &wb) {
+                frames.meta(frame).parked.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// [`Self::writeback`]'s passes.
+    fn writeback_passes(&self, only: Option<FileId>) -> Result<(), CacheError> {
         let frames = &self.cache.frames;
         // A pass whose wait failed left writes in flight naming `wb`: they must complete before
         // this pass rewrites it.
         self.settle(|p| p.kind == Kind::Writeback)?;
         let mut scan = 0;
         let mut failure: Option<CacheError> = None;
+        // A stored page a lost write may still land under (`frames::REWRITE`): not written now
+        // (that write could land after this one), and reported, so that this `sync` does not
+        // answer Ok while the page's bytes on the device may yet be overwritten.
+        let mut held_back: Option<CacheError> = None;
         while scan < frames.len() && failure.is_none() {
             let mut n = 0;
             {
@@ -1798,7 +1889,7 @@ impl CacheHandle {
                     let pinned = loop {
                         let pinned = frames.update(frame, |s| {
                             (s.has(frames::DIRTY | frames::VALID)
-                                && s.flags() & (frames::BUSY | frames::IO) == 0
+                                && s.flags() & (frames::BUSY | frames::IO | frames::REWRITE) == 0
                                 && s.pins() < u16::MAX
                                 && frames.key(frame) == key.0)
                                 .then(|| s.with_pins(s.pins() + 1))
@@ -1816,6 +1907,16 @@ impl CacheHandle {
                     if pinned.is_some() {
                         wb.keys[n] = (key.0, frame);
                         n += 1;
+                    } else if held_back.is_none() {
+                        let s = frames.state(frame);
+                        if s.has(frames::DIRTY | frames::VALID | frames::REWRITE)
+                            && frames.key(frame) == key.0
+                        {
+                            held_back = Some(CacheError::WritebackLost {
+                                file: FileId(key.file()),
+                                page: key.page(),
+                            });
+                        }
                     }
                 }
                 wb.keys[..n].sort_unstable();
@@ -1854,7 +1955,7 @@ impl CacheHandle {
         match (failure, late) {
             (Some(e), _) => Err(e),
             (None, Some(e)) => Err(e.into()),
-            (None, None) => Ok(()),
+            (None, None) => held_back.map_or(Ok(()), Err),
         }
     }
 
@@ -1907,6 +2008,7 @@ impl CacheHandle {
             run_at: if len > 1 { at as u16 } else { 0 },
             run_len: if len > 1 { len as u16 } else { 0 },
             kind: Kind::Writeback,
+            parked: false,
         });
         Ok(())
     }
@@ -1956,6 +2058,10 @@ impl CacheHandle {
                 writes |= p.run_len > 0;
                 for &frame in list {
                     frames.mark(frame, frames::LOST);
+                    // LOST now answers writers (it is looked at first).
+                    if p.parked {
+                        frames.meta(frame).parked.fetch_sub(1, Ordering::SeqCst);
+                    }
                 }
                 continue;
             }
@@ -2044,6 +2150,15 @@ impl CacheHandle {
                     let still_lost = lost
                         .iter()
                         .any(|o| o.kind == LostKind::Writeback && o.frames.contains(&frame));
+                    // A copy a `store` put in this frame's place waits for no other lost write
+                    // of the page now: it may be written back again (it stays dirty), after
+                    // this one. (Under the list's lock, as the `store`'s own check.)
+                    let key = Key(frames.key(frame));
+                    if !page_has_lost_write(&lost, frames, key) {
+                        if let Some(copy) = self.cache.index.get(key, frames) {
+                            clear_rewrite(frames, copy, key);
+                        }
+                    }
                     frames.update(frame, |s| {
                         let mut flags = s.flags();
                         if !still_lost {
@@ -2122,6 +2237,29 @@ enum Protect {
     Changed,
     /// No hazard slot free on this handle: pin by count instead.
     NoSlot,
+}
+
+/// Whether a lost write back of the page `key` is still out (`lost`: the cache's list).
+fn page_has_lost_write(lost: &[LostRequest], frames: &frames::FrameTable, key: Key) -> bool {
+    lost.iter()
+        .any(|r| r.kind == LostKind::Writeback && r.frames.iter().any(|&f| frames.key(f) == key.0))
+}
+
+/// Clear [`frames::REWRITE`] on `frame` if it is still the page `key`'s copy and flagged so
+/// (it stays dirty: the next `sync` writes it).
+fn clear_rewrite(frames: &frames::FrameTable, frame: u32, key: Key) {
+    frames.update(frame, |s| {
+        (s.has(frames::REWRITE) && frames.key(frame) == key.0)
+            .then(|| s.with_flags(s.flags() & !frames::REWRITE))
+    });
+}
+
+/// The frames a write back request writes: `p.frame`, or its run in `wb`.
+fn written_frames<'a>(p: &'a Pending, wb: &'a WbBuf) -> &'a [u32] {
+    match p.run_len {
+        0 => std::slice::from_ref(&p.frame),
+        n => &wb.frames[p.run_at as usize..(p.run_at + n) as usize],
+    }
 }
 
 /// Bytes of the page at `offset` that lie on `dev`: [`PAGE_BYTES`], or fewer for a page that

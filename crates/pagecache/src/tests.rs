@@ -2068,6 +2068,9 @@ struct HoldDisk {
     /// Run once, inside the next request's completion: after its bytes moved, before the
     /// engine hears of it.
     before_done: std::cell::RefCell<Option<Box<dyn FnOnce()>>>,
+    /// Set: the requests it holds are hidden from its engine (none pending), so no wait
+    /// completes them until it is cleared.
+    hold: Cell<bool>,
 }
 
 impl HoldDisk {
@@ -2079,6 +2082,7 @@ impl HoldDisk {
             queue: std::cell::RefCell::new(std::collections::VecDeque::new()),
             stray: Cell::new(0),
             before_done: std::cell::RefCell::new(None),
+            hold: Cell::new(false),
         })
     }
 
@@ -2099,6 +2103,9 @@ impl HoldDisk {
 
 impl aios_core::SoftDevice for HoldDisk {
     fn pending(&self) -> u32 {
+        if self.hold.get() {
+            return 0;
+        }
         self.queue.borrow().len() as u32
     }
 
@@ -2334,6 +2341,8 @@ fn a_lost_write_backs_frames_come_back_once_its_completion_is_taken() {
         let total = cache.frames.len();
         h.write(file, 0, &vec![0x5Au8; PAGES * 4096]).unwrap();
         engine.fail_next_enters(u32::MAX);
+        // The device holds the pass's write, unseen by the engine, until after the `store`.
+        disk.hold.set(true);
         assert!(h.sync(file).is_err());
         drop(h);
         engine.fail_next_enters(0);
@@ -2347,11 +2356,20 @@ fn a_lost_write_backs_frames_come_back_once_its_completion_is_taken() {
         );
         disk.mem.borrow_mut()[3 * 4096..].fill(0x77);
         h2.store(file, 3 * 4096, &[0x77; 4096]).unwrap();
+        // The stored copy is not written to either while the lost write is out: that write
+        // may land after any write back of it.
+        let e = h2.write(file, 3 * 4096, &[9u8; 4096]).unwrap_err();
+        assert!(
+            matches!(e, CacheError::WritebackLost { page: 3, .. }),
+            "{e}"
+        );
         assert_eq!(
             usable_frames(&cache, h2.held_frames()),
             total - PAGES as u32
         );
-        // The engine works again and drives the lost write; `h2` takes its completion.
+        // The engine works again and drives the lost write (it lands now, over the stored
+        // page 3); `h2` takes its completion.
+        disk.hold.set(false);
         assert!(engine.drain_all());
         h2.poll().unwrap();
         let usable = usable_frames(&cache, h2.held_frames());
@@ -2372,11 +2390,77 @@ fn a_lost_write_backs_frames_come_back_once_its_completion_is_taken() {
             disk.mem.borrow()[..3 * 4096] == want[..3 * 4096],
             "the device holds other bytes"
         );
+        // The lost write landed after the `store` (the engine drove it only then): the sync
+        // that followed its completion wrote the stored bytes again.
+        assert!(
+            disk.mem.borrow()[3 * 4096..] == want[3 * 4096..],
+            "the lost write's old bytes stayed on the device over the stored page"
+        );
         drop(h2);
         assert_frames_free_or_cached(&cache, &cache.metrics());
         for f in 0..total {
             assert!(!cache.frames.state(f).has(frames::LOST), "frame {f} lost");
         }
+    });
+}
+
+/// A write to a page that another, live handle's failed `sync` left in flight (its engine's
+/// `io_uring_enter` failing, so the pass's writes stay pinned until that handle next drives its
+/// engine) is refused with a typed error instead of waited for (defect 1 of the sixth review's
+/// "Left open", 2026-11-28): that handle's thread may be idle, or waiting for this writer. A
+/// whole-page and a partial-page write and a `store` are refused alike. Once the owner drives
+/// its engine, the pages take writes again, read the new bytes, and its `sync` puts them on
+/// the device; every frame is free or cached. The writer used to poll its own engine and
+/// yield for as long as the owner stayed idle (here: the 20 s guard).
+#[test]
+fn a_write_to_a_page_another_live_handles_failed_sync_left_in_flight_is_refused_not_waited_for() {
+    within(20, || {
+        const PAGES: usize = 4;
+        let (
+            Setup {
+                cache,
+                engine: eh,
+                lbio: _lbio,
+                file,
+                h,
+            },
+            disk,
+        ) = setup_on_hold_disk(PAGES);
+        h.write(file, 0, &vec![0x5Au8; PAGES * 4096]).unwrap();
+        eh.fail_next_enters(u32::MAX);
+        assert!(matches!(h.sync(file), Err(CacheError::Core(_))));
+        eh.fail_next_enters(0);
+        // `h` stays alive and idle: its writes complete when it next drives its engine.
+        let ew = engine();
+        let lw = LbioArray::new(Rc::clone(&ew), LbioConfig::default()).unwrap();
+        let w = CacheHandle::new(&cache, &ew, &lw, Mode::AIOS).unwrap();
+        w.attach(file, Device::memory(&lw, PAGES * 4096).unwrap())
+            .unwrap();
+        let refused = |e: CacheError, want: u64| {
+            assert!(
+                matches!(e, CacheError::WritebackInFlightOnOtherHandle { file: f, page } if f == file && page == want),
+                "{e}"
+            );
+        };
+        refused(w.write(file, 4096, &[1u8; 4096]).unwrap_err(), 1);
+        refused(w.write(file, 2 * 4096 + 10, &[2u8; 100]).unwrap_err(), 2);
+        refused(w.store(file, 3 * 4096, &[3u8; 4096]).unwrap_err(), 3);
+        // The owner drives its engine: its writes complete, and the pages take writes again.
+        assert!(eh.drain_all());
+        h.poll().unwrap();
+        let mut want = vec![0x5Au8; PAGES * 4096];
+        w.write(file, 4096, &[0x11; 4096]).unwrap();
+        want[4096..2 * 4096].fill(0x11);
+        w.write(file, 2 * 4096 + 10, &[0x22; 100]).unwrap();
+        want[2 * 4096 + 10..2 * 4096 + 110].fill(0x22);
+        let mut back = vec![0u8; PAGES * 4096];
+        h.read(file, 0, &mut back).unwrap();
+        assert!(back == want, "the cache reads other bytes");
+        h.sync(file).unwrap();
+        assert!(eh.drain_all());
+        assert!(*disk.mem.borrow() == want, "the device holds other bytes");
+        drop((h, w));
+        assert_frames_free_or_cached(&cache, &cache.metrics());
     });
 }
 
