@@ -2435,8 +2435,16 @@ impl Fs {
         st.nodes.insert(ino, node);
         Self::touch(&mut st, ino);
         if let Err(e) = self.add_entry(&mut st, &ctx, parent, name, ino, kind) {
-            // Roll back: nothing about the new inode was committed.
+            // Roll back: nothing about the new inode was committed, so its block (a new
+            // directory's, or a symlink's target) is allocatable again at once, as every
+            // rollback's block is (`unalloc`). Left in quarantine by `destroy`, it stayed
+            // unusable until the next commit, which could not use it either: on a full disk
+            // that commit left another file's new xattrs for later (ENOSPC).
+            let own = st.nodes[&ino].phys(0);
             self.destroy(&mut st, ino);
+            if let Some(p) = own {
+                st.quarantine.remove(&p);
+            }
             return Err(e);
         }
         if is_dir {
