@@ -668,10 +668,10 @@ const DEFAULT_SETTLE_MS: u64 = 250;
 
 #[derive(Clone, Copy, ValueEnum)]
 enum CompletionArg {
-    /// Critical requests: measure busy-polling and sleeping on the device at the run's queue
-    /// depth first (four alternating 0.15 s runs of each) and use the faster (above QD1,
-    /// polling only when it is more than 5% faster: it keeps a core busy); background
-    /// requests sleep.
+    /// The bench's own choice. `bench lbio`: for critical requests, measure busy-polling and
+    /// sleeping on the device at the run's queue depth first (four alternating 0.15 s runs of
+    /// each) and use the faster (above QD1, polling only when it is more than 5% faster: it
+    /// keeps a core busy); background requests sleep. `bench scale`: sleep.
     Auto,
     /// Sleep in io_uring_enter until completions arrive.
     Wait,

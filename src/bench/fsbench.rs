@@ -201,7 +201,13 @@ fn fio(dir: &Path, args: &[String], rw_key: &str, seconds: f64) -> Result<Measur
     let out = Command::new("fio")
         .arg(format!("--directory={}", dir.display()))
         .args(args)
-        .args(["--time_based", "--output-format=json", "--group_reporting"])
+        // Percentiles of the whole latency (`lat_ns`), which fio leaves out unless asked.
+        .args([
+            "--time_based",
+            "--output-format=json",
+            "--group_reporting",
+            "--lat_percentiles=1",
+        ])
         .arg(crate::bench::fio::runtime_arg(seconds))
         .output()
         .map_err(|e| BenchError::Setup(format!("running fio: {e}")))?;
@@ -236,7 +242,14 @@ fn fio_measured(job: &serde_json::Value, rw_key: &str) -> Result<Measured, Bench
     let sync = &job["sync"];
     // `lat_ns.N`, not `total_ios`: fio 3.33 leaves `total_ios` at 0 for fdatasync.
     if sync["lat_ns"]["N"].as_u64().unwrap_or(0) == 0 {
-        return Ok(Measured::whole(iops, mean, p99));
+        // A job's own p99 is always there when fio is asked for it (`--lat_percentiles=1`):
+        // without it the p99 was null for every run, quietly.
+        let p99 = p99.ok_or_else(|| {
+            BenchError::Parse(
+                "fio JSON: no lat_ns.percentile (fio run without --lat_percentiles=1?)".into(),
+            )
+        })?;
+        return Ok(Measured::whole(iops, mean, Some(p99)));
     }
     let sync_mean = num(&sync["lat_ns"]["mean"], "sync.lat_ns.mean")? / 1000.0;
     Ok(Measured {
@@ -572,6 +585,21 @@ mod tests {
     #[test]
     fn a_job_without_figures_is_an_error() {
         assert!(fio_measured(&serde_json::json!({}), "write").is_err());
+    }
+
+    /// fio leaves `lat_ns.percentile` out unless run with `--lat_percentiles=1`: `bench fs`
+    /// ran it so, and every randread row said `p99_us: null` without a word.
+    #[test]
+    fn a_job_without_its_percentiles_is_an_error() {
+        let mut j = job(0);
+        j["write"]["lat_ns"]
+            .as_object_mut()
+            .unwrap()
+            .remove("percentile");
+        let Err(e) = fio_measured(&j, "write") else {
+            panic!("a job without its percentiles was taken (p99 null)");
+        };
+        assert!(e.to_string().contains("lat_percentiles"), "{e}");
     }
 
     #[test]
