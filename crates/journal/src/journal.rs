@@ -948,15 +948,8 @@ impl<'a> Inflight<'a> {
     /// I/O, failing (`ArenaExhausted`) when there is none.
     fn buf(&mut self, engine: &Engine, blocks: usize) -> Result<FixedBuf, JournalError> {
         loop {
-            let mut len = blocks.max(1);
-            loop {
-                if let Some(b) = engine.try_alloc_run(len * BLOCK) {
-                    return Ok(b);
-                }
-                if len == 1 {
-                    break;
-                }
-                len /= 2;
+            if let Some(b) = try_run(engine, blocks) {
+                return Ok(b);
             }
             if let Some(b) = self.spare.take() {
                 return Ok(b);
@@ -1190,16 +1183,9 @@ impl RioWriter<'_> {
     fn buf(&mut self, blocks: usize) -> Result<FixedBuf, JournalError> {
         let engine = &self.j.engine;
         loop {
-            let mut len = blocks.max(1);
-            loop {
-                if let Some(b) = engine.try_alloc_run(len * BLOCK) {
-                    self.short |= len < blocks;
-                    return Ok(b);
-                }
-                if len == 1 {
-                    break;
-                }
-                len /= 2;
+            if let Some(b) = try_run(engine, blocks) {
+                self.short |= b.len() / BLOCK < blocks;
+                return Ok(b);
             }
             self.short = true;
             if let Some(b) = self.spare.take() {
@@ -1266,14 +1252,25 @@ fn alloc(engine: &Engine) -> Result<FixedBuf, JournalError> {
 /// the rest of the run from further buffers, so a fragmented arena costs more writes, never a
 /// failed commit.
 fn alloc_run(engine: &Engine, blocks: usize) -> Result<FixedBuf, JournalError> {
+    match try_run(engine, blocks) {
+        Some(b) => Ok(b),
+        None => alloc(engine),
+    }
+}
+
+/// The longest run of up to `blocks` blocks the arena has free now, halving from `blocks`
+/// down to one; `None` when not even one frame is free (nothing waited for).
+fn try_run(engine: &Engine, blocks: usize) -> Option<FixedBuf> {
     let mut len = blocks.max(1);
-    while len > 1 {
+    loop {
         if let Some(b) = engine.try_alloc_run(len * BLOCK) {
-            return Ok(b);
+            return Some(b);
+        }
+        if len == 1 {
+            return None;
         }
         len /= 2;
     }
-    alloc(engine)
 }
 
 /// Writes gathered to be sent and waited for together ([`join_all`]).
