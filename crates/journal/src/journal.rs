@@ -2237,6 +2237,9 @@ impl Journal {
         let n = self.journal_blocks(tx);
         let mut chain = 0u32;
         let mut at = 0;
+        // Each logged block's crc32c, taken for its tag and chained from it (no second pass
+        // over a block logged as it is).
+        let mut crcs = [0u32; TAGS_PER_DESC];
         // A descriptor per TAGS_PER_DESC logged blocks, and one when none is logged.
         loop {
             let count = left.min(TAGS_PER_DESC);
@@ -2252,23 +2255,26 @@ impl Journal {
                 }
                 .write(d);
                 for (i, (home, data)) in rest.clone().take(count).enumerate() {
-                    format::put_tag(d, i, *home, format::crc(data));
+                    crcs[i] = format::crc(data);
+                    format::put_tag(d, i, *home, crcs[i]);
                     if format::needs_escape(data) {
                         format::put_tag_flags(d, i, format::TAG_ESCAPED);
                     }
                 }
                 format::seal(d);
-                chain = format::crc_chain(chain, d);
+                chain = format::chain_block(chain, format::sealed_crc(d));
             }
             at += 1;
-            for (_, data) in rest.by_ref().take(count) {
+            for (i, (_, data)) in rest.by_ref().take(count).enumerate() {
                 let m = bufs.block(at)?;
                 m.copy_from_slice(data);
                 if format::needs_escape(data) {
                     // The log never holds a journaled block that reads as a log block.
                     format::escape(m);
+                    chain = format::crc_chain(chain, m);
+                } else {
+                    chain = format::chain_block(chain, crcs[i]);
                 }
-                chain = format::crc_chain(chain, m);
                 at += 1;
             }
             left -= count;
@@ -2291,7 +2297,7 @@ impl Journal {
                 format::put_u64(r, format::HEADER + 8 * i, *b);
             }
             format::seal(r);
-            chain = format::crc_chain(chain, r);
+            chain = format::chain_block(chain, format::sealed_crc(r));
             at += 1;
         }
         debug_assert_eq!(at, n, "journal blocks counted and built");
