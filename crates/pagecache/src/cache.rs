@@ -209,6 +209,11 @@ pub struct PageCache {
     /// request of its handle's own takes no lock while there are none.
     lost: Mutex<Vec<LostRequest>>,
     pub(crate) lost_len: AtomicU32,
+    /// Frames to be freed that a zero-copy guard still held through a hazard slot (see
+    /// [`PageCache::retire`]); `retired_len` mirrors the list's length, so a handle looking
+    /// for them takes no lock while there are none.
+    retired: Mutex<Vec<u32>>,
+    pub(crate) retired_len: AtomicU32,
 }
 
 impl std::fmt::Debug for PageCache {
@@ -262,6 +267,8 @@ impl PageCache {
             readahead_in_flight: AtomicU32::new(0),
             lost: Mutex::new(Vec::new()),
             lost_len: AtomicU32::new(0),
+            retired: Mutex::new(Vec::new()),
+            retired_len: AtomicU32::new(0),
         }))
     }
 
@@ -342,6 +349,23 @@ impl PageCache {
     /// The requests dropped handles gave up on (see [`LostRequest`]).
     pub(crate) fn lock_lost(&self) -> std::sync::MutexGuard<'_, Vec<LostRequest>> {
         self.lost.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keep a frame that is to be freed (out of the index, no pin, no I/O) while a zero-copy
+    /// guard taken before it left the index still holds it through a hazard slot: a guard's
+    /// drop only empties its slot, and looks at nothing shared. Handles free such frames once
+    /// no slot holds them, when they next take frames (a pool refill, a miss without a pool)
+    /// and when they drop. No guard can take the frame meanwhile: it is out of the index.
+    pub(crate) fn retire(&self, frame: u32) {
+        let mut retired = self.lock_retired();
+        retired.push(frame);
+        self.retired_len
+            .store(retired.len() as u32, Ordering::Relaxed);
+    }
+
+    /// The frames [`Self::retire`] keeps.
+    pub(crate) fn lock_retired(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
+        self.retired.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The frames in the shared free list now (for tests).

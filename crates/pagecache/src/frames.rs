@@ -39,6 +39,12 @@ pub const LOST: u16 = 1 << 8;
 /// next `sync` then writes the copy again, after it.
 pub const REWRITE: u16 = 1 << 9;
 
+/// A [`LOST`] frame a `store` took out of the index (its page now in a frame of its own): freed
+/// by whoever lets go of it last, of the lost write's completion, a write back pass that
+/// pinned it too, a guard pinned by count and the `store`. A zero-copy guard may still hold it
+/// through a hazard slot then: the frame is retired instead (see `PageCache::retire`).
+pub const REPLACED: u16 = 1 << 10;
+
 /// A decoded state word.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct State(pub u64);

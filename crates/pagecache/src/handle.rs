@@ -847,6 +847,7 @@ impl CacheHandle {
     }
 
     fn take_shared(&self) -> Result<u32, CacheError> {
+        self.reclaim_retired();
         match self.cache.take_one() {
             Err(CacheError::NoEvictableFrame { .. }) => {
                 self.writeback_all()?;
@@ -860,6 +861,7 @@ impl CacheHandle {
     /// Fill the pool up to one batch: free frames first, then evictions.
     fn refill(&self) -> Result<(), CacheError> {
         let batch = self.cache.cfg.pool_batch as usize;
+        self.reclaim_retired();
         self.flush_release();
         let mut pool = self.pool.borrow_mut();
         if pool.len() >= batch {
@@ -918,17 +920,23 @@ impl CacheHandle {
     }
 
     /// Drop a reader's (or guard's) pin on `frame`, and free the frame if it is not to stay
-    /// cached (`abandoned`, or flagged abandoned or failed) and this unpin let go of it last:
-    /// no pin left, its read done, and out of the index. A frame a writer superseded stays
-    /// flagged indexed until that writer has taken it out of the index; the writer frees it
-    /// then if no pin is left (see [`Self::supersede`]), so exactly one of them does.
+    /// cached (`abandoned`, or flagged abandoned, failed or replaced) and this unpin let go of
+    /// it last: no pin left, its read done, and out of the index. A frame a writer superseded
+    /// stays flagged indexed until that writer has taken it out of the index; the writer frees
+    /// it then if no pin is left (see [`Self::supersede`]), so exactly one of them does. A
+    /// lost frame a `store` replaced ([`frames::REPLACED`]; a guard pinned by count held it)
+    /// may be held by a zero-copy guard too: see [`Self::free_unindexed`].
     fn unpin(&self, frame: u32, abandoned: bool) {
         let now = self.cache.frames.unpin(frame);
-        if (abandoned || now.flags() & (frames::ABANDONED | frames::FAILED) != 0)
+        if (abandoned || now.flags() & (frames::ABANDONED | frames::FAILED | frames::REPLACED) != 0)
             && now.pins() == 0
             && now.flags() & (frames::IO | frames::INDEXED) == 0
         {
-            self.free_frame(frame);
+            if now.has(frames::REPLACED) {
+                self.free_unindexed(frame);
+            } else {
+                self.free_frame(frame);
+            }
         }
     }
 
@@ -1673,11 +1681,12 @@ impl CacheHandle {
                         return Err(CacheError::WritebackLost { file, page });
                     }
                     // A `store`: the device holds newer bytes than the lost frame, which must
-                    // neither be read nor written back over them. It leaves the index, clean,
-                    // and the page goes into a frame of its own; the frame itself is freed
-                    // once the lost write's completion is taken (see `complete_lost`). Held
-                    // BUSY meanwhile, so that of two such stores one takes it, and that
-                    // completion, releasing its pin, leaves the freeing to this one.
+                    // neither be read nor written back over them. It leaves the index, clean
+                    // and flagged `REPLACED`, and the page goes into a frame of its own; the
+                    // frame itself is freed by whoever lets go of it last: the lost write's
+                    // completion (see `complete_lost`), a guard pinned by count, or this
+                    // store. Held BUSY meanwhile, so that of two such stores one takes it, and
+                    // that completion, releasing its pin, leaves the freeing to this one.
                     let taken = frames.update(frame, |s| {
                         (s.has(frames::LOST | frames::INDEXED)
                             && !s.has(frames::BUSY)
@@ -1693,10 +1702,14 @@ impl CacheHandle {
                     let now = frames
                         .update(frame, |s| {
                             let gone = frames::DIRTY | frames::INDEXED | frames::BUSY;
-                            Some(s.with_flags(s.flags() & !gone).bumped())
+                            Some(
+                                s.with_flags((s.flags() & !gone) | frames::REPLACED)
+                                    .bumped(),
+                            )
                         })
                         .expect("always updated");
-                    // The lost write completed meanwhile (its pin gone): free it here.
+                    // The lost write completed meanwhile, and no guard pins it by count: free
+                    // it here.
                     if now.pins() == 0 && !now.has(frames::IO) {
                         self.free_unindexed(frame);
                     }
@@ -2112,8 +2125,9 @@ impl CacheHandle {
     ///   still out, their [`frames::LOST`] flag: writers take the page again. A write that
     ///   succeeded leaves the page clean (no writer changed it under the pin); one that failed
     ///   leaves it dirty, so the next `sync` writes it (nothing is lost then either). A frame a
-    ///   `store` took out of the index meanwhile is freed by whichever of the two lets go of
-    ///   it last.
+    ///   `store` took out of the index meanwhile ([`frames::REPLACED`]) is freed by whichever
+    ///   of them and a guard pinned by count lets go of it last, or retired while a zero-copy
+    ///   guard still holds it through a hazard slot (see [`Self::free_unindexed`]).
     fn complete_lost(&self, tag: Tag, failed: bool) {
         if self.cache.lost_len.load(Ordering::Relaxed) == 0 {
             return;
@@ -2179,26 +2193,49 @@ impl CacheHandle {
     }
 
     /// Drop a write back's pin. A frame a `store` took out of the index while a lost write of
-    /// it was still out (see [`Self::complete_lost`]) is freed by whoever lets go of it last,
-    /// and this pass may have pinned it too, before the store.
+    /// it was still out ([`frames::REPLACED`]; see [`Self::complete_lost`]) is freed by
+    /// whoever lets go of it last, and this pass may have pinned it too, before the store.
     fn unpin_written(&self, frame: u32) {
         let now = self.cache.frames.unpin(frame);
         if now.pins() == 0
             && now.flags() & (frames::INDEXED | frames::IO | frames::BUSY | frames::LOST) == 0
-            && now.has(frames::VALID)
+            && now.has(frames::VALID | frames::REPLACED)
         {
             self.free_unindexed(frame);
         }
     }
 
     /// Free a frame no pin holds that left the index while guards could still find it there
-    /// (a lost write back's frame a `store` replaced): unless a zero-copy guard taken before
-    /// still holds it through a hazard slot, whose bytes must not change under it. Such a
-    /// frame is left out of the pool.
+    /// (a lost write back's frame a `store` replaced). A zero-copy guard taken before may still
+    /// hold it through a hazard slot, and its bytes must not change under it: the frame is
+    /// retired then ([`PageCache::retire`]), and freed by [`Self::reclaim_retired`] once no
+    /// slot holds it.
     fn free_unindexed(&self, frame: u32) {
-        if !self.cache.hazards.protects(frame) {
+        if self.cache.hazards.protects(frame) {
+            self.cache.retire(frame);
+        } else {
             self.free_frame(frame);
         }
+    }
+
+    /// Free the retired frames no hazard slot holds any more (see [`PageCache::retire`]):
+    /// their guards have dropped, and none can take them again (they are out of the index).
+    /// One relaxed load while there are none.
+    fn reclaim_retired(&self) {
+        if self.cache.retired_len.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let mut retired = self.cache.lock_retired();
+        retired.retain(|&frame| {
+            let held = self.cache.hazards.protects(frame);
+            if !held {
+                self.free_frame(frame);
+            }
+            held
+        });
+        self.cache
+            .retired_len
+            .store(retired.len() as u32, Ordering::Relaxed);
     }
 
     /// Frames held in this handle's pool and release batch (not in the shared free list).
@@ -2221,6 +2258,7 @@ impl Drop for CacheHandle {
         if self.settle(|_| true).is_err() {
             self.quarantine();
         }
+        self.reclaim_retired();
         self.give_back();
         self.publish_metrics();
         if let Some(b) = self.hazard_block {
