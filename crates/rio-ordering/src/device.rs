@@ -909,7 +909,8 @@ impl<P: Pmr> OrderedDevice<P> {
     /// failed, or another stream's command that could not be sent ahead of them). Another
     /// stream's command that could not be sent, or a failed sync that held only other streams'
     /// commands, is those streams' failure: it comes back in their `Done`s and from their
-    /// `wait` (or their next sync).
+    /// `wait` (or their next sync). Once a group of the stream has failed, the error is the
+    /// lowest failed group's, as `wait`'s is.
     pub fn flush_queue(&mut self, stream: u16) -> Result<(), RioError> {
         let s = self.stream_index(stream)?;
         let failed = self.streams[s].failures.len();
@@ -919,7 +920,7 @@ impl<P: Pmr> OrderedDevice<P> {
                     || self.holds_staged(stream)
                     || self.streams[s].failures.len() > failed =>
             {
-                Err(e)
+                Err(self.stream_failure(stream).unwrap_or(e))
             }
             _ => Ok(()),
         }
@@ -1417,6 +1418,10 @@ impl<P: Pmr> OrderedDevice<P> {
     /// wait for its writes, and on every target it wrote without power-loss protection log a
     /// FLUSH entry, FLUSH, and persist the entry. On `Ok`, every write of the stream survives a
     /// crash (recovery keeps it). Completions stay ready for [`OrderedDevice::poll`].
+    ///
+    /// A failed group is final: once one of the stream's groups has failed, this and every
+    /// later `wait` fail with the failure of its lowest failed group (named in the error: the
+    /// stream is durable at most up to the group before it), whichever group failed first.
     pub fn wait(&mut self, stream: u16) -> Result<(), RioError> {
         let s = self.stream_index(stream)?;
         if !self.streams[s].open.is_empty() {
@@ -1428,7 +1433,7 @@ impl<P: Pmr> OrderedDevice<P> {
             // that could not be sent, are still waiting: this call cannot answer for them. A
             // failure of another stream's command alone is that stream's.
             if !self.streams[s].queued.is_empty() || self.holds_staged(stream) {
-                return Err(e);
+                return Err(self.stream_failure(stream).unwrap_or(e));
             }
         }
         // The stream's writes, and any background FLUSH (it may cover some of them: once it is
@@ -1441,10 +1446,11 @@ impl<P: Pmr> OrderedDevice<P> {
         // from the next call that sends.
         loop {
             if let Some(why) = self.streams[s].log_failed.take() {
-                return Err(RioError::Config(format!(
+                let e = RioError::Config(format!(
                     "stream {stream}: the attribute log write of its entries failed (they are \
                      written again at the next sync): {why}"
-                )));
+                ));
+                return Err(self.stream_failure(stream).unwrap_or(e));
             }
             if self.holds_staged(stream) {
                 // A log that cannot take this stream's entries, or a command of another stream
@@ -1454,7 +1460,7 @@ impl<P: Pmr> OrderedDevice<P> {
                 // failure alone.
                 if let Err(e) = self.submit_staged() {
                     if self.holds_staged(stream) {
-                        return Err(e);
+                        return Err(self.stream_failure(stream).unwrap_or(e));
                     }
                 }
             }
@@ -1486,7 +1492,7 @@ impl<P: Pmr> OrderedDevice<P> {
                         st.touched.push(u);
                     }
                 }
-                return Err(e);
+                return Err(self.stream_failure(stream).unwrap_or(e));
             }
         }
         // The list's allocation goes back to the stream (with anything touched meanwhile).
@@ -1503,12 +1509,13 @@ impl<P: Pmr> OrderedDevice<P> {
         // A deferred log: the persist words (and FLUSH entries) set above become durable now.
         self.slot_for_log_write()?;
         self.log.sync()?;
-        if let Some((_, f)) = self.streams[s].failures.first() {
-            return Err(RioError::Config(format!(
-                "stream {stream}: a write failed: {f}"
-            )));
+        // A failed group is final: the lowest one's failure is the answer (not the first one
+        // recorded: groups may fail out of order, say a later one that could not be sent before
+        // an earlier one failed on the device).
+        match self.stream_failure(stream) {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     fn close_group(&mut self, stream: u16) {
@@ -1916,6 +1923,19 @@ impl<P: Pmr> OrderedDevice<P> {
         }
         let why = self.log_failure.clone().unwrap_or_default();
         Ok(Err(RioError::Config(format!("attribute log write: {why}"))))
+    }
+
+    /// The failure of `stream`'s lowest failed group, as `wait` and `flush_queue` report it
+    /// (`None`: no group of the stream failed). A failed group is final, and it bounds what of
+    /// the stream can be durable (groups below it may be; none from it on ever is): once one
+    /// has failed, every error these calls return is this one, whichever failure was recorded
+    /// first (groups may fail out of order: a later one on the device, or one that could not
+    /// be sent, before an earlier one) and whatever else went wrong in the call.
+    fn stream_failure(&self, stream: u16) -> Option<RioError> {
+        let (g, why) = self.streams[stream as usize].lowest_failure()?;
+        Some(RioError::Config(format!(
+            "stream {stream}: a write failed: group {g}: {why}"
+        )))
     }
 
     /// Whether commands of `stream` wait for a log sync (staged, or in the one out).

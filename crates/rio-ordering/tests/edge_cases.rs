@@ -1292,11 +1292,13 @@ fn flush_queue_reports_its_own_command_that_cannot_be_sent() {
     }
     assert_eq!(od.in_flight(), 3, "one command out, two staged");
     // The first goes out through the slot the command out frees; the second cannot be sent.
+    // The answer names the stream's lowest failed group, group 3 (refused above), not group 5.
     let e = od
         .flush_queue(0)
         .expect_err("the stream's own command could not be sent")
         .to_string();
     assert!(e.contains("stalls"), "{e}");
+    assert!(e.contains("group 3: sending it"), "{e}");
     assert_eq!(od.stats().send_errors, 1, "returned, not counted");
     held.stall(false);
     let e = od.wait(0).expect_err("two groups failed").to_string();
@@ -1337,4 +1339,182 @@ fn a_target_needing_more_alignment_than_the_arenas_frames_give_is_refused() {
     };
     let msg = e.to_string();
     assert!(msg.contains("4096") && msg.contains("512"), "{msg}");
+}
+
+// ---------------------------------------------------------------------------------------------
+
+/// RAM without power-loss protection whose writes are held, like lbio's `SimDisk`, by a software
+/// device, and complete newest first, one per advance (as writes on different device queues, or
+/// in io_uring's worker threads, may). A write at an offset in `fail_at` fails with that errno;
+/// while `fail_flushes` > 0, a FLUSH fails at once with EIO.
+struct NewestFirst {
+    mem: lbio::MemBackend,
+    /// Writes started and not completed, oldest first: (sink, payload, offset).
+    held: RefCell<Vec<(aios_core::SinkId, u64, u64)>>,
+    /// Each held write's result.
+    results: RefCell<std::collections::HashMap<u64, i32>>,
+    /// By offset: the errno a write there fails with.
+    fail_at: RefCell<std::collections::HashMap<u64, i32>>,
+    /// The offsets of the writes completed so far, in the order they completed.
+    completed: RefCell<Vec<u64>>,
+    fail_flushes: Cell<u32>,
+}
+
+impl aios_core::SoftDevice for NewestFirst {
+    fn pending(&self) -> u32 {
+        self.held.borrow().len() as u32
+    }
+    fn advance(&self, engine: &Engine) -> Result<(), aios_core::CoreError> {
+        let (sink, payload, offset) = self.held.borrow_mut().pop().expect("a write is held");
+        self.completed.borrow_mut().push(offset);
+        engine.push_nop(sink, payload)
+    }
+}
+
+struct NewestFirstBackend(Rc<NewestFirst>);
+
+impl lbio::Backend for NewestFirstBackend {
+    fn caps(&self) -> lbio::Caps {
+        lbio::Caps {
+            power_loss_protected: false,
+            asynchronous: true,
+            ..self.0.mem.caps()
+        }
+    }
+    fn outcome_of(&self, payload: u64, res: i32, len: u32) -> lbio::Outcome {
+        // A held write's completion (a NOP) stands for the result its start had.
+        let res = self.0.results.borrow_mut().remove(&payload).unwrap_or(res);
+        self.0.mem.outcome_of(payload, res, len)
+    }
+    unsafe fn start(
+        &self,
+        engine: &Engine,
+        sink: aios_core::SinkId,
+        tag: u64,
+        piece: &lbio::Piece,
+    ) -> Result<lbio::Started, aios_core::CoreError> {
+        if piece.op == lbio::Op::Flush && self.0.fail_flushes.get() > 0 {
+            self.0.fail_flushes.set(self.0.fail_flushes.get() - 1);
+            return Ok(lbio::Started::Done(-EIO));
+        }
+        // SAFETY: the caller's contract on `piece` is passed on unchanged (the RAM device is
+        // done with its memory when `start` returns).
+        let started = unsafe { self.0.mem.start(engine, sink, tag, piece) }?;
+        match (piece.op, started) {
+            (lbio::Op::Write, lbio::Started::Done(res)) => {
+                let res = self
+                    .0
+                    .fail_at
+                    .borrow()
+                    .get(&piece.offset)
+                    .map_or(res, |e| -e);
+                self.0.results.borrow_mut().insert(tag, res);
+                self.0.held.borrow_mut().push((sink, tag, piece.offset));
+                Ok(lbio::Started::Queued)
+            }
+            (_, started) => Ok(started),
+        }
+    }
+}
+
+/// An ordered device of one stream over one [`NewestFirst`] target whose writes at the offsets
+/// of `fail_at` fail with their errno (no background FLUSH, a 64 KiB log in memory).
+fn newest_first_rig(
+    fail_at: &[(u64, i32)],
+) -> (Rc<Engine>, OrderedDevice<MemPmr>, Rc<NewestFirst>) {
+    let (engine, lbio) = engine_and_array(64);
+    let device = Rc::new(NewestFirst {
+        mem: lbio::MemBackend::new(DISK as usize),
+        held: RefCell::new(Vec::new()),
+        results: RefCell::new(std::collections::HashMap::new()),
+        fail_at: RefCell::new(fail_at.iter().copied().collect()),
+        completed: RefCell::new(Vec::new()),
+        fail_flushes: Cell::new(0),
+    });
+    let soft: Rc<dyn aios_core::SoftDevice> = device.clone();
+    engine.attach_soft_device(Rc::downgrade(&soft));
+    let dev = device_of(
+        &lbio,
+        || NewestFirstBackend(Rc::clone(&device)),
+        geometry(DISK),
+    );
+    let log = AttrLog::format(MemPmr::new(64 << 10), 1).unwrap();
+    (engine, ordered(lbio, vec![dev], log), device)
+}
+
+/// Two groups of a stream fail on the device with different errors, the higher one's failure
+/// first (the device completes newest first). The stream is durable up to the group before the
+/// lowest failed one, so that group's failure is `wait`'s answer, every time: group 1's, not
+/// whichever failure was recorded first. (Before, `wait` returned the first recorded: group 2's
+/// ENOSPC, which says nothing of group 1 and names a group above the stream's durable prefix.)
+#[test]
+fn wait_reports_the_lowest_failed_group_when_a_higher_one_fails_first() {
+    const ENOSPC: i32 = 28;
+    let (engine, mut od, device) = newest_first_rig(&[(0, EIO), (65536, ENOSPC)]);
+    // Group 1 at offset 0 (fails with EIO), group 2 at 64 KiB (not contiguous: no merge; fails
+    // with ENOSPC). Both are on the device before either completes.
+    let a = od.submit(0, write(&engine, 0, 0, 1), true).unwrap();
+    let b = od.submit(0, write(&engine, 0, 65536, 2), true).unwrap();
+    assert_eq!(device.held.borrow().len(), 2, "both writes are out");
+    for _ in 0..2 {
+        let e = od.wait(0).expect_err("both groups failed").to_string();
+        assert!(
+            e.contains("offset 0 ") && !e.contains("offset 65536"),
+            "wait must report group 1's failure (offset 0, EIO), the lowest: {e}"
+        );
+        assert!(e.contains("group 1"), "the report names the group: {e}");
+    }
+    assert_eq!(
+        *device.completed.borrow(),
+        vec![65536, 0],
+        "group 2's write completed (and failed) first"
+    );
+    let done: Vec<(u64, u64, String)> = od
+        .poll()
+        .unwrap()
+        .into_iter()
+        .map(|d| (d.seq, d.id, d.result.expect_err("both writes failed")))
+        .collect();
+    assert_eq!(done.len(), 2, "{done:?}");
+    assert_eq!((done[0].0, done[0].1), (1, a), "{done:?}");
+    assert_eq!((done[1].0, done[1].1), (2, b), "{done:?}");
+    assert!(done[0].2.contains("offset 0 "), "{done:?}");
+    assert!(done[1].2.contains("offset 65536"), "{done:?}");
+    // The durable prefix the report bounds: nothing of the stream.
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert_eq!(rec.streams[0].prefix_end, 1, "{:?}", rec.streams[0]);
+}
+
+/// Group 1 fails on the device; group 2 completes, and `wait`'s FLUSH, which would make it
+/// durable, fails (group 2 is never durable either). `wait` returns group 1's failure, the one the
+/// stream's durable prefix stops at, as every later `wait` does. (Before, that `wait` returned
+/// the FLUSH's error, and only the later ones group 1's.)
+#[test]
+fn wait_whose_flush_fails_reports_the_lower_group_that_failed_before() {
+    let (engine, mut od, device) = newest_first_rig(&[(0, EIO)]);
+    od.submit(0, write(&engine, 0, 0, 1), true).unwrap();
+    od.submit(0, write(&engine, 0, 65536, 2), true).unwrap();
+    device.fail_flushes.set(1);
+    for _ in 0..2 {
+        let e = od.wait(0).expect_err("group 1 failed").to_string();
+        assert!(
+            e.contains("group 1: write of 4096 bytes at offset 0 "),
+            "wait must report group 1's failure, the lowest: {e}"
+        );
+    }
+    assert_eq!(
+        device.fail_flushes.get(),
+        0,
+        "wait's FLUSH was sent, and failed"
+    );
+    let done: Vec<(u64, bool)> = od
+        .poll()
+        .unwrap()
+        .into_iter()
+        .map(|d| (d.seq, d.result.is_ok()))
+        .collect();
+    // Group 2's write completed: its `Done` was handed back, in order, before the FLUSH.
+    assert_eq!(done, vec![(1, false), (2, true)]);
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert_eq!(rec.streams[0].prefix_end, 1, "{:?}", rec.streams[0]);
 }
