@@ -1643,8 +1643,15 @@ impl CacheHandle {
                     continue;
                 }
                 None => {
-                    // Part of a page: bring it in, then modify it.
-                    self.read_page(key, None, |_| {})?;
+                    // Part of a page: bring it in, then modify it (the loop finds it). A miss
+                    // of its own, not `read_page`: a reader that finds another handle's read
+                    // of the page in flight waits for it (in the vanilla order, where that read
+                    // was indexed before it was sent, without limit), and a writer waits for no
+                    // read. When the vanilla order finds the page indexed meanwhile (`None`),
+                    // the loop looks again and supersedes that read below.
+                    if let Some((f, abandoned)) = self.miss(key, None)? {
+                        self.unpin(f, abandoned);
+                    }
                     continue;
                 }
             };
