@@ -91,6 +91,9 @@ pub struct OrderedStats {
     /// Device commands sent (data writes; FLUSHes counted apart).
     pub device_cmds: u64,
     pub merged_cmds: u64,
+    /// Runs of groups that would have gone out merged but went out one command per group: the
+    /// engine's arena had no room for the merge's copy (merging only saves commands).
+    pub merges_skipped: u64,
     pub split_cmds: u64,
     pub flushes: u64,
     /// Of those, FLUSHes sent in the background ([`OrderedConfig::flush_ahead`]).
@@ -966,8 +969,32 @@ impl<P: Pmr> OrderedDevice<P> {
                 }
             }
             let requests: usize = run.iter().map(|g| g.1.len()).sum();
-            let sent = if first_mergeable && requests > 1 {
-                self.send_merged(stream, &mut run)
+            let copy = if first_mergeable && requests > 1 {
+                let len: u64 = run.iter().map(|(_, rs)| group_bytes(rs)).sum();
+                // No room for the copy: the groups go out as they would unmerged, in order.
+                // (Failing them would fail the stream until recovery for want of a saving.)
+                let c = self.alloc_copy(len as usize).ok();
+                self.stats.merges_skipped += u64::from(c.is_none());
+                c.map(Some)
+            } else {
+                Some(None)
+            };
+            let sent = if let Some(Some(buf)) = copy {
+                self.send_merged(stream, &mut run, buf)
+            } else if copy.is_none() {
+                let mut sent = Ok(());
+                let mut each = run.drain(..);
+                for (seq, reqs) in each.by_ref() {
+                    sent = self.send_group(stream, seq, reqs);
+                    if sent.is_err() {
+                        break;
+                    }
+                }
+                // Groups after a failed one were not touched: back to the queue's front.
+                for g in each.rev() {
+                    queued.push_front(g);
+                }
+                sent
             } else {
                 let (seq, reqs) = run.pop().expect("one group");
                 self.send_group(stream, seq, reqs)
@@ -1009,8 +1036,13 @@ impl<P: Pmr> OrderedDevice<P> {
     }
 
     /// Whole groups `gs` (all on one target, contiguous) as one command; their buffers are
-    /// copied into one and go back with the completions.
-    fn send_merged(&mut self, stream: u16, gs: &mut Vec<(u64, GroupReqs)>) -> Result<(), RioError> {
+    /// copied into one, `buf` (their total length), and go back with the completions.
+    fn send_merged(
+        &mut self,
+        stream: u16,
+        gs: &mut Vec<(u64, GroupReqs)>,
+        mut buf: FixedBuf,
+    ) -> Result<(), RioError> {
         let target = gs[0].1[0].w.target;
         let len: u64 = gs.iter().map(|(_, rs)| group_bytes(rs)).sum();
         let mut a = self.base_attr(stream, target, gs[0].0);
@@ -1025,17 +1057,7 @@ impl<P: Pmr> OrderedDevice<P> {
         }
         a.ipu = gs.iter().flat_map(|(_, rs)| rs).any(|r| r.w.ipu);
         let (first, last) = (a.seq, a.seq_end);
-        let mut buf = match self.alloc_copy(len as usize) {
-            Ok(b) => b,
-            Err(e) => {
-                let rest = gs
-                    .drain(..)
-                    .flat_map(|(g, rs)| rs.into_iter().map(move |r| (g, r)))
-                    .collect();
-                self.groups_unsent(stream, first, last, rest, &e);
-                return Err(e);
-            }
-        };
+        debug_assert_eq!(buf.len() as u64, len, "the copy's length");
         let mut at = 0;
         let seqs: SmallVec<[u64; 8]> = gs.iter().map(|g| g.0).collect();
         let mut originals = self.spare_carried.pop().unwrap_or_default();

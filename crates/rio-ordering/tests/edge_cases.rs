@@ -420,6 +420,68 @@ fn a_merge_stops_at_the_most_requests_an_entry_counts() {
 
 // ---------------------------------------------------------------------------------------------
 
+/// A run of contiguous groups that would go out merged, while the arena has no room for the
+/// merge's copy, goes out one command per group, in order: merging only saves commands, and
+/// failing the groups for it would fail the stream until recovery. (It did: `wait` answered
+/// "the arena has no run of 4 free frames", and every later `wait` the same.)
+#[test]
+fn merged_groups_go_out_unmerged_when_the_arena_has_no_room_for_the_copy() {
+    let engine_cfg = EngineConfig {
+        frame_bytes: 512,
+        ..engine_config(64 * 512)
+    };
+    let (engine, lbio) = engine_and_array_of(engine_cfg, LbioConfig::default());
+    let dev = device_of(
+        &lbio,
+        || lbio::MemBackend::new(DISK as usize),
+        geometry(DISK),
+    );
+    let log = AttrLog::format(MemPmr::new(64 << 10), 1).unwrap();
+    let cfg = OrderedConfig {
+        batch: 4,
+        flush_ahead: 0,
+        ..OrderedConfig::default()
+    };
+    let mut od = OrderedDevice::new(Rc::clone(&lbio), vec![dev], log, &[1], cfg).unwrap();
+    let writes: Vec<Write> = (0..4).map(|i| sector_write(&engine, i)).collect();
+    // Every other free frame of the arena held: no two free frames in a row.
+    let mut held = Vec::new();
+    while let Some(b) = engine.try_alloc(512) {
+        held.push(b);
+    }
+    let kept: Vec<_> = held.into_iter().step_by(2).collect();
+    for w in writes {
+        od.submit(0, w, true).unwrap();
+    }
+    od.wait(0).expect("every group is durable");
+    let st = od.stats();
+    assert_eq!(
+        (st.merged_cmds, st.merges_skipped, st.device_cmds),
+        (0, 1, 4),
+        "{st:?}"
+    );
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert_eq!(
+        rec.streams[0].prefix_end, 5,
+        "{:?}",
+        rec.streams[0].stopped_by
+    );
+    // With room, the same kind of run goes out as one merged command.
+    drop(kept);
+    for i in 4..8 {
+        od.submit(0, sector_write(&engine, i), true).unwrap();
+    }
+    od.wait(0).expect("every group is durable");
+    let st = od.stats();
+    assert_eq!((st.merged_cmds, st.merges_skipped), (1, 1), "{st:?}");
+    let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert_eq!(
+        rec.streams[0].prefix_end, 9,
+        "{:?}",
+        rec.streams[0].stopped_by
+    );
+}
+
 /// Entries whose checksum holds but whose values no device writes: a merged range ending at
 /// the largest id (recovery's `seq_end + 1` overflowed: a panic in a debug build, a prefix of 0
 /// in a release build) and a byte range past 2^64. Both are damage, skipped by recovery.
