@@ -870,7 +870,13 @@ fn main() -> ExitCode {
 fn cmd_mkfs(a: MkfsArgs) -> Result<(), BenchError> {
     // Not even with --force: mkfs under a live file system leaves it serving blocks that are
     // no longer its own.
-    refuse_image_in_use(&a.image, "unmount it (or stop that process) first")?;
+    let then = "unmount it (or stop that process) first";
+    refuse_image_in_use(&a.image, then)?;
+    // `fs_fuse::mkfs` takes the image's lock, and a mount holds it: probed here as well, so
+    // that `--size` does not grow an image a mount is serving before mkfs refuses it.
+    if a.image.exists() {
+        drop(fs_fuse::ImageLock::exclusive(&a.image).map_err(|e| image_error(e, then))?);
+    }
     // A file `--size` creates is removed again when mkfs fails.
     let mut created = None;
     if let Some(size) = a.size {
@@ -902,7 +908,7 @@ fn cmd_mkfs(a: MkfsArgs) -> Result<(), BenchError> {
     if let Some(j) = a.journals {
         opts.journals = j;
     }
-    let sb = fs_fuse::mkfs(&a.image, &opts).map_err(|e| BenchError::Setup(e.to_string()))?;
+    let sb = fs_fuse::mkfs(&a.image, &opts).map_err(|e| image_error(e, then))?;
     // Made: keep the file.
     if let Some(undo) = created {
         undo.cancel();
@@ -1085,7 +1091,10 @@ fn writers_of(image: &Path) -> Vec<(u32, String)> {
 
 /// Refuse `image` when another process has it open for writing (`then` says what to do):
 /// a second mount of an image, or mkfs under a live one, writes over the file system that
-/// process is serving.
+/// process is serving. Read from /proc, so not atomic: two mounts started at the same instant
+/// both pass it. The image's lock ([`fs_fuse::ImageLock`], taken by `fs_fuse::mount` and
+/// `fs_fuse::mkfs`) is what keeps those apart; this check stays for writers that take no lock
+/// (`aios target`, a bench), and names the process.
 fn refuse_image_in_use(image: &Path, then: &str) -> Result<(), BenchError> {
     match writers_of(image).first() {
         Some((pid, cmd)) => Err(BenchError::Invalid(format!(
@@ -1093,6 +1102,32 @@ fn refuse_image_in_use(image: &Path, then: &str) -> Result<(), BenchError> {
             image.display()
         ))),
         None => Ok(()),
+    }
+}
+
+/// `e` as this command reports it: a held image lock ([`fs_fuse::FsError::InUse`]) names the
+/// holding process and its command line where /proc shows them, and says what to do (`then`).
+fn image_error(e: fs_fuse::FsError, then: &str) -> BenchError {
+    match e {
+        fs_fuse::FsError::InUse { image, holder } => {
+            let by = match holder {
+                Some(pid) => {
+                    let cmd = std::fs::read(format!("/proc/{pid}/cmdline"))
+                        .map(|b| {
+                            String::from_utf8_lossy(&b)
+                                .split('\0')
+                                .filter(|a| !a.is_empty())
+                                .collect::<Vec<_>>()
+                                .join(" ")
+                        })
+                        .unwrap_or_default();
+                    format!("process {pid} ({cmd})")
+                }
+                None => "another aiosfs mount or mkfs".to_string(),
+            };
+            BenchError::Invalid(format!("{image}: in use, locked by {by}; {then}"))
+        }
+        e => BenchError::Setup(e.to_string()),
     }
 }
 
@@ -1151,10 +1186,14 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
             )))
         }
     }
-    refuse_image_in_use(
-        &a.image,
-        "two file systems writing one image destroy it: unmount it (or stop that process) first",
-    )?;
+    let then =
+        "two file systems writing one image destroy it: unmount it (or stop that process) first";
+    refuse_image_in_use(&a.image, then)?;
+    // The image's lock is what keeps a second mount out (`fs_fuse::mount` takes it and holds it
+    // while the file system runs; of two mounts started together one gets it). Taken and let go
+    // here too, so that a locked image is refused before a background file system and its log
+    // exist.
+    drop(fs_fuse::ImageLock::exclusive(&a.image).map_err(|e| image_error(e, then))?);
     if !a.foreground {
         // The file system runs as a child in its own process group (a Ctrl-C at this terminal
         // does not reach it); this process waits until the mount is there or the child fails.
@@ -1250,8 +1289,10 @@ fn cmd_mount(a: MountArgs) -> Result<(), BenchError> {
         TransportArg::Uring => fs_fuse::Transport::Uring,
         TransportArg::Classic => fs_fuse::Transport::Classic,
     };
-    let m = fs_fuse::mount(&a.image, &a.mountpoint, &opts)
-        .map_err(|e| BenchError::Setup(about(&a.image, e)))?;
+    let m = fs_fuse::mount(&a.image, &a.mountpoint, &opts).map_err(|e| match e {
+        e @ fs_fuse::FsError::InUse { .. } => image_error(e, then),
+        e => BenchError::Setup(about(&a.image, e)),
+    })?;
     let fs_probe = probe(&a.image, ProbeOptions::default()).ok();
     let r = &m.report;
     eprintln!(

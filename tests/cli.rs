@@ -1537,6 +1537,80 @@ fn mount_and_mkfs_refuse_an_image_in_use_and_a_mountpoint_already_mounted() {
     assert!(!log3_made, "the refused mount made its log");
 }
 
+/// `aios mkfs --force` and `aios mount` of an image whose lock another holder has (a running
+/// `aios mount` or `aios mkfs` holds it; here this test, through `aios::fs::ImageLock`) are
+/// refused, naming the image and the holder's process, with the image unchanged and no mount
+/// log made; once the holder lets go, mkfs goes ahead. The in-use check read /proc for
+/// processes with the image open for writing, so two mounts started at the same instant both
+/// passed it; the lock is taken and refused in one step. (The holder here has the image open
+/// read only, which the /proc check does not see: before the lock, mkfs wrote over the image.)
+#[test]
+fn mkfs_and_mount_refuse_an_image_whose_lock_is_held() {
+    let img = Scratch::new("locked", 0);
+    let out = aios()
+        .args(["mkfs", "--force", "--size", "32m", "--journals", "1"])
+        .arg(&img.0)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let before = std::fs::read(&img.0).unwrap();
+    let held = aios::fs::ImageLock::exclusive(&img.0).unwrap();
+    let wiped = aios()
+        .args(["mkfs", "--force"])
+        .arg(&img.0)
+        .output()
+        .unwrap();
+    let mp = MountDir::new("locked-mp");
+    let log = format!("/var/tmp/aios-cli-locked-{}.log", std::process::id());
+    let mounted = aios()
+        .arg("mount")
+        .arg(&img.0)
+        .arg(&mp.0)
+        .args(["--threads", "1", "--log", &log])
+        .output()
+        .unwrap();
+    let was_mounted = mp.mounted();
+    drop(mp);
+    let log_made = std::path::Path::new(&log).exists();
+    let _ = std::fs::remove_file(&log);
+    let after = std::fs::read(&img.0).unwrap();
+    drop(held);
+
+    let by = format!(
+        "{}: in use, locked by process {} (",
+        img.0.display(),
+        std::process::id()
+    );
+    let e = String::from_utf8_lossy(&wiped.stderr);
+    assert!(
+        !wiped.status.success(),
+        "mkfs --force went ahead on a locked image: {e}"
+    );
+    assert!(e.contains(&by), "{e}");
+    let e = String::from_utf8_lossy(&mounted.stderr);
+    assert!(
+        !mounted.status.success() && !was_mounted,
+        "a mount of a locked image went ahead: {e}"
+    );
+    assert!(e.contains(&by), "{e}");
+    assert!(after == before, "a refused command changed the image");
+    assert!(!log_made, "the refused mount made its log");
+    let out = aios()
+        .args(["mkfs", "--force"])
+        .arg(&img.0)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "mkfs after the lock was let go: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// A directory given as the image is refused by `aios mount` before a background file system
 /// and its log are made: it started one, which failed ("Is a directory") and left its log in
 /// /var/tmp. (Found by a review of the CLI on 2026-11-28.)

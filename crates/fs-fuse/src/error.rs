@@ -15,6 +15,14 @@ pub enum FsError {
     /// An aiosfs image whose structures do not check out.
     #[error("damaged aiosfs image: {0}")]
     Damaged(String),
+    /// Another mount or mkfs holds the image's lock ([`crate::ImageLock`]); nothing was
+    /// written.
+    #[error("{image}: in use: another aiosfs mount or mkfs holds its lock{}", holder_text(*.holder))]
+    InUse {
+        image: String,
+        /// The holding process, when `/proc/locks` shows it.
+        holder: Option<u32>,
+    },
     #[error("{path}: {source}")]
     Io {
         path: String,
@@ -29,6 +37,10 @@ pub enum FsError {
     Journal(#[from] journal::JournalError),
     #[error(transparent)]
     Rio(#[from] journal::rio_ordering::RioError),
+}
+
+fn holder_text(holder: Option<u32>) -> String {
+    holder.map_or(String::new(), |p| format!(" (process {p})"))
 }
 
 impl FsError {

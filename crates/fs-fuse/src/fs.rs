@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use aios_core::{Engine, EngineConfig};
+use journal::format::REVOKES_PER_BLOCK;
 use journal::{CommitMode, Journal, JournalSet, Layout, Tx};
 use lbio::{Device, LbioArray, LbioConfig};
 use pagecache::{CacheConfig, CacheHandle, CacheMetrics, FileId, Mode, PageCache};
@@ -132,6 +133,8 @@ struct AfterCommit {
     /// Xattrs this commit had to leave for a later one (no block for them) belong to the file
     /// it commits, or it commits everything: the caller gets ENOSPC once it is applied.
     short: bool,
+    /// Revoke records in the transaction.
+    revokes: usize,
 }
 
 /// A commit whose device work runs with the state lock released.
@@ -155,13 +158,24 @@ type ZeroEdge = (u64, usize, usize, Option<Box<[u8]>>);
 const FREE_STEP_BLOCKS: u64 = 1 << 18;
 
 /// Where the next step of [`Fs::free_range`] starts: the lowest `c` in `[a, b)` such that
-/// unmapping `[c, b)` of `n` frees at most [`FREE_STEP_BLOCKS`] blocks and dirties at most
-/// `budget` block-bitmap blocks not already in `dirty_bbm`; `a` when all of `[a, b)` fits.
-/// Always below `b` when something is mapped there, so every step makes progress.
-fn free_cut(n: &Node, a: u64, b: u64, budget: usize, dirty_bbm: &BTreeSet<u64>) -> u64 {
+/// unmapping `[c, b)` of `n` frees at most [`FREE_STEP_BLOCKS`] blocks, and dirties block-bitmap
+/// blocks not already in `dirty_bbm` and adds revoke blocks (one record for each freed block in
+/// `journaled`, [`REVOKES_PER_BLOCK`] to a log block) that together number at most `budget`;
+/// `a` when all of `[a, b)` fits. Always below `b` when something is mapped there, so every
+/// step makes progress.
+fn free_cut(
+    n: &Node,
+    a: u64,
+    b: u64,
+    budget: usize,
+    dirty_bbm: &BTreeSet<u64>,
+    journaled: &HashMap<u64, u64>,
+) -> u64 {
     let per = B * 8;
+    let per_revoke_block = REVOKES_PER_BLOCK as u64;
     let mut seen: HashSet<u64> = HashSet::new();
     let mut blocks = 0u64;
+    let mut revokes = 0u64;
     for (&s, &(p, len)) in n.map.range(..b).rev() {
         let e = s + len as u64;
         if e <= a {
@@ -176,8 +190,44 @@ fn free_cut(n: &Node, a: u64, b: u64, budget: usize, dirty_bbm: &BTreeSet<u64>) 
             if !dirty_bbm.contains(&bm) && seen.insert(bm) && seen.len() > budget {
                 return top;
             }
+            // Revoke records the rest of the budget holds beside the bitmap blocks.
+            let room = (budget - seen.len()) as u64 * per_revoke_block;
+            if revokes > room {
+                // This run's bitmap block does not fit beside the revokes taken so far.
+                return top;
+            }
+            let mut cut = low;
+            if !journaled.is_empty() {
+                // The run's journaled blocks, physical [p + low - s, p + top - s).
+                let (plo, phi) = (p + (low - s), p + (top - s));
+                let mut hits: Vec<u64> = if phi - plo <= journaled.len() as u64 {
+                    (plo..phi).filter(|q| journaled.contains_key(q)).collect()
+                } else {
+                    journaled
+                        .keys()
+                        .copied()
+                        .filter(|q| (plo..phi).contains(q))
+                        .collect()
+                };
+                if revokes + hits.len() as u64 > room {
+                    // Stop just above the first journaled block that no longer fits.
+                    hits.sort_unstable_by(|x, y| y.cmp(x));
+                    let q = hits[(room - revokes) as usize];
+                    cut = s + (q - p) + 1;
+                }
+                revokes += hits.len() as u64;
+            }
             if blocks + (top - low) > FREE_STEP_BLOCKS {
-                return top - (FREE_STEP_BLOCKS - blocks);
+                cut = cut.max(top - (FREE_STEP_BLOCKS - blocks));
+            }
+            if cut > low {
+                // Nothing taken yet (a budget of one bitmap block, no room left for a revoke
+                // block): the top block all the same, so that the step makes progress.
+                return if blocks == 0 && cut == top {
+                    top - 1
+                } else {
+                    cut
+                };
             }
             blocks += top - low;
             top = low;
@@ -305,6 +355,11 @@ pub struct FsStats {
     pub shared_handles: AtomicU64,
     /// Commits made between two steps of freeing a range too large for one transaction.
     pub free_steps: AtomicU64,
+    /// Revoke records committed (one per freed block whose journaled copy was not yet home).
+    pub revokes: AtomicU64,
+    /// The most log blocks one committed transaction took besides journaled data: its
+    /// metadata, revoke blocks, descriptors and commit block.
+    pub largest_tx_log_blocks: AtomicU64,
 }
 
 fn dec(n: &mut u32) {
@@ -1247,7 +1302,7 @@ impl Fs {
     ) -> FsResult<()> {
         let budget = (self.log_len / 4).max(1) as usize;
         loop {
-            let c = free_cut(&st.nodes[&ino], a, b, budget, &st.dirty_bbm);
+            let c = free_cut(&st.nodes[&ino], a, b, budget, &st.dirty_bbm, &st.journaled);
             let n = st.nodes.get_mut(&ino).expect("node");
             let gone: Vec<u64> = n.dirty.range(c..b).map(|(&l, _)| l).collect();
             for l in &gone {
@@ -1370,7 +1425,7 @@ impl Fs {
             return;
         };
         let budget = (self.log_len / 4).max(1) as usize;
-        if free_cut(n, 0, u64::MAX, budget, &st.dirty_bbm) > 0 {
+        if free_cut(n, 0, u64::MAX, budget, &st.dirty_bbm, &st.journaled) > 0 {
             let r = self
                 .ctx()
                 .and_then(|ctx| self.free_range(st, &ctx, ino, 0, u64::MAX, None));
@@ -1427,9 +1482,9 @@ impl Fs {
 
     // ----- commit --------------------------------------------------------------------------
 
-    /// Metadata blocks the next commit would write, roughly. A directory whose blocks changed
-    /// is always among the dirty directories (every change to it touches it), so only those
-    /// are looked at, not every node in memory.
+    /// Metadata blocks the next commit would write, roughly, and the log blocks its revoke
+    /// records take. A directory whose blocks changed is always among the dirty directories
+    /// (every change to it touches it), so only those are looked at, not every node in memory.
     fn meta_pending(&self, st: &State) -> u64 {
         let dirs: usize = st
             .dirty_dirs
@@ -1441,7 +1496,8 @@ impl Fs {
             + dirs
             + st.dirty_ibm.len()
             + st.dirty_bbm.len()
-            + st.new_meta.len()) as u64
+            + st.new_meta.len()
+            + st.revokes.len().div_ceil(REVOKES_PER_BLOCK)) as u64
             + st.dirty_xattrs.len() as u64
     }
 
@@ -1790,9 +1846,11 @@ impl Fs {
         for (&b, bytes) in &metas {
             tx.write_meta(b, bytes).map_err(io_err)?;
         }
+        let mut revokes = 0;
         for &b in &st.revokes {
             if !metas.contains_key(&b) {
                 tx.revoke(b);
+                revokes += 1;
             }
         }
         st.revokes.clear();
@@ -1828,6 +1886,7 @@ impl Fs {
             data_marks,
             file: file.is_some(),
             short: deferred.iter().any(|&i| file.is_none_or(|f| f == i)),
+            revokes,
         })
     }
 
@@ -1864,6 +1923,14 @@ impl Fs {
         self.stats
             .meta_blocks_written
             .fetch_add(after.meta_blocks.len() as u64, Ordering::Relaxed);
+        if committed.is_some() {
+            self.stats
+                .revokes
+                .fetch_add(after.revokes as u64, Ordering::Relaxed);
+            self.stats
+                .largest_tx_log_blocks
+                .fetch_max(after.tx.log_blocks(), Ordering::Relaxed);
+        }
         if !after.quarantined.is_empty() {
             // Reads that found one of these blocks before it was freed have read it.
             drop(self.read_gate.write().unwrap_or_else(|p| p.into_inner()));

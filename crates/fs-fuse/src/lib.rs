@@ -5,6 +5,8 @@
 //!   checksummed directory, leaf and xattr blocks, per-core journal areas in the `journal`
 //!   crate's format);
 //! - [`mkfs()`] and [`fsck()`];
+//! - [`ImageLock`]: the exclusive lock `mount()` and `mkfs()` hold on the image they write, so a
+//!   second one is refused ([`FsError::InUse`]);
 //! - [`fs::Fs`]: the mounted file system (in-memory metadata committed through the journal,
 //!   fsync as one overlapped commit), with no FUSE types, so it also runs on a SimDisk;
 //! - [`mount()`]: the FUSE adapter (fuser, one worker per core), and [`ring`]: FUSE over
@@ -31,6 +33,7 @@ mod error;
 pub mod format;
 pub mod fs;
 pub mod fsck;
+pub mod lock;
 pub mod mkfs;
 pub mod mount;
 pub mod ring;
@@ -39,5 +42,6 @@ pub mod rio;
 pub use error::FsError;
 pub use fs::{Fs, FsOptions};
 pub use fsck::{fsck, fsck_image, read_superblock, Report};
+pub use lock::ImageLock;
 pub use mkfs::{mkfs, MkfsOptions};
 pub use mount::{mount, MountOptions, Mounted, Transport, REQUEST_SPIN};

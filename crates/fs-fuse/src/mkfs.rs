@@ -12,6 +12,7 @@ use crate::format::{
     encode_dir_block, set_bit, DirEntry, Inode, Superblock, BLOCK, INODE_BYTES, ROOT_INO, S_IFDIR,
 };
 use crate::fsck;
+use crate::lock::ImageLock;
 
 /// Settings of `mkfs`.
 #[derive(Clone, Debug)]
@@ -75,8 +76,10 @@ fn now() -> (u64, u32) {
 }
 
 /// Make an empty aiosfs on `path` (a file or block device). Refuses, changing nothing, when the
-/// target already holds an aiosfs and `force` is not set.
+/// target already holds an aiosfs and `force` is not set, or when a mount or another mkfs holds
+/// its lock ([`FsError::InUse`], even with `force`; see [`ImageLock`]).
 pub fn mkfs(path: &Path, opts: &MkfsOptions) -> Result<Superblock, FsError> {
+    let _lock = ImageLock::exclusive(path)?;
     let bytes = std::fs::File::open(path)
         .and_then(|f| fsck::size_of(&f))
         .map_err(|e| FsError::io(path, e))?;

@@ -818,11 +818,17 @@ pub struct Mounted {
     pub report: OpenReport,
     pub mountpoint: PathBuf,
     pub threads: usize,
+    /// The image's lock, let go when this is dropped: after `run` has unmounted (its final
+    /// commit and checkpoint done), or with a mount that never ran.
+    _lock: crate::lock::ImageLock,
 }
 
-/// Check `image` (a damaged or foreign image is refused, nothing written), open it (journal
-/// replay) and mount it at `mountpoint`.
+/// Lock `image` (another mount or mkfs holding it: [`FsError::InUse`]), check it (a damaged
+/// or foreign image is refused, nothing written), open it (journal replay) and mount it at
+/// `mountpoint`. The lock is held until the [`Mounted`] is dropped.
 pub fn mount(image: &Path, mountpoint: &Path, opts: &MountOptions) -> Result<Mounted, FsError> {
+    // First: of two mounts started together, the second stops here, before it reads anything.
+    let lock = crate::lock::ImageLock::exclusive(image)?;
     // SIGINT/SIGTERM stay pending from here until `run`'s signal thread takes them, so a
     // signal that arrives while mounting still unmounts cleanly.
     signals()
@@ -897,6 +903,7 @@ pub fn mount(image: &Path, mountpoint: &Path, opts: &MountOptions) -> Result<Mou
         report,
         mountpoint: mountpoint.to_path_buf(),
         threads: opts.threads.max(1),
+        _lock: lock,
     })
 }
 

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use common::opts;
+use common::{opts, opts_one_write};
 use fs_fuse::format::{set_bit, Inode, Superblock, BLOCK, INODES_PER_BLOCK, INODE_BYTES};
 use fs_fuse::format::{ROOT_INO, S_IFREG};
 use fs_fuse::fs::{Caller, Fs, SetAttr, FREE_TEST_STOP_AFTER};
@@ -55,6 +55,11 @@ impl Image {
 
 /// An image holding file "f" of [`BIG`] blocks in one extent, unmounted; its inode number.
 fn image_with_big_file(tag: &str) -> (Image, u64) {
+    image_with_big_file_in(tag, 1)
+}
+
+/// [`image_with_big_file`] on an image of `journals` journal areas (of 32 blocks each).
+fn image_with_big_file_in(tag: &str, journals: u32) -> (Image, u64) {
     static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let path = std::env::temp_dir().join(format!(
         "aiosfs-large-{tag}-{}-{}.img",
@@ -69,7 +74,7 @@ fn image_with_big_file(tag: &str) -> (Image, u64) {
     mkfs(
         &img.0,
         &MkfsOptions {
-            journals: 1,
+            journals,
             journal_blocks: 32,
             bytes_per_inode: 1 << 20,
             force: false,
@@ -293,5 +298,71 @@ fn a_step_after_changes_to_files_with_extent_leaves_still_fits_its_transaction()
     for &l in &leafy {
         assert_eq!(fs.getattr(l).unwrap().mode & 0o7777, 0o600);
     }
+    unmount_and_check(fs, &img);
+}
+
+/// Freeing journaled blocks adds a revoke record each to the step's transaction (507 to a log
+/// block), and the budget that bounds a step counted only its block-bitmap blocks: a step could
+/// take its quarter of a log in bitmap blocks and as many log blocks again in revoke records.
+/// Here 6,120 blocks at the top of the file were journaled by one-write commits, two in each
+/// of 255 journal areas (so no area fills and no checkpoint sends them home), and the file is
+/// unlinked. The first step freed seven bitmap blocks' worth with all 6,120 revokes: a
+/// transaction of 24 log blocks, more than its quarter (7) and what was pending before it (at
+/// most another quarter) together. A step now counts the revoke blocks it adds against the
+/// same quarter. (Limits today keep the sum under a whole log: revokes cannot outnumber the
+/// blocks journaled since the last checkpoint, at most 256 areas' logs; the count makes the
+/// bound hold by itself.)
+#[test]
+fn a_free_step_counts_the_revoke_records_it_adds() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let (img, f) = image_with_big_file_in("revokes", 256);
+    let (fs, _) = Fs::open(fs_fuse::mount::image_factory(&img.0), opts_one_write()).unwrap();
+    let log_len = fs.superblock().journal_blocks - 1;
+    let areas = fs.superblock().journal_areas as u64;
+    assert_eq!((log_len, areas), (31, 256));
+    // Each commit of 12 data blocks and (at most) the inode's table block takes 15 log blocks,
+    // half a log: a one-write commit journals its data. A thread's first request gives it the
+    // next area, so each turn of the loop commits in an area of its own.
+    let per_commit = 12u64;
+    let mut l = BIG;
+    for _ in 1..areas {
+        fs.release_thread();
+        for _ in 0..2 {
+            l -= per_commit;
+            let n = fs
+                .write(f, l * B, &vec![0x33u8; (per_commit * B) as usize])
+                .unwrap();
+            assert_eq!(n as u64, per_commit * B);
+            fs.sync_all().unwrap();
+        }
+    }
+    fs.release_thread();
+    let journaled = BIG - l;
+    assert_eq!(journaled, 6_120);
+    let free = fs.statfs().bfree;
+    let revokes = fs.stats.revokes.load(Ordering::Relaxed);
+    assert_eq!(fs.remove(ROOT_INO, b"f", false), Ok(()));
+    fs.sync_all().unwrap();
+    assert!(!fs.failed());
+    assert!(fs.stats.free_steps.load(Ordering::Relaxed) > 0);
+    assert_eq!(
+        fs.stats.revokes.load(Ordering::Relaxed) - revokes,
+        journaled,
+        "the journaled blocks freed were not all revoked (a checkpoint sent some home?)"
+    );
+    // A step's own share is a quarter of a log, bitmap and revoke blocks together; what was
+    // pending before it is at most another quarter. The inode table and directory blocks of
+    // the unlink, a descriptor and a commit block come on top.
+    let largest = fs.stats.largest_tx_log_blocks.load(Ordering::Relaxed);
+    assert!(
+        largest <= log_len / 2 + 2,
+        "a transaction of {largest} log blocks; a step's budget is {} of a log of {log_len}",
+        log_len / 4
+    );
+    assert_eq!(fs.statfs().bfree, free + BIG);
+    unmount_and_check(fs, &img);
+    let (fs, _) = Fs::open(fs_fuse::mount::image_factory(&img.0), opts_one_write()).unwrap();
+    assert_eq!(fs.statfs().bfree, free + BIG);
+    assert_eq!(fs.lookup(ROOT_INO, b"f", false), Err(libc::ENOENT));
     unmount_and_check(fs, &img);
 }
