@@ -1,11 +1,19 @@
 //! What fsck holds in memory (from a review on 2026-11-28): it used to read the whole inode
 //! table at once, 16 GiB for a 1 TiB image with the default one inode per 16 KiB, however few
-//! inodes were in use. A counting allocator (this test binary's global allocator, one test so
-//! nothing else allocates meanwhile) measures the most fsck holds at once.
+//! inodes were in use, and it kept a map from every block a file owns to its inode (several
+//! GiB for a full 1 TiB image). A counting allocator (this test binary's global allocator; the
+//! tests take turns, so nothing else allocates meanwhile) measures the most fsck holds at once.
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
+use fs_fuse::format::{
+    set_bit, Inode, Superblock, BLOCK, INODES_PER_BLOCK, INODE_BYTES, ROOT_INO, S_IFREG,
+};
+use fs_fuse::fs::{Caller, Fs, FsOptions};
 use fs_fuse::fsck;
 use fs_fuse::mkfs::{mkfs, MkfsOptions};
 
@@ -34,8 +42,22 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOC: Counting = Counting;
 
+/// One test at a time: the counters are the whole process's.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Blocks the file of [`fsck_tracks_owned_blocks_in_a_bitmap`] owns.
+const OWNED: u64 = 500_000;
+
 /// Removes the test's directory however the test ends.
-struct TempDir(std::path::PathBuf);
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        let d = std::env::temp_dir().join(format!("aiosfs-fsck-mem-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        TempDir(d)
+    }
+}
 
 impl Drop for TempDir {
     fn drop(&mut self) {
@@ -45,24 +67,10 @@ impl Drop for TempDir {
 
 #[test]
 fn fsck_reads_the_inode_table_in_bounded_pieces() {
-    let dir = TempDir(std::env::temp_dir().join(format!("aiosfs-fsck-mem-{}", std::process::id())));
-    std::fs::create_dir_all(&dir.0).unwrap();
-    let img = dir.0.join("big-table.img");
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = TempDir::new("table");
     // 256 MiB (sparse) with an inode per 4 KiB: 65,536 inodes, a 16 MiB inode table.
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(256 << 20)
-        .unwrap();
-    let sb = mkfs(
-        &img,
-        &MkfsOptions {
-            journals: 1,
-            journal_blocks: 32,
-            bytes_per_inode: 4096,
-            force: false,
-        },
-    )
-    .unwrap();
+    let (img, sb) = image(&dir, "big-table.img", 256 << 20, 4096);
     let table = sb.inode_table.count * 4096;
     assert_eq!(table, 16 << 20);
     let base = NOW.load(Ordering::Relaxed);
@@ -77,5 +85,102 @@ fn fsck_reads_the_inode_table_in_bounded_pieces() {
     assert!(
         peak < (table / 4) as usize,
         "fsck held {peak} bytes at once; the inode table is {table} bytes"
+    );
+}
+
+/// A sparse image file of `bytes`, made by mkfs with one journal area of 32 blocks and one
+/// inode per `bytes_per_inode`.
+fn image(dir: &TempDir, name: &str, bytes: u64, bytes_per_inode: u64) -> (PathBuf, Superblock) {
+    let img = dir.0.join(name);
+    std::fs::File::create(&img).unwrap().set_len(bytes).unwrap();
+    let sb = mkfs(
+        &img,
+        &MkfsOptions {
+            journals: 1,
+            journal_blocks: 32,
+            bytes_per_inode,
+            force: false,
+        },
+    )
+    .unwrap();
+    (img, sb)
+}
+
+/// Half a million blocks owned by one file. fsck used to keep a map from every owned block to
+/// its inode (tens of bytes a block: several GiB for a full 1 TiB image); it now keeps a bit a
+/// block (and a second bitmap only when a block is owned twice).
+#[test]
+fn fsck_tracks_owned_blocks_in_a_bitmap() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = TempDir::new("owned");
+    // 2 GiB (sparse): 524,288 blocks; an inode per MiB (a 512 KiB inode table).
+    let (img, sb) = image(&dir, "owned.img", 2 << 30, 1 << 20);
+    // One block written through the file system, then (unmounted) its extent grown to
+    // `OWNED` blocks and those marked in use, as `large_free.rs` does: nothing writes 2 GiB.
+    let fs = Fs::open(
+        fs_fuse::mount::image_factory(&img),
+        FsOptions {
+            arena_bytes: 2 << 20,
+            cache_bytes: 256 << 10,
+            ..FsOptions::default()
+        },
+    )
+    .unwrap()
+    .0;
+    let caller = Caller { uid: 0, gid: 0 };
+    let f = fs
+        .mknod(ROOT_INO, b"f", S_IFREG | 0o644, 0, caller, None)
+        .unwrap()
+        .ino;
+    fs.write(f, 0, &vec![0x11u8; BLOCK]).unwrap();
+    fs.unmount().unwrap();
+    drop(fs);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&img)
+        .unwrap();
+    let b = BLOCK as u64;
+    let mut blk = vec![0u8; BLOCK];
+    let tb = sb.inode_table.start + f / INODES_PER_BLOCK as u64;
+    let at = (f % INODES_PER_BLOCK as u64) as usize * INODE_BYTES;
+    file.read_exact_at(&mut blk, tb * b).unwrap();
+    let mut ino: Inode = Inode::decode(&blk[at..at + INODE_BYTES]).unwrap().unwrap();
+    assert_eq!(ino.extents.len(), 1);
+    let p0 = ino.extents[0].physical;
+    assert!(p0 + OWNED <= sb.data.end());
+    ino.extents[0].len = OWNED as u32;
+    ino.size = OWNED * b;
+    ino.encode(&mut blk[at..at + INODE_BYTES]);
+    file.write_all_at(&blk, tb * b).unwrap();
+    let mut bbm = vec![0u8; (sb.block_bitmap.count * b) as usize];
+    file.read_exact_at(&mut bbm, sb.block_bitmap.start * b)
+        .unwrap();
+    for p in p0..p0 + OWNED {
+        set_bit(&mut bbm, p);
+    }
+    file.write_all_at(&bbm, sb.block_bitmap.start * b).unwrap();
+    file.sync_all().unwrap();
+    drop((file, bbm, blk));
+
+    let base = NOW.load(Ordering::Relaxed);
+    PEAK.store(base, Ordering::Relaxed);
+    let rep = fsck(&img).unwrap();
+    let peak = PEAK.load(Ordering::Relaxed) - base;
+    assert!(rep.clean(), "fsck: {:?}", rep.problems);
+    assert_eq!(rep.used_inodes, 2);
+    assert_eq!(rep.used_blocks, sb.data.start + 1 + 1 + OWNED);
+    // Four bits a block of the image (the block bitmap and the owned-once bitmap take two),
+    // plus what does not grow with the blocks owned: at most a 1 MiB piece of the inode table,
+    // the 128 KiB journal area, and 256 KiB for the rest.
+    let bound = (sb.blocks / 2 + (1 << 20) + 32 * b + (256 << 10)) as usize;
+    eprintln!(
+        "fsck held at most {peak} bytes at once for {OWNED} owned blocks of {}; bound {bound}",
+        sb.blocks
+    );
+    assert!(
+        peak < bound,
+        "fsck held {peak} bytes at once for {OWNED} owned blocks of {}; the bound is {bound}",
+        sb.blocks
     );
 }
