@@ -9,6 +9,8 @@
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::rc::{Rc, Weak};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
 use std::task::Waker;
 
 use aios_core::{CompletionSink, CoreError, Engine, FixedBuf, SinkId};
@@ -369,9 +371,53 @@ struct Inner {
     metrics: LbioMetrics,
 }
 
+/// What became of an [`LbioArray`]'s requests, as its [`ArrayFate`] tells.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fate {
+    /// The array is alive: its requests may still be in flight.
+    Open,
+    /// The array was dropped, and nothing of it was in flight any more when it went (its drop
+    /// drained the engine): the device no longer reads or writes any memory its requests named.
+    Drained,
+    /// The array was dropped while the engine kept failing with requests of it in flight: the
+    /// device may still read or write their memory at any time.
+    Abandoned,
+}
+
+const FATE_OPEN: u8 = 0;
+const FATE_DRAINED: u8 = 1;
+const FATE_ABANDONED: u8 = 2;
+
+/// A cloneable, thread-safe handle on what became of one [`LbioArray`] ([`LbioArray::fate`]):
+/// [`Fate::Open`] while the array lives, then what its drop found. Also names the array: two
+/// handles are [`ArrayFate::same_array`] when taken from the same one, and an array's handle
+/// keeps that name from any other array for as long as it is held.
+#[derive(Clone, Debug)]
+pub struct ArrayFate(Arc<AtomicU8>);
+
+impl ArrayFate {
+    /// What became of the array. After [`Fate::Drained`] or [`Fate::Abandoned`] it never
+    /// changes; a [`Fate::Drained`] read here also makes everything the device did to the
+    /// requests' memory visible to this thread.
+    pub fn get(&self) -> Fate {
+        match self.0.load(Ordering::Acquire) {
+            FATE_OPEN => Fate::Open,
+            FATE_DRAINED => Fate::Drained,
+            _ => Fate::Abandoned,
+        }
+    }
+
+    /// Whether `self` and `other` were taken from the same array.
+    pub fn same_array(&self, other: &ArrayFate) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
 /// The per-engine lbio slot array (AIOS Fig. 7's per-core lbio row).
 pub struct LbioArray {
     engine: Rc<Engine>,
+    /// Set by the drop (see [`LbioArray::fate`]).
+    fate: ArrayFate,
     sink: SinkId,
     cfg: LbioConfig,
     inner: RefCell<Inner>,
@@ -395,6 +441,7 @@ impl LbioArray {
                 // On a registration failure `new` returns the error before anyone sees this value.
                 sink: *registered.as_ref().unwrap_or(&SinkId(u8::MAX)),
                 engine: Rc::clone(&engine),
+                fate: ArrayFate(Arc::new(AtomicU8::new(FATE_OPEN))),
                 cfg,
                 inner: RefCell::new(Inner {
                     slots: slots.into_boxed_slice(),
@@ -416,6 +463,13 @@ impl LbioArray {
     /// The engine this array submits to.
     pub fn engine(&self) -> &Rc<Engine> {
         &self.engine
+    }
+    /// A handle on what becomes of this array, for a user that lets memory outlive it: after
+    /// the array's drop it says whether the drop drained the engine ([`Fate::Drained`]: the
+    /// device no longer touches any memory the array's requests named, completed or not) or
+    /// gave up on a ring that kept failing ([`Fate::Abandoned`]: it may still).
+    pub fn fate(&self) -> ArrayFate {
+        self.fate.clone()
     }
     /// The configuration in force.
     pub fn config(&self) -> &LbioConfig {
@@ -958,13 +1012,19 @@ impl Drop for LbioArray {
         // A failed wait is tried again (`Engine::drain_all`); only a ring that keeps failing is
         // given up on: then the buffers are leaked rather than let the kernel write into frames
         // someone else owns.
-        if busy && !self.engine.drain_all() {
+        let fate = if busy && !self.engine.drain_all() {
             for slot in self.inner.get_mut().slots.iter_mut() {
                 if let Some(b) = slot.buf.take() {
                     std::mem::forget(b);
                 }
             }
-        }
+            FATE_ABANDONED
+        } else {
+            FATE_DRAINED
+        };
+        // Release: the drain's completions (and the device's accesses they report) happen
+        // before a `Drained` that `ArrayFate::get` reads.
+        self.fate.0.store(fate, Ordering::Release);
     }
 }
 

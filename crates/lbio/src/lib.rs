@@ -30,8 +30,8 @@ mod error;
 mod simdisk;
 
 pub use array::{
-    Class, Completion, LbioArray, LbioConfig, LbioMetrics, RawBuf, RawIov, Tag, MAX_PIECE_SEGMENTS,
-    MAX_SLOTS,
+    ArrayFate, Class, Completion, Fate, LbioArray, LbioConfig, LbioMetrics, RawBuf, RawIov, Tag,
+    MAX_PIECE_SEGMENTS, MAX_SLOTS,
 };
 pub use backend::{
     piece_in_memory, Backend, Caps, FileBackend, MemBackend, NvmeBackend, Op, Outcome, Piece,

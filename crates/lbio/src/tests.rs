@@ -2010,3 +2010,38 @@ fn an_array_dropped_while_a_wait_fails_once_gives_its_buffers_back() {
         "the read's buffer went back to the arena"
     );
 }
+
+/// An array's fate ([`LbioArray::fate`]) is `Open` while it lives, and after its drop says
+/// whether the drop drained the engine (`Drained`: here a read in flight, the ring working)
+/// or gave up on a ring that kept failing (`Abandoned`: the read may still land). It names
+/// its array: handles of one array are the same, another array's are not.
+#[test]
+fn an_arrays_fate_says_whether_its_drop_drained_the_engine() {
+    let engine = engine();
+    let file = TempFile::new("fate", 1 << 20);
+    let dropped_with_a_read_in_flight = |fail: bool| {
+        let lbio = array(&engine, LbioConfig::default());
+        let dev = ring_device(&lbio, &file);
+        let fate = lbio.fate();
+        assert_eq!(fate.get(), Fate::Open);
+        assert!(fate.same_array(&lbio.fate()));
+        // Held: the read's SQE is queued, not yet handed to the kernel.
+        engine
+            .hold_submissions(|| dev.submit(Io::read(0, engine.try_alloc(64 * KIB).unwrap())))
+            .map_err(|e| e.0)
+            .unwrap();
+        if fail {
+            engine.fail_next_enters(u32::MAX);
+        }
+        drop(dev);
+        drop(lbio);
+        engine.fail_next_enters(0);
+        fate
+    };
+    let drained = dropped_with_a_read_in_flight(false);
+    assert_eq!(drained.get(), Fate::Drained);
+    let abandoned = dropped_with_a_read_in_flight(true);
+    assert_eq!(abandoned.get(), Fate::Abandoned);
+    assert!(!drained.same_array(&abandoned));
+    drain(&engine);
+}

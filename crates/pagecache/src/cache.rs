@@ -176,12 +176,14 @@ pub(crate) enum LostKind {
 
 /// A request a dropped handle left in flight on an engine that kept failing (its
 /// quarantine): its frames stay out of the pool, and its write back's pages refuse writers,
-/// until a handle on the same lbio array takes its completion. Only then can the device no
-/// longer read from or write into those frames.
+/// until a handle on the same lbio array takes its completion, or that array is dropped and
+/// its drop drained the engine ([`lbio::Fate::Drained`]; see
+/// [`crate::CacheHandle::settle_lost`]). Only then can the device no longer read from or write
+/// into those frames.
 pub(crate) struct LostRequest {
-    /// The lbio array the request was sent on: its address, kept from any other array by a
-    /// weak reference the quarantine leaked (released when this entry is settled).
-    pub(crate) array: usize,
+    /// The lbio array the request was sent on: names it (no other array's fate is the same
+    /// while this is held) and says whether its drop drained the engine.
+    pub(crate) fate: lbio::ArrayFate,
     pub(crate) tag: u32,
     pub(crate) kind: LostKind,
     pub(crate) frames: Vec<u32>,
@@ -205,8 +207,9 @@ pub struct PageCache {
     /// Frames held by readahead in flight, over all handles: see [`PageCache::readahead_limit`].
     readahead_in_flight: AtomicU32,
     /// Requests of dropped handles whose engines kept failing, until their completions are
-    /// taken (see [`LostRequest`]); `lost_len` mirrors its length, so a completion of no
-    /// request of its handle's own takes no lock while there are none.
+    /// taken or their arrays are dropped and drained (see [`LostRequest`]); `lost_len` mirrors
+    /// its length, so a completion of no request of its handle's own, and a look for drained
+    /// arrays, take no lock while there are none.
     lost: Mutex<Vec<LostRequest>>,
     pub(crate) lost_len: AtomicU32,
     /// Frames to be freed that a zero-copy guard still held through a hazard slot (see

@@ -10,13 +10,13 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ops::Deref;
 use std::ptr::NonNull;
-use std::rc::{Rc, Weak};
+use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aios_core::Engine;
-use lbio::{Class, Device, Io, LbioArray, LbioError, RawBuf, RawIov, Tag};
+use lbio::{ArrayFate, Class, Device, Fate, Io, LbioArray, LbioError, RawBuf, RawIov, Tag};
 
 use crate::cache::{FileId, LostKind, LostRequest, Mode, PageCache, PAGE_BYTES};
 use crate::error::CacheError;
@@ -101,6 +101,8 @@ pub struct CacheHandle {
     cache: Arc<PageCache>,
     engine: Rc<Engine>,
     lbio: Rc<LbioArray>,
+    /// `lbio`'s fate: names the array in the cache's list of lost requests.
+    lbio_fate: ArrayFate,
     region_index: u16,
     mode: Mode,
     /// Per file: its device on this handle and its size (copied at attach, so the read path
@@ -201,6 +203,7 @@ impl CacheHandle {
             cache: Arc::clone(cache),
             engine: Rc::clone(engine),
             lbio: Rc::clone(lbio),
+            lbio_fate: lbio.fate(),
             region_index,
             mode,
             files: RefCell::new(Vec::new()),
@@ -227,6 +230,7 @@ impl CacheHandle {
             hazard_free: Cell::new(((1u32 << hazard::SLOTS) - 1) as u16),
             own_pins: RefCell::new(HashMap::with_capacity(OWN_PINS_PREALLOCATED)),
         };
+        h.settle_lost();
         if mode.pool {
             h.refill()?;
         }
@@ -1833,6 +1837,8 @@ impl CacheHandle {
     /// Write every dirty page of `file` back (background-class requests), wait for them, and
     /// flush the device.
     pub fn sync(&self, file: FileId) -> Result<(), CacheError> {
+        // Pages a lost write back held, whose array has gone since, are written now too.
+        self.settle_lost();
         let dev = self.device(file)?;
         self.writeback(Some(file))?;
         dev.flush_blocking()?;
@@ -2044,8 +2050,9 @@ impl CacheHandle {
     ///
     /// Each request goes into the cache's list of lost ones (see [`LostRequest`]): a handle on
     /// the same lbio array that later takes its completion releases its frames then
-    /// ([`Self::complete_lost`]). The array's allocation is kept by a leaked weak reference
-    /// per request, so no other array can take its address meanwhile.
+    /// ([`Self::complete_lost`]), and so does any handle once that array has been dropped and
+    /// its drop drained the engine ([`Self::settle_lost`]). The entry holds the array's
+    /// [`ArrayFate`], which names it (no other array's is the same while it is held).
     fn quarantine(&self) {
         let frames = &self.cache.frames;
         let run = self.run_frames.borrow();
@@ -2069,7 +2076,7 @@ impl CacheHandle {
                 Kind::Read | Kind::Orphan => LostKind::Read,
             };
             lost.push(LostRequest {
-                array: Weak::into_raw(Rc::downgrade(&self.lbio)) as usize,
+                fate: self.lbio_fate.clone(),
                 tag: tag as u32,
                 kind,
                 frames: list.to_vec(),
@@ -2124,34 +2131,82 @@ impl CacheHandle {
 
     /// The completion of a request this handle did not send, on its lbio array: if it is one
     /// a dropped handle gave up on ([`Self::quarantine`]), the device is done with its frames
-    /// now, and they are released.
-    ///
-    /// - A read's or a readahead's frames (out of the index) leave I/O and are freed once no
-    ///   pin is left; a readahead gives its share of the readahead budget back.
-    /// - A write back's frames lose their pin and, unless another lost write of the page is
-    ///   still out, their [`frames::LOST`] flag: writers take the page again. A write that
-    ///   succeeded leaves the page clean (no writer changed it under the pin); one that failed
-    ///   leaves it dirty, so the next `sync` writes it (nothing is lost then either). A frame a
-    ///   `store` took out of the index meanwhile ([`frames::REPLACED`]) is freed by whichever
-    ///   of them and a guard pinned by count lets go of it last, or retired while a zero-copy
-    ///   guard still holds it through a hazard slot (see [`Self::free_unindexed`]).
+    /// now, and they are released ([`Self::release_lost`]; `failed`: the request failed).
     fn complete_lost(&self, tag: Tag, failed: bool) {
         if self.cache.lost_len.load(Ordering::Relaxed) == 0 {
             return;
         }
-        let array = Rc::as_ptr(&self.lbio) as usize;
-        let frames = &self.cache.frames;
         let mut lost = self.cache.lock_lost();
-        let Some(i) = lost.iter().position(|r| r.array == array && r.tag == tag.0) else {
+        let Some(i) = lost
+            .iter()
+            .position(|r| r.fate.same_array(&self.lbio_fate) && r.tag == tag.0)
+        else {
             return;
         };
         let r = lost.swap_remove(i);
         self.cache
             .lost_len
             .store(lost.len() as u32, Ordering::Relaxed);
-        // SAFETY: leaked by `quarantine` from this same allocation, which `self.lbio` holds on
-        // this thread (a handle is not `Send`): the weak count is given back on its own thread.
-        drop(unsafe { Weak::from_raw(r.array as *const LbioArray) });
+        self.release_lost(&lost, &r, failed);
+    }
+
+    /// Settle the lost requests ([`Self::quarantine`]) whose lbio array has been dropped and
+    /// drained by its drop ([`Fate::Drained`]): nothing takes their completions any more (the
+    /// drop drove the engine, but nobody reads what completed), and the device no longer
+    /// touches their frames, so they are released as a taken completion's are
+    /// ([`Self::release_lost`]). A write back's outcome is unknown: it counts as failed, and
+    /// its pages stay dirty, so the next `sync` writes them (again: the same bytes). Requests
+    /// whose array is alive, or was dropped while its ring kept failing ([`Fate::Abandoned`]:
+    /// the device may still write into their frames), stay lost.
+    ///
+    /// Called when a handle is created, when one drops, and at the start of each `sync`; a
+    /// caller that drops arrays and wants their frames back sooner may call it too. One
+    /// relaxed atomic load while no request is lost; else the list's lock and a look at each
+    /// entry's fate. Never on the hit path.
+    pub fn settle_lost(&self) {
+        if self.cache.lost_len.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let mut lost = self.cache.lock_lost();
+        // All of them out of the list first: a write back settled here is out no more for the
+        // checks of the others (another lost write of the same frame or page).
+        let mut settled = Vec::new();
+        let mut i = 0;
+        while i < lost.len() {
+            if lost[i].fate.get() == Fate::Drained {
+                settled.push(lost.swap_remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        if settled.is_empty() {
+            return;
+        }
+        self.cache
+            .lost_len
+            .store(lost.len() as u32, Ordering::Relaxed);
+        for r in &settled {
+            self.release_lost(&lost, r, true);
+        }
+    }
+
+    /// Release the frames of a lost request `r` the device is done with (its completion taken,
+    /// or its array drained), taken out of `lost` (the cache's list, whose lock the caller
+    /// holds). `failed`: the request failed, or its outcome is unknown.
+    ///
+    /// - A read's or a readahead's frames (out of the index) leave I/O and are freed once no
+    ///   pin is left; a readahead gives its share of the readahead budget back.
+    /// - A write back's frames lose their pin and, unless another lost write of the page is
+    ///   still out, their [`frames::LOST`] flag: writers take the page again. A write that
+    ///   succeeded leaves the page clean (no writer changed it under the pin); one that failed
+    ///   leaves it dirty, so the next `sync` writes it (nothing is lost then either). A copy a
+    ///   `store` put in the page's place loses [`frames::REWRITE`] unless another lost write
+    ///   of the page is still out. A frame a `store` took out of the index meanwhile
+    ///   ([`frames::REPLACED`]) is freed by whichever of them and a guard pinned by count lets
+    ///   go of it last, or retired while a zero-copy guard still holds it through a hazard
+    ///   slot (see [`Self::free_unindexed`]).
+    fn release_lost(&self, lost: &[LostRequest], r: &LostRequest, failed: bool) {
+        let frames = &self.cache.frames;
         for &frame in &r.frames {
             match r.kind {
                 LostKind::Read | LostKind::Readahead => {
@@ -2175,7 +2230,7 @@ impl CacheHandle {
                     // of the page now: it may be written back again (it stays dirty), after
                     // this one. (Under the list's lock, as the `store`'s own check.)
                     let key = Key(frames.key(frame));
-                    if !page_has_lost_write(&lost, frames, key) {
+                    if !page_has_lost_write(lost, frames, key) {
                         if let Some(copy) = self.cache.index.get(key, frames) {
                             clear_rewrite(frames, copy, key);
                         }
@@ -2265,6 +2320,9 @@ impl Drop for CacheHandle {
         if self.settle(|_| true).is_err() {
             self.quarantine();
         }
+        // Other handles' lost requests whose arrays have gone since (this handle's own array
+        // is still alive here: their requests stay lost until another handle settles them).
+        self.settle_lost();
         self.reclaim_retired();
         self.give_back();
         self.publish_metrics();

@@ -13,6 +13,7 @@ use lbio::{
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
+use crate::cache::LostKind;
 use crate::hazard;
 use crate::*;
 
@@ -2685,6 +2686,241 @@ fn a_quarantined_readaheads_budget_share_comes_back_once_it_lands() {
     );
     drop(h2);
     assert_frames_free_or_cached(&cache, &cache.metrics());
+}
+
+/// A dropped handle's lost write back of every page of a 4-page file (its engine failing every
+/// `io_uring_enter`), on the [`HoldDisk`] of [`setup_on_hold_disk`], the pages written all
+/// `0x5A`. Returns that setup's cache, engine, lbio array, file and disk.
+fn lost_write_back_of_every_page(
+    pages: usize,
+) -> (
+    Arc<PageCache>,
+    Rc<Engine>,
+    Rc<LbioArray>,
+    FileId,
+    Rc<HoldDisk>,
+) {
+    let (
+        Setup {
+            cache,
+            engine,
+            lbio,
+            file,
+            h,
+        },
+        disk,
+    ) = setup_on_hold_disk(pages);
+    let content = vec![0x5Au8; pages * 4096];
+    h.write(file, 0, &content).unwrap();
+    engine.fail_next_enters(u32::MAX);
+    assert!(h.sync(file).is_err());
+    drop(h);
+    assert!(cache.lost_len.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    (cache, engine, lbio, file, disk)
+}
+
+/// Whether any frame is flagged [`frames::LOST`].
+fn any_frame_lost(cache: &PageCache) -> bool {
+    (0..cache.frames.len()).any(|f| cache.frames.state(f).has(frames::LOST))
+}
+
+/// The frames of a write back a dropped handle lost come back once its lbio array is dropped
+/// and its drop drains the engine (the engine working again), though nobody takes the lost
+/// write's completion (the "Left open" item of the sixth review's follow-ups, 2026-11-28: they
+/// stayed pinned and flagged lost for good). The write's outcome is unknown to the cache, so
+/// the pages stay dirty: the device loses the landed bytes here, and a `sync` from a new
+/// handle on a new array puts them back. Every frame is usable again, the pages take writes
+/// and read the bytes written.
+#[test]
+fn a_lost_write_backs_frames_come_back_once_its_array_is_dropped_and_drained() {
+    within(60, || {
+        const PAGES: usize = 4;
+        let (cache, engine, lbio, file, disk) = lost_write_back_of_every_page(PAGES);
+        let content = vec![0x5Au8; PAGES * 4096];
+        let total = cache.frames.len();
+        // The engine works again: the array's drop drives the lost write to its end, and
+        // nobody reads its completion.
+        engine.fail_next_enters(0);
+        let fate = lbio.fate();
+        drop(lbio);
+        assert_eq!(fate.get(), lbio::Fate::Drained);
+        assert!(*disk.mem.borrow() == content, "the lost write did not land");
+        disk.mem.borrow_mut().fill(0);
+        let l2 = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+        let h2 = CacheHandle::new(&cache, &engine, &l2, Mode::AIOS).unwrap();
+        h2.attach(file, disk.device(&l2)).unwrap();
+        let usable = usable_frames(&cache, h2.held_frames());
+        assert_eq!(
+            usable, total,
+            "{usable} of {total} frames usable once the lost write's array was dropped"
+        );
+        let mut want = content.clone();
+        h2.write(file, 4096, &[0x11; 4096]).unwrap();
+        want[4096..2 * 4096].fill(0x11);
+        let mut back = vec![0u8; PAGES * 4096];
+        h2.read(file, 0, &mut back).unwrap();
+        assert!(back == want, "the cache reads other bytes");
+        h2.sync(file).unwrap();
+        assert!(engine.drain_all());
+        assert!(
+            *disk.mem.borrow() == want,
+            "the device does not hold the written pages after the sync"
+        );
+        drop(h2);
+        assert_frames_free_or_cached(&cache, &cache.metrics());
+        assert!(!any_frame_lost(&cache));
+        assert_eq!(disk.stray.get(), 0);
+    });
+}
+
+/// A lost write back whose lbio array was dropped while its engine kept failing (the drop gave
+/// up draining it: [`lbio::Fate::Abandoned`]) stays lost: the device may still read its
+/// frames, so they are neither handed out nor written to, whichever handle looks.
+#[test]
+fn a_lost_write_back_whose_array_was_dropped_undrained_stays_lost() {
+    within(60, || {
+        const PAGES: usize = 4;
+        let (cache, engine, lbio, file, _disk) = lost_write_back_of_every_page(PAGES);
+        let total = cache.frames.len();
+        let fate = lbio.fate();
+        drop(lbio);
+        assert_eq!(fate.get(), lbio::Fate::Abandoned);
+        let e2 = self::engine();
+        let l2 = LbioArray::new(Rc::clone(&e2), LbioConfig::default()).unwrap();
+        let h2 = CacheHandle::new(&cache, &e2, &l2, Mode::AIOS).unwrap();
+        h2.attach(file, Device::memory(&l2, PAGES * 4096).unwrap())
+            .unwrap();
+        h2.settle_lost();
+        let usable = usable_frames(&cache, h2.held_frames());
+        assert_eq!(
+            usable,
+            total - PAGES as u32,
+            "frames the device may still read were handed out"
+        );
+        let e = h2.write(file, 4096, &[1u8; 4096]).unwrap_err();
+        assert!(
+            matches!(e, CacheError::WritebackLost { page: 1, .. }),
+            "{e}"
+        );
+        drop(h2);
+        assert!(any_frame_lost(&cache));
+        engine.fail_next_enters(0);
+    });
+}
+
+/// A lost read (a reader's whose wait failed) and a lost readahead, of a handle dropped while
+/// its engine kept failing, come back once their lbio array is dropped and drained: the
+/// readahead's budget share is given back, their frames leave I/O and are freed, and a new
+/// handle on a new array reads the file right. Their frames stayed in I/O, and the share
+/// taken, for good.
+#[test]
+fn a_lost_read_and_readahead_come_back_once_their_array_is_dropped_and_drained() {
+    within(60, || {
+        let (cache, engine, lbio, file, h, content) = slow_handle(64, 24);
+        let mut buf = vec![0u8; 4096];
+        h.read(file, 0, &mut buf).unwrap();
+        h.read(file, 4096, &mut buf).unwrap();
+        assert!(cache.metrics().readahead_in_flight > 0);
+        engine.fail_next_enters(u32::MAX);
+        let e = h.read(file, 50 * 4096, &mut buf).unwrap_err();
+        assert!(matches!(e, CacheError::Core(_)), "{e}");
+        drop(h);
+        {
+            let lost = cache.lock_lost();
+            assert!(lost.iter().any(|r| r.kind == LostKind::Read));
+            assert!(lost.iter().any(|r| r.kind == LostKind::Readahead));
+        }
+        engine.fail_next_enters(0);
+        let fate = lbio.fate();
+        drop(lbio);
+        assert_eq!(fate.get(), lbio::Fate::Drained);
+        let l2 = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+        let h2 = CacheHandle::new(&cache, &engine, &l2, Mode::AIOS).unwrap();
+        let disk = SlowDisk::new(content.clone(), std::time::Duration::ZERO);
+        h2.attach(file, disk.device(&l2)).unwrap();
+        let m = cache.metrics();
+        assert_eq!(
+            m.readahead_in_flight, 0,
+            "budget still taken after the lost readahead's array was dropped: {m:?}"
+        );
+        let in_io = (0..cache.frames.len())
+            .filter(|&f| cache.frames.state(f).has(frames::IO))
+            .count();
+        assert_eq!(in_io, 0, "frames left in I/O");
+        let mut back = vec![0u8; content.len()];
+        h2.read(file, 0, &mut back).unwrap();
+        assert!(back == content, "the cache reads other bytes");
+        drop(h2);
+        assert_frames_free_or_cached(&cache, &cache.metrics());
+    });
+}
+
+/// A `store` of a page whose write back a dropped handle lost (the stored copy flagged
+/// `REWRITE`), from a handle on another lbio array: while the lost write's array lives, a
+/// `sync` answers `WritebackLost` for the page; once that array is dropped and its drop drains
+/// the engine (the lost write lands then, its old bytes over the stored page, and nobody takes
+/// its completion), the next `sync` answers Ok and the device holds the stored bytes. It used
+/// to answer `WritebackLost` for good.
+#[test]
+fn a_stored_page_over_a_lost_write_is_written_once_the_lost_writes_array_is_dropped() {
+    within(60, || {
+        const PAGES: usize = 4;
+        let (
+            Setup {
+                cache,
+                engine,
+                lbio,
+                file,
+                h,
+            },
+            disk,
+        ) = setup_on_hold_disk(PAGES);
+        h.write(file, 3 * 4096, &[0x5A; 4096]).unwrap();
+        engine.fail_next_enters(u32::MAX);
+        // The device holds the lost write, unseen by the engine, until after the `store`.
+        disk.hold.set(true);
+        assert!(h.sync(file).is_err());
+        drop(h);
+        disk.hold.set(false);
+        engine.fail_next_enters(0);
+        let l2 = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
+        let h2 = CacheHandle::new(&cache, &engine, &l2, Mode::AIOS).unwrap();
+        h2.attach(file, disk.device(&l2)).unwrap();
+        let mut want = vec![0u8; PAGES * 4096];
+        want[3 * 4096..].fill(0x77);
+        disk.mem.borrow_mut()[3 * 4096..].fill(0x77);
+        h2.store(file, 3 * 4096, &want[3 * 4096..]).unwrap();
+        let e = h2.sync(file).unwrap_err();
+        assert!(
+            matches!(e, CacheError::WritebackLost { file: f, page: 3 } if f == file),
+            "{e}"
+        );
+        // The lost write's array goes: its drop drives the write (over the stored page).
+        disk.release();
+        let fate = lbio.fate();
+        drop(lbio);
+        assert_eq!(fate.get(), lbio::Fate::Drained);
+        assert!(
+            disk.mem.borrow()[3 * 4096..].iter().all(|&b| b == 0x5A),
+            "the lost write did not land"
+        );
+        let synced = h2.sync(file);
+        assert!(
+            synced.is_ok(),
+            "sync after the lost write's array was drained: {synced:?}"
+        );
+        assert!(engine.drain_all());
+        assert!(
+            *disk.mem.borrow() == want,
+            "the device does not hold the stored page after the sync"
+        );
+        let mut back = vec![0u8; PAGES * 4096];
+        h2.read(file, 0, &mut back).unwrap();
+        assert!(back == want, "the cache reads other bytes");
+        drop(h2);
+        assert_frames_free_or_cached(&cache, &cache.metrics());
+        assert!(!any_frame_lost(&cache));
+    });
 }
 
 /// A write from another handle while a reader's read of the page is in flight, indexed (lazy
