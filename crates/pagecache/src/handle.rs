@@ -51,6 +51,10 @@ struct Pending {
     parked: bool,
 }
 
+/// The longest a writer waits for another handle's read of a page before superseding it,
+/// however many it superseded before (see `CacheHandle::put`), in µs.
+const MAX_WRITER_PATIENCE_US: u64 = 100_000;
+
 /// A file served by this handle.
 #[derive(Clone)]
 struct Attached {
@@ -610,7 +614,7 @@ impl CacheHandle {
                     self.count_hit();
                     return Ok(self.guard(frame, false, slot));
                 }
-                if self.wait_for(frame, true)? {
+                if self.wait_for(frame, self.reader_cut())? {
                     continue;
                 }
                 // Another handle's read is slow to complete: the miss below reads it here.
@@ -772,25 +776,32 @@ impl CacheHandle {
                 }
                 continue;
             }
-            if !self.wait_for(frame, true)? {
+            if !self.wait_for(frame, self.reader_cut())? {
                 // Another handle's read is slow to complete: a miss reads it here.
                 return Ok(false);
             }
         }
     }
 
+    /// How long a reader waits for another handle's read before reading the page itself
+    /// ([`Self::wait_for`]): `foreign_read_wait_us` in a lazy-indexing mode; without limit in
+    /// the vanilla order, where a miss that finds the page indexed waits for it anyway.
+    fn reader_cut(&self) -> Option<Duration> {
+        self.mode
+            .lazy_index
+            .then(|| Duration::from_micros(self.cache.cfg.foreign_read_wait_us as u64))
+    }
+
     /// A frame found in the index but not readable yet (being read, being written): wait for it
-    /// to settle, driving this handle's I/O meanwhile (it may be ours). `Ok(false)`: a reader
-    /// (`reader`) in a lazy-indexing mode waited `foreign_read_wait_us` for a read that is
-    /// another handle's, and should read the page itself: that handle's read completes only
-    /// when it next drives its engine. A read of this handle's own is waited for however long
-    /// the device takes (reading it again would only add to the device's load).
-    fn wait_for(&self, frame: u32, reader: bool) -> Result<bool, CacheError> {
+    /// to settle, driving this handle's I/O meanwhile (it may be ours). `Ok(false)`: after
+    /// `cut`, a read that is another handle's is still in flight, and the caller should read
+    /// the page itself: that handle's read completes only when it next drives its engine. A
+    /// read of this handle's own is waited for however long the device takes (reading it again
+    /// would only add to the device's load).
+    fn wait_for(&self, frame: u32, cut: Option<Duration>) -> Result<bool, CacheError> {
         let before = self.cache.frames.state(frame);
         self.cache.counters.waited.fetch_add(1, Ordering::Relaxed);
-        let limit = (reader && self.mode.lazy_index).then(|| {
-            Instant::now() + Duration::from_micros(self.cache.cfg.foreign_read_wait_us as u64)
-        });
+        let limit = cut.map(|d| Instant::now() + d);
         let mut rounds = 0u32;
         loop {
             self.poll()?;
@@ -803,7 +814,7 @@ impl CacheHandle {
                 // A read (not a writeback: its bytes are valid and newer than the device's).
                 if !now.has(frames::VALID) && rounds % 8 == 0 && Instant::now() >= limit {
                     if self.reads_frame(frame) {
-                        return self.wait_for(frame, false);
+                        return self.wait_for(frame, None);
                     }
                     self.cache
                         .counters
@@ -1614,6 +1625,9 @@ impl CacheHandle {
         // The page whose lost frame this `store` took out of the index: its copy is flagged
         // `REWRITE` (see `frames::REWRITE`).
         let mut took_lost: Option<u64> = None;
+        // How long to wait for another handle's read of a page before superseding it: doubled
+        // each time this call supersedes one (see below).
+        let mut patience = self.cache.cfg.foreign_read_wait_us as u64;
         while done < data.len() {
             let at = offset + done as u64;
             let page = at / PAGE_BYTES as u64;
@@ -1675,7 +1689,17 @@ impl CacheHandle {
                 // (its thread idle, or waiting for this very write, or its wait failed). Its
                 // frame is superseded (its reader still gets what it read) and the page goes
                 // into a frame of this writer's own: as a whole page, or read first.
+                //
+                // It is waited for a while first, `foreign_read_wait_us`, twice as long after
+                // each read this call superseded: two writers of parts of one page that is not
+                // cached each read it first, and each could supersede the other's read for
+                // ever, one's read going out as the other's lands. A live reader's read lands
+                // within the device's time; the growing wait outlasts it.
                 if s.has(frames::IO) && !s.has(frames::VALID) && frames.key(frame) == key.0 {
+                    if self.wait_for(frame, Some(Duration::from_micros(patience)))? {
+                        continue;
+                    }
+                    patience = patience.saturating_mul(2).min(MAX_WRITER_PATIENCE_US);
                     if !self.supersede(key, frame) {
                         // Being indexed by its reader, or superseded by another writer, now.
                         std::thread::yield_now();
