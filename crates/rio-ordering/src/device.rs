@@ -238,7 +238,8 @@ struct Stream {
     away: bool,
     /// An asynchronous log write holding the stream's commands failed (why): they were staged
     /// again for the next sync, and the stream's next `wait` reports it (once), unless a sync
-    /// carrying them succeeded first.
+    /// carrying them succeeded first, or a group of the stream has failed (whose failure that
+    /// `wait` reports instead, as every later one does).
     log_failed: Option<String>,
 }
 
@@ -1524,13 +1525,21 @@ impl<P: Pmr> OrderedDevice<P> {
         st.touched = owed;
         // A background FLUSH sent meanwhile (from a completion taken above) may cover groups of
         // this stream: if it fails, they fail, and this answer must say so.
+        // Errors from here on (the engine's, the log's) give way to a failed group's too.
+        let group_first = |d: &Self, e: RioError| d.stream_failure(stream).unwrap_or(e);
         while self.flushes_out > 0 {
-            self.lbio.wait_done(1)?;
+            if let Err(e) = self.lbio.wait_done(1) {
+                return Err(group_first(self, e.into()));
+            }
             self.reap();
         }
         // A deferred log: the persist words (and FLUSH entries) set above become durable now.
-        self.slot_for_log_write()?;
-        self.log.sync()?;
+        if let Err(e) = self
+            .slot_for_log_write()
+            .and_then(|()| Ok(self.log.sync()?))
+        {
+            return Err(group_first(self, e));
+        }
         // A failed group is final: the lowest one's failure is the answer (not the first one
         // recorded: groups may fail out of order, say a later one that could not be sent before
         // an earlier one failed on the device).

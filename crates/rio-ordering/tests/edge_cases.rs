@@ -18,7 +18,7 @@ use std::rc::Rc;
 use aios_core::{Engine, EngineConfig};
 use lbio::{LbioArray, LbioConfig};
 use rio_ordering::{
-    recover, scan, Attr, AttrLog, MemPmr, OrderedConfig, OrderedDevice, Pmr, Write,
+    recover, scan, Attr, AttrLog, MemPmr, OrderedConfig, OrderedDevice, Pmr, RioError, Write,
 };
 
 fn one(seq: u64, offset: u64) -> Attr {
@@ -1578,5 +1578,75 @@ fn wait_whose_flush_fails_reports_the_lower_group_that_failed_before() {
     // Group 2's write completed: its `Done` was handed back, in order, before the FLUSH.
     assert_eq!(done, vec![(1, false), (2, true)]);
     let rec = recover(&scan(od.log().pmr()).unwrap(), &|_| false);
+    assert_eq!(rec.streams[0].prefix_end, 1, "{:?}", rec.streams[0]);
+}
+
+/// An attribute log region whose `sync` fails while `fail` is above 0 (each failure counts it
+/// down).
+struct SyncFails {
+    mem: MemPmr,
+    fail: Rc<Cell<u32>>,
+}
+
+impl Pmr for SyncFails {
+    fn len(&self) -> usize {
+        self.mem.len()
+    }
+    fn persist(&mut self, offset: usize, bytes: &[u8]) -> Result<(), RioError> {
+        self.mem.persist(offset, bytes)
+    }
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), RioError> {
+        self.mem.read(offset, out)
+    }
+    fn sync(&mut self) -> Result<(), RioError> {
+        if self.fail.get() > 0 {
+            self.fail.set(self.fail.get() - 1);
+            return Err(RioError::Corrupt(
+                "injected: the region's sync failed".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A `wait` whose last step, the attribute log's sync, fails after a group of the stream had
+/// failed on the device reports that group, as every later `wait` does. (It returned the
+/// sync's error; only the next `wait` named group 1: a review of 2026-11-28.)
+#[test]
+fn wait_whose_log_sync_fails_reports_the_group_that_failed_before() {
+    let (engine, lbio) = engine_and_array(64);
+    let device = Rc::new(NewestFirst {
+        mem: lbio::MemBackend::new(DISK as usize),
+        held: RefCell::new(Vec::new()),
+        results: RefCell::new(std::collections::HashMap::new()),
+        fail_at: RefCell::new([(0, EIO)].into_iter().collect()),
+        completed: RefCell::new(Vec::new()),
+        fail_flushes: Cell::new(0),
+    });
+    let soft: Rc<dyn aios_core::SoftDevice> = device.clone();
+    engine.attach_soft_device(Rc::downgrade(&soft));
+    let dev = device_of(
+        &lbio,
+        || NewestFirstBackend(Rc::clone(&device)),
+        geometry(DISK),
+    );
+    let fail = Rc::new(Cell::new(0));
+    let region = SyncFails {
+        mem: MemPmr::new(64 << 10),
+        fail: Rc::clone(&fail),
+    };
+    let mut od = ordered(lbio, vec![dev], AttrLog::format(region, 1).unwrap());
+    od.submit(0, write(&engine, 0, 0, 1), true).unwrap();
+    od.submit(0, write(&engine, 0, 65536, 2), true).unwrap();
+    fail.set(1);
+    for _ in 0..2 {
+        let e = od.wait(0).expect_err("group 1 failed").to_string();
+        assert!(
+            e.contains("group 1: write of 4096 bytes at offset 0 "),
+            "wait must report group 1's failure: {e}"
+        );
+    }
+    assert_eq!(fail.get(), 0, "the log's sync was tried, and failed");
+    let rec = recover(&scan(&od.log().pmr().mem).unwrap(), &|_| false);
     assert_eq!(rec.streams[0].prefix_end, 1, "{:?}", rec.streams[0]);
 }
