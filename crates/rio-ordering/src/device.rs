@@ -1534,10 +1534,7 @@ impl<P: Pmr> OrderedDevice<P> {
             self.reap();
         }
         // A deferred log: the persist words (and FLUSH entries) set above become durable now.
-        if let Err(e) = self
-            .slot_for_log_write()
-            .and_then(|()| Ok(self.log.sync()?))
-        {
+        if let Err(e) = self.slot_for_log_write().and_then(|()| self.log.sync()) {
             return Err(group_first(self, e));
         }
         // A failed group is final: the lowest one's failure is the answer (not the first one
