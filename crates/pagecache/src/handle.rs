@@ -1625,9 +1625,11 @@ impl CacheHandle {
         // The page whose lost frame this `store` took out of the index: its copy is flagged
         // `REWRITE` (see `frames::REWRITE`).
         let mut took_lost: Option<u64> = None;
-        // How long to wait for another handle's read of a page before superseding it: doubled
-        // each time this call supersedes one (see below).
-        let mut patience = self.cache.cfg.foreign_read_wait_us as u64;
+        // How long to wait for another handle's read of a page before superseding it, and the
+        // page it is for: doubled each time this call supersedes a read of that page again
+        // (see below), and back to `foreign_read_wait_us` on the next page.
+        let first_patience = self.cache.cfg.foreign_read_wait_us as u64;
+        let mut patience = (u64::MAX, first_patience);
         while done < data.len() {
             let at = offset + done as u64;
             let page = at / PAGE_BYTES as u64;
@@ -1690,16 +1692,23 @@ impl CacheHandle {
                 // frame is superseded (its reader still gets what it read) and the page goes
                 // into a frame of this writer's own: as a whole page, or read first.
                 //
-                // It is waited for a while first, `foreign_read_wait_us`, twice as long after
-                // each read this call superseded: two writers of parts of one page that is not
-                // cached each read it first, and each could supersede the other's read for
-                // ever, one's read going out as the other's lands. A live reader's read lands
-                // within the device's time; the growing wait outlasts it.
+                // A reader's read (it holds its reader's pin) is waited for a while first,
+                // `foreign_read_wait_us`, twice as long each time this call supersedes a read of
+                // the same page again: two writers of parts of one page that is not cached each
+                // read it first, and each could supersede the other's read for ever, one's read
+                // going out as the other's lands. A live reader's read lands within the
+                // device's time; the growing wait outlasts it. Readahead (no pin, nobody
+                // waiting for it, its handle maybe idle) is superseded at once, as before.
                 if s.has(frames::IO) && !s.has(frames::VALID) && frames.key(frame) == key.0 {
-                    if self.wait_for(frame, Some(Duration::from_micros(patience)))? {
-                        continue;
+                    if s.pins() > 0 {
+                        if patience.0 != page {
+                            patience = (page, first_patience);
+                        }
+                        if self.wait_for(frame, Some(Duration::from_micros(patience.1)))? {
+                            continue;
+                        }
+                        patience.1 = patience.1.saturating_mul(2).min(MAX_WRITER_PATIENCE_US);
                     }
-                    patience = patience.saturating_mul(2).min(MAX_WRITER_PATIENCE_US);
                     if !self.supersede(key, frame) {
                         // Being indexed by its reader, or superseded by another writer, now.
                         std::thread::yield_now();

@@ -1269,8 +1269,16 @@ fn a_writer_does_not_wait_on_a_readahead_whose_handle_is_idle() {
         "{:?}",
         cache.metrics()
     );
+    let waited = cache.metrics().waited;
     h.write(file, 25 * 4096, &[0xab; 4096]).unwrap();
     h.write(file, 24 * 4096 + 100, &[0xcd; 50]).unwrap();
+    // Readahead is superseded at once: nobody waits for it, and its handle may be idle (a
+    // reader's read is waited for a while first).
+    assert_eq!(
+        cache.metrics().waited,
+        waited,
+        "the writer waited for the idle thread's readahead"
+    );
     done_tx.send(()).unwrap();
     assert!(
         idle.join().unwrap(),
