@@ -17,18 +17,17 @@
 //! [`Mounted`]: crate::Mounted
 
 use std::fs::File;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use nix::errno::Errno;
-use nix::fcntl::{Flock, FlockArg};
-
 use crate::error::FsError;
 
-/// An exclusive lock on an image, held until dropped.
+/// An exclusive lock on an image, held until dropped (closing the descriptor lets go of it: no
+/// unlock call that could fail in a drop).
 #[derive(Debug)]
 pub struct ImageLock {
-    _lock: Flock<File>,
+    _file: File,
     path: PathBuf,
 }
 
@@ -37,16 +36,25 @@ impl ImageLock {
     /// it (naming the image, and the holder's process when `/proc/locks` shows it).
     pub fn exclusive(path: &Path) -> Result<ImageLock, FsError> {
         let file = File::open(path).map_err(|e| FsError::io(path, e))?;
-        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-            Ok(lock) => Ok(ImageLock {
-                _lock: lock,
+        // nix's `flock` function, not its `Flock` guard, which nix prefers: the guard's drop
+        // unlocks and panics when that fails (an NFS server error, say), where closing the
+        // descriptor lets go of the lock in any case. (`File::try_lock` is newer than this
+        // workspace's minimum Rust.)
+        #[allow(deprecated)]
+        let locked = nix::fcntl::flock(
+            file.as_raw_fd(),
+            nix::fcntl::FlockArg::LockExclusiveNonblock,
+        );
+        match locked {
+            Ok(()) => Ok(ImageLock {
+                _file: file,
                 path: path.to_path_buf(),
             }),
-            Err((file, e)) if e == Errno::EWOULDBLOCK => Err(FsError::InUse {
+            Err(nix::errno::Errno::EWOULDBLOCK) => Err(FsError::InUse {
                 image: path.display().to_string(),
                 holder: holder_of(&file),
             }),
-            Err((_, e)) => Err(FsError::io(path, std::io::Error::from(e))),
+            Err(e) => Err(FsError::io(path, std::io::Error::from(e))),
         }
     }
 
