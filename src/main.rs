@@ -1074,19 +1074,24 @@ fn writers_of(image: &Path) -> Vec<(u32, String)> {
                 && writable(&p.path().join("fdinfo").join(fd.file_name()))
         });
         if writes {
-            let cmd = std::fs::read(p.path().join("cmdline"))
-                .map(|b| {
-                    String::from_utf8_lossy(&b)
-                        .split('\0')
-                        .filter(|a| !a.is_empty())
-                        .collect::<Vec<_>>()
-                        .join(" ")
-                })
-                .unwrap_or_default();
-            found.push((pid, cmd));
+            found.push((pid, cmdline_of(pid)));
         }
     }
     found
+}
+
+/// Process `pid`'s command line, its arguments joined by spaces (empty where /proc does not
+/// show it).
+fn cmdline_of(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| {
+            String::from_utf8_lossy(&b)
+                .split('\0')
+                .filter(|a| !a.is_empty())
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default()
 }
 
 /// Refuse `image` when another process has it open for writing (`then` says what to do):
@@ -1111,18 +1116,7 @@ fn image_error(e: fs_fuse::FsError, then: &str) -> BenchError {
     match e {
         fs_fuse::FsError::InUse { image, holder } => {
             let by = match holder {
-                Some(pid) => {
-                    let cmd = std::fs::read(format!("/proc/{pid}/cmdline"))
-                        .map(|b| {
-                            String::from_utf8_lossy(&b)
-                                .split('\0')
-                                .filter(|a| !a.is_empty())
-                                .collect::<Vec<_>>()
-                                .join(" ")
-                        })
-                        .unwrap_or_default();
-                    format!("process {pid} ({cmd})")
-                }
+                Some(pid) => format!("process {pid} ({})", cmdline_of(pid)),
                 None => "another aiosfs mount or mkfs".to_string(),
             };
             BenchError::Invalid(format!("{image}: in use, locked by {by}; {then}"))

@@ -2183,12 +2183,12 @@ impl CacheHandle {
         self.release_lost(&lost, &r, failed);
     }
 
-    /// Settle the lost requests ([`Self::quarantine`]) whose lbio array has been dropped and
-    /// drained by its drop ([`Fate::Drained`]): nothing takes their completions any more (the
-    /// drop drove the engine, but nobody reads what completed), and the device no longer
-    /// touches their frames, so they are released as a taken completion's are
-    /// ([`Self::release_lost`]). A write back's outcome is unknown: it counts as failed, and
-    /// its pages stay dirty, so the next `sync` writes them (again: the same bytes). Requests
+    /// Settle the lost requests (those a dropped handle's quarantine gave up on) whose lbio
+    /// array has been dropped and drained by its drop ([`Fate::Drained`]): nothing takes their
+    /// completions any more (the drop drove the engine, but nobody reads what completed), and
+    /// the device no longer touches their frames, so they are released as a taken
+    /// completion's are. A write back's outcome is unknown: it counts as failed, and its pages
+    /// stay dirty, so the next `sync` writes them (again: the same bytes). Requests
     /// whose array is alive, or was dropped while its ring kept failing ([`Fate::Abandoned`]:
     /// the device may still write into their frames), stay lost.
     ///
