@@ -722,7 +722,7 @@ pub const RIO_ORDERED: u8 = 1;
 /// | 0 | 10..13 | Rio op code (1: ordered) |
 /// | 2 | 0..31 | start sequence (`seq`, low 32 bits) |
 /// | 3 | 0..31 | end sequence (`seq_end`, low 32 bits) |
-/// | 4 | 0..31 | previous group on this target (`prev`, low 32 bits; 0: none) |
+/// | 4 | 0..31 | previous group on this target, as its distance below `seq` (`seq - prev`; 0: none) |
 /// | 5 | 0..15 | requests in the group (`num`) |
 /// | 5 | 16..31 | stream |
 /// | 12 | 16..19 | flags: boundary, in-place update, flush, merged |
@@ -754,7 +754,7 @@ impl WireAttr {
         sqe.set_rio_op(RIO_ORDERED);
         sqe.set_cdw(2, self.seq as u32);
         sqe.set_cdw(3, self.seq_end as u32);
-        sqe.set_cdw(4, self.prev as u32);
+        sqe.set_cdw(4, prev_distance(self.seq, self.prev));
         sqe.set_cdw(5, self.num as u32 | (self.stream as u32) << 16);
         let flags = self.boundary as u32
             | (self.ipu as u32) << 1
@@ -786,7 +786,10 @@ impl WireAttr {
             stream,
             seq,
             seq_end: widen(sqe.cdw(3), seq),
-            prev: w(sqe.cdw(4)),
+            prev: match sqe.cdw(4) {
+                0 => 0,
+                d => seq.saturating_sub(d as u64),
+            },
             num: sqe.cdw(5) as u16,
             members: c13 as u16,
             boundary: flags & 1 != 0,
@@ -796,6 +799,18 @@ impl WireAttr {
             split: (n != 0).then_some((i, n)),
             mark: w(sqe.cdw(14)),
         })
+    }
+}
+
+/// How `prev` travels: its distance below `seq`, so that no previous group reads as none (0)
+/// on the wire. (Its low 32 bits did, at every multiple of 2^32: the target's in-order gate
+/// then let the command pass without waiting.) A previous group 2^32 groups back or more is
+/// sent as none: the stream's window keeps far fewer than that out, so the target has long
+/// submitted it.
+fn prev_distance(seq: u64, prev: u64) -> u32 {
+    match seq.checked_sub(prev) {
+        Some(d) if prev != 0 && d <= u32::MAX as u64 => d as u32,
+        _ => 0,
     }
 }
 
@@ -965,6 +980,26 @@ mod tests {
         let mut plain = Sqe::default();
         plain.set_opcode(op::WRITE);
         assert_eq!(WireAttr::get(&plain, |_| 0), None);
+        // A previous group at a multiple of 2^32 (its low bits 0, read as none before), and
+        // one just past 2^32 groups back (sent as none).
+        for (seq, prev, got) in [
+            ((5 << 32) + 3, 5 << 32, 5 << 32),
+            (1 << 32, (1 << 32) - 1, (1 << 32) - 1),
+            ((1 << 32) + 7, 0, 0),
+            ((1 << 33) + 7, 7, 0),
+        ] {
+            let b = WireAttr {
+                seq,
+                seq_end: seq,
+                prev,
+                ..a
+            };
+            let mut sqe = Sqe::default();
+            sqe.set_opcode(op::WRITE);
+            b.put(&mut sqe);
+            let back = WireAttr::get(&sqe, |_| seq).expect("ordered");
+            assert_eq!(back.prev, got, "seq {seq:#x}, prev {prev:#x}");
+        }
         assert_eq!(widen(5, 0), 5);
         assert_eq!(widen(0xffff_fffe, 1 << 32), 0xffff_fffe);
         assert_eq!(widen(2, 0xffff_fff0), (1 << 32) + 2);
