@@ -924,7 +924,7 @@ impl<P: Pmr> OrderedDevice<P> {
                     || self.holds_staged(stream)
                     || self.streams[s].failures.len() > failed =>
             {
-                Err(self.stream_failure(stream).unwrap_or(e))
+                Err(self.failure_or(stream, e))
             }
             _ => Ok(()),
         }
@@ -970,19 +970,18 @@ impl<P: Pmr> OrderedDevice<P> {
                 }
             }
             let requests: usize = run.iter().map(|g| g.1.len()).sum();
-            let copy = if first_mergeable && requests > 1 {
+            let mut copy = None;
+            if first_mergeable && requests > 1 {
                 let len: u64 = run.iter().map(|(_, rs)| group_bytes(rs)).sum();
                 // No room for the copy: the groups go out as they would unmerged, in order.
                 // (Failing them would fail the stream until recovery for want of a saving.)
-                let c = self.alloc_copy(len as usize).ok();
-                self.stats.merges_skipped += u64::from(c.is_none());
-                c.map(Some)
-            } else {
-                Some(None)
-            };
-            let sent = if let Some(Some(buf)) = copy {
+                copy = self.alloc_copy(len as usize).ok();
+                self.stats.merges_skipped += u64::from(copy.is_none());
+            }
+            let sent = if let Some(buf) = copy {
                 self.send_merged(stream, &mut run, buf)
-            } else if copy.is_none() {
+            } else {
+                // One command per group (a run not merged is one group).
                 let mut sent = Ok(());
                 let mut each = run.drain(..);
                 for (seq, reqs) in each.by_ref() {
@@ -996,9 +995,6 @@ impl<P: Pmr> OrderedDevice<P> {
                     queued.push_front(g);
                 }
                 sent
-            } else {
-                let (seq, reqs) = run.pop().expect("one group");
-                self.send_group(stream, seq, reqs)
             };
             if let Err(e) = sent {
                 // These groups may be partly out: `send_merged` or `send_group` failed them,
@@ -1456,7 +1452,7 @@ impl<P: Pmr> OrderedDevice<P> {
             // that could not be sent, are still waiting: this call cannot answer for them. A
             // failure of another stream's command alone is that stream's.
             if !self.streams[s].queued.is_empty() || self.holds_staged(stream) {
-                return Err(self.stream_failure(stream).unwrap_or(e));
+                return Err(self.failure_or(stream, e));
             }
         }
         // The stream's writes, and any background FLUSH (it may cover some of them: once it is
@@ -1473,7 +1469,7 @@ impl<P: Pmr> OrderedDevice<P> {
                     "stream {stream}: the attribute log write of its entries failed (they are \
                      written again at the next sync): {why}"
                 ));
-                return Err(self.stream_failure(stream).unwrap_or(e));
+                return Err(self.failure_or(stream, e));
             }
             if self.holds_staged(stream) {
                 // A log that cannot take this stream's entries, or a command of another stream
@@ -1483,7 +1479,7 @@ impl<P: Pmr> OrderedDevice<P> {
                 // failure alone.
                 if let Err(e) = self.submit_staged() {
                     if self.holds_staged(stream) {
-                        return Err(self.stream_failure(stream).unwrap_or(e));
+                        return Err(self.failure_or(stream, e));
                     }
                 }
             }
@@ -1515,7 +1511,7 @@ impl<P: Pmr> OrderedDevice<P> {
                         st.touched.push(u);
                     }
                 }
-                return Err(self.stream_failure(stream).unwrap_or(e));
+                return Err(self.failure_or(stream, e));
             }
         }
         // The list's allocation goes back to the stream (with anything touched meanwhile).
@@ -1526,16 +1522,15 @@ impl<P: Pmr> OrderedDevice<P> {
         // A background FLUSH sent meanwhile (from a completion taken above) may cover groups of
         // this stream: if it fails, they fail, and this answer must say so.
         // Errors from here on (the engine's, the log's) give way to a failed group's too.
-        let group_first = |d: &Self, e: RioError| d.stream_failure(stream).unwrap_or(e);
         while self.flushes_out > 0 {
             if let Err(e) = self.lbio.wait_done(1) {
-                return Err(group_first(self, e.into()));
+                return Err(self.failure_or(stream, e.into()));
             }
             self.reap();
         }
         // A deferred log: the persist words (and FLUSH entries) set above become durable now.
         if let Err(e) = self.slot_for_log_write().and_then(|()| self.log.sync()) {
-            return Err(group_first(self, e));
+            return Err(self.failure_or(stream, e));
         }
         // A failed group is final: the lowest one's failure is the answer (not the first one
         // recorded: groups may fail out of order, say a later one that could not be sent before
@@ -1964,6 +1959,11 @@ impl<P: Pmr> OrderedDevice<P> {
         Some(RioError::Config(format!(
             "stream {stream}: a write failed: group {g}: {why}"
         )))
+    }
+
+    /// `e`, unless a group of `stream` has failed: then that failure ([`Self::stream_failure`]).
+    fn failure_or(&self, stream: u16, e: RioError) -> RioError {
+        self.stream_failure(stream).unwrap_or(e)
     }
 
     /// Whether commands of `stream` wait for a log sync (staged, or in the one out).

@@ -1484,6 +1484,14 @@ impl lbio::Backend for NewestFirstBackend {
 fn newest_first_rig(
     fail_at: &[(u64, i32)],
 ) -> (Rc<Engine>, OrderedDevice<MemPmr>, Rc<NewestFirst>) {
+    newest_first_rig_on(fail_at, MemPmr::new(64 << 10))
+}
+
+/// [`newest_first_rig`] with its attribute log in `region`.
+fn newest_first_rig_on<P: Pmr>(
+    fail_at: &[(u64, i32)],
+    region: P,
+) -> (Rc<Engine>, OrderedDevice<P>, Rc<NewestFirst>) {
     let (engine, lbio) = engine_and_array(64);
     let device = Rc::new(NewestFirst {
         mem: lbio::MemBackend::new(DISK as usize),
@@ -1500,7 +1508,7 @@ fn newest_first_rig(
         || NewestFirstBackend(Rc::clone(&device)),
         geometry(DISK),
     );
-    let log = AttrLog::format(MemPmr::new(64 << 10), 1).unwrap();
+    let log = AttrLog::format(region, 1).unwrap();
     (engine, ordered(lbio, vec![dev], log), device)
 }
 
@@ -1614,28 +1622,12 @@ impl Pmr for SyncFails {
 /// sync's error; only the next `wait` named group 1: a review of 2026-11-28.)
 #[test]
 fn wait_whose_log_sync_fails_reports_the_group_that_failed_before() {
-    let (engine, lbio) = engine_and_array(64);
-    let device = Rc::new(NewestFirst {
-        mem: lbio::MemBackend::new(DISK as usize),
-        held: RefCell::new(Vec::new()),
-        results: RefCell::new(std::collections::HashMap::new()),
-        fail_at: RefCell::new([(0, EIO)].into_iter().collect()),
-        completed: RefCell::new(Vec::new()),
-        fail_flushes: Cell::new(0),
-    });
-    let soft: Rc<dyn aios_core::SoftDevice> = device.clone();
-    engine.attach_soft_device(Rc::downgrade(&soft));
-    let dev = device_of(
-        &lbio,
-        || NewestFirstBackend(Rc::clone(&device)),
-        geometry(DISK),
-    );
     let fail = Rc::new(Cell::new(0));
     let region = SyncFails {
         mem: MemPmr::new(64 << 10),
         fail: Rc::clone(&fail),
     };
-    let mut od = ordered(lbio, vec![dev], AttrLog::format(region, 1).unwrap());
+    let (engine, mut od, _device) = newest_first_rig_on(&[(0, EIO)], region);
     od.submit(0, write(&engine, 0, 0, 1), true).unwrap();
     od.submit(0, write(&engine, 0, 65536, 2), true).unwrap();
     fail.set(1);
