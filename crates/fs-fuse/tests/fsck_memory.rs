@@ -5,17 +5,16 @@
 //! tests take turns, so nothing else allocates meanwhile) measures the most fsck holds at once.
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use fs_fuse::format::{
-    set_bit, Inode, Superblock, BLOCK, INODES_PER_BLOCK, INODE_BYTES, ROOT_INO, S_IFREG,
-};
+use fs_fuse::format::{Superblock, BLOCK, ROOT_INO, S_IFREG};
 use fs_fuse::fs::{Caller, Fs, FsOptions};
 use fs_fuse::fsck;
 use fs_fuse::mkfs::{mkfs, MkfsOptions};
+
+mod common;
 
 struct Counting;
 
@@ -135,33 +134,7 @@ fn fsck_tracks_owned_blocks_in_a_bitmap() {
     fs.write(f, 0, &vec![0x11u8; BLOCK]).unwrap();
     fs.unmount().unwrap();
     drop(fs);
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&img)
-        .unwrap();
-    let b = BLOCK as u64;
-    let mut blk = vec![0u8; BLOCK];
-    let tb = sb.inode_table.start + f / INODES_PER_BLOCK as u64;
-    let at = (f % INODES_PER_BLOCK as u64) as usize * INODE_BYTES;
-    file.read_exact_at(&mut blk, tb * b).unwrap();
-    let mut ino: Inode = Inode::decode(&blk[at..at + INODE_BYTES]).unwrap().unwrap();
-    assert_eq!(ino.extents.len(), 1);
-    let p0 = ino.extents[0].physical;
-    assert!(p0 + OWNED <= sb.data.end());
-    ino.extents[0].len = OWNED as u32;
-    ino.size = OWNED * b;
-    ino.encode(&mut blk[at..at + INODE_BYTES]);
-    file.write_all_at(&blk, tb * b).unwrap();
-    let mut bbm = vec![0u8; (sb.block_bitmap.count * b) as usize];
-    file.read_exact_at(&mut bbm, sb.block_bitmap.start * b)
-        .unwrap();
-    for p in p0..p0 + OWNED {
-        set_bit(&mut bbm, p);
-    }
-    file.write_all_at(&bbm, sb.block_bitmap.start * b).unwrap();
-    file.sync_all().unwrap();
-    drop((file, bbm, blk));
+    common::grow_first_extent(&img, f, OWNED);
 
     let base = NOW.load(Ordering::Relaxed);
     PEAK.store(base, Ordering::Relaxed);
@@ -173,7 +146,7 @@ fn fsck_tracks_owned_blocks_in_a_bitmap() {
     // Four bits a block of the image (the block bitmap and the owned-once bitmap take two),
     // plus what does not grow with the blocks owned: at most a 1 MiB piece of the inode table,
     // the 128 KiB journal area, and 256 KiB for the rest.
-    let bound = (sb.blocks / 2 + (1 << 20) + 32 * b + (256 << 10)) as usize;
+    let bound = (sb.blocks / 2 + (1 << 20) + 32 * BLOCK as u64 + (256 << 10)) as usize;
     eprintln!(
         "fsck held at most {peak} bytes at once for {OWNED} owned blocks of {}; bound {bound}",
         sb.blocks

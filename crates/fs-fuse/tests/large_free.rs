@@ -9,13 +9,12 @@
 //! image, growing its extent and marking the blocks in use: fsck checks the result clean
 //! before each test goes on, and nothing writes 4 GiB.
 
-use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use common::{opts, opts_one_write};
-use fs_fuse::format::{set_bit, Inode, Superblock, BLOCK, INODES_PER_BLOCK, INODE_BYTES};
+use fs_fuse::format::BLOCK;
 use fs_fuse::format::{ROOT_INO, S_IFREG};
 use fs_fuse::fs::{Caller, Fs, SetAttr, FREE_TEST_STOP_AFTER};
 use fs_fuse::{fsck, mkfs, MkfsOptions};
@@ -91,34 +90,7 @@ fn image_with_big_file_in(tag: &str, journals: u32) -> (Image, u64) {
     drop(fs);
 
     // Grow its one extent to BIG blocks, and mark them in use.
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&img.0)
-        .unwrap();
-    let mut blk = vec![0u8; BLOCK];
-    file.read_exact_at(&mut blk, 0).unwrap();
-    let blocks = file.metadata().unwrap().len() / B;
-    let sb = Superblock::decode(&blk, blocks).unwrap();
-    let tb = sb.inode_table.start + f / INODES_PER_BLOCK as u64;
-    let at = (f % INODES_PER_BLOCK as u64) as usize * INODE_BYTES;
-    file.read_exact_at(&mut blk, tb * B).unwrap();
-    let mut ino: Inode = Inode::decode(&blk[at..at + INODE_BYTES]).unwrap().unwrap();
-    assert_eq!(ino.extents.len(), 1);
-    let p0 = ino.extents[0].physical;
-    assert!(p0 + BIG <= sb.data.end());
-    ino.extents[0].len = BIG as u32;
-    ino.size = BIG * B;
-    ino.encode(&mut blk[at..at + INODE_BYTES]);
-    file.write_all_at(&blk, tb * B).unwrap();
-    let mut bbm = vec![0u8; (sb.block_bitmap.count * B) as usize];
-    file.read_exact_at(&mut bbm, sb.block_bitmap.start * B)
-        .unwrap();
-    for p in p0..p0 + BIG {
-        set_bit(&mut bbm, p);
-    }
-    file.write_all_at(&bbm, sb.block_bitmap.start * B).unwrap();
-    file.sync_all().unwrap();
+    common::grow_first_extent(&img.0, f, BIG);
     assert_eq!(
         img.fsck().0,
         Vec::<String>::new(),

@@ -102,3 +102,41 @@ impl Drop for ImageFile {
         let _ = std::fs::remove_file(&self.0);
     }
 }
+
+/// Grow file `ino`'s one extent, on the unmounted image at `path`, to `blocks` blocks, and mark
+/// them in use in the block bitmap: a file of many blocks without writing them. Returns the
+/// extent's first block.
+#[allow(dead_code)]
+pub fn grow_first_extent(path: &std::path::Path, ino: u64, blocks: u64) -> u64 {
+    use fs_fuse::format::{set_bit, Inode, Superblock, BLOCK, INODES_PER_BLOCK, INODE_BYTES};
+    use std::os::unix::fs::FileExt;
+    let b = BLOCK as u64;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut blk = vec![0u8; BLOCK];
+    file.read_exact_at(&mut blk, 0).unwrap();
+    let sb = Superblock::decode(&blk, file.metadata().unwrap().len() / b).unwrap();
+    let tb = sb.inode_table.start + ino / INODES_PER_BLOCK as u64;
+    let at = (ino % INODES_PER_BLOCK as u64) as usize * INODE_BYTES;
+    file.read_exact_at(&mut blk, tb * b).unwrap();
+    let mut inode: Inode = Inode::decode(&blk[at..at + INODE_BYTES]).unwrap().unwrap();
+    assert_eq!(inode.extents.len(), 1);
+    let p0 = inode.extents[0].physical;
+    assert!(p0 + blocks <= sb.data.end());
+    inode.extents[0].len = blocks as u32;
+    inode.size = blocks * b;
+    inode.encode(&mut blk[at..at + INODE_BYTES]);
+    file.write_all_at(&blk, tb * b).unwrap();
+    let mut bbm = vec![0u8; (sb.block_bitmap.count * b) as usize];
+    file.read_exact_at(&mut bbm, sb.block_bitmap.start * b)
+        .unwrap();
+    for p in p0..p0 + blocks {
+        set_bit(&mut bbm, p);
+    }
+    file.write_all_at(&bbm, sb.block_bitmap.start * b).unwrap();
+    file.sync_all().unwrap();
+    p0
+}
