@@ -2426,17 +2426,16 @@ fn a_lost_write_backs_frames_come_back_once_its_completion_is_taken() {
 }
 
 /// A dropped handle (its engine failing every `io_uring_enter`) with the write back of page 3
-/// in flight: the device holds that write back, and requests started later are served.
-/// Returns the cache, the engine and lbio array it used, and a live AIOS handle on them
-/// (the one that takes the lost write's completion) with the file attached.
-fn lost_write_back_of_page_3(
+/// in flight: the device holds that write back, unseen by the engine, and requests started
+/// later are served. The engine works again. Returns the cache, and the engine, lbio array,
+/// file and disk the dropped handle used.
+fn page_3_write_back_lost(
     pages: usize,
 ) -> (
     Arc<PageCache>,
     Rc<Engine>,
     Rc<LbioArray>,
     FileId,
-    CacheHandle,
     Rc<HoldDisk>,
 ) {
     let (
@@ -2456,6 +2455,22 @@ fn lost_write_back_of_page_3(
     drop(h);
     disk.hold.set(false);
     engine.fail_next_enters(0);
+    (cache, engine, lbio, file, disk)
+}
+
+/// [`page_3_write_back_lost`], and a live AIOS handle on the same engine and lbio array (the
+/// one that takes the lost write's completion) with the file attached.
+fn lost_write_back_of_page_3(
+    pages: usize,
+) -> (
+    Arc<PageCache>,
+    Rc<Engine>,
+    Rc<LbioArray>,
+    FileId,
+    CacheHandle,
+    Rc<HoldDisk>,
+) {
+    let (cache, engine, lbio, file, disk) = page_3_write_back_lost(pages);
     let h2 = CacheHandle::new(&cache, &engine, &lbio, Mode::AIOS).unwrap();
     h2.attach(file, disk.device(&lbio)).unwrap();
     (cache, engine, lbio, file, h2, disk)
@@ -2873,24 +2888,8 @@ fn a_lost_read_and_readahead_come_back_once_their_array_is_dropped_and_drained()
 fn a_stored_page_over_a_lost_write_is_written_once_the_lost_writes_array_is_dropped() {
     within(60, || {
         const PAGES: usize = 4;
-        let (
-            Setup {
-                cache,
-                engine,
-                lbio,
-                file,
-                h,
-            },
-            disk,
-        ) = setup_on_hold_disk(PAGES);
-        h.write(file, 3 * 4096, &[0x5A; 4096]).unwrap();
-        engine.fail_next_enters(u32::MAX);
         // The device holds the lost write, unseen by the engine, until after the `store`.
-        disk.hold.set(true);
-        assert!(h.sync(file).is_err());
-        drop(h);
-        disk.hold.set(false);
-        engine.fail_next_enters(0);
+        let (cache, engine, lbio, file, disk) = page_3_write_back_lost(PAGES);
         let l2 = LbioArray::new(Rc::clone(&engine), LbioConfig::default()).unwrap();
         let h2 = CacheHandle::new(&cache, &engine, &l2, Mode::AIOS).unwrap();
         h2.attach(file, disk.device(&l2)).unwrap();
