@@ -140,6 +140,10 @@ pub struct Counters {
     /// The same for a reader's frame (its read in flight, or orphaned by a failed wait): the
     /// reader still gets what it read, and the frame is not cached.
     pub reads_superseded: AtomicU64,
+    /// Pool refills a miss did while its read was in flight that failed (nothing evictable, or
+    /// the write back of other dirty pages failed; those stay dirty for the next `sync`). The
+    /// miss still returns its page: the refill was for later misses, which try again.
+    pub refills_failed: AtomicU64,
 }
 
 /// A snapshot of the cache's shared counters.
@@ -156,6 +160,8 @@ pub struct CacheMetrics {
     pub foreign_waits_cut: u64,
     pub readahead_stolen: u64,
     pub reads_superseded: u64,
+    /// See [`Counters::refills_failed`].
+    pub refills_failed: u64,
     /// Readahead pages in flight now, over all handles (at most [`PageCache::readahead_limit`]).
     pub readahead_in_flight: u32,
     /// Frames in the shared free list now (frames in handles' pools are not counted).
@@ -320,6 +326,7 @@ impl PageCache {
             foreign_waits_cut: l(&c.foreign_waits_cut),
             readahead_stolen: l(&c.readahead_stolen),
             reads_superseded: l(&c.reads_superseded),
+            refills_failed: l(&c.refills_failed),
             readahead_in_flight: self.readahead_in_flight.load(Ordering::Relaxed),
             free_frames: self.lock_free().len() as u32,
             frames: self.frames.len(),

@@ -1210,8 +1210,18 @@ impl CacheHandle {
         last: u64,
         dev: &Device,
     ) -> Result<(), CacheError> {
-        if self.mode.pool && self.pool.borrow().len() < self.cache.cfg.pool_batch as usize / 2 {
-            self.refill()?;
+        if self.mode.pool
+            && self.pool.borrow().len() < self.cache.cfg.pool_batch as usize / 2
+            && self.refill().is_err()
+        {
+            // The refill is for later misses: this one holds its frames already. Nothing to
+            // evict (this read's own frames may be why), or a failed write back of other pages
+            // (they stay dirty, and the next `sync` writes them and reports it), is no failure
+            // of this read; the next miss that needs a frame refills again and reports its own.
+            self.cache
+                .counters
+                .refills_failed
+                .fetch_add(1, Ordering::Relaxed);
         }
         self.readahead(file, first, last, dev)
     }

@@ -26,10 +26,12 @@ fn engine() -> Rc<Engine> {
     .unwrap()
 }
 
-/// RAM that can be told to fail reads in a byte range (an I/O error from the device).
+/// RAM that can be told to fail reads in a byte range, or every write (an I/O error from the
+/// device).
 struct Faulty {
     mem: MemBackend,
     fail_reads: Cell<Option<(u64, u64)>>,
+    fail_writes: Cell<bool>,
     /// Reads take this long (the backend is synchronous: the submitting thread sleeps).
     read_delay: Cell<Option<std::time::Duration>>,
     /// Run once, right after the next read has copied its bytes (before the reader sees it
@@ -55,6 +57,9 @@ impl Backend for Faulty {
             if piece.op == Op::Read && piece.offset < hi && piece.offset + piece.len as u64 > lo {
                 return Ok(Started::Done(-EIO));
             }
+        }
+        if piece.op == Op::Write && self.fail_writes.get() {
+            return Ok(Started::Done(-EIO));
         }
         if let (Op::Read, Some(d)) = (piece.op, self.read_delay.get()) {
             std::thread::sleep(d);
@@ -98,6 +103,7 @@ fn faulty_device(lbio: &Rc<LbioArray>, bytes: usize) -> (Device, Rc<Faulty>) {
     let f = Rc::new(Faulty {
         mem: MemBackend::new(bytes),
         fail_reads: Cell::new(None),
+        fail_writes: Cell::new(false),
         read_delay: Cell::new(None),
         after_read: std::cell::RefCell::new(None),
     });
@@ -3230,4 +3236,86 @@ fn two_writers_of_parts_of_the_same_uncached_pages_both_get_through() {
             assert_frames_free_or_cached(&cache, &m);
         });
     }
+}
+
+/// The pool refill a miss does while its read is in flight is for later misses: when it fails,
+/// the read that made it still returns its page. Three ways for it to fail, each with a
+/// 16-frame cache and a pool batch of 2, on a device whose 64 pages were written beforehand
+/// through another cache. Before, each read below failed in the pool modes with the refill's
+/// error (`NoEvictableFrame { frames: 16 }`, or the other pages' write error, `Io { op: Write,
+/// offset: 0, len: 61440, .. }`, for a one-page read); vanilla mode has no pool.
+#[test]
+fn a_failed_pool_refill_does_not_fail_the_miss_that_made_it() {
+    const PAGES: u64 = 64;
+    let want = |page: u64| [page as u8 + 1; PAGE_BYTES];
+    // A 16-frame cache in `mode`, empty, over a device holding `want(p)` in each page p.
+    let fresh = |mode: Mode| {
+        let (disk, _) = {
+            let Setup { lbio, file, h, .. } = setup(16, 2, 0, PAGES * PAGE_BYTES as u64, mode);
+            let (dev, disk) = faulty_device(&lbio, PAGES as usize * PAGE_BYTES);
+            h.attach(file, dev).unwrap();
+            for p in 0..PAGES {
+                h.write(file, p * PAGE_BYTES as u64, &want(p)).unwrap();
+            }
+            h.sync(file).unwrap();
+            (disk, h)
+        };
+        let s = setup(16, 2, 0, PAGES * PAGE_BYTES as u64, mode);
+        s.h.attach(s.file, device_over(&s.lbio, &disk)).unwrap();
+        (s, disk)
+    };
+    let mut bad = Vec::new();
+    for mode in [Mode::AIOS, Mode::VANILLA, Mode::FIXED_POOL] {
+        let name = mode.name();
+        // A read larger than the cache, nothing dirty or pinned: its first 16 pages take every
+        // frame (the rest are read one by one after them), so the refill finds nothing to evict.
+        for pages in [17u64, 20, 64] {
+            let (Setup { file, h, .. }, _) = fresh(mode);
+            let mut buf = vec![0u8; pages as usize * PAGE_BYTES];
+            match h.read(file, 0, &mut buf) {
+                Ok(())
+                    if buf
+                        .chunks(PAGE_BYTES)
+                        .enumerate()
+                        .all(|(p, b)| b == want(p as u64)) => {}
+                r => bad.push(format!("{name}: a read of {pages} pages: {r:?}")),
+            }
+        }
+        // Every frame but one held by the handle's own guards: the miss takes the last one.
+        for held in [12u64, 15] {
+            let (Setup { file, h, .. }, _) = fresh(mode);
+            let guards: Vec<_> = (0..held).map(|p| h.get(file, p).unwrap()).collect();
+            let mut buf = [0u8; PAGE_BYTES];
+            match h.read(file, 40 * PAGE_BYTES as u64, &mut buf) {
+                Ok(()) if buf == want(40) => {}
+                r => bad.push(format!(
+                    "{name}: {held} frames held by guards: page 40: {r:?}"
+                )),
+            }
+            drop(guards);
+        }
+        // 15 frames dirty and the device's writes failing: the refill's write back of them
+        // fails; the miss's own read does not.
+        let (Setup { cache, file, h, .. }, disk) = fresh(mode);
+        for p in 0..15u64 {
+            h.write(file, p * PAGE_BYTES as u64, &want(p + 1)).unwrap();
+        }
+        disk.fail_writes.set(true);
+        let mut buf = [0u8; PAGE_BYTES];
+        match h.read(file, 40 * PAGE_BYTES as u64, &mut buf) {
+            Ok(()) if buf == want(40) => {}
+            r => bad.push(format!("{name}: page 40 with writes failing: {r:?}")),
+        }
+        // The pages whose write back failed are still dirty: `sync` reports it, then writes
+        // them once the device takes writes again.
+        if h.sync(file).is_ok() {
+            bad.push(format!("{name}: sync with writes failing returned Ok"));
+        }
+        disk.fail_writes.set(false);
+        h.sync(file).unwrap();
+        if mode.pool && cache.metrics().refills_failed == 0 {
+            bad.push(format!("{name}: no failed refill counted"));
+        }
+    }
+    assert!(bad.is_empty(), "{bad:#?}");
 }
