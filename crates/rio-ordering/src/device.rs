@@ -108,6 +108,9 @@ pub struct OrderedStats {
     /// [`OrderedDevice::submit`]): each failed the groups it hit (their [`Done`]s carry it,
     /// and `wait` reports it), or left a log sync to retry.
     pub send_errors: u64,
+    /// Commands held back until an earlier command writing some of the same bytes on the same
+    /// target completed (two writes on the device at once land in either order).
+    pub overlap_waits: u64,
 }
 
 struct Req {
@@ -134,6 +137,15 @@ enum Back {
     /// Whole requests merged into one command (their buffers wait in `OrderedDevice::merged`
     /// under the command's tag).
     Merged,
+}
+
+/// The bytes a command on the device writes: `start..end` of `target`, lbio tag `tag`.
+#[derive(Clone, Copy)]
+struct Span {
+    start: u64,
+    end: u64,
+    target: u16,
+    tag: u32,
 }
 
 /// A command on the device: its entry, the groups and requests it carries. Kept small: one is
@@ -434,6 +446,9 @@ pub struct OrderedDevice<P: Pmr> {
     /// Commands in flight, by lbio tag.
     inflight: Vec<Option<Cmd>>,
     inflight_n: usize,
+    /// The bytes each command in flight writes (one entry per command, in no order): a later
+    /// command over any of them waits for it (see [`OrderedDevice::submit_cmd`]).
+    spans: Vec<Span>,
     /// Background FLUSHes out.
     flushes_out: usize,
     /// The FLUSH-ahead threshold, capped by the log's size.
@@ -631,6 +646,7 @@ impl<P: Pmr> OrderedDevice<P> {
             streams,
             cfg,
             inflight: Vec::with_capacity(window),
+            spans: Vec::with_capacity(window),
             spare_reqs: Vec::with_capacity(SPARE_REQS),
             spare_carried: Vec::with_capacity(SPARE_REQS),
             // A merge holds at most this many whole groups of 4 KiB (more, or smaller groups,
@@ -1607,6 +1623,10 @@ impl<P: Pmr> OrderedDevice<P> {
         }
     }
 
+    /// Send a command to its target. Submission order is the storage order, yet two writes on
+    /// the device at once complete, and land, in either order: a command over bytes that an
+    /// earlier one still on the device writes waits for it to complete first (the completions
+    /// taken meanwhile are accounted for as usual; none of them sends a data command).
     #[inline]
     fn submit_cmd(
         &mut self,
@@ -1615,6 +1635,24 @@ impl<P: Pmr> OrderedDevice<P> {
         cmd: Cmd,
         merged: Option<Carried>,
     ) -> Result<(), RioError> {
+        let end = offset + buf.len() as u64;
+        if self.overlaps_in_flight(cmd.target, offset, end) {
+            self.stats.overlap_waits += 1;
+            while self.overlaps_in_flight(cmd.target, offset, end) {
+                let before = self.reaped;
+                self.reap();
+                if self.reaped == before {
+                    if let Err(e) = self.lbio.wait_done(1) {
+                        let e: RioError = e.into();
+                        let c = (cmd.stream, cmd.seq, cmd.seq_end, cmd.back);
+                        self.cmd_unsent(c, Some(buf), merged, true, &e);
+                        return Err(e);
+                    }
+                    self.reap();
+                }
+            }
+        }
+        let target = cmd.target;
         let tag = match self.targets[cmd.target as usize]
             .dev
             .submit(Io::write(offset, buf))
@@ -1636,6 +1674,12 @@ impl<P: Pmr> OrderedDevice<P> {
         }
         self.inflight_n += 1;
         self.inflight[at] = Some(cmd);
+        self.spans.push(Span {
+            start: offset,
+            end,
+            target,
+            tag: tag.0,
+        });
         if let Some(mut reqs) = merged {
             if self.merged.len() <= at {
                 self.merged.resize_with(at + 1, Carried::new);
@@ -1647,6 +1691,14 @@ impl<P: Pmr> OrderedDevice<P> {
             }
         }
         Ok(())
+    }
+
+    /// Whether a command on the device writes any of `start..end` of `target`.
+    #[inline]
+    fn overlaps_in_flight(&self, target: u16, start: u64, end: u64) -> bool {
+        self.spans
+            .iter()
+            .any(|s| s.target == target && s.start < end && start < s.end)
     }
 
     /// [`OrderedDevice::submit_cmd`] when lbio refused the command: on a full slot array, take
@@ -2008,6 +2060,9 @@ impl<P: Pmr> OrderedDevice<P> {
                 return;
             };
             self.inflight_n -= 1;
+            if let Some(i) = self.spans.iter().position(|s| s.tag == c.tag.0) {
+                self.spans.swap_remove(i);
+            }
             if let (Ok(_), Back::Own(id), true) = (&c.result, &cmd.back, cmd.seq == cmd.seq_end) {
                 if !self.targets[cmd.target as usize].plp {
                     let buf = c.buf.expect("a write returns its buffer");
