@@ -1235,7 +1235,11 @@ impl Engine {
         // Completions already posted cost no system call.
         let mut done: u32 = self.rings().map(|r| self.reap(r)).sum();
         if done >= min {
-            self.submit()?;
+            // The completions are dispatched: the caller's I/O may have ended in them, so the
+            // wait succeeded. An enter failing now leaves its SQEs queued for the next one,
+            // which reports the error (as a push does); failing here made callers give up on
+            // requests that had just completed.
+            let _ = self.submit();
             return Ok(done);
         }
         let polled = |e: &Engine| e.iopoll.as_ref().is_some_and(|r| r.inflight.get() > 0);

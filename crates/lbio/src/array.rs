@@ -948,6 +948,9 @@ impl LbioArray {
                 (inner.done.len(), inner.detached)
             };
             if done >= min || detached == 0 || !self.engine.has_work() {
+                // What is held still goes to the kernel, as documented (nothing to do, and no
+                // system call, when nothing is queued).
+                self.engine.submit()?;
                 return Ok(());
             }
             self.engine.wait(1)?;

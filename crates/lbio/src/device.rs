@@ -541,6 +541,11 @@ impl Device {
                 return c.result.map(|_| c.buf);
             }
             if let Err(e) = engine.wait(1) {
+                // The wait may have dispatched this request's completion before it failed
+                // (submitting other queued work): then it is done, and its result stands.
+                if let Some(c) = self.lbio.try_take(tag) {
+                    return c.result.map(|_| c.buf);
+                }
                 // The request may still be in flight, its buffer the kernel's: nobody will
                 // take it now, so its slot (and buffer) go back when it ends.
                 self.lbio.orphan(tag);

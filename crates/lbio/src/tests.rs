@@ -2045,3 +2045,163 @@ fn an_arrays_fate_says_whether_its_drop_drained_the_engine() {
     assert!(!drained.same_array(&abandoned));
     drain(&engine);
 }
+
+// ---------------------------------------------------------------------------------------------
+// From a review on 2026-11-28: `wait_done` and waits that fail after dispatching completions.
+
+/// `wait_done` says it submits what is queued; when enough detached requests are already done
+/// it returned at once, leaving requests submitted under `hold_submissions` in the submission
+/// queue: the kernel never saw them, so an event loop waiting on the engine's eventfd for
+/// their completion waits for ever.
+#[test]
+fn wait_done_submits_held_requests_even_when_enough_are_done() {
+    let engine = Engine::new(EngineConfig {
+        ring_entries: 256,
+        arena_bytes: 8 << 20,
+        huge_pages: false,
+        eventfd: true,
+        ..EngineConfig::default()
+    })
+    .expect("engine");
+    let lbio = array(&engine, LbioConfig::default());
+    let file = TempFile::new("waitdone-submit", 1 << 20);
+    let dev = ring_device(&lbio, &file);
+    // One detached read, done and not yet taken.
+    dev.submit(Io::read(0, engine.try_alloc(4096).unwrap()))
+        .map_err(|e| e.0)
+        .unwrap();
+    lbio.wait_done(1).unwrap();
+    assert_eq!(lbio.done_len(), 1);
+    engine.drain_eventfd();
+    // A second one, held (plugged) for the next wait.
+    engine
+        .hold_submissions(|| dev.submit(Io::read(4096, engine.try_alloc(4096).unwrap())))
+        .map_err(|e| e.0)
+        .unwrap();
+    let enters = engine.metrics().enters;
+    lbio.wait_done(1).unwrap();
+    // The second read must now be with the kernel: its completion signals the eventfd.
+    let mut pfd = libc::pollfd {
+        fd: engine.eventfd().unwrap(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let ready = unsafe { libc::poll(&mut pfd, 1, 2000) };
+    assert!(
+        ready == 1,
+        "the held read never reached the kernel (enters before/after wait_done: {enters}/{})",
+        engine.metrics().enters
+    );
+    drain(&engine);
+    while let Some(c) = lbio.take_done() {
+        c.result.unwrap();
+    }
+}
+
+/// Another user of the engine whose completion handler queues a follow-up NOP under
+/// `hold_submissions` (as the page cache queues its next read); at its second completion the
+/// kernel refuses the next `io_uring_enter` (ENOMEM, through the fault-injection hook).
+struct FollowUp {
+    engine: Rc<Engine>,
+    sink: Cell<Option<SinkId>>,
+    seen: Cell<u32>,
+}
+
+impl CompletionSink for FollowUp {
+    fn complete(&self, _payload: u64, _result: i32, _flags: u32) {
+        let n = self.seen.get() + 1;
+        self.seen.set(n);
+        if n <= 2 {
+            let sink = self.sink.get().unwrap();
+            self.engine
+                .hold_submissions(|| self.engine.push_nop(sink, n as u64))
+                .unwrap();
+        }
+        if n == 2 {
+            self.engine.fail_next_enters(1);
+        }
+    }
+}
+
+/// The rig of the two tests below: one background token; a detached background read holds it,
+/// so the request under test waits behind it and goes out from that read's completion (its
+/// completion then sits in the CQ for the next wait), and `FollowUp`'s first NOP is queued.
+fn failing_wait_rig() -> (Rc<Engine>, Rc<LbioArray>, Device, Rc<FollowUp>) {
+    let engine = engine();
+    let lbio = array(
+        &engine,
+        LbioConfig {
+            max_inflight_background: 1,
+            ..LbioConfig::default()
+        },
+    );
+    let backend = || {
+        Box::new(ReapingNop {
+            reap_in_push: Rc::new(Cell::new(false)),
+        })
+    };
+    let dev = Device::from_backends(
+        &lbio,
+        backend(),
+        backend(),
+        geometry(1 << 20, 512, 4096),
+        true,
+    )
+    .unwrap();
+    let other = Rc::new(FollowUp {
+        engine: Rc::clone(&engine),
+        sink: Cell::new(None),
+        seen: Cell::new(0),
+    });
+    let sink = engine
+        .register_sink(Rc::downgrade(&other) as Weak<dyn CompletionSink>)
+        .unwrap();
+    other.sink.set(Some(sink));
+    dev.submit(Io::read(0, engine.try_alloc(4096).unwrap()).class(Class::Background))
+        .map_err(|e| e.0)
+        .unwrap();
+    engine.push_nop(sink, 0).unwrap();
+    (engine, lbio, dev, other)
+}
+
+/// A blocking request that completed (successfully) inside a wait which then failed to submit
+/// other queued work is returned, not thrown away: `Engine::wait` dispatched its completion,
+/// then returned the error of the `io_uring_enter` that followed, and `run_blocking` orphaned
+/// the finished request, dropping its buffer and reporting a failure for a read that worked.
+#[test]
+fn a_blocking_request_completed_by_a_wait_that_then_fails_is_not_lost() {
+    let (engine, lbio, dev, _other) = failing_wait_rig();
+    let frames = engine.arena().free_frames();
+    let r =
+        dev.run_blocking(Io::read(4096, engine.try_alloc(4096).unwrap()).class(Class::Background));
+    let m = lbio.metrics();
+    drain(&engine);
+    assert!(
+        r.is_ok(),
+        "the read completed without error (requests {}, errors {}), yet run_blocking said {r:?}",
+        m.requests,
+        m.errors
+    );
+    drop(r);
+    assert_eq!(engine.arena().free_frames(), frames);
+}
+
+/// The same through `block_on`: the future's request completes inside a wait that then fails
+/// to submit other queued work; `block_on` returned the error and dropped the finished future,
+/// whose read had worked.
+#[test]
+fn a_future_completed_by_a_wait_that_then_fails_is_not_lost() {
+    let (engine, lbio, dev, _other) = failing_wait_rig();
+    let r = engine.block_on(
+        dev.future(Io::read(4096, engine.try_alloc(4096).unwrap()).class(Class::Background)),
+    );
+    let m = lbio.metrics();
+    drain(&engine);
+    assert!(
+        matches!(r, Ok(Ok(Some(_)))),
+        "the read completed without error (requests {}, errors {}), yet block_on said {r:?}",
+        m.requests,
+        m.errors
+    );
+}
