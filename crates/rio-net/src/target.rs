@@ -92,6 +92,30 @@ pub struct TargetConfig {
     /// and counted in [`TargetStats::refused_connections`]; its place frees when a connection
     /// ends. At least 1; default [`DEFAULT_MAX_CONNECTIONS`].
     pub max_connections: usize,
+    /// Test hook: serve this simulated disk instead of opening `device` (then only named in
+    /// messages). `None` in normal use.
+    #[doc(hidden)]
+    pub sim: Option<SimDevice>,
+}
+
+/// A simulated disk a test target serves ([`TargetConfig::sim`]): each connection opens it on
+/// its own engine, and it completes the requests on it in random order.
+#[doc(hidden)]
+#[derive(Clone)]
+pub struct SimDevice(pub lbio::SimDisk);
+
+impl std::fmt::Debug for SimDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SimDevice")
+    }
+}
+
+/// Open the device a target serves, on `lbio`.
+fn open_device(lbio: &Rc<LbioArray>, cfg: &TargetConfig) -> Result<Device, lbio::LbioError> {
+    match &cfg.sim {
+        Some(sim) => sim.0.open(lbio),
+        None => Device::open(lbio, &cfg.device, device_config()),
+    }
 }
 
 /// [`TargetConfig::max_connections`] unless set: a host's admin queue and an I/O queue per CPU
@@ -113,6 +137,7 @@ impl TargetConfig {
             verbose: false,
             transport: Transport::Tcp,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            sim: None,
         }
     }
 }
@@ -217,6 +242,9 @@ pub struct TargetStats {
     pub rdma_reads: u64,
     /// Ordered commands that found the attribute log full and waited for marks.
     pub log_full_waits: u64,
+    /// Ordered writes held until an earlier write of their connection over some of their
+    /// bytes had completed on the device (so the later one lands last).
+    pub overlap_waits: u64,
 }
 
 struct Shared {
@@ -245,6 +273,7 @@ struct Shared {
     refused_connections: AtomicU64,
     r2ts: AtomicU64,
     rdma_reads: AtomicU64,
+    overlap_waits: AtomicU64,
     close_log: Mutex<CloseLog>,
 }
 
@@ -378,7 +407,7 @@ impl Target {
                 ..EngineConfig::default()
             })?;
             let lbio = LbioArray::new(engine, LbioConfig::default())?;
-            let dev = Device::open(&lbio, &cfg.device, device_config())?;
+            let dev = open_device(&lbio, &cfg)?;
             (
                 dev.geometry().capacity_bytes,
                 dev.critical_route().0.power_loss_protected,
@@ -470,6 +499,7 @@ impl Target {
                 refused_connections: AtomicU64::new(0),
                 r2ts: AtomicU64::new(0),
                 rdma_reads: AtomicU64::new(0),
+                overlap_waits: AtomicU64::new(0),
                 close_log: Mutex::new(CloseLog {
                     window: Instant::now(),
                     printed: 0,
@@ -578,6 +608,7 @@ impl TargetStatsHandle {
             r2ts: s.r2ts.load(Ordering::Relaxed),
             rdma_reads: s.rdma_reads.load(Ordering::Relaxed),
             log_full_waits: s.lock().log_full,
+            overlap_waits: s.overlap_waits.load(Ordering::Relaxed),
         }
     }
 }
@@ -670,6 +701,8 @@ struct Held {
     sqe: Sqe,
     data: Data,
     attr: WireAttr,
+    /// Counted in [`TargetStats::overlap_waits`] (once, however long it waits).
+    overlap_counted: bool,
 }
 
 enum Queue {
@@ -702,6 +735,12 @@ struct TConn {
     pulling: HashMap<u16, Collecting>,
     held: VecDeque<Held>,
     inflight: HashMap<u32, InFlight>,
+    /// Writes (ordered and orderless) on the device: (tag, first byte, end). An ordered write
+    /// over bytes of one of them waits in `held` until it completes: the device may complete
+    /// requests it holds in any order, so two writes of one stream to the same bytes out at
+    /// once could leave the older group's bytes (storage order must be submission order). At
+    /// most the request slots; room for them is taken when the I/O queue opens.
+    write_spans: Vec<(u32, u64, u64)>,
     /// Ordered writes submitted on this connection so far: the next one's number.
     ordered_sent: u64,
     /// Ordered writes submitted and not completed.
@@ -799,6 +838,7 @@ fn serve_conn(shared: Arc<Shared>, conn: Conn, peer: SocketAddr) {
         pulling: HashMap::new(),
         held: VecDeque::new(),
         inflight: HashMap::new(),
+        write_spans: Vec::new(),
         ordered_sent: 0,
         ordered_out: 0,
         flushes_waiting: VecDeque::new(),
@@ -1419,7 +1459,7 @@ impl TConn {
                 ..LbioConfig::default()
             },
         )?;
-        let dev = Device::open(&lbio, &self.shared.cfg.device, device_config())?;
+        let dev = open_device(&lbio, &self.shared.cfg)?;
         // Every command accepted holds a request slot for itself (see `command`'s
         // back-pressure): the lists of commands held, FLUSHes waiting or parked, data being
         // collected and requests on the device never hold more than the slots, and get that
@@ -1431,6 +1471,7 @@ impl TConn {
         self.flushes_waiting.reserve(n);
         self.parked_flushes.reserve(n);
         self.inflight.reserve(2 * n);
+        self.write_spans.reserve(n);
         self.collecting.reserve(2 * n);
         self.pulling.reserve(2 * n);
         #[cfg(feature = "rdma")]
@@ -1795,7 +1836,12 @@ impl TConn {
                 self.respond(cid, Status::RIO_BAD_ATTR, 0, 0);
                 return Ok(());
             }
-            let held = Held { sqe, data, attr: a };
+            let held = Held {
+                sqe,
+                data,
+                attr: a,
+                overlap_counted: false,
+            };
             if opc == op::FLUSH
                 && (!self.collecting.is_empty()
                     || !self.pulling.is_empty()
@@ -1816,14 +1862,17 @@ impl TConn {
                     return Ok(());
                 };
                 self.shared.orderless.fetch_add(1, Ordering::Relaxed);
-                let io = Io::write(sqe.slba() * LBA as u64, buf).fua(sqe.fua());
-                self.submit(
+                let start = sqe.slba() * LBA as u64;
+                let end = start + buf.len() as u64;
+                let io = Io::write(start, buf).fua(sqe.fua());
+                self.submit_span(
                     io,
                     InFlight::Write {
                         cid,
                         ordered: None,
                         order_no: 0,
                     },
+                    Some((start, end)),
                 );
             }
             op::READ => {
@@ -1937,6 +1986,12 @@ impl TConn {
     }
 
     fn submit(&mut self, io: Io, what: InFlight) -> bool {
+        self.submit_span(io, what, None)
+    }
+
+    /// [`TConn::submit`] for a write over `span` (first byte, end): kept in `write_spans`
+    /// while it is on the device.
+    fn submit_span(&mut self, io: Io, what: InFlight, span: Option<(u64, u64)>) -> bool {
         let side = self.io.as_ref().expect("I/O queue");
         // Counted first, then the generation read: see `Gate`.
         let counted = Gate::counts(&what);
@@ -1952,6 +2007,9 @@ impl TConn {
         match sent {
             Ok(tag) => {
                 self.inflight.insert(tag.0, what);
+                if let Some((start, end)) = span {
+                    self.write_spans.push((tag.0, start, end));
+                }
                 true
             }
             Err(e) => {
@@ -2033,6 +2091,23 @@ impl TConn {
                 });
                 any = true;
                 continue;
+            }
+            // Storage order is submission order: a write over bytes an earlier write still on
+            // the device covers waits for it (the device may complete the two in any order).
+            let start = h.sqe.slba() * LBA as u64;
+            let end = start + h.sqe.nlb() as u64 * LBA as u64;
+            if self
+                .write_spans
+                .iter()
+                .any(|&(_, s, e)| s < end && start < e)
+            {
+                if !h.overlap_counted {
+                    self.shared.overlap_waits.fetch_add(1, Ordering::Relaxed);
+                    if let Some(h) = self.held.front_mut() {
+                        h.overlap_counted = true;
+                    }
+                }
+                break;
             }
             let mut guard = self.shared.lock();
             let st = &mut *guard;
@@ -2119,7 +2194,7 @@ impl TConn {
                     ordered: Some((slot, a.stream, a.seq)),
                     order_no: self.ordered_sent,
                 };
-                if self.submit(io, write) {
+                if self.submit_span(io, write, Some((offset, offset + len as u64))) {
                     self.ordered_sent += 1;
                     self.ordered_out += 1;
                 }
@@ -2217,6 +2292,9 @@ impl TConn {
             let Some(what) = self.inflight.remove(&done.tag.0) else {
                 continue;
             };
+            if let Some(i) = self.write_spans.iter().position(|w| w.0 == done.tag.0) {
+                self.write_spans.swap_remove(i);
+            }
             self.gate.done(&what);
             self.complete(what, done.result.map(|_| ()), done.buf)?;
         }
