@@ -31,11 +31,14 @@ pub struct Layout {
 }
 
 impl Layout {
-    /// `count` areas of `blocks` blocks each, back to back from byte `offset`.
+    /// `count` areas of `blocks` blocks each, back to back from byte `offset`. An area whose
+    /// offset does not fit 64 bits gets `u64::MAX`, which formatting or opening refuses as a
+    /// [`JournalError::Layout`].
     pub fn per_core(offset: u64, blocks: u64, count: usize) -> Layout {
+        let area_bytes = blocks.saturating_mul(BLOCK as u64);
         Layout {
             areas: (0..count as u64)
-                .map(|i| (offset + i * blocks * BLOCK as u64, blocks))
+                .map(|i| (offset.saturating_add(i.saturating_mul(area_bytes)), blocks))
                 .collect(),
         }
     }

@@ -436,7 +436,8 @@ fn a_superblock_generation_past_the_range_is_a_bad_superblock() {
 /// Layouts whose areas' byte ranges do not fit 64 bits (a layout read from a damaged file
 /// system superblock, say) are refused with a typed error. Checking them computed the end of
 /// each area as `offset + blocks * 4096`, which overflowed: a panic in a debug build, and in a
-/// release build a wrapped end that could pass the check.
+/// release build a wrapped end that could pass the check. `Layout::per_core` computed the
+/// offsets of such areas unchecked as well.
 #[test]
 fn layouts_past_the_byte_range_are_refused() {
     let lbio = lbio();
@@ -449,6 +450,22 @@ fn layouts_past_the_byte_range_are_refused() {
         // overlap before its own range is checked).
         vec![(0, 8), (8 * 4096, u64::MAX / 2048)],
     ];
+    // `Layout::per_core` with areas past the byte range (it computed each offset unchecked: a
+    // panic in a debug build) gives such layouts too.
+    let per_core = std::panic::catch_unwind(|| {
+        [
+            Layout::per_core(0, u64::MAX / 4096, 3),
+            Layout::per_core(u64::MAX - 4095, 8, 2),
+        ]
+    })
+    .expect("Layout::per_core panicked");
+    for layout in per_core {
+        let r = JournalSet::format(&dev, layout.clone()).map(|_| ());
+        assert!(
+            matches!(r, Err(JournalError::Layout(_))),
+            "{layout:?}: {r:?}"
+        );
+    }
     for areas in layouts {
         let layout = Layout {
             areas: areas.clone(),
