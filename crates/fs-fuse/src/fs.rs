@@ -1300,7 +1300,7 @@ impl Fs {
         mut b: u64,
         size_floor: Option<u64>,
     ) -> FsResult<()> {
-        let budget = (self.log_len / 4).max(1) as usize;
+        let budget = self.free_step_budget();
         loop {
             let c = free_cut(&st.nodes[&ino], a, b, budget, &st.dirty_bbm, &st.journaled);
             let n = st.nodes.get_mut(&ino).expect("node");
@@ -1424,7 +1424,7 @@ impl Fs {
         let Some(n) = st.nodes.get(&ino) else {
             return;
         };
-        let budget = (self.log_len / 4).max(1) as usize;
+        let budget = self.free_step_budget();
         if free_cut(n, 0, u64::MAX, budget, &st.dirty_bbm, &st.journaled) > 0 {
             let r = self
                 .ctx()
@@ -1465,6 +1465,16 @@ impl Fs {
             };
             if dead && n.lookups == 0 && n.opens == 0 {
                 self.destroy(st, ino);
+                // Frees come one by one from the kernel's FORGETs, with no operation's
+                // `settle` after them: commit before the freed inodes outgrow a transaction.
+                if self.meta_pending(st) * 4 > self.log_len {
+                    let r = self
+                        .ctx()
+                        .and_then(|ctx| self.commit_locked_short(st, &ctx, None));
+                    if let Err(e) = r {
+                        eprintln!("aiosfs: commit after freeing inode {ino} failed (errno {e})");
+                    }
+                }
             }
         }
     }
@@ -1481,6 +1491,12 @@ impl Fs {
     }
 
     // ----- commit --------------------------------------------------------------------------
+
+    /// The metadata blocks one step of a large free may dirty (see [`free_cut`]): a quarter
+    /// of the log, so that a step's commit always fits.
+    fn free_step_budget(&self) -> usize {
+        (self.log_len / 4).max(1) as usize
+    }
 
     /// Metadata blocks the next commit would write, roughly, and the log blocks its revoke
     /// records take. A directory whose blocks changed is always among the dirty directories
@@ -2241,6 +2257,10 @@ impl Fs {
         }
         for &ino in &orphans {
             self.destroy(&mut st, ino);
+            // Many orphans may span more inode table blocks than one transaction holds.
+            if self.meta_pending(&st) * 4 > self.log_len {
+                self.commit_locked_short(&mut st, &ctx, None)?;
+            }
         }
         if !orphans.is_empty() {
             self.commit_locked(&mut st, &ctx, None)?;
@@ -3189,6 +3209,15 @@ impl Fs {
                 st.dirty_bytes += BLOCK;
                 st.dirty_data.insert(ino);
             } else {
+                // Over scattered free blocks each block may dirty a bitmap block of its own:
+                // commit what is written so far before the metadata outgrows a transaction.
+                if self.meta_pending(&st) * 2 > self.log_len {
+                    let n = st.nodes.get_mut(&ino).expect("node");
+                    n.attr.size = n.attr.size.max(offset + done as u64);
+                    n.layout_dirty = true;
+                    Self::touch(&mut st, ino);
+                    self.commit_locked_short(&mut st, &ctx, None)?;
+                }
                 let p = match self.alloc_for_map(&mut st, &ctx, ino, l, &mut || Ok(())) {
                     Ok(p) => p,
                     // Out of space or extents part way: the bytes so far are written.
@@ -3269,6 +3298,17 @@ impl Fs {
                         .range(..a)
                         .next_back()
                         .is_some_and(|(&s, &(_, len))| s.saturating_add(len as u64) > b);
+                // Freed in steps, the first step's cut may fall inside the extent that runs
+                // past the hole's end even when it starts inside the hole: that step splits it,
+                // and the commit after it must find a leaf for the extent more.
+                let budget = self.free_step_budget();
+                let splits = splits
+                    || (a < b
+                        && n.map
+                            .range(..b)
+                            .next_back()
+                            .is_some_and(|(&s, &(_, len))| s.saturating_add(len as u64) > b)
+                        && free_cut(n, a, b, budget, &st.dirty_bbm, &st.journaled) > a);
                 let mut leaves_had = n.leaves.len();
                 if splits {
                     let more = n.map.len() + 1;
@@ -3360,6 +3400,18 @@ impl Fs {
                         }
                         Ok(())
                     };
+                    if self.meta_pending(&st) * 2 > self.log_len {
+                        // As in a write: commit before the metadata outgrows a transaction,
+                        // the zeros of the blocks it maps made durable first.
+                        if let Err(e) = flush_zeros() {
+                            break 'alloc Err(e);
+                        }
+                        st.nodes.get_mut(&ino).expect("node").layout_dirty = true;
+                        Self::touch(&mut st, ino);
+                        if let Err(e) = self.commit_locked_short(&mut st, &ctx, None) {
+                            break 'alloc Err(e);
+                        }
+                    }
                     let p = match self.alloc_for_map(&mut st, &ctx, ino, l, &mut flush_zeros) {
                         Ok(p) => p,
                         Err(e) => break 'alloc Err(e),

@@ -338,3 +338,211 @@ fn a_free_step_counts_the_revoke_records_it_adds() {
     assert_eq!(fs.lookup(ROOT_INO, b"f", false), Err(libc::ENOENT));
     unmount_and_check(fs, &img);
 }
+
+/// A hole punched in steps that starts where an extent starts and ends
+/// inside it: the first step's cut falls inside that extent, above the hole's start, so the
+/// step's unmap splits it in two, and the commit between the steps sees one extent more than
+/// the file had. The punch reserves a leaf for a split only when the extent starts below the
+/// hole. With the file at the most extents it can have (1,632), that commit must encode a map
+/// of 1,633 extents: nine leaf pointers for an inode of eight.
+#[test]
+fn a_stepped_punch_that_splits_an_extent_of_a_file_at_its_most_extents() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let (img, f) = image_with_big_file("split-step");
+    let fs = img.open();
+    // 1,631 more extents of one block each past the big one: 1,632 in all.
+    for i in 0..1_631u64 {
+        fs.write(f, (BIG + 1 + 2 * i) * B, &[0x44u8; 8]).unwrap();
+    }
+    fs.sync_all().unwrap();
+    // The one block more would be refused: the map is full.
+    assert_eq!(
+        fs.write(f, (BIG + 2 * 1_631 + 5) * B, &[1u8]),
+        Err(libc::EFBIG)
+    );
+    let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        fs.fallocate(f, 0, (BIG - 1) * B, punch)
+    }));
+    assert!(r.is_ok(), "the punch panicked");
+    let r = r.unwrap();
+    assert!(r == Ok(()) || r == Err(libc::ENOSPC), "punch: {r:?}");
+    fs.sync_all().unwrap();
+    assert!(!fs.failed());
+    unmount_and_check(fs, &img);
+}
+
+/// Many files unlinked while still held open (their lookups not
+/// forgotten) when the file system stops: orphans, which the next mount frees. It freed them
+/// all and committed once: with the orphans spread over more inode table blocks than a journal
+/// area's log holds, that one transaction is refused, the open fails ("freeing orphan inodes
+/// failed"), and the image, which fsck calls clean, can never be mounted again.
+#[test]
+fn the_mount_frees_more_orphans_than_one_transaction_holds() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let path = std::env::temp_dir().join(format!("aiosfs-orphans-{}.img", std::process::id()));
+    let img = Image(path);
+    std::fs::File::create(&img.0)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    mkfs(
+        &img.0,
+        &MkfsOptions {
+            journals: 1,
+            journal_blocks: 32,
+            bytes_per_inode: 16 << 10,
+            force: false,
+        },
+    )
+    .unwrap();
+    let fs = img.open();
+    // 50 inode table blocks' worth of files (16 inodes a block), each with a block of data,
+    // unlinked while their lookups are held.
+    let n = 50 * 16;
+    for i in 0..n {
+        let name = format!("o{i}").into_bytes();
+        let a = fs
+            .mknod(ROOT_INO, &name, S_IFREG | 0o644, 0, ROOT, None)
+            .unwrap();
+        fs.write(a.ino, 0, &[0x55u8; 100]).unwrap();
+    }
+    for i in 0..n {
+        let name = format!("o{i}").into_bytes();
+        assert_eq!(fs.remove(ROOT_INO, &name, false), Ok(()));
+    }
+    fs.sync_all().unwrap();
+    // The process holding them stops: no forget, no unmount.
+    drop(fs);
+    let (problems, notes) = img.fsck();
+    assert_eq!(problems, Vec::<String>::new());
+    assert!(notes.iter().any(|x| x.contains("unlinked")), "{notes:?}");
+    let (fs, report) = Fs::open(fs_fuse::mount::image_factory(&img.0), opts())
+        .unwrap_or_else(|e| panic!("the image fsck calls clean does not mount: {e}"));
+    assert_eq!(report.orphans_freed, n as u64);
+    unmount_and_check(fs, &img);
+}
+
+/// The same files, unlinked while held open, then let go on a live mount
+/// (the kernel's FORGETs as the processes close them): each forget frees its file, and nothing
+/// commits in between, so the next commit carries every freed inode and is refused as too
+/// large. The file system goes read-only with everything pending lost.
+#[test]
+fn forgetting_many_unlinked_files_keeps_each_commit_inside_the_log() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let path = std::env::temp_dir().join(format!("aiosfs-forgets-{}.img", std::process::id()));
+    let img = Image(path);
+    std::fs::File::create(&img.0)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    mkfs(
+        &img.0,
+        &MkfsOptions {
+            journals: 1,
+            journal_blocks: 32,
+            bytes_per_inode: 16 << 10,
+            force: false,
+        },
+    )
+    .unwrap();
+    let fs = img.open();
+    let n = 50 * 16;
+    let mut inos = Vec::new();
+    for i in 0..n {
+        let name = format!("o{i}").into_bytes();
+        let a = fs
+            .mknod(ROOT_INO, &name, S_IFREG | 0o644, 0, ROOT, None)
+            .unwrap();
+        fs.write(a.ino, 0, &[0x55u8; 100]).unwrap();
+        inos.push(a.ino);
+    }
+    for i in 0..n {
+        let name = format!("o{i}").into_bytes();
+        assert_eq!(fs.remove(ROOT_INO, &name, false), Ok(()));
+    }
+    fs.sync_all().unwrap();
+    let free = fs.statfs().bfree;
+    for &ino in &inos {
+        fs.forget(ino, 1);
+    }
+    assert_eq!(fs.sync_all(), Ok(()));
+    assert!(!fs.failed());
+    assert_eq!(fs.statfs().bfree, free + n as u64);
+    unmount_and_check(fs, &img);
+}
+
+/// An image whose only free blocks, but for a few, lie one in each block-bitmap block's range
+/// (34 of them, 32,768 blocks apart), mounted; file "f" holds the rest, "g" is empty.
+fn fragmented(tag: &str) -> (Image, Arc<Fs>, u64) {
+    let (img, f) = image_with_big_file(tag);
+    // Grow f over the whole data region but two blocks (one for the extent leaf its holes
+    // will need).
+    let fs = img.open();
+    let data = fs.superblock().data;
+    let p0 = fs.bmap(f, 0).unwrap().unwrap();
+    let g = fs
+        .mknod(ROOT_INO, b"g", S_IFREG | 0o644, 0, ROOT, None)
+        .unwrap()
+        .ino;
+    fs.unmount().unwrap();
+    drop(fs);
+    let blocks = data.end() - p0 - 2;
+    common::grow_first_extent(&img.0, f, blocks);
+    assert_eq!(img.fsck().0, Vec::<String>::new());
+    let fs = img.open();
+    // One free block in each bitmap block's range: holes 32,768 blocks apart.
+    let per = 8 * B;
+    let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+    let mut holes = 0;
+    let mut l = 100;
+    while l < blocks {
+        assert_eq!(fs.fallocate(f, l * B, B, punch), Ok(()), "hole at {l}");
+        holes += 1;
+        l += per;
+    }
+    fs.sync_all().unwrap();
+    assert!(holes >= 33, "{holes} holes");
+    (img, fs, g)
+}
+
+/// One write whose blocks land in more block-bitmap blocks than a journal
+/// area's log holds: on a fragmented disk, a write of 128 KiB takes 32 blocks, one free block
+/// in each of 32 bitmap blocks' ranges. Nothing commits inside the write (only `settle` after
+/// it), so its commit carries all 32 bitmap blocks and is refused as larger than the log: the
+/// file system goes read-only, and the write and everything pending are lost.
+#[test]
+fn a_write_over_scattered_free_blocks_keeps_its_commit_inside_the_log() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let (img, fs, g) = fragmented("scattered-write");
+    let r = fs.write(g, 0, &vec![0x66u8; 32 * BLOCK]);
+    assert_eq!(r, Ok(32 * BLOCK));
+    assert_eq!(fs.sync_all(), Ok(()));
+    assert!(!fs.failed());
+    unmount_and_check(fs, &img);
+    let fs = img.open();
+    assert_eq!(
+        fs.read(g, 0, 32 * BLOCK as u32).unwrap(),
+        vec![0x66u8; 32 * BLOCK]
+    );
+    unmount_and_check(fs, &img);
+}
+
+/// The same with fallocate: 32 blocks from 32 bitmap blocks' ranges, one
+/// commit refused, the file system read-only.
+#[test]
+fn a_fallocate_over_scattered_free_blocks_keeps_its_commit_inside_the_log() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let (img, fs, g) = fragmented("scattered-fallocate");
+    assert_eq!(fs.fallocate(g, 0, 32 * B, 0), Ok(()));
+    assert_eq!(fs.sync_all(), Ok(()));
+    assert!(!fs.failed());
+    unmount_and_check(fs, &img);
+    let fs = img.open();
+    assert_eq!(fs.getattr(g).unwrap().size, 32 * B);
+    assert_eq!(
+        fs.read(g, 0, 32 * BLOCK as u32).unwrap(),
+        vec![0u8; 32 * BLOCK]
+    );
+    unmount_and_check(fs, &img);
+}
