@@ -1998,8 +1998,11 @@ impl Fs {
             if n.phys(*l) != Some(*p) {
                 continue;
             }
-            n.fresh.remove(l);
+            // Still fresh when its bytes changed meanwhile: a truncate or punch zeroed part
+            // of it (marking it fresh so that the next commit, whichever file's, carries it
+            // with the new size), or a write did; the device holds the older bytes.
             if n.dirty.get(l).is_some_and(|d| **d == *bytes) {
+                n.fresh.remove(l);
                 n.dirty.remove(l);
                 st.dirty_bytes -= BLOCK;
                 ctx.stored(self, *p, bytes);

@@ -259,3 +259,40 @@ fn a_symlink_reads_back_after_its_commit() {
         assert_eq!(fs.readlink(l).unwrap(), target, "after a remount");
     });
 }
+
+/// A truncate meanwhile cuts a block the commit carries: its zeroed tail must still go with
+/// whichever commit makes the new size durable (here another file's fsync), or growing the
+/// file after a crash shows the bytes the truncate cut off.
+#[test]
+fn a_block_truncated_during_its_commit_keeps_its_zeroed_tail_with_the_new_size() {
+    both_modes(|opts| {
+        let image = ImageFile::new("commit-unlocked", 16 << 20);
+        let fs = open(&image, opts.clone());
+        let (f, g) = (create(&fs, b"f"), create(&fs, b"g"));
+        fs.write(f, 0, &[0x11; BLOCK]).unwrap();
+        fs.sync_all().unwrap();
+        // Block 0 of f dirty again (not fresh: the file owns it), carried by f's fsync.
+        fs.write(f, 0, &[0xaa; BLOCK]).unwrap();
+        // A change of the inode: the fsync commits (not in place).
+        let mode = SetAttr {
+            mode: Some(0o600),
+            ..SetAttr::default()
+        };
+        fs.setattr(f, &mode).unwrap();
+        let size = |size| SetAttr {
+            size: Some(size),
+            ..SetAttr::default()
+        };
+        assert!(in_window(&fs, f, || {
+            fs.setattr(f, &size(100)).unwrap();
+            // Another file's fsync: it applies f's commit, then commits f's new size.
+            fs.write(g, 0, &[0x22; BLOCK]).unwrap();
+            fs.fsync(g).unwrap();
+        }));
+        let fs = crash_and_reopen(fs, &image, opts);
+        assert_eq!(fs.getattr(f).unwrap().size, 100, "f's committed size");
+        check(&fs, f, 0, 100, 0xaa, "f below its size");
+        fs.setattr(f, &size(BLOCK as u64)).unwrap();
+        check(&fs, f, 100, BLOCK - 100, 0, "f grown again past the cut");
+    });
+}
