@@ -1061,7 +1061,7 @@ impl Volume {
     /// (its open group's) they could never fit `VolumeConfig::max_commands`.
     fn commands_for(&self, offset: u64, len: usize, open: u32) -> Result<u32, NetError> {
         let n = self.piece_count(offset, len as u32);
-        if open + n <= self.cfg.max_commands {
+        if open + n <= self.command_limit() {
             return Ok(n);
         }
         let group = if open > 0 {
@@ -1072,9 +1072,25 @@ impl Volume {
         Err(NetError::Config(format!(
             "a request of {len} bytes at {offset} is {n} commands (one per {}-byte stripe){group}: a stream takes at most {} at once{}",
             self.cfg.stripe,
-            self.cfg.max_commands,
+            self.command_limit(),
             if open > 0 { "; write less per group" } else { "" }
         )))
+    }
+
+    /// Commands a stream's requests not yet handed back may take: `max_commands`, and no more
+    /// than half a stream's share of the smallest target log (each command has an entry there
+    /// until the stream's mark passes it, and so may an ordered FLUSH per command): a log
+    /// filled by writes not yet durable takes no FLUSH entry, and the stream stalls for good.
+    fn command_limit(&self) -> u32 {
+        let streams = self.cfg.streams.max(1) as u32;
+        let log = self
+            .targets
+            .iter()
+            .filter(|t| t.rio)
+            .map(|t| (t.log_slots / streams / 2).saturating_sub(2).max(1))
+            .min()
+            .unwrap_or(u32::MAX);
+        self.cfg.max_commands.min(log)
     }
 
     fn check_stream(&self, stream: u16) -> Result<(), NetError> {
@@ -1201,7 +1217,7 @@ impl Volume {
     fn wait_for_room(&mut self, stream: u16, pieces: u32) -> Result<(), NetError> {
         let window = self.cfg.window;
         let held = window.saturating_mul(HELD_PER_WINDOW);
-        let max = self.cfg.max_commands;
+        let max = self.command_limit();
         let st = &self.streams[stream as usize];
         let window_full = st.in_flight >= window;
         let held_full = st.not_done >= held;
@@ -2418,6 +2434,10 @@ impl Volume {
                 }
             }
         }
+        // The zeroing completes before the FLUSH goes: a FLUSH makes durable only what had
+        // completed when the device took it, and the reset below drops the entries that name
+        // these writes (a power cut would bring their bytes back with nothing to zero them).
+        self.settle()?;
         for t in 0..nt {
             let ic = &mut self.conns[t];
             let cid = ic.alloc(Kind::PlainFlush, (0, 0));

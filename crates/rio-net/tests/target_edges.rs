@@ -1177,3 +1177,117 @@ fn a_later_group_over_an_earlier_groups_bytes_lands_last() {
         "no write waited for an earlier one over its bytes"
     );
 }
+
+/// Recovery zeroes the writes beyond the durable prefix and then resets the logs, so that a
+/// later recovery no longer names them: the zeroing must be durable before the reset. Here a
+/// group's write is on the media (a plain FLUSH made its bytes durable, but no ordered FLUSH
+/// vouches for it, so it lies beyond the prefix), a new initiator's recovery discards it, and
+/// then the target loses power (its durable media kept, its file log kept). The next recovery
+/// finds nothing to zero, and the discarded group's bytes read back.
+#[test]
+fn recovery_zeroing_is_durable_before_the_logs_are_reset() {
+    let _one = one_at_a_time();
+    let log = PathBuf::from(format!("/dev/shm/rio-edges-{}-zlog", std::process::id()));
+    let _rm = Remove(log.clone());
+    let _ = std::fs::remove_file(&log);
+    let simcfg = lbio::SimConfig::new(16 << 20, 0x2e40_0001);
+    let sim = lbio::SimDisk::new(simcfg).unwrap();
+    let mut cfg = TargetConfig::new("sim", TargetLogKind::File(log.clone(), 1 << 20));
+    cfg.streams = 1;
+    cfg.sim = Some(rio_net::target::SimDevice(sim.clone()));
+    let t = Target::bind("127.0.0.1:0".parse().unwrap(), cfg.clone()).unwrap();
+    let a = t.local_addr();
+    t.spawn();
+    // A first initiator brings the log to a known epoch, and leaves.
+    drop(Volume::open(VolumeConfig::new(vec![a], 1)).unwrap());
+    // Group 1: 8 blocks of 0xab at block 0, sent raw; a plain FLUSH makes its bytes durable,
+    // but no ordered FLUSH vouches for the group.
+    {
+        let (_admin, mut q) = queues(a);
+        let mut w = lba_sqe(op::WRITE, 10, 0, 8);
+        w.set_sgl(8 * LBA, true);
+        one_write_group(1, 0).put(&mut w);
+        q.send_cmd(&w, &vec![0xab; 8 * LBA as usize]);
+        let (cqe, _) = q.answer();
+        assert!(cqe.ok(), "group 1's write");
+        let (cqe, _) = q.command(&plain_flush(11), &[]);
+        assert!(cqe.ok(), "plain FLUSH");
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(sim.media()[0], 0xab, "group 1's bytes are durable");
+    // A new initiator recovers: group 1 lies beyond the prefix and is zeroed.
+    let (v, rep) = Volume::open(VolumeConfig::new(vec![a], 1)).unwrap();
+    assert_eq!(rep.discarded, 1, "{rep:?}");
+    drop(v);
+    std::thread::sleep(Duration::from_millis(200));
+    let media = sim.media();
+    let left = media[..8 * LBA as usize]
+        .iter()
+        .filter(|&&b| b == 0xab)
+        .count();
+    // Power cut: the target comes back with what was durable, and its log.
+    let sim2 = lbio::SimDisk::from_image(simcfg, media).unwrap();
+    cfg.sim = Some(rio_net::target::SimDevice(sim2));
+    let t2 = Target::bind("127.0.0.1:0".parse().unwrap(), cfg).unwrap();
+    let a2 = t2.local_addr();
+    t2.spawn();
+    let (mut v, rep2) = Volume::open(VolumeConfig::new(vec![a2], 1)).unwrap();
+    let x = read_block(&mut v, 0);
+    assert!(
+        left == 0 && x == 0,
+        "recovery discarded group 1 ({rep:?}) but after a power cut {left} of its bytes were \
+         still durable and block 0 reads {x:#x} (second recovery: prefix {:?}, {} discarded)",
+        rep2.prefix_end,
+        rep2.discarded
+    );
+}
+
+/// One ordered write over more stripe units of a target than its log has slots (a 4 MiB
+/// write at 4 KiB stripes is 1,024 commands, each with its entry; the log has 494 slots, which
+/// `Volume::open` accepts for a window of 64). The entries of the writes that went fill the
+/// log, the next write waits for a slot, and the FLUSH that would make the others durable
+/// (and let the initiator's mark free their slots) arrives behind it.
+#[test]
+fn a_write_over_more_stripe_units_than_the_log_has_slots_does_not_stall() {
+    let _serial = one_at_a_time();
+    let p = PathBuf::from(format!("/dev/shm/rio-edges-{}-bigw", std::process::id()));
+    let f = std::fs::File::create(&p).unwrap();
+    f.set_len(16 << 20).unwrap();
+    let _rm = Remove(p.clone());
+    let mut tc = TargetConfig::new(p.clone(), TargetLogKind::Mem(32 << 10));
+    tc.streams = 1;
+    let t = Target::bind("127.0.0.1:0".parse().unwrap(), tc).unwrap();
+    let addr = t.local_addr();
+    let stats = t.stats_handle();
+    t.spawn();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut cfg = VolumeConfig::new(vec![addr], 1);
+        cfg.io_timeout = Duration::from_secs(2);
+        cfg.reconnect_for = Duration::from_secs(2);
+        let (mut v, _) = Volume::open(cfg).unwrap();
+        let mut b = v.alloc(4 << 20).unwrap();
+        b.fill(0x5a);
+        let r = v.submit(0, 0, b, true).and_then(|_| v.wait(0));
+        let d = v
+            .poll()
+            .map(|d| d.into_iter().map(|d| d.result.is_ok()).collect::<Vec<_>>());
+        let _ = tx.send((format!("{r:?}, {d:?}"), r, d, v.stats()));
+    });
+    match rx.recv_timeout(Duration::from_secs(30)) {
+        Ok((what, r, d, vs)) => {
+            // Handed back durable, or refused before anything went out; never a recovery.
+            let refused = matches!(r, Err(rio_net::NetError::Config(_)));
+            let handed_back = r.is_ok() && d.as_deref().is_ok_and(|d| d == [true]);
+            assert!(
+                (handed_back || refused) && vs.recoveries == 1,
+                "{what}; volume {vs:?}; target {:?}",
+                stats.stats()
+            );
+        }
+        Err(_) => panic!(
+            "a 4 MiB ordered write was not handed back in 30 s; target {:?}",
+            stats.stats()
+        ),
+    }
+}
