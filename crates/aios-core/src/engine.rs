@@ -1382,7 +1382,12 @@ impl Engine {
     /// Run `fut` to completion on this thread, driving the rings whenever it is pending.
     ///
     /// While nothing is in flight and the future is pending it parks the thread until woken,
-    /// so futures woken from other threads work too.
+    /// so futures woken from other threads work too. **Not while I/O is in flight:** the thread
+    /// then sleeps in `io_uring_enter`, which a wake from another thread does not end, so the
+    /// future is polled again only when some completion arrives (never, for a read of a pipe
+    /// that nobody writes). A future that waits on another thread's event and on engine I/O at
+    /// once should be driven by an outside runtime through the engine's eventfd instead (see
+    /// the `tokio_driver` example).
     ///
     /// It may be called from inside a future that another `block_on` of this engine polls. The
     /// two share one wake flag, which the nested call clears as it goes round, so it may take
@@ -1410,7 +1415,10 @@ impl Engine {
             // one io_uring_enter.
             let polled = self.hold_submissions(|| fut.as_mut().poll(&mut cx));
             if let Poll::Ready(v) = polled {
-                self.submit()?;
+                // The future is done: an enter refused now leaves its SQEs queued for the next
+                // one, which reports the error (as `wait` and `push` do); failing here dropped
+                // the finished future's output.
+                let _ = self.submit();
                 return Ok(v);
             }
             while !self.wake.woken.load(Ordering::Acquire) {
@@ -2228,6 +2236,32 @@ mod tests {
             .recv_timeout(Duration::from_secs(20))
             .expect("the outer block_on parked for ever: the nested one took its wake");
         assert_eq!(r, Ok(()));
+    }
+
+    /// A future that is ready, whose last poll queued an SQE (a follow-up request, as a
+    /// completion that frees a token starts the next one): the `io_uring_enter` that
+    /// `block_on` makes on the way out is refused. The SQE stays queued for the next enter
+    /// (which reports the error, as after a push or a wait), so the finished future's output
+    /// must come back; `block_on` returned the enter's error and dropped the output.
+    #[test]
+    fn a_ready_future_is_returned_when_the_submit_after_it_fails() {
+        use std::task::Poll;
+        let engine = small();
+        let (sink, id) = sink(&engine);
+        let r = engine.block_on(std::future::poll_fn(|_cx| {
+            engine.push_nop(id, 1).unwrap();
+            engine.fail_next_enters(1);
+            Poll::Ready(7)
+        }));
+        assert_eq!(
+            r.map_err(|e| e.to_string()),
+            Ok(7),
+            "the finished future's output was lost"
+        );
+        // The queued NOP still goes out with the next enter.
+        engine.wait(1).unwrap();
+        assert_eq!(sink.0.get(), 1);
+        assert!(!engine.has_work());
     }
 
     /// A buffer longer than the whole arena can never be allocated, whatever completes:
