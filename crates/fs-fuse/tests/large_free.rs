@@ -372,65 +372,11 @@ fn a_stepped_punch_that_splits_an_extent_of_a_file_at_its_most_extents() {
     unmount_and_check(fs, &img);
 }
 
-/// Many files unlinked while still held open (their lookups not
-/// forgotten) when the file system stops: orphans, which the next mount frees. It freed them
-/// all and committed once: with the orphans spread over more inode table blocks than a journal
-/// area's log holds, that one transaction is refused, the open fails ("freeing orphan inodes
-/// failed"), and the image, which fsck calls clean, can never be mounted again.
-#[test]
-fn the_mount_frees_more_orphans_than_one_transaction_holds() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let path = std::env::temp_dir().join(format!("aiosfs-orphans-{}.img", std::process::id()));
-    let img = Image(path);
-    std::fs::File::create(&img.0)
-        .unwrap()
-        .set_len(64 << 20)
-        .unwrap();
-    mkfs(
-        &img.0,
-        &MkfsOptions {
-            journals: 1,
-            journal_blocks: 32,
-            bytes_per_inode: 16 << 10,
-            force: false,
-        },
-    )
-    .unwrap();
-    let fs = img.open();
-    // 50 inode table blocks' worth of files (16 inodes a block), each with a block of data,
-    // unlinked while their lookups are held.
-    let n = 50 * 16;
-    for i in 0..n {
-        let name = format!("o{i}").into_bytes();
-        let a = fs
-            .mknod(ROOT_INO, &name, S_IFREG | 0o644, 0, ROOT, None)
-            .unwrap();
-        fs.write(a.ino, 0, &[0x55u8; 100]).unwrap();
-    }
-    for i in 0..n {
-        let name = format!("o{i}").into_bytes();
-        assert_eq!(fs.remove(ROOT_INO, &name, false), Ok(()));
-    }
-    fs.sync_all().unwrap();
-    // The process holding them stops: no forget, no unmount.
-    drop(fs);
-    let (problems, notes) = img.fsck();
-    assert_eq!(problems, Vec::<String>::new());
-    assert!(notes.iter().any(|x| x.contains("unlinked")), "{notes:?}");
-    let (fs, report) = Fs::open(fs_fuse::mount::image_factory(&img.0), opts())
-        .unwrap_or_else(|e| panic!("the image fsck calls clean does not mount: {e}"));
-    assert_eq!(report.orphans_freed, n as u64);
-    unmount_and_check(fs, &img);
-}
-
-/// The same files, unlinked while held open, then let go on a live mount
-/// (the kernel's FORGETs as the processes close them): each forget frees its file, and nothing
-/// commits in between, so the next commit carries every freed inode and is refused as too
-/// large. The file system goes read-only with everything pending lost.
-#[test]
-fn forgetting_many_unlinked_files_keeps_each_commit_inside_the_log() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let path = std::env::temp_dir().join(format!("aiosfs-forgets-{}.img", std::process::id()));
+/// A 64 MiB image with the smallest journal area `mkfs` allows (32 blocks), mounted, holding
+/// 800 files (50 inode table blocks' worth, 16 inodes a block) of 100 bytes each, unlinked
+/// while their lookups are held, then synced: the image, the file system and their inodes.
+fn held_unlinked_files(tag: &str) -> (Image, Arc<Fs>, Vec<u64>) {
+    let path = std::env::temp_dir().join(format!("aiosfs-{tag}-{}.img", std::process::id()));
     let img = Image(path);
     std::fs::File::create(&img.0)
         .unwrap()
@@ -462,13 +408,44 @@ fn forgetting_many_unlinked_files_keeps_each_commit_inside_the_log() {
         assert_eq!(fs.remove(ROOT_INO, &name, false), Ok(()));
     }
     fs.sync_all().unwrap();
+    (img, fs, inos)
+}
+
+/// Many files unlinked while still held open (their lookups not forgotten) when the file
+/// system stops: orphans, which the next mount frees. It freed them all and committed once:
+/// with the orphans spread over more inode table blocks than a journal area's log holds, that
+/// one transaction is refused, the open fails ("freeing orphan inodes failed"), and the image,
+/// which fsck calls clean, can never be mounted again.
+#[test]
+fn the_mount_frees_more_orphans_than_one_transaction_holds() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let (img, fs, inos) = held_unlinked_files("orphans");
+    // The process holding them stops: no forget, no unmount.
+    drop(fs);
+    let (problems, notes) = img.fsck();
+    assert_eq!(problems, Vec::<String>::new());
+    assert!(notes.iter().any(|x| x.contains("unlinked")), "{notes:?}");
+    let (fs, report) = Fs::open(fs_fuse::mount::image_factory(&img.0), opts())
+        .unwrap_or_else(|e| panic!("the image fsck calls clean does not mount: {e}"));
+    assert_eq!(report.orphans_freed, inos.len() as u64);
+    unmount_and_check(fs, &img);
+}
+
+/// The same files, unlinked while held open, then let go on a live mount (the kernel's
+/// FORGETs as the processes close them): each forget frees its file, and nothing commits in
+/// between, so the next commit carries every freed inode and is refused as too large. The
+/// file system goes read-only with everything pending lost.
+#[test]
+fn forgetting_many_unlinked_files_keeps_each_commit_inside_the_log() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let (img, fs, inos) = held_unlinked_files("forgets");
     let free = fs.statfs().bfree;
     for &ino in &inos {
         fs.forget(ino, 1);
     }
     assert_eq!(fs.sync_all(), Ok(()));
     assert!(!fs.failed());
-    assert_eq!(fs.statfs().bfree, free + n as u64);
+    assert_eq!(fs.statfs().bfree, free + inos.len() as u64);
     unmount_and_check(fs, &img);
 }
 
