@@ -753,6 +753,11 @@ struct Versions {
     /// in-place write to the block is refused as if the copy were still kept (unless it
     /// revokes the block itself).
     revoking: HashMap<u64, u64>,
+    /// Blocks a commit is writing in place (its data) whose writes are still going out: block
+    /// → that commit's id. Writes from different areas are not ordered by id, and recovery
+    /// puts back a one-write commit's logged copy by id: a later commit to the block waits
+    /// until the earlier one's write is done, so the block's home copy follows id order.
+    homing: HashMap<u64, u64>,
 }
 
 impl Versions {
@@ -761,6 +766,7 @@ impl Versions {
             map: HashMap::with_capacity(n),
             spare: Vec::new(),
             revoking: HashMap::with_capacity(n.min(1 << 12)),
+            homing: HashMap::with_capacity(n.min(1 << 12)),
         }
     }
 
@@ -2062,6 +2068,15 @@ impl Journal {
                 // while its writes are in flight), and versions are recorded in id order, the
                 // order recovery replays them in.
                 let mut versions = self.set.lock_versions();
+                if tx.data.iter().any(|(b, _)| versions.homing.contains_key(b)) {
+                    // Another area's in-place write of one of these blocks is in flight: this
+                    // commit's write must come after it (a later id). Try again once it is done.
+                    drop(versions);
+                    drop(_shared);
+                    drop(spare);
+                    std::thread::yield_now();
+                    continue;
+                }
                 let tx = &*self.with_implied_revokes(&versions, tx);
                 let needed = self.log_blocks(tx);
                 let head = {
@@ -2088,6 +2103,9 @@ impl Journal {
                     for (b, d) in &tx.metas {
                         versions.record(*b, tid, d);
                     }
+                    for (b, _) in &tx.data {
+                        versions.homing.insert(*b, tid);
+                    }
                     drop(versions);
                     // A failed write aborts the set: no checkpoint writes the versions just
                     // recorded, and reopening it recovers from what the device holds.
@@ -2095,10 +2113,13 @@ impl Journal {
                         self.set.aborted.store(true, Ordering::SeqCst);
                         return Err(e);
                     }
-                    if !tx.revokes.as_slice().is_empty() {
+                    if !tx.revokes.as_slice().is_empty() || !tx.data.is_empty() {
                         let mut versions = self.set.lock_versions();
                         for &b in tx.revokes.as_slice() {
                             versions.revoked(b, tid);
+                        }
+                        for (b, _) in &tx.data {
+                            versions.homing.remove(b);
                         }
                     }
                     // Durable: advance the head.
