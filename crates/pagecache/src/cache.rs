@@ -160,7 +160,9 @@ pub struct CacheMetrics {
     pub foreign_waits_cut: u64,
     pub readahead_stolen: u64,
     pub reads_superseded: u64,
-    /// See [`Counters::refills_failed`].
+    /// Pool refills a miss did while its read was in flight that failed (nothing evictable, or
+    /// the write back of other dirty pages failed; those stay dirty for the next `sync`). The
+    /// miss still returned its page: the refill was for later misses, which try again.
     pub refills_failed: u64,
     /// Readahead pages in flight now, over all handles (at most [`PageCache::readahead_limit`]).
     pub readahead_in_flight: u32,
