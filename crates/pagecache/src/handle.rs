@@ -865,9 +865,14 @@ impl CacheHandle {
         self.reclaim_retired();
         match self.cache.take_one() {
             Err(CacheError::NoEvictableFrame { .. }) => {
-                self.writeback_all()?;
+                // A failed write back (of any attached file) may still have cleaned others:
+                // report it only when no frame can be taken after it.
+                let written = self.writeback_all();
                 self.flush_release();
-                self.cache.take_one()
+                match self.cache.take_one() {
+                    Ok(f) => Ok(f),
+                    Err(e) => Err(written.err().unwrap_or(e)),
+                }
             }
             r => r,
         }
@@ -890,8 +895,13 @@ impl CacheHandle {
                 Err(e) if pool.is_empty() => {
                     drop(pool);
                     // Everything left is dirty: write it back, then the frames are evictable.
-                    self.writeback_all()?;
-                    let f = self.cache.evict_one().map_err(|_| e)?;
+                    // A failed write back may still have cleaned other pages: report it
+                    // only when nothing can be evicted after it.
+                    let written = self.writeback_all();
+                    let f = self
+                        .cache
+                        .evict_one()
+                        .map_err(|_| written.err().unwrap_or(e))?;
                     self.pool.borrow_mut().push(f);
                     return Ok(());
                 }

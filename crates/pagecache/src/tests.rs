@@ -3319,3 +3319,69 @@ fn a_failed_pool_refill_does_not_fail_the_miss_that_made_it() {
     }
     assert!(bad.is_empty(), "{bad:#?}");
 }
+
+/// From a review (writes and writeback): a cache full of dirty pages of two files, one on a
+/// device whose writes fail. A miss or a write on the healthy file needs a frame; the write
+/// back before reuse puts that file's pages on its device (so they become evictable), yet the
+/// other device's failure must not fail an access that has frames to reuse now.
+#[test]
+fn a_failed_write_back_of_another_file_does_not_fail_a_miss_that_can_evict() {
+    const PAGES: u64 = 64;
+    let want = |p: u64, salt: u8| vec![(p as u8).wrapping_mul(7).wrapping_add(salt); PAGE_BYTES];
+    let mut bad = Vec::new();
+    for mode in [Mode::AIOS, Mode::VANILLA, Mode::FIXED_POOL] {
+        let name = mode.name();
+        let s = setup(16, 2, 0, PAGES * PAGE_BYTES as u64, mode);
+        let file_b = s.cache.add_file(PAGES * PAGE_BYTES as u64).unwrap();
+        let (dev_a, disk_a) = faulty_device(&s.lbio, PAGES as usize * PAGE_BYTES);
+        let (dev_b, disk_b) = faulty_device(&s.lbio, PAGES as usize * PAGE_BYTES);
+        s.h.attach(s.file, dev_a).unwrap();
+        s.h.attach(file_b, dev_b).unwrap();
+        // Fill every frame with dirty pages: 8 of each file.
+        for p in 0..8u64 {
+            s.h.write(s.file, p * PAGE_BYTES as u64, &want(p, 1))
+                .unwrap();
+            s.h.write(file_b, p * PAGE_BYTES as u64, &want(p, 2))
+                .unwrap();
+        }
+        // File A's device stops taking writes.
+        disk_a.fail_writes.set(true);
+        // A read of file B: needs a frame; writing back frees B's 8.
+        let mut buf = vec![0u8; PAGE_BYTES];
+        match s.h.read(file_b, 40 * PAGE_BYTES as u64, &mut buf) {
+            Ok(()) => {}
+            r => bad.push(format!("{name}: read of file B page 40: {r:?}")),
+        }
+        // A whole-page write of file B.
+        match s.h.write(file_b, 41 * PAGE_BYTES as u64, &want(41, 2)) {
+            Ok(()) => {}
+            r => bad.push(format!("{name}: write of file B page 41: {r:?}")),
+        }
+        // File B is on its device after its own sync; file A's sync fails, then succeeds.
+        if let Err(e) = s.h.sync(file_b) {
+            bad.push(format!("{name}: sync of file B: {e:?}"));
+        }
+        if s.h.sync(s.file).is_ok() {
+            bad.push(format!(
+                "{name}: sync of file A with writes failing returned Ok"
+            ));
+        }
+        disk_a.fail_writes.set(false);
+        if let Err(e) = s.h.sync(s.file) {
+            bad.push(format!("{name}: sync of file A after recovery: {e:?}"));
+        }
+        let raw_a = device_over(&s.lbio, &disk_a)
+            .read_at_blocking(0, s.engine.try_alloc(8 * PAGE_BYTES).unwrap())
+            .unwrap();
+        let raw_b = device_over(&s.lbio, &disk_b)
+            .read_at_blocking(0, s.engine.try_alloc(8 * PAGE_BYTES).unwrap())
+            .unwrap();
+        for p in 0..8u64 {
+            let r = p as usize * PAGE_BYTES..(p as usize + 1) * PAGE_BYTES;
+            if raw_a[r.clone()] != want(p, 1)[..] || raw_b[r] != want(p, 2)[..] {
+                bad.push(format!("{name}: page {p} not on the device after sync"));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{bad:#?}");
+}
