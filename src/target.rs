@@ -34,7 +34,10 @@ impl Target {
             return Ok(Target::Ull(UllDevice::create(ULL_BYTES)?));
         }
         let path = PathBuf::from(spec);
-        if path.exists() {
+        // Not `exists()`, which follows a symbolic link: a dangling one would count as new, the
+        // file it names would be created through it, and the removal on drop would take the
+        // link only, leaving that file behind. A link, dangling or not, is the user's path.
+        if path.symlink_metadata().is_ok() {
             return Ok(Target::Existing(path));
         }
         let parent = path
@@ -81,5 +84,30 @@ impl Target {
             Target::Created(p, _) => format!("{} (scratch file created for this run)", p.display()),
             Target::Existing(p) => p.display().to_string(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `--device` that is a dangling symbolic link is the user's path, used as it is (opening
+    /// it then fails): the bench neither creates the file it names through it nor leaves such a
+    /// file behind. Before, the link counted as a new path: the bench filled the named file
+    /// through the link and, on drop, removed the link and left the file.
+    #[test]
+    fn a_dangling_symlink_is_not_a_new_path() {
+        let dir = std::env::temp_dir().join(format!("aios-target-link-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let named = dir.join("named.img");
+        let link = dir.join("link");
+        std::os::unix::fs::symlink(&named, &link).unwrap();
+        let t = Target::prepare(link.to_str().unwrap(), 4096).unwrap();
+        let existing = !t.created_here();
+        drop(t);
+        let left = named.exists();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(existing, "a dangling link was taken for a path to create");
+        assert!(!left, "the file the link names was created and left behind");
     }
 }
