@@ -6,9 +6,9 @@
 //! `AIOS_RACE_ROUNDS` (default 20,000), `AIOS_GROUP_ROUNDS` (default 300), `AIOS_GROUP_SEED`.
 
 mod common;
-use common::{block_of, lbio, value_at};
+use common::{block_of, lbio, two_area_race, value_at};
 
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Mutex};
 
 use journal::{recover_image, CommitMode, Journal, JournalSet, Layout, Tx};
 use lbio::{SimConfig, SimDisk};
@@ -24,56 +24,26 @@ fn rounds() -> u64 {
 /// mode. Once both are acknowledged, what a read returns must be what recovery gives, and a
 /// checkpoint must leave that version home.
 fn data_race(modes: [CommitMode; 2], rounds: u64) {
-    let area_blocks = 64u64;
-    let areas = 2usize;
-    let home = areas as u64 * area_blocks;
-    let shared = home + 1;
-    let layout = Layout::per_core(0, area_blocks, areas);
-    let disk = SimDisk::new(SimConfig::new((home + 16) * 4096, 11)).unwrap();
-    let lbio0 = lbio();
-    let set = JournalSet::format(&disk.open(&lbio0).unwrap(), layout.clone()).unwrap();
-    let checkpointer =
-        Journal::new(&set, 0, disk.open(&lbio0).unwrap(), CommitMode::Overlapped).unwrap();
-    let barrier = Arc::new(Barrier::new(3));
-    let values: Arc<Mutex<[(u64, u64); 2]>> = Arc::new(Mutex::new([(0, 0); 2]));
+    let shared = 129;
     let mut bad = Vec::new();
-    std::thread::scope(|s| {
-        for (t, &mode) in modes.iter().enumerate().take(areas) {
-            let (set, disk, barrier, values) = (
-                Arc::clone(&set),
-                disk.clone(),
-                Arc::clone(&barrier),
-                Arc::clone(&values),
-            );
-            s.spawn(move || {
-                let lbio = lbio();
-                let j = Journal::new(&set, t, disk.open(&lbio).unwrap(), mode).unwrap();
-                for r in 0..rounds {
-                    barrier.wait();
-                    let v = 1000 * (r + 1) + t as u64;
-                    let mut tx = Tx::new();
-                    tx.write_data(shared, &block_of(v)).unwrap();
-                    let info = j.commit(&tx).unwrap();
-                    values.lock().unwrap()[t] = (info.tid, v);
-                    barrier.wait();
-                }
-            });
-        }
-        for _ in 0..rounds {
-            barrier.wait();
-            barrier.wait();
-            let committed = *values.lock().unwrap();
-            let live = value_at(&disk.view(), shared);
-            let mut img = disk.media();
-            recover_image(&mut img, &layout).unwrap();
+    two_area_race(
+        modes,
+        rounds,
+        |_, v, shared, _, tx| {
+            tx.write_data(shared, &block_of(v)).unwrap();
+        },
+        |r| {
+            let live = value_at(&r.disk.view(), shared);
+            let mut img = r.disk.media();
+            recover_image(&mut img, r.layout).unwrap();
             let recovered = value_at(&img, shared);
-            checkpointer.checkpoint().unwrap();
-            let after = value_at(&disk.view(), shared);
+            r.checkpointer.checkpoint().unwrap();
+            let after = value_at(&r.disk.view(), shared);
             if live != recovered || after != recovered {
-                bad.push((committed, live, recovered, after));
+                bad.push((r.committed, live, recovered, after));
             }
-        }
-    });
+        },
+    );
     assert!(
         bad.is_empty(),
         "{modes:?}: {} of {rounds} rounds where a read, recovery and the checkpoint disagree \

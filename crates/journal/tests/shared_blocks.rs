@@ -11,11 +11,10 @@
 //! acknowledged commits.
 
 mod common;
-use common::{block_of, lbio, value_at, SimPmr};
+use common::{block_of, lbio, two_area_race, value_at, SimPmr};
 
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::sync::{Arc, Barrier, Mutex};
 
 use journal::rio_ordering::{self, AttrLog, OrderedConfig, Pmr};
 use journal::{
@@ -39,75 +38,44 @@ enum Race {
 /// round; then, with both acknowledged, the copy the set would write home must be the one
 /// recovery picks from the device, and a checkpoint must leave that same version home.
 fn race(kind: Race, rounds: u64) {
-    let area_blocks = 64u64;
-    let areas = 2usize;
-    let home = areas as u64 * area_blocks;
-    let shared = home + 1;
-    let layout = Layout::per_core(0, area_blocks, areas);
-    let disk = SimDisk::new(SimConfig::new((home + 16) * 4096, 11)).unwrap();
-    let lbio0 = lbio();
-    let set = JournalSet::format(&disk.open(&lbio0).unwrap(), layout.clone()).unwrap();
-    let checkpointer =
-        Journal::new(&set, 0, disk.open(&lbio0).unwrap(), CommitMode::Overlapped).unwrap();
-    let barrier = Arc::new(Barrier::new(3));
-    let values: Arc<Mutex<[(u64, u64); 2]>> = Arc::new(Mutex::new([(0, 0); 2]));
+    let shared = 129;
     let mut disagreements = Vec::new();
-    std::thread::scope(|s| {
-        for t in 0..areas {
-            let (set, disk, barrier, values) = (
-                Arc::clone(&set),
-                disk.clone(),
-                Arc::clone(&barrier),
-                Arc::clone(&values),
-            );
-            s.spawn(move || {
-                let lbio = lbio();
-                let j = Journal::new(&set, t, disk.open(&lbio).unwrap(), CommitMode::Overlapped)
-                    .unwrap();
-                for r in 0..rounds {
-                    barrier.wait();
-                    let v = 1000 * (r + 1) + t as u64;
-                    let mut tx = Tx::new();
-                    match (kind, t) {
-                        (Race::Journal, _) | (_, 1) => {
-                            tx.write_meta(shared, &block_of(v)).unwrap();
-                        }
-                        (Race::Revoke, _) => {
-                            tx.revoke(shared);
-                            tx.write_meta(home + 5, &block_of(v)).unwrap();
-                        }
-                        (Race::RevokeWithData, _) => {
-                            tx.revoke(shared);
-                            tx.write_data(shared, &block_of(v)).unwrap();
-                        }
-                    }
-                    let info = j.commit(&tx).unwrap();
-                    values.lock().unwrap()[t] = (info.tid, v);
-                    barrier.wait();
-                }
-            });
-        }
-        for _ in 0..rounds {
-            barrier.wait();
-            barrier.wait();
-            let committed = *values.lock().unwrap();
-            let mut img = disk.media();
-            recover_image(&mut img, &layout).unwrap();
+    let modes = [CommitMode::Overlapped; 2];
+    two_area_race(
+        modes,
+        rounds,
+        |t, v, shared, home, tx| match (kind, t) {
+            (Race::Journal, _) | (_, 1) => {
+                tx.write_meta(shared, &block_of(v)).unwrap();
+            }
+            (Race::Revoke, _) => {
+                tx.revoke(shared);
+                tx.write_meta(home + 5, &block_of(v)).unwrap();
+            }
+            (Race::RevokeWithData, _) => {
+                tx.revoke(shared);
+                tx.write_data(shared, &block_of(v)).unwrap();
+            }
+        },
+        |r| {
+            let mut img = r.disk.media();
+            recover_image(&mut img, r.layout).unwrap();
             let recovered = value_at(&img, shared);
-            let kept = set
+            let kept = r
+                .set
                 .unhomed_copy(shared)
                 .map(|d| u64::from_le_bytes(d[..8].try_into().unwrap()));
-            checkpointer.checkpoint().unwrap();
-            let mut img = disk.media();
-            recover_image(&mut img, &layout).unwrap();
+            r.checkpointer.checkpoint().unwrap();
+            let mut img = r.disk.media();
+            recover_image(&mut img, r.layout).unwrap();
             let after = value_at(&img, shared);
             // Where the set keeps no copy, the home block is current: recovery leaves it alone.
             let live = kept.unwrap_or(recovered);
             if live != recovered || after != recovered {
-                disagreements.push((committed, recovered, kept, after));
+                disagreements.push((r.committed, recovered, kept, after));
             }
-        }
-    });
+        },
+    );
     assert!(
         disagreements.is_empty(),
         "{kind:?}: {} of {rounds} rounds where the set's copy or the checkpoint disagrees with \

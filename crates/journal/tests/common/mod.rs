@@ -91,3 +91,76 @@ impl Pmr for PausingPmr {
         self.inner.read(offset, out)
     }
 }
+
+/// One round of [`two_area_race`], seen once both commits are acknowledged.
+pub struct RaceRound<'a> {
+    pub disk: &'a SimDisk,
+    pub set: &'a journal::JournalSet,
+    pub layout: &'a journal::Layout,
+    /// A handle on area 0 to checkpoint through.
+    pub checkpointer: &'a journal::Journal,
+    /// (tid, value) each thread committed this round.
+    pub committed: [(u64, u64); 2],
+}
+
+/// Two threads, each with its own handle (thread `t` in `modes[t]`) on its own area of a fresh
+/// two-area set (64-block areas; home blocks from 128, the shared block 129), commit at the same
+/// moment in every round the transaction `tx(t, v, shared, home, &mut tx)` builds, `v` being
+/// `1000 × (round + 1) + t`. Once both are acknowledged, `check` looks at the round.
+pub fn two_area_race(
+    modes: [journal::CommitMode; 2],
+    rounds: u64,
+    tx: impl Fn(usize, u64, u64, u64, &mut journal::Tx) + Sync,
+    mut check: impl FnMut(&RaceRound<'_>),
+) {
+    use journal::{CommitMode, Journal, JournalSet, Layout, Tx};
+    use std::sync::Barrier;
+    let area_blocks = 64u64;
+    let areas = 2usize;
+    let home = areas as u64 * area_blocks;
+    let shared = home + 1;
+    let layout = Layout::per_core(0, area_blocks, areas);
+    let disk = SimDisk::new(lbio::SimConfig::new((home + 16) * 4096, 11)).unwrap();
+    let lbio0 = lbio();
+    let set = JournalSet::format(&disk.open(&lbio0).unwrap(), layout.clone()).unwrap();
+    let checkpointer =
+        Journal::new(&set, 0, disk.open(&lbio0).unwrap(), CommitMode::Overlapped).unwrap();
+    let barrier = Arc::new(Barrier::new(3));
+    let values: Arc<Mutex<[(u64, u64); 2]>> = Arc::new(Mutex::new([(0, 0); 2]));
+    std::thread::scope(|s| {
+        for (t, &mode) in modes.iter().enumerate().take(areas) {
+            let (set, disk, barrier, values, tx) = (
+                Arc::clone(&set),
+                disk.clone(),
+                Arc::clone(&barrier),
+                Arc::clone(&values),
+                &tx,
+            );
+            s.spawn(move || {
+                let lbio = lbio();
+                let j = Journal::new(&set, t, disk.open(&lbio).unwrap(), mode).unwrap();
+                for r in 0..rounds {
+                    barrier.wait();
+                    let v = 1000 * (r + 1) + t as u64;
+                    let mut one = Tx::new();
+                    tx(t, v, shared, home, &mut one);
+                    let info = j.commit(&one).unwrap();
+                    values.lock().unwrap()[t] = (info.tid, v);
+                    barrier.wait();
+                }
+            });
+        }
+        for _ in 0..rounds {
+            barrier.wait();
+            barrier.wait();
+            let committed = *values.lock().unwrap();
+            check(&RaceRound {
+                disk: &disk,
+                set: &set,
+                layout: &layout,
+                checkpointer: &checkpointer,
+                committed,
+            });
+        }
+    });
+}
